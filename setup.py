@@ -1,0 +1,53 @@
+"""Packaging: each top-level folder becomes one subpackage of the `cuttle` namespace.
+
+`engine/` -> `cuttle.engine`, `attention/` -> `cuttle.attention`, and so on (see DESIGN.md).
+"""
+from setuptools import find_packages, setup
+
+FOLDERS = ("engine", "attention", "moe", "rl", "sandbox")
+
+packages: list[str] = []
+package_dir: dict[str, str] = {}
+for folder in FOLDERS:
+    packages.append(f"cuttle.{folder}")
+    package_dir[f"cuttle.{folder}"] = folder
+    for sub in find_packages(folder):
+        packages.append(f"cuttle.{folder}.{sub}")
+
+setup(
+    name="cuttle",
+    version="0.1.0",
+    description="Paged-KV LLM inference engine for coding models with RL sampling built in",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"cuttle.engine": ["default_model/*", "default_model/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "safetensors",
+        "xxhash",
+        "tokenizers",
+        "jinja2",
+        "tqdm",
+    ],
+    extras_require={
+        "triton": ["triton"],
+        "serve": ["fastapi", "uvicorn", "prometheus-client", "httpx"],
+        "rl": ["ray"],
+        "cuda": ["flashinfer-python", "triton"],
+        "test": [
+            "pytest",
+            "hypothesis",
+            "transformers",
+            "triton",
+            "openai",
+            "fastapi",
+            "uvicorn",
+            "prometheus-client",
+            "httpx",
+        ],
+    },
+    entry_points={"console_scripts": ["cuttle=cuttle.engine.cli:main"]},
+)
