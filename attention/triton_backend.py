@@ -1,0 +1,111 @@
+"""Triton paged-attention backend: writes this step's K/V with a Triton scatter, then runs the paged
+attention kernel of triton_kernels.py over the flattened batch.
+
+Owns the per-step plan: which query rows form which kernel tile, and how decode rows split their
+keys. The plan is built from the metadata's host lists (no device sync) once per step and shared
+by every layer. Never owns cache memory and never reorders the batch: output row t answers query
+row t.
+
+Decode sequences (one new token) get one tile each, split over their keys (flash-decoding) when
+contexts are long. Prefill chunks get tiles of `block_m // group` new tokens each, so a tile holds
+about `block_m` (query token, head) rows whatever the GQA group size.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.triton_kernels import INTERPRETED, paged_attention, write_kv
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, block_m: int = 64, block_n: int = 64, split_len: int = 512, max_splits: int = 16) -> None:
+        for label, value in (("block_m", block_m), ("block_n", block_n)):
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{label} must be a power of two >= 16, got {value}")
+        if split_len < block_n or max_splits < 1:
+            raise ValueError(f"need split_len >= block_n and max_splits >= 1, got {split_len}, {max_splits}")
+        self.block_m = block_m
+        self.block_n = block_n
+        self.split_len = split_len
+        self.max_splits = max_splits
+        self._plan: _StepPlan | None = None
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self._plan = _StepPlan(meta, self.block_n, self.split_len, self.max_splits)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if q.device.type == "cpu" and not INTERPRETED:
+            raise RuntimeError(
+                "the triton attention backend on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before triton is first imported, or use attention_backend='torch'"
+            )
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self._plan is None or self._plan.meta is not meta:
+            self._plan = _StepPlan(meta, self.block_n, self.split_len, self.max_splits)
+        plan = self._plan
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, self.block_n)
+        if plan.decode_seqs is not None:
+            paged_attention(
+                q, k_cache, v_cache, out, plan.decode_seqs, plan.decode_offs, 1, *args,
+                num_splits=plan.num_splits, split_len=plan.split_len,
+            )
+        if plan.prefill_seqs:
+            group_pad = triton.next_power_of_2(q.shape[1] // k_cache.shape[2])
+            block_q = max(1, self.block_m // group_pad)
+            tile_seqs, tile_offs = plan.prefill_tiles(block_q)
+            paged_attention(q, k_cache, v_cache, out, tile_seqs, tile_offs, block_q, *args)
+        return out
+
+
+class _StepPlan:
+    """Tiles and decode split for one step; built once and reused by every layer."""
+
+    __slots__ = ("meta", "decode_seqs", "decode_offs", "num_splits", "split_len", "prefill_seqs", "_tiles")
+
+    def __init__(self, meta: AttentionMetadata, block_n: int, split_len: int, max_splits: int) -> None:
+        self.meta = meta
+        device = meta.block_tables.device
+        decode = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
+        self.prefill_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql > 1]
+        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.decode_seqs: torch.Tensor | None = None
+        self.decode_offs: torch.Tensor | None = None
+        self.num_splits = 1
+        self.split_len = 0
+        if not decode:
+            return
+        self.decode_seqs = torch.tensor(decode, dtype=torch.int32, device=device)
+        self.decode_offs = torch.zeros(len(decode), dtype=torch.int32, device=device)
+        max_len = max(meta.seq_lens_cpu[b] for b in decode)
+        splits = min(max_splits, triton.cdiv(max_len, split_len))
+        if splits > 1:
+            # Equal chunks, whole BLOCK_N steps each, covering the longest decode context.
+            self.split_len = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+            self.num_splits = triton.cdiv(max_len, self.split_len)
+
+    def prefill_tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, first new token) of every `block_q`-token tile of the prefill chunks."""
+        if block_q not in self._tiles:
+            qlens = self.meta.query_lens_cpu
+            seqs = [b for b in self.prefill_seqs for _ in range(triton.cdiv(qlens[b], block_q))]
+            offs = [j for b in self.prefill_seqs for j in range(0, qlens[b], block_q)]
+            device = self.meta.block_tables.device
+            self._tiles[block_q] = (
+                torch.tensor(seqs, dtype=torch.int32, device=device),
+                torch.tensor(offs, dtype=torch.int32, device=device),
+            )
+        return self._tiles[block_q]
