@@ -52,6 +52,9 @@ class TritonAttentionBackend:
                 "the triton attention backend on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before triton is first imported, or use attention_backend='torch'"
             )
+        if INTERPRETED and q.dtype == torch.bfloat16:
+            # The interpreter keeps bf16 as raw uint16 and tl.dot multiplies those integers.
+            raise NotImplementedError("the Triton interpreter computes bf16 tl.dot wrongly; use float32 or float16")
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if self._plan is None or self._plan.meta is not meta:
             self._plan = _StepPlan(meta, self.block_n, self.split_len, self.max_splits)

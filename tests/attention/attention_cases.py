@@ -89,8 +89,10 @@ def build_batch(case: Case, junk: float | None, seed: int = 0, dtype: torch.dtyp
     num_blocks = num_distinct + 3
     shape = (num_blocks, bs, hkv, d)
     if junk is None:
-        k_cache = torch.randn(shape, generator=g) * 100
-        v_cache = torch.randn(shape, generator=g) * 100
+        # Its own generator, so a batch is the same whatever the junk.
+        g_junk = torch.Generator().manual_seed(seed + 1)
+        k_cache = torch.randn(shape, generator=g_junk) * 100
+        v_cache = torch.randn(shape, generator=g_junk) * 100
     else:
         k_cache = torch.full(shape, junk)
         v_cache = torch.full(shape, junk)
