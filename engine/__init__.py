@@ -1,0 +1,13 @@
+"""cuttle.engine: config, requests, block manager, scheduler, model runner, sampler, tokenizer,
+models, the offline `LLM` API, and (with the `serve` extra) the server and CLI.
+
+Must import without ray, fastapi or flashinfer installed.
+"""
+from cuttle.engine.config import EngineConfig, ModelConfig
+from cuttle.engine.llm import LLM
+from cuttle.engine.llm_engine import LLMEngine
+from cuttle.engine.outputs import CompletionOutput, RequestOutput
+from cuttle.engine.sampler import Logprob
+from cuttle.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -1,0 +1,5 @@
+"""Model definitions and weight loading (HF checkpoints)."""
+from cuttle.engine.models.loader import load_model
+from cuttle.engine.models.transformer import CausalLM
+
+__all__ = ["CausalLM", "load_model"]

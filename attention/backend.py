@@ -1,0 +1,69 @@
+"""The one attention-backend interface and the choice among its implementations.
+
+A backend writes this step's K/V into a layer's paged cache and computes attention for the
+flattened batch described by `AttentionMetadata`. KV cache of one layer: `k_cache`, `v_cache`,
+each `[num_blocks, block_size, num_kv_heads, head_dim]` (flashinfer's NHD layout). Backends are
+stateless apart from per-step planning; they never own cache memory.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from cuttle.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Called once per model step before the layers run (planning shared by all layers)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows into their cache slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Resolve a backend name; 'auto' means flashinfer on CUDA when installed, else triton on CUDA, else torch."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        if device.type == "cuda":
+            try:
+                import flashinfer  # noqa: F401
+
+                name = "flashinfer"
+            except ImportError:
+                name = "triton"
+        else:
+            name = "torch"
+    if name == "torch":
+        from cuttle.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from cuttle.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from cuttle.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(device)

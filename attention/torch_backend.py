@@ -1,0 +1,106 @@
+"""Torch reference attention over the paged cache: the oracle for every other backend, and the
+CPU serving path.
+
+Decode rows of a batch are handled together (one gather of their blocks, one SDPA call); prefill
+chunks go one sequence at a time. Grouped-query heads are folded into the query-row dimension
+(q viewed as [kv_heads, group * rows, head_dim]) so no K/V head is ever repeated in memory.
+Index tensors and masks are planned once per step and shared by all layers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cuttle.attention.backend import write_kv
+from cuttle.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self._plan = _StepPlan(meta)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self._plan is None or self._plan.meta is not meta:
+            self._plan = _StepPlan(meta)
+        plan = self._plan
+        out = torch.empty_like(q)
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        group = q.shape[1] // num_kv_heads
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+
+        if plan.decode_rows is not None:
+            kd = k_flat[plan.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = v_flat[plan.decode_slots].transpose(1, 2)
+            qd = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
+            out[plan.decode_rows] = od.reshape(-1, q.shape[1], head_dim)
+
+        for start, qlen, slots, mask in plan.prefills:
+            kp = k_flat[slots].transpose(0, 1)  # [Hkv, L, D]
+            vp = v_flat[slots].transpose(0, 1)
+            # [qlen, Hq, D] -> [Hkv, G*qlen, D], row index g*qlen + j
+            qp = q[start : start + qlen].view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            qp = qp.reshape(num_kv_heads, group * qlen, head_dim)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.repeat(group, 1), scale=scale)
+            op = op.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
+            out[start : start + qlen] = op.reshape(qlen, -1, head_dim)
+        return out
+
+
+def sequence_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of logical tokens 0..length-1 of one sequence."""
+    nblocks = (length + block_size - 1) // block_size
+    blocks = block_table_row[:nblocks].long()
+    offs = torch.arange(block_size, device=blocks.device)
+    return (blocks[:, None] * block_size + offs).reshape(-1)[:length]
+
+
+class _StepPlan:
+    """Gather indices and masks for one step; built once and reused by every layer."""
+
+    __slots__ = ("meta", "decode_rows", "decode_slots", "decode_mask", "prefills")
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        bs = meta.block_size
+        device = meta.block_tables.device
+        starts = meta.query_start_loc.tolist()
+        decode_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
+        self.decode_rows: torch.Tensor | None = None
+        self.decode_slots: torch.Tensor | None = None
+        self.decode_mask: torch.Tensor | None = None
+        if decode_seqs:
+            idx = torch.tensor(decode_seqs, device=device)
+            max_len = max(meta.seq_lens_cpu[b] for b in decode_seqs)
+            nblocks = (max_len + bs - 1) // bs
+            tables = meta.block_tables[idx, :nblocks].long()
+            offs = torch.arange(bs, device=device)
+            self.decode_slots = (tables[:, :, None] * bs + offs).reshape(len(decode_seqs), -1)[:, :max_len]
+            valid = torch.arange(max_len, device=device)[None, :] < meta.seq_lens[idx][:, None]
+            self.decode_mask = valid[:, None, None, :]  # [Bd, 1, 1, L]
+            self.decode_rows = torch.tensor([starts[b] for b in decode_seqs], device=device)
+        self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        for b, qlen in enumerate(meta.query_lens_cpu):
+            if qlen == 1:
+                continue
+            kv_len = meta.seq_lens_cpu[b]
+            slots = sequence_slots(meta.block_tables[b], kv_len, bs)
+            qpos = torch.arange(kv_len - qlen, kv_len, device=device)
+            mask = torch.arange(kv_len, device=device)[None, :] <= qpos[:, None]  # [qlen, L] causal
+            self.prefills.append((starts[b], qlen, slots, mask))

@@ -1,0 +1,145 @@
+"""Engine and model configuration.
+
+`ModelConfig` is read from a checkpoint's config.json and is the only place HF field names are
+interpreted (including the variants across transformers versions). `EngineConfig` holds the
+engine's knobs with their validation. Neither owns memory or state.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    attention_bias: bool
+    moe_layers: list[int]  # indices of layers whose MLP is a routed MoE
+    moe_intermediate_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    hf_config: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"model directory {path!r} has no config.json")
+        with open(cfg_path) as f:
+            hf = json.load(f)
+        return cls.from_hf(hf, path)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], path: str = "") -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs!r} in {path or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        rope = hf.get("rope_parameters") or {}
+        rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if kind not in ("default", "llama3"):
+                raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, llama3)")
+            if kind == "default":
+                rope_scaling = None
+        num_layers = int(hf["num_hidden_layers"])
+        moe_layers: list[int] = []
+        num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        if arch == "Qwen3MoeForCausalLM" and num_experts > 0:
+            step = int(hf.get("decoder_sparse_step", 1))
+            only_mlp = set(hf.get("mlp_only_layers") or [])
+            moe_layers = [i for i in range(num_layers) if i not in only_mlp and (i + 1) % step == 0]
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        return cls(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(hf.get("intermediate_size", 0)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            moe_layers=moe_layers,
+            moe_intermediate_size=int(hf.get("moe_intermediate_size", 0)),
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+            hf_config=hf,
+        )
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 4.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    logprobs_mode: str = "processed"  # "processed": the distribution sampled from; "raw": the model's logits
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.logprobs_mode not in ("processed", "raw"):
+            raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+
+    def torch_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.bfloat16 if torch.backends.mkldnn.is_available() else torch.float32
+        name = model_config.hf_config.get("torch_dtype") or model_config.hf_config.get("dtype") or "bfloat16"
+        return DTYPES.get(name, torch.bfloat16)

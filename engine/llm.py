@@ -1,0 +1,126 @@
+"""The offline API in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams)`.
+
+A thin driver over `LLMEngine`: submits every prompt, steps until all finish (with a tqdm bar),
+and returns outputs in input order. Owns no scheduling logic of its own.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from cuttle.engine.config import EngineConfig
+from cuttle.engine.llm_engine import LLMEngine
+from cuttle.engine.outputs import RequestOutput
+from cuttle.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        seed: int = 0,
+        **kwargs: Any,
+    ):
+        if model is None:
+            from cuttle.engine.default_model import default_model_path
+
+            model = default_model_path()
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend,
+            seed=seed,
+            **kwargs,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (text or token ids)
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts: list[Prompt] = [
+            tok.encode_chat(conv, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
+            for conv in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except ValueError:
+            for rid in added:  # all-or-nothing: a bad prompt leaves the engine as it was
+                engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+                if not engine.has_unfinished_requests() and len(results) < len(ids):
+                    raise RuntimeError("engine went idle with requests unfinished")
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+

@@ -1,0 +1,317 @@
+"""The engine loop: admit requests, step (schedule -> run -> sample -> postprocess), report.
+
+Owns the request table and the wiring between scheduler, block manager, model runner, sampler
+and detokenizer. Bad input is refused in `add_request` before anything is enqueued, so a refused
+request never disturbs the others. Every finished, aborted or preempted sequence returns its
+blocks to the pool at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from typing import Any
+
+import torch
+
+from cuttle.engine.block_manager import BlockManager
+from cuttle.engine.config import EngineConfig, ModelConfig
+from cuttle.engine.model_runner import ModelRunner
+from cuttle.engine.outputs import CompletionOutput, RequestOutput
+from cuttle.engine.sampler import Logprob, SampleRequest, sample
+from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.scheduler import Scheduler
+from cuttle.engine.sequence import Request, Sequence, SequenceStatus
+from cuttle.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        mc = self.model_config
+        if config.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype(mc, self.device)
+        self.tokenizer = Tokenizer(config.model)
+        self.eos_token_ids = set(mc.eos_token_ids) | _generation_eos(config.model)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({mc.max_position_embeddings})")
+        bs = config.block_size
+        per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            wanted = config.max_num_seqs * ((max_len + bs - 1) // bs)
+            num_blocks = max(1, min(wanted, int(config.kv_cache_memory_gb * 2**30) // per_block))
+        self.max_model_len = min(max_len, num_blocks * bs)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self.weight_version = 0
+        self.counters = {"prompt_tokens": 0, "prefill_tokens_computed": 0, "generated_tokens": 0, "steps": 0}
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        cache_salt: str | None = None,
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text = None
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}], got {bad!r}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; the maximum is {self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(ids)
+        elif len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds max_model_len ({self.max_model_len})"
+            )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        extra = self.weight_version.to_bytes(8, "little") + (cache_salt or "").encode()
+        req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed)
+        req.stream = stream  # type: ignore[attr-defined]
+        req.max_tokens = max_tokens  # type: ignore[attr-defined]
+        req.weight_version = self.weight_version  # type: ignore[attr-defined]
+        self._attach_detok(req.seqs[0], req)
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        self.counters["prompt_tokens"] += len(ids)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks are free when this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.aborted = True
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        req.forked = True
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self.runner.copy_blocks(self.block_manager.pending_copies)
+        self.block_manager.pending_copies.clear()
+        inputs = self.runner.prepare(sched.scheduled)
+        logits = self.runner.run(inputs)
+        self.counters["steps"] += 1
+
+        for seq, n in sched.scheduled:
+            start = seq.num_computed_tokens
+            if not (n == 1 and start == len(seq.token_ids) - 1 and start >= seq.num_prompt_tokens):
+                self.counters["prefill_tokens_computed"] += n
+            seq.num_computed_tokens = start + n
+            self.block_manager.hash_computed_blocks(seq)
+
+        row = 0
+        for seq, first, count in inputs.prompt_rows:
+            self._record_prompt_logprobs(seq, first, logits[row : row + count])
+            row += count
+
+        touched: dict[str, Request] = {}
+        rows: list[int] = []
+        targets: list[Sequence] = []
+        for seq in inputs.sample_seqs:
+            req = seq.request
+            group = [seq]
+            if not req.forked:  # the prompt is done: the other n-1 samples fork from it now
+                self._fork(req, seq)
+                group = req.seqs
+            for s in group:
+                rows.append(row)
+                targets.append(s)
+            row += 1
+        if targets:
+            reqs = [self._sample_request(s) for s in targets]
+            results = sample(logits[torch.tensor(rows)], reqs, self.config.logprobs_mode)
+            now = time.monotonic()
+            for s, res in zip(targets, results):
+                self._append_token(s, res.token, res.logprob, res.top)
+                if s.request.first_token_time is None:
+                    s.request.first_token_time = now
+                touched[s.request.request_id] = s.request
+
+        outputs: list[RequestOutput] = []
+        for req in touched.values():
+            if req.is_finished:
+                del self.requests[req.request_id]
+                outputs.append(self._output(req))
+            elif getattr(req, "stream", False):
+                outputs.append(self._output(req))
+        return outputs
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _fork(self, req: Request, parent: Sequence) -> None:
+        children = []
+        for i in range(1, req.sampling_params.n):
+            child = Sequence(req, i, list(parent.token_ids), parent.num_prompt_tokens)
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.block_manager.fork(parent, child)
+            self._attach_detok(child, req)
+            children.append(child)
+        req.seqs.extend(children)
+        req.forked = True
+        self.scheduler.insert_running_after(parent, children)
+
+    def _attach_detok(self, seq: Sequence, req: Request) -> None:
+        p = req.sampling_params
+        if p.stop or getattr(req, "stream", False):
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], p.skip_special_tokens)
+
+    def _sample_request(self, seq: Sequence) -> SampleRequest:
+        req = seq.request
+        p = req.sampling_params
+        stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        return SampleRequest(
+            params=p,
+            seed=req.seed,
+            index=seq.index,
+            step=seq.num_output_tokens,
+            prompt_ids=req.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+            output_ids=seq.output_token_ids if p.has_penalties else [],
+            stop_ids=stop_ids,
+        )
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict[int, Logprob] | None) -> None:
+        req = seq.request
+        p = req.sampling_params
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if p.logprobs is not None:
+            seq.logprobs.append(top or {})
+        self.counters["generated_tokens"] += 1
+        n_out = seq.num_output_tokens
+        finish: str | None = None
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                finish, seq.stop_reason = "stop", token
+            elif not p.ignore_eos and token in self.eos_token_ids:
+                finish = "stop"
+        if seq.detok is not None:
+            seq.output_text += seq.detok.step(seq.token_ids)
+            if finish is None and p.stop and n_out >= p.min_tokens:
+                finish = self._check_stop_strings(seq, p)
+        if finish is None and (n_out >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):  # type: ignore[attr-defined]
+            finish = "length"
+        if finish is not None:
+            seq.finish_reason = finish
+            self.scheduler.finish(seq)
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, p: SamplingParams) -> str | None:
+        text = seq.output_text
+        for s in p.stop:
+            i = text.find(s)
+            if i != -1:
+                seq.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
+                seq.stop_reason = s
+                return "stop"
+        return None
+
+    def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        req = seq.request
+        k = req.sampling_params.prompt_logprobs or 0
+        lp = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(seq.token_ids[first + 1 : first + 1 + logits.shape[0]])
+        chosen = lp.gather(1, targets[:, None]).squeeze(1)
+        ranks = (lp > chosen[:, None]).sum(dim=1) + 1
+        top_v, top_i = torch.topk(lp, k, dim=-1) if k > 0 else (None, None)
+        assert req.prompt_logprobs is not None
+        for j, (tok, c, r) in enumerate(zip(targets.tolist(), chosen.tolist(), ranks.tolist())):
+            d: dict[int, Logprob] = {}
+            if top_v is not None:
+                for rank, (v, t) in enumerate(zip(top_v[j].tolist(), top_i[j].tolist()), start=1):
+                    d[t] = Logprob(v, rank)
+            d.setdefault(tok, Logprob(c, r))
+            req.prompt_logprobs.append(d)
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            p = req.sampling_params
+            text = seq.output_text
+            if seq.detok is None:
+                text = self.tokenizer.decode(seq.output_token_ids, p.skip_special_tokens)
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=seq.logprobs if p.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=req.prompt_logprobs,
+            outputs=outs,
+            finished=req.is_finished or req.aborted,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            **self.counters,
+            "cached_tokens": bm.num_cached_tokens_hit,
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "weight_version": self.weight_version,
+        }
+
+
+def _generation_eos(path: str) -> set[int]:
+    f = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(f):
+        return set()
+    with open(f) as fh:
+        eos = json.load(fh).get("eos_token_id")
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

@@ -1,0 +1,125 @@
+"""Runs the model on one scheduled step: owns the KV cache tensors, flattens the batch, returns
+logits rows.
+
+The batch is flattened without padding: token ids, positions and cache slots of every scheduled
+token, plus the block tables and sequence lengths the attention backend reads. Logits are
+computed only for the rows that are sampled (the last token of a sequence that reaches its end)
+and the prompt rows whose logprobs were asked for. Pending copy-on-write block copies run first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cuttle.attention.backend import get_backend
+from cuttle.attention.metadata import AttentionMetadata
+from cuttle.engine.config import EngineConfig, ModelConfig
+from cuttle.engine.models import load_model
+from cuttle.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # rows to compute logits for: prompt-logprob rows, then sample rows
+    sample_seqs: list[Sequence]  # sequences that reach their end this step (one logits row each)
+    prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first prompt position, count) with logits
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, num_blocks: int):
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.model = load_model(config.model, model_config, dtype, device).eval()
+        self.backend = get_backend(config.attention_backend, device)
+        mc = model_config
+        # One tensor for all layers: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim];
+        # a block copy is then a single indexed assignment across every layer.
+        self.kv_cache = torch.zeros(
+            mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device
+        )
+        self.kv_views = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logit_rows: list[int] = []  # prompt-logprob rows first, then one row per sampled sequence
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []
+        max_blocks = 0
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            row0 = query_start[-1]
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(row0 + n)
+            seq_lens.append(end)
+            query_lens.append(n)
+            max_blocks = max(max_blocks, len(table))
+            req = seq.request
+            if req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens:
+                # position p's logits score prompt token p+1
+                last = min(end, seq.num_prompt_tokens - 1)
+                logit_rows.extend(range(row0, row0 + last - start))
+                prompt_rows.append((seq, start, last - start))
+            if end == len(seq.token_ids):
+                sample_rows.append(row0 + n - 1)
+                sample_seqs.append(seq)
+        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
+        for i, (seq, _) in enumerate(scheduled):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_size=bs,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            logit_rows=torch.tensor(logit_rows + sample_rows, dtype=torch.long, device=dev),
+            sample_seqs=sample_seqs,
+            prompt_rows=prompt_rows,
+        )
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Returns float32 logits for `inputs.logit_rows`, in that order."""
+        self.backend.begin_step(inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_views, inputs.meta, self.backend)
+        if inputs.logit_rows.numel() == 0:
+            return torch.empty(0, self.model_config.vocab_size)
+        return self.model.compute_logits(hidden[inputs.logit_rows]).cpu()

@@ -1,0 +1,131 @@
+"""The decoder-only transformer behind every supported architecture.
+
+Llama-3, Qwen2, Qwen3 and Qwen3-MoE differ only in switches read from `ModelConfig`
+(q/k RMSNorm, attention bias, routed-MoE MLPs on some layers, rope scaling), so they share one
+definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
+slices HF tensors into them. The forward takes a flattened, unpadded batch and the attention
+metadata; it never owns KV memory (the runner hands each layer its cache views).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cuttle.attention.backend import AttentionBackend
+from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.rope import RotaryEmbedding, apply_rope
+from cuttle.engine.config import ModelConfig
+from cuttle.moe import FusedMoE, RoutingConfig
+
+
+class RMSNorm(nn.Module):
+    """HF semantics: normalize in fp32, cast back, then scale by the weight."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_weight = _empty(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
+        self.qkv_bias = _empty(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
+        self.o_weight = _empty(cfg.hidden_size, self.q_size, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return F.linear(o.reshape(-1, self.q_size), self.o_weight)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_weight = _empty(2 * inter, hidden, dtype=dtype)
+        self.down_weight = _empty(hidden, inter, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).split(self.inter, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if layer_id in cfg.moe_layers:
+            routing = RoutingConfig.from_hf(cfg.hf_config)
+            self.mlp: nn.Module = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, routing, dtype)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Returns final hidden states [T, hidden] (logits are computed only for the rows needed)."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.tables(positions, x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,35 @@
+"""What a request returns: vLLM's `RequestOutput` / `CompletionOutput` shape.
+
+Plain data; built by the engine from a request's sequences, never referenced back by it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cuttle.engine.sampler import Logprob
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None  # one dict per generated token (sampled token always in it)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,162 @@
+"""Turns logits rows into tokens and logprobs, one row per sample being extended this step.
+
+Randomness is counter-based: sample `index` of a request with seed `s` draws its t-th token from
+the uniform u = splitmix64(s, index, t), then inverts the CDF of its processed distribution. So a
+seeded request produces the same tokens whatever else shares the batch, across preemption and
+recompute, and without a Python generator object per request on the hot path.
+
+Logprobs (`logprobs_mode`):
+- "processed" (default): log-softmax of the logits the token was sampled from, i.e. after
+  penalties, temperature, and top-k / top-p / min-p truncation (renormalized). For greedy rows,
+  penalties only. This is the sampling policy's own logprob, the one importance ratios need.
+- "raw": log-softmax of the model's logits before any processing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cuttle.engine.sampling_params import SamplingParams
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + _GOLD
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def counter_uniform(seeds: list[int], indices: list[int], steps: list[int]) -> torch.Tensor:
+    """Uniforms in [0, 1), one per (seed, sample index, output position), as float64."""
+    with np.errstate(over="ignore"):
+        s = np.array([x & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64)
+        h = _splitmix64(s)
+        h = _splitmix64(h ^ np.array(indices, dtype=np.uint64))
+        h = _splitmix64(h ^ np.array(steps, dtype=np.uint64))
+    return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)))
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+    def __float__(self) -> float:
+        return self.logprob
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    seed: int
+    index: int  # sample index within its request
+    step: int  # number of tokens this sample has generated so far
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_ids: list[int]  # suppressed while below min_tokens (EOS unless ignore_eos, stop_token_ids)
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token: int
+    logprob: float
+    top: dict[int, Logprob] | None
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
+    """In place: repetition penalty over prompt+output tokens, presence/frequency over output."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+            seen = seen[seen < vocab]
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
+            out = torch.tensor(r.output_ids, dtype=torch.long)
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str = "processed") -> list[SampleResult]:
+    """logits [N, V] float32 (modified in place)."""
+    n = len(rows)
+    raw_lp = torch.log_softmax(logits, dim=-1) if logprobs_mode == "raw" else None
+    if any(r.params.has_penalties for r in rows):
+        apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        if r.params.min_tokens and r.step < r.params.min_tokens and r.stop_ids:
+            logits[i, torch.tensor(r.stop_ids, dtype=torch.long)] = float("-inf")
+
+    temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows], dtype=logits.dtype)
+    x = logits.div_(temps[:, None]) if any(t != 1.0 for t in temps.tolist()) else logits
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    _truncate(x, rows, random_rows)
+    lp = torch.log_softmax(x, dim=-1)
+
+    tokens = torch.argmax(lp, dim=-1)
+    if random_rows:
+        idx = torch.tensor(random_rows, dtype=torch.long)
+        probs = lp[idx].exp()
+        cdf = probs.cumsum(dim=-1)
+        u = counter_uniform([rows[i].seed for i in random_rows], [rows[i].index for i in random_rows], [rows[i].step for i in random_rows])
+        target = (u * cdf[:, -1].double()).to(cdf.dtype)[:, None]
+        picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        # A float32 cdf can end a hair below its total; never land on a token of probability 0.
+        bad = probs.gather(1, picked[:, None]).squeeze(1) == 0
+        if bad.any():
+            picked[bad] = probs[bad].argmax(dim=-1)
+        tokens[idx] = picked
+
+    out_lp = raw_lp if raw_lp is not None else lp
+    tok_list = tokens.tolist()
+    chosen = out_lp.gather(1, tokens[:, None]).squeeze(1).tolist()
+    results: list[SampleResult] = []
+    for i in range(n):
+        k = rows[i].params.logprobs
+        top = None
+        if k is not None:
+            top = _top_logprobs(out_lp[i], tok_list[i], chosen[i], k)
+        results.append(SampleResult(tok_list[i], chosen[i], top))
+    return results
+
+
+def _top_logprobs(row: torch.Tensor, token: int, token_lp: float, k: int) -> dict[int, Logprob]:
+    top: dict[int, Logprob] = {}
+    if k > 0:
+        vals, ids = torch.topk(row, k)
+        for rank, (v, t) in enumerate(zip(vals.tolist(), ids.tolist()), start=1):
+            top[t] = Logprob(v, rank)
+    if token not in top:
+        top[token] = Logprob(token_lp, int((row > token_lp).sum().item()) + 1)
+    return top
+
+
+def _truncate(x: torch.Tensor, rows: list[SampleRequest], random_rows: list[int]) -> None:
+    """Mask (to -inf) what top-k, top-p and min-p exclude, for the rows that ask for it."""
+    ninf = float("-inf")
+    for i in random_rows:
+        p = rows[i].params
+        row = x[i]
+        if p.top_k > 0 and p.top_k < row.shape[0]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row.masked_fill_(row < kth, ninf)
+        if p.top_p < 1.0:
+            sorted_vals, order = torch.sort(row, descending=True)
+            probs = torch.softmax(sorted_vals, dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop = mass_before >= p.top_p  # keep the smallest prefix whose mass reaches top_p
+            row[order[drop]] = ninf
+        if p.min_p > 0.0:
+            probs = torch.softmax(row, dim=-1)
+            row.masked_fill_(probs < p.min_p * probs.max(), ninf)

@@ -1,0 +1,118 @@
+"""Continuous batching: which sequences run this step and how many of their tokens.
+
+Each step spends a token budget (`max_num_batched_tokens`): running sequences first, in arrival
+order (a decode costs one token, an unfinished prompt takes a chunk of what is left), then waiting
+sequences are admitted while blocks and the budget last, so prefill chunks and decodes share a
+step. When a decode cannot get a block, the most recently admitted running sequence is preempted:
+its blocks are freed and it returns to the front of the queue to be recomputed later (its tokens
+and its sampling state are kept, so the results do not change). Owns the queues, not the blocks.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cuttle.engine.block_manager import BlockManager
+from cuttle.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        kept: list[Sequence] = []
+        running = self.running
+        while running and budget > 0:
+            seq = running.pop(0)
+            if seq.num_uncomputed_tokens == 1:  # decode (or the last prompt token)
+                while not bm.can_append(seq):
+                    if running:
+                        self._preempt(running.pop(), out)
+                    else:
+                        self._preempt(seq, out)
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    continue
+                bm.append_slot(seq)
+                n = 1
+            else:
+                n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+            kept.append(seq)
+        kept.extend(running)  # out of budget: they wait for the next step
+        self.running = kept
+
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            use_cache = seq.request.prompt_logprobs is None
+            if not bm.can_allocate(seq, use_cache):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, use_cache)
+            seq.status = SequenceStatus.RUNNING
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+            self.running.append(seq)
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        plp = seq.request.prompt_logprobs
+        if plp is not None and seq.index == 0 and len(plp) < seq.num_prompt_tokens:
+            seq.request.prompt_logprobs = [None]  # recomputed from scratch with the prompt
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def insert_running_after(self, anchor: Sequence, seqs: list[Sequence]) -> None:
+        i = self.running.index(anchor)
+        self.running[i + 1 : i + 1] = seqs
+        for s in seqs:
+            s.status = SequenceStatus.RUNNING
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from the queues and free its blocks at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED

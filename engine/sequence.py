@@ -1,0 +1,97 @@
+"""Requests and their sequences: the unit the scheduler moves and the block manager backs.
+
+A `Request` is what a user submitted (prompt, SamplingParams); it owns `n` `Sequence`s. Until its
+prompt is prefilled a request has one sequence; the other n-1 fork from it when the prompt
+completes, sharing its KV blocks. A sequence owns its token list, its block table and its output
+state; it never touches KV memory itself.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from cuttle.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    __slots__ = (
+        "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "block_table",
+        "num_computed_tokens", "num_cached_tokens", "status", "logprobs", "cumulative_logprob",
+        "finish_reason", "output_text", "detok", "stop_reason", "prompt_logprobs_pending",
+        "token_counts",
+    )
+
+    def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
+        self.seq_id = next(_seq_counter)
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
+        self.status = SequenceStatus.WAITING
+        self.logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.output_text = ""
+        self.detok = None  # IncrementalDetokenizer, set by the engine
+        self.prompt_logprobs_pending = False
+        self.token_counts: dict[int, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    extra_key: bytes = b""  # mixed into every prefix-cache hash (weight version, cache salt)
+    seed: int = 0  # effective seed; the engine draws one when SamplingParams.seed is None
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    first_token_time: float | None = None
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        self.seqs = [Sequence(self, 0, list(self.prompt_token_ids), len(self.prompt_token_ids))]
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        self.forked = self.sampling_params.n == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.forked and all(s.is_finished for s in self.seqs)

@@ -1,0 +1,117 @@
+"""Text <-> token ids for a checkpoint: `tokenizers` (tokenizer.json), the chat template from
+tokenizer_config.json rendered with jinja2 (sandboxed), and incremental detokenization.
+
+Owns the special-token and template conventions of HF checkpoints. The incremental detokenizer
+never emits a partial UTF-8 character: text is released only once the bytes decode cleanly.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_content(tok: Any) -> str | None:
+    if tok is None:
+        return None
+    return tok["content"] if isinstance(tok, dict) else str(tok)
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        tok_file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_file):
+            raise FileNotFoundError(f"model directory {path!r} has no tokenizer.json")
+        self.tok = HFTokenizer.from_file(tok_file)
+        cfg: dict[str, Any] = {}
+        cfg_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg_file):
+            with open(cfg_file) as f:
+                cfg = json.load(f)
+        self.chat_template: str | None = cfg.get("chat_template")
+        tmpl_file = os.path.join(path, "chat_template.jinja")
+        if self.chat_template is None and os.path.isfile(tmpl_file):
+            with open(tmpl_file) as f:
+                self.chat_template = f.read()
+        if isinstance(self.chat_template, list):  # named templates: take the default one
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default", next(iter(named.values())))
+        self.bos_token = _token_content(cfg.get("bos_token"))
+        self.eos_token = _token_content(cfg.get("eos_token"))
+        self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
+        self._env.globals["raise_exception"] = _raise
+        self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._compiled = self._env.from_string(self.chat_template) if self.chat_template else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        if self._compiled is None:
+            raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
+        try:
+            return self._compiled.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        # Templates already spell out BOS and role markers, so no special tokens are added again.
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+def _raise(msg: str) -> None:
+    raise TemplateError(msg)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas (the offsets scheme vLLM and TGI use).
+
+    `prefix_offset..read_offset` is a window of already-emitted tokens decoded again for context
+    (byte-level BPE and sentencepiece spacing depend on neighbours); text from `read_offset` on is
+    emitted only when it does not end in U+FFFD, i.e. when its UTF-8 is complete.
+    """
+
+    __slots__ = ("tokenizer", "skip_special", "prefix_offset", "read_offset")
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.read_offset = len(prompt_ids)
+        self.prefix_offset = max(len(prompt_ids) - 5, 0)
+
+    def step(self, all_ids: list[int]) -> str:
+        dec = self.tokenizer.decode
+        prefix = dec(all_ids[self.prefix_offset : self.read_offset], self.skip_special)
+        full = dec(all_ids[self.prefix_offset :], self.skip_special)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(all_ids)
+            return full[len(prefix) :]
+        return ""

@@ -1,0 +1,100 @@
+"""Tiny random HF checkpoints built from configs into a directory (no download), and the
+transformers oracle's greedy outputs. Shared by the engine, RL and server tests."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+_VOCAB_CHARS = [chr(c) for c in range(33, 127)]
+
+
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer over printable chars + filler tokens, with ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab: dict[str, int] = {}
+    for t in specials + _VOCAB_CHARS:
+        vocab[t] = len(vocab)
+    i = 0
+    while len(vocab) < vocab_size:
+        vocab[f"w{i}"] = len(vocab)
+        i += 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(specials)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": template, "eos_token": "<|im_end|>", "bos_token": None}, f)
+
+
+def tiny_config(arch: str, **over: Any):
+    import transformers
+
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        eos_token_id=1, bos_token_id=None,
+    )
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=16, **{**common, **over})
+    elif arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+            norm_topk_prob=True, mlp_only_layers=[], **{**common, **over},
+        )
+    elif arch == "llama":
+        cfg = transformers.LlamaConfig(
+            head_dim=16,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 128},
+            **{**common, **over},
+        )
+    else:
+        raise ValueError(arch)
+    return cfg
+
+
+def make_checkpoint(path: str, arch: str, seed: int = 0, **over: Any):
+    """Random model (weights scaled up so greedy outputs are not all one token) saved HF-style."""
+    import transformers
+
+    cfg = tiny_config(arch, **over)
+    torch.manual_seed(seed)
+    model_cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+                 "llama": transformers.LlamaForCausalLM}[arch]
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, cfg.vocab_size)
+    return model
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+    """transformers greedy tokens, chosen-token logprobs, and prompt logprobs, one prompt at a time."""
+    toks, lps, plps = [], [], []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+            gen = out.sequences[0, len(p):].tolist()
+            step_lp = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, gen)]
+            full = model(ids).logits[0].float().log_softmax(-1)
+            prompt_lp = [full[i, p[i + 1]].item() for i in range(len(p) - 1)]
+        toks.append(gen)
+        lps.append(step_lp)
+        plps.append(prompt_lp)
+    return toks, lps, plps
