@@ -1,74 +1,43 @@
 """The MoE layer the engine's models call: router + routed experts, tokens in, tokens out.
 
-Owns the routed-expert weights (stacked per expert) and the router weight. Shared experts and
-dense MLPs belong to the model, not here. Must never import from `cuttle.engine`.
+Owns the routed-expert weights (stacked per expert), the router weight and, for sigmoid routers,
+the expert-choice bias. Shared experts and dense MLPs belong to the model (`cuttle.moe.shared`
+has a helper). Must never import from `cuttle.engine`.
 
-Parameter layout (the engine's loader fills these from HF per-expert tensors):
-  gate_weight [E, H]          router logits = x @ gate_weight.T
-  w13         [E, 2*I, H]     gate_proj rows first, then up_proj rows
-  w2          [E, H, I]       down_proj
+Parameter layout (the engine's loader fills these from HF tensors):
+  gate_weight             [E, H]          router logits = x @ gate_weight.T
+  w13                     [E, 2*I, H]     gate_proj rows first, then up_proj rows (HF gate_up_proj)
+  w2                      [E, H, I]       down_proj
+  e_score_correction_bias [E] float32     only when routing.scoring_func == "sigmoid" (DeepSeek-V3)
+
+MXFP8 experts: after loading, `layer.quantize_("mxfp8")` replaces the parameters w13 / w2 with the
+buffers w13_mx / w13_scale / w2_mx / w2_scale (E4M3 data, E8M0 scales, blocks of 32 along the
+reduction dim H for w13 and I for w2); a checkpoint saved already quantized fills those buffers
+through `load_quantized_(tensors)` (names and file format: `cuttle.moe.checkpoint`).
+Forward then runs the Triton grouped GEMM on CUDA and the torch dequantizing path elsewhere.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Literal, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from cuttle.moe.experts_torch import ExpertWeight, fused_experts_torch
+from cuttle.moe.mxfp8 import MXTensor, ScaleMode, quantize_mxfp8
+from cuttle.moe.routing import RoutingConfig, route, router_logits
 
-@dataclass(slots=True)
-class RoutingConfig:
-    """How token scores pick experts; built from the HF config fields."""
-
-    num_experts: int
-    top_k: int
-    norm_topk_prob: bool = True
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> "RoutingConfig":
-        num_experts = config.get("num_experts", config.get("n_routed_experts", config.get("num_local_experts")))
-        if num_experts is None:
-            raise ValueError("MoE config has no num_experts / n_routed_experts / num_local_experts")
-        return cls(
-            num_experts=int(num_experts),
-            top_k=int(config["num_experts_per_tok"]),
-            norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-        )
+QUANTIZED_NAMES = ("w13_mx", "w13_scale", "w2_mx", "w2_scale")
 
 
-def route(router_logits: torch.Tensor, cfg: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE routing: softmax in fp32 -> top-k -> renormalize. Returns (weights [T,k], ids [T,k])."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def experts_forward_torch(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """Plain torch expert path: per active expert, gather its tokens, run SwiGLU, scatter-add."""
-    T, H = x.shape
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    token_of = order // ids.shape[1]
-    weight_of = weights.reshape(-1)[order]
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        tok = token_of[start : start + n]
-        gate_up = x[tok] @ w13[e].t()
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2[e].t()
-        out.index_add_(0, tok, y.float() * weight_of[start : start + n, None])
-        start += n
-    return out.to(x.dtype)
+def _quantize_per_expert(w: torch.Tensor, scale_mode: ScaleMode) -> MXTensor:
+    """Quantize [E, N, K] one expert at a time, so the fp32 temporaries stay one expert big."""
+    E, N, K = w.shape
+    data = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(E, N, K // 32, dtype=torch.float8_e8m0fnu, device=w.device)
+    for e in range(E):
+        data[e], scale[e] = quantize_mxfp8(w[e], 32, scale_mode)
+    return MXTensor(data, scale)
 
 
 class FusedMoE(nn.Module):
@@ -76,11 +45,63 @@ class FusedMoE(nn.Module):
         super().__init__()
         E = routing.num_experts
         self.routing = routing
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
         self.gate_weight = nn.Parameter(torch.empty(E, hidden_size, dtype=dtype), requires_grad=False)
         self.w13 = nn.Parameter(torch.empty(E, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if routing.scoring_func == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+        self.quant: Literal["mxfp8"] | None = None
+        self.act_quant: ScaleMode | None = None
+
+    def quantize_(self, mode: Literal["mxfp8"] = "mxfp8", scale_mode: ScaleMode = "floor", activations: bool = False) -> None:
+        """Quantize the loaded expert weights in place; `activations` also rounds GEMM inputs to MXFP8."""
+        if mode != "mxfp8":
+            raise ValueError(f"unsupported MoE quantization {mode!r}")
+        self._set_quantized(_quantize_per_expert(self.w13.data, scale_mode), _quantize_per_expert(self.w2.data, scale_mode))
+        self.act_quant = scale_mode if activations else None
+
+    def load_quantized_(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Take already-quantized experts: `tensors` holds QUANTIZED_NAMES (E4M3 data, E8M0 scales)."""
+        w13 = MXTensor(tensors["w13_mx"], tensors["w13_scale"])
+        w2 = MXTensor(tensors["w2_mx"], tensors["w2_scale"])
+        E, I, H = self.routing.num_experts, self.intermediate_size, self.hidden_size
+        if w13.shape != (E, 2 * I, H) or w2.shape != (E, H, I):
+            raise ValueError(f"quantized experts {tuple(w13.shape)}, {tuple(w2.shape)} do not fit E={E} H={H} I={I}")
+        self._set_quantized(w13, w2)
+
+    def _set_quantized(self, w13: MXTensor, w2: MXTensor) -> None:
+        device = self.gate_weight.device
+        # Dropping the bf16 parameters is the point: only the MXFP8 copy stays resident.
+        for name in ("w13", "w2"):
+            if name in self._parameters:
+                del self._parameters[name]
+        self.register_buffer("w13_mx", w13.data.to(device))
+        self.register_buffer("w13_scale", w13.scale.to(device))
+        self.register_buffer("w2_mx", w2.data.to(device))
+        self.register_buffer("w2_scale", w2.scale.to(device))
+        self.quant = "mxfp8"
+
+    def expert_weights(self) -> tuple[ExpertWeight, ExpertWeight]:
+        if self.quant == "mxfp8":
+            return MXTensor(self.w13_mx, self.w13_scale), MXTensor(self.w2_mx, self.w2_scale)
+        return self.w13, self.w2
+
+    def expert_weight_bytes(self) -> int:
+        """Resident bytes of the routed-expert weights (data + scales)."""
+        w13, w2 = self.expert_weights()
+        if isinstance(w13, MXTensor):
+            return w13.nbytes() + w2.nbytes()
+        return sum(w.numel() * w.element_size() for w in (w13, w2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = x @ self.gate_weight.t()
-        weights, ids = route(router_logits, self.routing)
-        return experts_forward_torch(x, self.w13, self.w2, weights.to(x.dtype), ids)
+        logits = router_logits(x, self.gate_weight, self.routing)
+        weights, ids = route(logits, self.routing, self.e_score_correction_bias)
+        w13, w2 = self.expert_weights()
+        if x.is_cuda:
+            from cuttle.moe.experts_triton import fused_experts_triton
+
+            return fused_experts_triton(x, w13, w2, weights, ids, act_quant=self.act_quant)
+        return fused_experts_torch(x, w13, w2, weights, ids, act_quant=self.act_quant)

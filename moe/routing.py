@@ -1,0 +1,109 @@
+"""Routers: token scores -> (expert ids, combine weights), configured from HF config fields.
+
+Owns the routing math of each supported family and the HF field names and per-family defaults
+(the defaults of the transformers config classes, so a config.json that omits a field routes the
+way transformers would). Must never touch expert weights or import from `cuttle.engine`.
+
+  qwen3_moe, qwen2_moe, olmoe   softmax(fp32) -> top-k -> renormalize if norm_topk_prob (default False)
+  mixtral                       softmax(fp32) -> top-k -> always renormalize
+  deepseek_v3                   sigmoid(fp32 logits); e_score_correction_bias only picks experts;
+                                keep topk_group of n_group groups scored by their top-2 sum; weights
+                                are the unbiased scores, renormalized (+1e-20), x routed_scaling_factor
+  anything else                 softmax -> top-k -> renormalize unless norm_topk_prob is false
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+ScoringFunc = Literal["softmax", "sigmoid"]
+
+
+@dataclass(slots=True)
+class RoutingConfig:
+    """How token scores pick experts; built from the HF config fields by `from_hf`."""
+
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool = True
+    scoring_func: ScoringFunc = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> "RoutingConfig":
+        num_experts = config.get("num_experts", config.get("n_routed_experts", config.get("num_local_experts")))
+        if num_experts is None:
+            raise ValueError("MoE config has no num_experts / n_routed_experts / num_local_experts")
+        model_type = config.get("model_type")
+        top_k = int(config["num_experts_per_tok"])
+        if model_type == "deepseek_v3":
+            return cls(
+                num_experts=int(num_experts),
+                top_k=top_k,
+                norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+                scoring_func="sigmoid",  # transformers hardcodes noaux_tc sigmoid routing
+                n_group=int(config.get("n_group") or 1),
+                topk_group=int(config.get("topk_group") or 1),
+                routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+            )
+        if model_type == "mixtral":
+            return cls(num_experts=int(num_experts), top_k=top_k, norm_topk_prob=True)
+        # transformers' Qwen2-MoE / Qwen3-MoE / OLMoE config classes default norm_topk_prob to False
+        default_norm = model_type not in ("qwen3_moe", "qwen2_moe", "olmoe")
+        return cls(
+            num_experts=int(num_experts),
+            top_k=top_k,
+            norm_topk_prob=bool(config.get("norm_topk_prob", default_norm)),
+        )
+
+
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
+    """x @ gate_weight.T; sigmoid routers take it in fp32 (as DeepSeek-V3 does), softmax ones in x's dtype."""
+    if cfg.scoring_func == "sigmoid":
+        return x.float() @ gate_weight.float().t()
+    return x @ gate_weight.t()
+
+
+def route(
+    logits: torch.Tensor, cfg: RoutingConfig, e_score_correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (weights float32 [T, k], expert ids int64 [T, k])."""
+    if cfg.scoring_func == "sigmoid":
+        return _grouped_sigmoid_topk(logits.float(), cfg, e_score_correction_bias)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _grouped_sigmoid_topk(
+    logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = logits.sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if cfg.n_group > 1:
+        T, E = choice.shape
+        group_scores = choice.view(T, cfg.n_group, E // cfg.n_group).topk(2, dim=-1).values.sum(dim=-1)
+        keep = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask.repeat_interleave(E // cfg.n_group, dim=1)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def is_moe_layer(config: dict[str, Any], layer_idx: int) -> bool:
+    """Whether decoder layer `layer_idx` has routed experts (else it has a dense MLP), per HF fields."""
+    if config.get("model_type") == "deepseek_v3":
+        return layer_idx >= int(config.get("first_k_dense_replace", 3))
+    if layer_idx in (config.get("mlp_only_layers") or []):
+        return False
+    return (layer_idx + 1) % int(config.get("decoder_sparse_step", 1)) == 0
