@@ -60,6 +60,25 @@ class Batch:
     full_v: list[torch.Tensor]
     scale: float
 
+    def to(self, device: torch.device) -> Batch:
+        meta = self.meta
+        moved = AttentionMetadata(
+            query_start_loc=meta.query_start_loc.to(device),
+            seq_lens=meta.seq_lens.to(device),
+            block_tables=meta.block_tables.to(device),
+            slot_mapping=meta.slot_mapping.to(device),
+            block_size=meta.block_size,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            query_lens_cpu=meta.query_lens_cpu,
+            seq_lens_cpu=meta.seq_lens_cpu,
+        )
+        return Batch(
+            q=self.q.to(device), k=self.k.to(device), v=self.v.to(device),
+            k_cache=self.k_cache.to(device), v_cache=self.v_cache.to(device), meta=moved,
+            full_k=self.full_k, full_v=self.full_v, scale=self.scale,
+        )
+
 
 def build_batch(case: Case, junk: float | None, seed: int = 0, dtype: torch.dtype = torch.float32) -> Batch:
     """A batch over a cache whose unwritten slots hold `junk` (None: large random values).
@@ -149,7 +168,7 @@ def _slots(table: list[int], positions: range, block_size: int) -> torch.Tensor:
 
 def naive_attention(batch: Batch) -> torch.Tensor:
     """Dense causal attention per sequence and head, in float64, from the logical K/V alone."""
-    q = batch.q.double()
+    q = batch.q.double().cpu()
     out = torch.empty_like(q)
     num_heads = q.shape[1]
     starts = batch.meta.query_start_loc.tolist()
@@ -171,11 +190,12 @@ def cache_matches(batch: Batch) -> bool:
     """True when every logical token of every sequence is in its slot in both caches."""
     hkv, d = batch.k_cache.shape[2], batch.k_cache.shape[3]
     bs = batch.meta.block_size
+    k_cache, v_cache = batch.k_cache.cpu(), batch.v_cache.cpu()
     for b, fk in enumerate(batch.full_k):
         table = batch.meta.block_tables[b].tolist()
         slots = _slots(table, range(fk.shape[0]), bs)
-        if not torch.equal(batch.k_cache.view(-1, hkv, d)[slots], fk.to(batch.k_cache.dtype)):
+        if not torch.equal(k_cache.view(-1, hkv, d)[slots], fk.to(k_cache.dtype)):
             return False
-        if not torch.equal(batch.v_cache.view(-1, hkv, d)[slots], batch.full_v[b].to(batch.v_cache.dtype)):
+        if not torch.equal(v_cache.view(-1, hkv, d)[slots], batch.full_v[b].to(v_cache.dtype)):
             return False
     return True
