@@ -8,6 +8,18 @@ from typing import Any
 
 import torch
 
+ARCHS = ["qwen3", "qwen3_moe", "llama"]
+NEW_TOKENS = 48
+
+
+def parity_prompts() -> list[list[int]]:
+    import random
+
+    rng = random.Random(1234)
+    lengths = [3, 9, 16, 17, 31, 40, 57, 70]  # below, at and across block boundaries
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+
+
 _VOCAB_CHARS = [chr(c) for c in range(33, 127)]
 
 
