@@ -82,8 +82,28 @@ class Tokenizer:
             raise ValueError(f"chat template failed: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        validate_messages(messages)
         # Templates already spell out BOS and role markers, so no special tokens are added again.
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def validate_messages(messages: list[dict[str, Any]]) -> None:
+    """Chat messages as the OpenAI API defines them; templates render missing fields silently."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        if m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
+        content = m.get("content")
+        if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise ValueError(f"messages[{i}].content is required")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts")
 
 
 def _raise(msg: str) -> None:

@@ -101,9 +101,6 @@ def test_dequantize_round_trip_is_exact(mode: str, dtype: torch.dtype) -> None:
     exact = data.to(torch.float64).reshape(16, 2, 32) * scale_to_float32(scales).double()[..., None]
     got = dequantize_mxfp8(data, scales, 32, dtype)
     assert torch.equal(got, exact.reshape(16, 64).to(dtype))
-    # every element is representable, so quantizing the dequantized tensor changes nothing
-    again, again_scales = quantize_mxfp8(dequantize_mxfp8(data, scales), 32, "floor")
-    assert torch.equal(again.view(torch.uint8), data.view(torch.uint8)) or mode == "rceil"
 
 
 def test_nan_block_dequantizes_to_nan() -> None:
