@@ -217,6 +217,10 @@ def paged_attention(
         block_q = 16 // group_pad
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert block_n >= 16 and block_n & (block_n - 1) == 0
+    if q.dtype == torch.float32:
+        # fp32 tiles take twice the shared memory: 32 keys keep a 64-row, head_dim-128 tile at
+        # ~74 KB, under the ~100 KB of consumer GPUs (64 keys need ~115 KB).
+        block_n = min(block_n, 32)
     # fp32 inputs must not silently drop to TF32 on tensor cores: the fp32 path is the exact one.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     num_warps = 8 if block_q * group_pad * d_pad >= 128 * 128 else 4
