@@ -1,7 +1,8 @@
 """Shared fixtures: a fresh workspace and a sandbox on it; helpers to look for leftovers."""
 import os
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,34 +33,51 @@ def sb(ws: Path) -> Sandbox:
     return Sandbox(ws, limits=Limits(timeout=10, memory_mb=1024, nproc=64))
 
 
-def processes_matching(needle: str) -> list[int]:
-    """Host pids whose command line contains `needle` (a marker our commands carry)."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+def _live(pid: str) -> bool:
+    """False for zombies: killed processes whose parent has not reaped them yet are not leaks."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _scan(match: Callable[[str], bool]) -> list[int]:
+    return [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and int(pid) != os.getpid()
+            and match(pid) and _live(pid)]
+
+
+def _settled(match: Callable[[str], bool], wait_s: float) -> list[int]:
+    # SIGKILL is asynchronous: give killed processes a moment to finish dying before we call
+    # them leaked (a real leak is still there after the wait).
+    deadline = time.monotonic() + wait_s
+    while (found := _scan(match)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
+def processes_matching(needle: str, wait_s: float = 2.0) -> list[int]:
+    """Live host pids whose command line contains `needle` (a marker our commands carry)."""
+
+    def match(pid: str) -> bool:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                return needle in f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
-            continue
-        if needle in cmd and int(pid) != os.getpid():
-            pids.append(int(pid))
-    return pids
+            return False
+
+    return _settled(match, wait_s)
 
 
-def processes_of_uid(uid: int) -> list[int]:
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+def processes_of_uid(uid: int, wait_s: float = 2.0) -> list[int]:
+    def match(pid: str) -> bool:
         try:
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
                     if line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid:
-                            pids.append(int(pid))
-                        break
+                        return int(line.split()[1]) == uid
         except OSError:
-            continue
-    return pids
+            pass
+        return False
+
+    return _settled(match, wait_s)
