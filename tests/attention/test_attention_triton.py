@@ -83,3 +83,12 @@ def test_triton_on_cpu_without_interpreter_fails_clearly() -> None:
     proc = _python(["-c", code], interpret=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "raised:" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout
+
+
+def test_triton_kernels_compile_for_sm90_within_consumer_shared_memory() -> None:
+    """Ahead-of-time compile (no GPU needed): the interpreter does not enforce GPU rules, this does."""
+    proc = _python([str(HERE / "triton_compile_worker.py"), "90"], interpret=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 8
+    assert max(row["shared"] for row in rows) <= 99 * 1024, rows
