@@ -55,6 +55,8 @@ class Workspace:
 
     def _check_regular(self, fd: int, path: str) -> os.stat_result:
         st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ToolError(f"{path}: is a directory")
         if not stat.S_ISREG(st.st_mode):
             raise ToolError(f"{path}: not a regular file")
         if st.st_nlink > 1:
