@@ -41,19 +41,19 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // num_kv_heads
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
 
         if plan.decode_rows is not None:
-            kd = k_flat[plan.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = v_flat[plan.decode_slots].transpose(1, 2)
+            # whole-block gathers (block_size contiguous rows each), [Bd, nb, bs, Hkv, D] -> [Bd, Hkv, L, D]
+            bd = plan.decode_tables.shape[0]
+            kd = k_cache[plan.decode_tables].view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)
+            vd = v_cache[plan.decode_tables].view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)
             qd = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
             out[plan.decode_rows] = od.reshape(-1, q.shape[1], head_dim)
 
-        for start, qlen, slots, mask in plan.prefills:
-            kp = k_flat[slots].transpose(0, 1)  # [Hkv, L, D]
-            vp = v_flat[slots].transpose(0, 1)
+        for start, qlen, blocks, mask in plan.prefills:
+            kp = k_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, L, D]
+            vp = v_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)
             # [qlen, Hq, D] -> [Hkv, G*qlen, D], row index g*qlen + j
             qp = q[start : start + qlen].view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             qp = qp.reshape(num_kv_heads, group * qlen, head_dim)
@@ -63,18 +63,10 @@ class TorchAttentionBackend:
         return out
 
 
-def sequence_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots of logical tokens 0..length-1 of one sequence."""
-    nblocks = (length + block_size - 1) // block_size
-    blocks = block_table_row[:nblocks].long()
-    offs = torch.arange(block_size, device=blocks.device)
-    return (blocks[:, None] * block_size + offs).reshape(-1)[:length]
-
-
 class _StepPlan:
     """Gather indices and masks for one step; built once and reused by every layer."""
 
-    __slots__ = ("meta", "decode_rows", "decode_slots", "decode_mask", "prefills")
+    __slots__ = ("meta", "decode_rows", "decode_tables", "decode_mask", "prefills")
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -83,16 +75,15 @@ class _StepPlan:
         starts = meta.query_start_loc.tolist()
         decode_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
         self.decode_rows: torch.Tensor | None = None
-        self.decode_slots: torch.Tensor | None = None
+        self.decode_tables: torch.Tensor | None = None
         self.decode_mask: torch.Tensor | None = None
         if decode_seqs:
             idx = torch.tensor(decode_seqs, device=device)
             max_len = max(meta.seq_lens_cpu[b] for b in decode_seqs)
             nblocks = (max_len + bs - 1) // bs
-            tables = meta.block_tables[idx, :nblocks].long()
-            offs = torch.arange(bs, device=device)
-            self.decode_slots = (tables[:, :, None] * bs + offs).reshape(len(decode_seqs), -1)[:, :max_len]
-            valid = torch.arange(max_len, device=device)[None, :] < meta.seq_lens[idx][:, None]
+            self.decode_tables = meta.block_tables[idx, :nblocks].long()
+            # padded table entries point at block 0: gathered, then masked out here
+            valid = torch.arange(nblocks * bs, device=device)[None, :] < meta.seq_lens[idx][:, None]
             self.decode_mask = valid[:, None, None, :]  # [Bd, 1, 1, L]
             self.decode_rows = torch.tensor([starts[b] for b in decode_seqs], device=device)
         self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
@@ -100,7 +91,8 @@ class _StepPlan:
             if qlen == 1:
                 continue
             kv_len = meta.seq_lens_cpu[b]
-            slots = sequence_slots(meta.block_tables[b], kv_len, bs)
+            nblocks = (kv_len + bs - 1) // bs
+            blocks = meta.block_tables[b, :nblocks].long()
             qpos = torch.arange(kv_len - qlen, kv_len, device=device)
-            mask = torch.arange(kv_len, device=device)[None, :] <= qpos[:, None]  # [qlen, L] causal
-            self.prefills.append((starts[b], qlen, slots, mask))
+            mask = torch.arange(nblocks * bs, device=device)[None, :] <= qpos[:, None]  # [qlen, L] causal
+            self.prefills.append((starts[b], qlen, blocks, mask))

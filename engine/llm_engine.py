@@ -276,7 +276,7 @@ class LLMEngine:
                     index=seq.index,
                     text=text,
                     token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
+                    cumulative_logprob=seq.cumulative_logprob if p.logprobs is not None else None,
                     logprobs=seq.logprobs if p.logprobs is not None else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,

@@ -14,7 +14,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None
+    cumulative_logprob: float | None  # None unless SamplingParams.logprobs was set (as in vLLM)
     logprobs: list[dict[int, Logprob]] | None  # one dict per generated token (sampled token always in it)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it

@@ -89,7 +89,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str = "processed") -> list[SampleResult]:
-    """logits [N, V] float32 (modified in place)."""
+    """logits [N, V] float32 (modified in place). Rows whose params ask for no logprobs get 0.0."""
     n = len(rows)
     raw_lp = torch.log_softmax(logits, dim=-1) if logprobs_mode == "raw" else None
     if any(r.params.has_penalties for r in rows):
@@ -102,10 +102,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str =
     x = logits.div_(temps[:, None]) if any(t != 1.0 for t in temps.tolist()) else logits
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     _truncate(x, rows, random_rows)
-    lp = torch.log_softmax(x, dim=-1)
+    want_lp = bool(random_rows) or any(r.params.logprobs is not None for r in rows)
+    # greedy rows that asked for no logprobs skip the vocab-wide log-softmax entirely
+    lp = torch.log_softmax(x, dim=-1) if want_lp else None
 
-    tokens = torch.argmax(lp, dim=-1)
+    tokens = torch.argmax(x, dim=-1)
     if random_rows:
+        assert lp is not None
         idx = torch.tensor(random_rows, dtype=torch.long)
         probs = lp[idx].exp()
         cdf = probs.cumsum(dim=-1)
@@ -120,6 +123,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str =
 
     out_lp = raw_lp if raw_lp is not None else lp
     tok_list = tokens.tolist()
+    if out_lp is None:
+        return [SampleResult(t, 0.0, None) for t in tok_list]
     chosen = out_lp.gather(1, tokens[:, None]).squeeze(1).tolist()
     results: list[SampleResult] = []
     for i in range(n):
