@@ -87,17 +87,19 @@ def quantize_mxfp8(
     K = x.shape[-1]
     if K % block_size != 0:
         raise ValueError(f"last dim {K} is not a multiple of block_size {block_size}")
-    blocks = x.to(torch.float32).reshape(*x.shape[:-1], K // block_size, block_size)
-    bad = (~torch.isfinite(blocks)).any(dim=-1)
-    amax = torch.where(bad, 0.0, blocks.abs().amax(dim=-1))
-    biased = scale_exponent(amax.contiguous(), scale_mode)
+    # a private fp32 copy, scaled in place: the fewest full passes over the tensor
+    blocks = x.to(torch.float32, copy=True).reshape(*x.shape[:-1], K // block_size, block_size)
+    amax = blocks.abs().amax(dim=-1)  # NaN and Inf propagate into amax
+    bad = ~torch.isfinite(amax)
+    biased = scale_exponent(amax.masked_fill(bad, 0.0), scale_mode)
     # 1/X = 2^(127 - biased) as fp32 bits; biased <= 247 for finite fp32 input, so this is normal.
     inv_scale = ((254 - biased) << 23).view(torch.float32)
-    scaled = (blocks * inv_scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
-    data = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
-    data = torch.where(bad.unsqueeze(-1), E4M3_NAN_BYTE, data).to(torch.uint8)
-    scales = torch.where(bad, E8M0_NAN, biased).to(torch.uint8)
-    return data.reshape(x.shape).view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)
+    data = blocks.mul_(inv_scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scales = biased.to(torch.uint8)
+    if bool(bad.any()):
+        data.view(torch.uint8).masked_fill_(bad.unsqueeze(-1), E4M3_NAN_BYTE)
+        scales.masked_fill_(bad, E8M0_NAN)
+    return data.reshape(x.shape), scales.view(torch.float8_e8m0fnu)
 
 
 def scale_to_float32(scales: torch.Tensor) -> torch.Tensor:
