@@ -1,0 +1,87 @@
+"""A coding task and its reward: the workspace it starts from, the hidden tests that grade it.
+
+Owns `Task` and `grade`: grading builds a *fresh* directory from the task's pristine files, carries
+over only the agent's solution files (by glob), writes the hidden tests last, and runs them in a
+new sandbox with a nonce the result line must echo. So an agent that edits, deletes or adds tests,
+conftest files or pytest config in its workspace cannot change its reward, and one whose code ends
+the process early (os._exit(0)) gets no result line, hence no reward. Code under test still runs
+in the grading process: a solution that inspects its caller's memory is out of scope here.
+Must never read the agent's workspace except through `Workspace` (no symlinks out), and never
+grade inside the agent's own workspace.
+"""
+import fnmatch
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ToolError
+from ..limits import Limits
+from ..paths import Workspace
+from ..sandbox import Sandbox
+from ..testing import TestReport, parse_report
+from ..workspace import remove_tree, write_files
+
+MAX_SOLUTION_FILE_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class Task:
+    task_id: str
+    prompt: str  # what the agent is told
+    files: dict[str, str]  # the workspace at the start (relative path -> text)
+    hidden_files: dict[str, str]  # grading-only files; never placed in a workspace
+    solution_globs: tuple[str, ...]  # workspace files carried into grading; nothing else is
+    grade_command: str  # run in the grading copy; stdin holds the nonce; prints the result line
+    timeout: float = 30.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Reward:
+    reward: float
+    report: TestReport
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.report
+        return {"reward": self.reward, "complete": r.complete, "timed_out": r.timed_out, "exit_code": r.exit_code,
+                "passed": r.count("passed"), "failed": r.count("failed"), "errors": r.count("error"),
+                "outcomes": r.outcomes}
+
+
+def solution_files(task: Task, workspace: Workspace) -> dict[str, str]:
+    """The agent's versions of the files the task lets it change."""
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(workspace.root):  # never follows symlinked dirs
+        dirnames[:] = [d for d in dirnames if d not in (".git", "__pycache__")]
+        for name in filenames:
+            rel = workspace.relative(os.path.join(dirpath, name))
+            if not any(fnmatch.fnmatch(rel, g) for g in task.solution_globs):
+                continue
+            try:
+                fd = workspace.open_read(rel)
+            except ToolError:  # symlink out, special file, hard link: not a solution file
+                continue
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(MAX_SOLUTION_FILE_BYTES + 1)
+            if len(data) <= MAX_SOLUTION_FILE_BYTES:
+                out[rel] = data.decode(errors="replace")
+    return out
+
+
+def grade(task: Task, workspace: Workspace, limits: Limits | None = None) -> Reward:
+    """Reward 1.0 when every hidden test passes in a fresh copy, else 0.0."""
+    fresh = tempfile.mkdtemp(prefix="cuttle-grade-")
+    try:
+        os.chmod(fresh, 0o755)
+        write_files(fresh, task.files)
+        write_files(fresh, solution_files(task, workspace))
+        write_files(fresh, task.hidden_files)  # last: nothing the agent wrote survives under their names
+        sb = Sandbox(fresh, limits=limits or Limits(timeout=task.timeout))
+        nonce = secrets.token_hex(16)
+        result = sb.run(task.grade_command, stdin=(nonce + "\n").encode(), keep_bytes=1 << 20)
+        report = parse_report(result, nonce)
+        return Reward(1.0 if report.all_passed else 0.0, report)
+    finally:
+        remove_tree(fresh)
