@@ -125,21 +125,24 @@ def dequantize_mxfp8(
 def _dequantize_bits(
     data: torch.Tensor, scales: torch.Tensor, blocked: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
-    """CPU-fast path (about 3x a plain fp8 cast): place the E4M3 bits into the target float's bits.
+    """CPU-fast path (about 10x a plain fp8 cast): place the E4M3 bits into the target float's bits.
 
-    Shifting `eeeemmm` into the exponent/mantissa fields yields element * 2^-120 (E4M3 subnormals
-    land on target subnormals, so no case split); the 2^120 is folded into the block scale, which
-    stays finite for bytes <= 134. NaN elements only occur in NaN-scale blocks, which the scale
+    Sign-extending the byte and shifting puts `s eeee mmm` into the sign / low exponent / mantissa
+    fields (the mask clears the sign copies in between), which reads as element * 2^-120 (E4M3
+    subnormals land on target subnormals, so no case split); the 2^120 is folded into the block
+    scale, finite for bytes <= 134. NaN elements only occur in NaN-scale blocks, which the scale
     turns to NaN anyway. One rounding of an exact product, hence equal to the fp32 path.
+    Three in-place passes after the widening copy.
     """
-    i = data.view(torch.uint8)
     if dtype == torch.bfloat16:
-        i = i.to(torch.int16)
-        vals = (((i & 0x7F) << 4) | ((i & 0x80) << 8)).view(torch.bfloat16)
+        vals = data.view(torch.int8).to(torch.int16)
+        vals.__ilshift__(4).__iand__(-0x7810)  # 0x87F0 as int16
+        vals = vals.view(torch.bfloat16)
     else:
-        i = i.to(torch.int32)
-        vals = (((i & 0x7F) << 20) | ((i & 0x80) << 24)).view(torch.float32)
+        vals = data.view(torch.int8).to(torch.int32)
+        vals.__ilshift__(20).__iand__(-0x78100000)  # 0x87F00000 as int32
+        vals = vals.view(torch.float32)
     b = scales.view(torch.uint8).to(torch.int32)
     folded = torch.where(b == E8M0_NAN, 0x7FC00000, (b + 120) << 23).view(torch.float32).to(dtype)
-    return vals.reshape(blocked) * folded.unsqueeze(-1)
+    return vals.reshape(blocked).mul_(folded.unsqueeze(-1))
 
