@@ -184,6 +184,7 @@ def test_sixteen_concurrent_environments_no_errors_no_leaks(base_dir: Path) -> N
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+    print(f"soak: 16 environments, {seconds:.0f} s, {sum(counts)} tool calls, {len(errors)} errors")
     assert errors == []
     assert len(counts) == 16 and min(counts) >= 1
     assert len(pool) == 0 and list(base_dir.iterdir()) == []
