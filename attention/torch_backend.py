@@ -43,18 +43,28 @@ class TorchAttentionBackend:
         group = q.shape[1] // num_kv_heads
 
         if plan.decode_rows is not None:
-            # whole-block gathers (block_size contiguous rows each), [Bd, nb, bs, Hkv, D] -> [Bd, Hkv, L, D]
-            bd = plan.decode_tables.shape[0]
-            kd = k_cache[plan.decode_tables].view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)
-            vd = v_cache[plan.decode_tables].view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)
-            qd = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
-            out[plan.decode_rows] = od.reshape(-1, q.shape[1], head_dim)
+            # Gather straight into [Bd, Hkv, L, D] (one indexed copy, no transpose pass), then two
+            # batched matmuls in fp32: oneDNN's bf16 batched matmul is pathologically slow for
+            # these skinny shapes on CPU, and fp32 accumulation is what we want anyway.
+            heads = plan.head_index(num_kv_heads)
+            kd = k_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads].float()
+            vd = v_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads].float()
+            qd = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim).float()  # [Bd, Hkv, G, D]
+            scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(scale).add_(plan.decode_bias)
+            od = torch.matmul(torch.softmax(scores, dim=-1), vd)
+            out[plan.decode_rows] = od.reshape(-1, q.shape[1], head_dim).to(out.dtype)
 
         for start, qlen, blocks, mask in plan.prefills:
             kp = k_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, L, D]
             vp = v_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)
-            # [qlen, Hq, D] -> [Hkv, G*qlen, D], row index g*qlen + j
+            if mask is None:  # a fresh prompt: plain causal attention over exactly its own keys
+                qh = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
+                op = F.scaled_dot_product_attention(
+                    qh, kp[:, :qlen], vp[:, :qlen], is_causal=True, scale=scale, enable_gqa=group > 1
+                )
+                out[start : start + qlen] = op.transpose(0, 1)
+                continue
+            # [qlen, Hq, D] -> [Hkv, G*qlen, D], row index g*qlen + j, so K/V are never repeated
             qp = q[start : start + qlen].view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             qp = qp.reshape(num_kv_heads, group * qlen, head_dim)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.repeat(group, 1), scale=scale)
@@ -66,7 +76,7 @@ class TorchAttentionBackend:
 class _StepPlan:
     """Gather indices and masks for one step; built once and reused by every layer."""
 
-    __slots__ = ("meta", "decode_rows", "decode_tables", "decode_mask", "prefills")
+    __slots__ = ("meta", "decode_rows", "decode_slots", "decode_bias", "prefills", "_heads")
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -75,24 +85,34 @@ class _StepPlan:
         starts = meta.query_start_loc.tolist()
         decode_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
         self.decode_rows: torch.Tensor | None = None
-        self.decode_tables: torch.Tensor | None = None
-        self.decode_mask: torch.Tensor | None = None
+        self.decode_slots: torch.Tensor | None = None  # [Bd, 1, L] flat cache slot of each key
+        self.decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, L] 0 for real keys, -inf past the end
+        self._heads: torch.Tensor | None = None
         if decode_seqs:
             idx = torch.tensor(decode_seqs, device=device)
             max_len = max(meta.seq_lens_cpu[b] for b in decode_seqs)
             nblocks = (max_len + bs - 1) // bs
-            self.decode_tables = meta.block_tables[idx, :nblocks].long()
-            # padded table entries point at block 0: gathered, then masked out here
-            valid = torch.arange(nblocks * bs, device=device)[None, :] < meta.seq_lens[idx][:, None]
-            self.decode_mask = valid[:, None, None, :]  # [Bd, 1, 1, L]
+            tables = meta.block_tables[idx, :nblocks].long()
+            offs = torch.arange(bs, device=device)
+            self.decode_slots = (tables[:, :, None] * bs + offs).reshape(len(decode_seqs), 1, -1)[:, :, :max_len]
+            valid = torch.arange(max_len, device=device)[None, :] < meta.seq_lens[idx][:, None]
+            bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
+            self.decode_bias = bias[:, None, None, :]
             self.decode_rows = torch.tensor([starts[b] for b in decode_seqs], device=device)
-        self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for b, qlen in enumerate(meta.query_lens_cpu):
             if qlen == 1:
                 continue
             kv_len = meta.seq_lens_cpu[b]
             nblocks = (kv_len + bs - 1) // bs
             blocks = meta.block_tables[b, :nblocks].long()
-            qpos = torch.arange(kv_len - qlen, kv_len, device=device)
-            mask = torch.arange(nblocks * bs, device=device)[None, :] <= qpos[:, None]  # [qlen, L] causal
+            mask = None
+            if kv_len != qlen:  # a chunk after cached tokens: causal with an offset
+                qpos = torch.arange(kv_len - qlen, kv_len, device=device)
+                mask = torch.arange(nblocks * bs, device=device)[None, :] <= qpos[:, None]  # [qlen, L]
             self.prefills.append((starts[b], qlen, blocks, mask))
+
+    def head_index(self, num_kv_heads: int) -> torch.Tensor:
+        if self._heads is None or self._heads.shape[1] != num_kv_heads:
+            self._heads = torch.arange(num_kv_heads, device=self.meta.block_tables.device)[None, :, None]
+        return self._heads

@@ -7,6 +7,7 @@ blocks to the pool at once.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -31,6 +32,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        keep_large_allocations_in_heap()
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
         if config.device == "auto":
@@ -304,6 +306,22 @@ class LLMEngine:
             "num_requests_waiting": len(self.scheduler.waiting),
             "weight_version": self.weight_version,
         }
+
+
+def keep_large_allocations_in_heap() -> None:
+    """Stop glibc from mmap-ing (and unmapping) every large buffer.
+
+    Each step allocates activation and KV-gather buffers of tens of MB; by default glibc serves
+    those with fresh mmaps, so every step pays page faults on zeroed pages (measured: a 33 MB
+    gather took 4-5x longer than the copy itself). Raising the mmap and trim thresholds keeps the
+    memory in the heap for reuse, as tcmalloc/jemalloc would. No-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def _generation_eos(path: str) -> set[int]:
