@@ -32,8 +32,7 @@ def random_layer(H: int, I: int, E: int, k: int, device: str, seed: int = 0) -> 
     layer = FusedMoE(H, I, RoutingConfig(E, k, True), torch.bfloat16).to(device)
     g = torch.Generator(device=device).manual_seed(seed)
     for p in (layer.gate_weight, layer.w13, layer.w2):
-        for e in range(p.shape[0]):
-            p.data[e] = torch.randn(p.shape[1:], generator=g, device=device) * 0.02
+        p.data.normal_(0.0, 0.02, generator=g)
     return layer
 
 

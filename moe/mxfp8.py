@@ -87,14 +87,15 @@ def quantize_mxfp8(
     K = x.shape[-1]
     if K % block_size != 0:
         raise ValueError(f"last dim {K} is not a multiple of block_size {block_size}")
-    # a private fp32 copy, scaled in place: the fewest full passes over the tensor
-    blocks = x.to(torch.float32, copy=True).reshape(*x.shape[:-1], K // block_size, block_size)
-    amax = blocks.abs().amax(dim=-1)  # NaN and Inf propagate into amax
+    # bf16 is scaled in bf16: x * 2^k is exact there (same exponent range as fp32), and half the bytes
+    compute = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    blocks = x.to(compute).reshape(*x.shape[:-1], K // block_size, block_size)
+    amax = blocks.abs().amax(dim=-1).float()  # NaN and Inf propagate into amax
     bad = ~torch.isfinite(amax)
     biased = scale_exponent(amax.masked_fill(bad, 0.0), scale_mode)
     # 1/X = 2^(127 - biased) as fp32 bits; biased <= 247 for finite fp32 input, so this is normal.
-    inv_scale = ((254 - biased) << 23).view(torch.float32)
-    data = blocks.mul_(inv_scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    inv_scale = ((254 - biased) << 23).view(torch.float32).to(compute)
+    data = (blocks * inv_scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     scales = biased.to(torch.uint8)
     if bool(bad.any()):
         data.view(torch.uint8).masked_fill_(bad.unsqueeze(-1), E4M3_NAN_BYTE)
