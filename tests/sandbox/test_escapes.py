@@ -97,6 +97,9 @@ def test_hard_links_and_fifos_are_refused(sb: Sandbox, ws: Path) -> None:
     os.mkfifo(ws / "pipe")
     with pytest.raises(ToolError, match="not a regular file"):
         sb.call_tool("read_file", path="pipe")  # must not block the host
+    with pytest.raises(ToolError, match="not a regular file"):
+        sb.call_tool("write_file", path="pipe", content="x")
+    assert sb.call_tool("search", pattern="zzz") == "no matches"  # the walk skips it, does not block
 
 
 # -- reading or writing outside the workspace: commands -------------------------------------------

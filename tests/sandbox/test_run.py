@@ -75,7 +75,7 @@ def test_timeout_kills_command_and_everything_it_started(sb: Sandbox) -> None:
 @needs_namespaces
 def test_background_processes_die_when_the_command_ends(sb: Sandbox) -> None:
     t = time.monotonic()
-    r = sb.run("sleep 971 & setsid sleep 972 & echo bye")
+    r = sb.run("sleep 971 & setsid sleep 972 & sleep 0.3; echo bye")
     assert r.exit_code == 0 and not r.timed_out and r.stdout == "bye\n"
     assert time.monotonic() - t < 2
     assert processes_matching("sleep 97") == []
@@ -136,6 +136,6 @@ def test_rlimits_only_mode_is_opt_in_and_reported_on_every_result(ws: Path, monk
     assert r.timed_out and r.isolation == "rlimits-only" and time.monotonic() - t < 3.5
     assert processes_matching("sleep 96") == []
     if os.geteuid() == 0:  # escaping the process group is caught by the sandbox's own uid
-        sb.run("setsid sleep 963 > /dev/null 2>&1 < /dev/null & echo gone")
+        sb.run("setsid sleep 963 > /dev/null 2>&1 < /dev/null & sleep 0.3; echo gone")  # let it escape first
         assert processes_of_uid(sb.workspace.uid) == []
         assert processes_matching("sleep 963") == []
