@@ -6,6 +6,7 @@ again through /proc/self/fd, which defeats a symlink swapped in after the check.
 host user (root here), so this module must never open a path it has not resolved and verified,
 never follow a symlink out of the workspace, and never write through a file with other hard links.
 """
+import errno
 import os
 import stat
 from pathlib import PurePosixPath
@@ -121,6 +122,8 @@ class Workspace:
         except IsADirectoryError:
             raise ToolError(f"{path}: is a directory") from None
         except OSError as err:
+            if err.errno == errno.ENXIO:  # a FIFO without a reader (O_NONBLOCK kept us from waiting)
+                raise ToolError(f"{path}: not a regular file") from None
             raise ToolError(f"{path}: {err.strerror}") from None
         finally:
             os.close(dfd)
