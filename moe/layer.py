@@ -31,7 +31,7 @@ QUANTIZED_NAMES = ("w13_mx", "w13_scale", "w2_mx", "w2_scale")
 
 
 def _quantize_per_expert(w: torch.Tensor, scale_mode: ScaleMode) -> MXTensor:
-    """Quantize [E, N, K] one expert at a time, so the fp32 temporaries stay one expert big."""
+    """Quantize [E, N, K] one expert at a time, so the temporaries stay one expert big."""
     E, N, K = w.shape
     data = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(E, N, K // 32, dtype=torch.float8_e8m0fnu, device=w.device)
@@ -41,7 +41,11 @@ def _quantize_per_expert(w: torch.Tensor, scale_mode: ScaleMode) -> MXTensor:
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, routing: RoutingConfig, dtype: torch.dtype):
+    """Routed experts of one decoder layer: x [T, H] -> sum over the top-k experts of weight * SwiGLU(x)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, routing: RoutingConfig, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         E = routing.num_experts
         self.routing = routing
@@ -56,11 +60,14 @@ class FusedMoE(nn.Module):
         self.quant: Literal["mxfp8"] | None = None
         self.act_quant: ScaleMode | None = None
 
-    def quantize_(self, mode: Literal["mxfp8"] = "mxfp8", scale_mode: ScaleMode = "floor", activations: bool = False) -> None:
+    def quantize_(
+        self, mode: Literal["mxfp8"] = "mxfp8", scale_mode: ScaleMode = "floor", activations: bool = False
+    ) -> None:
         """Quantize the loaded expert weights in place; `activations` also rounds GEMM inputs to MXFP8."""
         if mode != "mxfp8":
             raise ValueError(f"unsupported MoE quantization {mode!r}")
-        self._set_quantized(_quantize_per_expert(self.w13.data, scale_mode), _quantize_per_expert(self.w2.data, scale_mode))
+        w13 = _quantize_per_expert(self.w13.data, scale_mode)
+        self._set_quantized(w13, _quantize_per_expert(self.w2.data, scale_mode))
         self.act_quant = scale_mode if activations else None
 
     def load_quantized_(self, tensors: Mapping[str, torch.Tensor]) -> None:

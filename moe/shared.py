@@ -15,7 +15,7 @@ from torch import nn
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, gated: bool):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, gated: bool) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype), requires_grad=False)

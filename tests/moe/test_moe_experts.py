@@ -36,7 +36,9 @@ def test_alignment_layout(T: int, k: int, E: int, block: int) -> None:
     assert (al.block_expert[padded // block:] == E).all()
 
 
-def _naive(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _naive(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float64)
     I = w2.shape[-1]
     for t in range(x.shape[0]):

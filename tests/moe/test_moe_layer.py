@@ -102,14 +102,17 @@ def test_expert_memory_at_most_8_25_of_16_bits(qwen3_30b_layer: FusedMoE) -> Non
     quantized = FusedMoE(2048, 768, RoutingConfig(128, 8), torch.bfloat16)
     quantized.w13, quantized.w2 = layer.w13, layer.w2
     quantized.quantize_()
-    mx_bytes = sum(getattr(quantized, n).untyped_storage().nbytes() for n in ("w13_mx", "w13_scale", "w2_mx", "w2_scale"))
+    mx_bytes = sum(getattr(quantized, n).untyped_storage().nbytes()
+                   for n in ("w13_mx", "w13_scale", "w2_mx", "w2_scale"))
     assert mx_bytes == quantized.expert_weight_bytes()
     # no scale padding in this layout: exactly (8 + 8/32) / 16 of bf16
     assert mx_bytes / bf16_bytes <= 8.25 / 16
 
 
 @pytest.mark.parametrize("scale_mode,min_layer_db", [("floor", 25.0), ("rceil", 26.0)])
-def test_sqnr_mxfp8_vs_bf16_at_qwen3_30b_shapes(qwen3_30b_layer: FusedMoE, scale_mode: str, min_layer_db: float) -> None:
+def test_sqnr_mxfp8_vs_bf16_at_qwen3_30b_shapes(
+    qwen3_30b_layer: FusedMoE, scale_mode: str, min_layer_db: float
+) -> None:
     """Per GEMM, MXFP8 weights keep >= 30 dB (E4M3's 3 mantissa bits cap one rounding at ~31 dB);
     the layer rounds three matrices (gate, up, down) whose errors add, so it lands ~3-5 dB lower."""
     layer = qwen3_30b_layer

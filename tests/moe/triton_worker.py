@@ -80,7 +80,8 @@ def gemm_cases() -> None:
             ref = ref * weights.reshape(-1, 1).double()
             on_device = (MXTensor(a_op.data.to(DEVICE), a_op.scale.to(DEVICE)) if isinstance(a_op, MXTensor)
                          else a_op.to(DEVICE))
-            w_dev = MXTensor(w_op.data.to(DEVICE), w_op.scale.to(DEVICE)) if isinstance(w_op, MXTensor) else w_op.to(DEVICE)
+            w_dev = (MXTensor(w_op.data.to(DEVICE), w_op.scale.to(DEVICE)) if isinstance(w_op, MXTensor)
+                     else w_op.to(DEVICE))
             out = moe_gemm(on_device, w_dev, aligned, k, dtype, weights=weights.reshape(-1).to(DEVICE),
                            config=CONFIG, dot_scaled=dot_scaled)
             emit(kind="gemm", dtype=str(dtype), variant=name, rel_err=_rel(out, ref), shape=list(out.shape))
