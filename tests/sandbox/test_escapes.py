@@ -126,6 +126,11 @@ def test_remount_and_mount_need_privileges_the_command_lacks(sb: Sandbox) -> Non
     assert r.exit_code != 0
     assert "permission denied" in r.stderr.lower() or "must be superuser" in r.stderr.lower()
     assert not os.path.exists("/usr/cuttle-pwned")
+    # Root of a nested user namespace cannot unlock them either: the kernel locks the flags of
+    # mounts inherited from a more privileged namespace.
+    r = sb.run("unshare -rm sh -c 'id -u; mount -o remount,rw,bind /usr; touch /usr/cuttle-pwned'")
+    assert r.stdout == "0\n" and "Read-only file system" in r.stderr
+    assert not os.path.exists("/usr/cuttle-pwned")
 
 
 # -- network ----------------------------------------------------------------------------------
