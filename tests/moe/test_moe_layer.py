@@ -186,3 +186,15 @@ def test_tiny_qwen3_moe_greedy_agreement_mxfp8_vs_bf16() -> None:
     # (0.90-0.965 over seeds); decisive tokens must agree.
     assert agree >= 0.95
     assert agree_clear >= 0.98
+
+
+def test_moe_imports_neither_engine_nor_triton() -> None:
+    """A kernel library: importing it pulls in no engine code, and Triton only when a kernel runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cuttle.moe, cuttle.moe.checkpoint; "
+            "bad = [m for m in sys.modules if m.startswith(('cuttle.engine', 'triton'))]; print(bad)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
