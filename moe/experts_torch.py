@@ -52,7 +52,10 @@ def fused_experts_torch(
     if act_quant is not None:
         x = fake_quantize(x, act_quant)
     xs = x[order // k]
-    ys = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    # Under autograd (training, RL scoring) outputs are concatenated instead of written in place.
+    grad = torch.is_grad_enabled() and (x.requires_grad or any(isinstance(w, torch.Tensor) and w.requires_grad for w in (w13, w2)))
+    ys = None if grad else torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    parts: list[torch.Tensor] = []
     for e in range(num_experts):
         start, end = offsets[e], offsets[e + 1]
         if start == end:
@@ -62,8 +65,14 @@ def fused_experts_torch(
         h = F.silu(gate) * up
         if act_quant is not None:
             h = fake_quantize(h, act_quant)
-        torch.matmul(h, expert_matrix(w2, e, x.dtype).t(), out=ys[start:end])
-    y = torch.empty_like(ys)
-    y[order] = ys
+        if grad:
+            parts.append(h @ expert_matrix(w2, e, x.dtype).t())
+        else:
+            torch.matmul(h, expert_matrix(w2, e, x.dtype).t(), out=ys[start:end])
+    if grad:
+        ys = torch.cat(parts) if parts else x.new_zeros(0, H)
+    y = torch.empty_like(ys) if not grad else torch.zeros_like(ys).index_copy(0, order, ys)
+    if not grad:
+        y[order] = ys
     out = (y.view(T, k, H).float() * weights.float().unsqueeze(-1)).sum(dim=1)
     return out.to(x.dtype)

@@ -72,6 +72,22 @@ class Attention(nn.Module):
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return F.linear(o.reshape(-1, self.q_size), self.o_weight)
 
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Training path: x [B, S, hidden], mask [B, 1, S, S] (True = may attend); no KV cache."""
+        B, S, _ = x.shape
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(B * S, self.num_heads, self.head_dim)
+        k = k.reshape(B * S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k = apply_rope(k, cos, sin).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return F.linear(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight)
+
 
 class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
@@ -101,6 +117,11 @@ class DecoderLayer(nn.Module):
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta, backend)
         return x + self.mlp(self.post_attn_norm(x))
 
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.forward_dense(self.input_norm(x), cos, sin, mask)
+        B, S, H = x.shape
+        return x + self.mlp(self.post_attn_norm(x).reshape(B * S, H)).view(B, S, H)
+
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
@@ -125,6 +146,22 @@ class CausalLM(nn.Module):
         cos, sin = self.rope.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta, backend)
+        return self.norm(x)
+
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+        """Training / scoring path with autograd: rows [B, S] packing several documents each.
+
+        A token attends only to earlier tokens of its own document (`doc_ids` equal), and
+        positions restart per document, so each document is computed exactly as if alone --
+        the same numbers the paged engine produces for it. Returns hidden states [B, S, hidden].
+        """
+        B, S = input_ids.shape
+        causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).tril()
+        mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.tables(positions.reshape(-1), x.dtype)
+        for layer in self.layers:
+            x = layer.forward_dense(x, cos, sin, mask[:, None])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
