@@ -272,7 +272,7 @@ class LLMEngine:
             p = req.sampling_params
             text = seq.output_text
             if seq.detok is None:
-                text = self.tokenizer.decode(seq.output_token_ids, p.skip_special_tokens)
+                text = self.tokenizer.decode_continuation(req.prompt_token_ids, seq.output_token_ids, p.skip_special_tokens)
             outs.append(
                 CompletionOutput(
                     index=seq.index,

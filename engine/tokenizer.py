@@ -60,6 +60,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_continuation(self, prompt_ids: list[int], output_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `output_ids` as it reads after the prompt (the same text the incremental
+        detokenizer streams: spacing between the prompt and the output is kept)."""
+        ctx = prompt_ids[-5:]
+        prefix = self.decode(ctx, skip_special_tokens)
+        full = self.decode(ctx + output_ids, skip_special_tokens)
+        return full[len(prefix) :] if full.startswith(prefix) else self.decode(output_ids, skip_special_tokens)
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

@@ -31,26 +31,39 @@ from cuttle.engine.models.transformer import CausalLM
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
+# Newlines are emitted as expressions ({{- '\n' }}) so the rendering does not depend on the
+# renderer's trim_blocks / lstrip_blocks settings.
 CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n"
-    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
-    "</tool_call><|im_end|>\n"
-    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
-    "{%- for tc in message.tool_calls or [] %}{% set f = tc.function if tc.function is defined else tc %}"
-    "\n<tool_call>\n{\"name\": \"{{ f.name }}\", \"arguments\": "
-    "{{ f.arguments if f.arguments is string else (f.arguments | tojson) }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{%- set nl = '\\n' -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system' + nl -}}"
+    "{%- if messages[0].role == 'system' -%}{{- messages[0].content + nl + nl -}}{%- endif -%}"
+    "{{- '# Tools' + nl + nl + 'You may call one or more functions to assist with the user query.' + nl + nl -}}"
+    "{{- 'You are provided with function signatures within <tools></tools> XML tags:' + nl + '<tools>' -}}"
+    "{%- for tool in tools -%}{{- nl + (tool | tojson) -}}{%- endfor -%}"
+    "{{- nl + '</tools>' + nl + nl + 'For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:' + nl -}}"
+    "{{- '<tool_call>' + nl + '{\"name\": <function-name>, \"arguments\": <args-json-object>}' + nl + '</tool_call><|im_end|>' + nl -}}"
+    "{%- elif messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system' + nl + messages[0].content + '<|im_end|>' + nl -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' and loop.first -%}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant' + nl + (message.content or '') -}}"
+    "{%- for tc in message.tool_calls or [] -%}"
+    "{%- set f = tc.function if tc.function is defined else tc -%}"
+    "{%- if message.content or not loop.first -%}{{- nl -}}{%- endif -%}"
+    "{{- '<tool_call>' + nl + '{\"name\": \"' + f.name + '\", \"arguments\": ' -}}"
+    "{{- (f.arguments if f.arguments is string else (f.arguments | tojson)) + '}' + nl + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' + nl -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|im_start|>user' + nl + '<tool_response>' + nl + message.content + nl + '</tool_response><|im_end|>' + nl -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + nl + message.content + '<|im_end|>' + nl -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant' + nl -}}{%- endif -%}"
 )
 
 MODEL_CONFIG = dict(
@@ -60,6 +73,58 @@ MODEL_CONFIG = dict(
     max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
     hidden_act="silu", attention_bias=False, router_aux_loss_coef=0.001, torch_dtype="bfloat16",
 )
+
+
+_TOOLS = [
+    ("get_weather", "Get the current weather in a city", {"city": "string"},
+     ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Austin", "Hanoi", "Berlin"],
+     "What is the weather in {city}?", lambda a: f"{a['city']}: {['sunny', 'rainy', 'cloudy', 'windy'][len(a['city']) % 4]}, {10 + len(a['city']) * 3} C",
+     "It is {result} right now."),
+    ("add", "Add two integers", {"a": "integer", "b": "integer"}, None,
+     "What is {a} plus {b}?", lambda a: str(a["a"] + a["b"]), "The sum is {result}."),
+    ("read_file", "Read a file of the repository", {"path": "string"},
+     ["setup.py", "README.md", "src/app.py", "tests/test_app.py", "utils/io.py"],
+     "Show me {path}.", lambda a: f"# {a['path']}\nimport os\n", "Here is {path}:\n{result}"),
+    ("run_tests", "Run the test suite (pytest) on a selection", {"selection": "string"},
+     ["tests", "tests/test_app.py", "tests/test_io.py::test_read"],
+     "Run the tests in {selection}.", lambda a: "3 passed, 0 failed", "The tests in {selection}: {result}."),
+]
+
+
+def synthetic_tool_chats(n: int, seed: int) -> list[str]:
+    """ChatML conversations with a tool round trip (call, response, answer), rendered with the
+    model's own chat template, so the model learns the exact format the server parses."""
+    import random
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, **_: json.dumps(x)
+    tmpl = env.from_string(CHAT_TEMPLATE)
+    rng = random.Random(seed)
+    schemas = [
+        {"type": "function", "function": {"name": name, "description": desc, "parameters": {
+            "type": "object", "properties": {k: {"type": t} for k, t in params.items()}, "required": list(params)}}}
+        for name, desc, params, *_ in _TOOLS
+    ]
+    out = []
+    for _ in range(n):
+        i = rng.randrange(len(_TOOLS))
+        name, _, params, choices, question, run, answer = _TOOLS[i]
+        args = {k: (rng.randrange(100) if t == "integer" else rng.choice(choices)) for k, t in params.items()}
+        tools = rng.sample(schemas, k=rng.randint(1, len(schemas)))
+        if schemas[i] not in tools:
+            tools.append(schemas[i])
+        result = run(args)
+        call = {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        msgs = [{"role": "user", "content": question.format(**args)},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": result},
+                {"role": "assistant", "content": answer.format(result=result, **args)}]
+        if rng.random() < 0.3:
+            msgs.insert(0, {"role": "system", "content": "You are a helpful coding assistant."})
+        out.append(tmpl.render(messages=msgs, tools=tools, add_generation_prompt=False))
+    return out
 
 
 def corpus_files() -> list[str]:
@@ -184,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--tool-chats", type=int, default=3000, help="synthetic tool-use conversations mixed in")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -200,9 +266,15 @@ def main(argv: list[str] | None = None) -> None:
     encode = lambda f: tok.encode(read(f)).ids + [eos]  # noqa: E731
     train_docs = [encode(f) for f in tqdm(train_files, desc="tokenize", leave=False)]
     val_docs = [encode(f) for f in val_files]
+    chats = [tok.encode(c).ids + [eos] for c in synthetic_tool_chats(args.tool_chats, args.seed)]
+    train_docs += chats
+    # documents in a seeded random order, so rows mix code and conversations
+    perm = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    train_docs = [train_docs[i] for i in perm]
     train = pack(train_docs, args.seq_len)
     val = pack(val_docs, args.seq_len)
-    print(f"tokens: train {sum(map(len, train_docs)):,} in {train[0].shape[0]} rows, held-out {sum(map(len, val_docs)):,}")
+    print(f"tokens: train {sum(map(len, train_docs)):,} ({sum(map(len, chats)):,} in {len(chats)} tool chats) "
+          f"in {train[0].shape[0]} rows, held-out code {sum(map(len, val_docs)):,}")
 
     hf = {**MODEL_CONFIG, "vocab_size": tok.get_vocab_size(), "eos_token_id": eos, "bos_token_id": None}
     cfg = ModelConfig.from_hf(hf)
@@ -268,8 +340,9 @@ on the Python {sysconfig.get_python_version()} standard library's own source (te
 - Held-out (2% of files chosen by a CRC of the file name, {n_val:,} tokens): loss **{val_loss:.4f}** nats/token,
   perplexity **{math.exp(val_loss):.2f}**, measured on the saved bf16 weights.
 - Chat: ChatML (`<|im_start|>` / `<|im_end|>`), tools announced in the system turn, calls as
-  `<tool_call>{{"name": ..., "arguments": ...}}</tool_call>`. It was trained on code only, so chat and tool use
-  are formats it renders, not skills it has.
+  `<tool_call>{{"name": ..., "arguments": ...}}</tool_call>`. Besides code it saw {args.tool_chats} synthetic
+  tool round trips (weather, add, read_file, run_tests: a call, the tool's response, a templated answer), so it
+  emits well-formed tool calls for requests of those shapes; it has no other chat ability.
 - Exact command: `{cmd}`
 
 It is a toy: it writes Python-looking code (indentation, `def`, `return`, stdlib names), not correct programs.

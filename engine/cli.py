@@ -1,0 +1,155 @@
+"""The `cuttle` command: serve, generate, chat, env-server.
+
+Owns argument parsing and wiring only. `serve` runs the OpenAI server on the embedded default
+model unless --model is given; `generate` streams one completion to the terminal; `chat` is an
+interactive loop over the chat template. Heavy imports happen inside the subcommands, so
+`cuttle --help` is instant and `env-server` does not load a model.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny coding model)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-memory-gb)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _build_llm(args: argparse.Namespace):
+    from cuttle.engine import LLM
+
+    return LLM(
+        model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend, seed=args.seed,
+    )
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampling")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import logging
+    import os
+
+    import uvicorn
+
+    from cuttle.engine.async_engine import AsyncEngine
+    from cuttle.engine.server import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = _build_llm(args)
+    name = args.served_model_name or os.path.basename(os.path.normpath(llm.engine.config.model))
+    app = create_app(AsyncEngine(llm.engine, max_pending=args.max_pending), name, args.api_key, args.tool_call_parser)
+    print(f"cuttle: serving {name!r} on http://{args.host}:{args.port}/v1 (max_model_len {llm.engine.max_model_len})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+
+
+def _params(args: argparse.Namespace):
+    from cuttle.engine import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sample_seed)
+
+
+def _stream(llm: Any, prompt: str | list[int], params: Any) -> str:
+    engine = llm.engine
+    rid = f"cli-{id(params)}-{len(engine.requests)}"
+    engine.add_request(rid, prompt, params, stream=True)
+    shown = 0
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    llm = _build_llm(args)
+    sys.stdout.write(args.prompt)
+    _stream(llm, args.prompt, _params(args))
+    sys.stdout.write("\n")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    llm = _build_llm(args)
+    tok = llm.get_tokenizer()
+    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print("cuttle chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        reply = _stream(llm, tok.encode_chat(messages), _params(args))
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_env_server(args: argparse.Namespace, rest: list[str]) -> None:
+    from cuttle.sandbox.server import main as env_main  # the sandbox may import the engine, never the reverse
+
+    env_main(rest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="cuttle", description="cuttle: a paged-KV LLM engine for coding models with RL sampling built in")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="serve a model over the OpenAI API", description="OpenAI-compatible server (completions, chat, tools, metrics)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", default=None, help="model id clients must use (default: the checkpoint's folder name)")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen3_coder"], help="default: chosen from the chat template")
+    s.add_argument("--max-pending", type=int, default=256, help="requests in flight before new ones get 503")
+
+    g = sub.add_parser("generate", help="stream one completion to the terminal", description="Complete PROMPT and stream the text")
+    g.add_argument("prompt")
+    _engine_args(g)
+    _sampling_args(g)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal", description="Chat through the model's chat template")
+    _engine_args(c)
+    _sampling_args(c)
+    c.add_argument("--system", default=None, help="system prompt")
+
+    sub.add_parser("env-server", help="sandboxed coding-environment server (see `cuttle env-server --help`)", add_help=False)
+
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "env-server":
+        return cmd_env_server(args, rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

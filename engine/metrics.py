@@ -1,0 +1,43 @@
+"""Prometheus metrics of the server (prometheus-client), in one registry per server instance.
+
+Gauges are refreshed from the engine's stats snapshot at scrape time; latency histograms are
+observed by the request handlers, measured where the client sees them (first token out,
+gaps between streamed tokens, whole request).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model = model_name
+        self.running = Gauge("cuttle_num_requests_running", "Requests being computed", labels, registry=r)
+        self.waiting = Gauge("cuttle_num_requests_waiting", "Requests waiting for KV blocks or budget", labels, registry=r)
+        self.kv_usage = Gauge("cuttle_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels, registry=r)
+        self.hit_rate = Gauge("cuttle_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", labels, registry=r)
+        self.preemptions = Gauge("cuttle_num_preemptions", "Preemptions since start", labels, registry=r)
+        self.prompt_tokens = Gauge("cuttle_prompt_tokens", "Prompt tokens admitted since start", labels, registry=r)
+        self.generation_tokens = Gauge("cuttle_generation_tokens", "Tokens generated since start", labels, registry=r)
+        self.requests = Counter("cuttle_requests", "Finished requests by finish reason", labels + ["finish_reason"], registry=r)
+        self.ttft = Histogram("cuttle_time_to_first_token_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("cuttle_inter_token_latency_seconds", "Time between streamed outputs", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("cuttle_e2e_request_latency_seconds", "End-to-end request latency", labels, buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        m = self.model
+        self.running.labels(m).set(stats["num_requests_running"])
+        self.waiting.labels(m).set(stats["num_requests_waiting"])
+        total = max(stats["kv_blocks_total"], 1)
+        self.kv_usage.labels(m).set(1.0 - stats["kv_blocks_free"] / total)
+        self.hit_rate.labels(m).set(stats["cached_tokens"] / max(stats["prompt_tokens"], 1))
+        self.preemptions.labels(m).set(stats["preemptions"])
+        self.prompt_tokens.labels(m).set(stats["prompt_tokens"])
+        self.generation_tokens.labels(m).set(stats["generated_tokens"])
+        return generate_latest(self.registry)

@@ -1,0 +1,73 @@
+"""Tool-call parsing on recorded model outputs, whole and streamed at awkward split points."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls, parser_for_template
+
+HERMES = (
+    "Let me check both.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
+    "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 40}}\n</tool_call>"
+)
+CODER = (
+    "<tool_call>\n<function=run_tests>\n<parameter=selection>\ntests/test_app.py::test_x\n</parameter>\n"
+    "<parameter=verbose>\ntrue\n</parameter>\n<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+TOOLS = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {
+    "selection": {"type": "string"}, "verbose": {"type": "boolean"}, "count": {"type": "integer"}}}}}]
+
+
+def test_hermes_whole():
+    content, calls = parse_tool_calls(HERMES, "hermes")
+    assert content == "Let me check both."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 40})]
+    assert len({c.id for c in calls}) == 2
+
+
+def test_qwen3_coder_whole_uses_schema_types():
+    content, calls = parse_tool_calls(CODER, "qwen3_coder", TOOLS)
+    assert content == ""
+    assert calls[0].name == "run_tests"
+    assert json.loads(calls[0].arguments) == {"selection": "tests/test_app.py::test_x", "verbose": True, "count": 3}
+
+
+def test_plain_text_and_broken_calls_stay_content():
+    text = "def f():\n    return 1  # <tool_call> is just a word here"
+    assert parse_tool_calls(text) == (text, [])
+    broken = "<tool_call>\n{not json}\n</tool_call> done"
+    content, calls = parse_tool_calls(broken)
+    assert calls == [] and content == broken
+
+
+@pytest.mark.parametrize("fmt,text", [("hermes", HERMES), ("qwen3_coder", CODER), ("hermes", "no calls at all <tool_ca"),
+                                      ("hermes", "text <tool_call>\n{\"name\": \"x\", \"argu")])
+@pytest.mark.parametrize("seed", range(12))
+def test_streaming_equals_whole_for_any_split(fmt, text, seed):
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 25))))
+    if seed == 0:
+        cuts = list(range(1, len(text)))  # one character at a time
+    parser = StreamingToolParser(fmt, TOOLS)
+    content, calls = "", []
+    for c in cuts + [len(text)]:
+        final = c == len(text)
+        d, new = parser.feed(text[:c], final=final)
+        assert final or "<tool_call" not in d  # a possible call is never leaked as content mid-stream
+        content += d
+        calls += new
+    whole_content, whole_calls = parse_tool_calls(text, fmt, TOOLS)
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+    if whole_calls:
+        assert content.strip() == whole_content
+    else:
+        assert content == whole_content
+
+
+def test_parser_choice_from_template():
+    assert parser_for_template("... <function=example> ...") == "qwen3_coder"
+    assert parser_for_template("{{ '<tool_call>' }}") == "hermes"
+    with pytest.raises(ValueError, match="tool-call parser"):
+        parse_tool_calls("x", "pythonic")

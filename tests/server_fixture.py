@@ -1,0 +1,49 @@
+"""A live cuttle server on loopback, in a background thread, for tests that use real clients."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from cuttle.engine import LLM
+from cuttle.engine.async_engine import AsyncEngine
+from cuttle.engine.server import create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, model: str, name: str = "test-model", api_key: str | None = None, max_pending: int = 256, **llm_kw):
+        self.llm = LLM(model, **llm_kw)
+        self.engine = AsyncEngine(self.llm.engine, max_pending=max_pending)
+        self.app = create_app(self.engine, name, api_key)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not come up")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def stats(self) -> dict:
+        return self.llm.engine.stats()
