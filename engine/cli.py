@@ -11,6 +11,8 @@ import argparse
 import sys
 from typing import Any
 
+DEFAULT_MODEL_NAME = "cuttle-tiny-coder"
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -58,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = _build_llm(args)
-    name = args.served_model_name or os.path.basename(os.path.normpath(llm.engine.config.model))
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model)))
     app = create_app(AsyncEngine(llm.engine, max_pending=args.max_pending), name, args.api_key, args.tool_call_parser)
     print(f"cuttle: serving {name!r} on http://{args.host}:{args.port}/v1 (max_model_len {llm.engine.max_model_len})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    s.add_argument("--served-model-name", default=None, help="model id clients must use (default: the checkpoint's folder name)")
+    s.add_argument("--served-model-name", default=None, help=f"model id clients must use (default: {DEFAULT_MODEL_NAME} for the embedded model, else the checkpoint's folder name)")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen3_coder"], help="default: chosen from the chat template")
     s.add_argument("--max-pending", type=int, default=256, help="requests in flight before new ones get 503")
 
