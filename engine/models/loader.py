@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -69,12 +69,25 @@ class _Filler:
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     model = CausalLM(cfg, dtype, device)
+    load_weights(model, iter_tensors(path), strict=True, source=path)
+    return model.to(device)
+
+
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False, source: str = "weights") -> list[str]:
+    """Copy HF-named tensors into the model's (fused) parameters, in place.
+
+    `strict`: every parameter must be covered (loading a checkpoint); otherwise any subset may be
+    given (a weight update). Returns the names that have no place in this model and were skipped
+    (e.g. `rotary_emb.inv_freq` buffers of old checkpoints); a name that maps to a parameter but
+    has the wrong shape is an error.
+    """
+    cfg = model.cfg
     params = dict(model.named_parameters(remove_duplicate=False))
     filler = _Filler(model)
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
     unused: list[str] = []
-    for name, t in iter_tensors(path):
+    for name, t in tensors:
         if name == "model.embed_tokens.weight":
             filler.put("embed", params["embed"], t, name)
         elif name == "lm_head.weight":
@@ -85,18 +98,20 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
         elif (m := _LAYER.match(name)) is not None:
             i, rest = int(m.group(1)), m.group(2)
             if i >= cfg.num_layers:
-                raise ValueError(f"checkpoint tensor {name!r} is for layer {i} but the config has {cfg.num_layers} layers")
+                raise ValueError(f"tensor {name!r} is for layer {i} but the config has {cfg.num_layers} layers")
             p = f"layers.{i}."
             mi = cfg.moe_intermediate_size
             if (e := _EXPERT.match(rest)) is not None:
                 eid, kind = int(e.group(1)), e.group(2)
+                if p + "mlp.w2" not in params:
+                    raise ValueError(f"tensor {name!r} is an expert weight but layer {i} is not a MoE layer here")
                 if kind == "down_proj":
                     filler.put(p + "mlp.w2", params[p + "mlp.w2"], t, name, index=eid)
                 else:
                     rows = slice(0, mi) if kind == "gate_proj" else slice(mi, 2 * mi)
                     filler.put(p + "mlp.w13", params[p + "mlp.w13"], t, name, rows=rows, index=eid)
                 continue
-            target = _layer_target(rest, cfg, i)
+            target = _layer_target(rest)
             if target is None:
                 unused.append(name)
                 continue
@@ -107,17 +122,18 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
                 inter = cfg.intermediate_size
                 rows = slice(0, inter) if rows == "gate" else slice(inter, 2 * inter)
             if p + pname not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in a {cfg.architecture} model")
+                raise ValueError(f"tensor {name!r} has no place in a {cfg.architecture} model")
             filler.put(p + pname, params[p + pname], t, name, rows=rows)
         else:
             unused.append(name)
-    missing = [n for n, prm in params.items() if filler.filled.get(n, 0) != prm.numel() and not (cfg.tie_word_embeddings and n == "lm_head")]
-    if missing:
-        raise ValueError(f"checkpoint {path!r} does not provide: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    return model.to(device)
+    if strict:
+        missing = [n for n, prm in params.items() if filler.filled.get(n, 0) != prm.numel() and not (cfg.tie_word_embeddings and n == "lm_head")]
+        if missing:
+            raise ValueError(f"checkpoint {source!r} does not provide: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    return unused
 
 
-def _layer_target(rest: str, cfg: ModelConfig, layer: int) -> tuple[str, object] | None:
+def _layer_target(rest: str) -> tuple[str, object] | None:
     """Maps the part of an HF name after `model.layers.N.` to (parameter, slice key)."""
     table: dict[str, tuple[str, object]] = {
         "input_layernorm.weight": ("input_norm.weight", None),
