@@ -100,10 +100,8 @@ class LLMEngine:
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         extra = self.weight_version.to_bytes(8, "little") + (cache_salt or "").encode()
-        req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed)
-        req.stream = stream  # type: ignore[attr-defined]
-        req.max_tokens = max_tokens  # type: ignore[attr-defined]
-        req.weight_version = self.weight_version  # type: ignore[attr-defined]
+        req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed, max_tokens=max_tokens,
+                      stream=stream, weight_version=self.weight_version)
         self._attach_detok(req.seqs[0], req)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
@@ -177,7 +175,7 @@ class LLMEngine:
             if req.is_finished:
                 del self.requests[req.request_id]
                 outputs.append(self._output(req))
-            elif getattr(req, "stream", False):
+            elif req.stream:
                 outputs.append(self._output(req))
         return outputs
 
@@ -196,7 +194,7 @@ class LLMEngine:
 
     def _attach_detok(self, seq: Sequence, req: Request) -> None:
         p = req.sampling_params
-        if p.stop or getattr(req, "stream", False):
+        if p.stop or req.stream:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], p.skip_special_tokens)
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
@@ -232,7 +230,7 @@ class LLMEngine:
             seq.output_text += seq.detok.step(seq.token_ids)
             if finish is None and p.stop and n_out >= p.min_tokens:
                 finish = self._check_stop_strings(seq, p)
-        if finish is None and (n_out >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):  # type: ignore[attr-defined]
+        if finish is None and (n_out >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):
             finish = "length"
         if finish is not None:
             seq.finish_reason = finish

@@ -80,6 +80,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     extra_key: bytes = b""  # mixed into every prefix-cache hash (weight version, cache salt)
     seed: int = 0  # effective seed; the engine draws one when SamplingParams.seed is None
+    max_tokens: int = 0  # effective limit (SamplingParams.max_tokens, or what the model length leaves)
+    stream: bool = False  # report progress every step, not only at the end
+    weight_version: int = 0  # the weights this request is computed with
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None
