@@ -1,8 +1,10 @@
 """Engine and model configuration.
 
 `ModelConfig` is read from a checkpoint's config.json and is the only place HF field names are
-interpreted (including the variants across transformers versions). `EngineConfig` holds the
-engine's knobs with their validation. Neither owns memory or state.
+interpreted (including the variants across transformers versions and model families: which layers
+are MoE, shared experts, DeepSeek's multi-head latent attention). Routing fields are interpreted by
+`cuttle.moe.routing` from `hf_config`. `EngineConfig` holds the engine's knobs with their
+validation. Neither owns memory or state.
 """
 from __future__ import annotations
 
@@ -13,9 +15,40 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM")
+from cuttle.moe.routing import is_moe_layer
+
+# architecture -> the HF model_type its routing rules are keyed by (filled in when config.json
+# omits model_type, so routing never silently falls back to another family's defaults)
+MODEL_TYPES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
+MOE_QUANT_MODES = ("mxfp8",)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class MLAConfig:
+    """DeepSeek multi-head latent attention: q (optionally through a low-rank bottleneck) and one
+    compressed latent + one shared rotary key per token, decompressed per head by kv_b_proj."""
+
+    q_lora_rank: int | None  # None: a full-rank q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary dims stored as interleaved pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(slots=True)
@@ -25,8 +58,9 @@ class ModelConfig:
     hidden_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # heads the KV cache stores (MLA: every query head, decompressed)
+    head_dim: int  # width of one cached K/V head (MLA: max(qk_head_dim, v_head_dim), V zero-padded)
+    rotary_dim: int  # dims RoPE rotates (MLA: qk_rope_head_dim; else head_dim)
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
@@ -37,6 +71,9 @@ class ModelConfig:
     attention_bias: bool
     moe_layers: list[int]  # indices of layers whose MLP is a routed MoE
     moe_intermediate_size: int
+    shared_expert_intermediate_size: int  # 0: MoE layers have no shared expert
+    shared_expert_gated: bool  # Qwen2-MoE: shared output x sigmoid(shared_expert_gate(x))
+    mla: MLAConfig | None
     eos_token_ids: list[int]
     bos_token_id: int | None
     hf_config: dict[str, Any] = field(repr=False)
@@ -58,9 +95,10 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs!r} in {path or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        hf = {"model_type": MODEL_TYPES[arch], **hf}
+        _check_unsupported(hf, arch, path)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // num_heads
         rope = hf.get("rope_parameters") or {}
         rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
         rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -71,12 +109,36 @@ class ModelConfig:
             if kind == "default":
                 rope_scaling = None
         num_layers = int(hf["num_hidden_layers"])
-        moe_layers: list[int] = []
-        num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-        if arch == "Qwen3MoeForCausalLM" and num_experts > 0:
-            step = int(hf.get("decoder_sparse_step", 1))
-            only_mlp = set(hf.get("mlp_only_layers") or [])
-            moe_layers = [i for i in range(num_layers) if i not in only_mlp and (i + 1) % step == 0]
+        num_experts = int(hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
+        moe_layers = [i for i in range(num_layers) if is_moe_layer(hf, i)] if num_experts > 0 else []
+        moe_inter = int(hf.get("moe_intermediate_size") or (hf.get("intermediate_size") if arch == "MixtralForCausalLM" else 0) or 0)
+        shared_inter, shared_gated = 0, False
+        if arch == "Qwen2MoeForCausalLM":
+            shared_inter, shared_gated = int(hf.get("shared_expert_intermediate_size") or 0), True
+        elif arch == "DeepseekV3ForCausalLM":
+            shared_inter = moe_inter * int(hf.get("n_shared_experts") or 0)
+        mla = None
+        if arch == "DeepseekV3ForCausalLM":
+            q_rank = hf.get("q_lora_rank")
+            mla = MLAConfig(
+                q_lora_rank=None if q_rank is None else int(q_rank),
+                kv_lora_rank=int(hf["kv_lora_rank"]),
+                qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+                v_head_dim=int(hf["v_head_dim"]),
+                rope_interleave=bool(hf.get("rope_interleave", True)),
+            )
+            # The cache holds decompressed K and V for every head, in one slot width.
+            num_kv_heads, head_dim = num_heads, max(mla.qk_head_dim, mla.v_head_dim)
+            rotary_dim = mla.qk_rope_head_dim
+        else:
+            num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+            head_dim = int(hf.get("head_dim") or hidden // num_heads)
+            rotary_dim = head_dim
+        if arch == "Qwen2MoeForCausalLM":
+            attention_bias = bool(hf.get("qkv_bias", True))
+        else:
+            attention_bias = bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM"))
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         return cls(
@@ -85,8 +147,9 @@ class ModelConfig:
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
             intermediate_size=int(hf.get("intermediate_size", 0)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -94,13 +157,29 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=attention_bias,
             moe_layers=moe_layers,
-            moe_intermediate_size=int(hf.get("moe_intermediate_size", 0)),
+            moe_intermediate_size=moe_inter,
+            shared_expert_intermediate_size=shared_inter,
+            shared_expert_gated=shared_gated,
+            mla=mla,
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             hf_config=hf,
         )
+
+
+def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
+    """Reject config features the decoder does not implement, rather than compute something else."""
+    where = path or "config"
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} in {where} is not supported (supported: silu)")
+    # Sliding-window attention would change every output past the window.
+    if arch == "MixtralForCausalLM" and hf.get("sliding_window") is not None:
+        raise ValueError(f"sliding_window={hf['sliding_window']} in {where} is not supported")
+    if arch == "Qwen2MoeForCausalLM" and hf.get("use_sliding_window"):
+        raise ValueError(f"use_sliding_window in {where} is not supported")
 
 
 @dataclass(slots=True)
@@ -119,6 +198,7 @@ class EngineConfig:
     seed: int = 0
     logprobs_mode: str = "processed"  # "processed": the distribution sampled from; "raw": the model's logits
     num_threads: int | None = None
+    moe_quant: str | None = None  # "mxfp8": routed-expert weights quantized at load (docs/moe.md)
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -135,6 +215,8 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
+            raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
 
     def torch_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

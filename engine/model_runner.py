@@ -5,6 +5,7 @@ The batch is flattened without padding: token ids, positions and cache slots of 
 token, plus the block tables and sequence lengths the attention backend reads. Logits are
 computed only for the rows that are sampled (the last token of a sequence that reaches its end)
 and the prompt rows whose logprobs were asked for. Pending copy-on-write block copies run first.
+The model is loaded here, with its routed experts in MXFP8 when `EngineConfig.moe_quant` asks.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        self.model = load_model(config.model, model_config, dtype, device).eval()
+        self.model = load_model(config.model, model_config, dtype, device, moe_quant=config.moe_quant).eval()
         self.backend = get_backend(config.attention_backend, device)
         mc = model_config
         # One tensor for all layers: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim];

@@ -1,8 +1,11 @@
 """Builds a model from an HF checkpoint directory: architecture check, safetensors (single file
 or sharded index, memory-mapped), HF tensor names sliced into the fused parameters.
 
-Owns the name mapping from HF layouts to `CausalLM`. Every parameter must be filled exactly once
-from a tensor of the right shape; anything else is a clear error naming the tensor.
+Owns the name mapping from HF layouts to `CausalLM`: every family's attention (q|k|v or MLA),
+dense MLPs, routed experts (per-expert, Mixtral's w1/w2/w3, transformers-5 fused, MXFP8 as
+`cuttle.moe.checkpoint` writes them), routers, expert-choice biases and shared experts. Every
+parameter must be filled exactly once from a tensor of the right shape; anything else is a clear
+error naming the tensor. Quantizing experts is `moe_quant`'s job; this module only routes tensors.
 """
 from __future__ import annotations
 
@@ -15,7 +18,10 @@ import torch
 from safetensors import safe_open
 
 from cuttle.engine.config import ModelConfig
+from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, write_quantized
 from cuttle.engine.models.transformer import CausalLM
+from cuttle.moe import FusedMoE
+from cuttle.moe.checkpoint import is_quantized_checkpoint
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -44,18 +50,40 @@ def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Per-expert layouts: Qwen / DeepSeek `mlp.experts.N.{gate,up,down}_proj`, Mixtral
+# `block_sparse_moe.experts.N.{w1,w3,w2}` (w1 = gate, w3 = up, w2 = down).
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# transformers-5 fused layout (its in-memory names, also what a trainer's weight update sends)
+_FUSED_EXPERTS = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+# MXFP8 experts as `cuttle.moe.checkpoint` writes them: `<experts prefix>.{w13_mx,w13_scale,w2_mx,w2_scale}`
+_QUANTIZED = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(w13_mx|w13_scale|w2_mx|w2_scale)$")
+_QUANTIZED_DTYPES = {"w13_mx": torch.float8_e4m3fn, "w2_mx": torch.float8_e4m3fn,
+                     "w13_scale": torch.float8_e8m0fnu, "w2_scale": torch.float8_e8m0fnu}
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether an HF tensor name holds routed-expert weights (any layout, quantized or not)."""
+    m = _LAYER.match(name)
+    return m is not None and any(r.match(m.group(2)) for r in (_EXPERT, _FUSED_EXPERTS, _QUANTIZED))
+
+
+def checkpoint_is_quantized(path: str) -> bool:
+    """Whether any safetensors file of the checkpoint carries MXFP8 experts (by its header)."""
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            if is_quantized_checkpoint(f.metadata()):
+                return True
+    return False
 
 
 class _Filler:
-    """Copies checkpoint tensors into (slices of) parameters and records what was covered."""
+    """Copies checkpoint tensors into (slices of) model tensors and records what was covered."""
 
-    def __init__(self, model: CausalLM):
-        self.model = model
-        self.filled: dict[str, int] = {}  # parameter name -> number of elements filled
+    def __init__(self) -> None:
+        self.filled: dict[str, int] = {}  # model tensor name -> number of elements filled
 
-    def put(self, name: str, param: torch.Tensor, src: torch.Tensor, ckpt_name: str, rows: slice | None = None, index: int | None = None) -> None:
-        dst = param
+    def put(self, name: str, dst: torch.Tensor, src: torch.Tensor, ckpt_name: str, rows: slice | None = None, index: int | None = None) -> None:
         if index is not None:
             dst = dst[index]
         if rows is not None:
@@ -64,11 +92,18 @@ class _Filler:
             raise ValueError(f"shape mismatch for {ckpt_name!r}: checkpoint has {tuple(src.shape)}, model expects {tuple(dst.shape)}")
         with torch.no_grad():
             dst.copy_(src)
-        self.filled[name] = self.filled.get(name, 0) + src.numel()
+        self.count(name, src.numel())
+
+    def count(self, name: str, numel: int) -> None:
+        self.filled[name] = self.filled.get(name, 0) + numel
 
 
-def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, moe_quant: str | None = None) -> CausalLM:
+    """Build and fill a model. `moe_quant="mxfp8"` quantizes routed experts as they load; a
+    checkpoint whose experts are saved in MXFP8 (`cuttle.moe.checkpoint`) loads quantized either way."""
     model = CausalLM(cfg, dtype, device)
+    if moe_quant is not None or checkpoint_is_quantized(path):
+        prepare_quantized_experts(model, moe_quant or "mxfp8")
     load_weights(model, iter_tensors(path), strict=True, source=path)
     return model.to(device)
 
@@ -77,78 +112,130 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     """Copy HF-named tensors into the model's (fused) parameters, in place.
 
     `strict`: every parameter must be covered (loading a checkpoint); otherwise any subset may be
-    given (a weight update). Returns the names that have no place in this model and were skipped
-    (e.g. `rotary_emb.inv_freq` buffers of old checkpoints); a name that maps to a parameter but
-    has the wrong shape is an error.
+    given (a weight update). Expert tensors for an MXFP8 layer are quantized as they are written
+    (MXFP8 ones are copied). Returns the names that have no place in this model and were skipped
+    (e.g. `rotary_emb.inv_freq` buffers of old checkpoints, DeepSeek's multi-token-prediction
+    layers); a name that maps to a parameter but has the wrong shape is an error.
     """
     cfg = model.cfg
-    params = dict(model.named_parameters(remove_duplicate=False))
-    filler = _Filler(model)
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    quantized = {i: layer for i, layer in moe_layers(model).items() if layer.quant == "mxfp8"}
+    for i, layer in quantized.items():
+        for field in _QUANTIZED_DTYPES:
+            targets[f"layers.{i}.mlp.{field}"] = getattr(layer, field)
+    table = _layer_table(cfg)
+    extra_layers = int(cfg.hf_config.get("num_nextn_predict_layers", 0)) if cfg.mla is not None else 0
+    filler = _Filler()
     unused: list[str] = []
     for name, t in tensors:
         if name == "model.embed_tokens.weight":
-            filler.put("embed", params["embed"], t, name)
+            filler.put("embed", targets["embed"], t, name)
         elif name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
-                filler.put("lm_head", params["lm_head"], t, name)
+                filler.put("lm_head", targets["lm_head"], t, name)
         elif name == "model.norm.weight":
-            filler.put("norm.weight", params["norm.weight"], t, name)
+            filler.put("norm.weight", targets["norm.weight"], t, name)
         elif (m := _LAYER.match(name)) is not None:
             i, rest = int(m.group(1)), m.group(2)
-            if i >= cfg.num_layers:
+            if i >= cfg.num_layers + extra_layers:
                 raise ValueError(f"tensor {name!r} is for layer {i} but the config has {cfg.num_layers} layers")
-            p = f"layers.{i}."
-            mi = cfg.moe_intermediate_size
-            if (e := _EXPERT.match(rest)) is not None:
-                eid, kind = int(e.group(1)), e.group(2)
-                if p + "mlp.w2" not in params:
-                    raise ValueError(f"tensor {name!r} is an expert weight but layer {i} is not a MoE layer here")
-                if kind == "down_proj":
-                    filler.put(p + "mlp.w2", params[p + "mlp.w2"], t, name, index=eid)
-                else:
-                    rows = slice(0, mi) if kind == "gate_proj" else slice(mi, 2 * mi)
-                    filler.put(p + "mlp.w13", params[p + "mlp.w13"], t, name, rows=rows, index=eid)
-                continue
-            target = _layer_target(rest)
-            if target is None:
+            if i >= cfg.num_layers:  # DeepSeek multi-token-prediction modules: not used for decoding
                 unused.append(name)
+            elif _load_expert_tensor(model, i, rest, t, name, targets, filler, quantized.get(i)):
                 continue
-            pname, rows = target
-            if pname.endswith("qkv_weight") or pname.endswith("qkv_bias"):
-                rows = qkv_rows[rows]
-            elif pname.endswith("gate_up_weight"):
-                inter = cfg.intermediate_size
-                rows = slice(0, inter) if rows == "gate" else slice(inter, 2 * inter)
-            if p + pname not in params:
-                raise ValueError(f"tensor {name!r} has no place in a {cfg.architecture} model")
-            filler.put(p + pname, params[p + pname], t, name, rows=rows)
+            elif (target := table.get(rest)) is not None:
+                pname, rows = f"layers.{i}.{target[0]}", target[1]
+                if pname not in targets:
+                    raise ValueError(f"tensor {name!r} has no place in layer {i} of this {cfg.architecture} model")
+                filler.put(pname, targets[pname], t, name, rows=rows)
+            else:
+                unused.append(name)
         else:
             unused.append(name)
     if strict:
-        missing = [n for n, prm in params.items() if filler.filled.get(n, 0) != prm.numel() and not (cfg.tie_word_embeddings and n == "lm_head")]
+        missing = [n for n, prm in targets.items() if filler.filled.get(n, 0) != prm.numel() and not (cfg.tie_word_embeddings and n == "lm_head")]
         if missing:
             raise ValueError(f"checkpoint {source!r} does not provide: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return unused
 
 
-def _layer_target(rest: str) -> tuple[str, object] | None:
-    """Maps the part of an HF name after `model.layers.N.` to (parameter, slice key)."""
-    table: dict[str, tuple[str, object]] = {
+def _load_expert_tensor(
+    model: CausalLM, i: int, rest: str, t: torch.Tensor, name: str,
+    targets: dict[str, torch.Tensor], filler: _Filler, quantized: FusedMoE | None,
+) -> bool:
+    """Routed-expert tensors of layer i, in any layout; False if `rest` is not one."""
+    p = f"layers.{i}.mlp."
+    mi = model.cfg.moe_intermediate_size
+    if (e := _EXPERT.match(rest)) is not None:
+        eid, part = int(e.group(1)), _EXPERT_PART[e.group(2)]
+        which = "w2" if part == "down" else "w13"
+        rows = None if part == "down" else (slice(0, mi) if part == "gate" else slice(mi, 2 * mi))
+        index: int | None = eid
+    elif (f := _FUSED_EXPERTS.match(rest)) is not None:
+        which, rows, index = ("w13" if f.group(1) == "gate_up_proj" else "w2"), None, None
+    elif (q := _QUANTIZED.match(rest)) is not None:
+        field = q.group(1)
+        if quantized is None:
+            raise ValueError(f"tensor {name!r} is an MXFP8 expert tensor but layer {i} does not hold MXFP8 experts")
+        if t.dtype != _QUANTIZED_DTYPES[field]:
+            raise ValueError(f"tensor {name!r} is {t.dtype}, expected {_QUANTIZED_DTYPES[field]}")
+        filler.put(p + field, targets[p + field], t, name)
+        return True
+    else:
+        return False
+    if not isinstance(model.layers[i].mlp, FusedMoE):
+        raise ValueError(f"tensor {name!r} is an expert weight but layer {i} is not a MoE layer here")
+    if quantized is not None:
+        try:
+            data, scale = write_quantized(quantized, which, t, index=index, rows=rows)
+        except ValueError as err:
+            raise ValueError(f"shape mismatch for {name!r}: {err}") from None
+        filler.count(p + which + "_mx", data.numel())
+        filler.count(p + which + "_scale", scale.numel())
+    else:
+        filler.put(p + which, targets[p + which], t, name, rows=rows, index=index)
+    return True
+
+
+def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
+    """Maps the part of an HF name after `model.layers.N.` to (parameter under `layers.N.`, rows)."""
+    table: dict[str, tuple[str, slice | None]] = {
         "input_layernorm.weight": ("input_norm.weight", None),
         "post_attention_layernorm.weight": ("post_attn_norm.weight", None),
         "self_attn.o_proj.weight": ("attn.o_weight", None),
-        "self_attn.q_norm.weight": ("attn.q_norm.weight", None),
-        "self_attn.k_norm.weight": ("attn.k_norm.weight", None),
         "mlp.down_proj.weight": ("mlp.down_weight", None),
-        "mlp.gate_proj.weight": ("mlp.gate_up_weight", "gate"),
-        "mlp.up_proj.weight": ("mlp.gate_up_weight", "up"),
+        "mlp.gate_proj.weight": ("mlp.gate_up_weight", slice(0, cfg.intermediate_size)),
+        "mlp.up_proj.weight": ("mlp.gate_up_weight", slice(cfg.intermediate_size, 2 * cfg.intermediate_size)),
         "mlp.gate.weight": ("mlp.gate_weight", None),
-        "mlp.experts.gate_up_proj": ("mlp.w13", None),  # transformers-5 fused expert layout
-        "mlp.experts.down_proj": ("mlp.w2", None),
+        "block_sparse_moe.gate.weight": ("mlp.gate_weight", None),
+        "mlp.gate.e_score_correction_bias": ("mlp.e_score_correction_bias", None),
     }
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        table[f"self_attn.{proj}.weight"] = ("attn.qkv_weight", proj)
-        table[f"self_attn.{proj}.bias"] = ("attn.qkv_bias", proj)
-    return table.get(rest)
+    si = cfg.shared_expert_intermediate_size
+    for shared in ("shared_expert", "shared_experts"):  # Qwen2-MoE, DeepSeek-V3
+        table[f"mlp.{shared}.gate_proj.weight"] = ("shared.w13", slice(0, si))
+        table[f"mlp.{shared}.up_proj.weight"] = ("shared.w13", slice(si, 2 * si))
+        table[f"mlp.{shared}.down_proj.weight"] = ("shared.w2", None)
+    table["mlp.shared_expert_gate.weight"] = ("shared.gate_weight", None)
+    if cfg.mla is not None:
+        m = cfg.mla
+        q_rows = m.q_lora_rank if m.q_lora_rank is not None else cfg.num_heads * m.qk_head_dim
+        table.update({
+            "self_attn.q_proj.weight": ("attn.a_weight", slice(0, q_rows)),
+            "self_attn.q_a_proj.weight": ("attn.a_weight", slice(0, q_rows)),
+            "self_attn.kv_a_proj_with_mqa.weight": ("attn.a_weight", slice(q_rows, None)),
+            "self_attn.q_a_proj.bias": ("attn.q_a_bias", None),
+            "self_attn.kv_a_proj_with_mqa.bias": ("attn.kv_a_bias", None),
+            "self_attn.q_a_layernorm.weight": ("attn.q_a_norm.weight", None),
+            "self_attn.kv_a_layernorm.weight": ("attn.kv_a_norm.weight", None),
+            "self_attn.q_b_proj.weight": ("attn.q_b_weight", None),
+            "self_attn.kv_b_proj.weight": ("attn.kv_b_weight", None),
+            "self_attn.o_proj.bias": ("attn.o_bias", None),
+        })
+        return table
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    table["self_attn.q_norm.weight"] = ("attn.q_norm.weight", None)
+    table["self_attn.k_norm.weight"] = ("attn.k_norm.weight", None)
+    for proj, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):
+        table[f"self_attn.{proj}.weight"] = ("attn.qkv_weight", rows)
+        table[f"self_attn.{proj}.bias"] = ("attn.qkv_bias", rows)
+    return table

@@ -1,7 +1,8 @@
 """The decoder-only transformer behind every supported architecture.
 
-Llama-3, Qwen2, Qwen3 and Qwen3-MoE differ only in switches read from `ModelConfig`
-(q/k RMSNorm, attention bias, routed-MoE MLPs on some layers, rope scaling), so they share one
+Llama-3, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 differ only in switches read
+from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, routed-MoE MLPs on some layers,
+a shared expert beside the routed ones, multi-head latent attention), so they share one
 definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
 slices HF tensors into them. The forward takes a flattened, unpadded batch and the attention
 metadata; it never owns KV memory (the runner hands each layer its cache views).
@@ -16,25 +17,9 @@ from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.rope import RotaryEmbedding, apply_rope
 from cuttle.engine.config import ModelConfig
-from cuttle.moe import FusedMoE, RoutingConfig
-
-
-class RMSNorm(nn.Module):
-    """HF semantics: normalize in fp32, cast back, then scale by the weight."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+from cuttle.engine.models.layers import RMSNorm, empty_param
+from cuttle.engine.models.mla import MLAttention
+from cuttle.moe import FusedMoE, RoutingConfig, SharedExpert
 
 
 class Attention(nn.Module):
@@ -43,9 +28,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_weight = _empty(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
-        self.qkv_bias = _empty(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
-        self.o_weight = _empty(cfg.hidden_size, self.q_size, dtype=dtype)
+        self.qkv_weight = empty_param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
+        self.qkv_bias = empty_param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
+        self.o_weight = empty_param(cfg.hidden_size, self.q_size, dtype=dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -93,8 +78,8 @@ class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
         super().__init__()
         self.inter = inter
-        self.gate_up_weight = _empty(2 * inter, hidden, dtype=dtype)
-        self.down_weight = _empty(hidden, inter, dtype=dtype)
+        self.gate_up_weight = empty_param(2 * inter, hidden, dtype=dtype)
+        self.down_weight = empty_param(hidden, inter, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_weight).split(self.inter, dim=-1)
@@ -105,33 +90,41 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dtype)
+        self.attn: nn.Module = MLAttention(cfg, dtype) if cfg.mla is not None else Attention(cfg, dtype)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # `mlp` is the routed FusedMoE or the dense MLP; a shared expert sits beside the routed one
+        self.shared: SharedExpert | None = None
         if layer_id in cfg.moe_layers:
             routing = RoutingConfig.from_hf(cfg.hf_config)
             self.mlp: nn.Module = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, routing, dtype)
+            if cfg.shared_expert_intermediate_size:
+                self.shared = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, cfg.shared_expert_gated)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(h)
+        return y if self.shared is None else y + self.shared(h)
+
     def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attn_norm(x))
+        return x + self._ffn(self.post_attn_norm(x))
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.attn.forward_dense(self.input_norm(x), cos, sin, mask)
         B, S, H = x.shape
-        return x + self.mlp(self.post_attn_norm(x).reshape(B * S, H)).view(B, S, H)
+        return x + self._ffn(self.post_attn_norm(x).reshape(B * S, H)).view(B, S, H)
 
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cfg = cfg
-        self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
 
     def forward(
         self,
