@@ -13,8 +13,10 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
+
+import torch
 
 from cuttle.engine.llm_engine import LLMEngine
 from cuttle.engine.outputs import RequestOutput
@@ -163,3 +165,41 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(stream.put_nowait, item)
             except RuntimeError:  # the caller's loop is closed
                 pass
+
+    # ---- weight sync (RL) ------------------------------------------------------------------
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> int:
+        """Pause, load new weights, resume; returns the new weight version.
+
+        Runs on the engine thread between steps, so no step ever sees half-updated weights.
+        `in_flight="abort"`: unfinished requests end now with finish_reason "abort" (their callers
+        get that final output). `in_flight="finish"`: they are stepped to completion under the old
+        weights first and streamed as usual. Requests submitted meanwhile wait in the command
+        queue and start under the new version.
+        """
+        if in_flight not in ("abort", "finish"):
+            raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
+
+        def run() -> int:
+            if in_flight == "finish":
+                self._drain()
+            for out in self.engine.update_weights(named_tensors, "abort"):
+                self._deliver(out.request_id, out)
+            self.stats_snapshot = self.engine.stats()
+            return self.engine.weight_version
+
+        return await self._call(run)
+
+    def _drain(self) -> None:
+        """Engine thread only: step until every request in flight has finished, delivering outputs."""
+        engine = self.engine
+        while engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - as in _loop: fail those requests, keep the engine
+                log.exception("engine step failed while draining for a weight update")
+                for rid in list(engine.requests):
+                    engine.abort_request(rid)
+                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                return
+            for out in outputs:
+                self._deliver(out.request_id, out)

@@ -6,9 +6,11 @@ and returns outputs in input order. Owns no scheduling logic of its own.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from cuttle.engine.config import EngineConfig
@@ -63,6 +65,13 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> int:
+        """Load new weights in place (HF names or the engine's own parameter names); returns the
+        new `weight_version`. Between `generate` calls nothing is in flight, so `in_flight` only
+        matters to callers stepping `self.engine` themselves (see `LLMEngine.update_weights`)."""
+        self.engine.update_weights(named_tensors, in_flight)
+        return self.engine.weight_version
 
     def generate(
         self,

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.model_runner import ModelRunner
+from cuttle.engine.models import load_weights
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
 from cuttle.engine.sampler import Logprob, SampleRequest, sample
 from cuttle.engine.sampling_params import SamplingParams
@@ -290,7 +292,56 @@ class LLMEngine:
             outputs=outs,
             finished=req.is_finished or req.aborted,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
+            metrics={"weight_version": req.weight_version},  # type: ignore[attr-defined]
         )
+
+    # ---- weight sync (RL) ------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> list[RequestOutput]:
+        """Replace weights in place and bump `weight_version`; returns the outputs of the requests
+        that ended during the call.
+
+        `in_flight`: "abort" stops every unfinished request first (finish_reason "abort");
+        "finish" steps them to completion under the old weights first. Either way no request ever
+        spans two versions. Tensors are named either as in an HF checkpoint (mapped by the loader)
+        or as this engine's own parameters (`CausalLM.named_parameters()`, what a trainer built on
+        the same model code holds). Afterwards the prefix cache is emptied, and since the cache
+        key carries the version, nothing computed under the old weights can be hit again.
+        """
+        if in_flight not in ("abort", "finish"):
+            raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
+        ended: list[RequestOutput] = []
+        if in_flight == "finish":
+            while self.has_unfinished_requests():
+                ended.extend(out for out in self.step() if out.finished)
+        else:
+            for rid in list(self.requests):
+                out = self.abort_request(rid)
+                if out is not None:
+                    ended.append(out)
+        self._load_weights(named_tensors)
+        self.weight_version += 1
+        self.block_manager.reset_prefix_cache()
+        return ended
+
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        model = self.runner.model
+        params = dict(model.named_parameters(remove_duplicate=False))
+        native: list[tuple[torch.Tensor, torch.Tensor]] = []
+        hf: list[tuple[str, torch.Tensor]] = []
+        for name, t in named_tensors:
+            p = params.get(name)
+            if p is None:
+                hf.append((name, t))
+                continue
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, the engine has {tuple(p.shape)}")
+            native.append((p, t))
+        with torch.no_grad():
+            for p, t in native:
+                p.copy_(t)
+        unknown = load_weights(model, hf, strict=False, source="update_weights")
+        if unknown:  # the others are already copied: an update naming foreign tensors is a caller bug
+            raise ValueError(f"update_weights: tensors with no place in this model: {unknown[:8]}")
 
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager

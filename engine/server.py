@@ -387,6 +387,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    add_rl_routes(app, engine)
     return app
 
 
@@ -446,3 +447,85 @@ def _forced_prefix(parser: str, choice: str, name: str | None) -> str:
     if choice == "required":
         return '<tool_call>\n{"name": "' if parser == "hermes" else "<tool_call>\n<function="
     return ""
+
+
+def add_rl_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    """Routes for RL trainers (`cuttle.rl.RolloutClient` speaks them); under /v1, so behind auth.
+
+    POST /v1/rl/generate        {"prompts": [[ids], ...], "sampling_params": {...}} -> one entry per
+                                prompt: {"weight_version", "samples": [{"token_ids", "logprobs",
+                                "finish_reason", "text"}]}. Token ids in and out; `n` samples per
+                                prompt fork from one prefill; logprobs are the engine's (processed).
+    POST /v1/rl/update_weights  body: a safetensors file (HF or engine parameter names);
+                                ?in_flight=abort|finish -> {"weight_version"}
+    GET  /v1/rl/weight_version  -> {"weight_version"}
+    """
+    from safetensors.torch import load as load_safetensors
+
+    llm = engine.engine
+
+    @app.post("/v1/rl/generate")
+    async def rl_generate(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise OpenAIError(f"request body is not valid JSON: {e}") from None
+        prompts = body.get("prompts") if isinstance(body, dict) else None
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) and p for p in prompts):
+            raise OpenAIError("prompts must be a non-empty list of non-empty token-id lists", param="prompts")
+        raw = body.get("sampling_params") or {}
+        if not isinstance(raw, dict):
+            raise OpenAIError("sampling_params must be an object", param="sampling_params")
+        params = sampling_params(raw, default_max_tokens=None, logprobs=0)
+        base = uuid.uuid4().hex
+
+        async def one(i: int, prompt: list[int]) -> RequestOutput:
+            last: RequestOutput | None = None
+            try:
+                async for out in engine.generate(f"rl-{base}-{i}", prompt, params):
+                    last = out
+            except ValueError as e:
+                raise OpenAIError(f"prompts[{i}]: {e}") from None
+            except QueueFullError as e:
+                raise OpenAIError(f"server is at capacity: {e}", 503, "server_busy") from None
+            assert last is not None
+            return last
+
+        async def run() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+        task = asyncio.ensure_future(run())
+        while True:  # a trainer that goes away must not leave its rollouts running
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                raise OpenAIError("client disconnected", 499)
+        results = []
+        for out in task.result():
+            samples = [
+                {"token_ids": c.token_ids, "logprobs": [d[t].logprob for d, t in zip(c.logprobs or [], c.token_ids)],
+                 "finish_reason": c.finish_reason, "text": c.text}
+                for c in out.outputs
+            ]
+            results.append({"weight_version": int(out.metrics["weight_version"]), "samples": samples})
+        return {"results": results}
+
+    @app.post("/v1/rl/update_weights")
+    async def rl_update_weights(request: Request, in_flight: str = "abort") -> dict[str, Any]:
+        if in_flight not in ("abort", "finish"):
+            raise OpenAIError("in_flight must be 'abort' or 'finish'", param="in_flight")
+        try:
+            tensors = load_safetensors(await request.body())
+        except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+            raise OpenAIError(f"body is not a safetensors file: {e}") from None
+        try:
+            version = await engine.update_weights(tensors.items(), in_flight)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        return {"weight_version": version}
+
+    @app.get("/v1/rl/weight_version")
+    async def rl_weight_version() -> dict[str, Any]:
+        return {"weight_version": llm.weight_version}

@@ -1,0 +1,91 @@
+"""`RolloutClient`: the rollout API over HTTP, against one `cuttle serve` or a pool of them.
+
+Owns the wire format of the RL routes (`/v1/rl/*`, see `engine/server.py::add_rl_routes`) from the
+trainer's side. It satisfies `TokenSampler`, so `sample_groups(client, ...)` works exactly as with
+an in-process `LLM`. With several servers, prompts are spread round-robin (a prompt's whole group
+stays on one server, so its samples still share one prefill) and weight updates go to all.
+Must never tokenize: token ids in, token ids out.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import save as save_safetensors
+
+from cuttle.engine.sampling_params import SamplingParams
+from cuttle.rl.rollout import sample_groups
+from cuttle.rl.types import Group, Sample
+
+# Fields the server's sampling-params parser reads; logprobs are always returned by the route.
+_WIRE_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+                "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "skip_special_tokens", "include_stop_str_in_output")
+
+
+class RolloutClient:
+    def __init__(self, base_urls: str | list[str], api_key: str | None = None, timeout: float = 600.0):
+        self.base_urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not self.base_urls:
+            raise ValueError("RolloutClient needs at least one server URL")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _post(self, url: str, **kw: Any) -> dict[str, Any]:
+        r = self._http.post(url, **kw)
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text}")
+        return r.json()
+
+    # ---- rollouts --------------------------------------------------------------------------
+    def generate_tokens(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        wire = {k: v for k, v in dataclasses.asdict(params).items() if k in _WIRE_FIELDS}
+        k = len(self.base_urls)
+        shards = [list(range(i, len(prompts), k)) for i in range(k)]
+
+        def call(i: int) -> list[dict[str, Any]]:
+            if not shards[i]:
+                return []
+            body = {"prompts": [prompts[j] for j in shards[i]], "sampling_params": wire}
+            return self._post(self.base_urls[i] + "/v1/rl/generate", json=body)["results"]
+
+        with ThreadPoolExecutor(max_workers=k) as pool:
+            answers = list(pool.map(call, range(k)))
+        out: list[list[Sample]] = [[] for _ in prompts]
+        for shard, results in zip(shards, answers):
+            for j, res in zip(shard, results):
+                v = int(res["weight_version"])
+                out[j] = [Sample(s["token_ids"], s["logprobs"], s["finish_reason"], v, text=s["text"]) for s in res["samples"]]
+        return out
+
+    def sample_groups(self, prompts: list[list[int]], group_size: int, sampling_params: SamplingParams,
+                      metadata: list[dict[str, Any]] | None = None) -> list[Group]:
+        return sample_groups(self, prompts, group_size, sampling_params, metadata)
+
+    # ---- weights ---------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """The lowest version across the pool (servers can lag only while an update is under way)."""
+        return min(int(self._http.get(u + "/v1/rl/weight_version").json()["weight_version"]) for u in self.base_urls)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> int:
+        """Send the tensors (as one safetensors blob) to every server; returns the lowest new version."""
+        blob = save_safetensors({n: t.detach().contiguous().cpu() for n, t in named_tensors})
+        versions = [
+            int(self._post(u + "/v1/rl/update_weights", params={"in_flight": in_flight}, content=blob)["weight_version"])
+            for u in self.base_urls
+        ]
+        return min(versions)

@@ -1,0 +1,58 @@
+"""Pluggable rewards: a reward function scores one sample of a group; `assign_rewards` runs it.
+
+Owns the `RewardFn` contract and the verifiable, sandbox-free rewards (pure functions of the
+sample's text and the group's metadata). Code that must be *executed* is graded by
+`cuttle.rl.code_reward` in the sandbox, never here: nothing in this module runs model output.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Protocol
+
+from cuttle.rl.types import Group, Sample
+
+
+class RewardFn(Protocol):
+    def __call__(self, group: Group, sample: Sample) -> float: ...
+
+
+def assign_rewards(groups: list[Group], reward_fn: RewardFn) -> None:
+    for g in groups:
+        for s in g.samples:
+            s.reward = float(reward_fn(g, s))
+
+
+def function_body(completion: str, finished: bool) -> str:
+    """The part of a completion that belongs to the function body being written: up to the first
+    line that starts at column 0 (the next top-level statement). When the sample was cut by the
+    length limit and never reached such a line, its last (unfinished) line is dropped."""
+    lines = completion.split("\n")
+    for i, line in enumerate(lines):
+        if i > 0 and line and not line[0].isspace():
+            return "\n".join(lines[:i])
+    return completion if finished else "\n".join(lines[:-1])
+
+
+def python_function_reward(group: Group, sample: Sample) -> float:
+    """Verifiable reward for "complete this function" prompts: the prompt must end inside a
+    function header or body (`group.metadata["prefix"]` holds its text).
+
+    0.5 when prefix + body parses as Python and the function has at least one statement of its
+    own, plus 0.5 when that function returns a value (`return <expr>` at any depth). The body is
+    cut at the next top-level line, so trailing text after the function costs nothing.
+    """
+    prefix = group.metadata["prefix"]
+    body = function_body(sample.text, sample.finish_reason == "stop")
+    try:
+        tree = ast.parse(prefix + body)
+    except SyntaxError:
+        return 0.0
+    funcs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if not funcs:
+        return 0.0
+    fn = funcs[-1]  # the prompt ends inside the function it opened: the last top-level one
+    stmts = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if not stmts:
+        return 0.0
+    returns = any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(fn))
+    return 0.5 + (0.5 if returns else 0.0)
