@@ -1,0 +1,85 @@
+"""The reference trainer: engine/trainer logprob agreement (acceptance 3), the loss's direction,
+and weight push back into the engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuttle.engine import LLM, SamplingParams
+from cuttle.rl import TrainBatch, Trajectory, compute_advantages, extend_trajectories, mismatch, sample_groups
+from cuttle.rl.trainer import Trainer, TrainerConfig
+
+
+@pytest.fixture(scope="module")
+def rollout(moe_path, random_prompts):
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=512)
+    groups = sample_groups(llm, random_prompts(8, 32, seed=11), 8, SamplingParams(temperature=1.0, seed=3, max_tokens=24))
+    for g in groups:
+        for i, s in enumerate(g.samples):
+            s.reward = float(i % 3 == 0)
+    return llm, groups
+
+
+def test_mismatch_float32_8x8(moe_path, rollout):
+    _, groups = rollout
+    batch = TrainBatch.from_groups(groups, compute_advantages(groups, True))
+    trainer = Trainer(moe_path, TrainerConfig(max_tokens_per_row=512))
+    packed = batch.packed()
+    m = mismatch(trainer.score(batch), packed.rollout_logprobs[packed.loss_mask > 0])
+    assert m.num_tokens == packed.num_trained_tokens >= 8 * 8
+    assert m.max_abs <= 1e-5, m
+    assert m.mean_abs <= 2e-6 and 0.0 <= m.k3_kl <= 1e-10
+
+
+def test_mismatch_catches_a_wrong_temperature(moe_path, rollout):
+    _, groups = rollout
+    batch = TrainBatch.from_groups(groups[:2], compute_advantages(groups[:2], True))
+    trainer = Trainer(moe_path, TrainerConfig(temperature=0.7))
+    packed = batch.packed()
+    m = mismatch(trainer.score(batch), packed.rollout_logprobs[packed.loss_mask > 0])
+    assert m.max_abs > 1e-2 and m.k3_kl > 1e-5
+
+
+def test_multi_turn_logprobs_agree(moe_path, random_prompts):
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=128)
+    trajs = [Trajectory.start(p) for p in random_prompts(2, 20, seed=5)]
+    sp = SamplingParams(temperature=1.0, seed=2, max_tokens=8, ignore_eos=True)
+    extend_trajectories(llm, trajs, sp)
+    for t in trajs:
+        t.append_context([40, 41, 42])
+    extend_trajectories(llm, trajs, sp)
+    batch = TrainBatch.from_trajectories(trajs, [1.0, -1.0], [0, 0])
+    packed = batch.packed()
+    m = mismatch(Trainer(moe_path).score(batch), packed.rollout_logprobs[packed.loss_mask > 0])
+    assert m.num_tokens == 32 and m.max_abs <= 1e-5
+
+
+def test_step_moves_logprobs_with_the_advantage_and_push_syncs_the_engine(moe_path, rollout):
+    _, groups = rollout
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=512)  # a private engine: this test updates it
+    g = groups[0]
+    batch = TrainBatch.from_groups([g], [[1.0] + [0.0] * 6 + [-1.0]])
+    trainer = Trainer(moe_path, TrainerConfig(lr=1e-3, grad_clip=None))
+    before = trainer.score(batch)
+    stats = trainer.step(batch)
+    after = trainer.score(batch)
+    lens = batch.packed().loss_mask.view(-1).nonzero().numel()
+    assert stats["mismatch_max_abs"] <= 1e-5 and stats["num_trained_tokens"] == lens
+    first = slice(0, len(g.samples[0].token_ids))
+    last = slice(lens - len(g.samples[-1].token_ids), lens)
+    assert (after[first] - before[first]).sum() > 0, "positive advantage must raise the sample's logprob"
+    assert (after[last] - before[last]).sum() < 0, "negative advantage must lower it"
+    assert trainer.push_weights(llm) == 1
+    # the engine now scores the same tokens as the trainer does
+    again = sample_groups(llm, [g.prompt_token_ids], 8, SamplingParams(temperature=1.0, seed=3, max_tokens=24))
+    assert again[0].samples[0].weight_version == 1
+    b2 = TrainBatch.from_groups(again, [[0.0] * 8])
+    p2 = b2.packed()
+    assert mismatch(trainer.score(b2), p2.rollout_logprobs[p2.loss_mask > 0]).max_abs <= 1e-5
+
+
+def test_mismatch_metric_values():
+    m = mismatch(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -2.0]))
+    assert m.max_abs == pytest.approx(0.5) and m.mean_abs == pytest.approx(0.25)
+    assert m.k3_kl == pytest.approx((torch.tensor(0.5).exp().item() - 1 - 0.5) / 2)
+    assert mismatch(torch.zeros(0), torch.zeros(0)).num_tokens == 0
