@@ -1,0 +1,52 @@
+"""The rollout API over HTTP against a live cuttle server: same samples as in process, weight
+updates, a pool of servers."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from cuttle.engine import LLM, SamplingParams
+from cuttle.rl import sample_groups
+from cuttle.rl.client import RolloutClient
+from cuttle.rl.trainer import Trainer
+from server_fixture import LiveServer
+
+SP = SamplingParams(temperature=1.0, seed=4, max_tokens=10, ignore_eos=True)
+
+
+def test_remote_groups_equal_local_and_weights_update(moe_path, random_prompts):
+    prompts = random_prompts(3, 20, seed=8)
+    local = sample_groups(LLM(moe_path, dtype="float32", num_kv_blocks=128), prompts, 4, SP)
+    with LiveServer(moe_path, dtype="float32", num_kv_blocks=128) as srv, RolloutClient(srv.url) as client:
+        remote = sample_groups(client, prompts, 4, SP)
+        assert [[s.token_ids for s in g.samples] for g in remote] == [[s.token_ids for s in g.samples] for g in local]
+        for rg, lg in zip(remote, local):
+            for rs, ls in zip(rg.samples, lg.samples):
+                assert rs.logprobs == pytest.approx(ls.logprobs, abs=1e-6)
+                assert rs.weight_version == 0 and rs.finish_reason == "length"
+        # one prefill per group on the server too
+        assert srv.stats()["prefill_tokens_computed"] == 3 * 20
+
+        trainer = Trainer(moe_path)
+        for p in trainer.params:  # a visible change: the engine must follow it
+            p.data.mul_(1.1)
+        assert trainer.push_weights(client) == 1 and client.weight_version == 1
+        updated = client.sample_groups(prompts, 4, SP)
+        assert all(s.weight_version == 1 for g in updated for s in g.samples)
+        assert [s.token_ids for s in updated[0].samples] != [s.token_ids for s in remote[0].samples]
+
+        bad = httpx.post(srv.url + "/v1/rl/generate", json={"prompts": [[]]})
+        assert bad.status_code == 400
+        too_big = httpx.post(srv.url + "/v1/rl/generate", json={"prompts": [[999999]]})
+        assert too_big.status_code == 400 and "prompts[0]" in too_big.json()["error"]["message"]
+
+
+def test_pool_spreads_prompts_and_keeps_order(moe_path, random_prompts):
+    prompts = random_prompts(3, 12, seed=9)
+    local = sample_groups(LLM(moe_path, dtype="float32", num_kv_blocks=128), prompts, 2, SP)
+    with LiveServer(moe_path, dtype="float32", num_kv_blocks=128) as a, LiveServer(moe_path, dtype="float32", num_kv_blocks=128) as b:
+        with RolloutClient([a.url, b.url]) as client:
+            pooled = client.sample_groups(prompts, 2, SP)
+            assert [[s.token_ids for s in g.samples] for g in pooled] == [[s.token_ids for s in g.samples] for g in local]
+            assert a.stats()["prefill_tokens_computed"] == 2 * 12  # prompts 0 and 2
+            assert b.stats()["prefill_tokens_computed"] == 12  # prompt 1
