@@ -22,13 +22,14 @@ def assign_rewards(groups: list[Group], reward_fn: RewardFn) -> None:
             s.reward = float(reward_fn(g, s))
 
 
-def function_body(completion: str, finished: bool) -> str:
+def function_body(completion: str, finished: bool, starts_line: bool = False) -> str:
     """The part of a completion that belongs to the function body being written: up to the first
-    line that starts at column 0 (the next top-level statement). When the sample was cut by the
-    length limit and never reached such a line, its last (unfinished) line is dropped."""
+    line that starts at column 0 (the next top-level statement). `starts_line`: the prompt ended
+    with a newline, so the completion's first line is a line of its own. When the sample was cut
+    by the length limit and never reached such a line, its last (unfinished) line is dropped."""
     lines = completion.split("\n")
     for i, line in enumerate(lines):
-        if i > 0 and line and not line[0].isspace():
+        if (i > 0 or starts_line) and line and not line[0].isspace():
             return "\n".join(lines[:i])
     return completion if finished else "\n".join(lines[:-1])
 
@@ -42,7 +43,7 @@ def python_function_reward(group: Group, sample: Sample) -> float:
     cut at the next top-level line, so trailing text after the function costs nothing.
     """
     prefix = group.metadata["prefix"]
-    body = function_body(sample.text, sample.finish_reason == "stop")
+    body = function_body(sample.text, sample.finish_reason == "stop", prefix.endswith("\n"))
     try:
         tree = ast.parse(prefix + body)
     except SyntaxError:

@@ -28,6 +28,9 @@ def test_function_body_cut():
     assert function_body("return 1\nprint(2)\n", finished=False) == "return 1"
     assert function_body("x = 1\n    y = 2\n    z", finished=False) == "x = 1\n    y = 2"
     assert function_body("x = 1\n    y", finished=True) == "x = 1\n    y"
+    assert function_body("x = 1\n", finished=True, starts_line=True) == ""
+    assert score("    return a\n", prefix="def add(a, b):\n") == 1.0
+    assert score("return a\n", prefix="def add(a, b):\n") == 0.0  # not indented: not a body
 
 
 def test_assign_rewards_sets_every_sample():
