@@ -56,6 +56,9 @@ _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 # transformers-5 fused layout (its in-memory names, also what a trainer's weight update sends)
 _FUSED_EXPERTS = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+# the engine's own stacked expert parameters (what a trainer on this model code holds); for an
+# MXFP8 layer they are no longer parameters, so they are routed here to be re-quantized
+_NATIVE_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.(w13|w2)$")
 # MXFP8 experts as `cuttle.moe.checkpoint` writes them: `<experts prefix>.{w13_mx,w13_scale,w2_mx,w2_scale}`
 _QUANTIZED = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(w13_mx|w13_scale|w2_mx|w2_scale)$")
 _QUANTIZED_DTYPES = {"w13_mx": torch.float8_e4m3fn, "w2_mx": torch.float8_e4m3fn,
@@ -135,6 +138,11 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
                 filler.put("lm_head", targets["lm_head"], t, name)
         elif name == "model.norm.weight":
             filler.put("norm.weight", targets["norm.weight"], t, name)
+        elif (n := _NATIVE_EXPERTS.match(name)) is not None and int(n.group(1)) in quantized:
+            i, which = int(n.group(1)), n.group(2)
+            data, scale = _write_quantized(quantized[i], which, t, name)
+            filler.count(f"layers.{i}.mlp.{which}_mx", data.numel())
+            filler.count(f"layers.{i}.mlp.{which}_scale", scale.numel())
         elif (m := _LAYER.match(name)) is not None:
             i, rest = int(m.group(1)), m.group(2)
             if i >= cfg.num_layers + extra_layers:
@@ -186,15 +194,21 @@ def _load_expert_tensor(
     if not isinstance(model.layers[i].mlp, FusedMoE):
         raise ValueError(f"tensor {name!r} is an expert weight but layer {i} is not a MoE layer here")
     if quantized is not None:
-        try:
-            data, scale = write_quantized(quantized, which, t, index=index, rows=rows)
-        except ValueError as err:
-            raise ValueError(f"shape mismatch for {name!r}: {err}") from None
+        data, scale = _write_quantized(quantized, which, t, name, index=index, rows=rows)
         filler.count(p + which + "_mx", data.numel())
         filler.count(p + which + "_scale", scale.numel())
     else:
         filler.put(p + which, targets[p + which], t, name, rows=rows, index=index)
     return True
+
+
+def _write_quantized(
+    layer: FusedMoE, which: str, t: torch.Tensor, name: str, index: int | None = None, rows: slice | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        return write_quantized(layer, which, t, index=index, rows=rows)
+    except ValueError as err:
+        raise ValueError(f"shape mismatch for {name!r}: {err}") from None
 
 
 def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
