@@ -97,13 +97,15 @@ async def _in_flight(moe_path: str, tensors: dict[str, torch.Tensor], mode: str)
     try:
         sp = SamplingParams(temperature=1.0, seed=1, max_tokens=64, ignore_eos=True, logprobs=0)
         stream = engine.generate("long", [5, 6, 7, 8], sp)
-        first = await stream.__anext__()  # running now
+        first = await stream.__anext__()
+        engine.pause()  # stop stepping: the request is now certainly in flight when the update runs
         assert not first.finished
         update = asyncio.ensure_future(engine.update_weights(tensors.items(), in_flight=mode))
         last = first
         async for out in stream:
             last = out
         version = await update
+        engine.resume()
         after = None
         async for out in engine.generate("after", [5, 6, 7, 8], SamplingParams(max_tokens=2)):
             after = out
