@@ -115,6 +115,22 @@ def test_family_token_exact_vs_transformers(families, family):
     assert llm.stats()["steps"] > NEW_TOKENS + 5  # prompts were prefilled in chunks over the cache
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_training_path_matches_transformers(families, family):
+    """`forward_packed` (the trainer's path: dense attention, document mask) on two packed prompts."""
+    ref = families[family]
+    cfg = ModelConfig.from_pretrained(ref["path"])
+    model = load_model(ref["path"], cfg, torch.float32, torch.device("cpu"))
+    a, b = PROMPTS[1], PROMPTS[3]
+    ids = torch.tensor([a + b])
+    positions = torch.tensor([list(range(len(a))) + list(range(len(b)))])
+    docs = torch.tensor([[0] * len(a) + [1] * len(b)])
+    with torch.no_grad():
+        got = model.compute_logits(model.forward_packed(ids, positions, docs))[0].log_softmax(-1)
+        want = torch.cat([ref["model"](torch.tensor([p])).logits[0].float().log_softmax(-1) for p in (a, b)])
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
 def test_family_configs_pick_the_right_layers(families):
     qwen2 = ModelConfig.from_pretrained(families["qwen2_moe"]["path"])
     assert qwen2.moe_layers == [0, 2] and qwen2.shared_expert_gated and qwen2.attention_bias
