@@ -178,6 +178,8 @@ class AsyncEngine:
         """
         if in_flight not in ("abort", "finish"):
             raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
+        if self._thread is None:
+            raise EngineDeadError("engine loop is not running")
 
         def run() -> int:
             if in_flight == "finish":
