@@ -132,3 +132,21 @@ def test_update_lets_in_flight_requests_finish_under_old_weights(moe_path, pertu
         [[5, 6, 7, 8]], SamplingParams(temperature=1.0, seed=1, max_tokens=64, ignore_eos=True), use_tqdm=False)[0]
     assert last.outputs[0].token_ids == ref.outputs[0].token_ids
     assert after.metrics["weight_version"] == 1
+
+
+def test_engine_update_returns_what_ended(moe_path, perturbed):
+    """The synchronous engine: "finish" steps in-flight requests to the end, "abort" stops them."""
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=64)
+    engine = llm.engine
+    sp = SamplingParams(temperature=1.0, seed=2, max_tokens=10, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], sp)
+    engine.step()
+    ended = engine.update_weights(perturbed[1].items(), in_flight="finish")
+    assert [o.request_id for o in ended] == ["a"] and len(ended[0].outputs[0].token_ids) == 10
+    assert ended[0].metrics["weight_version"] == 0 and engine.weight_version == 1
+    engine.add_request("b", [5, 6, 7], sp)
+    engine.step()
+    ended = engine.update_weights(perturbed[1].items(), in_flight="abort")
+    assert ended[0].outputs[0].finish_reason == "abort" and ended[0].metrics["weight_version"] == 1
+    assert not engine.has_unfinished_requests() and engine.weight_version == 2
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
