@@ -34,19 +34,30 @@ def function_body(completion: str, finished: bool, starts_line: bool = False) ->
     return completion if finished else "\n".join(lines[:-1])
 
 
+def _longest_parsable(prefix: str, body: str) -> ast.Module | None:
+    """prefix + the most lines of `body` that parse (the body up to its first syntax error)."""
+    lines = body.split("\n")
+    for k in range(len(lines), 0, -1):
+        try:
+            return ast.parse(prefix + "\n".join(lines[:k]))
+        except SyntaxError:
+            continue
+    return None
+
+
 def python_function_reward(group: Group, sample: Sample) -> float:
     """Verifiable reward for "complete this function" prompts: the prompt must end inside a
     function header or body (`group.metadata["prefix"]` holds its text).
 
-    0.5 when prefix + body parses as Python and the function has at least one statement of its
-    own, plus 0.5 when that function returns a value (`return <expr>` at any depth). The body is
-    cut at the next top-level line, so trailing text after the function costs nothing.
+    The body is the completion cut at the next top-level line, then at its first line that does
+    not parse (so a small model's trailing noise does not hide a good start). 0.5 when that body
+    gives the function a statement of its own, plus 0.5 when the function returns a value
+    (`return <expr>` at any depth).
     """
     prefix = group.metadata["prefix"]
     body = function_body(sample.text, sample.finish_reason == "stop", prefix.endswith("\n"))
-    try:
-        tree = ast.parse(prefix + body)
-    except SyntaxError:
+    tree = _longest_parsable(prefix, body)
+    if tree is None:
         return 0.0
     funcs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     if not funcs:

@@ -58,7 +58,9 @@ FUNCTIONS = [
 
 
 def prompt_text(name: str, args: str, doc: str) -> str:
-    return f'def {name}({args}):\n    """{doc}"""\n'
+    # Ends with three spaces: the model's BPE writes a body line as "\n   " + " return", so the
+    # prompt stops exactly at a token boundary it has seen in training.
+    return f'def {name}({args}):\n    """{doc}"""\n   '
 
 
 def noise(series: list[float]) -> float:

@@ -19,6 +19,8 @@ def test_function_reward_levels():
     assert score("print(a)\n") == 0.5  # valid, but returns nothing
     assert score("return\n") == 0.5  # a bare return is not a value
     assert score("return a +\n") == 0.0  # syntax error
+    assert score("x = a\n    y = )(\n    return x\n") == 0.5  # cut at its first syntax error
+    assert score("return a\n    )garbage(\n") == 1.0
     assert score('"""Only a docstring."""\n') == 0.0  # no statement of its own
     assert score("return a", finish="length") == 0.0  # cut mid-line: the unfinished line is dropped
     assert score("x = a\n    return x\n    y", finish="length") == 1.0
