@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
@@ -325,7 +325,7 @@ def save(args, model, cfg, hf, tok, val_loss, minutes, n_train, n_val) -> None:
                    "model_max_length": hf["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
     n_params = sum(p.numel() for p in model.parameters())
     cmd = "python -m cuttle.engine.train_default_model " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "threads") and v is not None
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None
     )
     card = f"""# cuttle-tiny-coder
 
@@ -336,7 +336,8 @@ on the Python {sysconfig.get_python_version()} standard library's own source (te
 
 - Training: {n_train:,} tokens of {len(corpus_files())} files, files packed into {args.seq_len}-token rows with document
   masking (no attention across files; positions restart per file), {args.steps} AdamW steps of {args.batch} rows,
-  lr {args.lr} with warm-up and cosine decay, bf16 autocast, seed {args.seed}; {minutes:.1f} minutes on this machine's CPU.
+  lr {args.lr} with warm-up and cosine decay, bf16 autocast, seed {args.seed}; {minutes:.1f} minutes wall-clock on this
+  machine's CPU ({torch.get_num_threads()} thread(s)).
 - Held-out (2% of files chosen by a CRC of the file name, {n_val:,} tokens): loss **{val_loss:.4f}** nats/token,
   perplexity **{math.exp(val_loss):.2f}**, measured on the saved bf16 weights.
 - Chat: ChatML (`<|im_start|>` / `<|im_end|>`), tools announced in the system turn, calls as

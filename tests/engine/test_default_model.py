@@ -37,9 +37,9 @@ def test_shipped_files_and_card():
 
 
 def test_writes_python_from_def(llm):
-    out = llm.generate(["def parse_header(line):\n"], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0].outputs[0].text
-    assert "\n    " in out  # indented body
-    assert re.search(r"\b(return|if|for|self|line)\b", out)
+    out = llm.generate(["def parse_header(line):"], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0].outputs[0].text
+    assert out.startswith("\n    ")  # an indented body
+    assert re.search(r"\n\s+return\b", out) and re.search(r"\n\s+if\b", out)  # statements, not noise
 
 
 def test_transformers_agrees(llm):
@@ -75,7 +75,8 @@ def test_tool_round_trip_with_openai_client():
         messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "Paris: sunny, 25 C"}]
         final = client.chat.completions.create(model="cuttle-tiny-coder", messages=messages, tools=tools, temperature=0, max_tokens=64)
         assert final.choices[0].finish_reason == "stop"
-        assert "sunny" in final.choices[0].message.content and not final.choices[0].message.tool_calls
+        answer = final.choices[0].message.content
+        assert "Paris" in answer and "25 C" in answer and not final.choices[0].message.tool_calls  # uses the tool's result
         # a named tool_choice is honoured by writing the call's opening for the model
         forced = client.chat.completions.create(model="cuttle-tiny-coder", messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
                                                 tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
