@@ -442,10 +442,13 @@ def _flatten_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _forced_prefix(parser: str, choice: str, name: str | None) -> str:
+    """The opening of a tool call written for the model. It stops before a space or quote: BPE
+    merges those with what follows, and a prefix cut inside such a merge reads as text the model
+    never saw in training."""
     if choice == "named":
-        return f'<tool_call>\n{{"name": "{name}", "arguments": ' if parser == "hermes" else f"<tool_call>\n<function={name}>\n"
+        return f'<tool_call>\n{{"name": "{name}", "arguments":' if parser == "hermes" else f"<tool_call>\n<function={name}>\n"
     if choice == "required":
-        return '<tool_call>\n{"name": "' if parser == "hermes" else "<tool_call>\n<function="
+        return '<tool_call>\n{"name":' if parser == "hermes" else "<tool_call>\n<function="
     return ""
 
 
