@@ -27,6 +27,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--moe-quant", default=None, choices=["mxfp8"], help="quantize MoE expert weights at load")
 
 
 def _build_llm(args: argparse.Namespace):
@@ -37,6 +38,7 @@ def _build_llm(args: argparse.Namespace):
         kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend, seed=args.seed,
+        moe_quant=args.moe_quant,
     )
 
 
