@@ -1,6 +1,6 @@
 """GRPO on the embedded tiny coding model: learn to write function bodies that parse and return.
 
-    python -m cuttle.rl.examples.grpo_tiny                       # ~40 steps, writes runs/grpo_tiny/
+    python -m cuttle.rl.examples.grpo_tiny                       # 40 steps, writes /tmp/cuttle-grpo-tiny/
     python -m cuttle.rl.examples.grpo_tiny --steps 10 --loss dapo --out /tmp/run
 
 Each step samples `--prompts` function headers (name, arguments, docstring) in groups of
@@ -20,6 +20,7 @@ import math
 import os
 import random
 import statistics
+import tempfile
 import time
 
 import torch
@@ -101,11 +102,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--loss", default="grpo", choices=["grpo", "dr_grpo", "dapo", "gspo"])
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--engine-dtype", default="float32", help="the sampler's dtype (the trainer is float32)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/grpo_tiny")
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "cuttle-grpo-tiny"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
