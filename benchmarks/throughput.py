@@ -103,12 +103,15 @@ def main() -> None:
     bw_limit = bw * 1e9 / weight_bytes
 
     reqs = prompts(args.num_requests, args.prompt_len, mc.vocab_size)
+    print(f"limits: copy {bw:.1f} GB/s, {args.dtype} matmul {flops:.0f} GFLOP/s", flush=True)
     c_off, c_dec = bench_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs)
+    print(f"cuttle: offline {c_off:.1f} out tok/s, batch-1 decode {c_dec:.2f} tok/s", flush=True)
     rows = []
     if args.skip_transformers:
         t_off = t_dec = float("nan")
     else:
         t_off, t_dec = bench_transformers(path, tdtype, reqs, args.output_len, args.hf_batch)
+        print(f"transformers: offline {t_off:.1f} out tok/s, batch-1 decode {t_dec:.2f} tok/s", flush=True)
     # every output token costs its decode matmuls + lm_head; every prompt token its prefill matmuls
     lm_head = 2 * mc.vocab_size * mc.hidden_size
     flop_limit = flops * 1e9 / ((flop_per_token + lm_head) + flop_per_token * args.prompt_len / args.output_len)
