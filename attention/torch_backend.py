@@ -44,14 +44,17 @@ class TorchAttentionBackend:
 
         if plan.decode_rows is not None:
             # Gather straight into [Bd, Hkv, L, D] (one indexed copy, no transpose pass), then two
-            # batched matmuls in fp32: oneDNN's bf16 batched matmul is pathologically slow for
-            # these skinny shapes on CPU, and fp32 accumulation is what we want anyway.
+            # batched matmuls with the softmax in fp32.
             heads = plan.head_index(num_kv_heads)
-            kd = k_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads].float()
-            vd = v_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads].float()
-            qd = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim).float()  # [Bd, Hkv, G, D]
-            scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(scale).add_(plan.decode_bias)
-            od = torch.matmul(torch.softmax(scores, dim=-1), vd)
+            kd = k_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads]
+            vd = v_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads]
+            qd = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
+            # Few rows: fp32 (bf16 batched matmul is slow for tiny batches). Many rows: keep the
+            # cache dtype, as the fp32 copies of K/V would cost more than the matmuls themselves.
+            if kd.dtype != torch.float32 and kd.shape[0] * num_kv_heads < 64:
+                kd, vd, qd = kd.float(), vd.float(), qd.float()
+            scores = torch.matmul(qd, kd.transpose(-1, -2)).float().mul_(scale).add_(plan.decode_bias)
+            od = torch.matmul(torch.softmax(scores, dim=-1).to(vd.dtype), vd)
             out[plan.decode_rows] = od.reshape(-1, q.shape[1], head_dim).to(out.dtype)
 
         for start, qlen, blocks, mask in plan.prefills:
