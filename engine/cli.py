@@ -8,6 +8,7 @@ interactive loop over the chat template. Heavy imports happen inside the subcomm
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Any
 
@@ -65,6 +66,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model)))
     app = create_app(AsyncEngine(llm.engine, max_pending=args.max_pending), name, args.api_key, args.tool_call_parser)
     print(f"cuttle: serving {name!r} on http://{args.host}:{args.port}/v1 (max_model_len {llm.engine.max_model_len})", flush=True)
+    # uvicorn drains connections and runs the shutdown hooks on SIGTERM, then re-raises the signal
+    # under the handler that was installed before it; this one turns that into a clean exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
 
 
