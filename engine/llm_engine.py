@@ -292,7 +292,7 @@ class LLMEngine:
             outputs=outs,
             finished=req.is_finished or req.aborted,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
-            metrics={"weight_version": req.weight_version},  # type: ignore[attr-defined]
+            metrics={"weight_version": req.weight_version},
         )
 
     # ---- weight sync (RL) ------------------------------------------------------------------
