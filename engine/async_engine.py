@@ -142,20 +142,27 @@ class AsyncEngine:
             if self._paused.is_set() or not engine.has_unfinished_requests():
                 self.stats_snapshot = engine.stats()
                 continue
-            try:
-                outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 - one bad step must not take the server down
-                log.exception("engine step failed; failing the requests in flight")
-                for rid in list(engine.requests):
-                    engine.abort_request(rid)
-                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._step_and_deliver()
             self.stats_snapshot = engine.stats()
         for rid in list(engine.requests):
             engine.abort_request(rid)
             self._deliver(rid, EngineDeadError("engine shut down"))
+
+    def _step_and_deliver(self) -> bool:
+        """One engine step, outputs routed to their callers. A failed step fails the requests in
+        flight (their blocks are freed) and returns False; the engine itself keeps serving."""
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001 - one bad step must not take the server down
+            log.exception("engine step failed; failing the requests in flight")
+            for rid in list(engine.requests):
+                engine.abort_request(rid)
+                self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+            return False
+        for out in outputs:
+            self._deliver(out.request_id, out)
+        return True
 
     def _deliver(self, request_id: str, item: Any) -> None:
         target = self._streams.get(request_id)
@@ -195,13 +202,5 @@ class AsyncEngine:
         """Engine thread only: step until every request in flight has finished, delivering outputs."""
         engine = self.engine
         while engine.has_unfinished_requests():
-            try:
-                outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 - as in _loop: fail those requests, keep the engine
-                log.exception("engine step failed while draining for a weight update")
-                for rid in list(engine.requests):
-                    engine.abort_request(rid)
-                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+            if not self._step_and_deliver():
                 return
-            for out in outputs:
-                self._deliver(out.request_id, out)
