@@ -115,7 +115,7 @@ def _span(s: str | tuple[int, int]) -> tuple[int, int]:
     return lo_i, hi_i
 
 
-def make_dataset(cfg: "ServingConfig", builder: PromptBuilder, seed: int) -> list[Session]:
+def make_dataset(cfg: ServingConfig, builder: PromptBuilder, seed: int) -> list[Session]:
     rng = random.Random(seed)
     out_lo, out_hi = _span(cfg.output_len)
 
@@ -294,7 +294,7 @@ def arrival_offsets(n: int, level: dict[str, Any], rng: random.Random) -> list[f
 
 def _root(base_url: str) -> str:
     url = base_url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return url.removesuffix("/v1")
 
 
 def _body(cfg: ServingConfig, model: str | None, prompt: list[int] | str, max_tokens: int, want_ids: bool) -> dict[str, Any]:
@@ -502,21 +502,21 @@ TABLE_HEADERS = ["engine", "dataset", "load", "ok/total", "req/s", "out tok/s", 
                  "TPOT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99", "goodput", "cache hit"]
 
 
-def table_rows(run_result: dict[str, Any], label: str | None = None) -> list[list[Any]]:
+def _cell(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def table_rows(run_result: dict[str, Any], label: str | None = None) -> list[list[str]]:
     """One markdown row per load level (latencies in ms)."""
     cfg = run_result["config"]
     label = label or cfg.get("label") or cfg.get("model")
     rows = []
     for r in run_result["results"]:
-        def g(key: str, p: str) -> Any:
-            v = r[key][p]
-            return "-" if v is None else round(v, 1)
         hit = r.get("cache_hit_frac")
         rows.append([label, cfg["dataset"], level_name(r["level"]), f"{r['completed']}/{r['num_requests']}",
-                     round(r["request_throughput"], 3), round(r["output_throughput"], 1),
-                     g("ttft_ms", "p50"), g("ttft_ms", "p99"), g("tpot_ms", "p50"), g("tpot_ms", "p99"),
-                     g("itl_ms", "p50"), g("itl_ms", "p99"), g("e2e_ms", "p50"), g("e2e_ms", "p99"),
-                     round(r["goodput"], 3), "-" if hit is None else f"{100 * hit:.0f}%"])
+                     _cell(r["request_throughput"]), _cell(r["output_throughput"]),
+                     *(_cell(r[k][p]) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms") for p in ("p50", "p99")),
+                     _cell(r["goodput"]), "-" if hit is None else f"{100 * hit:.0f}%"])
     return rows
 
 

@@ -3,6 +3,7 @@ arrival mode yields sane metrics, shared prefixes show up as cached tokens, text
 exact token lengths, and failing endpoints are counted, not raised."""
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -10,12 +11,11 @@ import time
 
 import httpx
 import pytest
-
 from server_fixture import free_port
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-import serving  # noqa: E402
-from serving import ServingConfig  # noqa: E402
+import serving
+from serving import ServingConfig
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def test_concurrency_sweep_and_summary(server, tmp_path):
         check_sane(r, 3)
         assert r["good_requests"] == 0 and r["goodput"] == 0.0  # a 1 us TTFT SLO is never met
     one = out["results"][0]["requests"]  # one in flight: each request starts after the previous ended
-    for a, b in zip(one, one[1:]):
+    for a, b in itertools.pairwise(one):
         assert b["start"] >= a["start"] + a["e2e"] - 1e-3
     text = serving.format_summary(out["results"][1], "cuttle", "random")
     assert "concurrency 3" in text and "TTFT" in text and "3/3 ok" in text
@@ -112,7 +112,7 @@ def test_coding_agent_turns_build_on_replies(server):
     for s in (0, 1):
         turns = sorted((q for q in r["requests"] if q["session"] == s), key=lambda q: q["turn"])
         assert [q["turn"] for q in turns] == [0, 1, 2]
-        for a, b in zip(turns, turns[1:]):
+        for a, b in itertools.pairwise(turns):
             assert b["start"] >= a["start"] + a["e2e"] - 1e-3  # the next turn waits for the reply
             assert b["prompt_tokens"] >= a["prompt_tokens"] + 4 + 8  # history + reply + tool output
             # the whole previous turn (prompt and reply, less the last sampled token) was cached
