@@ -30,7 +30,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import serving
-from common import markdown_table
+from common import PRESETS, markdown_table
 from serving import ServingConfig
 
 ENGINES = ("cuttle", "vllm", "llamacpp")
@@ -53,7 +53,8 @@ def workloads(quick: bool) -> dict[str, Any]:
                 agent=dict(num_sessions=16, turns=5, context_len=1536, tool_output_len="128:256", concurrency=16))
 
 
-def run_throughput(args: argparse.Namespace, out_dir: str) -> None:
+def run_throughput(args: argparse.Namespace, out_dir: str) -> str:
+    """Runs throughput.py; returns the markdown table it printed (or why there is none)."""
     cmd = [sys.executable, os.path.join(HERE, "throughput.py"), "--model-preset", args.model_preset,
            "--json", os.path.join(out_dir, "throughput.json")] + (["--quick"] if args.quick else [])
     print(f"\n## offline throughput\n$ {' '.join(cmd)}", flush=True)
@@ -64,7 +65,11 @@ def run_throughput(args: argparse.Namespace, out_dir: str) -> None:
             log.write(line)
         rc = proc.wait()
     if rc != 0:
-        print(f"throughput.py failed (exit {rc}); see {out_dir}/throughput.log; going on with serving", flush=True)
+        msg = f"throughput.py failed (exit {rc}); see {out_dir}/throughput.log"
+        print(msg + "; going on with serving", flush=True)
+        return msg
+    with open(os.path.join(out_dir, "throughput.log")) as f:
+        return "".join(line for line in f if line.startswith("|"))
 
 
 def serving_model(args: argparse.Namespace) -> str:
@@ -158,14 +163,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: few requests, short prompts and outputs")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
-    ap.add_argument("--model-preset", default="qwen3-0.6b", help="throughput.py's checkpoint (and serving's, by default)")
+    ap.add_argument("--model-preset", default="qwen3-0.6b", choices=sorted(PRESETS), help="throughput.py's checkpoint (and serving's, by default)")
     ap.add_argument("--serving-model", default="preset", help="'preset' (the same checkpoint), 'embedded' (cuttle's tiny coder) or a path")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--prompt-format", default=None, choices=["token-ids", "text"], help="default: token ids, text for llamacpp")
-    ap.add_argument("--request-rates", type=serving._floats, default=None, help="Poisson rates (default: fractions of cuttle's capacity)")
+    ap.add_argument("--request-rates", type=serving._floats, default=None, help="Poisson rates (default: fractions of the first engine's capacity)")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="longest silence in a stream before a request fails (s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("%Y-%m-%d")))
     args = ap.parse_args()
@@ -177,8 +182,7 @@ def main() -> None:
 
     info = machine_info()
     print(f"machine: {info}\nresults: {args.out}", flush=True)
-    if not args.skip_throughput:
-        run_throughput(args, args.out)
+    throughput = "skipped (--skip-throughput)" if args.skip_throughput else run_throughput(args, args.out)
     model_path = serving_model(args)
     w = workloads(args.quick)
     print(f"\n## serving: {model_path}", flush=True)
@@ -192,10 +196,9 @@ def main() -> None:
     if not all_runs:
         print("no engine ran", flush=True)
         sys.exit(1)
-    md = report(all_runs, args.out)
-    header = f"machine: {info}\nserving model: {model_path}\ncommand: {' '.join(sys.argv)}\n\n"
+    md = f"## offline throughput ({args.model_preset})\n\n{throughput}\n\n## serving ({model_path})\n\n" + report(all_runs, args.out)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(header + md + "\n")
+        f.write(f"machine: {info}\ncommand: {' '.join(sys.argv)}\n\n{md}\n")
     print("\n" + md, flush=True)
 
 

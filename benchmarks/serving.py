@@ -163,6 +163,7 @@ class RequestResult:
     start: float = 0.0  # seconds since the level started
     ttft: float | None = None
     e2e: float | None = None
+    chunks: int = 0  # token-bearing SSE events; fewer than output_tokens when a server batches tokens
     itl: list[float] = field(default_factory=list)
     reply_ids: list[int] | None = None
     reply_text: str = ""
@@ -179,7 +180,6 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: R
     event in the stream, a stream that ends early) lands in res.error."""
     t0 = time.perf_counter()
     last = None
-    chunks = 0
     usage: dict[str, Any] | None = None
     ids: list[int] = []
     text: list[str] = []
@@ -208,7 +208,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: R
                         continue
                     text.append(piece)
                     ids.extend(tids)
-                    chunks += 1
+                    res.chunks += 1
                     if last is None:
                         res.ttft = now - t0
                     else:
@@ -226,7 +226,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: R
             if details.get("cached_tokens") is not None:
                 res.cached_tokens = int(details["cached_tokens"])
         if not res.output_tokens:
-            res.output_tokens = len(ids) or chunks
+            res.output_tokens = len(ids) or res.chunks
         res.reply_ids = ids or None
         res.reply_text = "".join(text)
         res.ok = True
@@ -267,7 +267,7 @@ class ServingConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     warmup: int = 1
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # httpx timeouts: connecting, and the longest silence within a stream
     seed: int = 0
 
     def levels(self) -> list[dict[str, Any]]:
@@ -351,7 +351,8 @@ async def _run_level(cfg: ServingConfig, client: httpx.AsyncClient, model: str |
     duration = time.perf_counter() - t0
     after = await scrape_metrics(client, cfg.base_url)
     out = {"level": level, **summarize(results, duration, cfg.slo_ttft_ms, cfg.slo_tpot_ms)}
-    out["server_metrics"] = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k)}
+    # both ends as scraped: some of these are counters, some ratios (a ratio's difference means nothing)
+    out["server_metrics"] = {"before": before, "after": after}
     out["requests"] = [{k: v for k, v in asdict(r).items() if k not in ("itl", "reply_ids", "reply_text")} for r in results]
     return out
 
@@ -361,7 +362,7 @@ _SERVER_SERIES = re.compile(r"prefix_cache|preempt|prompt_tokens|generation_toke
 
 async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
     """Prefix-cache, preemption and token counters from the server's Prometheus /metrics, if it has
-    one (cuttle_*, vllm:*); the level reports their change. Missing metrics are not an error."""
+    one (cuttle_*, vllm:*), scraped before and after a level. Missing metrics are not an error."""
     try:
         r = await client.get(_root(base_url) + "/metrics", timeout=10)
         if r.status_code != 200:
@@ -456,6 +457,8 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float 
         "input_throughput": prompt / duration if duration > 0 else 0.0,
         "total_input_tokens": prompt, "total_output_tokens": output,
         "short_outputs": sum(1 for r in ok if r.output_tokens != r.expected_output_tokens),
+        # ITL is a gap between events: with several tokens per event it is not a per-token figure
+        "tokens_per_chunk": output / max(1, sum(r.chunks for r in ok)),
         "cached_tokens": sum(cached) if cached else None,
         "cache_hit_frac": sum(cached) / prompt if cached and prompt else None,
         "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
@@ -482,7 +485,8 @@ def format_summary(r: dict[str, Any], label: str, dataset: str) -> str:
              f"requests: {r['completed']}/{r['num_requests']} ok, {r['failed']} failed in {r['duration_s']:.2f} s",
              f"throughput: {r['request_throughput']:.3f} req/s, {r['output_throughput']:.1f} out tok/s, {r['input_throughput']:.1f} in tok/s",
              f"tokens: {r['total_input_tokens']} in, {r['total_output_tokens']} out"
-             + (f", {r['short_outputs']} requests with fewer/more output tokens than asked" if r["short_outputs"] else "")]
+             + (f", {r['short_outputs']} requests with fewer/more output tokens than asked" if r["short_outputs"] else "")
+             + (f", {r['tokens_per_chunk']:.2f} tokens per streamed event" if r["tokens_per_chunk"] > 1.01 else "")]
     if r["cached_tokens"] is not None:
         lines.append(f"prompt tokens from cache: {r['cached_tokens']} ({100 * (r['cache_hit_frac'] or 0):.1f}%)")
     slo = r["slo"]
@@ -563,7 +567,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServingConfig, argparse.N
     g.add_argument("--temperature", type=float, default=d.temperature)
     g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos / min_tokens")
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
-    g.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per request")
+    g.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds to connect, and the longest silence in a stream, before a request fails")
     g.add_argument("--warmup", type=int, default=d.warmup)
     g.add_argument("--seed", type=int, default=d.seed)
     g = ap.add_argument_group("output")
