@@ -1,23 +1,39 @@
-"""Offline throughput and batch-1 decode: cuttle vs transformers `generate` on the same weights.
+"""Offline throughput and batch-1 decode: cuttle vs transformers `generate`, vLLM (CPU) and
+llama.cpp on the same weights and the same token-id prompts.
 
     python benchmarks/throughput.py                 # Qwen3-0.6B-shaped random checkpoint, bf16
     python benchmarks/throughput.py --quick         # fewer requests/tokens, for a smoke run
+    python benchmarks/throughput.py --model-preset qwen3-moe-small --json out.json
+    python benchmarks/throughput.py --peers none    # cuttle and transformers only
 
 Reports output tokens/s, the ratio to transformers, and batch-1 decode as a fraction of the
-memory-bandwidth limit (weight bytes per token / copy bandwidth measured in this run), plus the
-offline figure as a fraction of the bf16 matmul FLOP limit measured in this run.
+memory-bandwidth limit (bytes of the weights one token reads / copy bandwidth measured in this run),
+plus the offline figure as a fraction of the bf16 matmul FLOP limit measured in this run.
+The peers run in their own venvs (`bash benchmarks/peers/setup.sh` installs them; a peer that is
+not set up is skipped with a message): vLLM via benchmarks/peers/vllm_offline.py (same workload,
+same max-num-seqs), llama.cpp via benchmarks/peers/llamacpp_offline.py on the bf16 GGUF (batch-1
+decode only, all cores; no offline batched figure).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import QWEN3_0_6B, copy_bandwidth_gbs, machine_info, make_random_checkpoint, markdown_table, matmul_gflops  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import PRESETS, copy_bandwidth_gbs, machine_info, markdown_table, matmul_gflops, preset_checkpoint  # noqa: E402
+from peers.servers import PeerUnavailable, gguf_ready, peer_env, require  # noqa: E402
+
+PEERS = ("vllm", "llamacpp")
+PEER_TIMEOUT_S = 3600
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -71,9 +87,62 @@ def bench_transformers(path: str, dtype: torch.dtype, reqs: list[list[int]], out
     return offline, decode
 
 
+def run_peer(engine: str, cmd: list[str], timeout: float = PEER_TIMEOUT_S) -> dict:
+    """Run a peer's runner script in its venv; its last stdout line is a JSON object."""
+    with tempfile.NamedTemporaryFile("w+", prefix=f"cuttle-bench-{engine}-", suffix=".log", delete=False) as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=peer_env(engine), timeout=timeout)
+        log.seek(0)
+        lines = log.read().splitlines()
+    for line in reversed(lines):
+        if line.startswith("{") and '"engine"' in line:
+            return json.loads(line)
+    tail = "\n".join(lines[-25:])
+    raise RuntimeError(f"{engine} runner exited with code {rc} without a result; log {log.name}; tail:\n{tail}")
+
+
+def bench_vllm(path: str, dtype: str, prompts_file: str, out_len: int, max_num_seqs: int, enforce_eager: bool) -> dict:
+    cmd = [require("vllm"), os.path.join(HERE, "peers", "vllm_offline.py"), "--model", path, "--prompts", prompts_file,
+           "--output-len", str(out_len), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype]
+    return run_peer("vllm", cmd + (["--enforce-eager"] if enforce_eager else []))
+
+
+def bench_llamacpp(path: str, dtype: str, prompts_file: str, out_len: int) -> dict:
+    if dtype != "bfloat16":
+        raise PeerUnavailable(f"llama.cpp: runs the bf16 GGUF only (this run is {dtype})")
+    py, gguf = require("llamacpp"), gguf_ready(path)
+    return run_peer("llamacpp", [py, os.path.join(HERE, "peers", "llamacpp_offline.py"), "--gguf", gguf, "--prompts", prompts_file,
+                                 "--output-len", str(out_len), "--threads", str(os.cpu_count() or 1)])
+
+
+def weight_counts(mc, n_params: int) -> tuple[int, int]:
+    """(parameters one decode token reads, parameters of its matmuls other than lm_head).
+
+    Reads: everything but the inactive routed experts and, when untied, the embedding table (one
+    row is gathered). Matmuls: the same minus the lm_head (counted apart: prompt tokens skip it)."""
+    hf = mc.hf_config
+    n_exp = int(hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    inactive = len(mc.moe_layers) * max(n_exp - top_k, 0) * 3 * mc.hidden_size * mc.moe_intermediate_size if n_exp else 0
+    emb = mc.vocab_size * mc.hidden_size
+    read = n_params - inactive - (0 if mc.tie_word_embeddings else emb)
+    return read, read - emb
+
+
+def _finite(x):
+    """NaN / inf -> None, recursively (strict JSON)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: a Qwen3-0.6B-shaped random one)")
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the --model-preset random one)")
+    ap.add_argument("--model-preset", default="qwen3-0.6b", choices=sorted(PRESETS), help="random checkpoint of this shape (default qwen3-0.6b)")
     ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/cuttle-bench"))
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -83,10 +152,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--quick", action="store_true", help="16 requests x 32 tokens")
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma list of peers to run, of {','.join(PEERS)}; 'none' for none (default: all)")
+    ap.add_argument("--vllm-enforce-eager", action="store_true", help="run vLLM without its torch.compile step")
+    ap.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.output_len = 16, 32
-    path = args.model or make_random_checkpoint(os.path.join(args.cache_dir, "qwen3-0.6b-random"), QWEN3_0_6B)
+    peers = [] if args.peers.strip() in ("", "none") else [p.strip() for p in args.peers.split(",")]
+    if unknown := set(peers) - set(PEERS):
+        ap.error(f"unknown peers {sorted(unknown)}; choose from {PEERS}")
+    path = args.model or preset_checkpoint(args.model_preset, args.cache_dir)
     tdtype = getattr(torch, args.dtype)
 
     info = machine_info()
@@ -98,8 +173,9 @@ def main() -> None:
     from cuttle.engine.models import load_model
 
     n_params = sum(p.numel() for p in load_model(path, mc, tdtype, torch.device("cpu")).parameters())
-    weight_bytes = n_params * tdtype.itemsize
-    flop_per_token = 2 * (n_params - mc.vocab_size * mc.hidden_size)  # non-embedding matmuls
+    read_params, body_params = weight_counts(mc, n_params)
+    weight_bytes = read_params * tdtype.itemsize  # dense tied: all the weights
+    flop_per_token = 2 * body_params  # matmuls of the active weights but lm_head
     bw_limit = bw * 1e9 / weight_bytes
 
     reqs = prompts(args.num_requests, args.prompt_len, mc.vocab_size)
@@ -115,15 +191,66 @@ def main() -> None:
     # every output token costs its decode matmuls + lm_head; every prompt token its prefill matmuls
     lm_head = 2 * mc.vocab_size * mc.hidden_size
     flop_limit = flops * 1e9 / ((flop_per_token + lm_head) + flop_per_token * args.prompt_len / args.output_len)
-    rows.append(["cuttle", f"{args.max_num_seqs}", c_off, c_off / t_off, c_off / flop_limit, c_dec, c_dec / t_dec, c_dec / bw_limit])
-    rows.append(["transformers", f"{args.hf_batch}", t_off, 1.0, t_off / flop_limit, t_dec, 1.0, t_dec / bw_limit])
+    results: dict[str, dict] = {
+        "cuttle": {"batch": args.max_num_seqs, "offline_tok_s": c_off, "decode_tok_s": c_dec},
+        "transformers": {"batch": args.hf_batch, "offline_tok_s": t_off, "decode_tok_s": t_dec},
+    }
+    skipped: dict[str, str] = {}
+    with tempfile.NamedTemporaryFile("w", prefix="cuttle-bench-prompts-", suffix=".json", delete=False) as f:
+        json.dump(reqs, f)
+    try:
+        for peer in peers:
+            try:
+                if peer == "vllm":
+                    r = bench_vllm(path, args.dtype, f.name, args.output_len, args.max_num_seqs, args.vllm_enforce_eager)
+                    r["batch"] = args.max_num_seqs
+                else:
+                    r = bench_llamacpp(path, args.dtype, f.name, args.output_len)
+                    r["batch"] = 1
+            except (PeerUnavailable, RuntimeError, subprocess.TimeoutExpired) as e:
+                skipped[peer] = str(e)
+                print(f"{peer}: skipped: {e}", flush=True)
+                continue
+            results[peer] = r
+            off = "—" if r.get("offline_tok_s") is None else f"{r['offline_tok_s']:.1f}"
+            print(f"{peer}: offline {off} out tok/s, batch-1 decode {r['decode_tok_s']:.2f} tok/s", flush=True)
+    finally:
+        os.unlink(f.name)
+
+    def ratio(x: float | None, y: float) -> float | None:
+        return None if x is None or not math.isfinite(x) or not math.isfinite(y) or y == 0 else x / y
+
+    def cell(x: float | None) -> float | str:
+        return "—" if x is None else x
+
+    for name in ("cuttle", "transformers", *[p for p in PEERS if p in results]):
+        r = results[name]
+        off, dec = r.get("offline_tok_s"), r["decode_tok_s"]
+        r.update(offline_vs_transformers=ratio(off, t_off), offline_of_flop_limit=ratio(off, flop_limit),
+                 decode_vs_transformers=ratio(dec, t_dec), decode_of_bandwidth_limit=ratio(dec, bw_limit))
+        label = {"vllm": "vLLM (CPU)", "llamacpp": "llama.cpp"}.get(name, name)
+        rows.append([label, str(r["batch"]), cell(off), cell(r["offline_vs_transformers"]), cell(r["offline_of_flop_limit"]),
+                     dec, cell(r["decode_vs_transformers"]), cell(r["decode_of_bandwidth_limit"])])
     print(f"\nmachine: {info}")
-    print(f"model: {path} ({n_params / 1e6:.0f}M params, {args.dtype}); {args.num_requests} requests x ({args.prompt_len} prompt, {args.output_len} output)")
+    print(f"model: {path} ({n_params / 1e6:.0f}M params, {read_params / 1e6:.0f}M read per decode token, {args.dtype}); "
+          f"{args.num_requests} requests x ({args.prompt_len} prompt, {args.output_len} output)")
     print(f"measured limits: copy {bw:.1f} GB/s -> batch-1 bound {bw_limit:.1f} tok/s; {args.dtype} matmul {flops:.0f} GFLOP/s -> offline bound {flop_limit:.0f} output tok/s\n")
     print(markdown_table(
         ["engine", "batch", "offline out tok/s", "vs transformers", "of FLOP limit", "batch-1 decode tok/s", "vs transformers", "of bandwidth limit"],
         rows,
     ))
+    for peer, why in skipped.items():
+        print(f"\n{peer} not run: {why}")
+    if args.json:
+        doc = {"machine": info, "model": path, "model_preset": None if args.model else args.model_preset, "dtype": args.dtype,
+               "params": n_params, "params_read_per_decode_token": read_params,
+               "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                            "max_num_seqs": args.max_num_seqs, "hf_batch": args.hf_batch},
+               "limits": {"copy_gb_s": bw, "matmul_gflop_s": flops, "batch1_bound_tok_s": bw_limit, "offline_bound_tok_s": flop_limit},
+               "engines": results, "skipped": skipped}
+        with open(args.json, "w") as out:
+            json.dump(_finite(doc), out, indent=1)
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":
