@@ -1,8 +1,9 @@
 """Torch reference attention over the paged cache: the oracle for every other backend, and the
 CPU serving path.
 
-Decode rows of a batch are handled together (one gather of their blocks, one SDPA call); prefill
-chunks go one sequence at a time. Grouped-query heads are folded into the query-row dimension
+Decode rows of a batch are handled together: by the native CPU kernel (`cpu_kernels`, reading
+K/V straight out of the paged cache) when it builds here, else by one gather of their blocks and
+two batched matmuls; prefill chunks go one sequence at a time through SDPA. Grouped-query heads are folded into the query-row dimension
 (q viewed as [kv_heads, group * rows, head_dim]) so no K/V head is ever repeated in memory.
 Index tensors and masks are planned once per step and shared by all layers.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cuttle.attention import cpu_kernels
 from cuttle.attention.backend import write_kv
 from cuttle.attention.metadata import AttentionMetadata
 
@@ -18,8 +20,10 @@ from cuttle.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        """native=False keeps every path in plain torch (the oracle the native kernel is tested against)."""
         self._plan: _StepPlan | None = None
+        self.native = native and cpu_kernels.load() is not None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._plan = _StepPlan(meta)
@@ -42,10 +46,16 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // num_kv_heads
 
-        if plan.decode_rows is not None:
+        if plan.decode_rows is not None and self.native and cpu_kernels.supports(q, k_cache, out):
+            cpu_kernels.paged_decode_attention(
+                q, k_cache, v_cache, out, plan.decode_rows, plan.decode_tables, plan.decode_lens,
+                plan.decode_max_len, scale,
+            )
+        elif plan.decode_rows is not None:
             # Gather straight into [Bd, Hkv, L, D] (one indexed copy, no transpose pass), then two
             # batched matmuls with the softmax in fp32.
             heads = plan.head_index(num_kv_heads)
+            plan.plan_decode_gather()
             kd = k_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads]
             vd = v_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads]
             qd = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
@@ -79,7 +89,8 @@ class TorchAttentionBackend:
 class _StepPlan:
     """Gather indices and masks for one step; built once and reused by every layer."""
 
-    __slots__ = ("meta", "decode_rows", "decode_slots", "decode_bias", "prefills", "_heads")
+    __slots__ = ("meta", "decode_rows", "decode_tables", "decode_lens", "decode_max_len", "decode_slots",
+                 "decode_bias", "prefills", "_heads")
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -87,20 +98,19 @@ class _StepPlan:
         device = meta.block_tables.device
         starts = meta.query_start_loc.tolist()
         decode_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
-        self.decode_rows: torch.Tensor | None = None
-        self.decode_slots: torch.Tensor | None = None  # [Bd, 1, L] flat cache slot of each key
+        self.decode_rows: torch.Tensor | None = None  # [Bd] int64 query row of each decode sequence
+        self.decode_tables: torch.Tensor | None = None  # [Bd, nb] int32 block ids
+        self.decode_lens: torch.Tensor | None = None  # [Bd] int32 keys per sequence
+        self.decode_max_len = 0
+        self.decode_slots: torch.Tensor | None = None  # [Bd, 1, L] flat cache slot of each key (gather path)
         self.decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, L] 0 for real keys, -inf past the end
         self._heads: torch.Tensor | None = None
         if decode_seqs:
             idx = torch.tensor(decode_seqs, device=device)
-            max_len = max(meta.seq_lens_cpu[b] for b in decode_seqs)
-            nblocks = (max_len + bs - 1) // bs
-            tables = meta.block_tables[idx, :nblocks].long()
-            offs = torch.arange(bs, device=device)
-            self.decode_slots = (tables[:, :, None] * bs + offs).reshape(len(decode_seqs), 1, -1)[:, :, :max_len]
-            valid = torch.arange(max_len, device=device)[None, :] < meta.seq_lens[idx][:, None]
-            bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
-            self.decode_bias = bias[:, None, None, :]
+            self.decode_max_len = max(meta.seq_lens_cpu[b] for b in decode_seqs)
+            nblocks = (self.decode_max_len + bs - 1) // bs
+            self.decode_tables = meta.block_tables[idx, :nblocks].to(torch.int32).contiguous()
+            self.decode_lens = meta.seq_lens[idx].to(torch.int32).contiguous()
             self.decode_rows = torch.tensor([starts[b] for b in decode_seqs], device=device)
         self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for b, qlen in enumerate(meta.query_lens_cpu):
@@ -114,6 +124,18 @@ class _StepPlan:
                 qpos = torch.arange(kv_len - qlen, kv_len, device=device)
                 mask = torch.arange(nblocks * bs, device=device)[None, :] <= qpos[:, None]  # [qlen, L]
             self.prefills.append((starts[b], qlen, blocks, mask))
+
+    def plan_decode_gather(self) -> None:
+        """Slot indices and the length mask of the gather path, built on first use in a step."""
+        if self.decode_slots is not None:
+            return
+        bs, max_len, device = self.meta.block_size, self.decode_max_len, self.decode_tables.device
+        offs = torch.arange(bs, device=device)
+        slots = self.decode_tables.long()[:, :, None] * bs + offs
+        self.decode_slots = slots.reshape(len(self.decode_lens), 1, -1)[:, :, :max_len]
+        valid = torch.arange(max_len, device=device)[None, :] < self.decode_lens[:, None]
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
+        self.decode_bias = bias[:, None, None, :]
 
     def head_index(self, num_kv_heads: int) -> torch.Tensor:
         if self._heads is None or self._heads.shape[1] != num_kv_heads:

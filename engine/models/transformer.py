@@ -4,8 +4,10 @@ Llama-3, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 differ only
 from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, routed-MoE MLPs on some layers,
 a shared expert beside the routed ones, multi-head latent attention), so they share one
 definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
-slices HF tensors into them. The forward takes a flattened, unpadded batch and the attention
-metadata; it never owns KV memory (the runner hands each layer its cache views).
+slices HF tensors into them. At a few rows (small-batch decode) they go through the native
+weight-streaming kernel of `cuttle.attention.cpu_kernels.linear`, else `F.linear`. The forward
+takes a flattened, unpadded batch and the attention metadata; it never owns KV memory (the
+runner hands each layer its cache views).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cuttle.attention.backend import AttentionBackend
+from cuttle.attention.cpu_kernels import linear
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.rope import RotaryEmbedding, apply_rope
 from cuttle.engine.config import ModelConfig
@@ -44,7 +47,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -55,7 +58,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return F.linear(o.reshape(-1, self.q_size), self.o_weight)
+        return linear(o.reshape(-1, self.q_size), self.o_weight)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Training path: x [B, S, hidden], mask [B, 1, S, S] (True = may attend); no KV cache."""
@@ -82,8 +85,8 @@ class DenseMLP(nn.Module):
         self.down_weight = empty_param(hidden, inter, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).split(self.inter, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(x, self.gate_up_weight).split(self.inter, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -158,4 +161,4 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
