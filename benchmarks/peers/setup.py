@@ -145,7 +145,8 @@ def setup_llamacpp() -> None:
     jobs = str(os.cpu_count() or 1)
     say(f"llamacpp: compiling llama-cpp-python[server]=={LLAMACPP_VERSION} from the sdist, CMAKE_ARGS={cmake_args!r} "
         "(10-20 minutes on 2 cores; log .peers/logs/llamacpp.log)")
-    run([py, "-m", "pip", "install", "-v", f"llama-cpp-python[server]=={LLAMACPP_VERSION}"], "llamacpp",
+    # --no-cache-dir: a wheel cached from an earlier build would ignore CMAKE_ARGS
+    run([py, "-m", "pip", "install", "-v", "--no-cache-dir", f"llama-cpp-python[server]=={LLAMACPP_VERSION}"], "llamacpp",
         env={"CMAKE_ARGS": cmake_args, "CMAKE_BUILD_PARALLEL_LEVEL": jobs})
     say("llamacpp: installing the GGUF converter's requirements (torch CPU wheel, transformers 4.57.6, sentencepiece)")
     run([py, "-m", "pip", "install", *CONVERT_DEPS], "llamacpp")
