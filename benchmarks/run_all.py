@@ -1,7 +1,8 @@
 """The whole engine comparison (issue 7) in one command: offline throughput, then serving sweeps
 for cuttle, vLLM and llama.cpp on the same checkpoint, with results, plots and markdown tables.
 
-    python benchmarks/run_all.py                     # full run, qwen3-0.6b-shaped random checkpoint
+    python benchmarks/run_all.py                     # qwen3-0.6b-shaped random checkpoint, standard sizes
+    python benchmarks/run_all.py --full              # the large serving workloads (hours on 2 cores)
     python benchmarks/run_all.py --quick             # smoke run: few requests, short outputs
     python benchmarks/run_all.py --engines cuttle --serving-model embedded --quick
 
@@ -40,11 +41,16 @@ PROMPT_FORMAT = {"llamacpp": "text"}
 RATE_FRACTIONS = (0.25, 0.5, 0.9)  # Poisson rates as fractions of the capacity measured on cuttle
 
 
-def workloads(quick: bool) -> dict[str, Any]:
+def workloads(size: str) -> dict[str, Any]:
     """Sizes of every workload. Requests per concurrency level grow with the level, so each level
     runs long enough to reach its steady state; a coding-agent session's last turn stays under
-    4096 tokens (the presets' context and llama.cpp's n_ctx)."""
-    if quick:
+    4096 tokens (the presets' context and llama.cpp's n_ctx). `standard` is sized so the three
+    engines finish in about half an hour on 2 cores with the 0.6B preset; `full` takes hours there."""
+    if size == "standard":
+        return dict(concurrencies=[1, 4, 16], per_slot=2, min_requests=4, input_len="128:256", output_len="64",
+                    rate_requests=24, prefix=dict(num_requests=24, num_prefixes=4, prefix_len=512, suffix_len="32:64", concurrency=8),
+                    agent=dict(num_sessions=6, turns=3, context_len=1024, tool_output_len="64:128", concurrency=6))
+    if size == "quick":
         return dict(concurrencies=[1, 2, 4], per_slot=2, min_requests=4, input_len="32:128", output_len="16",
                     rate_requests=8, prefix=dict(num_requests=8, num_prefixes=2, prefix_len=256, suffix_len="16:32", concurrency=4),
                     agent=dict(num_sessions=4, turns=3, context_len=512, tool_output_len="32:64", concurrency=4))
@@ -162,6 +168,7 @@ def report(all_runs: dict[str, dict[str, dict[str, Any]]], out_dir: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: few requests, short prompts and outputs")
+    ap.add_argument("--full", action="store_true", help="the large serving workloads (hours on 2 cores)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
     ap.add_argument("--model-preset", default="qwen3-0.6b", choices=sorted(PRESETS), help="throughput.py's checkpoint (and serving's, by default)")
     ap.add_argument("--serving-model", default="preset", help="'preset' (the same checkpoint), 'embedded' (cuttle's tiny coder) or a path")
@@ -184,7 +191,7 @@ def main() -> None:
     print(f"machine: {info}\nresults: {args.out}", flush=True)
     throughput = "skipped (--skip-throughput)" if args.skip_throughput else run_throughput(args, args.out)
     model_path = serving_model(args)
-    w = workloads(args.quick)
+    w = workloads("quick" if args.quick else "full" if args.full else "standard")
     print(f"\n## serving: {model_path}", flush=True)
     all_runs: dict[str, dict[str, dict[str, Any]]] = {}
     rates = args.request_rates

@@ -158,8 +158,8 @@ def test_cli_arguments():
 def test_run_all_agent_sessions_fit_the_context():
     import run_all
 
-    for quick in (True, False):
-        w = run_all.workloads(quick)
+    for size in ("quick", "standard", "full"):
+        w = run_all.workloads(size)
         a, out = w["agent"], int(w["output_len"])
         last_prompt = a["context_len"] + a["turns"] * serving._span(a["tool_output_len"])[1] + (a["turns"] - 1) * out
         assert last_prompt + out <= 4096 and len(w["concurrencies"]) >= 3
