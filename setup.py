@@ -21,7 +21,7 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=package_dir,
-    package_data={"cuttle.engine": ["default_model/*", "default_model/**/*"], "cuttle.attention": ["csrc/*.c"]},
+    package_data={"cuttle.engine": ["default_model/*", "default_model/**/*"], "cuttle.attention": ["csrc/*.c", "csrc/*.h"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.4",

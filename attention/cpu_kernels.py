@@ -54,8 +54,9 @@ def _cpu_signature() -> str:
 
 def _build() -> str:
     sources = sorted(os.path.join(_SRC_DIR, f) for f in os.listdir(_SRC_DIR) if f.endswith(".c"))
+    headers = sorted(os.path.join(_SRC_DIR, f) for f in os.listdir(_SRC_DIR) if f.endswith(".h"))
     digest = hashlib.sha256()
-    for src in sources:
+    for src in sources + headers:
         with open(src, "rb") as f:
             digest.update(f.read())
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

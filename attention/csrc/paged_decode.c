@@ -15,21 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x007fffffu)) return (uint16_t)((v.u >> 16) | 0x40);
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
+#include "dtypes.h"
 
 static inline __attribute__((always_inline)) float dot_bf16(const float *q, const uint16_t *k, int64_t n) {
     float acc = 0.f;

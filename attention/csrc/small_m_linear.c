@@ -17,21 +17,7 @@
 #include <immintrin.h>
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x007fffffu)) return (uint16_t)((v.u >> 16) | 0x40);
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
+#include "dtypes.h"
 
 static inline void store(void *y, int dt, int64_t i, float v) {
     if (dt == DT_BF16) ((uint16_t *)y)[i] = f32_to_bf16(v);
