@@ -223,7 +223,8 @@ def main() -> None:
     def cell(x: float | None) -> float | str:
         return "—" if x is None else x
 
-    for name in ("cuttle", "transformers", *[p for p in PEERS if p in results]):
+    shown = ("cuttle", *(() if args.skip_transformers else ("transformers",)), *[p for p in PEERS if p in results])
+    for name in shown:
         r = results[name]
         off, dec = r.get("offline_tok_s"), r["decode_tok_s"]
         r.update(offline_vs_transformers=ratio(off, t_off), offline_of_flop_limit=ratio(off, flop_limit),
