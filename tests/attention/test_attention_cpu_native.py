@@ -31,17 +31,36 @@ def _run(backend: TorchAttentionBackend, batch) -> torch.Tensor:
     return backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts native decode calls, so a test fails if the backend silently took the torch path."""
+    calls: list[int] = []
+    real = cpu_kernels.paged_decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", counted)
+    return calls
+
+
+def _has_decode(case: Case) -> bool:
+    return any(new == 1 for _, new in case.seqs)
+
+
 @pytest.mark.parametrize("case", CASES + EXTRA, ids=lambda c: c.name)
-def test_native_decode_matches_naive_fp32(case: Case) -> None:
+def test_native_decode_matches_naive_fp32(case: Case, kernel_calls: list[int]) -> None:
     batch = build_batch(case, junk=None)
     native = TorchAttentionBackend(native=True)
     assert native.native
     err = (_run(native, batch).double() - naive_attention(batch)).abs().max().item()
     assert err <= 1e-5, err
+    assert len(kernel_calls) == int(_has_decode(case))
 
 
 @pytest.mark.parametrize("case", CASES + EXTRA, ids=lambda c: c.name)
-def test_native_decode_matches_torch_path_bf16(case: Case) -> None:
+def test_native_decode_matches_torch_path_bf16(case: Case, kernel_calls: list[int]) -> None:
     """bf16 cache and queries: both paths compute in fp32 from the same bf16 inputs and round the
     output once, so they agree to bf16 rounding of the output."""
     ref_batch, nat_batch = build_batch(case, junk=0.0), build_batch(case, junk=0.0)
@@ -49,8 +68,11 @@ def test_native_decode_matches_torch_path_bf16(case: Case) -> None:
         for name in ("q", "k", "v", "k_cache", "v_cache"):
             setattr(b, name, getattr(b, name).to(torch.bfloat16))
     ref = _run(TorchAttentionBackend(native=False), ref_batch).float()
-    out = _run(TorchAttentionBackend(native=True), nat_batch).float()
-    assert out.dtype == torch.float32 and torch.equal(ref_batch.k_cache, nat_batch.k_cache)
+    assert kernel_calls == []
+    out_bf16 = _run(TorchAttentionBackend(native=True), nat_batch)
+    assert out_bf16.dtype == torch.bfloat16 and len(kernel_calls) == int(_has_decode(case))
+    assert torch.equal(ref_batch.k_cache, nat_batch.k_cache)
+    out = out_bf16.float()
     tol = 2 ** -7 * ref.abs().clamp_min(1.0)  # a couple of bf16 ulps
     assert ((out - ref).abs() <= tol).all(), (out - ref).abs().max().item()
 
