@@ -1,8 +1,10 @@
 """Native CPU kernels: build on first use, load with ctypes, call on torch tensors.
 
-The kernels: paged decode attention (K/V read in place from the paged cache) and a small-batch
-linear layer that streams its weight once (the decode-time projections and lm_head at batch
-1..8). Each has a torch path it is tested against and that runs wherever the library is absent.
+The kernels: paged decode attention (K/V read in place from the paged cache), a small-batch
+linear layer that streams its weight once (the decode-time projections and lm_head at 1..4
+rows), and a bf16 GEMM on weights packed once for the dot instruction (5 rows and up: decode
+batches and prefill chunks). Each has a torch path it is tested against and that runs wherever
+the library is absent.
 
 Owns the C sources under `attention/csrc/`: compiles them with the host C compiler
 (`-O3 -march=native -fopenmp`) into a per-user cache keyed by the source, the flags and the CPU,
@@ -101,6 +103,14 @@ def load() -> ctypes.CDLL | None:
         f = lib.small_m_linear
         f.argtypes = [vp, ctypes.c_int, i64, vp, ctypes.c_int, vp, vp, ctypes.c_int, i64, i64, i64]
         f.restype = ctypes.c_int
+        lib.packed_gemm_available.restype = ctypes.c_int
+        lib.packed_weight_numel.argtypes = [i64, i64]
+        lib.packed_weight_numel.restype = i64
+        lib.pack_weight_bf16.argtypes = [vp, i64, i64, vp]
+        lib.pack_weight_bf16.restype = None
+        f = lib.packed_gemm_bf16
+        f.argtypes = [vp, i64, vp, vp, vp, ctypes.c_int, i64, i64, i64, i64]
+        f.restype = ctypes.c_int
         _lib = lib
         return _lib
 
@@ -143,23 +153,76 @@ def paged_decode_attention(
         raise MemoryError("paged_decode_attention: scratch allocation failed")
 
 
-# Above this many rows the GEMM library reuses each weight tile across rows better than streaming
-# does (measured here: the kernel wins at 1 and 4 rows, loses at 8).
+# Up to this many rows the weight-streaming kernel reads the weight in its own layout; above it the
+# packed GEMM (or torch) reuses each weight tile across rows.
 SMALL_M_MAX_ROWS = 4
+
+# The packed copy of a weight lives on the weight tensor itself, so it is freed with it. It is
+# keyed by the tensor's version counter and storage: every in-place write through the tensor
+# (`copy_`, also on a slice, as the loader and `update_weights` do) bumps the counter, so the next
+# call repacks. Writes through `.data` bypass the counter; `drop_packed(model)` forgets all
+# packed copies explicitly (the engine calls it after a weight update).
+_PACKED_ATTR = "_cuttle_packed"
+
+
+def _packed(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    key = (weight._version, weight.data_ptr())
+    hit = getattr(weight, _PACKED_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    n, k = weight.shape
+    packed = torch.empty(lib.packed_weight_numel(n, k), dtype=torch.bfloat16)
+    lib.pack_weight_bf16(weight.data_ptr(), n, k, packed.data_ptr())
+    setattr(weight, _PACKED_ATTR, (key, packed))
+    return packed
+
+
+def _bias_f32(bias: torch.Tensor) -> torch.Tensor:
+    key = (bias._version, bias.data_ptr())
+    hit = getattr(bias, _PACKED_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    b = bias.float().contiguous()
+    setattr(bias, _PACKED_ATTR, (key, b))
+    return b
+
+
+def drop_packed(module: torch.nn.Module) -> None:
+    """Forget every packed weight copy held by `module`'s parameters (repacked on next use)."""
+    for p in module.parameters():
+        if hasattr(p, _PACKED_ATTR):
+            delattr(p, _PACKED_ATTR)
+
+
+def packed_gemm_enabled() -> bool:
+    lib = _lib if _tried else load()
+    return lib is not None and os.environ.get("CUTTLE_PACKED_GEMM", "1") != "0" and bool(lib.packed_gemm_available())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the weight-streaming kernel for a few rows of a CPU fp32/bf16 input."""
+    """F.linear on CPU through the native kernels where they apply: the weight-streaming kernel
+    for 1..SMALL_M_MAX_ROWS rows (fp32/bf16), the packed bf16 GEMM above that; else torch."""
     lib = _lib if _tried else load()
     if (
-        lib is None or x.dim() != 2 or x.shape[0] > SMALL_M_MAX_ROWS or x.device.type != "cpu"
+        lib is None or x.dim() != 2 or x.device.type != "cpu"
         or x.dtype not in _DTYPE_CODE or weight.dtype not in _DTYPE_CODE or not weight.is_contiguous()
         or x.stride(-1) != 1 or (bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()))
-        or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     ):
         return torch.nn.functional.linear(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
+    if m > SMALL_M_MAX_ROWS:
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not packed_gemm_enabled():
+            return torch.nn.functional.linear(x, weight, bias)
+        y = torch.empty(m, n, dtype=x.dtype)
+        rc = lib.packed_gemm_bf16(
+            x.data_ptr(), x.stride(0), _packed(lib, weight).data_ptr(),
+            _bias_f32(bias).data_ptr() if bias is not None else None, y.data_ptr(), _DTYPE_CODE[y.dtype], n, m, n, k,
+        )
+        if rc != 0:
+            raise RuntimeError("packed_gemm_bf16: built without AVX512-BF16")
+        return y
     y = torch.empty(m, n, dtype=x.dtype)
     rc = lib.small_m_linear(
         x.data_ptr(), _DTYPE_CODE[x.dtype], x.stride(0), weight.data_ptr(), _DTYPE_CODE[weight.dtype],

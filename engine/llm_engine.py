@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from cuttle.attention.cpu_kernels import drop_packed
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.model_runner import ModelRunner
@@ -318,7 +319,10 @@ class LLMEngine:
                 out = self.abort_request(rid)
                 if out is not None:
                     ended.append(out)
-        self._load_weights(named_tensors)
+        try:
+            self._load_weights(named_tensors)
+        finally:  # even a half-applied update must not leave stale packed copies behind
+            drop_packed(self.runner.model)
         self.weight_version += 1
         self.block_manager.reset_prefix_cache()
         return ended

@@ -63,6 +63,28 @@ def test_update_matches_fresh_engine_and_never_hits_stale_cache(moe_path, pertur
     assert max(abs(a - b) for x, y in zip(again_lps, fresh_lps) for a, b in zip(x, y)) < 1e-5
 
 
+def test_bf16_update_repacks_native_gemm_weights(moe_path, perturbed, random_prompts, monkeypatch):
+    """bf16 at 6 rows per step takes the packed CPU GEMM, whose packed weight copies must not
+    outlive an update: afterwards outputs equal a fresh engine's bit for bit."""
+    from cuttle.attention import cpu_kernels
+
+    if cpu_kernels.load() is None or not cpu_kernels.packed_gemm_enabled():
+        pytest.skip("no packed CPU GEMM here (needs the native library and AVX512-BF16)")
+    packs: list[int] = []
+    real = cpu_kernels._packed
+    monkeypatch.setattr(cpu_kernels, "_packed", lambda lib, w: packs.append(1) or real(lib, w))
+    path2, tensors = perturbed
+    prompts = random_prompts(6, 20, seed=5)
+    llm = LLM(moe_path, dtype="bfloat16", num_kv_blocks=256, enable_prefix_caching=False)
+    old_tokens, _, _ = run(llm, prompts)
+    assert packs, "the bf16 engine at 6 rows did not use the packed GEMM"
+    llm.update_weights(tensors.items())
+    new_tokens, new_lps, _ = run(llm, prompts)
+    fresh_tokens, fresh_lps, _ = run(LLM(path2, dtype="bfloat16", num_kv_blocks=256, enable_prefix_caching=False), prompts)
+    assert new_tokens != old_tokens
+    assert new_tokens == fresh_tokens and new_lps == fresh_lps
+
+
 def test_stale_cache_key_would_be_caught(moe_path, perturbed, random_prompts):
     """Guard for the test above: serving the old blocks after an update changes the logprobs, so
     a regression in cache keying cannot pass silently."""
