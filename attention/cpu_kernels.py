@@ -100,6 +100,9 @@ def load() -> ctypes.CDLL | None:
         f.argtypes = [vp, ctypes.c_int, i64, vp, vp, ctypes.c_int, vp, ctypes.c_int, i64, vp, vp, i64, vp,
                       i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
         f.restype = ctypes.c_int
+        lib.paged_decode_set_fast_path.argtypes = [ctypes.c_int]
+        lib.paged_decode_set_fast_path.restype = None
+        lib.paged_decode_last_call_fast.restype = ctypes.c_int
         f = lib.small_m_linear
         f.argtypes = [vp, ctypes.c_int, i64, vp, ctypes.c_int, vp, vp, ctypes.c_int, i64, i64, i64]
         f.restype = ctypes.c_int

@@ -7,6 +7,12 @@
  * dtype. Work items are (sequence, kv head) pairs, spread over the OpenMP threads of the
  * process (the same libgomp torch uses, so no second thread pool competes for the cores).
  *
+ * bf16 q and K/V with head_dim 64, 128 or 256 on a CPU with AVX512-BF16 take a vectorised path
+ * (`item_bf16`): q.k with the bf16 dot instruction (exact products, fp32 sums; 16 dot vectors
+ * reduced to 16 scores by one shuffle tree), a vectorised exp, and p.V in fp32 with the
+ * probability-weighted V rows accumulated in registers. The scalar-loop path serves every other
+ * combination and is the reference the fast path is tested against.
+ *
  * Built at first use by cuttle/attention/cpu_kernels.py with the host compiler; plain C so it
  * compiles in about a second and needs no torch headers.
  */
@@ -41,6 +47,150 @@ static inline __attribute__((always_inline)) void axpy_f32(float *acc, float p, 
     for (int64_t d = 0; d < n; d++) acc[d] += p * v[d];
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_FAST_BF16 1
+
+/* lane j of the result = horizontal sum of a[j], for 16 vectors (45 shuffles/adds) */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *a) {
+    __m512 s[8], t[4], x[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44), _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+}
+
+/* e^x for x <= 0 (scores minus their max): Cephes' expf polynomial, 2^n applied by scalef;
+ * below -87.3 (e^x < 1.2e-38, nothing next to the max's 1) it returns ~1e-38 */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One work item on the fast path: query rows [0, nrows) of the item (heads h0.. with `group`
+ * query heads each) against one sequence. scores: [len][rp] fp32 (token-major, rp = nrows
+ * rounded up to 16); acc: [nrows][D] fp32. D is a compile-time constant at every call. */
+static inline __attribute__((always_inline)) void item_bf16(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, void *out, int out_dtype,
+    const int32_t *table, int64_t len, int64_t block_size, int64_t token_stride, int64_t h0, int64_t nrows,
+    int64_t group, const int D, float scale, float *scores, float *acc) {
+    const int C = D / 32; /* 32-element chunks per head row */
+    const int64_t rp = (nrows + 15) & ~(int64_t)15;
+    /* pass 1: scores[t][r] = scale * q_r . k_t, 16 rows at a time through the reduce tree */
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t base = (int64_t)table[t0 / block_size] * block_size;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t tt = 0; tt < n; tt++) {
+            const uint16_t *krow = k_cache + (base + tt) * token_stride + h0 * D;
+            for (int64_t r0 = 0; r0 < nrows; r0 += 16) {
+                __m512 a[16];
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) {
+                    a[i] = _mm512_setzero_ps();
+                    const int64_t r = r0 + i;
+                    if (r < nrows) {
+                        const uint16_t *kh = krow + (r / group) * D, *qr = q + r * D;
+#pragma GCC unroll 8
+                        for (int c = 0; c < C; c++)
+                            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qr + 32 * c),
+                                                    (__m512bh)_mm512_loadu_si512(kh + 32 * c));
+                    }
+                }
+                _mm512_storeu_ps(scores + (t0 + tt) * rp + r0, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
+            }
+        }
+    }
+    /* softmax numerators e = exp(s - max) in place; sums kept for the end */
+    float inv_sum[512];
+    for (int64_t r0 = 0; r0 < rp; r0 += 16) {
+        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t++) m = _mm512_max_ps(m, _mm512_loadu_ps(scores + t * rp + r0));
+        for (int64_t t = 0; t < len; t++) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t * rp + r0), m));
+            _mm512_storeu_ps(scores + t * rp + r0, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(inv_sum + r0, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    }
+    /* pass 2: acc_r += e[t][r] * v_t, per block and kv head with the group's accumulators in
+     * registers. A bf16 pair (32 bits) splits into its even element (<< 16) and its odd one
+     * (& 0xffff0000) with one op each, so acc holds each 32-chunk as [16 even dims | 16 odd
+     * dims]; the order is undone once at the end. */
+    const int RG = D == 256 ? 1 : D == 128 ? 2 : 4; /* rows whose accumulators fit in 16 registers */
+    memset(acc, 0, sizeof(float) * (size_t)(nrows * D));
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t base = (int64_t)table[t0 / block_size] * block_size;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t h = 0; h * group < nrows; h++) {
+            for (int64_t g0 = 0; g0 < group; g0 += RG) {
+                const int64_t r0 = h * group + g0;
+                const int rg = group - g0 < RG ? (int)(group - g0) : RG;
+                __m512 va[16];
+#pragma GCC unroll 16
+                for (int i = 0; i < RG * 2 * C; i++) va[i] = i / (2 * C) < rg ? _mm512_loadu_ps(acc + (r0 + i / (2 * C)) * D + 16 * (i % (2 * C))) : _mm512_setzero_ps();
+                for (int64_t tt = 0; tt < n; tt++) {
+                    const uint16_t *vrow = v_cache + (base + tt) * token_stride + (h0 + h) * D;
+                    const float *e = scores + (t0 + tt) * rp + r0;
+#pragma GCC unroll 8
+                    for (int c = 0; c < C; c++) {
+                        const __m512i v = _mm512_loadu_si512(vrow + 32 * c);
+                        const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                        const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+#pragma GCC unroll 4
+                        for (int i = 0; i < RG; i++) {
+                            if (i < rg) {
+                                const __m512 p = _mm512_set1_ps(e[i]);
+                                va[i * 2 * C + 2 * c] = _mm512_fmadd_ps(p, ve, va[i * 2 * C + 2 * c]);
+                                va[i * 2 * C + 2 * c + 1] = _mm512_fmadd_ps(p, vo, va[i * 2 * C + 2 * c + 1]);
+                            }
+                        }
+                    }
+                }
+#pragma GCC unroll 16
+                for (int i = 0; i < RG * 2 * C; i++)
+                    if (i / (2 * C) < rg) _mm512_storeu_ps(acc + (r0 + i / (2 * C)) * D + 16 * (i % (2 * C)), va[i]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < nrows; r++) {
+        const float inv = inv_sum[r];
+        for (int c = 0; c < C; c++)
+            for (int j = 0; j < 32; j++) {
+                /* dim 32c + j sits at 32c + j/2 (even j) or 32c + 16 + j/2 (odd j) */
+                const float v = acc[r * D + 32 * c + (j & 1) * 16 + j / 2] * inv;
+                const int64_t o = r * D + 32 * c + j;
+                if (out_dtype == DT_BF16) ((uint16_t *)out)[o] = f32_to_bf16(v);
+                else ((float *)out)[o] = v;
+            }
+    }
+}
+
+#define ITEM_BF16(D_)                                                                                   \
+    static void item_bf16_##D_(const uint16_t *q, const uint16_t *k, const uint16_t *v, void *out, int od, \
+                               const int32_t *table, int64_t len, int64_t bs, int64_t ts, int64_t h0,     \
+                               int64_t nrows, int64_t group, float scale, float *scores, float *acc) {    \
+        item_bf16(q, k, v, out, od, table, len, bs, ts, h0, nrows, group, D_, scale, scores, acc);      \
+    }
+ITEM_BF16(64)
+ITEM_BF16(128)
+ITEM_BF16(256)
+#endif
+
 /* q, out: [rows, num_kv_heads * group, head_dim] (row stride q_row_stride / out_row_stride
  * elements); row_index[i]: the q/out row of decode sequence i; tables: [num_seqs, table_stride]
  * block ids; seq_lens[i]: keys of sequence i (>= 1). Returns 0, or -1 when a scratch
@@ -51,6 +201,11 @@ static inline __attribute__((always_inline)) void axpy_f32(float *acc, float p, 
  * row for all heads is contiguous (num_kv_heads * head_dim elements) and a block's tokens are
  * contiguous, so memory is read in long streams the hardware prefetcher follows. (Walking one
  * head at a time instead strides by a whole token row and runs several times slower.) */
+/* Tests turn the fast path off to compare it with the scalar loops on the same inputs. */
+static int fast_path_enabled = 1, last_call_fast = 0;
+void paged_decode_set_fast_path(int enabled) { fast_path_enabled = enabled; }
+int paged_decode_last_call_fast(void) { return last_call_fast; }
+
 int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, void *out, int out_dtype,
                            int64_t out_row_stride, const int64_t *row_index, const int32_t *tables,
@@ -61,9 +216,20 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, con
     const int64_t token_stride = num_kv_heads * head_dim; /* elements between consecutive slots */
     const int64_t heads_per_item = (num_kv_heads + head_chunks - 1) / head_chunks;
     const int64_t rows_per_item = heads_per_item * group; /* query heads handled by one item */
+#ifdef HAVE_FAST_BF16
+    typedef void (*item_fn)(const uint16_t *, const uint16_t *, const uint16_t *, void *, int, const int32_t *, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, int64_t, float, float *, float *);
+    item_fn fast = NULL;
+    if (q_dtype == DT_BF16 && kv_dtype == DT_BF16 && rows_per_item <= 512 && fast_path_enabled)
+        fast = head_dim == 64 ? item_bf16_64 : head_dim == 128 ? item_bf16_128 : head_dim == 256 ? item_bf16_256 : NULL;
+    last_call_fast = fast != NULL;
+#else
+    last_call_fast = 0;
+#endif
 #pragma omp parallel
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(rows_per_item * max_seq_len));
+        /* token-major scores for the fast path pad rows to 16 */
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(((rows_per_item + 15) & ~(int64_t)15) * max_seq_len));
         float *qf = (float *)malloc(sizeof(float) * (size_t)(rows_per_item * head_dim));
         float *acc = (float *)malloc(sizeof(float) * (size_t)(rows_per_item * head_dim));
         if (!scores || !qf || !acc) {
@@ -80,6 +246,15 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, con
             const int64_t nrows = (h1 - h0) * group, len = seq_lens[s];
             const int32_t *table = tables + s * table_stride;
             const int64_t qoff = row_index[s] * q_row_stride + h0 * group * head_dim;
+#ifdef HAVE_FAST_BF16
+            if (fast) {
+                const int64_t ooff_f = row_index[s] * out_row_stride + h0 * group * head_dim;
+                void *o = out_dtype == DT_BF16 ? (void *)((uint16_t *)out + ooff_f) : (void *)((float *)out + ooff_f);
+                fast(((const uint16_t *)q) + qoff, (const uint16_t *)k_cache, (const uint16_t *)v_cache, o, out_dtype,
+                     table, len, block_size, token_stride, h0, nrows, group, scale, scores, acc);
+                continue;
+            }
+#endif
             for (int64_t i = 0; i < nrows * head_dim; i++)
                 qf[i] = (q_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)q)[qoff + i])
                                             : ((const float *)q)[qoff + i]) * scale;

@@ -112,3 +112,50 @@ def test_small_m_linear_falls_back_outside_its_shapes() -> None:
     y = cpu_kernels.linear(x[:1], wg)
     y.sum().backward()
     assert wg.grad is not None
+
+
+# The vectorised bf16 path (head_dim 64/128/256, AVX512-BF16): Qwen3-0.6B's shape at batch 40,
+# rows per item above 16 (the 16-row score chunks, masked), MQA, groups of 3 and of 1, heads split
+# across threads (one sequence), partial last blocks everywhere.
+FAST_CASES = (
+    Case("qwen3_0.6b_batch40", tuple((int(n), 1) for n in torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(5))), 16, 8, 128, 16),
+    Case("rows20_mha_d64", ((33, 1), (0, 1), (70, 1)), 20, 20, 64, 16),
+    Case("mqa_group4_d64", ((17, 1), (64, 1)), 4, 1, 64, 8),
+    Case("group3_d256", ((40, 1), (9, 1), (1, 1)), 6, 2, 256, 16),
+    Case("one_seq_heads_split_d128", ((500, 1),), 32, 8, 128, 16),
+    Case("with_prefill_rows_d128", ((0, 7), (47, 1), (30, 4), (12, 1)), 8, 4, 128, 16),
+)
+
+
+def _bf16_batch(case: Case):
+    """A bf16 batch whose oracle K/V/q are the bf16-rounded values the kernel reads."""
+    batch = build_batch(case, junk=None, dtype=torch.bfloat16)
+    batch.full_k = [t.bfloat16().float() for t in batch.full_k]
+    batch.full_v = [t.bfloat16().float() for t in batch.full_v]
+    return batch
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: c.name)
+def test_fast_bf16_decode_matches_naive_and_scalar_path(case: Case, kernel_calls: list[int]) -> None:
+    lib = cpu_kernels.load()
+    if "avx512_bf16" not in open("/proc/cpuinfo").read():
+        pytest.skip("the fast bf16 path needs AVX512-BF16")
+    ref = naive_attention(_bf16_batch(case))
+    decode = torch.tensor([new == 1 for _, new in case.seqs])
+    rows = torch.cat([torch.full((new,), bool(d)) for (_, new), d in zip(case.seqs, decode)])
+    outs = {}
+    try:
+        for fast in (1, 0):
+            lib.paged_decode_set_fast_path(fast)
+            out = _run(TorchAttentionBackend(native=True), _bf16_batch(case))
+            assert out.dtype == torch.bfloat16 and lib.paged_decode_last_call_fast() == fast
+            outs[fast] = out.double()
+    finally:
+        lib.paged_decode_set_fast_path(1)
+    assert len(kernel_calls) == 2
+    for fast, out in outs.items():
+        # fp32 math from bf16 inputs, output rounded to bf16 once: within one bf16 ulp of float64
+        err = ((out - ref).abs() / ref.abs().clamp_min(1.0))[rows].max().item()
+        assert err <= 2 ** -8, (fast, err)
+    # the two paths sum in different orders; after rounding they differ by at most one ulp
+    assert ((outs[1] - outs[0]).abs() <= 2 ** -7 * outs[0].abs().clamp_min(1.0))[rows].all()
