@@ -165,7 +165,14 @@ class LLMEngine:
             row += 1
         if targets:
             reqs = [self._sample_request(s) for s in targets]
-            results = sample(logits[torch.tensor(rows)], reqs, self.config.logprobs_mode)
+            # rows are consecutive unless an n > 1 prompt just forked (its row repeats): a slice
+            # then saves copying [rows, vocab] fp32 logits every step
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                picked = logits[rows[0] : rows[0] + len(rows)]
+            else:
+                picked = logits[torch.tensor(rows)]
+            with torch.inference_mode():  # the logits are inference tensors, updated in place
+                results = sample(picked, reqs, self.config.logprobs_mode)
             now = time.monotonic()
             for s, res in zip(targets, results):
                 self._append_token(s, res.token, res.logprob, res.top)
