@@ -4,7 +4,7 @@ The kernels: paged decode attention (K/V read in place from the paged cache), a 
 linear layer that streams its weight once (the decode-time projections and lm_head at 1..4
 rows), and a bf16 GEMM on weights packed once for the dot instruction (5 rows and up: decode
 batches and prefill chunks). Each has a torch path it is tested against and that runs wherever
-the library is absent.
+the library is absent. Plus a row-wise argmax for the sampler's greedy pick.
 
 Owns the C sources under `attention/csrc/`: compiles them with the host C compiler
 (`-O3 -march=native -fopenmp`) into a per-user cache keyed by the source, the flags and the CPU,
@@ -111,6 +111,8 @@ def load() -> ctypes.CDLL | None:
         lib.packed_weight_numel.restype = i64
         lib.pack_weight_bf16.argtypes = [vp, i64, i64, vp]
         lib.pack_weight_bf16.restype = None
+        lib.argmax_rows_f32.argtypes = [vp, i64, i64, i64, vp]
+        lib.argmax_rows_f32.restype = None
         f = lib.packed_gemm_bf16
         f.argtypes = [vp, i64, vp, vp, vp, ctypes.c_int, i64, i64, i64, i64]
         f.restype = ctypes.c_int
@@ -234,3 +236,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rc != 0:
         raise MemoryError("small_m_linear: allocation failed")
     return y
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for a 2-D CPU fp32 tensor with unit column stride (first index of
+    the maximum; NaN counts as the maximum), natively where the library is present."""
+    lib = _lib if _tried else load()
+    if lib is None or x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[1] == 0:
+        return torch.argmax(x, dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out

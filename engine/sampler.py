@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cuttle.attention.cpu_kernels import argmax
 from cuttle.engine.sampling_params import SamplingParams
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -106,7 +107,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str =
     # greedy rows that asked for no logprobs skip the vocab-wide log-softmax entirely
     lp = torch.log_softmax(x, dim=-1) if want_lp else None
 
-    tokens = torch.argmax(x, dim=-1)
+    tokens = argmax(x)
     if random_rows:
         assert lp is not None
         idx = torch.tensor(random_rows, dtype=torch.long)
