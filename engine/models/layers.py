@@ -1,12 +1,17 @@
 """Building blocks shared by the attention variants and the decoder: RMSNorm with HF semantics and
 the uninitialized, frozen parameter every model weight starts as (the loader fills it).
 
+RMSNorm runs through `cuttle.attention.cpu_fused.rms_norm`: one native kernel on CPU tensors
+(bit-identical to the torch formula), the torch formula elsewhere and under autograd.
+
 Owns no model structure and never reads a config.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from cuttle.attention.cpu_fused import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -18,9 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -5,9 +5,11 @@ from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, routed-MoE MLPs o
 a shared expert beside the routed ones, multi-head latent attention), so they share one
 definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
 slices HF tensors into them. At a few rows (small-batch decode) they go through the native
-weight-streaming kernel of `cuttle.attention.cpu_kernels.linear`, else `F.linear`. The forward
-takes a flattened, unpadded batch and the attention metadata; it never owns KV memory (the
-runner hands each layer its cache views).
+weight-streaming kernel of `cuttle.attention.cpu_kernels.linear`, else `F.linear`. The small
+ops between the projections (residual add + RMSNorm, q/k norm + RoPE, silu * up) go through the
+fused CPU kernels of `cuttle.attention.cpu_fused` (bit-identical to the torch code they replace,
+which runs on other devices and under autograd). The forward takes a flattened, unpadded batch
+and the attention metadata; it never owns KV memory (the runner hands each layer its cache views).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cuttle.attention.backend import AttentionBackend
+from cuttle.attention.cpu_fused import add_rms_norm, qk_norm_rope, silu_mul
 from cuttle.attention.cpu_kernels import linear
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.rope import RotaryEmbedding, apply_rope
@@ -48,15 +51,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        qn, kn = self.q_norm, self.k_norm
+        q, k, v = qk_norm_rope(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
+            kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
+        )
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return linear(o.reshape(-1, self.q_size), self.o_weight)
 
@@ -85,8 +84,7 @@ class DenseMLP(nn.Module):
         self.down_weight = empty_param(hidden, inter, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight).split(self.inter, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight)
+        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -109,9 +107,18 @@ class DecoderLayer(nn.Module):
         y = self.mlp(h)
         return y if self.shared is None else y + self.shared(h)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta, backend)
-        return x + self._ffn(self.post_attn_norm(x))
+    def forward(self, x, cos, sin, kv_cache, meta, backend, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the residual stream x, where `delta` (the previous layer's MLP output, or
+        None) is still to be added; returns (x, this layer's MLP output, not yet added). Deferring
+        each residual add into the norm that follows it lets one fused kernel do both; the sums
+        and their rounding are the same as adding first."""
+        if delta is None:
+            h = self.input_norm(x)
+        else:
+            x, h = add_rms_norm(x, delta, self.input_norm.weight, self.input_norm.eps)
+        a = self.attn(h, cos, sin, kv_cache, meta, backend)
+        x, h = add_rms_norm(x, a, self.post_attn_norm.weight, self.post_attn_norm.eps)
+        return x, self._ffn(h)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.attn.forward_dense(self.input_norm(x), cos, sin, mask)
@@ -140,9 +147,12 @@ class CausalLM(nn.Module):
         """Returns final hidden states [T, hidden] (logits are computed only for the rows needed)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.tables(positions, x.dtype)
+        delta = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta, backend)
-        return self.norm(x)
+            x, delta = layer(x, cos, sin, kv, meta, backend, delta)
+        if delta is None:
+            return self.norm(x)
+        return add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         """Training / scoring path with autograd: rows [B, S] packing several documents each.

@@ -1,0 +1,345 @@
+"""The fused CPU kernels of attention/csrc/fused_ops.c (RMSNorm, residual add + RMSNorm, q/k
+norm + RoPE, silu * up) against the torch code they replace, in fp32 and bf16.
+
+The kernels reproduce torch's rounding points and its summation order, so on the x86 torch
+builds they are matched to (AVX512 / AVX2 kernels) the results must be bit-identical; elsewhere
+within an ulp. Every native-path test counts the kernel calls, so a silent fallback to the torch
+path fails it; the fallbacks (no library, autograd, unsupported layouts) are tested on their own.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cuttle.attention import cpu_fused
+from cuttle.attention.rope import RotaryEmbedding, apply_rope
+
+DTYPES = (torch.float32, torch.bfloat16)
+# the kernels are matched to torch's x86 vector kernels; on other builds allow an ulp
+BIT_EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built() -> None:
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the native kernels cannot build here")
+    assert cpu_fused._load() is not None, "a compiler is present, so the kernels must build"
+
+
+class _Counting:
+    """Stands in for the kernel library and counts calls per kernel name."""
+
+    def __init__(self, lib, calls: dict[str, int]):
+        self._lib, self._calls = lib, calls
+
+    def __getattr__(self, name):
+        fn = getattr(self._lib, name)
+
+        def counted(*args):
+            self._calls[name] = self._calls.get(name, 0) + 1
+            return fn(*args)
+
+        return counted
+
+
+@pytest.fixture
+def native_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls: dict[str, int] = {}
+    proxy = _Counting(cpu_fused._load(), calls)
+    monkeypatch.setattr(cpu_fused, "_load", lambda: proxy)
+    return calls
+
+
+@pytest.fixture
+def no_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_fused, "_load", lambda: None)
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if BIT_EXACT:
+        diff = (got != want).sum().item()
+        assert torch.equal(got, want), f"{diff} of {got.numel()} differ, max {(got.float() - want.float()).abs().max().item()}"
+    else:
+        ulp = torch.finfo(want.dtype).eps
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=1e-6)
+
+
+def test_probe_matched_this_torch_build() -> None:
+    if BIT_EXACT:
+        assert cpu_fused.EXACT, "the summation order of torch's sum kernel was not found"
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# (rows, hidden): decode shapes, hidden not a multiple of 16 or 8, fewer elements than a vector,
+# many rows (the OpenMP split), and a row long enough for torch's cascade sum to go up a level
+NORM_SHAPES = [(1, 1024), (64, 1024), (33, 1000), (1, 17), (3, 33), (5, 7), (4, 4096), (2, 70000)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", NORM_SHAPES)
+def test_rms_norm(dtype, rows, n, native_calls) -> None:
+    g = _gen(rows * n)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    w = torch.randn(n, generator=g).to(dtype)
+    assert_same(cpu_fused.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_torch(x, w, 1e-6))
+    assert native_calls == {"fused_rms_norm": 1}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_and_batched_inputs(dtype, native_calls) -> None:
+    g = _gen(1)
+    wide = (torch.randn(9, 300, generator=g) * 2).to(dtype)
+    x = wide[:, 50:250]  # rows of a wider tensor (MLA's latent is such a slice)
+    w = torch.randn(200, generator=g).to(dtype)
+    y = cpu_fused.rms_norm(x, w, 1e-5)
+    assert y.is_contiguous()
+    assert_same(y, cpu_fused.rms_norm_torch(x, w, 1e-5))
+    x3 = torch.randn(2, 3, 200, generator=g).to(dtype)  # contiguous [B, S, H]: the no-grad training shape
+    assert_same(cpu_fused.rms_norm(x3, w, 1e-5), cpu_fused.rms_norm_torch(x3, w, 1e-5))
+    one = torch.randn(200, generator=g).to(dtype)  # a single vector
+    assert_same(cpu_fused.rms_norm(one, w, 1e-5), cpu_fused.rms_norm_torch(one, w, 1e-5))
+    assert native_calls == {"fused_rms_norm": 3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", NORM_SHAPES[:6])
+def test_add_rms_norm(dtype, rows, n, native_calls) -> None:
+    g = _gen(rows + n)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    d = torch.randn(rows, 2 * n, generator=g).to(dtype)[:, :n]  # strided delta
+    w = torch.randn(n, generator=g).to(dtype)
+    x_new, y = cpu_fused.add_rms_norm(x, d, w, 1e-6)
+    want_x = x + d
+    assert_same(x_new, want_x)
+    assert_same(y, cpu_fused.rms_norm_torch(want_x, w, 1e-6))
+    assert native_calls == {"fused_rms_norm": 1}
+
+
+def _qkv_case(dtype, T, hq, hk, d, seed=0):
+    g = _gen(seed)
+    rope = RotaryEmbedding(d, 4096, 1e6, None, torch.device("cpu"))
+    cos, sin = rope.tables(torch.randint(0, 4096, (T,), generator=g), dtype)
+    qkv = (torch.randn(T, (hq + 2 * hk) * d, generator=g) * 2).to(dtype)
+    qw = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    kw = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    return qkv, qw, kw, cos, sin
+
+
+def _torch_qk_norm_rope(qkv, hq, hk, d, qw, kw, eps, cos, sin):
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.reshape(-1, hq, d), k.reshape(-1, hk, d)
+    if qw is not None:
+        q, k = cpu_fused.rms_norm_torch(q, qw, eps), cpu_fused.rms_norm_torch(k, kw, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(-1, hk, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,hq,hk,d", [(1, 16, 8, 128), (64, 16, 8, 128), (33, 4, 2, 64), (5, 3, 1, 20), (7, 2, 2, 96)])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope(dtype, T, hq, hk, d, qk_norm, native_calls) -> None:
+    qkv, qw, kw, cos, sin = _qkv_case(dtype, T, hq, hk, d, seed=T * d)
+    if not qk_norm:
+        qw = kw = None
+    want = _torch_qk_norm_rope(qkv.clone(), hq, hk, d, qw, kw, 1e-6, cos, sin)
+    work = qkv.clone()
+    q, k, v = cpu_fused.qk_norm_rope(work, hq, hk, d, qw, kw, 1e-6, cos, sin)
+    for got, ref in zip((q, k, v), want):
+        assert_same(got.contiguous(), ref.contiguous())
+    assert q.data_ptr() == work.data_ptr()  # rewritten in place, returned as views
+    assert torch.equal(work[:, (hq + hk) * d :], qkv[:, (hq + hk) * d :])  # v untouched
+    assert native_calls == {"fused_qk_norm_rope": 1}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_strided_rows(dtype, native_calls) -> None:
+    """qkv as row slices of a wider buffer, and cos/sin given as 2-d [T, D/2] tables."""
+    qkv, qw, kw, cos, sin = _qkv_case(dtype, 9, 4, 2, 64, seed=11)
+    wide = torch.zeros(9, qkv.shape[1] + 40, dtype=dtype)
+    wide[:, 8 : 8 + qkv.shape[1]] = qkv
+    work = wide[:, 8 : 8 + qkv.shape[1]]
+    q, k, v = cpu_fused.qk_norm_rope(work, 4, 2, 64, qw, kw, 1e-6, cos[:, 0], sin[:, 0])
+    for got, ref in zip((q, k, v), _torch_qk_norm_rope(qkv, 4, 2, 64, qw, kw, 1e-6, cos, sin)):
+        assert_same(got.contiguous(), ref.contiguous())
+    assert torch.equal(wide[:, :8], torch.zeros(9, 8, dtype=dtype)) and torch.equal(wide[:, -32:], torch.zeros(9, 32, dtype=dtype))
+    assert native_calls == {"fused_qk_norm_rope": 1}
+
+
+def test_rope_rounding_matters_in_bf16(native_calls) -> None:
+    """The kernel rounds x1*cos and x2*sin to bf16 before subtracting (as torch's bf16 ops do);
+    computing in fp32 and rounding once would differ from torch on some elements."""
+    qkv, _, _, cos, sin = _qkv_case(torch.bfloat16, 64, 16, 8, 128, seed=5)
+    q_ref, _, _ = _torch_qk_norm_rope(qkv, 16, 8, 128, None, None, 0.0, cos, sin)
+    x1, x2 = qkv[:, : 16 * 128].float().view(64, 16, 128).chunk(2, dim=-1)
+    c, s = cos.float(), sin.float()
+    once = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(torch.bfloat16)
+    assert not torch.equal(once, q_ref)
+    q, _, _ = cpu_fused.qk_norm_rope(qkv.clone(), 16, 8, 128, None, None, 0.0, cos, sin)
+    assert_same(q.contiguous(), q_ref)
+
+
+# (rows, intermediate): decode shapes, tails torch leaves to its scalar loop (glibc expf), and
+# enough elements that torch splits them over threads mid-row
+SILU_SHAPES = [(1, 3072), (64, 3072), (33, 100), (1, 77), (7, 6001), (64, 1000), (13, 6001), (3, 40000)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", SILU_SHAPES)
+def test_silu_mul(dtype, rows, inter, native_calls) -> None:
+    gu = (torch.randn(rows, 2 * inter, generator=_gen(rows * inter)) * 4).to(dtype)
+    gate, up = gu.split(inter, dim=-1)
+    assert_same(cpu_fused.silu_mul(gu), F.silu(gate) * up)
+    assert native_calls == {"fused_silu_mul": 1}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_strided_rows(dtype, native_calls) -> None:
+    wide = (torch.randn(5, 300, generator=_gen(7)) * 4).to(dtype)
+    gu = wide[:, 10:210]  # rows of [gate (100) | up (100)] inside a wider buffer
+    assert_same(cpu_fused.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:])
+    assert native_calls == {"fused_silu_mul": 1}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_silu_mul_follows_torch_thread_split(threads, native_calls) -> None:
+    """Which elements torch computes in its scalar tail depends on how it splits the rows over
+    threads; the kernel is told the thread count and must agree at any count."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in DTYPES:
+            gu = (torch.randn(13, 2 * 6001, generator=_gen(threads)) * 4).to(dtype)
+            gate, up = gu.split(6001, dim=-1)
+            assert_same(cpu_fused.silu_mul(gu), F.silu(gate) * up)
+    finally:
+        torch.set_num_threads(old)
+    assert native_calls == {"fused_silu_mul": 2}
+
+
+def test_silu_extreme_inputs(native_calls) -> None:
+    x = torch.tensor([-200.0, -104.5, -103.9, -88.0, -20.0, -1e-30, 0.0, 1e-30, 5.0, 88.5, 99.9, 100.5, 300.0] * 8)
+    gu = torch.cat((x, torch.ones_like(x)))[None]
+    want = F.silu(x) * 1.0
+    assert_same(cpu_fused.silu_mul(gu)[0], want)
+    assert_same(cpu_fused.silu_mul(gu.bfloat16())[0], (F.silu(x.bfloat16()) * torch.ones(1, dtype=torch.bfloat16)))
+
+
+def test_portable_build_is_exact_too(tmp_path, monkeypatch) -> None:
+    """The C file built without -march=native (no AVX512: the scalar loops and the scalar Sleef
+    port, as on another CPU) gives the same bits."""
+    import ctypes
+    import os
+    import subprocess
+
+    from cuttle.attention.cpu_kernels import _SRC_DIR
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    out = str(tmp_path / "fused_portable.so")
+    flags = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-mno-avx512f"]
+    r = subprocess.run([cc, *flags, os.path.join(_SRC_DIR, "fused_ops.c"), "-o", out, "-lm"], check=False, capture_output=True, text=True)
+    if r.returncode != 0:  # a compiler without the x86 flag
+        r = subprocess.run([cc, *flags[:-1], os.path.join(_SRC_DIR, "fused_ops.c"), "-o", out, "-lm"], check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lib = ctypes.CDLL(out)
+    cpu_fused.bind(lib)
+    calls: dict[str, int] = {}
+    proxy = _Counting(lib, calls)
+    monkeypatch.setattr(cpu_fused, "_load", lambda: proxy)
+    for dtype in DTYPES:
+        g = _gen(9)
+        x, d, w = (torch.randn(33, 1000, generator=g) * 3).to(dtype), torch.randn(33, 1000, generator=g).to(dtype), torch.randn(1000, generator=g).to(dtype)
+        x_new, y = cpu_fused.add_rms_norm(x, d, w, 1e-6)
+        assert_same(x_new, x + d)
+        assert_same(y, cpu_fused.rms_norm_torch(x + d, w, 1e-6))
+        qkv, qw, kw, cos, sin = _qkv_case(dtype, 33, 4, 2, 64)
+        want = _torch_qk_norm_rope(qkv, 4, 2, 64, qw, kw, 1e-6, cos, sin)
+        for got, ref in zip(cpu_fused.qk_norm_rope(qkv.clone(), 4, 2, 64, qw, kw, 1e-6, cos, sin), want):
+            assert_same(got.contiguous(), ref.contiguous())
+        gu = (torch.randn(7, 2 * 6001, generator=g) * 4).to(dtype)
+        assert_same(cpu_fused.silu_mul(gu), F.silu(gu[:, :6001]) * gu[:, 6001:])
+    assert calls == {"fused_rms_norm": 2, "fused_qk_norm_rope": 2, "fused_silu_mul": 2}
+
+
+# ---- fallbacks -----------------------------------------------------------------------------
+
+
+def test_no_library_takes_the_torch_path(no_library) -> None:
+    g = _gen(3)
+    x, d, w = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g), torch.randn(64, generator=g)
+    assert torch.equal(cpu_fused.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_torch(x, w, 1e-6))
+    x_new, y = cpu_fused.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(x_new, x + d) and torch.equal(y, cpu_fused.rms_norm_torch(x + d, w, 1e-6))
+    qkv, qw, kw, cos, sin = _qkv_case(torch.float32, 3, 4, 2, 16)
+    before = qkv.clone()
+    got = cpu_fused.qk_norm_rope(qkv, 4, 2, 16, qw, kw, 1e-6, cos, sin)
+    assert torch.equal(qkv, before)  # the torch path does not write into qkv
+    for a, b in zip(got, _torch_qk_norm_rope(before, 4, 2, 16, qw, kw, 1e-6, cos, sin)):
+        assert torch.equal(a, b)
+    gu = torch.randn(3, 64, generator=g)
+    assert torch.equal(cpu_fused.silu_mul(gu), F.silu(gu[:, :32]) * gu[:, 32:])
+
+
+def test_autograd_takes_the_torch_path(native_calls) -> None:
+    g = _gen(4)
+    w = torch.randn(64, generator=g).requires_grad_()
+    x = torch.randn(4, 64, generator=g).requires_grad_()
+    d = torch.randn(4, 64, generator=g)
+    y = cpu_fused.rms_norm(x, w, 1e-6)
+    x_new, y2 = cpu_fused.add_rms_norm(x, d, w, 1e-6)
+    gu = torch.randn(4, 64, generator=g).requires_grad_()
+    s = cpu_fused.silu_mul(gu)
+    qkv, qw, kw, cos, sin = _qkv_case(torch.float32, 3, 4, 2, 16)
+    qkv.requires_grad_()
+    q, k, v = cpu_fused.qk_norm_rope(qkv, 4, 2, 16, qw, kw, 1e-6, cos, sin)
+    (y.sum() + y2.sum() + x_new.sum() + s.sum() + q.sum() + k.sum() + v.sum()).backward()
+    assert x.grad is not None and w.grad is not None and gu.grad is not None and qkv.grad is not None
+    assert native_calls == {}
+    with torch.no_grad():  # the same tensors without autograd recording: native
+        assert_same(cpu_fused.rms_norm(x, w, 1e-6), y.detach())
+    assert native_calls == {"fused_rms_norm": 1}
+
+
+def test_unsupported_inputs_take_the_torch_path(native_calls) -> None:
+    g = _gen(5)
+    w = torch.randn(64, generator=g)
+    x16 = torch.randn(4, 64, generator=g).half()
+    assert torch.equal(cpu_fused.rms_norm(x16, w.half(), 1e-6), cpu_fused.rms_norm_torch(x16, w.half(), 1e-6))
+    x = torch.randn(4, 64, generator=g)
+    assert torch.equal(cpu_fused.rms_norm(x, w.bfloat16(), 1e-6), cpu_fused.rms_norm_torch(x, w.bfloat16(), 1e-6))
+    xt = torch.randn(64, 4, generator=g).t()  # inner stride != 1
+    assert torch.equal(cpu_fused.rms_norm(xt, w, 1e-6), cpu_fused.rms_norm_torch(xt, w, 1e-6))
+    x3 = torch.randn(4, 3, 128, generator=g)[:, :, :64]  # 3-d, not contiguous
+    assert torch.equal(cpu_fused.rms_norm(x3, w, 1e-6), cpu_fused.rms_norm_torch(x3, w, 1e-6))
+    assert native_calls == {}
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_outputs_identical_with_and_without_fused_kernels(tmp_path, monkeypatch, dtype) -> None:
+    from cuttle.engine import LLM, SamplingParams
+    from helpers import make_checkpoint, parity_prompts
+
+    make_checkpoint(str(tmp_path), "qwen3")
+    prompts = parity_prompts()[:4]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+    def run():
+        outs = LLM(str(tmp_path), dtype=dtype, num_kv_blocks=64, attention_backend="torch").generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]) for o in outs]
+
+    calls: dict[str, int] = {}
+    proxy = _Counting(cpu_fused._load(), calls)
+    monkeypatch.setattr(cpu_fused, "_load", lambda: proxy)
+    fused = run()
+    assert set(calls) == {"fused_rms_norm", "fused_qk_norm_rope", "fused_silu_mul"}, calls
+    monkeypatch.setattr(cpu_fused, "_load", lambda: None)
+    plain = run()
+    assert fused == plain  # token ids and logprobs, exactly
