@@ -1,10 +1,12 @@
-/* y = x @ W^T (+ bias) in bf16 on a weight packed once for AVX512-BF16: the CPU GEMM of a step
- * with more than a few rows (decode batches, prefill chunks).
+/* y = x @ W^T (+ bias) in bf16 on a weight packed once for AVX512-BF16: the CPU GEMM of every
+ * bf16 linear layer, from one decode row to a prefill chunk.
  *
  * Why not the GEMM library: torch's bf16 matmul packs (re-lays out) W on every call, which it
  * amortises over many rows but not over 5..64, and at 5..16 rows it reads W at a third of the
  * copy bandwidth (measured here). W is the same tensor every step, so we pack it once, into the
- * order the dot instruction consumes, and the inner loop only loads and multiplies.
+ * order the dot instruction consumes, and the inner loop only loads and multiplies. At 1..4 rows
+ * the packed weight, one sequential stream per thread, also reads faster than the row-major
+ * streaming kernel (small_m_linear.c) does.
  *
  * Packed layout: panels of 64 output features; within a panel, k-pairs in order, and for each
  * k-pair the 64 features' two bf16 weights side by side:

@@ -1,5 +1,4 @@
-"""The packed bf16 GEMM (attention/csrc/packed_gemm.c, behind `cpu_kernels.linear` above
-SMALL_M_MAX_ROWS rows): against a float64 product over row/feature/K tails, strided inputs and
+"""The packed bf16 GEMM (attention/csrc/packed_gemm.c, behind `cpu_kernels.linear` for bf16): against a float64 product over row/feature/K tails, strided inputs and
 bias; its packed weight copy follows in-place weight updates; the switch turns it off."""
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     assert (err <= tol).all(), err.max().item()
 
 
-@pytest.mark.parametrize("m", [5, 6, 7, 13, 64, 131])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 13, 64, 131])
 @pytest.mark.parametrize("n,k", [(1, 2), (63, 33), (64, 128), (65, 1), (200, 1000)])
 def test_packed_gemm_matches_float64(m: int, n: int, k: int, packs: list[int]) -> None:
     g = torch.Generator().manual_seed(1000 * m + 10 * n + k)
