@@ -10,6 +10,7 @@ import torch
 
 from attention_cases import CASES, Case, build_batch, naive_attention
 from cuttle.attention import cpu_kernels
+from cuttle.attention import torch_backend
 from cuttle.attention.torch_backend import TorchAttentionBackend
 
 EXTRA = (
@@ -46,7 +47,8 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _has_decode(case: Case) -> bool:
-    return any(new == 1 for _, new in case.seqs)
+    """Whether the native kernel has rows in this case: decodes and short prefill chunks."""
+    return any(new <= torch_backend.NATIVE_PREFILL_MAX_QLEN for _, new in case.seqs)
 
 
 @pytest.mark.parametrize("case", CASES + EXTRA, ids=lambda c: c.name)
@@ -143,8 +145,8 @@ def test_fast_bf16_decode_matches_naive_and_scalar_path(case: Case, kernel_calls
     if "avx512_bf16" not in open("/proc/cpuinfo").read():
         pytest.skip("the fast bf16 path needs AVX512-BF16")
     ref = naive_attention(_bf16_batch(case))
-    decode = torch.tensor([new == 1 for _, new in case.seqs])
-    rows = torch.cat([torch.full((new,), bool(d)) for (_, new), d in zip(case.seqs, decode)])
+    # every row is the kernel's: decodes and (short) prefill chunks alike
+    rows = torch.ones(sum(new for _, new in case.seqs), dtype=torch.bool)
     outs = {}
     try:
         for fast in (1, 0):
@@ -161,3 +163,19 @@ def test_fast_bf16_decode_matches_naive_and_scalar_path(case: Case, kernel_calls
         assert err <= 2 ** -8, (fast, err)
     # the two paths sum in different orders; after rounding they differ by at most one ulp
     assert ((outs[1] - outs[0]).abs() <= 2 ** -7 * outs[0].abs().clamp_min(1.0))[rows].all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_rows_beside_sdpa_chunks(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int]) -> None:
+    """With the native prefill limit at 8 tokens, chunks of 1, 5 and 8 rows (fresh and after a cached
+    prefix) go through the kernel and chunks of 9 and 30 through SDPA in the same step: all match
+    the float64 oracle."""
+    monkeypatch.setattr(torch_backend, "NATIVE_PREFILL_MAX_QLEN", 8)
+    case = Case("mixed_native_sdpa", ((0, 5), (20, 8), (13, 1), (0, 9), (7, 30), (40, 1)), 8, 2, 128, 16)
+    batch = _bf16_batch(case) if dtype == torch.bfloat16 else build_batch(case, junk=None)
+    out = _run(TorchAttentionBackend(native=True), batch).double()
+    ref = naive_attention(batch)
+    assert len(kernel_calls) == 1
+    tol = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    err = ((out - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+    assert err <= tol, err
