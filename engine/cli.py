@@ -62,10 +62,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from cuttle.engine.server import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = _build_llm(args)
+    # built on the engine thread, which then steps it: one thread does all the OpenMP work
+    aeng = AsyncEngine.launch(lambda: _build_llm(args).engine, max_pending=args.max_pending)
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model)))
-    app = create_app(AsyncEngine(llm.engine, max_pending=args.max_pending), name, args.api_key, args.tool_call_parser)
-    print(f"cuttle: serving {name!r} on http://{args.host}:{args.port}/v1 (max_model_len {llm.engine.max_model_len})", flush=True)
+    app = create_app(aeng, name, args.api_key, args.tool_call_parser)
+    print(f"cuttle: serving {name!r} on http://{args.host}:{args.port}/v1 (max_model_len {aeng.engine.max_model_len})", flush=True)
     # uvicorn drains connections and runs the shutdown hooks on SIGTERM, then re-raises the signal
     # under the handler that was installed before it; this one turns that into a clean exit 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -330,6 +330,7 @@ class LLMEngine:
             self._load_weights(named_tensors)
         finally:  # even a half-applied update must not leave stale packed copies behind
             drop_packed(self.runner.model)
+            self.runner.prepack()
         self.weight_version += 1
         self.block_manager.reset_prefix_cache()
         return ended

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cuttle.attention import cpu_kernels
 from cuttle.attention.backend import get_backend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.engine.config import EngineConfig, ModelConfig
@@ -38,6 +39,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, dtype, device, moe_quant=config.moe_quant).eval()
+        self.prepack()
         self.backend = get_backend(config.attention_backend, device)
         mc = model_config
         # One tensor for all layers: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim];
@@ -46,6 +48,12 @@ class ModelRunner:
             mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device
         )
         self.kv_views = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+
+    def prepack(self) -> None:
+        """Lay out the CPU GEMM weights now (after load and after every weight update), not
+        during the first request's step."""
+        if self.device.type == "cpu":
+            cpu_kernels.prepack(self.model.linear_weights())
 
     @staticmethod
     def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -170,5 +170,15 @@ class CausalLM(nn.Module):
             x = layer.forward_dense(x, cos, sin, mask[:, None])
         return self.norm(x)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights the inference forward hands to `cpu_kernels.linear` (to pack them ahead)."""
+        out: list[torch.Tensor] = [self.lm_head]
+        for layer in self.layers:
+            if isinstance(layer.attn, Attention):
+                out += [layer.attn.qkv_weight, layer.attn.o_weight]
+            if isinstance(layer.mlp, DenseMLP):
+                out += [layer.mlp.gate_up_weight, layer.mlp.down_weight]
+        return out
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head).float()
