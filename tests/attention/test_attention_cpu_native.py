@@ -94,6 +94,7 @@ def test_small_m_linear_matches_float64(dtype: torch.dtype, m: int, n: int, k: i
     float64 product of the same inputs: fp32 to ~1e-5 relative, bf16 to one rounding of the output
     (bf16 takes it only with the packed GEMM off)."""
     monkeypatch.setenv("CUTTLE_PACKED_GEMM", "0")
+    monkeypatch.setattr(cpu_kernels, "_packed_on", None)  # the switch is read once: read it again
     g = torch.Generator().manual_seed(m * n + k)
     x, w, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     for bias in (None, b):

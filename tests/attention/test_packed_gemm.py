@@ -87,8 +87,12 @@ def test_packed_gemm_switch_and_fallbacks(monkeypatch: pytest.MonkeyPatch, packs
     g = torch.Generator().manual_seed(9)
     x, w = torch.randn(12, 40, generator=g).bfloat16(), torch.randn(24, 40, generator=g).bfloat16()
     monkeypatch.setenv("CUTTLE_PACKED_GEMM", "0")
+    monkeypatch.setattr(cpu_kernels, "_packed_on", None)  # the switch is read once: read it again
+    assert not cpu_kernels.packed_gemm_enabled()
     assert torch.equal(cpu_kernels.linear(x, w), torch.nn.functional.linear(x, w))
     monkeypatch.delenv("CUTTLE_PACKED_GEMM")
+    monkeypatch.setattr(cpu_kernels, "_packed_on", None)
+    assert cpu_kernels.packed_gemm_enabled()
     xf, wf = x.float(), w.float()
     assert torch.equal(cpu_kernels.linear(xf, wf), torch.nn.functional.linear(xf, wf))
     wg = w.clone().requires_grad_()
