@@ -2,9 +2,9 @@
 
 The kernels: paged decode attention (K/V read in place from the paged cache), a bf16 GEMM on
 weights packed once for the dot instruction (every bf16 linear layer: decode at any batch,
-prefill chunks), and a small-batch linear layer that streams its weight once (1..4 rows of fp32,
-or of bf16 with the packed GEMM off). Each has a torch path it is tested against and that runs wherever
-the library is absent. Plus a row-wise argmax for the sampler's greedy pick.
+prefill chunks), a small-batch linear layer that streams its weight once (1..4 rows of fp32, or
+of bf16 with the packed GEMM off), and a row-wise argmax for the sampler's greedy pick. Each has a
+torch path it is tested against and that runs wherever the library is absent.
 
 Owns the C sources under `attention/csrc/`: compiles them with the host C compiler
 (`-O3 -march=native -fopenmp`) into a per-user cache keyed by the source, the flags and the CPU,
@@ -234,7 +234,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     1..SMALL_M_MAX_ROWS rows otherwise; else torch."""
     lib = _lib if _tried else load()
     if (
-        lib is None or x.dim() != 2 or x.device.type != "cpu"
+        # shapes that do not fit go to F.linear, which raises the usual error (the kernels would
+        # read past the tensors)
+        lib is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.device.type != "cpu"
+        or (bias is not None and bias.shape != (weight.shape[0],))
         or x.dtype not in _DTYPE_CODE or weight.dtype not in _DTYPE_CODE or not weight.is_contiguous()
         or x.stride(-1) != 1 or (bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()))
         or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))

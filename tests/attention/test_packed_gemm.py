@@ -99,3 +99,13 @@ def test_packed_gemm_switch_and_fallbacks(monkeypatch: pytest.MonkeyPatch, packs
     cpu_kernels.linear(x, wg).float().sum().backward()
     assert wg.grad is not None
     assert packs == []
+
+
+def test_mismatched_shapes_raise_like_torch(packs: list[int]) -> None:
+    """A K or bias length that does not fit the weight never reaches the kernels: F.linear's error."""
+    w = torch.randn(16, 32).bfloat16()
+    with pytest.raises(RuntimeError):
+        cpu_kernels.linear(torch.randn(6, 31).bfloat16(), w)
+    with pytest.raises(RuntimeError):
+        cpu_kernels.linear(torch.randn(6, 32).bfloat16(), w, torch.randn(15).bfloat16())
+    assert packs == []
