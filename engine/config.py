@@ -180,6 +180,18 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
         raise ValueError(f"sliding_window={hf['sliding_window']} in {where} is not supported")
     if arch == "Qwen2MoeForCausalLM" and hf.get("use_sliding_window"):
         raise ValueError(f"use_sliding_window in {where} is not supported")
+    # A quantized checkpoint loaded as if it were not one drops its scales and computes garbage.
+    # cuttle's own MXFP8 expert checkpoints carry no quantization_config (their safetensors header
+    # says so; see cuttle.moe.checkpoint), so every scheme named here is one we do not implement.
+    qc = hf.get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else repr(qc)
+        detail = f" (fmt {qc['fmt']!r}, weight_block_size {qc.get('weight_block_size')})" if isinstance(qc, dict) and "fmt" in qc else ""
+        raise ValueError(
+            f"quantization_config.quant_method {method!r}{detail} in {where} is not supported: cuttle loads "
+            "unquantized checkpoints (bf16/fp16/fp32) and its own MXFP8 expert checkpoints; refusing rather than "
+            "loading the quantized weights without their scales"
+        )
 
 
 @dataclass(slots=True)

@@ -61,6 +61,18 @@ _FUSED_EXPERTS = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|
 _NATIVE_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.(w13|w2)$")
 # MXFP8 experts as `cuttle.moe.checkpoint` writes them: `<experts prefix>.{w13_mx,w13_scale,w2_mx,w2_scale}`
 _QUANTIZED = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(w13_mx|w13_scale|w2_mx|w2_scale)$")
+# The only checkpoint tensors a load may leave unused, each for a stated reason; any other tensor
+# the loader has no place for is an error (a scale, a bias or an adapter dropped silently would
+# make the model compute something else).
+IGNORED_TENSORS = (
+    # RoPE tables some older checkpoints save; cuttle computes its own from the config
+    # (per layer, or once under `model.` as transformers' in-memory state dicts name them)
+    re.compile(r"^model\.(?:layers\.\d+\.self_attn\.)?rotary_emb\.(?:original_)?inv_freq$"),
+)
+# (Also skipped, by rule rather than by name: DeepSeek-V3's multi-token-prediction layers, indices
+# num_hidden_layers .. + num_nextn_predict_layers, which decoding does not use; and `lm_head.weight`
+# of a checkpoint whose config ties it to the embedding.)
+
 _QUANTIZED_DTYPES = {"w13_mx": torch.float8_e4m3fn, "w2_mx": torch.float8_e4m3fn,
                      "w13_scale": torch.float8_e8m0fnu, "w2_scale": torch.float8_e8m0fnu}
 
@@ -161,10 +173,22 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
         else:
             unused.append(name)
     if strict:
+        foreign = [n for n in unused if not any(r.match(n) for r in IGNORED_TENSORS) and not _is_mtp_layer(n, cfg)]
+        if foreign:
+            raise ValueError(
+                f"checkpoint {source!r} has tensors this {cfg.architecture} model has no place for: "
+                f"{foreign[:8]}{' ...' if len(foreign) > 8 else ''} (a quantized or adapter checkpoint? cuttle refuses "
+                "rather than dropping them)"
+            )
         missing = [n for n, prm in targets.items() if filler.filled.get(n, 0) != prm.numel() and not (cfg.tie_word_embeddings and n == "lm_head")]
         if missing:
             raise ValueError(f"checkpoint {source!r} does not provide: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return unused
+
+
+def _is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
+    m = _LAYER.match(name)
+    return cfg.mla is not None and m is not None and int(m.group(1)) >= cfg.num_layers
 
 
 def _load_expert_tensor(
