@@ -131,5 +131,8 @@ class LLM:
                     raise RuntimeError("engine went idle with requests unfinished")
         finally:
             bar.close()
+        failed = [out for out in results.values() if out.error is not None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed in the engine; first: {failed[0].error}")
         return [results[rid] for rid in ids]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import random
 import time
@@ -28,6 +29,8 @@ from cuttle.engine.sampling_params import SamplingParams
 from cuttle.engine.scheduler import Scheduler
 from cuttle.engine.sequence import Request, Sequence, SequenceStatus
 from cuttle.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("cuttle.engine")
 
 
 class LLMEngine:
@@ -80,6 +83,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): the samples of one request run together")
         if isinstance(prompt, str):
             text = prompt
             ids = self.tokenizer.encode(prompt)
@@ -175,19 +180,42 @@ class LLMEngine:
                 results = sample(picked, reqs, self.config.logprobs_mode)
             now = time.monotonic()
             for s, res in zip(targets, results):
-                self._append_token(s, res.token, res.logprob, res.top)
-                if s.request.first_token_time is None:
-                    s.request.first_token_time = now
-                touched[s.request.request_id] = s.request
+                req = s.request
+                if req.error is not None:
+                    continue  # an earlier sample of this request already failed it this step
+                try:
+                    self._append_token(s, res.token, res.logprob, res.top)
+                except Exception as e:  # noqa: BLE001 - one request's fault must not end the batch
+                    self._fail(req, e)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                touched[req.request_id] = req
 
         outputs: list[RequestOutput] = []
         for req in touched.values():
-            if req.is_finished:
-                del self.requests[req.request_id]
-                outputs.append(self._output(req))
-            elif req.stream:
-                outputs.append(self._output(req))
+            if not (req.is_finished or req.stream or req.error is not None):
+                continue
+            try:
+                out = self._output(req)
+            except Exception as e:  # noqa: BLE001 - e.g. a detokenizer that cannot decode its ids
+                self._fail(req, e)
+                out = self._output(req)
+            if out.finished:
+                self.requests.pop(req.request_id, None)
+            outputs.append(out)
         return outputs
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """End one request after an exception in its own processing: its KV is freed now and its
+        output says why; the other requests of the step carry on."""
+        log.exception("request %s failed; ending it alone", req.request_id, exc_info=error)
+        req.error = f"{type(error).__name__}: {error}"
+        req.aborted = True
+        req.forked = True
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
 
     # ---- helpers ---------------------------------------------------------------------------
     def _fork(self, req: Request, parent: Sequence) -> None:
@@ -280,7 +308,12 @@ class LLMEngine:
             p = req.sampling_params
             text = seq.output_text
             if seq.detok is None:
-                text = self.tokenizer.decode_continuation(req.prompt_token_ids, seq.output_token_ids, p.skip_special_tokens)
+                try:
+                    text = self.tokenizer.decode_continuation(req.prompt_token_ids, seq.output_token_ids, p.skip_special_tokens)
+                except Exception:
+                    if req.error is None:
+                        raise
+                    text = ""  # the request already failed; its token ids still go back
             outs.append(
                 CompletionOutput(
                     index=seq.index,
@@ -301,6 +334,7 @@ class LLMEngine:
             finished=req.is_finished or req.aborted,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
             metrics={"weight_version": req.weight_version},
+            error=req.error,
         )
 
     # ---- weight sync (RL) ------------------------------------------------------------------

@@ -33,3 +33,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set when processing this request failed inside the engine (e.g. its detokenizer raised): the
+    # request ended there (finish_reason "abort", its KV freed) while the rest of the batch went on.
+    error: str | None = None

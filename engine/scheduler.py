@@ -30,6 +30,11 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _seats(seq: Sequence) -> int:
+    req = seq.request
+    return 1 if req.forked else req.sampling_params.n
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
         self.block_manager = block_manager
@@ -75,11 +80,17 @@ class Scheduler:
 
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # max_num_seqs counts sequences, and a request with n samples becomes n sequences when its
+        # prompt completes (they fork from it), so an unforked prompt holds n seats from admission.
+        seats = sum(_seats(s) for s in self.running)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seats + _seats(seq) > self.max_num_seqs:
+                break
             use_cache = seq.request.prompt_logprobs is None
             if not bm.can_allocate(seq, use_cache):
                 break
+            seats += _seats(seq)
             self.waiting.popleft()
             bm.allocate(seq, use_cache)
             seq.status = SequenceStatus.RUNNING

@@ -88,6 +88,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     first_token_time: float | None = None
     aborted: bool = False
+    error: str | None = None  # why the engine ended this request on its own (see LLMEngine._fail)
 
     def __post_init__(self) -> None:
         self.seqs = [Sequence(self, 0, list(self.prompt_token_ids), len(self.prompt_token_ids))]
