@@ -1,63 +1,57 @@
-"""The paged KV pool's bookkeeping: which block holds which tokens, who references it, which
-full blocks can be reused by a later request.
+"""Per-sequence KV allocation over the KV subsystem (`engine/kv/`): the API the scheduler uses.
 
-Invariants (checked by `check_invariants`, exercised by property tests):
+Composes one `BlockPool` (ref counts, free LRU, eviction hook), the `PrefixIndex` (prefix cache)
+and the `DocumentIndex` (cached documents) of the device pool. Invariants (checked by
+`check_invariants`, exercised by property tests):
 - a block is free iff its ref count is 0; free blocks sit in LRU order, least recent first;
-- a block is hashed only when it is full and its KV has been computed; the hash chains
-  (parent hash, token ids, extra key) with xxh3-64, and a hit re-checks the tokens;
-- a free block keeps its hash until it is handed out again (that is the prefix cache), and is
-  dropped from the hash table at that moment (LRU eviction);
+- a block is hashed only when it is full and its KV has been computed; a hit re-checks the tokens;
+- a free block keeps its index entry until it is handed out again (that is the cache), and is
+  dropped from its index at that moment, through the pool's eviction hook;
 - no block with ref count > 1 is ever written: appending into a shared partial block first copies
-  it (copy-on-write; the copy itself is recorded in `pending_copies` for the runner to execute).
-Owns no KV memory; the model runner owns the tensors these ids index.
+  it (copy-on-write; the copy is recorded in `pending_copies` for the runner to execute).
+A sequence's own blocks are its `block_table`; KV it shares read-only (a cached document) it holds
+through handles, released with the sequence. Owns no KV memory.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
-import numpy as np
-import xxhash
-
+from cuttle.engine.kv.document_index import DocumentIndex
+from cuttle.engine.kv.handles import KVHandle
+from cuttle.engine.kv.pool import NO_HASH, Block, BlockPool
+from cuttle.engine.kv.prefix_index import PrefixIndex, hash_block
 from cuttle.engine.sequence import Sequence
 
-NO_HASH = -1
-_ROOT = b"cuttle-prefix-root"
-
-
-def hash_block(parent: int, token_ids: list[int] | tuple[int, ...], extra_key: bytes) -> int:
-    h = xxhash.xxh3_64(_ROOT if parent == NO_HASH else parent.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    h.update(extra_key)
-    return h.intdigest()
-
-
-class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash = NO_HASH
-        self.token_ids: tuple[int, ...] = ()
+__all__ = ["NO_HASH", "Block", "BlockManager", "hash_block"]
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.pool = BlockPool(num_blocks)
+        self.prefix_index = PrefixIndex(self.pool, block_size)
+        self.document_index = DocumentIndex(self.pool, block_size)
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
         self.num_cached_tokens_hit = 0  # tokens served from the prefix cache at admission, ever
 
     @property
+    def blocks(self) -> list[Block]:
+        return self.pool.blocks
+
+    @property
+    def free(self):
+        return self.pool.free
+
+    @property
+    def hash_to_block(self) -> dict[int, int]:
+        return self.prefix_index.hash_to_block
+
+    @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self.pool)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return self.pool.num_free
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -67,35 +61,23 @@ class BlockManager:
         """Cached full blocks that start `seq`, leaving at least one token to compute (its logits)."""
         if not (self.enable_prefix_caching and use_cache):
             return []
-        bs = self.block_size
-        max_blocks = (len(seq.token_ids) - 1) // bs
-        extra = seq.request.extra_key
-        hits: list[int] = []
-        parent = NO_HASH
-        for i in range(max_blocks):
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, tokens, extra)
-            bid = self.hash_to_block.get(h)
-            if bid is None or self.blocks[bid].token_ids != tuple(tokens):
-                break
-            hits.append(bid)
-            parent = h
-        return hits
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        return self.prefix_index.match(seq.token_ids, max_blocks, seq.request.extra_key)
 
     def can_allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
         hits = self.match_prefix(seq, use_cache)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        revived = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
         needed = self.blocks_needed(len(seq.token_ids)) - len(hits)
-        return needed <= self.num_free_blocks - revived
+        return needed <= self.pool.num_free - revived
 
     def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
         assert not seq.block_table, "sequence already holds blocks"
         hits = self.match_prefix(seq, use_cache)
         for bid in hits:
-            self._ref(bid)
+            self.pool.ref(bid)
         table = list(hits)
         for _ in range(self.blocks_needed(len(seq.token_ids)) - len(hits)):
-            table.append(self._take_free())
+            table.append(self.pool.take())
         seq.block_table = table
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         self.num_cached_tokens_hit += seq.num_cached_tokens
@@ -103,30 +85,30 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks go back first so they are evicted before the shared head of the chain.
         for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {bid} ref count went negative"
-            if block.ref_count == 0:
-                self.free[bid] = None
+            self.pool.unref(bid)
+        for handle in reversed(seq.handles):
+            handle.release()
         seq.block_table = []
+        seq.shared = []
+        seq.handles = []
         seq.num_computed_tokens = 0
 
     # ---- growth ----------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
-        return self._append_cost(seq) <= self.num_free_blocks
+        return self._append_cost(seq) <= self.pool.num_free
 
     def append_slot(self, seq: Sequence) -> None:
         """Make room for the KV of token `len(seq) - 1` (the one about to be computed)."""
         pos = len(seq.token_ids) - 1
         idx = pos // self.block_size
         if idx == len(seq.block_table):
-            seq.block_table.append(self._take_free())
+            seq.block_table.append(self.pool.take())
             return
-        last = self.blocks[seq.block_table[idx]]
+        last = self.pool.blocks[seq.block_table[idx]]
         if last.ref_count > 1:  # shared partial block: copy before writing
-            new = self._take_free()
+            new = self.pool.take()
             self.pending_copies.append((last.block_id, new))
-            last.ref_count -= 1
+            self.pool.unref(last.block_id)
             seq.block_table[idx] = new
 
     def _append_cost(self, seq: Sequence) -> int:
@@ -134,14 +116,17 @@ class BlockManager:
         idx = pos // self.block_size
         if idx == len(seq.block_table):
             return 1
-        return 1 if self.blocks[seq.block_table[idx]].ref_count > 1 else 0
+        return 1 if self.pool.blocks[seq.block_table[idx]].ref_count > 1 else 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares every block of the parent (the partial last one copy-on-write)."""
         for bid in parent.block_table:
-            self.blocks[bid].ref_count += 1
+            self.pool.ref(bid)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.handles = [KVHandle(self.pool, h.blocks) for h in parent.handles]
+        child.shared = list(parent.shared)
+        child.pos_base = parent.pos_base
 
     # ---- prefix cache ----------------------------------------------------------------------
     def hash_computed_blocks(self, seq: Sequence) -> None:
@@ -151,50 +136,35 @@ class BlockManager:
         bs = self.block_size
         extra = seq.request.extra_key
         table = seq.block_table
+        blocks = self.pool.blocks
         for i in range(seq.num_computed_tokens // bs):
-            block = self.blocks[table[i]]
+            block = blocks[table[i]]
             if block.hash != NO_HASH:
                 continue
-            parent = self.blocks[table[i - 1]].hash if i > 0 else NO_HASH
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            block.hash = hash_block(parent, tokens, extra)
-            block.token_ids = tokens
-            self.hash_to_block.setdefault(block.hash, block.block_id)
+            parent = blocks[table[i - 1]].hash if i > 0 else NO_HASH
+            self.prefix_index.register(block, parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), extra)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block (e.g. after a weight update); referenced blocks stay valid."""
-        for block in self.blocks:
-            block.hash = NO_HASH
-            block.token_ids = ()
-        self.hash_to_block.clear()
+        """Forget every cached block and document (e.g. after a weight update); referenced blocks
+        stay valid for their holders."""
+        self.prefix_index.reset()
+        self.document_index.reset()
 
-    # ---- internals -------------------------------------------------------------------------
-    def _ref(self, bid: int) -> None:
-        block = self.blocks[bid]
-        if block.ref_count == 0:
-            del self.free[bid]
-        block.ref_count += 1
-
-    def _take_free(self) -> int:
-        if not self.free:
-            raise RuntimeError("KV pool exhausted: the scheduler must check can_allocate/can_append first")
-        bid, _ = self.free.popitem(last=False)
-        block = self.blocks[bid]
-        if block.hash != NO_HASH:
-            if self.hash_to_block.get(block.hash) == bid:
-                del self.hash_to_block[block.hash]
-            block.hash = NO_HASH
-            block.token_ids = ()
-        block.ref_count = 1
-        return bid
-
-    def check_invariants(self, live: list[Sequence]) -> None:
-        refs = [0] * len(self.blocks)
+    def check_invariants(self, live: list[Sequence], pins: list[KVHandle] = ()) -> None:
+        """Every block's ref count equals its holders: live sequences' tables and handles, plus
+        `pins` held outside any sequence."""
+        refs = [0] * len(self.pool.blocks)
         for seq in live:
             for bid in seq.block_table:
                 refs[bid] += 1
-        for block, r in zip(self.blocks, refs):
+            for handle in seq.handles:
+                for bid in handle.blocks:
+                    refs[bid] += 1
+        for handle in pins:
+            for bid in handle.blocks:
+                refs[bid] += 1
+        for block, r in zip(self.pool.blocks, refs):
             assert block.ref_count == r, f"block {block.block_id}: ref_count {block.ref_count} but {r} holders"
-            assert (block.block_id in self.free) == (r == 0), f"block {block.block_id}: free-list membership wrong"
-        for h, bid in self.hash_to_block.items():
-            assert self.blocks[bid].hash == h, f"hash table points block {bid} at a stale hash"
+            assert (block.block_id in self.pool.free) == (r == 0), f"block {block.block_id}: free-list membership wrong"
+        self.prefix_index.check()
+        self.document_index.check()

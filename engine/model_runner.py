@@ -17,6 +17,7 @@ from cuttle.attention import cpu_kernels
 from cuttle.attention.backend import get_backend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.engine.config import EngineConfig, ModelConfig
+from cuttle.engine.kv.storage import KVStorage
 from cuttle.engine.models import load_model
 from cuttle.engine.sequence import Sequence
 
@@ -42,12 +43,7 @@ class ModelRunner:
         self.prepack()
         self.backend = get_backend(config.attention_backend, device)
         mc = model_config
-        # One tensor for all layers: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim];
-        # a block copy is then a single indexed assignment across every layer.
-        self.kv_cache = torch.zeros(
-            mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device
-        )
-        self.kv_views = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+        self.kv = KVStorage(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
 
     def prepack(self) -> None:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not
@@ -57,14 +53,10 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * torch.tensor([], dtype=dtype).element_size()
+        return KVStorage.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        self.kv.copy_blocks(copies)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
         bs = self.block_size
@@ -84,7 +76,7 @@ class ModelRunner:
             end = start + n
             row0 = query_start[-1]
             ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            positions.extend(range(seq.pos_base + start, seq.pos_base + end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(row0 + n)
@@ -128,7 +120,7 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Returns float32 logits for `inputs.logit_rows`, in that order."""
         self.backend.begin_step(inputs.meta)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_views, inputs.meta, self.backend)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv.layers, inputs.meta, self.backend)
         if inputs.logit_rows.numel() == 0:
             return torch.empty(0, self.model_config.vocab_size)
         return self.model.compute_logits(hidden[inputs.logit_rows]).cpu()

@@ -22,10 +22,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -47,9 +43,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -12,7 +12,15 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
+from cuttle.engine.kv.handles import KVHandle
+from cuttle.engine.kv.segments import Segment
 from cuttle.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cuttle.engine.sampler import Logprob
+    from cuttle.engine.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -28,8 +36,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "block_table",
         "num_computed_tokens", "num_cached_tokens", "status", "logprobs", "cumulative_logprob",
-        "finish_reason", "output_text", "detok", "stop_reason", "prompt_logprobs_pending",
-        "token_counts",
+        "finish_reason", "output_text", "detok", "stop_reason", "shared", "handles", "pos_base",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
@@ -42,14 +49,18 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.status = SequenceStatus.WAITING
-        self.logprobs: list[dict[int, float]] = []
+        # KV this sequence reads but does not own (a shared prefix, cached documents), each
+        # segment pinned by the handle at the same index; its own tokens are the causal segment
+        # after them, in `block_table`, starting at position `pos_base`.
+        self.shared: list[Segment] = []
+        self.handles: list[KVHandle] = []
+        self.pos_base = 0
+        self.logprobs: list[dict[int, Logprob]] = []
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.output_text = ""
-        self.detok = None  # IncrementalDetokenizer, set by the engine
-        self.prompt_logprobs_pending = False
-        self.token_counts: dict[int, int] | None = None
+        self.detok: IncrementalDetokenizer | None = None  # set by the engine when text is needed per step
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -70,6 +81,12 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    def segments(self) -> list[Segment]:
+        """All of this sequence's KV, in attention order: the shared segments, then its own
+        (causal) tokens as computed so far."""
+        own = Segment(self.block_table, self.num_computed_tokens, self.pos_base, self.pos_base, causal=True)
+        return [*self.shared, own] if self.shared else [own]
+
 
 @dataclass(eq=False)
 class Request:
@@ -85,7 +102,7 @@ class Request:
     weight_version: int = 0  # the weights this request is computed with
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_token_time: float | None = None
     aborted: bool = False
     error: str | None = None  # why the engine ended this request on its own (see LLMEngine._fail)

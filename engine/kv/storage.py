@@ -1,0 +1,43 @@
+"""The KV tensors of one pool and their layout.
+
+Layout: one tensor `[layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]`. Per layer, K
+and V are each a contiguous `[blocks, block_size, kv_heads, head_dim]` array (flashinfer's NHD
+paged layout), which is what every attention kernel reads: a block is one fixed stride apart, so
+kernels index it directly. The cost is on the transfer side: one block's KV for all layers is
+`2 * layers` chunks of `block_size * kv_heads * head_dim` elements, not one. Block-major storage
+(one contiguous chunk per block) would make a block's copy one memcpy but give every kernel a
+per-layer stride of `2 * layers` blocks and break the flat views the kernels and the slot
+mapping use. Transfers instead move many blocks at once with one indexed copy over the block
+dimension (`read_blocks` / `write_blocks`: a single gather or scatter for all layers), so the
+chunk count costs per-call overhead once, not per block.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVStorage:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.tensor = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]
+        self.device = device
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """(src, dst) block copies within this pool, every layer, one indexed assignment."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.tensor[:, :, dst] = self.tensor[:, :, src]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[layers, 2, n, block_size, kv_heads, head_dim]: a copy of these blocks' KV."""
+        return self.tensor[:, :, torch.tensor(block_ids, device=self.device)]
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.tensor[:, :, torch.tensor(block_ids, device=self.device)] = data.to(self.device, self.tensor.dtype)
