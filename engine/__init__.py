@@ -8,6 +8,6 @@ from cuttle.engine.llm import LLM
 from cuttle.engine.llm_engine import LLMEngine
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
 from cuttle.engine.sampler import Logprob
-from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]

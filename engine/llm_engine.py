@@ -1,7 +1,7 @@
 """The engine loop: admit requests, step (schedule -> run -> sample -> postprocess), report.
 
 Owns the request table and the wiring between scheduler, block manager, model runner, sampler
-and detokenizer. Bad input is refused in `add_request` before anything is enqueued, so a refused
+and postprocessor (which owns every sampled token from append to free). Bad input is refused in `add_request` before anything is enqueued, so a refused
 request never disturbs the others. Every finished, aborted or preempted sequence returns its
 blocks to the pool at once.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import logging
 import os
 import random
 import time
@@ -23,14 +22,15 @@ from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
-from cuttle.engine.outputs import CompletionOutput, RequestOutput
+from cuttle.engine.outputs import RequestOutput
+from cuttle.engine.postprocess import Postprocessor
 from cuttle.engine.sampler import Logprob, SampleRequest, sample
-from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.scheduler import Scheduler
-from cuttle.engine.sequence import Request, Sequence, SequenceStatus
-from cuttle.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from cuttle.engine.sequence import Request, Sequence
+from cuttle.engine.tokenizer import Tokenizer
 
-log = logging.getLogger("cuttle.engine")
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 class LLMEngine:
@@ -69,6 +69,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.weight_version = 0
         self.counters = {"prompt_tokens": 0, "prefill_tokens_computed": 0, "generated_tokens": 0, "steps": 0}
+        self.post = Postprocessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(
@@ -110,7 +111,7 @@ class LLMEngine:
         extra = self.weight_version.to_bytes(8, "little") + (cache_salt or "").encode()
         req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed, max_tokens=max_tokens,
                       stream=stream, weight_version=self.weight_version)
-        self._attach_detok(req.seqs[0], req)
+        self.post.attach_detokenizer(req.seqs[0])
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self.counters["prompt_tokens"] += len(ids)
@@ -121,13 +122,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        req.aborted = True
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
-        req.forked = True
-        return self._output(req)
+        self.post.abort(req)
+        return self.post.output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -179,43 +175,32 @@ class LLMEngine:
             with torch.inference_mode():  # the logits are inference tensors, updated in place
                 results = sample(picked, reqs, self.config.logprobs_mode)
             now = time.monotonic()
+            post = self.post
             for s, res in zip(targets, results):
                 req = s.request
                 if req.error is not None:
                     continue  # an earlier sample of this request already failed it this step
                 try:
-                    self._append_token(s, res.token, res.logprob, res.top)
+                    post.append(s, res.token, res.logprob, res.top)
                 except Exception as e:  # noqa: BLE001 - one request's fault must not end the batch
-                    self._fail(req, e)
+                    post.fail(req, e)
                 if req.first_token_time is None:
                     req.first_token_time = now
                 touched[req.request_id] = req
 
         outputs: list[RequestOutput] = []
         for req in touched.values():
-            if not (req.is_finished or req.stream or req.error is not None):
+            if not (req.is_finished or req.error is not None or (req.stream and req.sampling_params.output_kind != FINAL_ONLY)):
                 continue
             try:
-                out = self._output(req)
+                out = self.post.output(req)
             except Exception as e:  # noqa: BLE001 - e.g. a detokenizer that cannot decode its ids
-                self._fail(req, e)
-                out = self._output(req)
+                self.post.fail(req, e)
+                out = self.post.output(req)
             if out.finished:
                 self.requests.pop(req.request_id, None)
             outputs.append(out)
         return outputs
-
-    def _fail(self, req: Request, error: Exception) -> None:
-        """End one request after an exception in its own processing: its KV is freed now and its
-        output says why; the other requests of the step carry on."""
-        log.exception("request %s failed; ending it alone", req.request_id, exc_info=error)
-        req.error = f"{type(error).__name__}: {error}"
-        req.aborted = True
-        req.forked = True
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
 
     # ---- helpers ---------------------------------------------------------------------------
     def _fork(self, req: Request, parent: Sequence) -> None:
@@ -224,16 +209,11 @@ class LLMEngine:
             child = Sequence(req, i, list(parent.token_ids), parent.num_prompt_tokens)
             child.num_cached_tokens = parent.num_cached_tokens
             self.block_manager.fork(parent, child)
-            self._attach_detok(child, req)
+            self.post.attach_detokenizer(child)
             children.append(child)
         req.seqs.extend(children)
         req.forked = True
         self.scheduler.insert_running_after(parent, children)
-
-    def _attach_detok(self, seq: Sequence, req: Request) -> None:
-        p = req.sampling_params
-        if p.stop or req.stream:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], p.skip_special_tokens)
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         req = seq.request
@@ -248,42 +228,6 @@ class LLMEngine:
             output_ids=seq.output_token_ids if p.has_penalties else [],
             stop_ids=stop_ids,
         )
-
-    def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict[int, Logprob] | None) -> None:
-        req = seq.request
-        p = req.sampling_params
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        if p.logprobs is not None:
-            seq.logprobs.append(top or {})
-        self.counters["generated_tokens"] += 1
-        n_out = seq.num_output_tokens
-        finish: str | None = None
-        if n_out >= p.min_tokens:
-            if token in p.stop_token_ids:
-                finish, seq.stop_reason = "stop", token
-            elif not p.ignore_eos and token in self.eos_token_ids:
-                finish = "stop"
-        if seq.detok is not None:
-            seq.output_text += seq.detok.step(seq.token_ids)
-            if finish is None and p.stop and n_out >= p.min_tokens:
-                finish = self._check_stop_strings(seq, p)
-        if finish is None and (n_out >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            finish = "length"
-        if finish is not None:
-            seq.finish_reason = finish
-            self.scheduler.finish(seq)
-
-    @staticmethod
-    def _check_stop_strings(seq: Sequence, p: SamplingParams) -> str | None:
-        text = seq.output_text
-        for s in p.stop:
-            i = text.find(s)
-            if i != -1:
-                seq.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
-                seq.stop_reason = s
-                return "stop"
-        return None
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         req = seq.request
@@ -301,41 +245,6 @@ class LLMEngine:
                     d[t] = Logprob(v, rank)
             d.setdefault(tok, Logprob(c, r))
             req.prompt_logprobs.append(d)
-
-    def _output(self, req: Request) -> RequestOutput:
-        outs = []
-        for seq in req.seqs:
-            p = req.sampling_params
-            text = seq.output_text
-            if seq.detok is None:
-                try:
-                    text = self.tokenizer.decode_continuation(req.prompt_token_ids, seq.output_token_ids, p.skip_special_tokens)
-                except Exception:
-                    if req.error is None:
-                        raise
-                    text = ""  # the request already failed; its token ids still go back
-            outs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob if p.logprobs is not None else None,
-                    logprobs=seq.logprobs if p.logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            prompt_logprobs=req.prompt_logprobs,
-            outputs=outs,
-            finished=req.is_finished or req.aborted,
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-            metrics={"weight_version": req.weight_version},
-            error=req.error,
-        )
 
     # ---- weight sync (RL) ------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> list[RequestOutput]:

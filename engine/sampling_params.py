@@ -6,7 +6,17 @@ return it to the user verbatim.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a streamed request carries (vLLM's enum of the same name)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
 
 
 @dataclass(slots=True)
@@ -29,6 +39,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N per prompt token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +72,8 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, lo=0, hi=2**31 - 1)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

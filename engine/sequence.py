@@ -37,6 +37,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "block_table",
         "num_computed_tokens", "num_cached_tokens", "status", "logprobs", "cumulative_logprob",
         "finish_reason", "output_text", "detok", "stop_reason", "shared", "handles", "pos_base",
+        "sent_tokens", "sent_chars",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
@@ -61,6 +62,8 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.output_text = ""
         self.detok: IncrementalDetokenizer | None = None  # set by the engine when text is needed per step
+        self.sent_tokens = 0  # output tokens and text already handed out (delta outputs)
+        self.sent_chars = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -137,15 +137,16 @@ def test_fault_in_one_requests_processing_fails_only_that_request(ckpt):
 
 def test_offline_generate_raises_when_a_request_failed(ckpt):
     llm = LLM(ckpt, dtype="float32", num_kv_blocks=64)
-    real_attach = llm.engine._attach_detok
+    post = llm.engine.post
+    real_attach = post.attach_detokenizer
 
-    def attach(seq, req):
-        real_attach(seq, req)
+    def attach(seq):
+        real_attach(seq)
         seq.detok = _ExplodingDetok()
 
-    llm.engine._attach_detok = attach
+    post.attach_detokenizer = attach
     with pytest.raises(RuntimeError, match="1 of 1 requests failed.*injected fault"):
         llm.generate([[5, 9, 13]], SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
-    llm.engine._attach_detok = real_attach
+    post.attach_detokenizer = real_attach
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
