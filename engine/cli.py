@@ -16,31 +16,32 @@ DEFAULT_MODEL_NAME = "cuttle-tiny-coder"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
+    # No defaults here: an option left out is not passed on, so `EngineConfig` stays the one
+    # source of engine defaults.
+    g = p.add_argument_group("engine (defaults: EngineConfig's)")
     g.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny coding model)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-memory-gb)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--moe-quant", default=None, choices=["mxfp8"], help="quantize MoE expert weights at load")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: from --kv-cache-memory-gb)")
+    g.add_argument("--kv-cache-memory-gb", type=float)
+    g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
+    g.add_argument("--max-num-seqs", type=int, help="sequences running at once (a request's n samples count n)")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"])
+    g.add_argument("--seed", type=int)
+    g.add_argument("--moe-quant", choices=["mxfp8"], help="quantize MoE expert weights at load")
+
+
+_ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens", "max_num_seqs",
+                   "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant")
 
 
 def _build_llm(args: argparse.Namespace):
     from cuttle.engine import LLM
 
-    return LLM(
-        model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend, seed=args.seed,
-        moe_quant=args.moe_quant,
-    )
+    given = {k: getattr(args, k) for k in _ENGINE_OPTIONS if getattr(args, k) is not None}
+    return LLM(model=args.model, **given)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -237,3 +237,7 @@ class EngineConfig:
             return torch.bfloat16 if torch.backends.mkldnn.is_available() else torch.float32
         name = model_config.hf_config.get("torch_dtype") or model_config.hf_config.get("dtype") or "bfloat16"
         return DTYPES.get(name, torch.bfloat16)
+
+
+# The one source of engine defaults: `LLM` and the CLI read theirs from here.
+ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from cuttle.engine.config import EngineConfig
+from cuttle.engine.config import ENGINE_DEFAULTS, EngineConfig
 from cuttle.engine.llm_engine import LLMEngine
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import SamplingParams
@@ -25,17 +25,18 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        seed: int = 0,
+        dtype: str = ENGINE_DEFAULTS["dtype"],
+        block_size: int = ENGINE_DEFAULTS["block_size"],
+        num_kv_blocks: int | None = ENGINE_DEFAULTS["num_kv_blocks"],
+        max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"],
+        max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"],
+        max_model_len: int | None = ENGINE_DEFAULTS["max_model_len"],
+        enable_prefix_caching: bool = ENGINE_DEFAULTS["enable_prefix_caching"],
+        attention_backend: str = ENGINE_DEFAULTS["attention_backend"],
+        seed: int = ENGINE_DEFAULTS["seed"],
         **kwargs: Any,
     ):
+        """Every argument is an `EngineConfig` field (the rest by keyword), defaulting as there."""
         if model is None:
             from cuttle.engine.default_model import default_model_path
 
