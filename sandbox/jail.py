@@ -124,22 +124,55 @@ def _loopback_up() -> None:
         os.close(fd)
 
 
-def _build_root(spec: dict) -> str:
-    """In C (fresh mount ns, full caps there): a tmpfs root holding only what the spec binds."""
-    root = spec["staging"]
+def _overlaps(a: str, b: str) -> bool:
+    """The same path, or one lies below the other ("/" overlaps everything)."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _check_binds(spec: dict) -> None:
+    """Refuse read-only binds that would collide with the sandbox's own mounts or show more of the
+    host than they name. Below /tmp is allowed (see _build_root); /tmp itself or a parent of it
+    is not: that would show the whole host /tmp (a Python prefix directly at /tmp or / is not
+    supported). /dev, /proc and the workspace are the sandbox's own, and a bind inside the
+    workspace would have to create its mount point in the host's workspace directory."""
+    own = ("/dev", "/proc", "/.oldroot", spec["workspace_dst"])
+    for src, dst in spec["ro_binds"]:
+        if _overlaps(dst, "/tmp") and not dst.startswith("/tmp/"):
+            raise SetupError(f"read-only path {dst} would expose the host's whole /tmp; "
+                             "only directories below /tmp can be bound")
+        for path in own:
+            if _overlaps(dst, path):
+                raise SetupError(f"read-only path {dst} collides with the sandbox's own {path}")
+        if _overlaps(src, spec["staging"]):
+            raise SetupError(f"read-only path {src} overlaps the sandbox's staging root {spec['staging']}")
+        if _overlaps(src, spec["workspace"]):  # a parent would show the workspace's neighbours
+            raise SetupError(f"read-only path {src} overlaps the workspace {spec['workspace']}")
+
+
+def _private_root(root: str) -> None:
+    """A fresh tmpfs at `root` in our own mount namespace, whose mounts never reach the host."""
+    os.umask(0o022)  # mount points we create are 0755 whatever the caller's umask
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount may propagate to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
-    for src, dst in spec["ro_binds"]:
-        if os.path.islink(src):  # merged-/usr systems: /bin -> usr/bin stays a symlink
-            if not os.path.lexists(root + dst):
-                os.symlink(os.readlink(src), root + dst)
-        elif os.path.exists(src):
-            _bind(src, root, dst, writable=False)
-    _bind(spec["workspace"], root, spec["workspace_dst"], writable=True)
+
+
+def _build_root(spec: dict) -> str:
+    """In C (fresh mount ns, full caps there): a tmpfs root holding only what the spec binds.
+
+    The sandbox's own mounts (/tmp, /dev, /workspace) come first and the read-only binds last.
+    A bind below /tmp (a venv in /tmp, as CI often has) then gets its mount point made inside the
+    private /tmp tmpfs and is stacked on it: visible at its own path (shebangs and pyvenv.cfg hold
+    absolute paths), read-only, and the only thing of the host's /tmp that shows. Its parent
+    directories are fresh, empty ones of the private tmpfs. Binding first would create <root>/tmp
+    as a plain directory (then the tmpfs mount failed), and mounting the tmpfs over it would hide
+    the bind. _check_binds refuses what cannot be stacked this way."""
+    root = spec["staging"]
+    _check_binds(spec)
+    _private_root(root)
     tmp_opts = f"mode=1777,size={spec['tmp_mb']}m,nr_inodes=65536"
-    os.makedirs(root + "/tmp")
+    os.mkdir(root + "/tmp")
     _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
-    os.makedirs(root + "/dev")
+    os.mkdir(root + "/dev")
     _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID, "mode=0755,size=64k")
     for node in DEV_NODES:
         if os.path.exists("/dev/" + node):
@@ -150,8 +183,15 @@ def _build_root(spec: dict) -> str:
     os.makedirs(root + "/dev/shm")
     _mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
     _mount(None, root + "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)  # nodes stay usable
-    os.makedirs(root + "/proc")
-    os.makedirs(root + "/.oldroot")
+    _bind(spec["workspace"], root, spec["workspace_dst"], writable=True)
+    os.mkdir(root + "/proc")
+    os.mkdir(root + "/.oldroot")
+    for src, dst in spec["ro_binds"]:
+        if os.path.islink(src):  # merged-/usr systems: /bin -> usr/bin stays a symlink
+            if not os.path.lexists(root + dst):
+                os.symlink(os.readlink(src), root + dst)
+        elif os.path.exists(src):
+            _bind(src, root, dst, writable=False)
     return root
 
 
