@@ -5,9 +5,11 @@ unprivileged host uid a sandbox runs as, the read-only view of the system, the s
 environment and the launcher command line. Must never weaken isolation silently: rlimits-only
 is chosen by the caller (Sandbox) only on explicit opt-in, and is named on every result.
 """
+import errno
 import functools
 import marshal
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -124,9 +126,18 @@ def launcher_env() -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin"}
 
 
+def _probe(spec: dict) -> str | None:
+    proc = subprocess.run(launcher_argv(spec), env=launcher_env(), capture_output=True, timeout=30, check=False,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode == 0:
+        return None
+    msg = proc.stderr.decode(errors="replace").strip() or f"exit code {proc.returncode}"
+    return msg.removeprefix(SETUP_MARKER).strip()
+
+
 @functools.cache
 def namespace_error() -> str | None:
-    """None when this machine gives us the namespaces; otherwise why not (probed once)."""
+    """None when a namespace sandbox can be set up here; otherwise why not (probed once)."""
     probe = tempfile.mkdtemp(prefix="cuttle-probe-")
     try:
         os.chmod(probe, 0o755)
@@ -135,13 +146,32 @@ def namespace_error() -> str | None:
             os.chown(probe, uid, gid)
         spec = build_spec(NAMESPACES, ["/bin/sh", "-c", "test -w /workspace && ! test -w /usr"], probe,
                           Limits(), timeout=10.0)
-        proc = subprocess.run(launcher_argv(spec), env=launcher_env(), capture_output=True, timeout=30, check=False,
-                              stdin=subprocess.DEVNULL)
+        return _probe(spec)
     except (OSError, subprocess.SubprocessError, RuntimeError) as err:
         return f"probe failed: {err}"
     finally:
         os.rmdir(probe)
-    if proc.returncode == 0:
+
+
+# How a kernel, a sysctl or seccomp refuses a namespace primitive (unshare, the id maps, mount,
+# pivot_root). Any other failure of the host probe is not the host refusing namespaces.
+HOST_REFUSALS = {errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOSPC, errno.EUSERS, errno.ENOSYS}
+_ERRNO = re.compile(r"\(errno (\d+)\)|\[Errno (\d+)\]")  # jail's SetupError / an OSError
+
+
+@functools.cache
+def host_namespace_error() -> str | None:
+    """Why this host refuses the primitives the sandbox is built from (user, pid, net, mount, ipc
+    and uts namespaces, tmpfs, a read-only bind, /proc, pivot_root), probed with none of our
+    layout; None when it does not refuse them. A probe that fails otherwise (the launcher cannot
+    start, an unexpected error) is not a refusal either: then, as whenever namespace_error() is
+    set and this is None, the failure is ours, and never a reason to fall back to rlimits-only."""
+    try:
+        uid, gid = sandbox_ids(JAIL)
+        error = _probe({"mode": "probe-host", "host_uid": uid, "host_gid": gid, "staging": staging_dir()})
+    except (OSError, subprocess.SubprocessError, RuntimeError):
         return None
-    msg = proc.stderr.decode(errors="replace").strip() or f"exit code {proc.returncode}"
-    return msg.removeprefix(SETUP_MARKER).strip()
+    match = _ERRNO.search(error or "")
+    if match is None or int(match.group(1) or match.group(2)) not in HOST_REFUSALS:
+        return None
+    return error

@@ -17,6 +17,10 @@ Process tree (namespaces mode), host pid namespace on the left:
 L writes C's uid/gid maps from the parent namespace (only a parent may map more than its own
 uid), C and I die with their parent (PDEATHSIG), and when I exits the kernel kills everything left
 in the pid namespace, so killing L's process group from the host tears down the whole sandbox.
+
+Mode "probe-host" runs the same tree with only the kernel's primitives (the namespaces, a tmpfs
+root, one read-only bind, /proc, pivot_root) and no command: it tells "this host refuses
+namespaces" apart from "our root layout failed" (isolation.host_namespace_error).
 """
 import ctypes
 import errno
@@ -156,6 +160,15 @@ def _private_root(root: str) -> None:
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
 
 
+def _probe_root(root: str) -> str:
+    """probe-host: the primitives _build_root relies on, none of its layout."""
+    _private_root(root)
+    _bind(os.path.dirname(os.path.abspath(__file__)), root, "/probe", writable=False)
+    os.mkdir(root + "/proc")
+    os.mkdir(root + "/.oldroot")
+    return root
+
+
 def _build_root(spec: dict) -> str:
     """In C (fresh mount ns, full caps there): a tmpfs root holding only what the spec binds.
 
@@ -264,6 +277,8 @@ def _run_init(spec: dict, root: str) -> None:
         _die_with_parent(None)
         _prctl(PR_SET_DUMPABLE, 0)  # the command may not ptrace or read the memory of pid 1
         _enter_root(root)
+        if spec["mode"] == "probe-host":
+            os._exit(0)
         pid = os.fork()
     except BaseException as err:  # noqa: BLE001 - any failure must stop before the command runs
         _fail(err)
@@ -288,7 +303,7 @@ def _run_creator(spec: dict, ready_w: int, go_r: int, parent: int) -> None:
         _prctl(PR_SET_DUMPABLE, 0)
         _check(libc.sethostname(b"sandbox", 7), "sethostname")
         _loopback_up()
-        root = _build_root(spec)
+        root = _probe_root(spec["staging"]) if spec["mode"] == "probe-host" else _build_root(spec)
         pid = os.fork()
     except BaseException as err:  # noqa: BLE001
         _fail(err)
@@ -350,7 +365,7 @@ def main() -> None:
     spec = marshal.loads(bytes.fromhex(sys.argv[1]))
     mode = spec["mode"]
     try:
-        if mode == "namespaces":
+        if mode in ("namespaces", "probe-host"):
             os._exit(_run_namespaces(spec))
         if mode == "rlimits":
             _exec_command(spec, inner=False)

@@ -44,12 +44,16 @@ class Sandbox:
         error = isolation.namespace_error()
         if error is None:
             self.isolation = NAMESPACES
+        elif (host_error := isolation.host_namespace_error()) is None:
+            # The host does not refuse namespaces, so the failure is ours (a bug, or a layout we
+            # refuse such as a Python prefix at /tmp): falling back to rlimits-only would hide it.
+            raise SandboxError(f"sandbox setup failed, and not because this host refuses namespaces: {error}")
         elif allow_unisolated:
             self.isolation = RLIMITS_ONLY
-            log.warning("namespaces unavailable (%s): running %s in rlimits-only mode", error, root)
+            log.warning("namespaces unavailable (%s): running %s in rlimits-only mode", host_error, root)
         else:
             raise SandboxUnavailable(
-                f"namespace isolation is unavailable on this machine: {error}. Refusing to run commands "
+                f"namespace isolation is unavailable on this machine: {host_error}. Refusing to run commands "
                 "without it; pass allow_unisolated=True to accept an rlimits-only sandbox "
                 "(no filesystem, network or process isolation)."
             )

@@ -7,11 +7,29 @@ from pathlib import Path
 
 import pytest
 
-from cuttle.sandbox import Limits, Sandbox, namespace_error
+from cuttle.sandbox import Limits, Sandbox, isolation
 from cuttle.sandbox.workspace import remove_tree
 
-NS_ERROR = namespace_error()
-needs_namespaces = pytest.mark.skipif(NS_ERROR is not None, reason=f"no namespaces here: {NS_ERROR}")
+
+def require_namespaces() -> None:
+    """Skip only when this host cannot make namespaces (the kernel, a sysctl or seccomp refuses a
+    primitive); when our sandbox setup fails for any other reason, that is a bug: fail, never skip."""
+    error = isolation.namespace_error()
+    if error is None:
+        return
+    host_error = isolation.host_namespace_error()
+    if host_error is not None:
+        pytest.skip(f"no user namespaces on this host: {host_error}")
+    pytest.fail("sandbox setup failed, and not because this host refuses namespaces (a bug or a broken "
+                f"environment, never a reason to skip): {error}", pytrace=False)
+
+
+@pytest.fixture
+def namespaces() -> None:
+    require_namespaces()
+
+
+needs_namespaces = pytest.mark.usefixtures("namespaces")
 
 
 @pytest.fixture
@@ -28,8 +46,7 @@ def ws() -> Iterator[Path]:
 
 @pytest.fixture
 def sb(ws: Path) -> Sandbox:
-    if NS_ERROR is not None:
-        pytest.skip(f"no namespaces here: {NS_ERROR}")
+    require_namespaces()
     return Sandbox(ws, limits=Limits(timeout=10, memory_mb=1024, nproc=64))
 
 

@@ -1,5 +1,9 @@
 """Sandbox.run: results, isolation facts, timeouts, output caps, the rlimits-only opt-in."""
+import json
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -8,7 +12,7 @@ import pytest
 from cuttle.sandbox import Limits, Sandbox, SandboxError, SandboxUnavailable, isolation
 from cuttle.sandbox.runner import _Capture
 
-from .conftest import needs_namespaces, processes_matching, processes_of_uid
+from .conftest import needs_namespaces, processes_matching, processes_of_uid, require_namespaces
 
 
 @needs_namespaces
@@ -115,15 +119,20 @@ def test_setup_failure_is_an_error_not_a_weaker_run(sb: Sandbox, monkeypatch: py
         sb.run("echo should-not-run")
 
 
-def test_without_namespaces_sandbox_is_refused_by_default(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _host_without_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(isolation, "namespace_error", lambda: "user namespaces disabled (test)")
+    monkeypatch.setattr(isolation, "host_namespace_error", lambda: "user namespaces disabled (test)")
+
+
+def test_without_namespaces_sandbox_is_refused_by_default(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _host_without_namespaces(monkeypatch)
     with pytest.raises(SandboxUnavailable, match="allow_unisolated=True") as err:
         Sandbox(ws)
     assert "user namespaces disabled (test)" in str(err.value)
 
 
 def test_rlimits_only_mode_is_opt_in_and_reported_on_every_result(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(isolation, "namespace_error", lambda: "user namespaces disabled (test)")
+    _host_without_namespaces(monkeypatch)
     sb = Sandbox(ws, limits=Limits(timeout=2, nproc=64), allow_unisolated=True)
     assert sb.isolation == "rlimits-only"
     r = sb.run("echo hi > f.txt; cat f.txt; grep 'Max processes' /proc/self/limits")
@@ -139,3 +148,71 @@ def test_rlimits_only_mode_is_opt_in_and_reported_on_every_result(ws: Path, monk
         sb.run("setsid sleep 963 > /dev/null 2>&1 < /dev/null & sleep 0.3; echo gone")  # let it escape first
         assert processes_of_uid(sb.workspace.uid) == []
         assert processes_matching("sleep 963") == []
+
+
+# -- telling "this host cannot" from "our setup failed" -----------------------------------------
+
+@needs_namespaces
+def test_host_probe_passes_where_the_sandbox_works() -> None:
+    assert isolation.host_namespace_error() is None
+
+
+@needs_namespaces
+def test_setup_failure_on_a_capable_host_is_an_error_even_with_allow_unisolated(
+        ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The /tmp collision looked like this: the host could make namespaces, our root layout failed,
+    # and callers that allowed rlimits-only silently got it. The host probe here is the real one.
+    monkeypatch.setattr(isolation, "namespace_error", lambda: "File exists: '/x/tmp' (test)")
+    for allow in (False, True):
+        with pytest.raises(SandboxError, match="not because this host refuses namespaces") as err:
+            Sandbox(ws, allow_unisolated=allow)
+        assert not isinstance(err.value, SandboxUnavailable) and "File exists: '/x/tmp' (test)" in str(err.value)
+    with pytest.raises(pytest.fail.Exception, match="never a reason to skip"):
+        require_namespaces()  # the suite fails on it instead of skipping
+
+
+# Run in a user namespace whose user.max_user_namespaces is 0: a host that refuses namespaces.
+_REFUSING_HOST = r"""
+import json, tempfile, pytest
+from cuttle.sandbox import Sandbox, SandboxUnavailable, isolation
+from tests.sandbox.conftest import require_namespaces
+out = {"host_error": isolation.host_namespace_error()}
+try:
+    Sandbox(tempfile.mkdtemp(prefix="cuttle-test-"))
+except SandboxUnavailable as err:
+    out["unavailable"] = str(err)
+try:
+    require_namespaces()
+except pytest.skip.Exception as skip:
+    out["skip"] = skip.msg
+print(json.dumps(out))
+"""
+
+
+@needs_namespaces
+def test_a_host_refusing_namespaces_is_unavailable_and_skips_with_the_reason() -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) (util-linux) is not installed")
+    repo = Path(__file__).resolve().parents[2]
+    script = 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$0" -c "$1"'
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", script, sys.executable, _REFUSING_HOST],
+                          cwd=repo, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    refusal = "unshare: No space left on device"  # the kernel's answer past user.max_user_namespaces
+    assert out["host_error"].startswith(refusal)
+    assert refusal in out["unavailable"] and "allow_unisolated=True" in out["unavailable"]
+    assert out["skip"] == f"no user namespaces on this host: {out['host_error']}"
+
+
+@pytest.mark.parametrize("probe,refused", [
+    ("unshare: Operation not permitted (errno 1)", True),  # seccomp, or an unprivileged container
+    ("unshare: No space left on device (errno 28)", True),  # user.max_user_namespaces = 0
+    ("writing uid/gid maps: [Errno 1] Operation not permitted", True),
+    ("[Errno 17] File exists: '/tmp/cuttle-sandbox-root-0/tmp'", False),  # ours: the /tmp collision
+    ("KeyError: 'staging'", False),
+])
+def test_only_the_kernel_refusing_a_primitive_counts_as_no_namespaces(
+        monkeypatch: pytest.MonkeyPatch, probe: str, refused: bool) -> None:
+    monkeypatch.setattr(isolation, "_probe", lambda spec: probe)
+    assert isolation.host_namespace_error.__wrapped__() == (probe if refused else None)
