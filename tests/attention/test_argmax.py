@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuttle.attention import cpu_kernels
+from cuttle.attention import native
+from cuttle.attention.native.argmax import argmax
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    if cpu_kernels.load() is None:
+    if native.kernels().lib is None:
         pytest.skip("no native library here")
 
 
@@ -36,20 +37,20 @@ def _rows() -> torch.Tensor:
 
 def test_argmax_equals_torch() -> None:
     x = _rows()
-    assert torch.equal(cpu_kernels.argmax(x), torch.argmax(x, dim=-1))
+    assert torch.equal(argmax(x), torch.argmax(x, dim=-1))
 
 
 @pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 31, 32, 33])
 def test_argmax_short_rows(n: int) -> None:
     x = torch.randn(7, n, generator=torch.Generator().manual_seed(n))
     x[0] = 1.0
-    assert torch.equal(cpu_kernels.argmax(x), torch.argmax(x, dim=-1))
+    assert torch.equal(argmax(x), torch.argmax(x, dim=-1))
 
 
 def test_argmax_strided_rows_and_fallbacks() -> None:
     wide = _rows()
     x = wide[:, 3:900]  # row stride != row length
-    assert torch.equal(cpu_kernels.argmax(x), torch.argmax(x, dim=-1))
+    assert torch.equal(argmax(x), torch.argmax(x, dim=-1))
     xb = wide.bfloat16()  # not fp32: torch's own
-    assert torch.equal(cpu_kernels.argmax(xb), torch.argmax(xb, dim=-1))
-    assert torch.equal(cpu_kernels.argmax(wide.t()), torch.argmax(wide.t(), dim=-1))
+    assert torch.equal(argmax(xb), torch.argmax(xb, dim=-1))
+    assert torch.equal(argmax(wide.t()), torch.argmax(wide.t(), dim=-1))

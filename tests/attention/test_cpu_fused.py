@@ -8,13 +8,15 @@ path fails it; the fallbacks (no library, autograd, unsupported layouts) are tes
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cuttle.attention import cpu_fused
+from cuttle.attention import native
+from cuttle.attention.native import build, fused
 from cuttle.attention.rope import RotaryEmbedding, apply_rope
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -26,7 +28,7 @@ BIT_EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2")
 def kernels_built() -> None:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: the native kernels cannot build here")
-    assert cpu_fused._load() is not None, "a compiler is present, so the kernels must build"
+    assert native.kernels().lib is not None, "a compiler is present, so the kernels must build"
 
 
 class _Counting:
@@ -45,17 +47,23 @@ class _Counting:
         return counted
 
 
+def use_library(monkeypatch: pytest.MonkeyPatch, lib) -> None:
+    """Run the fused ops (only them) on `lib` (a counting proxy, another build, or None: the torch
+    paths) until the test ends; the rest of the chosen kernel set (lanes, exactness) stays."""
+    ks = dataclasses.replace(native.kernels(), lib=lib)
+    monkeypatch.setattr(fused, "kernels", lambda: ks)
+
+
 @pytest.fixture
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     calls: dict[str, int] = {}
-    proxy = _Counting(cpu_fused._load(), calls)
-    monkeypatch.setattr(cpu_fused, "_load", lambda: proxy)
+    use_library(monkeypatch, _Counting(native.kernels().lib, calls))
     return calls
 
 
 @pytest.fixture
 def no_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_fused, "_load", lambda: None)
+    use_library(monkeypatch, None)
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -70,7 +78,7 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def test_probe_matched_this_torch_build() -> None:
     if BIT_EXACT:
-        assert cpu_fused.EXACT, "the summation order of torch's sum kernel was not found"
+        assert native.kernels().norms_exact, "the summation order of torch's sum kernel was not found"
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -88,7 +96,7 @@ def test_rms_norm(dtype, rows, n, native_calls) -> None:
     g = _gen(rows * n)
     x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
     w = torch.randn(n, generator=g).to(dtype)
-    assert_same(cpu_fused.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_torch(x, w, 1e-6))
+    assert_same(fused.rms_norm(x, w, 1e-6), fused.rms_norm_torch(x, w, 1e-6))
     assert native_calls == {"fused_rms_norm": 1}
 
 
@@ -98,13 +106,13 @@ def test_rms_norm_strided_and_batched_inputs(dtype, native_calls) -> None:
     wide = (torch.randn(9, 300, generator=g) * 2).to(dtype)
     x = wide[:, 50:250]  # rows of a wider tensor (MLA's latent is such a slice)
     w = torch.randn(200, generator=g).to(dtype)
-    y = cpu_fused.rms_norm(x, w, 1e-5)
+    y = fused.rms_norm(x, w, 1e-5)
     assert y.is_contiguous()
-    assert_same(y, cpu_fused.rms_norm_torch(x, w, 1e-5))
+    assert_same(y, fused.rms_norm_torch(x, w, 1e-5))
     x3 = torch.randn(2, 3, 200, generator=g).to(dtype)  # contiguous [B, S, H]: the no-grad training shape
-    assert_same(cpu_fused.rms_norm(x3, w, 1e-5), cpu_fused.rms_norm_torch(x3, w, 1e-5))
+    assert_same(fused.rms_norm(x3, w, 1e-5), fused.rms_norm_torch(x3, w, 1e-5))
     one = torch.randn(200, generator=g).to(dtype)  # a single vector
-    assert_same(cpu_fused.rms_norm(one, w, 1e-5), cpu_fused.rms_norm_torch(one, w, 1e-5))
+    assert_same(fused.rms_norm(one, w, 1e-5), fused.rms_norm_torch(one, w, 1e-5))
     assert native_calls == {"fused_rms_norm": 3}
 
 
@@ -115,10 +123,10 @@ def test_add_rms_norm(dtype, rows, n, native_calls) -> None:
     x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
     d = torch.randn(rows, 2 * n, generator=g).to(dtype)[:, :n]  # strided delta
     w = torch.randn(n, generator=g).to(dtype)
-    x_new, y = cpu_fused.add_rms_norm(x, d, w, 1e-6)
+    x_new, y = fused.add_rms_norm(x, d, w, 1e-6)
     want_x = x + d
     assert_same(x_new, want_x)
-    assert_same(y, cpu_fused.rms_norm_torch(want_x, w, 1e-6))
+    assert_same(y, fused.rms_norm_torch(want_x, w, 1e-6))
     assert native_calls == {"fused_rms_norm": 1}
 
 
@@ -136,7 +144,7 @@ def _torch_qk_norm_rope(qkv, hq, hk, d, qw, kw, eps, cos, sin):
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
     q, k = q.reshape(-1, hq, d), k.reshape(-1, hk, d)
     if qw is not None:
-        q, k = cpu_fused.rms_norm_torch(q, qw, eps), cpu_fused.rms_norm_torch(k, kw, eps)
+        q, k = fused.rms_norm_torch(q, qw, eps), fused.rms_norm_torch(k, kw, eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(-1, hk, d)
 
 
@@ -149,7 +157,7 @@ def test_qk_norm_rope(dtype, T, hq, hk, d, qk_norm, native_calls) -> None:
         qw = kw = None
     want = _torch_qk_norm_rope(qkv.clone(), hq, hk, d, qw, kw, 1e-6, cos, sin)
     work = qkv.clone()
-    q, k, v = cpu_fused.qk_norm_rope(work, hq, hk, d, qw, kw, 1e-6, cos, sin)
+    q, k, v = fused.qk_norm_rope(work, hq, hk, d, qw, kw, 1e-6, cos, sin)
     for got, ref in zip((q, k, v), want):
         assert_same(got.contiguous(), ref.contiguous())
     assert q.data_ptr() == work.data_ptr()  # rewritten in place, returned as views
@@ -164,7 +172,7 @@ def test_qk_norm_rope_strided_rows(dtype, native_calls) -> None:
     wide = torch.zeros(9, qkv.shape[1] + 40, dtype=dtype)
     wide[:, 8 : 8 + qkv.shape[1]] = qkv
     work = wide[:, 8 : 8 + qkv.shape[1]]
-    q, k, v = cpu_fused.qk_norm_rope(work, 4, 2, 64, qw, kw, 1e-6, cos[:, 0], sin[:, 0])
+    q, k, v = fused.qk_norm_rope(work, 4, 2, 64, qw, kw, 1e-6, cos[:, 0], sin[:, 0])
     for got, ref in zip((q, k, v), _torch_qk_norm_rope(qkv, 4, 2, 64, qw, kw, 1e-6, cos, sin)):
         assert_same(got.contiguous(), ref.contiguous())
     assert torch.equal(wide[:, :8], torch.zeros(9, 8, dtype=dtype)) and torch.equal(wide[:, -32:], torch.zeros(9, 32, dtype=dtype))
@@ -180,7 +188,7 @@ def test_rope_rounding_matters_in_bf16(native_calls) -> None:
     c, s = cos.float(), sin.float()
     once = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(torch.bfloat16)
     assert not torch.equal(once, q_ref)
-    q, _, _ = cpu_fused.qk_norm_rope(qkv.clone(), 16, 8, 128, None, None, 0.0, cos, sin)
+    q, _, _ = fused.qk_norm_rope(qkv.clone(), 16, 8, 128, None, None, 0.0, cos, sin)
     assert_same(q.contiguous(), q_ref)
 
 
@@ -194,7 +202,7 @@ SILU_SHAPES = [(1, 3072), (64, 3072), (33, 100), (1, 77), (7, 6001), (64, 1000),
 def test_silu_mul(dtype, rows, inter, native_calls) -> None:
     gu = (torch.randn(rows, 2 * inter, generator=_gen(rows * inter)) * 4).to(dtype)
     gate, up = gu.split(inter, dim=-1)
-    assert_same(cpu_fused.silu_mul(gu), F.silu(gate) * up)
+    assert_same(fused.silu_mul(gu), F.silu(gate) * up)
     assert native_calls == {"fused_silu_mul": 1}
 
 
@@ -202,7 +210,7 @@ def test_silu_mul(dtype, rows, inter, native_calls) -> None:
 def test_silu_mul_strided_rows(dtype, native_calls) -> None:
     wide = (torch.randn(5, 300, generator=_gen(7)) * 4).to(dtype)
     gu = wide[:, 10:210]  # rows of [gate (100) | up (100)] inside a wider buffer
-    assert_same(cpu_fused.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:])
+    assert_same(fused.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:])
     assert native_calls == {"fused_silu_mul": 1}
 
 
@@ -216,7 +224,7 @@ def test_silu_mul_follows_torch_thread_split(threads, native_calls) -> None:
         for dtype in DTYPES:
             gu = (torch.randn(13, 2 * 6001, generator=_gen(threads)) * 4).to(dtype)
             gate, up = gu.split(6001, dim=-1)
-            assert_same(cpu_fused.silu_mul(gu), F.silu(gate) * up)
+            assert_same(fused.silu_mul(gu), F.silu(gate) * up)
     finally:
         torch.set_num_threads(old)
     assert native_calls == {"fused_silu_mul": 2}
@@ -226,8 +234,8 @@ def test_silu_extreme_inputs(native_calls) -> None:
     x = torch.tensor([-200.0, -104.5, -103.9, -88.0, -20.0, -1e-30, 0.0, 1e-30, 5.0, 88.5, 99.9, 100.5, 300.0] * 8)
     gu = torch.cat((x, torch.ones_like(x)))[None]
     want = F.silu(x) * 1.0
-    assert_same(cpu_fused.silu_mul(gu)[0], want)
-    assert_same(cpu_fused.silu_mul(gu.bfloat16())[0], (F.silu(x.bfloat16()) * torch.ones(1, dtype=torch.bfloat16)))
+    assert_same(fused.silu_mul(gu)[0], want)
+    assert_same(fused.silu_mul(gu.bfloat16())[0], (F.silu(x.bfloat16()) * torch.ones(1, dtype=torch.bfloat16)))
 
 
 def test_portable_build_is_exact_too(tmp_path, monkeypatch) -> None:
@@ -237,32 +245,29 @@ def test_portable_build_is_exact_too(tmp_path, monkeypatch) -> None:
     import os
     import subprocess
 
-    from cuttle.attention.cpu_kernels import _SRC_DIR
-
     cc = shutil.which("cc") or shutil.which("gcc")
     out = str(tmp_path / "fused_portable.so")
     flags = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-mno-avx512f"]
-    r = subprocess.run([cc, *flags, os.path.join(_SRC_DIR, "fused_ops.c"), "-o", out, "-lm"], check=False, capture_output=True, text=True)
+    r = subprocess.run([cc, *flags, os.path.join(build.SRC_DIR, "fused_ops.c"), "-o", out, "-lm"], check=False, capture_output=True, text=True)
     if r.returncode != 0:  # a compiler without the x86 flag
-        r = subprocess.run([cc, *flags[:-1], os.path.join(_SRC_DIR, "fused_ops.c"), "-o", out, "-lm"], check=False, capture_output=True, text=True)
+        r = subprocess.run([cc, *flags[:-1], os.path.join(build.SRC_DIR, "fused_ops.c"), "-o", out, "-lm"], check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     lib = ctypes.CDLL(out)
-    cpu_fused.bind(lib)
+    build.declare(lib, [name for name in build.SIGNATURES if name.startswith("fused_")])
     calls: dict[str, int] = {}
-    proxy = _Counting(lib, calls)
-    monkeypatch.setattr(cpu_fused, "_load", lambda: proxy)
+    use_library(monkeypatch, _Counting(lib, calls))
     for dtype in DTYPES:
         g = _gen(9)
         x, d, w = (torch.randn(33, 1000, generator=g) * 3).to(dtype), torch.randn(33, 1000, generator=g).to(dtype), torch.randn(1000, generator=g).to(dtype)
-        x_new, y = cpu_fused.add_rms_norm(x, d, w, 1e-6)
+        x_new, y = fused.add_rms_norm(x, d, w, 1e-6)
         assert_same(x_new, x + d)
-        assert_same(y, cpu_fused.rms_norm_torch(x + d, w, 1e-6))
+        assert_same(y, fused.rms_norm_torch(x + d, w, 1e-6))
         qkv, qw, kw, cos, sin = _qkv_case(dtype, 33, 4, 2, 64)
         want = _torch_qk_norm_rope(qkv, 4, 2, 64, qw, kw, 1e-6, cos, sin)
-        for got, ref in zip(cpu_fused.qk_norm_rope(qkv.clone(), 4, 2, 64, qw, kw, 1e-6, cos, sin), want):
+        for got, ref in zip(fused.qk_norm_rope(qkv.clone(), 4, 2, 64, qw, kw, 1e-6, cos, sin), want):
             assert_same(got.contiguous(), ref.contiguous())
         gu = (torch.randn(7, 2 * 6001, generator=g) * 4).to(dtype)
-        assert_same(cpu_fused.silu_mul(gu), F.silu(gu[:, :6001]) * gu[:, 6001:])
+        assert_same(fused.silu_mul(gu), F.silu(gu[:, :6001]) * gu[:, 6001:])
     assert calls == {"fused_rms_norm": 2, "fused_qk_norm_rope": 2, "fused_silu_mul": 2}
 
 
@@ -272,17 +277,17 @@ def test_portable_build_is_exact_too(tmp_path, monkeypatch) -> None:
 def test_no_library_takes_the_torch_path(no_library) -> None:
     g = _gen(3)
     x, d, w = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g), torch.randn(64, generator=g)
-    assert torch.equal(cpu_fused.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_torch(x, w, 1e-6))
-    x_new, y = cpu_fused.add_rms_norm(x, d, w, 1e-6)
-    assert torch.equal(x_new, x + d) and torch.equal(y, cpu_fused.rms_norm_torch(x + d, w, 1e-6))
+    assert torch.equal(fused.rms_norm(x, w, 1e-6), fused.rms_norm_torch(x, w, 1e-6))
+    x_new, y = fused.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(x_new, x + d) and torch.equal(y, fused.rms_norm_torch(x + d, w, 1e-6))
     qkv, qw, kw, cos, sin = _qkv_case(torch.float32, 3, 4, 2, 16)
     before = qkv.clone()
-    got = cpu_fused.qk_norm_rope(qkv, 4, 2, 16, qw, kw, 1e-6, cos, sin)
+    got = fused.qk_norm_rope(qkv, 4, 2, 16, qw, kw, 1e-6, cos, sin)
     assert torch.equal(qkv, before)  # the torch path does not write into qkv
     for a, b in zip(got, _torch_qk_norm_rope(before, 4, 2, 16, qw, kw, 1e-6, cos, sin)):
         assert torch.equal(a, b)
     gu = torch.randn(3, 64, generator=g)
-    assert torch.equal(cpu_fused.silu_mul(gu), F.silu(gu[:, :32]) * gu[:, 32:])
+    assert torch.equal(fused.silu_mul(gu), F.silu(gu[:, :32]) * gu[:, 32:])
 
 
 def test_autograd_takes_the_torch_path(native_calls) -> None:
@@ -290,18 +295,18 @@ def test_autograd_takes_the_torch_path(native_calls) -> None:
     w = torch.randn(64, generator=g).requires_grad_()
     x = torch.randn(4, 64, generator=g).requires_grad_()
     d = torch.randn(4, 64, generator=g)
-    y = cpu_fused.rms_norm(x, w, 1e-6)
-    x_new, y2 = cpu_fused.add_rms_norm(x, d, w, 1e-6)
+    y = fused.rms_norm(x, w, 1e-6)
+    x_new, y2 = fused.add_rms_norm(x, d, w, 1e-6)
     gu = torch.randn(4, 64, generator=g).requires_grad_()
-    s = cpu_fused.silu_mul(gu)
+    s = fused.silu_mul(gu)
     qkv, qw, kw, cos, sin = _qkv_case(torch.float32, 3, 4, 2, 16)
     qkv.requires_grad_()
-    q, k, v = cpu_fused.qk_norm_rope(qkv, 4, 2, 16, qw, kw, 1e-6, cos, sin)
+    q, k, v = fused.qk_norm_rope(qkv, 4, 2, 16, qw, kw, 1e-6, cos, sin)
     (y.sum() + y2.sum() + x_new.sum() + s.sum() + q.sum() + k.sum() + v.sum()).backward()
     assert x.grad is not None and w.grad is not None and gu.grad is not None and qkv.grad is not None
     assert native_calls == {}
     with torch.no_grad():  # the same tensors without autograd recording: native
-        assert_same(cpu_fused.rms_norm(x, w, 1e-6), y.detach())
+        assert_same(fused.rms_norm(x, w, 1e-6), y.detach())
     assert native_calls == {"fused_rms_norm": 1}
 
 
@@ -309,13 +314,13 @@ def test_unsupported_inputs_take_the_torch_path(native_calls) -> None:
     g = _gen(5)
     w = torch.randn(64, generator=g)
     x16 = torch.randn(4, 64, generator=g).half()
-    assert torch.equal(cpu_fused.rms_norm(x16, w.half(), 1e-6), cpu_fused.rms_norm_torch(x16, w.half(), 1e-6))
+    assert torch.equal(fused.rms_norm(x16, w.half(), 1e-6), fused.rms_norm_torch(x16, w.half(), 1e-6))
     x = torch.randn(4, 64, generator=g)
-    assert torch.equal(cpu_fused.rms_norm(x, w.bfloat16(), 1e-6), cpu_fused.rms_norm_torch(x, w.bfloat16(), 1e-6))
+    assert torch.equal(fused.rms_norm(x, w.bfloat16(), 1e-6), fused.rms_norm_torch(x, w.bfloat16(), 1e-6))
     xt = torch.randn(64, 4, generator=g).t()  # inner stride != 1
-    assert torch.equal(cpu_fused.rms_norm(xt, w, 1e-6), cpu_fused.rms_norm_torch(xt, w, 1e-6))
+    assert torch.equal(fused.rms_norm(xt, w, 1e-6), fused.rms_norm_torch(xt, w, 1e-6))
     x3 = torch.randn(4, 3, 128, generator=g)[:, :, :64]  # 3-d, not contiguous
-    assert torch.equal(cpu_fused.rms_norm(x3, w, 1e-6), cpu_fused.rms_norm_torch(x3, w, 1e-6))
+    assert torch.equal(fused.rms_norm(x3, w, 1e-6), fused.rms_norm_torch(x3, w, 1e-6))
     assert native_calls == {}
 
 
@@ -336,10 +341,9 @@ def test_engine_outputs_identical_with_and_without_fused_kernels(tmp_path, monke
         return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]) for o in outs]
 
     calls: dict[str, int] = {}
-    proxy = _Counting(cpu_fused._load(), calls)
-    monkeypatch.setattr(cpu_fused, "_load", lambda: proxy)
-    fused = run()
+    use_library(monkeypatch, _Counting(native.kernels().lib, calls))
+    with_fused = run()
     assert set(calls) == {"fused_rms_norm", "fused_qk_norm_rope", "fused_silu_mul"}, calls
-    monkeypatch.setattr(cpu_fused, "_load", lambda: None)
+    use_library(monkeypatch, None)
     plain = run()
-    assert fused == plain  # token ids and logprobs, exactly
+    assert with_fused == plain  # token ids and logprobs, exactly

@@ -66,13 +66,14 @@ def test_update_matches_fresh_engine_and_never_hits_stale_cache(moe_path, pertur
 def test_bf16_update_repacks_native_gemm_weights(moe_path, perturbed, random_prompts, monkeypatch):
     """bf16 at 6 rows per step takes the packed CPU GEMM, whose packed weight copies must not
     outlive an update: afterwards outputs equal a fresh engine's bit for bit."""
-    from cuttle.attention import cpu_kernels
+    from cuttle.attention import native
+    from cuttle.attention.native import gemm
 
-    if cpu_kernels.load() is None or not cpu_kernels.packed_gemm_enabled():
+    if not native.kernels().packed_gemm:
         pytest.skip("no packed CPU GEMM here (needs the native library and AVX512-BF16)")
     packs: list[int] = []
-    real = cpu_kernels._packed
-    monkeypatch.setattr(cpu_kernels, "_packed", lambda lib, w: packs.append(1) or real(lib, w))
+    real = gemm._packed
+    monkeypatch.setattr(gemm, "_packed", lambda lib, w: packs.append(1) or real(lib, w))
     path2, tensors = perturbed
     prompts = random_prompts(6, 20, seed=5)
     llm = LLM(moe_path, dtype="bfloat16", num_kv_blocks=256, enable_prefix_caching=False)

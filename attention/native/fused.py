@@ -2,11 +2,12 @@
 q/k per-head RMSNorm + RoPE in place on the fused qkv rows, and silu(gate) * up.
 
 Owns the Python side of `attention/csrc/fused_ops.c` (built into the one kernel library of
-`cpu_kernels`) and the torch code each kernel replaces, which is also its fallback: used when the
-library is absent, a tensor is not a CPU fp32/bf16 tensor laid out as the kernel reads it, or
-autograd has to see the op (grad enabled and an input requires grad: the trainer runs the same
-model code). The kernels reproduce the torch code bit for bit (see the C file for how), so the
-engine's numbers do not depend on which path ran.
+`cuttle.attention.native.build`) and the torch code each kernel replaces, which is also its
+fallback: used when the library is absent, a tensor is not a CPU fp32/bf16 tensor laid out as the
+kernel reads it, or autograd has to see the op (grad enabled and an input requires grad: the
+trainer runs the same model code). The kernels reproduce the torch code bit for bit (see the C
+file for how), so the engine's numbers do not depend on which path ran; the vector widths that
+takes are found once, when the kernel set is chosen (`probe_sum_lanes`).
 
 Why: in a decode step these were a dozen small torch ops per layer, each a dispatch and a pass
 over memory (about 15% of a batch-64 step of a 0.6B model, 20% at batch 1); fused, each is one
@@ -15,23 +16,13 @@ ctypes call.
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 import torch.nn.functional as F
 
-from cuttle.attention import cpu_kernels
+from cuttle.attention.native import kernels
+from cuttle.attention.native.build import DTYPE_CODE as _DT
 from cuttle.attention.rope import apply_rope
-
-_DT = {torch.float32: 0, torch.bfloat16: 1}
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_ready = False
-# fp32 lanes of torch's vectorized elementwise loops (their scalar tails decide silu's exp) and
-# of its sum kernel (the order of RMSNorm's sum of squares); set by _load
-_VEC_LANES = 16
-_SUM_LANES = 8
-EXACT = False  # whether the probe found torch's summation order (then the norms are bit-exact too)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,39 +32,10 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(x.dtype)
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _ready
-    if _ready:
-        return _lib
-    with _lock:
-        if _ready:
-            return _lib
-        lib = cpu_kernels.load()
-        if lib is not None:
-            bind(lib)
-            _probe(lib)
-        _lib = lib
-        _ready = True
-        return _lib
-
-
-def bind(lib: ctypes.CDLL) -> None:
-    """Declare the fused kernels' signatures on a loaded library."""
-    vp, i64, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.fused_rms_norm.argtypes = [vp, i64, vp, i64, vp, vp, vp, c_int, i64, i64, c_float, c_int]
-    lib.fused_rms_norm.restype = c_int
-    lib.fused_qk_norm_rope.argtypes = [vp, c_int, i64, i64, i64, i64, i64, vp, vp, c_float, vp, vp, i64, c_int]
-    lib.fused_qk_norm_rope.restype = c_int
-    lib.fused_silu_mul.argtypes = [vp, i64, vp, c_int, i64, i64, c_int, c_int]
-    lib.fused_silu_mul.restype = c_int
-
-
-def _probe(lib: ctypes.CDLL) -> None:
-    """Match the kernels to this torch build: its elementwise vector width from the CPU capability
-    it dispatches to, and the lane count of its sum (its sum kernel is not always built for the
-    widest vectors: torch 2.13 on AVX512 sums with 8 lanes) by trying both on random rows."""
-    global _VEC_LANES, _SUM_LANES, EXACT
-    _VEC_LANES = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+def probe_sum_lanes(lib: ctypes.CDLL) -> int | None:
+    """The lane count of torch's fp32 sum kernel on this build (not always the widest vectors:
+    torch 2.13 on AVX512 sums with 8 lanes), found by trying both on random rows; None when
+    neither reproduces it (another summation order: the norms are then within an ulp of torch)."""
     x = torch.randn(8, 1000, generator=torch.Generator().manual_seed(0))  # own generator: global RNG untouched
     w = torch.ones(1000)
     ref = rms_norm_torch(x, w, 1e-6)
@@ -81,9 +43,8 @@ def _probe(lib: ctypes.CDLL) -> None:
     for lanes in (8, 16):
         lib.fused_rms_norm(x.data_ptr(), 1000, None, 0, None, w.data_ptr(), y.data_ptr(), 0, 8, 1000, 1e-6, lanes)
         if torch.equal(y, ref):
-            _SUM_LANES, EXACT = lanes, True
-            return
-    _SUM_LANES, EXACT = 8, False  # another summation order: results within an ulp of torch's
+            return lanes
+    return None
 
 
 def _native(*tensors: torch.Tensor) -> bool:
@@ -113,20 +74,22 @@ def _vector_ok(w: torch.Tensor, n: int) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (HF semantics, `rms_norm_torch`); a new contiguous tensor."""
-    lib = _load()
+    ks = kernels()
+    lib = ks.lib
     rows = _rows(x) if lib is not None and _native(x, weight) else None
     n = x.shape[-1] if x.dim() else 0
     if rows is None or rows[0] == 0 or n == 0 or not _vector_ok(weight, n):
         return rms_norm_torch(x, weight, eps)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.fused_rms_norm(x.data_ptr(), rows[1], None, 0, None, weight.data_ptr(), y.data_ptr(), _DT[x.dtype],
-                       rows[0], n, eps, _SUM_LANES)
+                       rows[0], n, eps, ks.sum_lanes)
     return y
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta)): the residual add and the next norm in one pass."""
-    lib = _load()
+    ks = kernels()
+    lib = ks.lib
     n = x.shape[-1] if x.dim() else 0
     rx = _rows(x) if lib is not None and x.shape == delta.shape and _native(x, delta, weight) else None
     rd = _rows(delta) if rx is not None else None
@@ -136,7 +99,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     x_new = torch.empty_like(x, memory_format=torch.contiguous_format)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.fused_rms_norm(x.data_ptr(), rx[1], delta.data_ptr(), rd[1], x_new.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                       _DT[x.dtype], rx[0], n, eps, _SUM_LANES)
+                       _DT[x.dtype], rx[0], n, eps, ks.sum_lanes)
     return x_new, y
 
 
@@ -163,7 +126,8 @@ def qk_norm_rope(
     """Split qkv into q [T, Hq, D], k, v [T, Hkv, D], with q and k RMSNormed per head (when
     weights are given) and rotated. The native path rewrites q and k inside `qkv` and returns
     views of it (row stride of qkv); the torch path returns new q, k."""
-    lib = _load()
+    ks = kernels()
+    lib = ks.lib
     T = qkv.shape[0]
     q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
     norms = (q_weight, k_weight) if q_weight is not None else ()
@@ -184,7 +148,7 @@ def qk_norm_rope(
     rc = lib.fused_qk_norm_rope(
         qkv.data_ptr(), _DT[qkv.dtype], qkv.stride(0), T, q_heads, kv_heads, head_dim,
         q_weight.data_ptr() if q_weight is not None else None, k_weight.data_ptr() if k_weight is not None else None,
-        eps, cos.data_ptr(), sin.data_ptr(), cs, _SUM_LANES,
+        eps, cos.data_ptr(), sin.data_ptr(), cs, ks.sum_lanes,
     )
     if rc != 0:
         raise ValueError(f"fused_qk_norm_rope rejected head_dim={head_dim}")
@@ -199,7 +163,8 @@ def qk_norm_rope(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for rows of [gate | up] (the fused gate/up projection): [M, 2I] -> [M, I]."""
-    lib = _load()
+    ks = kernels()
+    lib = ks.lib
     inter = gate_up.shape[-1] // 2
     if (
         lib is None or gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[0] == 0 or inter == 0
@@ -209,5 +174,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
     y = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
     lib.fused_silu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), _DT[y.dtype], gate_up.shape[0], inter,
-                       _VEC_LANES, torch.get_num_threads())
+                       ks.vec_lanes, torch.get_num_threads())
     return y
