@@ -55,5 +55,5 @@ setup(
             "matplotlib",
         ],
     },
-    entry_points={"console_scripts": ["cuttle=cuttle.engine.cli:main"]},
+    entry_points={"console_scripts": ["cuttle=cuttle.engine.cli:main", "cuttle-env-server=cuttle.sandbox.server:main"]},
 )

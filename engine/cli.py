@@ -1,9 +1,10 @@
-"""The `cuttle` command: serve, generate, chat, env-server.
+"""The `cuttle` command: serve, generate, chat.
 
 Owns argument parsing and wiring only. `serve` runs the OpenAI server on the embedded default
 model unless --model is given; `generate` streams one completion to the terminal; `chat` is an
 interactive loop over the chat template. Heavy imports happen inside the subcommands, so
-`cuttle --help` is instant and `env-server` does not load a model.
+`cuttle --help` is instant. The environment server is the sandbox's own command,
+`cuttle-env-server`: the engine never imports `cuttle.sandbox`.
 """
 from __future__ import annotations
 
@@ -122,12 +123,6 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
-def cmd_env_server(args: argparse.Namespace, rest: list[str]) -> None:
-    from cuttle.sandbox.server import main as env_main  # the sandbox may import the engine, never the reverse
-
-    env_main(rest)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="cuttle", description="cuttle: a paged-KV LLM engine for coding models with RL sampling built in")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -151,13 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     _sampling_args(c)
     c.add_argument("--system", default=None, help="system prompt")
 
-    sub.add_parser("env-server", help="sandboxed coding-environment server (see `cuttle env-server --help`)", add_help=False)
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["env-server"]:
+        ap.exit(2, f"{ap.prog}: the environment server is its own command now: cuttle-env-server [--help]\n")
 
-    args, rest = ap.parse_known_args(argv)
-    if args.cmd == "env-server":
-        return cmd_env_server(args, rest)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = ap.parse_args(argv)
     {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}[args.cmd](args)
 
 

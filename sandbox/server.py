@@ -1,5 +1,6 @@
-"""The environment server: HTTP JSON (FastAPI) over an `EnvPool`; `main` is `cuttle env-server`.
+"""The environment server: HTTP JSON (FastAPI) over an `EnvPool`, run as `cuttle-env-server`.
 
+`main` is that console script (its own, so the engine's `cuttle` command never imports the sandbox).
 Owns routes, status codes, the limit on concurrent blocking calls, the idle reaper task and the
 per-request log line with timing. All work runs in worker threads (sandboxes block); the event
 loop only routes. Must never run a tool on the event loop, and never swallow a host-side error
@@ -67,7 +68,7 @@ def create_app(pool: EnvPool, max_concurrent_calls: int = 8, reap_interval_s: fl
             task.cancel()
             await run_in_threadpool(pool.close)  # no environment outlives the server
 
-    app = FastAPI(title="cuttle env-server", lifespan=lifespan)
+    app = FastAPI(title="cuttle-env-server", lifespan=lifespan)
 
     @app.middleware("http")
     async def log_timing(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -141,8 +142,8 @@ def create_app(pool: EnvPool, max_concurrent_calls: int = 8, reap_interval_s: fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`cuttle env-server [--port N] ...`: serve coding environments over HTTP."""
-    p = argparse.ArgumentParser(prog="cuttle env-server", description=__doc__.split("\n")[0])
+    """`cuttle-env-server [--port N] ...`: serve coding environments over HTTP."""
+    p = argparse.ArgumentParser(prog="cuttle-env-server", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8600)
     p.add_argument("--max-envs", type=int, default=64, help="environments alive at once (429 beyond)")
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                    limits=Limits(timeout=args.timeout, memory_mb=args.memory_mb),
                    allow_unisolated=args.allow_unisolated)
     if error is not None and not args.allow_unisolated:
-        raise SystemExit(f"cuttle env-server: namespace isolation unavailable ({error}); "
+        raise SystemExit(f"cuttle-env-server: namespace isolation unavailable ({error}); "
                          "pass --allow-unisolated to serve rlimits-only sandboxes")
     app = create_app(pool, args.max_concurrent_calls, reap_interval_s=min(10.0, args.idle_timeout / 2))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -51,3 +51,19 @@ def test_serve_sigterm_is_graceful(qwen3_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_env_server_is_its_own_command():
+    """`cuttle env-server` names the sandbox's own console script, which the package declares and
+    which serves `--help` without the engine's CLI."""
+    r = run(["env-server", "--port", "1"])
+    assert r.returncode == 2 and "cuttle-env-server" in r.stderr and r.stdout == ""
+    code = (
+        "from importlib.metadata import entry_points\n"
+        "(ep,) = [e for e in entry_points(group='console_scripts') if e.name == 'cuttle-env-server']\n"
+        "assert ep.value == 'cuttle.sandbox.server:main', ep.value\n"
+        "ep.load()(['--help'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: cuttle-env-server") and "--allow-unisolated" in r.stdout
