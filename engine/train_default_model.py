@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from cuttle.engine.config import ModelConfig
+from cuttle.engine.models.loader import hf_state_dict
 from cuttle.engine.models.transformer import CausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -215,28 +216,10 @@ def init_weights(model: CausalLM, seed: int) -> None:
             p.data.normal_(0.0, 0.02, generator=g)
 
 
-def to_hf_state_dict(model: CausalLM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our fused parameters back into HF Qwen3-MoE tensor names (per-expert layout)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    mi = cfg.moe_intermediate_size
-    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm.weight}
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        a = layer.attn
-        sd[p + "self_attn.q_proj.weight"] = a.qkv_weight[:q]
-        sd[p + "self_attn.k_proj.weight"] = a.qkv_weight[q : q + kv]
-        sd[p + "self_attn.v_proj.weight"] = a.qkv_weight[q + kv :]
-        sd[p + "self_attn.o_proj.weight"] = a.o_weight
-        sd[p + "self_attn.q_norm.weight"] = a.q_norm.weight
-        sd[p + "self_attn.k_norm.weight"] = a.k_norm.weight
-        sd[p + "input_layernorm.weight"] = layer.input_norm.weight
-        sd[p + "post_attention_layernorm.weight"] = layer.post_attn_norm.weight
-        sd[p + "mlp.gate.weight"] = layer.mlp.gate_weight
-        for e in range(layer.mlp.w13.shape[0]):
-            sd[p + f"mlp.experts.{e}.gate_proj.weight"] = layer.mlp.w13[e, :mi]
-            sd[p + f"mlp.experts.{e}.up_proj.weight"] = layer.mlp.w13[e, mi:]
-            sd[p + f"mlp.experts.{e}.down_proj.weight"] = layer.mlp.w2[e]
-    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
+def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The trained parameters under HF Qwen3-MoE names (per-expert layout) in bf16: the loader's
+    own name map inverted (`hf_state_dict`), so the saved file loads back into exactly this model."""
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in hf_state_dict(model).items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -309,12 +292,12 @@ def main(argv: list[str] | None = None) -> None:
     final = evaluate(model, val, args.batch)
     minutes = (time.time() - t0) / 60
     print(f"held-out loss {final:.4f}, perplexity {math.exp(final):.2f}, {minutes:.1f} min")
-    save(args, model, cfg, hf, tok, final, minutes, sum(map(len, train_docs)), sum(map(len, val_docs)))
+    save(args, model, hf, tok, final, minutes, sum(map(len, train_docs)), sum(map(len, val_docs)))
 
 
-def save(args, model, cfg, hf, tok, val_loss, minutes, n_train, n_val) -> None:
+def save(args, model, hf, tok, val_loss, minutes, n_train, n_val) -> None:
     os.makedirs(args.out, exist_ok=True)
-    save_file(to_hf_state_dict(model, cfg), os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+    save_file(to_hf_state_dict(model), os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:

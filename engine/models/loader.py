@@ -277,3 +277,57 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
         table[f"self_attn.{proj}.weight"] = ("attn.qkv_weight", rows)
         table[f"self_attn.{proj}.bias"] = ("attn.qkv_bias", rows)
     return table
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's parameters under the HF names its family's checkpoints use: the inverse of
+    `load_weights`, derived from the same name table (`_layer_table`), so that what it returns
+    loads back into identical parameters. Values are views of the (fused) parameters, not copies;
+    routed experts come out per expert. MXFP8 experts have no HF layout and are refused."""
+    cfg = model.cfg
+    if any(layer.quant == "mxfp8" for layer in moe_layers(model).values()):
+        raise ValueError("hf_state_dict: this model holds MXFP8 experts, which have no HF layout")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm.weight}
+    covered = {"embed": model.embed.numel(), "norm.weight": model.norm.weight.numel()}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head
+        covered["lm_head"] = model.lm_head.numel()
+    elif "lm_head" in params:
+        covered["lm_head"] = model.lm_head.numel()  # the embedding itself
+    table = _layer_table(cfg)
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    # per-expert names of this family: Mixtral's w1/w3/w2, everyone else's {gate,up,down}_proj
+    expert_names = [n for n in _EXPERT_PART if n.startswith("w") == mixtral]
+    for i, layer in enumerate(model.layers):
+        for rest, (target, rows) in table.items():
+            pname = f"layers.{i}.{target}"
+            if pname in params and _hf_name_used(cfg, rest):
+                t = params[pname] if rows is None else params[pname][rows]
+                out[f"model.layers.{i}.{rest}"] = t
+                covered[pname] = covered.get(pname, 0) + t.numel()
+        if isinstance(layer.mlp, FusedMoE):
+            moe, mi = layer.mlp, cfg.moe_intermediate_size
+            prefix = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
+            for e in range(moe.w13.shape[0]):
+                parts = {"gate": moe.w13[e, :mi], "up": moe.w13[e, mi:], "down": moe.w2[e]}
+                for name in expert_names:
+                    out[f"{prefix}.{e}.{name}.weight"] = parts[_EXPERT_PART[name]]
+            covered[f"layers.{i}.mlp.w13"] = moe.w13.numel()
+            covered[f"layers.{i}.mlp.w2"] = moe.w2.numel()
+    wrong = [n for n, p in params.items() if covered.get(n, 0) != p.numel()]
+    if wrong:
+        raise ValueError(f"hf_state_dict: no single HF name covers {wrong[:8]} of this {cfg.architecture} model")
+    return out
+
+
+def _hf_name_used(cfg: ModelConfig, rest: str) -> bool:
+    """Of the HF names `_layer_table` accepts for one parameter, whether `rest` (the part after
+    `model.layers.N.`) is the one `cfg`'s family writes."""
+    if rest.startswith("block_sparse_moe.") or rest == "mlp.gate.weight":
+        return rest.startswith("block_sparse_moe.") == (cfg.architecture == "MixtralForCausalLM")
+    if rest.startswith(("mlp.shared_expert.", "mlp.shared_experts.")):
+        return rest.startswith("mlp.shared_experts.") == (cfg.architecture == "DeepseekV3ForCausalLM")
+    if cfg.mla is not None and rest.startswith(("self_attn.q_proj.", "self_attn.q_a_proj.")):
+        return rest.startswith("self_attn.q_a_proj.") == (cfg.mla.q_lora_rank is not None)
+    return True
