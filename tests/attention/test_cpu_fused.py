@@ -248,9 +248,10 @@ def test_portable_build_is_exact_too(tmp_path, monkeypatch) -> None:
     cc = shutil.which("cc") or shutil.which("gcc")
     out = str(tmp_path / "fused_portable.so")
     flags = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-mno-avx512f"]
-    r = subprocess.run([cc, *flags, os.path.join(build.SRC_DIR, "fused_ops.c"), "-o", out, "-lm"], check=False, capture_output=True, text=True)
+    src = os.path.join(build.SRC_DIR, "fused_ops.c")
+    r = subprocess.run([cc, *flags, src, "-o", out, "-lm"], check=False, capture_output=True, text=True)
     if r.returncode != 0:  # a compiler without the x86 flag
-        r = subprocess.run([cc, *flags[:-1], os.path.join(build.SRC_DIR, "fused_ops.c"), "-o", out, "-lm"], check=False, capture_output=True, text=True)
+        r = subprocess.run([cc, *flags[:-1], src, "-o", out, "-lm"], check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     lib = ctypes.CDLL(out)
     build.declare(lib, [name for name in build.SIGNATURES if name.startswith("fused_")])
@@ -258,7 +259,8 @@ def test_portable_build_is_exact_too(tmp_path, monkeypatch) -> None:
     use_library(monkeypatch, _Counting(lib, calls))
     for dtype in DTYPES:
         g = _gen(9)
-        x, d, w = (torch.randn(33, 1000, generator=g) * 3).to(dtype), torch.randn(33, 1000, generator=g).to(dtype), torch.randn(1000, generator=g).to(dtype)
+        x = (torch.randn(33, 1000, generator=g) * 3).to(dtype)
+        d, w = torch.randn(33, 1000, generator=g).to(dtype), torch.randn(1000, generator=g).to(dtype)
         x_new, y = fused.add_rms_norm(x, d, w, 1e-6)
         assert_same(x_new, x + d)
         assert_same(y, fused.rms_norm_torch(x + d, w, 1e-6))
