@@ -1,10 +1,14 @@
 """One `LLMEngine` stepping on its own thread while asyncio callers submit and stream.
 
 The engine is single-threaded by design; this module is the only bridge. Callers' commands
-(add, abort) go through a queue that the engine thread drains before every step, so an abort
-frees a request's blocks within one step. Outputs return to each caller's asyncio queue through
-`call_soon_threadsafe`. A failed step fails the requests in flight, frees their blocks, and the
-loop keeps serving new requests.
+(add, calls) go through a queue that the engine thread drains before every step; aborts go
+through their own queue, drained before every step too, including the steps of a weight update
+that finishes the requests in flight, so an abort frees a request's blocks within one step.
+Outputs return to each caller's asyncio queue through `call_soon_threadsafe`. A caller that
+leaves (the iterator closed or its task cancelled, even while its request is being added)
+aborts its request; one that reads to the final output queues nothing. A failed step fails the
+requests in flight, frees their blocks, and the loop keeps serving new requests; a request the
+engine failed alone (its `RequestOutput.error`) raises `RequestFailedError` in its caller only.
 """
 from __future__ import annotations
 
@@ -33,11 +37,67 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this one request because processing it raised (the batch went on)."""
+
+
+class RequestStream:
+    """The outputs of one admitted request (`AsyncEngine.add`), as an async iterator.
+
+    Ends after the final output, which it hands out having already let go of the request, so a
+    caller that stops there aborts nothing. Closing it earlier, a cancelled read, or dropping it
+    aborts the request (the engine frees its KV before its next step).
+    """
+
+    __slots__ = ("_owner", "request_id", "_queue", "_done")
+
+    def __init__(self, owner: AsyncEngine, request_id: str, queue_: asyncio.Queue):
+        self._owner, self.request_id, self._queue, self._done = owner, request_id, queue_, False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the caller is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):  # a failed step, or shutdown: the engine already ended it
+            self._release()
+            raise item
+        if item.finished:
+            self._release()
+            if item.error is not None:
+                raise RequestFailedError(item.error)
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it has finished (idempotent)."""
+        if not self._done:
+            self._release()
+            self._owner.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def _release(self) -> None:
+        self._done = True
+        self._owner._streams.pop(self.request_id, None)
+
+    def __del__(self) -> None:
+        if not self._done:
+            self.close()
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_pending: int = 512):
         self.engine = engine
         self.max_pending = max_pending
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._paused = threading.Event()
@@ -102,41 +162,51 @@ class AsyncEngine:
         return len(self._streams)
 
     # ---- the API ---------------------------------------------------------------------------
-    async def generate(
+    async def add(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Yields a RequestOutput per step with progress, the last one `finished`. Leaving the
-        iterator early (client gone) aborts the request."""
+    ) -> RequestStream:
+        """Admit a request and return its stream of outputs once the engine has accepted it
+        (raises what `add_request` raised, or QueueFullError). Read the stream to its final
+        output, or `aclose()` it to abort; a stream dropped unread aborts too."""
         if self._thread is None:
             raise EngineDeadError("engine loop is not running")
         with self._lock:
             if len(self._streams) >= self.max_pending:
                 raise QueueFullError(f"{len(self._streams)} requests in flight (limit {self.max_pending})")
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
             loop = asyncio.get_running_loop()
-            stream: asyncio.Queue = asyncio.Queue()
-            self._streams[request_id] = (loop, stream)
+            queue_: asyncio.Queue = asyncio.Queue()
+            self._streams[request_id] = (loop, queue_)
         try:
             await self._call(lambda: self.engine.add_request(request_id, prompt, params, stream=True, cache_salt=cache_salt))
+        except asyncio.CancelledError:
+            # the caller left while the add was queued: it still runs, so abort right behind it
+            # (on the same queue: the abort queue may be drained before the add runs)
+            self._streams.pop(request_id, None)
+            self._cmds.put(lambda: self.engine.abort_request(request_id))
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        finished = False
+        return RequestStream(self, request_id, queue_)
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields a RequestOutput per step with progress (per `params.output_kind`), the last one
+        `finished`. Leaving the iterator early (client gone) aborts the request."""
+        stream = await self.add(request_id, prompt, params, cache_salt)
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in stream:
+                yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: str) -> None:
-        self._cmds.put(lambda: self.engine.abort_request(request_id))
+        self._aborts.put(request_id)
+        if self._paused.is_set():
+            self._cmds.put(lambda: None)  # a paused loop sleeps on the command queue
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps (stats, weight updates, cache resets)."""
@@ -169,6 +239,7 @@ class AsyncEngine:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
+            self._run_aborts()
             if self._paused.is_set() or not engine.has_unfinished_requests():
                 self.stats_snapshot = engine.stats()
                 continue
@@ -177,6 +248,11 @@ class AsyncEngine:
         for rid in list(engine.requests):
             engine.abort_request(rid)
             self._deliver(rid, EngineDeadError("engine shut down"))
+
+    def _run_aborts(self) -> None:
+        aborts = self._aborts
+        while not aborts.empty():  # this thread is the only consumer
+            self.engine.abort_request(aborts.get())
 
     def _step_and_deliver(self) -> bool:
         """One engine step, outputs routed to their callers. A failed step fails the requests in
@@ -232,5 +308,6 @@ class AsyncEngine:
         """Engine thread only: step until every request in flight has finished, delivering outputs."""
         engine = self.engine
         while engine.has_unfinished_requests():
-            if not self._step_and_deliver():
+            self._run_aborts()  # callers that leave during the drain still free their KV at once
+            if not engine.has_unfinished_requests() or not self._step_and_deliver():
                 return
