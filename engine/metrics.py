@@ -1,8 +1,9 @@
 """Prometheus metrics of the server (prometheus-client), in one registry per server instance.
 
 Gauges are refreshed from the engine's stats snapshot at scrape time; latency histograms are
-observed by the request handlers, measured where the client sees them (first token out,
-gaps between streamed tokens, whole request).
+observed by the request handlers, measured where the client sees them: first token out and
+gaps between streamed outputs for streamed requests (a non-streamed client sees nothing before
+the end), whole request for all.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class ServerMetrics:
         self.prompt_tokens = Gauge("cuttle_prompt_tokens", "Prompt tokens admitted since start", labels, registry=r)
         self.generation_tokens = Gauge("cuttle_generation_tokens", "Tokens generated since start", labels, registry=r)
         self.requests = Counter("cuttle_requests", "Finished requests by finish reason", labels + ["finish_reason"], registry=r)
+        self.disconnects = Counter("cuttle_client_disconnects", "Requests aborted because their client went away", labels, registry=r)
         self.ttft = Histogram("cuttle_time_to_first_token_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("cuttle_inter_token_latency_seconds", "Time between streamed outputs", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("cuttle_e2e_request_latency_seconds", "End-to-end request latency", labels, buckets=_LATENCY_BUCKETS, registry=r)

@@ -1,17 +1,21 @@
 """The OpenAI wire format: request bodies -> SamplingParams (with errors that name the field),
 and RequestOutputs -> completion / chat-completion JSON.
 
-Owns no I/O; the server calls these. Unknown fields are ignored (as OpenAI does); a field it
-cannot honour (response_format json) is refused, never silently dropped.
+Owns no I/O; the server calls these. Every top-level field of a request body is either
+implemented, or listed in `IGNORED_FIELDS` with the reason ignoring it changes nothing, or
+refused with a 400 whose `param` names it: a field cuttle cannot honour (constrained decoding,
+logit bias, template kwargs, ...) is refused, never silently dropped. A few fields are accepted
+only at the value that means "off" (`OFF_VALUES`). A JSON `null` is the same as an absent field.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampler import Logprob
-from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -23,54 +27,177 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    v = body.get(name, default)
+# ---- which fields exist ----------------------------------------------------------------------
+SAMPLING_FIELDS = frozenset({
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
+    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
+    "include_stop_str_in_output",
+})
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
+                                       "cache_salt"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice",
+                                 "response_format", "logprobs", "top_logprobs", "cache_salt"}
+RL_FIELDS = frozenset({"prompts", "sampling_params"})
+RL_SAMPLING_FIELDS = SAMPLING_FIELDS
+
+# Accepted and ignored, because ignoring them cannot change what the client gets back.
+IGNORED_FIELDS: dict[str, tuple[type, str]] = {
+    "user": (str, "an end-user id for the provider's abuse monitoring; it does not affect the output"),
+    "safety_identifier": (str, "OpenAI's newer name for `user`; it does not affect the output"),
+    "metadata": (dict, "tags for stored completions; cuttle stores nothing (`store` must be false)"),
+    "prompt_cache_key": (str, "a cache-routing hint; cuttle's prefix cache finds shared prefixes by their tokens"),
+}
+
+# Not implemented, but accepted at the value that means "off" (best_of also equal to n).
+OFF_VALUES: dict[str, tuple[Any, str]] = {
+    "logit_bias": ({}, "logit_bias is not supported"),
+    "best_of": (1, "best_of is not supported (use n)"),
+    "suffix": ("", "suffix (insertion) is not supported"),
+    "echo": (False, "echo is not supported for chat completions (only for /v1/completions)"),
+    "parallel_tool_calls": (True, ("parallel_tool_calls: false is not supported: cuttle cannot stop the model from "
+                                   "emitting several tool calls in one turn")),
+    "store": (False, "store: true is not supported: cuttle stores no completions"),
+}
+
+# Why some well-known fields are refused (any other unknown field gets a generic message).
+_REFUSED_WHY = {
+    **{k: "constrained decoding is not implemented, and an unenforced constraint would be silently wrong"
+       for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                 "guided_whitespace_pattern", "structured_outputs")},
+    **{k: "the server renders the model's own chat template as is"
+       for k in ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents")},
+    "functions": "the deprecated functions API is not supported (use tools)",
+    "function_call": "the deprecated functions API is not supported (use tool_choice)",
+    "return_token_ids": "return_token_ids is supported on /v1/completions only",
+}
+
+
+def check_fields(body: dict[str, Any], allowed: frozenset[str] | set[str], n: Any = 1) -> None:
+    """Refuse (400, param = the field) every field that is neither implemented nor harmless to ignore."""
+    for name, v in body.items():
+        if v is None:
+            continue
+        if name in allowed:
+            continue
+        if name in OFF_VALUES:
+            off, why = OFF_VALUES[name]
+            if not (type(v) is type(off) and (v == off or (name == "best_of" and v == n))):
+                raise OpenAIError(f"{why}; got {name}={show(v)}", param=name)
+        elif name in IGNORED_FIELDS:
+            kind, _ = IGNORED_FIELDS[name]
+            if not isinstance(v, kind):
+                raise OpenAIError(f"{name} must be of type {kind.__name__}, got {type(v).__name__}", param=name)
+        else:
+            why = _REFUSED_WHY.get(name, "this server does not implement it")
+            raise OpenAIError(f"{name} is not supported: {why}. cuttle refuses fields it cannot honour rather than "
+                              "ignoring them", param=name)
+
+
+# ---- typed getters ---------------------------------------------------------------------------
+def get_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) and bool not in kinds:
-        raise OpenAIError(f"{name} must be of type {'/'.join(k.__name__ for k in kinds)}", param=name)
-    if not isinstance(v, kinds):
-        raise OpenAIError(f"{name} must be of type {'/'.join(k.__name__ for k in kinds)}, got {type(v).__name__}", param=name)
+    if not isinstance(v, bool):
+        raise OpenAIError(f"{name} must be a boolean, got {type(v).__name__}", param=name)
     return v
 
 
+def get_int(body: dict[str, Any], name: str, lo: int, hi: int, default: int | None = None, param: str | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise OpenAIError(f"{name} must be an integer in [{lo}, {hi}], got {show(v)}", param=param or name)
+    return v
+
+
+def get_float(body: dict[str, Any], name: str, default: float) -> float:
+    """A finite number (NaN / Infinity, which Python's json accepts, are refused here)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise OpenAIError(f"{name} must be a number, got {type(v).__name__}", param=name)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise OpenAIError(f"{name} must be a finite number, got {show(v)}", param=name)
+    return f
+
+
+def get_str(body: dict[str, Any], name: str, default: str | None = None) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise OpenAIError(f"{name} must be a string, got {type(v).__name__}", param=name)
+    return v
+
+
+def get_stream_options(body: dict[str, Any]) -> bool:
+    """stream_options -> include_usage."""
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise OpenAIError("stream_options must be an object", param="stream_options")
+    for k, v in so.items():
+        if k == "include_usage" and (v is None or isinstance(v, bool)):
+            continue
+        if k == "continuous_usage_stats" and v in (None, False):
+            continue
+        raise OpenAIError(f"stream_options.{k}={show(v)} is not supported (only include_usage: bool)", param="stream_options")
+    return bool(so.get("include_usage"))
+
+
+def show(v: Any) -> str:
+    """A value for an error message, cut short (a client's value can be megabytes)."""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def sampling_params(body: dict[str, Any], max_tokens_field: str = "max_tokens", default_max_tokens: int | None = 16,
-                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise OpenAIError("stop must be a string or a list of strings", param="stop")
-    max_tokens = _get(body, max_tokens_field, (int,), None)
-    if max_tokens is None and max_tokens_field != "max_tokens":
-        max_tokens = _get(body, "max_tokens", (int,), None)
+    max_field = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
+    max_tokens = get_int(body, max_field, 1, 2**31 - 1)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(type(t) is int for t in stop_ids)):
+        raise OpenAIError("stop_token_ids must be a list of integers", param="stop_token_ids")
     fields = dict(
-        n=_get(body, "n", (int,), 1),
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
-        top_k=_get(body, "top_k", (int,), -1),
-        min_p=float(_get(body, "min_p", (int, float), 0.0)),
-        seed=_get(body, "seed", (int,), None),
+        n=get_int(body, "n", 1, 1024, 1),
+        temperature=get_float(body, "temperature", 1.0),
+        top_p=get_float(body, "top_p", 1.0),
+        top_k=get_int(body, "top_k", -1, 2**31 - 1, -1),
+        min_p=get_float(body, "min_p", 0.0),
+        seed=get_int(body, "seed", -(2**63), 2**63 - 1),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        min_tokens=_get(body, "min_tokens", (int,), 0),
+        min_tokens=get_int(body, "min_tokens", 0, 2**31 - 1, 0),
         stop=[stop] if isinstance(stop, str) else (stop or []),
-        stop_token_ids=_get(body, "stop_token_ids", (list,), []),
-        ignore_eos=_get(body, "ignore_eos", (bool,), False),
-        presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0)),
-        frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0)),
-        repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
+        stop_token_ids=stop_ids or [],
+        ignore_eos=get_bool(body, "ignore_eos"),
+        presence_penalty=get_float(body, "presence_penalty", 0.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0),
+        repetition_penalty=get_float(body, "repetition_penalty", 1.0),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
-        include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
+        output_kind=output_kind,
     )
-    if body.get("logit_bias"):
-        raise OpenAIError("logit_bias is not supported", param="logit_bias")
-    if body.get("best_of") not in (None, 1, fields["n"]):
-        raise OpenAIError("best_of is not supported (use n)", param="best_of")
     try:
         return SamplingParams(**fields)
     except ValueError as e:
         field = str(e).split(" ", 1)[0].split("[")[0]
-        raise OpenAIError(str(e), param=field if field in fields else None) from None
+        if field == "max_tokens":
+            field = max_field
+        raise OpenAIError(str(e), param=field if field in fields or field == max_field else None) from None
 
 
 def check_response_format(body: dict[str, Any]) -> None:
@@ -80,8 +207,32 @@ def check_response_format(body: dict[str, Any]) -> None:
     kind = rf.get("type") if isinstance(rf, dict) else None
     if kind != "text":
         raise OpenAIError(
-            f"response_format {kind!r} is not supported: cuttle has no constrained decoding yet, and an unenforced "
+            f"response_format {show(kind)} is not supported: cuttle has no constrained decoding yet, and an unenforced "
             "format would be silently wrong; only {'type': 'text'} is accepted", param="response_format")
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """`tools` as OpenAI defines them; the tool parsers and templates read these fields."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise OpenAIError("tools must be a list", param="tools")
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(f, dict):
+            raise OpenAIError(f"tools[{i}] must be {{type: function, function: {{name, description, parameters}}}}", param="tools")
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise OpenAIError(f"tools[{i}].function.name must be a non-empty string", param="tools")
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise OpenAIError(f"tools[{i}].function.description must be a string", param="tools")
+        params = f.get("parameters")
+        if params is not None:
+            props = params.get("properties") if isinstance(params, dict) else None
+            if not isinstance(params, dict) or not (props is None or (isinstance(props, dict) and all(isinstance(p, dict) for p in props.values()))):
+                raise OpenAIError(f"tools[{i}].function.parameters must be a JSON schema object (properties: name -> schema)", param="tools")
+        if f.get("strict") not in (None, False):
+            raise OpenAIError(f"tools[{i}].function.strict: true is not supported: it needs constrained decoding", param="tools")
+    return tools
 
 
 @dataclass(slots=True)

@@ -176,3 +176,56 @@ def test_32_streaming_clients_with_disconnects(live):
         time.sleep(0.05)
     assert live.engine.stats_snapshot["kv_blocks_free"] == live.engine.stats_snapshot["kv_blocks_total"]
     assert live.engine.num_in_flight == 0
+
+
+def test_requests_that_finish_queue_no_abort(live, client, monkeypatch):
+    """A request read to its final output must not abort itself afterwards (a streamed chat did:
+    the generator marked itself finished only after handing out the final item)."""
+    eng = live.llm.engine
+    calls: list[str] = []
+    real = eng.abort_request
+    monkeypatch.setattr(eng, "abort_request", lambda rid: (calls.append(rid), real(rid))[1])
+    kw = {"max_tokens": 6, "temperature": 0}
+    list(client.completions.create(model="test-model", prompt="a b", stream=True, **kw))
+    list(client.completions.create(model="test-model", prompt=["a b", "c d"], n=2, stream=True, **kw))
+    list(client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "a b"}], stream=True, **kw))
+    client.completions.create(model="test-model", prompt=["a b", "c"], **kw)
+    client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "a b"}], n=2, **kw)
+    assert raw(live, "/v1/rl/generate", {"prompts": [[5, 6]], "sampling_params": {"n": 2, "max_tokens": 4}}).status_code == 200
+    # a last request: an abort queued by any of the above runs before this one's first step
+    assert raw(live, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert calls == []
+
+
+@pytest.mark.parametrize("path,field,value", [
+    *[("/v1/chat/completions", f, v) for f, v in [
+        ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
+        ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " "), ("structured_outputs", {"json": {}}),
+        ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"), ("parallel_tool_calls", False),
+        ("echo", True), ("return_token_ids", True), ("logit_bias", {"5": 1}), ("best_of", 2), ("functions", [{"name": "f"}]),
+        ("store", True), ("reasoning_effort", "low"), ("no_such_field", 1)]],
+    *[("/v1/completions", f, v) for f, v in [
+        ("guided_json", {"type": "object"}), ("guided_choice", ["a"]), ("suffix", "tail"), ("logit_bias", {"5": 1}),
+        ("best_of", 3), ("prompt_logprobs", 2), ("use_beam_search", True), ("no_such_field", 1)]],
+])
+def test_unimplemented_fields_are_refused_naming_them(live, path, field, value):
+    body = {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}
+    r = raw(live, path, {**body, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"] and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_metadata_fields_and_off_values_are_accepted(live, path):
+    """The fields listed in openai_protocol.IGNORED_FIELDS (nothing about the output depends on
+    them) and unimplemented knobs at the value that means "off" are accepted; null is absent."""
+    from cuttle.engine.openai_protocol import IGNORED_FIELDS
+
+    body = {"messages": [{"role": "user", "content": "a b"}], "parallel_tool_calls": True, "echo": False} if "chat" in path else {"prompt": "a b", "suffix": ""}
+    body.update({"max_tokens": 3, "temperature": 0, "ignore_eos": True, "user": "u-1", "safety_identifier": "s", "metadata": {"k": "v"},
+                 "prompt_cache_key": "p", "store": False, "logit_bias": {}, "best_of": 1, "guided_json": None, "seed": None})
+    assert set(IGNORED_FIELDS) <= set(body)
+    r = raw(live, path, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
