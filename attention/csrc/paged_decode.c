@@ -1,10 +1,14 @@
-/* Paged decode attention for the CPU: one new query token per sequence against its paged K/V.
+/* Paged attention rows for the CPU: query rows, each against its own list of paged K/V tokens.
  *
- * Reads each sequence's K and V rows once, straight out of the paged cache (NHD layout:
+ * A row is one query token (all its heads) with a block table and a key count: a decode token
+ * sees its whole sequence, row j of a prefill chunk its causal prefix, and a row of a segmented
+ * step (a query against one cached document or prefix) that segment's keys. The caller merges a
+ * token's rows by their log-sum-exp (written to `lse` when asked), so the kernel knows nothing of
+ * segments. Reads each row's K and V once, straight out of the paged cache (NHD layout:
  * [num_blocks, block_size, num_kv_heads, head_dim]), so no per-layer gather copy is made; the
  * grouped query heads that share a KV head are processed together, so every K/V row is loaded
  * once per step. Scores, softmax and the weighted sum of V are in fp32 whatever the storage
- * dtype. Work items are (sequence, kv head) pairs, spread over the OpenMP threads of the
+ * dtype. Work items are (row, kv head range) pairs, spread over the OpenMP threads of the
  * process (the same libgomp torch uses, so no second thread pool competes for the cores).
  *
  * bf16 q and K/V with head_dim 64, 128 or 256 on a CPU with AVX512-BF16 take a vectorised path
@@ -13,8 +17,9 @@
  * probability-weighted V rows accumulated in registers. The scalar-loop path serves every other
  * combination and is the reference the fast path is tested against.
  *
- * Built at first use by cuttle/attention/cpu_kernels.py with the host compiler; plain C so it
- * compiles in about a second and needs no torch headers.
+ * Built at first use by cuttle/attention/native/build.py with the host compiler; plain C so it
+ * compiles in about a second and needs no torch headers. Python binding:
+ * cuttle/attention/native_attention.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -87,7 +92,7 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
 static inline __attribute__((always_inline)) void item_bf16(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, void *out, int out_dtype,
     const int32_t *table, int64_t len, int64_t block_size, int64_t token_stride, int64_t h0, int64_t nrows,
-    int64_t group, const int D, float scale, float *scores, float *acc) {
+    int64_t group, const int D, float scale, float *scores, float *acc, float *lse) {
     const int C = D / 32; /* 32-element chunks per head row */
     const int64_t rp = (nrows + 15) & ~(int64_t)15;
     /* pass 1: scores[t][r] = scale * q_r . k_t, 16 rows at a time through the reduce tree */
@@ -114,8 +119,8 @@ static inline __attribute__((always_inline)) void item_bf16(
             }
         }
     }
-    /* softmax numerators e = exp(s - max) in place; sums kept for the end */
-    float inv_sum[512];
+    /* softmax numerators e = exp(s - max) in place; sums kept for the end (len >= 1 here) */
+    float inv_sum[512], row_max[512], row_sum[512];
     for (int64_t r0 = 0; r0 < rp; r0 += 16) {
         __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t++) m = _mm512_max_ps(m, _mm512_loadu_ps(scores + t * rp + r0));
@@ -125,7 +130,11 @@ static inline __attribute__((always_inline)) void item_bf16(
             sum = _mm512_add_ps(sum, e);
         }
         _mm512_storeu_ps(inv_sum + r0, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+        _mm512_storeu_ps(row_max + r0, m);
+        _mm512_storeu_ps(row_sum + r0, sum);
     }
+    if (lse)
+        for (int64_t r = 0; r < nrows; r++) lse[r] = row_max[r] + logf(row_sum[r]);
     /* pass 2: acc_r += e[t][r] * v_t, per block and kv head with the group's accumulators in
      * registers. A bf16 pair (32 bits) splits into its even element (<< 16) and its odd one
      * (& 0xffff0000) with one op each, so acc holds each 32-chunk as [16 even dims | 16 odd
@@ -183,42 +192,47 @@ static inline __attribute__((always_inline)) void item_bf16(
 #define ITEM_BF16(D_)                                                                                   \
     static void item_bf16_##D_(const uint16_t *q, const uint16_t *k, const uint16_t *v, void *out, int od, \
                                const int32_t *table, int64_t len, int64_t bs, int64_t ts, int64_t h0,     \
-                               int64_t nrows, int64_t group, float scale, float *scores, float *acc) {    \
-        item_bf16(q, k, v, out, od, table, len, bs, ts, h0, nrows, group, D_, scale, scores, acc);      \
+                               int64_t nrows, int64_t group, float scale, float *scores, float *acc,      \
+                               float *lse) {                                                              \
+        item_bf16(q, k, v, out, od, table, len, bs, ts, h0, nrows, group, D_, scale, scores, acc, lse); \
     }
 ITEM_BF16(64)
 ITEM_BF16(128)
 ITEM_BF16(256)
 #endif
 
-/* q, out: [rows, num_kv_heads * group, head_dim] (row stride q_row_stride / out_row_stride
- * elements); row_index[i]: the q/out row of decode sequence i; tables: [num_seqs, table_stride]
- * block ids; seq_lens[i]: keys of sequence i (>= 1). Returns 0, or -1 when a scratch
- * allocation fails (the caller falls back to the torch path).
- *
- * A work item is one sequence and a range of its KV heads. Within an item the loops walk the
- * sequence's tokens in cache order and, per token, all heads of the range: one token's K (or V)
- * row for all heads is contiguous (num_kv_heads * head_dim elements) and a block's tokens are
- * contiguous, so memory is read in long streams the hardware prefetcher follows. (Walking one
- * head at a time instead strides by a whole token row and runs several times slower.) */
 /* Tests turn the fast path off to compare it with the scalar loops on the same inputs. */
 static int fast_path_enabled = 1, last_call_fast = 0;
 void paged_decode_set_fast_path(int enabled) { fast_path_enabled = enabled; }
 int paged_decode_last_call_fast(void) { return last_call_fast; }
 
-int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache,
-                           const void *v_cache, int kv_dtype, void *out, int out_dtype,
-                           int64_t out_row_stride, const int64_t *row_index, const int32_t *tables,
-                           int64_t table_stride, const int32_t *seq_lens, int64_t num_seqs,
-                           int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                           int64_t max_seq_len, float scale, int64_t head_chunks) {
+/* q: [*, num_kv_heads * group, head_dim] rows (row stride q_row_stride elements); out likewise
+ * (out_row_stride); lse: NULL or [*, num_kv_heads * group] fp32 (lse_row_stride). Row i reads q
+ * row q_rows[i], attends to the first lens[i] tokens of block table tables[i] ([num_rows,
+ * table_stride] block ids), and writes out row out_rows[i] and, when lse is given, the natural-log
+ * log-sum-exp of its scaled scores (lse row out_rows[i]). A row with no keys (lens[i] == 0) gets
+ * o = 0 and lse = -inf. max_len >= every lens[i]. Returns 0, or -1 when a scratch allocation
+ * fails (the caller falls back to the torch path).
+ *
+ * A work item is one row and a range of its KV heads. Within an item the loops walk the row's
+ * tokens in cache order and, per token, all heads of the range: one token's K (or V) row for all
+ * heads is contiguous (num_kv_heads * head_dim elements) and a block's tokens are contiguous, so
+ * memory is read in long streams the hardware prefetcher follows. (Walking one head at a time
+ * instead strides by a whole token row and runs several times slower.) */
+int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache,
+                         const void *v_cache, int kv_dtype, void *out, int out_dtype, int64_t out_row_stride,
+                         float *lse, int64_t lse_row_stride, const int64_t *q_rows, const int64_t *out_rows,
+                         const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t num_rows,
+                         int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                         int64_t max_len, float scale, int64_t head_chunks) {
     int failed = 0;
     const int64_t token_stride = num_kv_heads * head_dim; /* elements between consecutive slots */
     const int64_t heads_per_item = (num_kv_heads + head_chunks - 1) / head_chunks;
     const int64_t rows_per_item = heads_per_item * group; /* query heads handled by one item */
+    const int64_t score_len = max_len > 0 ? max_len : 1;
 #ifdef HAVE_FAST_BF16
     typedef void (*item_fn)(const uint16_t *, const uint16_t *, const uint16_t *, void *, int, const int32_t *, int64_t,
-                            int64_t, int64_t, int64_t, int64_t, int64_t, float, float *, float *);
+                            int64_t, int64_t, int64_t, int64_t, int64_t, float, float *, float *, float *);
     item_fn fast = NULL;
     if (q_dtype == DT_BF16 && kv_dtype == DT_BF16 && rows_per_item <= 512 && fast_path_enabled)
         fast = head_dim == 64 ? item_bf16_64 : head_dim == 128 ? item_bf16_128 : head_dim == 256 ? item_bf16_256 : NULL;
@@ -229,7 +243,7 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, con
 #pragma omp parallel
     {
         /* token-major scores for the fast path pad rows to 16 */
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(((rows_per_item + 15) & ~(int64_t)15) * max_seq_len));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(((rows_per_item + 15) & ~(int64_t)15) * score_len));
         float *qf = (float *)malloc(sizeof(float) * (size_t)(rows_per_item * head_dim));
         float *acc = (float *)malloc(sizeof(float) * (size_t)(rows_per_item * head_dim));
         if (!scores || !qf || !acc) {
@@ -237,21 +251,31 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, con
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_seqs * head_chunks; item++) {
+        for (int64_t item = 0; item < num_rows * head_chunks; item++) {
             if (failed) continue;
             const int64_t s = item / head_chunks;
             const int64_t h0 = (item % head_chunks) * heads_per_item;
             const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;
             if (h0 >= h1) continue;
-            const int64_t nrows = (h1 - h0) * group, len = seq_lens[s];
+            const int64_t nrows = (h1 - h0) * group, len = lens[s];
             const int32_t *table = tables + s * table_stride;
-            const int64_t qoff = row_index[s] * q_row_stride + h0 * group * head_dim;
+            const int64_t qoff = q_rows[s] * q_row_stride + h0 * group * head_dim;
+            const int64_t ooff = out_rows[s] * out_row_stride + h0 * group * head_dim;
+            float *lse_item = lse ? lse + out_rows[s] * lse_row_stride + h0 * group : NULL;
+            if (len <= 0) { /* no keys: a neutral part for the merge */
+                for (int64_t i = 0; i < nrows * head_dim; i++) {
+                    if (out_dtype == DT_BF16) ((uint16_t *)out)[ooff + i] = 0;
+                    else ((float *)out)[ooff + i] = 0.f;
+                }
+                if (lse_item)
+                    for (int64_t r = 0; r < nrows; r++) lse_item[r] = -INFINITY;
+                continue;
+            }
 #ifdef HAVE_FAST_BF16
             if (fast) {
-                const int64_t ooff_f = row_index[s] * out_row_stride + h0 * group * head_dim;
-                void *o = out_dtype == DT_BF16 ? (void *)((uint16_t *)out + ooff_f) : (void *)((float *)out + ooff_f);
+                void *o = out_dtype == DT_BF16 ? (void *)((uint16_t *)out + ooff) : (void *)((float *)out + ooff);
                 fast(((const uint16_t *)q) + qoff, (const uint16_t *)k_cache, (const uint16_t *)v_cache, o, out_dtype,
-                     table, len, block_size, token_stride, h0, nrows, group, scale, scores, acc);
+                     table, len, block_size, token_stride, h0, nrows, group, scale, scores, acc, lse_item);
                 continue;
             }
 #endif
@@ -266,7 +290,7 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, con
                     const int64_t off = (base + tt) * token_stride + h0 * head_dim;
                     for (int64_t r = 0; r < nrows; r++) {
                         const int64_t koff = off + (r / group) * head_dim;
-                        scores[r * max_seq_len + t0 + tt] =
+                        scores[r * score_len + t0 + tt] =
                             kv_dtype == DT_BF16 ? dot_bf16(qf + r * head_dim, (const uint16_t *)k_cache + koff, head_dim)
                                                 : dot_f32(qf + r * head_dim, (const float *)k_cache + koff, head_dim);
                     }
@@ -274,11 +298,12 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, con
             }
             /* softmax in place (fp32, max-subtracted) */
             for (int64_t r = 0; r < nrows; r++) {
-                float *sr = scores + r * max_seq_len, m = -INFINITY, sum = 0.f;
+                float *sr = scores + r * score_len, m = -INFINITY, sum = 0.f;
                 for (int64_t t = 0; t < len; t++) m = sr[t] > m ? sr[t] : m;
                 for (int64_t t = 0; t < len; t++) { sr[t] = expf(sr[t] - m); sum += sr[t]; }
                 const float inv = 1.f / sum;
                 for (int64_t t = 0; t < len; t++) sr[t] *= inv;
+                if (lse_item) lse_item[r] = m + logf(sum);
             }
             /* pass 2: the probability-weighted sum of V rows, in the same streaming order */
             memset(acc, 0, sizeof(float) * (size_t)(nrows * head_dim));
@@ -289,13 +314,12 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, con
                     const int64_t off = (base + tt) * token_stride + h0 * head_dim;
                     for (int64_t r = 0; r < nrows; r++) {
                         const int64_t voff = off + (r / group) * head_dim;
-                        const float p = scores[r * max_seq_len + t0 + tt];
+                        const float p = scores[r * score_len + t0 + tt];
                         if (kv_dtype == DT_BF16) axpy_bf16(acc + r * head_dim, p, (const uint16_t *)v_cache + voff, head_dim);
                         else axpy_f32(acc + r * head_dim, p, (const float *)v_cache + voff, head_dim);
                     }
                 }
             }
-            const int64_t ooff = row_index[s] * out_row_stride + h0 * group * head_dim;
             for (int64_t i = 0; i < nrows * head_dim; i++) {
                 if (out_dtype == DT_BF16) ((uint16_t *)out)[ooff + i] = f32_to_bf16(acc[i]);
                 else ((float *)out)[ooff + i] = acc[i];
@@ -306,4 +330,17 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, con
         free(acc);
     }
     return failed ? -1 : 0;
+}
+
+/* The first interface (one row per decode sequence, q and out rows alike, no lse), kept for the
+ * old binding in cpu_kernels.py until it is removed: paged_attention_rows does the work. */
+int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache,
+                           const void *v_cache, int kv_dtype, void *out, int out_dtype,
+                           int64_t out_row_stride, const int64_t *row_index, const int32_t *tables,
+                           int64_t table_stride, const int32_t *seq_lens, int64_t num_seqs,
+                           int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                           int64_t max_seq_len, float scale, int64_t head_chunks) {
+    return paged_attention_rows(q, q_dtype, q_row_stride, k_cache, v_cache, kv_dtype, out, out_dtype, out_row_stride,
+                                NULL, 0, row_index, row_index, tables, table_stride, seq_lens, num_seqs, num_kv_heads,
+                                group, head_dim, block_size, max_seq_len, scale, head_chunks);
 }
