@@ -1,9 +1,16 @@
 """The one attention-backend interface and the choice among its implementations.
 
 A backend writes this step's K/V into a layer's paged cache and computes attention for the
-flattened batch described by `AttentionMetadata`. KV cache of one layer: `k_cache`, `v_cache`,
-each `[num_blocks, block_size, num_kv_heads, head_dim]` (flashinfer's NHD layout). Backends are
+flattened batch described by `AttentionMetadata` (one causal segment per sequence, or several
+segments merged by their log-sum-exp). KV cache of one layer: `k_cache`, `v_cache`, each
+`[num_blocks, block_size, num_kv_heads, head_dim]` (flashinfer's NHD layout). Backends are
 stateless apart from per-step planning; they never own cache memory.
+
+Every backend returns `(o, lse)`: `o` [T, num_heads, head_dim] in q's dtype and `lse`
+[T, num_heads] float32, the natural-log log-sum-exp of the scaled scores of the keys each row
+attended to (-inf for a row that saw no key), so results over disjoint key sets merge exactly
+(`merge.py`). `layer` names the model layer the call serves (per-layer caches beside the paged
+KV will hang on it); the backends so far use it for nothing else.
 """
 from __future__ import annotations
 
@@ -22,14 +29,15 @@ class AttentionBackend(Protocol):
 
     def forward(
         self,
-        q: torch.Tensor,  # [T, num_heads, head_dim]
+        layer: int,
+        q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied at the rows' absolute positions
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, num_heads, head_dim], lse [T, num_heads] fp32
         ...
 
 

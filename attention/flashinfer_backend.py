@@ -9,10 +9,15 @@ never imports flashinfer at module import: `cuttle.attention` must import withou
 A decode-only step uses BatchDecodeWithPagedKVCacheWrapper; any step with a prefill chunk uses
 BatchPrefillWithPagedKVCacheWrapper for all of its sequences (a decode row is a 1-token chunk).
 flashinfer's causal mask for a chunk shorter than its KV is aligned to the end of the KV, which is
-exactly the metadata's offset (new token j sits at `seq_len - query_len + j`).
+exactly the metadata's offset (new token j sits at `seq_len - query_len + j`). Both wrappers run
+with `return_lse=True`; flashinfer's log-sum-exp is base 2, converted here to the natural log the
+interface promises. Segmented steps (several KV segments per sequence) are refused for now: they
+would need a second, non-causal wrapper over the parts and flashinfer's `merge_state`, which has
+not been run on a GPU yet.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +27,7 @@ from cuttle.attention.backend import write_kv
 from cuttle.attention.metadata import AttentionMetadata
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's documented default float workspace
+LN2 = math.log(2.0)  # flashinfer's lse is log2-sum-exp2 of the scaled scores (log2(e) folded in)
 
 
 @dataclass(slots=True)
@@ -82,6 +88,7 @@ class FlashInferAttentionBackend:
 
     def forward(
         self,
+        layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -89,7 +96,12 @@ class FlashInferAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if meta.segments is not None:
+            raise NotImplementedError(
+                "the flashinfer backend does not take segmented steps (several KV segments per sequence) yet; "
+                "use attention_backend='triton' or 'torch'"
+            )
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"flashinfer attention runs in float16/bfloat16, got {q.dtype}; use 'triton' or 'torch'")
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -100,7 +112,8 @@ class FlashInferAttentionBackend:
             self._plan(*key)
             self._planned = key
         wrapper = self._decode if meta.is_decode_only else self._prefill
-        return wrapper.run(q.contiguous(), (k_cache, v_cache))
+        out, lse2 = wrapper.run(q.contiguous(), (k_cache, v_cache), return_lse=True)
+        return out, lse2.float() * LN2
 
     def _plan(
         self, num_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float

@@ -1,22 +1,27 @@
 """Torch reference attention over the paged cache: the oracle for every other backend, and the
-CPU serving path.
+CPU serving path. Returns each query row's output and the log-sum-exp of its scaled scores.
 
-Decode rows of a batch are handled together: by the native CPU kernel (`cpu_kernels`, reading
-K/V straight out of the paged cache) when it builds here, else by one gather of their blocks and
-two batched matmuls. Prefill chunks of up to NATIVE_PREFILL_MAX_QLEN tokens join the native call
-as one row per token (with its causal key count); longer ones, and all of them on the plain-torch
-path, go one sequence at a time through SDPA. Grouped-query heads are folded into the query-row dimension
-(q viewed as [kv_heads, group * rows, head_dim]) so no K/V head is ever repeated in memory.
-Index tensors and masks are planned once per step and shared by all layers.
+Decode rows of a batch are handled together: by the native CPU kernel (`native_attention`,
+reading K/V straight out of the paged cache) when it builds here, else by one gather of their
+blocks and two batched matmuls. Prefill chunks of up to NATIVE_PREFILL_MAX_QLEN tokens join the
+native call as one row per token (with its causal key count); longer ones, and all of them on the
+plain-torch path, go one sequence at a time through torch's CPU flash attention in fp32 (SDPA's
+kernel, called directly because it also returns the log-sum-exp). Grouped-query heads are never
+repeated in memory. Index tensors and masks are planned once per step and shared by all layers.
+
+A segmented step (`meta.segments`, see metadata.py) runs the same machinery over its parts: the
+query rows of each (sequence, segment) part are copied (and rotated by the part's RoPE offset),
+attended against that segment alone (full or causal), and merged per row by the log-sum-exp.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from cuttle.attention import cpu_kernels
+from cuttle.attention import native_attention
 from cuttle.attention.backend import write_kv
+from cuttle.attention.merge import merge_lse_rows
 from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.rope import rotate_partial
 
 
 class TorchAttentionBackend:
@@ -25,13 +30,14 @@ class TorchAttentionBackend:
     def __init__(self, native: bool = True) -> None:
         """native=False keeps every path in plain torch (the oracle the native kernel is tested against)."""
         self._plan: _StepPlan | None = None
-        self.native = native and cpu_kernels.load() is not None
+        self.native = native and native_attention.available()
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._plan = _StepPlan(meta)
 
     def forward(
         self,
+        layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -39,23 +45,27 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if self._plan is None or self._plan.meta is not meta:
             self._plan = _StepPlan(meta)
         plan = self._plan
+        if meta.segments is not None:
+            return self._segmented(q, k_cache, v_cache, plan, scale)
         out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // num_kv_heads
 
         prefills = plan.prefills
-        if self.native and cpu_kernels.supports(q, k_cache, out):
+        if self.native and native_attention.supports(q, k_cache, out):
             # decode rows, and every row of short prefill chunks (each a query row with its own
             # causal length), in one native call; longer chunks stay with SDPA below
             native = plan.plan_native(NATIVE_PREFILL_MAX_QLEN)
             if native.rows is not None:
-                cpu_kernels.paged_decode_attention(
-                    q, k_cache, v_cache, out, native.rows, native.tables, native.lens, native.max_len, scale,
+                native_attention.paged_attention_rows(
+                    q, k_cache, v_cache, out, lse, native.rows, native.rows, native.tables, native.lens,
+                    native.max_len, scale,
                 )
             prefills = native.prefills_left
         elif plan.decode_rows is not None:
@@ -71,26 +81,100 @@ class TorchAttentionBackend:
             if kd.dtype != torch.float32 and kd.shape[0] * num_kv_heads < 64:
                 kd, vd, qd = kd.float(), vd.float(), qd.float()
             scores = torch.matmul(qd, kd.transpose(-1, -2)).float().mul_(scale).add_(plan.decode_bias)
-            od = torch.matmul(torch.softmax(scores, dim=-1).to(vd.dtype), vd)
+            lse_d = torch.logsumexp(scores, dim=-1)  # [Bd, Hkv, G]
+            probs = scores.sub_(lse_d[..., None]).exp_()
+            od = torch.matmul(probs.to(vd.dtype), vd)
             out[plan.decode_rows] = od.reshape(-1, q.shape[1], head_dim).to(out.dtype)
+            lse[plan.decode_rows] = lse_d.reshape(-1, q.shape[1])
 
-        for start, qlen, blocks, mask in prefills:
-            kp = k_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, L, D]
-            vp = v_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)
-            if mask is None:  # a fresh prompt: plain causal attention over exactly its own keys
-                qh = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
-                op = F.scaled_dot_product_attention(
-                    qh, kp[:, :qlen], vp[:, :qlen], is_causal=True, scale=scale, enable_gqa=group > 1
+        for start, qlen, blocks, kv_len, causal, mask in prefills:
+            bias = plan.bias(start, mask)
+            o, l = _attend(q[start : start + qlen], k_cache, v_cache, blocks, kv_len, causal, bias, scale)
+            out[start : start + qlen] = o
+            lse[start : start + qlen] = l
+        return out, lse
+
+    def _segmented(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sb = plan.meta.segments
+        assert sb is not None
+        qv = q[sb.row_index]  # [V, H, D], one copy of its sequence's rows per part
+        if sb.rot_rows is not None:
+            if 2 * sb.rot_cos.shape[-1] > q.shape[-1]:
+                raise ValueError(f"rotary dims {2 * sb.rot_cos.shape[-1]} exceed head_dim {q.shape[-1]}")
+            qv[sb.rot_rows] = rotate_partial(qv[sb.rot_rows], sb.rot_cos, sb.rot_sin)
+        ov = torch.empty(qv.shape, dtype=torch.float32, device=q.device)
+        lv = torch.empty(qv.shape[:2], dtype=torch.float32, device=q.device)
+        parts = plan.parts
+        if self.native and native_attention.supports(qv, k_cache, ov):
+            native = plan.plan_native(NATIVE_PREFILL_MAX_QLEN)
+            if native.rows is not None:
+                native_attention.paged_attention_rows(
+                    qv, k_cache, v_cache, ov, lv, native.rows, native.rows, native.tables, native.lens,
+                    native.max_len, scale,
                 )
-                out[start : start + qlen] = op.transpose(0, 1)
+            parts = native.prefills_left
+        for start, qlen, blocks, kv_len, causal, mask in parts:
+            if kv_len == 0:  # an empty segment: neutral in the merge
+                ov[start : start + qlen] = 0.0
+                lv[start : start + qlen] = float("-inf")
                 continue
-            # [qlen, Hq, D] -> [Hkv, G*qlen, D], row index g*qlen + j, so K/V are never repeated
-            qp = q[start : start + qlen].view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-            qp = qp.reshape(num_kv_heads, group * qlen, head_dim)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.repeat(group, 1), scale=scale)
-            op = op.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
-            out[start : start + qlen] = op.reshape(qlen, -1, head_dim)
-        return out
+            bias = plan.bias(start, mask)
+            o, l = _attend(qv[start : start + qlen], k_cache, v_cache, blocks, kv_len, causal, bias, scale)
+            ov[start : start + qlen] = o
+            lv[start : start + qlen] = l
+        out, lse = merge_lse_rows(ov, lv, sb.row_index, q.shape[0])
+        return out.to(q.dtype), lse
+
+
+def _attend(
+    q: torch.Tensor,  # [qlen, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,  # [nb] int64 block ids holding the keys
+    kv_len: int,
+    causal: bool,
+    bias: torch.Tensor | None,  # [qlen, nb * block_size] fp32 additive (0 / -inf); None: see below
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's (or part's) rows against its keys: (o [qlen, Hq, D], lse [qlen, Hq]), both
+    fp32. Without a bias a causal unit is a fresh prompt (kv_len == qlen: plain causal) and a full
+    one sees all kv_len keys.
+
+    The math is fp32 whatever the cache dtype: torch's bf16 flash kernel rounds the probabilities
+    to bf16 before p.V (about 1.3x the error of fp32 math), and fp32 flash is still 2-4x faster
+    than the math path SDPA used to take here (for 3-D inputs)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    kp = k_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, L, D]
+    vp = v_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)
+    if bias is None:
+        kp, vp = kp[:, :kv_len], vp[:, :kv_len]
+    qh = q.transpose(0, 1)[None].float()  # [1, Hq, qlen, D]
+    o, lse = _sdpa_lse(qh, kp[None].float(), vp[None].float(), causal and bias is None, bias, scale)
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _sdpa_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scaled dot-product attention that also returns the log-sum-exp: q [1, Hq, M, D], k/v
+    [1, Hkv, N, D] (Hq a multiple of Hkv), bias additive [M, N] or None, causal aligned at the
+    start (M == N)."""
+    if q.device.type == "cpu":
+        # SDPA's own CPU kernel (flash, GQA-aware); SDPA does not hand out its log-sum-exp
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if bias is not None:
+        scores += bias
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
 
 
 # Prefill chunks up to this many tokens go through the native kernel row by row (row j of a chunk
@@ -100,52 +184,57 @@ class TorchAttentionBackend:
 # dominates at that size.
 NATIVE_PREFILL_MAX_QLEN = 256
 
+# One attention unit of a step: a sequence (one-segment steps) or a part (segmented steps).
+# (first query row, query rows, block ids [nb] int64, keys, causal, mask [qlen, nb * bs] or None)
+_Unit = tuple[int, int, torch.Tensor, int, bool, torch.Tensor | None]
+
 
 class _NativeRows:
     """The rows of one step the native kernel takes: per query row, its block table and key count."""
 
     __slots__ = ("rows", "tables", "lens", "max_len", "prefills_left", "max_qlen")
 
-    def __init__(self, plan: "_StepPlan", max_qlen: int) -> None:
-        meta = plan.meta
-        device = meta.block_tables.device
-        starts = meta.query_start_loc.tolist()
+    def __init__(self, plan: _StepPlan, max_qlen: int) -> None:
+        block_size = plan.meta.block_size
         rows: list[int] = []
-        seq_of_row: list[int] = []
+        unit_of_row: list[int] = []
         lens: list[int] = []
         taken: set[int] = set()
-        for b, qlen in enumerate(meta.query_lens_cpu):
+        for u, (start, qlen, kv_len, causal) in enumerate(plan.units):
             if qlen > max_qlen:
                 continue
-            kv_len = meta.seq_lens_cpu[b]
-            rows.extend(range(starts[b], starts[b] + qlen))
-            seq_of_row.extend([b] * qlen)
-            lens.extend(range(kv_len - qlen + 1, kv_len + 1))  # causal: row j sees keys 0 .. cached + j
-            taken.add(starts[b])
+            rows.extend(range(start, start + qlen))
+            unit_of_row.extend([u] * qlen)
+            if causal:
+                lens.extend(range(kv_len - qlen + 1, kv_len + 1))  # row j sees keys 0 .. cached + j
+            else:
+                lens.extend([kv_len] * qlen)
+            taken.add(start)
         self.max_qlen = max_qlen
         self.prefills_left = [p for p in plan.prefills if p[0] not in taken]
         self.rows = self.tables = self.lens = None
         self.max_len = 0
         if rows:
             self.max_len = max(lens)
-            nblocks = (self.max_len + meta.block_size - 1) // meta.block_size
+            nblocks = max(1, (self.max_len + block_size - 1) // block_size)
+            device = plan.tables.device
             self.rows = torch.tensor(rows, device=device)
-            self.tables = meta.block_tables[torch.tensor(seq_of_row, device=device), :nblocks].to(torch.int32).contiguous()
+            self.tables = plan.tables[torch.tensor(unit_of_row, device=device), :nblocks].to(torch.int32).contiguous()
             self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
 
 
 class _StepPlan:
-    """Gather indices and masks for one step; built once and reused by every layer."""
+    """Gather indices and masks for one step; built once and reused by every layer.
 
-    __slots__ = ("meta", "decode_rows", "decode_tables", "decode_lens", "decode_max_len", "decode_slots",
-                 "decode_bias", "prefills", "_heads", "_native")
+    `units` are what gets attended: the sequences of a one-segment step, or the parts of a
+    segmented one (then `prefills` lists every part, since all of them may need the torch path)."""
+
+    __slots__ = ("meta", "units", "tables", "decode_rows", "decode_tables", "decode_lens", "decode_max_len",
+                 "decode_slots", "decode_bias", "prefills", "_heads", "_native", "_bias")
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         bs = meta.block_size
-        device = meta.block_tables.device
-        starts = meta.query_start_loc.tolist()
-        decode_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
         self.decode_rows: torch.Tensor | None = None  # [Bd] int64 query row of each decode sequence
         self.decode_tables: torch.Tensor | None = None  # [Bd, nb] int32 block ids
         self.decode_lens: torch.Tensor | None = None  # [Bd] int32 keys per sequence
@@ -154,6 +243,21 @@ class _StepPlan:
         self.decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, L] 0 for real keys, -inf past the end
         self._heads: torch.Tensor | None = None
         self._native: _NativeRows | None = None
+        self._bias: dict[int, torch.Tensor] = {}
+        self.prefills: list[_Unit] = []
+        sb = meta.segments
+        if sb is not None:
+            starts = sb.query_start_loc.tolist()
+            self.tables = sb.block_tables
+            self.units = list(zip(starts[:-1], sb.query_lens_cpu, sb.kv_lens_cpu, sb.causal_cpu))
+            for p, (start, qlen, kv_len, causal) in enumerate(self.units):
+                self.prefills.append(_unit(self.tables, p, start, qlen, kv_len, causal, bs))
+            return
+        device = meta.block_tables.device
+        starts = meta.query_start_loc.tolist()
+        self.tables = meta.block_tables
+        self.units = [(starts[b], ql, meta.seq_lens_cpu[b], True) for b, ql in enumerate(meta.query_lens_cpu)]
+        decode_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
         if decode_seqs:
             idx = torch.tensor(decode_seqs, device=device)
             self.decode_max_len = max(meta.seq_lens_cpu[b] for b in decode_seqs)
@@ -161,18 +265,13 @@ class _StepPlan:
             self.decode_tables = meta.block_tables[idx, :nblocks].to(torch.int32).contiguous()
             self.decode_lens = meta.seq_lens[idx].to(torch.int32).contiguous()
             self.decode_rows = torch.tensor([starts[b] for b in decode_seqs], device=device)
-        self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for b, qlen in enumerate(meta.query_lens_cpu):
-            if qlen == 1:
-                continue
-            kv_len = meta.seq_lens_cpu[b]
-            nblocks = (kv_len + bs - 1) // bs
-            blocks = meta.block_tables[b, :nblocks].long()
-            mask = None
-            if kv_len != qlen:  # a chunk after cached tokens: causal with an offset
-                qpos = torch.arange(kv_len - qlen, kv_len, device=device)
-                mask = torch.arange(nblocks * bs, device=device)[None, :] <= qpos[:, None]  # [qlen, L]
-            self.prefills.append((starts[b], qlen, blocks, mask))
+            if qlen != 1:
+                self.prefills.append(_unit(meta.block_tables, b, starts[b], qlen, meta.seq_lens_cpu[b], True, bs))
+
+    @property
+    def parts(self) -> list[_Unit]:
+        return self.prefills
 
     def plan_decode_gather(self) -> None:
         """Slot indices and the length mask of the gather path, built on first use in a step."""
@@ -192,7 +291,27 @@ class _StepPlan:
             self._native = _NativeRows(self, max_qlen)
         return self._native
 
+    def bias(self, start: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The additive fp32 form of a unit's mask (the flash kernel takes no bool mask), made at
+        the first layer that needs it."""
+        if mask is None:
+            return None
+        if start not in self._bias:
+            self._bias[start] = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return self._bias[start]
+
     def head_index(self, num_kv_heads: int) -> torch.Tensor:
         if self._heads is None or self._heads.shape[1] != num_kv_heads:
             self._heads = torch.arange(num_kv_heads, device=self.meta.block_tables.device)[None, :, None]
         return self._heads
+
+
+def _unit(tables: torch.Tensor, row: int, start: int, qlen: int, kv_len: int, causal: bool, bs: int) -> _Unit:
+    nblocks = (kv_len + bs - 1) // bs
+    blocks = tables[row, :nblocks].long()
+    mask = None
+    if causal and kv_len != qlen:  # a chunk after cached tokens: causal with an offset
+        device = tables.device
+        qpos = torch.arange(kv_len - qlen, kv_len, device=device)
+        mask = torch.arange(nblocks * bs, device=device)[None, :] <= qpos[:, None]  # [qlen, L]
+    return (start, qlen, blocks, kv_len, causal, mask)

@@ -1,5 +1,6 @@
 """Triton paged-attention backend: writes this step's K/V with a Triton scatter, then runs the paged
-attention kernel of triton_kernels.py over the flattened batch.
+attention kernel of triton_kernels.py over the flattened batch, returning each row's output and
+log-sum-exp.
 
 Owns the per-step plan: which query rows form which kernel tile, and how decode rows split their
 keys. The plan is built from the metadata's host lists (no device sync) once per step and shared
@@ -9,13 +10,20 @@ row t.
 Decode sequences (one new token) get one tile each, split over their keys (flash-decoding) when
 contexts are long. Prefill chunks get tiles of `block_m // group` new tokens each, so a tile holds
 about `block_m` (query token, head) rows whatever the GQA group size.
+
+A segmented step (`meta.segments`) runs the same kernel over its parts as if each were a
+sequence: the parts' query rows are copied (rotated by a part's RoPE offset where it has one),
+full-visibility parts are flagged to the kernel, and each row's parts are merged by their
+log-sum-exp (`merge.py`, torch ops on the device).
 """
 from __future__ import annotations
 
 import torch
 import triton
 
+from cuttle.attention.merge import merge_lse_rows
 from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.rope import rotate_partial
 from cuttle.attention.triton_kernels import INTERPRETED, paged_attention, write_kv
 
 
@@ -35,10 +43,19 @@ class TritonAttentionBackend:
         self._plan: _StepPlan | None = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
-        self._plan = _StepPlan(meta, self.block_n, self.split_len, self.max_splits)
+        self._plan = self._make_plan(meta)
+
+    def _make_plan(self, meta: AttentionMetadata) -> _StepPlan:
+        sb = meta.segments
+        if sb is None:
+            return _StepPlan(meta, meta.query_lens_cpu, meta.seq_lens_cpu, self.block_n, self.split_len, self.max_splits)
+        plan = _StepPlan(meta, sb.query_lens_cpu, sb.kv_lens_cpu, self.block_n, self.split_len, self.max_splits)
+        plan.full = 1 - sb.causal
+        return plan
 
     def forward(
         self,
+        layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -46,7 +63,7 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.device.type == "cpu" and not INTERPRETED:
             raise RuntimeError(
                 "the triton attention backend on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -57,33 +74,60 @@ class TritonAttentionBackend:
             raise NotImplementedError("the Triton interpreter computes bf16 tl.dot wrongly; use float32 or float16")
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if self._plan is None or self._plan.meta is not meta:
-            self._plan = _StepPlan(meta, self.block_n, self.split_len, self.max_splits)
+            self._plan = self._make_plan(meta)
         plan = self._plan
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, self.block_n)
+        sb = meta.segments
+        if sb is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            self._run(plan, q, k_cache, v_cache, out, lse, meta.query_start_loc, meta.seq_lens, meta.block_tables, None, scale)
+            return out, lse
+        qv = q[sb.row_index]  # [V, H, D]: each part's own copy of its sequence's rows
+        if sb.rot_rows is not None:
+            if 2 * sb.rot_cos.shape[-1] > q.shape[-1]:
+                raise ValueError(f"rotary dims {2 * sb.rot_cos.shape[-1]} exceed head_dim {q.shape[-1]}")
+            qv[sb.rot_rows] = rotate_partial(qv[sb.rot_rows], sb.rot_cos, sb.rot_sin)
+        ov = torch.empty(qv.shape, dtype=torch.float32, device=q.device)
+        lv = torch.empty(qv.shape[:2], dtype=torch.float32, device=q.device)
+        self._run(plan, qv, k_cache, v_cache, ov, lv, sb.query_start_loc, sb.kv_lens, sb.block_tables, plan.full, scale)
+        out, lse = merge_lse_rows(ov, lv, sb.row_index, q.shape[0])
+        return out.to(q.dtype), lse
+
+    def _run(
+        self, plan: _StepPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+        full: torch.Tensor | None, scale: float,
+    ) -> None:
+        args = (query_start_loc, seq_lens, block_tables, scale, self.block_n)
         if plan.decode_seqs is not None:
             paged_attention(
-                q, k_cache, v_cache, out, plan.decode_seqs, plan.decode_offs, 1, *args,
-                num_splits=plan.num_splits, split_len=plan.split_len,
+                q, k_cache, v_cache, out, lse, plan.decode_seqs, plan.decode_offs, 1, *args,
+                num_splits=plan.num_splits, split_len=plan.split_len, full=full,
             )
         if plan.prefill_seqs:
             group_pad = triton.next_power_of_2(q.shape[1] // k_cache.shape[2])
             block_q = max(1, self.block_m // group_pad)
             tile_seqs, tile_offs = plan.prefill_tiles(block_q)
-            paged_attention(q, k_cache, v_cache, out, tile_seqs, tile_offs, block_q, *args)
-        return out
+            paged_attention(q, k_cache, v_cache, out, lse, tile_seqs, tile_offs, block_q, *args, full=full)
 
 
 class _StepPlan:
-    """Tiles and decode split for one step; built once and reused by every layer."""
+    """Tiles and decode split for one step; built once and reused by every layer. Its "sequences"
+    are the step's sequences, or the parts of a segmented step."""
 
-    __slots__ = ("meta", "decode_seqs", "decode_offs", "num_splits", "split_len", "prefill_seqs", "_tiles")
+    __slots__ = ("meta", "query_lens", "full", "decode_seqs", "decode_offs", "num_splits", "split_len", "prefill_seqs",
+                 "_tiles")
 
-    def __init__(self, meta: AttentionMetadata, block_n: int, split_len: int, max_splits: int) -> None:
+    def __init__(
+        self, meta: AttentionMetadata, query_lens: list[int], kv_lens: list[int], block_n: int, split_len: int,
+        max_splits: int,
+    ) -> None:
         self.meta = meta
+        self.query_lens = query_lens
+        self.full: torch.Tensor | None = None  # [parts] int32, 1 = full visibility (segmented steps)
         device = meta.block_tables.device
-        decode = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
-        self.prefill_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql > 1]
+        decode = [b for b, ql in enumerate(query_lens) if ql == 1]
+        self.prefill_seqs = [b for b, ql in enumerate(query_lens) if ql > 1]
         self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.decode_seqs: torch.Tensor | None = None
         self.decode_offs: torch.Tensor | None = None
@@ -93,7 +137,7 @@ class _StepPlan:
             return
         self.decode_seqs = torch.tensor(decode, dtype=torch.int32, device=device)
         self.decode_offs = torch.zeros(len(decode), dtype=torch.int32, device=device)
-        max_len = max(meta.seq_lens_cpu[b] for b in decode)
+        max_len = max(kv_lens[b] for b in decode)
         splits = min(max_splits, triton.cdiv(max_len, split_len))
         if splits > 1:
             # Equal chunks, whole BLOCK_N steps each, covering the longest decode context.
@@ -103,7 +147,7 @@ class _StepPlan:
     def prefill_tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sequence, first new token) of every `block_q`-token tile of the prefill chunks."""
         if block_q not in self._tiles:
-            qlens = self.meta.query_lens_cpu
+            qlens = self.query_lens
             seqs = [b for b in self.prefill_seqs for _ in range(triton.cdiv(qlens[b], block_q))]
             offs = [j for b in self.prefill_seqs for j in range(0, qlens[b], block_q)]
             device = self.meta.block_tables.device

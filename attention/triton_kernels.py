@@ -9,8 +9,12 @@ consecutive new tokens of one sequence times the GROUP query heads that share on
 into BLOCK_M = BLOCK_Q * GROUP_PAD rows, so each K/V tile read from the cache feeds every query
 head of its group. Keys are visited in BLOCK_N-token steps; each key's physical slot is looked up
 through the block table, so any block_size and any block order work. Softmax is online, in fp32.
+Every row's output comes with its log-sum-exp (natural log, -inf for a row that saw no key).
 With SPLIT the key range is cut into chunks of `split_len` tokens (flash-decoding); each chunk
 writes a normalised partial output and its log-sum-exp, and `_merge_splits_kernel` combines them.
+A "sequence" may also be one part of a segmented step (a query's rows against one cached
+segment): with FULL_VIS a per-sequence flag shows every key to every row instead of the causal
+rule.
 
 On CPU these run only in the Triton interpreter: TRITON_INTERPRET=1 must be set before this module
 is imported (`INTERPRETED` tells which mode the kernels were built in).
@@ -50,7 +54,7 @@ def _write_kv_kernel(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    tile_seq_ptr, tile_qoff_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    tile_seq_ptr, tile_qoff_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, full_ptr,
     scale, split_len,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -58,7 +62,7 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FULL_VIS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,6 +73,9 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # new token j sits at logical index ctx_len + j
+    if FULL_VIS:
+        # a full-visibility part: every row sits at or past the last key, so it sees all of them
+        ctx_len = tl.where(tl.load(full_ptr + seq) != 0, seq_len - 1, ctx_len)
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     rows = tl.arange(0, BLOCK_M)
@@ -137,12 +144,13 @@ def _paged_attention_kernel(
     else:
         o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(lse_ptr + q_rows * stride_lt + head * stride_lh, m_i + tl.log(l_safe), mask=row_valid)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, tile_seq_ptr, query_start_ptr, num_splits,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+    part_ptr, lse_ptr, out_ptr, out_lse_ptr, tile_seq_ptr, query_start_ptr, num_splits,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_olt,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
@@ -152,12 +160,16 @@ def _merge_splits_kernel(
     d = tl.arange(0, D_PAD)
     s_valid = s < num_splits
     lse = tl.load(lse_ptr + tile * stride_lt + head * stride_lh + s, mask=s_valid, other=float("-inf"))
-    # Chunk 0 always holds key 0, so the max is finite.
-    w = tl.exp(lse - tl.max(lse, 0))
+    # A sequence with no key (an empty segment) has every chunk at -inf: shift by 0, weights 0.
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)
     mask = s_valid[:, None] & (d[None, :] < HEAD_DIM)
     part = tl.load(part_ptr + tile * stride_pt + head * stride_ph + s[:, None] * stride_ps + d[None, :], mask=mask, other=0.0)
-    o = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * part, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out_lse_ptr + row * stride_olt + head, m_safe + tl.log(total))
 
 
 INTERPRETED: bool = isinstance(_paged_attention_kernel, InterpretedFunction)
@@ -184,6 +196,7 @@ def paged_attention(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     out: torch.Tensor,  # [T, num_heads, head_dim]; only the rows of the given tiles are written
+    lse: torch.Tensor,  # [T, num_heads] fp32, unit head stride; written at the same rows
     tile_seqs: torch.Tensor,  # [num_tiles] int32, sequence of each tile
     tile_qoffs: torch.Tensor,  # [num_tiles] int32, first new token of each tile within its sequence
     block_q: int,  # new tokens per tile (power of two)
@@ -194,8 +207,10 @@ def paged_attention(
     block_n: int,
     num_splits: int = 1,
     split_len: int = 0,  # keys per split chunk, a multiple of block_n; used when num_splits > 1
+    full: torch.Tensor | None = None,  # [num_seqs] int32, 1 = every key visible to every row; None: all causal
 ) -> None:
-    """Attention of the tiles' query rows over their sequences' paged K/V, written into `out`.
+    """Attention of the tiles' query rows over their sequences' paged K/V, written into `out`
+    (and the rows' log-sum-exp into `lse`).
 
     Splitting is meant for one-token tiles (decode), where a program per (sequence, KV head) alone
     leaves most of a GPU idle on long contexts.
@@ -224,41 +239,43 @@ def paged_attention(
     # fp32 inputs must not silently drop to TF32 on tensor cores: the fp32 path is the exact one.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     num_warps = 8 if block_q * group_pad * d_pad >= 128 * 128 else 4
+    assert lse.dtype == torch.float32 and lse.stride(1) == 1
     common = dict(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_N=block_n,
-        DOT_PRECISION=precision, num_warps=num_warps,
+        DOT_PRECISION=precision, FULL_VIS=full is not None, num_warps=num_warps,
     )
+    full_arg = full if full is not None else seq_lens  # never read without FULL_VIS
     cache_strides = (
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
     )
     if num_splits <= 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads, 1)](
-            q, k_cache, v_cache, out, out,  # lse_ptr is unused without SPLIT
-            tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables,
+            q, k_cache, v_cache, out, lse,
+            tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg,
             scale, 0,
             q.stride(0), q.stride(1), *cache_strides,
-            out.stride(0), out.stride(1), 0, 0, 0,
+            out.stride(0), out.stride(1), 0, lse.stride(0), 1,
             block_tables.stride(0),
             SPLIT=False, **common,
         )
         return
     assert split_len % block_n == 0
     part = torch.empty(num_tiles, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(num_tiles, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_tiles, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, part, lse,
-        tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, part, part_lse,
+        tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg,
         scale, split_len,
         q.stride(0), q.stride(1), *cache_strides,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
         block_tables.stride(0),
         SPLIT=True, **common,
     )
     _merge_splits_kernel[(num_tiles, num_heads)](
-        part, lse, out, tile_seqs, query_start_loc, num_splits,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
+        part, part_lse, out, lse, tile_seqs, query_start_loc, num_splits,
+        part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), S_PAD=triton.next_power_of_2(num_splits),
     )

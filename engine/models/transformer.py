@@ -29,8 +29,9 @@ from cuttle.moe import FusedMoE, RoutingConfig, SharedExpert
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id  # told to the attention backend (per-layer caches hang on it)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -56,7 +57,7 @@ class Attention(nn.Module):
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
         )
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o, _ = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return linear(o.reshape(-1, self.q_size), self.o_weight)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn: nn.Module = MLAttention(cfg, dtype) if cfg.mla is not None else Attention(cfg, dtype)
+        self.attn: nn.Module = MLAttention(cfg, dtype, layer_id) if cfg.mla is not None else Attention(cfg, dtype, layer_id)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # `mlp` is the routed FusedMoE or the dense MLP; a shared expert sits beside the routed one
         self.shared: SharedExpert | None = None

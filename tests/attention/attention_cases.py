@@ -186,6 +186,23 @@ def naive_attention(batch: Batch) -> torch.Tensor:
     return out
 
 
+def naive_lse(batch: Batch) -> torch.Tensor:
+    """The log-sum-exp (natural log) of each row's scaled, causally visible scores, float64 [T, H]."""
+    q = batch.q.double().cpu()
+    lse = torch.empty(q.shape[:2], dtype=torch.float64)
+    num_heads = q.shape[1]
+    starts = batch.meta.query_start_loc.tolist()
+    for b, fk in enumerate(batch.full_k):
+        group = num_heads // fk.shape[1]
+        qlen = batch.meta.query_lens_cpu[b]
+        ctx = fk.shape[0] - qlen
+        allowed = torch.arange(fk.shape[0])[None, :] <= ctx + torch.arange(qlen)[:, None]
+        for h in range(num_heads):
+            scores = (q[starts[b] : starts[b] + qlen, h] @ fk[:, h // group].double().T) * batch.scale
+            lse[starts[b] : starts[b] + qlen, h] = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return lse
+
+
 def cache_matches(batch: Batch) -> bool:
     """True when every logical token of every sequence is in its slot in both caches."""
     hkv, d = batch.k_cache.shape[2], batch.k_cache.shape[3]

@@ -3,14 +3,16 @@ against the plain-torch path of the same backend, in fp32 and bf16, over the sha
 batches large and small enough to take both work splits (whole sequences / heads split)."""
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from attention_cases import CASES, Case, build_batch, naive_attention
-from cuttle.attention import cpu_kernels
-from cuttle.attention import torch_backend
+from cuttle.attention import native, native_attention, torch_backend
 from cuttle.attention.torch_backend import TorchAttentionBackend
 
 EXTRA = (
@@ -24,25 +26,25 @@ EXTRA = (
 def kernels_built() -> None:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: the native kernel cannot build here")
-    assert cpu_kernels.load() is not None, "a compiler is present, so the kernel must build"
+    assert native_attention.available(), "a compiler is present, so the kernel must build"
 
 
 def _run(backend: TorchAttentionBackend, batch) -> torch.Tensor:
     backend.begin_step(batch.meta)
-    return backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    return backend.forward(0, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)[0]
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts native decode calls, so a test fails if the backend silently took the torch path."""
     calls: list[int] = []
-    real = cpu_kernels.paged_decode_attention
+    real = native_attention.paged_attention_rows
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", counted)
+    monkeypatch.setattr(native_attention, "paged_attention_rows", counted)
     return calls
 
 
@@ -79,44 +81,16 @@ def test_native_decode_matches_torch_path_bf16(case: Case, kernel_calls: list[in
     assert ((out - ref).abs() <= tol).all(), (out - ref).abs().max().item()
 
 
-def test_native_kernel_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setenv("CUTTLE_CPU_KERNELS", "0")
-    assert cpu_kernels.load() is None
-    assert not TorchAttentionBackend().native
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 37, 64), (3, 256, 1000), (4, 1031, 96), (2, 5, 33)])
-def test_small_m_linear_matches_float64(dtype: torch.dtype, m: int, n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The weight-streaming linear (odd N and K exercise the 4-row and 32-element tails) against a
-    float64 product of the same inputs: fp32 to ~1e-5 relative, bf16 to one rounding of the output
-    (bf16 takes it only with the packed GEMM off)."""
-    monkeypatch.setenv("CUTTLE_PACKED_GEMM", "0")
-    monkeypatch.setattr(cpu_kernels, "_packed_on", None)  # the switch is read once: read it again
-    g = torch.Generator().manual_seed(m * n + k)
-    x, w, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
-    for bias in (None, b):
-        ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
-        out = cpu_kernels.linear(x, w, bias)
-        assert out.dtype == dtype and out.shape == (m, n)
-        tol = (1e-5 if dtype == torch.float32 else 2 ** -8) * ref.abs().clamp_min(1.0) * (k ** 0.5 if dtype == torch.float32 else 1)
-        assert ((out.double() - ref).abs() <= tol).all(), (out.double() - ref).abs().max().item()
-
-
-def test_small_m_linear_falls_back_outside_its_shapes() -> None:
-    """Many rows, 3-D input, autograd, a transposed weight: all take F.linear and stay exact."""
-    x, w = torch.randn(9, 16), torch.randn(8, 16)
-    assert torch.equal(cpu_kernels.linear(x, w), torch.nn.functional.linear(x, w))
-    x3 = torch.randn(2, 1, 16)
-    assert torch.equal(cpu_kernels.linear(x3, w), torch.nn.functional.linear(x3, w))
-    wt = torch.randn(16, 8).t()
-    assert torch.equal(cpu_kernels.linear(x[:1], wt), torch.nn.functional.linear(x[:1], wt))
-    wg = w.clone().requires_grad_()
-    y = cpu_kernels.linear(x[:1], wg)
-    y.sum().backward()
-    assert wg.grad is not None
+def test_native_kernel_disabled_by_env() -> None:
+    code = (
+        "from cuttle.attention.torch_backend import TorchAttentionBackend\n"
+        "from cuttle.attention import native_attention\n"
+        "assert not native_attention.available() and not TorchAttentionBackend().native\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "CUTTLE_CPU_KERNELS": "0"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 # The vectorised bf16 path (head_dim 64/128/256, AVX512-BF16): Qwen3-0.6B's shape at batch 40,
@@ -142,7 +116,7 @@ def _bf16_batch(case: Case):
 
 @pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: c.name)
 def test_fast_bf16_decode_matches_naive_and_scalar_path(case: Case, kernel_calls: list[int]) -> None:
-    lib = cpu_kernels.load()
+    lib = native.kernels().lib
     if "avx512_bf16" not in open("/proc/cpuinfo").read():
         pytest.skip("the fast bf16 path needs AVX512-BF16")
     ref = naive_attention(_bf16_batch(case))

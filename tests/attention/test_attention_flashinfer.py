@@ -1,5 +1,6 @@
 """flashinfer backend: the CSR page layout it plans from (checked here on CPU), a clear error where
-it cannot run, and its output against the torch backend (only on CUDA with flashinfer installed)."""
+it cannot run, and its output and log-sum-exp (converted from flashinfer's base 2) against the
+torch backend (only on CUDA with flashinfer installed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,14 +45,17 @@ def test_flashinfer_matches_torch_backend(case: Case, dtype: torch.dtype) -> Non
     batch = build_batch(case, junk=None, dtype=dtype)
     ref_backend = TorchAttentionBackend()
     ref_backend.begin_step(batch.meta)
-    ref = ref_backend.forward(
+    ref, ref_lse = ref_backend.forward(
+        0,
         batch.q.float(), batch.k.float(), batch.v.float(), batch.k_cache.float(), batch.v_cache.float(),
         batch.meta, batch.scale,
     )
     gpu = build_batch(case, junk=float("nan"), dtype=dtype).to(torch.device("cuda"))
     backend = FlashInferAttentionBackend(torch.device("cuda"))
     backend.begin_step(gpu.meta)
-    out = backend.forward(gpu.q, gpu.k, gpu.v, gpu.k_cache, gpu.v_cache, gpu.meta, gpu.scale)
+    out, lse = backend.forward(0, gpu.q, gpu.k, gpu.v, gpu.k_cache, gpu.v_cache, gpu.meta, gpu.scale)
     assert out.shape == gpu.q.shape and out.dtype == dtype
     assert cache_matches(gpu)
     assert (out.float().cpu() - ref).abs().max().item() <= 2e-2
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert (lse.cpu() - ref_lse).abs().max().item() <= 2e-2

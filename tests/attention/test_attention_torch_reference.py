@@ -16,7 +16,7 @@ def test_torch_backend_matches_naive(case: Case) -> None:
     batch = build_batch(case, junk=None)
     backend = TorchAttentionBackend()
     backend.begin_step(batch.meta)
-    out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    out, _ = backend.forward(0, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
     assert out.shape == batch.q.shape and out.dtype == torch.float32
     assert cache_matches(batch)
     err = (out.double() - naive_attention(batch)).abs().max().item()
@@ -30,8 +30,8 @@ def test_torch_backend_reuses_plan_across_layers() -> None:
     layer1.q.mul_(-0.5)
     backend = TorchAttentionBackend()
     backend.begin_step(layer0.meta)
-    for batch in (layer0, layer1):
-        out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, layer0.meta, batch.scale)
+    for layer, batch in enumerate((layer0, layer1)):
+        out, _ = backend.forward(layer, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, layer0.meta, batch.scale)
         assert (out.double() - naive_attention(batch)).abs().max().item() <= 1e-5
 
 

@@ -1,7 +1,9 @@
 """The Triton kernels equal the torch backend in the Triton interpreter (float32 within 1e-4,
 float16 within 4e-3 of a float32 reference on the same rounded inputs), never read an unwritten
-cache slot, and write K/V exactly; on a CUDA machine the compiled kernels are held to the same
-bounds (bf16 within 2e-2).
+cache slot, and write K/V exactly; their log-sum-exp equals the naive oracle's (float32 within
+1e-5); segmented steps (segment_cases.py: documents merged by the log-sum-exp, some moved by a
+RoPE offset) equal the float64 oracle (o and lse: float32 within 1e-5, float16 within 4e-3). On a
+CUDA machine the compiled kernels are held to the same bounds (bf16 within 2e-2).
 
 The kernels run in subprocesses (triton_worker.py) because TRITON_INTERPRET=1 must be set before
 triton is imported; this pytest process never imports triton, so nothing leaks into other tests.
@@ -18,9 +20,11 @@ import pytest
 import torch
 
 from attention_cases import CASES, Case
+from segment_cases import SEG_CASES, SegCase
 
 HERE = Path(__file__).parent
 TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
+SEG_TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 2e-2}
 Results = dict[tuple[str, str], dict[str, object]]
 
 
@@ -56,10 +60,28 @@ def _check(row: dict[str, object], dtype: str) -> None:
         assert row["err_vs_naive"] <= 1e-4, row
 
 
+def _check_segments(row: dict[str, object], dtype: str) -> None:
+    assert row["segments"] and row["shape_ok"] and row["cache_exact"], row
+    assert row["err_vs_oracle"] <= SEG_TOLERANCE[dtype], row  # NaN (an unwritten slot was read) fails too
+    assert row["lse_err_vs_oracle"] <= SEG_TOLERANCE[dtype], row
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_triton_interpreted_matches_torch_backend(interpreted: Results, case: Case, dtype: str) -> None:
     _check(interpreted[(case.name, dtype)], dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_triton_interpreted_lse_matches_naive(interpreted: Results, case: Case) -> None:
+    row = interpreted[(case.name, "float32")]
+    assert row["lse_err_vs_naive"] <= 1e-5, row
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", SEG_CASES, ids=lambda c: c.name)
+def test_triton_interpreted_segments_match_oracle(interpreted: Results, case: SegCase, dtype: str) -> None:
+    _check_segments(interpreted[(case.name, dtype)], dtype)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -67,6 +89,15 @@ def test_triton_interpreted_matches_torch_backend(interpreted: Results, case: Ca
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_triton_compiled_matches_torch_backend(compiled: Results, case: Case, dtype: str) -> None:
     _check(compiled[(case.name, dtype)], dtype)
+    if dtype == "float32":
+        assert compiled[(case.name, dtype)]["lse_err_vs_naive"] <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", SEG_CASES, ids=lambda c: c.name)
+def test_triton_compiled_segments_match_oracle(compiled: Results, case: SegCase, dtype: str) -> None:
+    _check_segments(compiled[(case.name, dtype)], dtype)
 
 
 def test_triton_on_cpu_without_interpreter_fails_clearly() -> None:
@@ -76,7 +107,7 @@ def test_triton_on_cpu_without_interpreter_fails_clearly() -> None:
         "from cuttle.attention.triton_backend import TritonAttentionBackend\n"
         "b = build_batch(CASES[0], junk=0.0)\n"
         "try:\n"
-        "    TritonAttentionBackend().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)\n"
+        "    TritonAttentionBackend().forward(0, b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)\n"
         "except RuntimeError as e:\n"
         "    print('raised:', e)\n"
     )

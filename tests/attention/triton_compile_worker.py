@@ -15,7 +15,7 @@ from triton.compiler import ASTSource
 
 import cuttle.attention.triton_kernels as K
 
-INDEX_PTRS = ("tile_seq_ptr", "tile_qoff_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr")
+INDEX_PTRS = ("tile_seq_ptr", "tile_qoff_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr", "full_ptr")
 
 
 def compile_kernel(fn: Any, ptr_types: dict[str, str], consts: dict[str, Any], target: GPUTarget, num_warps: int = 4) -> int:
@@ -33,31 +33,38 @@ def compile_kernel(fn: Any, ptr_types: dict[str, str], consts: dict[str, Any], t
     return compiled.metadata.shared
 
 
-def attention_variant(dtype: str, group: int, head_dim: int, block_m: int, decode: bool, target: GPUTarget) -> dict[str, Any]:
+def attention_variant(
+    dtype: str, group: int, head_dim: int, block_m: int, decode: bool, full: bool, target: GPUTarget
+) -> dict[str, Any]:
     group_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_q = 1 if decode else max(1, block_m // group_pad)
     if block_q * group_pad < 16:  # as paged_attention pads a decode tile
         block_q = 16 // group_pad
-    out_type = "*fp32" if decode else f"*{dtype}"
-    ptrs = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}", "out_ptr": out_type, "lse_ptr": out_type}
+    out_type = "*fp32" if decode or full else f"*{dtype}"  # split partials and segment parts are fp32
+    ptrs = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}", "out_ptr": out_type, "lse_ptr": "*fp32"}
     ptrs.update({name: "*i32" for name in INDEX_PTRS})
     consts = dict(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=16, BLOCK_Q=block_q,
         BLOCK_N=32 if dtype == "fp32" else 64, SPLIT=decode, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+        FULL_VIS=full,
     )
     num_warps = 8 if block_q * group_pad * d_pad >= 128 * 128 else 4
     shared = compile_kernel(K._paged_attention_kernel, ptrs, consts, target, num_warps)
-    return {"kernel": "paged_attention", "dtype": dtype, "group": group, "head_dim": head_dim, "decode": decode, "shared": shared}
+    return {"kernel": "paged_attention", "dtype": dtype, "group": group, "head_dim": head_dim, "decode": decode,
+            "full": full, "shared": shared}
 
 
 def main(arch: int) -> None:
     target = GPUTarget("cuda", arch, 32)
-    variants = [("fp32", 1, 128, False), ("bf16", 4, 128, False), ("bf16", 8, 64, True), ("fp16", 3, 24, True)]
-    for dtype, group, head_dim, decode in variants:
-        print(json.dumps(attention_variant(dtype, group, head_dim, 64, decode, target)), flush=True)
+    # (dtype, group, head_dim, decode, full-visibility parts of a segmented step)
+    variants = [("fp32", 1, 128, False, False), ("bf16", 4, 128, False, True), ("bf16", 8, 64, True, True),
+                ("fp16", 3, 24, True, False)]
+    for dtype, group, head_dim, decode, full in variants:
+        print(json.dumps(attention_variant(dtype, group, head_dim, 64, decode, full, target)), flush=True)
     for dtype in ("fp32", "bf16"):
-        merge_ptrs = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{dtype}", "tile_seq_ptr": "*i32", "query_start_ptr": "*i32"}
+        merge_ptrs = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{dtype}", "out_lse_ptr": "*fp32",
+                      "tile_seq_ptr": "*i32", "query_start_ptr": "*i32"}
         shared = compile_kernel(K._merge_splits_kernel, merge_ptrs, dict(HEAD_DIM=128, D_PAD=128, S_PAD=16), target)
         print(json.dumps({"kernel": "merge_splits", "dtype": dtype, "shared": shared}), flush=True)
         write_ptrs = {n: f"*{dtype}" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")} | {"slot_ptr": "*i64"}

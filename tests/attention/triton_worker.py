@@ -1,5 +1,7 @@
 """Runs the Triton backend on every attention case and prints one JSON line per case and dtype:
-max error against the torch backend and the naive oracle, and whether the cache writes are exact.
+max error against the torch backend and the naive oracle (output and log-sum-exp), and whether
+the cache writes are exact; then the segmented cases of segment_cases.py against their float64
+oracle (lines with "segments": true).
 Run as a script (test_attention_triton.py starts it in a subprocess) so that TRITON_INTERPRET=1 is
 set before triton is imported and never leaks into other tests' process; with --cuda the kernels
 are compiled for the GPU instead (and bf16 is checked too).
@@ -20,7 +22,8 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from attention_cases import CASES, Case, build_batch, cache_matches, naive_attention  # noqa: E402
+from attention_cases import CASES, Case, build_batch, cache_matches, naive_attention, naive_lse  # noqa: E402
+from segment_cases import SEG_CASES, SegCase, build_seg_batch, seg_oracle  # noqa: E402
 from cuttle.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from cuttle.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from cuttle.attention.triton_kernels import INTERPRETED  # noqa: E402
@@ -31,14 +34,15 @@ def compare(case: Case, dtype: torch.dtype, device: torch.device) -> dict[str, o
     torch_backend = TorchAttentionBackend()
     torch_backend.begin_step(ref_batch.meta)
     # The reference sees the same (rounded) inputs but computes in float32.
-    ref = torch_backend.forward(
+    ref, _ = torch_backend.forward(
+        0,
         ref_batch.q.float(), ref_batch.k.float(), ref_batch.v.float(),
         ref_batch.k_cache.float(), ref_batch.v_cache.float(), ref_batch.meta, ref_batch.scale,
     )
     batch = build_batch(case, junk=float("nan"), dtype=dtype).to(device)
     backend = TritonAttentionBackend(**case.triton)
     backend.begin_step(batch.meta)
-    out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    out, lse = backend.forward(0, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
     result: dict[str, object] = {
         "case": case.name,
         "dtype": str(dtype).removeprefix("torch."),
@@ -48,7 +52,37 @@ def compare(case: Case, dtype: torch.dtype, device: torch.device) -> dict[str, o
     }
     if dtype == torch.float32:
         result["err_vs_naive"] = (out.double().cpu() - naive_attention(batch)).abs().max().item()
+        result["lse_err_vs_naive"] = _lse_err(lse, naive_lse(batch))
     return result
+
+
+def _lse_err(lse: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max error over finite entries; inf when the -inf pattern differs or lse is not fp32."""
+    lse = lse.cpu()
+    if lse.dtype != torch.float32 or not torch.equal(torch.isneginf(lse), torch.isneginf(ref)):
+        return float("inf")
+    fin = torch.isfinite(ref)
+    return (lse.double() - ref)[fin].abs().max().item() if fin.any() else 0.0
+
+
+def compare_segments(case: SegCase, dtype: torch.dtype, device: torch.device) -> dict[str, object]:
+    """A segmented step (NaN in every unwritten slot) against the float64 oracle over the same
+    rounded inputs."""
+    batch = build_seg_batch(case, junk=float("nan"), dtype=dtype).to(device)
+    backend = TritonAttentionBackend(**case.triton)
+    backend.begin_step(batch.meta)
+    out, lse = backend.forward(0, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    ref_o, ref_lse = seg_oracle(batch)
+    flat = batch.k_cache.view(-1, *batch.k_cache.shape[2:])
+    return {
+        "case": case.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "segments": True,
+        "err_vs_oracle": (out.double().cpu() - ref_o).abs().max().item(),
+        "lse_err_vs_oracle": _lse_err(lse, ref_lse),
+        "cache_exact": bool(torch.equal(flat[batch.meta.slot_mapping], batch.k)),
+        "shape_ok": out.shape == batch.q.shape and out.dtype == batch.q.dtype,
+    }
 
 
 def run(names: list[str]) -> None:
@@ -61,6 +95,11 @@ def run(names: list[str]) -> None:
             continue
         for dtype in dtypes:
             print(json.dumps(compare(case, dtype, device)), flush=True)
+    for case in SEG_CASES:
+        if names and case.name not in names:
+            continue
+        for dtype in dtypes:
+            print(json.dumps(compare_segments(case, dtype, device)), flush=True)
 
 
 if __name__ == "__main__":
