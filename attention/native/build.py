@@ -32,10 +32,9 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-# name -> (argument types, result type): the library's C interface in one place
+# name -> (argument types, result type) of the library's functions, declared at load
+# (`paged_attention_rows` is declared by its binding, `cuttle.attention.native_attention`)
 SIGNATURES: dict[str, tuple[list, type | None]] = {
-    "paged_decode_attention": ([_vp, _int, _i64, _vp, _vp, _int, _vp, _int, _i64, _vp, _vp, _i64, _vp,
-                                _i64, _i64, _i64, _i64, _i64, _i64, _float, _i64], _int),
     "paged_decode_set_fast_path": ([_int], None),
     "paged_decode_last_call_fast": ([], _int),
     "small_m_linear": ([_vp, _int, _i64, _vp, _int, _vp, _vp, _int, _i64, _i64, _i64], _int),
