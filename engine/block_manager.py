@@ -62,7 +62,7 @@ class BlockManager:
         if not (self.enable_prefix_caching and use_cache):
             return []
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        return self.prefix_index.match(seq.token_ids, max_blocks, seq.request.extra_key)
+        return self.prefix_index.match(seq.token_ids, max_blocks, seq.request.prefix_cache_key)
 
     def can_allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
         hits = self.match_prefix(seq, use_cache)
@@ -134,7 +134,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        extra = seq.request.extra_key
+        extra = seq.request.prefix_cache_key
         table = seq.block_table
         blocks = self.pool.blocks
         for i in range(seq.num_computed_tokens // bs):

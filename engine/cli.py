@@ -32,10 +32,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--seed", type=int)
     g.add_argument("--moe-quant", choices=["mxfp8"], help="quantize MoE expert weights at load")
+    g.add_argument("--squid-positions", choices=["shared", "concat"], help="where cached documents sit (docs/squid.md; default: the model's, else concat)")
+    g.add_argument("--max-documents", type=int, help="documents one request may carry")
 
 
 _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens", "max_num_seqs",
-                   "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant")
+                   "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant", "squid_positions",
+                   "max_documents")
 
 
 def _build_llm(args: argparse.Namespace):

@@ -211,6 +211,8 @@ class EngineConfig:
     logprobs_mode: str = "processed"  # "processed": the distribution sampled from; "raw": the model's logits
     num_threads: int | None = None
     moe_quant: str | None = None  # "mxfp8": routed-expert weights quantized at load (docs/moe.md)
+    squid_positions: str | None = None  # squid documents: "shared" | "concat"; None: the model's config.json says, else "concat"
+    max_documents: int = 64  # documents one request may carry
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -227,6 +229,10 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.squid_positions is not None and self.squid_positions not in ("shared", "concat"):
+            raise ValueError(f"squid_positions must be None, 'shared' or 'concat'; got {self.squid_positions!r}")
+        if self.max_documents < 0:
+            raise ValueError(f"max_documents must be >= 0, got {self.max_documents}")
         if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
             raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
 

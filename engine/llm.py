@@ -18,7 +18,8 @@ from cuttle.engine.llm_engine import LLMEngine
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# text, token ids, or {"prefix"?, "documents", "prompt"} (each text or token ids; engine/squid.py)
+Prompt = str | list[int] | dict
 
 
 class LLM:
@@ -80,8 +81,8 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt (text or token ids)
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (text, token ids, or a dict with documents)
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

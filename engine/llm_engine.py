@@ -28,6 +28,7 @@ from cuttle.engine.sampler import Logprob, SampleRequest, sample
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.scheduler import Scheduler
 from cuttle.engine.sequence import Request, Sequence
+from cuttle.engine.squid import Squid, parse_prompt
 from cuttle.engine.tokenizer import Tokenizer
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
@@ -63,7 +64,9 @@ class LLMEngine:
             num_blocks = max(1, min(wanted, int(config.kv_cache_memory_gb * 2**30) // per_block))
         self.max_model_len = min(max_len, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.squid = Squid(self.block_manager, str(self.dtype))
+        self.squid_positions = config.squid_positions or mc.hf_config.get("squid_positions") or "concat"
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid)
         self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -86,36 +89,64 @@ class LLMEngine:
             raise ValueError("sampling_params must be a SamplingParams")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): the samples of one request run together")
-        if isinstance(prompt, str):
+        layout = None
+        if isinstance(prompt, dict):
+            layout, ids, text = self._squid_prompt(prompt, params)
+        elif isinstance(prompt, str):
             text = prompt
             ids = self.tokenizer.encode(prompt)
         else:
             text = None
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}], got {bad!r}")
+            self._check_ids(ids, "prompt")
         if not ids:
             raise ValueError("prompt must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; the maximum is {self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        # a squid query's positions start after the prefix and the documents
+        start = layout.query_start() if layout is not None else 0
+        used = start + len(ids)
+        what = "prefix + documents + prompt" if layout is not None else "prompt"
+        if used >= self.max_model_len:
+            raise ValueError(f"{what} is {used} positions; the maximum is {self.max_model_len - 1} (max_model_len {self.max_model_len})")
         max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = self.max_model_len - len(ids)
-        elif len(ids) + max_tokens > self.max_model_len:
+            max_tokens = self.max_model_len - used
+        elif used + max_tokens > self.max_model_len:
             raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds max_model_len ({self.max_model_len})"
+                f"{what} ({used} positions) + max_tokens ({max_tokens}) = {used + max_tokens} exceeds max_model_len ({self.max_model_len})"
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         extra = self.weight_version.to_bytes(8, "little") + (cache_salt or "").encode()
         req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed, max_tokens=max_tokens,
-                      stream=stream, weight_version=self.weight_version)
+                      stream=stream, weight_version=self.weight_version, layout=layout)
+        if layout is not None:
+            req.prefix_cache_key = extra + self.squid.query_key(req)
+            req.full_prompt_token_ids = layout.flat_tokens(ids)
+            self.counters["prompt_tokens"] += len(req.full_prompt_token_ids) - len(ids)
         self.post.attach_detokenizer(req.seqs[0])
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self.counters["prompt_tokens"] += len(ids)
         return req
+
+    def _check_ids(self, ids: list[int], field: str) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{field} token ids must be integers in [0, {vocab - 1}], got {bad!r}")
+
+    def _squid_prompt(self, prompt: dict, params: SamplingParams):
+        """A prompt with documents (engine/squid.py): validated here, before anything is queued."""
+        mc = self.model_config
+        if mc.mla is not None:
+            raise ValueError(f"documents are not supported for {mc.architecture} (MLA attention) models")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported for prompts with documents")
+        layout, ids, text = parse_prompt(prompt, self.tokenizer.encode, self._check_ids, self.squid_positions,
+                                         self.config.max_documents)
+        for i, d in enumerate(layout.documents):
+            if layout.prefix_len + len(d) >= self.max_model_len:
+                raise ValueError(f"documents[{i}] is {len(d)} tokens; after the prefix ({layout.prefix_len}) it exceeds max_model_len ({self.max_model_len})")
+        return layout, ids, text
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks are free when this returns."""
@@ -144,7 +175,12 @@ class LLMEngine:
             if not (n == 1 and start == len(seq.token_ids) - 1 and start >= seq.num_prompt_tokens):
                 self.counters["prefill_tokens_computed"] += n
             seq.num_computed_tokens = start + n
-            self.block_manager.hash_computed_blocks(seq)
+            if seq.request.job is None:
+                self.block_manager.hash_computed_blocks(seq)
+            elif seq.num_computed_tokens == len(seq.token_ids):  # a document is computed: cache it
+                ready = self.squid.complete(seq)
+                self.scheduler.finish(seq)
+                self.scheduler.requeue(ready)
 
         row = 0
         for seq, first, count in inputs.prompt_rows:
@@ -309,6 +345,7 @@ class LLMEngine:
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "weight_version": self.weight_version,
+            **self.squid.counters,
         }
 
 

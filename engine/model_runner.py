@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cuttle.attention.backend import get_backend
-from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout
 from cuttle.attention.native import gemm
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.storage import KVStorage
@@ -89,24 +89,14 @@ class ModelRunner:
                 last = min(end, seq.num_prompt_tokens - 1)
                 logit_rows.extend(range(row0, row0 + last - start))
                 prompt_rows.append((seq, start, last - start))
-            if end == len(seq.token_ids):
+            if end == len(seq.token_ids) and req.job is None:  # a document job is prefill only
                 sample_rows.append(row0 + n - 1)
                 sample_seqs.append(seq)
-        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
-        for i, (seq, _) in enumerate(scheduled):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_size=bs,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
+        if any(seq.shared for seq, _ in scheduled):
+            meta = self._segment_metadata(scheduled)
+        else:  # the fast path: one causal segment per sequence
+            meta = self._single_segment_metadata(scheduled, query_start, seq_lens, query_lens, slots, max_blocks)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -114,6 +104,34 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows + sample_rows, dtype=torch.long, device=dev),
             sample_seqs=sample_seqs,
             prompt_rows=prompt_rows,
+        )
+
+    def _segment_metadata(self, scheduled: list[tuple[Sequence, int]]) -> AttentionMetadata:
+        """Sequences that read shared KV (a prefix, squid documents): each one's segments, its
+        own causal tokens last, with the rotation each shared segment needs."""
+        layouts = []
+        for seq, n in scheduled:
+            segs = [KVSegment(s.blocks, s.length, causal=False, rope_delta=s.rope_delta, pool=s.pool) for s in seq.shared]
+            segs.append(KVSegment(seq.block_table, seq.num_computed_tokens + n, causal=True))
+            layouts.append(SeqLayout(n, segs))
+        return AttentionMetadata.build(layouts, self.block_size, self.device, rope=self.model.rope)
+
+    def _single_segment_metadata(self, scheduled: list[tuple[Sequence, int]], query_start: list[int], seq_lens: list[int],
+                                 query_lens: list[int], slots: list[int], max_blocks: int) -> AttentionMetadata:
+        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
+        for i, (seq, _) in enumerate(scheduled):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_size=self.block_size,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
         )
 
     @torch.inference_mode()

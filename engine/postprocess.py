@@ -116,11 +116,11 @@ class Postprocessor:
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
+            prompt_token_ids=req.full_prompt_token_ids or req.prompt_token_ids,
             prompt_logprobs=req.prompt_logprobs,
             outputs=outs,
             finished=finished,
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
+            num_cached_tokens=req.seqs[0].num_cached_tokens + req.seqs[0].num_reused_tokens,
             metrics={"weight_version": req.weight_version},
             error=req.error,
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.sequence import Sequence, SequenceStatus
+from cuttle.engine.squid import Squid
 
 
 @dataclass(slots=True)
@@ -32,8 +33,9 @@ def _seats(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, squid: Squid | None = None):
         self.block_manager = block_manager
+        self.squid = squid  # admits sequences with documents (engine/squid.py)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -80,6 +82,12 @@ class Scheduler:
             seq = self.waiting[0]
             if seats + _seats(seq) > self.max_num_seqs:
                 break
+            if self.squid is not None and (seq.request.layout is not None or seq.request.job is not None) and not seq.shared:
+                ready, jobs = self.squid.admit(seq)
+                if not ready:  # parked until its documents are computed; they run first
+                    self.waiting.popleft()
+                    self.waiting.extendleft(reversed(jobs))
+                    continue
             use_cache = seq.request.prompt_logprobs is None
             if not bm.can_allocate(seq, use_cache):
                 break
@@ -118,5 +126,12 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        if self.squid is not None and self.squid.is_parked(seq):
+            for orphan in self.squid.forget(seq):  # document jobs nobody waits for anymore
+                self.finish(orphan)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """Parked sequences whose documents are now cached go back to the front of the queue."""
+        self.waiting.extendleft(reversed(seqs))

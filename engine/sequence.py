@@ -20,6 +20,7 @@ from cuttle.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cuttle.engine.sampler import Logprob
+    from cuttle.engine.squid import DocumentJob, SquidLayout
     from cuttle.engine.tokenizer import IncrementalDetokenizer
 
 
@@ -37,7 +38,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "block_table",
         "num_computed_tokens", "num_cached_tokens", "status", "logprobs", "cumulative_logprob",
         "finish_reason", "output_text", "detok", "stop_reason", "shared", "handles", "pos_base",
-        "sent_tokens", "sent_chars",
+        "sent_tokens", "sent_chars", "num_reused_tokens",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
@@ -56,6 +57,7 @@ class Sequence:
         self.shared: list[Segment] = []
         self.handles: list[KVHandle] = []
         self.pos_base = 0
+        self.num_reused_tokens = 0  # prefix + document tokens served from the document cache
         self.logprobs: list[dict[int, Logprob]] = []
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
@@ -108,9 +110,15 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_token_time: float | None = None
     aborted: bool = False
+    layout: SquidLayout | None = None  # prefix + documents before the prompt (engine/squid.py)
+    prefix_cache_key: bytes = b""  # what its own blocks' hashes chain under: extra_key (+ the squid layout)
+    full_prompt_token_ids: list[int] | None = None  # prefix + documents + prompt, as outputs report it
+    job: DocumentJob | None = None  # set on the internal request that computes one document
     error: str | None = None  # why the engine ended this request on its own (see LLMEngine._fail)
 
     def __post_init__(self) -> None:
+        if not self.prefix_cache_key:
+            self.prefix_cache_key = self.extra_key
         self.seqs = [Sequence(self, 0, list(self.prompt_token_ids), len(self.prompt_token_ids))]
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]

@@ -1,0 +1,287 @@
+"""Squid: document-level KV caching. Each document's KV is computed once, on its own, and any later
+request combines any subset of cached documents, in any order, without computing them again.
+
+A squid prompt is an optional shared prefix, a list of documents and the query (the rest of the
+prompt). Attention follows the layout: the prefix is causal; a document's tokens see the prefix
+and the earlier tokens of their own document; the query sees the prefix, every document, and
+itself causally; decoding continues from the query.
+
+Positions. Every document is *encoded* right after the prefix (positions P .. P + len - 1), so its
+KV depends only on its tokens, the prefix and the weights — never on which other documents come
+with it or in what order — and one cached copy serves every request. Where a document is *placed*
+for the query is the position convention:
+- `shared`: every document sits at P; the query starts at P + the longest document. Documents
+  need no rotation and the result does not depend on their order. The embedded model is trained
+  this way, so it is exact for it: the same numbers as one dense forward with the squid mask.
+- `concat`: documents sit one after another in the order given and the query follows them.
+  A document placed at P + offset has its keys rotated by offset, which the attention backend
+  does by rotating the query by -offset for that segment (the cached keys are never copied).
+  With no prefix this equals prefilling the concatenation with the squid mask (a document alone
+  is position-invariant up to the rotation of its keys); with a prefix it is an approximation
+  (the document was encoded at distance 0 from the prefix, not at its offset), as in CacheBlend
+  / EPIC-style reuse; its quality gap is measured in benchmarks/squid.py.
+
+The cache is the block manager's `DocumentIndex`: key = xxh3(tokens, the prefix's key, weight
+version, dtype). A document may end mid-block; its segment carries its exact length, and the
+backend merges per-segment attention with the log-sum-exp, so nothing is padded or duplicated.
+The prefix itself is cached the same way (a document with no prefix).
+
+Mechanics (the one seam into the step): a request with documents becomes a query sequence that
+the scheduler admits only through `admit`, which pins every cached document (a `KVHandle` per
+segment) or parks the query and enqueues the missing documents as *document jobs*: prefill-only
+sequences whose KV goes into the document index when complete (`complete`). A document needed by
+several requests at once is computed by one job. A preempted query lets its pins go and is
+resolved again when re-admitted.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from cuttle.engine.block_manager import BlockManager
+from cuttle.engine.kv.document_index import Document, document_key
+from cuttle.engine.kv.handles import KVHandle
+from cuttle.engine.kv.segments import Segment
+from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.sequence import Request, Sequence
+
+CONVENTIONS = ("shared", "concat")
+
+
+@dataclass(slots=True)
+class SquidLayout:
+    prefix: list[int]
+    documents: list[list[int]]
+    convention: str
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix)
+
+    def placements(self) -> list[int]:
+        """The position of each document's first token for the query."""
+        p = self.prefix_len
+        if self.convention == "shared":
+            return [p] * len(self.documents)
+        out, at = [], p
+        for d in self.documents:
+            out.append(at)
+            at += len(d)
+        return out
+
+    def query_start(self) -> int:
+        if not self.documents:
+            return self.prefix_len
+        if self.convention == "shared":
+            return self.prefix_len + max(len(d) for d in self.documents)
+        return self.prefix_len + sum(len(d) for d in self.documents)
+
+    def flat_tokens(self, query: list[int]) -> list[int]:
+        """The whole prompt, prefix + documents in order + query (what the user sees as the prompt)."""
+        out = list(self.prefix)
+        for d in self.documents:
+            out.extend(d)
+        return out + list(query)
+
+
+def parse_prompt(prompt: dict, encode: Callable[[str], list[int]], check_ids: Callable[[list[int], str], None],
+                 convention: str, max_documents: int) -> tuple[SquidLayout, list[int], str | None]:
+    """A prompt dict {"prefix"?, "documents", "prompt"} (each text or token ids) -> (layout,
+    query ids, query text). Errors name the field."""
+    unknown = set(prompt) - {"prefix", "documents", "prompt"}
+    if unknown:
+        raise ValueError(f"prompt dict: unknown field(s) {sorted(unknown)}; expected prefix, documents, prompt")
+    if "prompt" not in prompt:
+        raise ValueError("prompt dict: 'prompt' (the query after the documents) is required")
+
+    def ids_of(value: object, field: str) -> list[int]:
+        if isinstance(value, str):
+            return encode(value)
+        if isinstance(value, list):
+            check_ids(value, field)
+            return list(value)
+        raise ValueError(f"{field} must be a string or a list of token ids, got {type(value).__name__}")
+
+    docs = prompt.get("documents", [])
+    if not isinstance(docs, list):
+        raise ValueError(f"documents must be a list, got {type(docs).__name__}")
+    if len(docs) > max_documents:
+        raise ValueError(f"documents: {len(docs)} given; the limit is {max_documents} (max_documents)")
+    documents = []
+    for i, d in enumerate(docs):
+        ids = ids_of(d, f"documents[{i}]")
+        if not ids:
+            raise ValueError(f"documents[{i}] is empty")
+        documents.append(ids)
+    prefix = ids_of(prompt.get("prefix", []), "prefix")
+    query_raw = prompt["prompt"]
+    query = ids_of(query_raw, "prompt")
+    return SquidLayout(prefix, documents, convention), query, query_raw if isinstance(query_raw, str) else None
+
+
+@dataclass(eq=False)
+class DocumentJob:
+    """One document being computed, and the queries waiting for it."""
+
+    key: int
+    tokens: list[int]
+    seq: Sequence
+    prefix: Document | None  # the prefix it attends to (pinned by its waiters meanwhile)
+    waiters: list[Sequence] = field(default_factory=list)
+
+
+class Squid:
+    def __init__(self, block_manager: BlockManager, dtype_name: str):
+        self.bm = block_manager
+        self.dtype_name = dtype_name
+        self.jobs: dict[int, DocumentJob] = {}  # in flight, by document key
+        # pins a parked query already holds (document key -> handle), kept until it is admitted
+        self.pins: dict[Sequence, dict[int, KVHandle]] = {}
+        self.reused: dict[Sequence, int] = {}  # of those, document tokens that were already cached
+        self.counters = {"documents_hit": 0, "documents_computed": 0, "document_tokens_reused": 0,
+                         "document_tokens_computed": 0}
+
+    # ---- keys ------------------------------------------------------------------------------
+    def keys(self, req: Request) -> tuple[int | None, list[int]]:
+        """(prefix key or None, document keys): what each one's KV depends on — its tokens, the
+        weight version and cache salt (`extra_key`), the dtype, and for a document the prefix."""
+        layout = req.layout
+        assert layout is not None
+        ctx = req.extra_key + b"|" + self.dtype_name.encode()
+        pkey = document_key(layout.prefix, ctx + b"|prefix") if layout.prefix else None
+        chain = ctx + b"|doc|" + (pkey.to_bytes(8, "little") if pkey is not None else b"-")
+        return pkey, [document_key(d, chain) for d in layout.documents]
+
+    def query_key(self, req: Request) -> bytes:
+        """Mixed into the query's prefix-cache hashes: its KV depends on the whole layout (and,
+        under `shared`, not on the documents' order)."""
+        pkey, dkeys = self.keys(req)
+        layout = req.layout
+        assert layout is not None
+        order = sorted(dkeys) if layout.convention == "shared" else dkeys
+        h = xxhash.xxh3_64(layout.convention.encode())
+        h.update(np.asarray([pkey or 0, *order], dtype=np.uint64).tobytes())
+        return b"|squid|" + h.digest()
+
+    def _wanted(self, req: Request) -> list[tuple[int, list[int], int, int]]:
+        """(key, tokens, encode position, placed position) of the prefix and every document."""
+        layout = req.layout
+        assert layout is not None
+        pkey, dkeys = self.keys(req)
+        out = [(pkey, layout.prefix, 0, 0)] if pkey is not None else []
+        docs = [(k, d, layout.prefix_len, place) for k, d, place in zip(dkeys, layout.documents, layout.placements())]
+        if layout.convention == "shared":
+            # every document at the same place: attend to them in one canonical order, so any
+            # order the user gives computes the very same floating-point sums (bit-identical)
+            docs.sort(key=lambda w: w[0])
+        return out + docs
+
+    # ---- admission (the scheduler's hook) --------------------------------------------------
+    def admit(self, seq: Sequence) -> tuple[bool, list[Sequence]]:
+        """For a waiting sequence about to be admitted. Returns (ready, jobs): `ready` means its
+        shared segments are pinned and set, so it may be allocated now; otherwise it stays parked
+        here (out of the scheduler's queue) and `jobs` are new document sequences to run first.
+        A parked query comes back through `complete`."""
+        req = seq.request
+        if req.job is not None:
+            self._attach_prefix(seq, req.job)
+            return True, []
+        if req.layout is None or seq.shared:
+            return True, []
+        docs = self.bm.document_index
+        pins = self.pins.setdefault(seq, {})
+        wanted = self._wanted(req)
+        missing = []
+        for key, tokens, _, _ in wanted:
+            if key in pins:
+                continue
+            doc = docs.lookup(key, tokens)
+            if doc is None:
+                missing.append((key, tokens))
+            else:
+                pins[key] = docs.acquire(doc)
+                self.reused[seq] = self.reused.get(seq, 0) + doc.length
+                self.counters["documents_hit"] += 1
+                self.counters["document_tokens_reused"] += doc.length
+        if not missing:
+            del self.pins[seq]
+            seq.num_reused_tokens = self.reused.pop(seq, 0)
+            used: set[int] = set()
+            for key, tokens, _, place in wanted:
+                doc = docs.entries[key]
+                # a document listed twice is pinned once per use: every handle is released once
+                handle = pins[key] if key not in used else KVHandle(self.bm.pool, doc.blocks)
+                used.add(key)
+                seq.handles.append(handle)
+                seq.shared.append(Segment(doc.blocks, doc.length, pos_base=place, rope_base=doc.pos_base))
+            seq.pos_base = req.layout.query_start()
+            return True, []
+        pkey = wanted[0][0] if req.layout.prefix else None
+        if pkey is not None and pkey not in pins:
+            missing = missing[:1]  # documents attend to the prefix: compute it first
+        new_jobs: list[Sequence] = []
+        for key, tokens in missing:
+            job = self.jobs.get(key)
+            if job is None:
+                job = self.jobs[key] = self._new_job(req, key, tokens, pins.get(pkey) if key != pkey else None)
+                new_jobs.append(job.seq)
+            if seq not in job.waiters:
+                job.waiters.append(seq)
+        return False, new_jobs
+
+    def _new_job(self, req: Request, key: int, tokens: list[int], prefix: KVHandle | None) -> DocumentJob:
+        jreq = Request(f"{req.request_id}#doc-{key:016x}", list(tokens), SamplingParams(max_tokens=1),
+                       extra_key=req.extra_key, weight_version=req.weight_version)
+        pdoc = self.bm.document_index.entries[self.keys(req)[0]] if prefix is not None else None
+        job = DocumentJob(key, list(tokens), jreq.seqs[0], pdoc)
+        jreq.job = job
+        return job
+
+    def _attach_prefix(self, jseq: Sequence, job: DocumentJob) -> None:
+        """A document job sees the prefix (full visibility) and is encoded right after it; set up
+        at every admission, since preemption lets the job's pins go."""
+        if job.prefix is None or jseq.shared:
+            return
+        jseq.handles.append(KVHandle(self.bm.pool, job.prefix.blocks))
+        jseq.shared.append(Segment(job.prefix.blocks, job.prefix.length, pos_base=0, rope_base=0))
+        jseq.pos_base = job.prefix.length
+
+    # ---- completion (after each step) ------------------------------------------------------
+    def complete(self, jseq: Sequence) -> list[Sequence]:
+        """A document job's KV is all computed: cache it, pin it for the queries waiting on it,
+        and return those that now wait on nothing (to be queued again, at the front)."""
+        job: DocumentJob = jseq.request.job
+        doc = self.bm.document_index.insert(job.key, job.tokens, list(jseq.block_table), jseq.pos_base)
+        del self.jobs[job.key]
+        self.counters["documents_computed"] += 1
+        self.counters["document_tokens_computed"] += len(job.tokens)
+        ready = []
+        for w in job.waiters:
+            self.pins[w][job.key] = KVHandle(self.bm.pool, doc.blocks)
+            if not any(w in j.waiters for j in self.jobs.values()):
+                ready.append(w)
+        return ready
+
+    def forget(self, seq: Sequence) -> list[Sequence]:
+        """A parked query went away (aborted): release its pins and stop waiting for it. Returns
+        the job sequences no one waits for anymore (the caller ends them)."""
+        for handle in self.pins.pop(seq, {}).values():
+            handle.release()
+        self.reused.pop(seq, None)
+        orphans = []
+        for key, job in list(self.jobs.items()):
+            if seq in job.waiters:
+                job.waiters.remove(seq)
+                if not job.waiters:
+                    del self.jobs[key]
+                    orphans.append(job.seq)
+        return orphans
+
+    def is_parked(self, seq: Sequence) -> bool:
+        return seq in self.pins
+
+    def held_pins(self) -> list[KVHandle]:
+        return [h for pins in self.pins.values() for h in pins.values()]
