@@ -413,18 +413,21 @@ def test_weight_update_with_16_requests_in_flight(srv, mode):
     weights = [(n, p.detach().clone()) for n, p in eng.runner.model.named_parameters()]
     max_tokens = 300
 
+    decoding = [False] * 16
+
     async def one(i: int):
         last = None
         async for out in aeng.generate(f"wu-{mode}-{i}", [5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)):
             last = out
+            decoding[i] = True
         return last
 
     async def run():
         tasks = [asyncio.ensure_future(one(i)) for i in range(16)]
-        g0 = generated(srv)
-        while generated(srv) - g0 < 16 * 4 and not any(t.done() for t in tasks):  # all 16 decoding
+        deadline = time.monotonic() + 30
+        while not all(decoding) and time.monotonic() < deadline:  # every one has tokens out
             await asyncio.sleep(0.002)
-        assert len(eng.requests) == 16
+        assert all(decoding) and len(eng.requests) == 16
         version = await aeng.update_weights(weights, mode)
         return version, await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
