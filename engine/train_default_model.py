@@ -3,22 +3,32 @@ standard library's own source, with its own byte-level BPE tokenizer.
 
     python -m cuttle.engine.train_default_model            # writes engine/default_model/
 
-Deterministic for its seed on a given Python installation (the stdlib is the corpus). Files are
-packed into rows with document masking: a token never attends across a file boundary and
-positions restart at each file, so per-file KV caching is exact for this model. Training uses
-the engine's own model code (`CausalLM.forward_packed`), so the engine serves exactly what was
-trained. Progress and validation loss are shown as it runs; the model card records the held-out
-loss, perplexity and the exact command.
+Deterministic for its seed on a given Python installation (the stdlib is the corpus). Most rows
+pack files with document masking: a token never attends across a file boundary and positions
+restart at each file, so per-file KV caching is exact for this model. The other rows each hold
+one squid layout (engine/squid.py, `shared` convention): documents side by side, each attending to
+the prefix and itself from the position after the prefix, and a query from another part of a
+file that attends to all of them, so squid document caching is exact for this model too, and it
+learns to use the documents. Training uses the engine's own model code (`CausalLM.forward_masked`),
+so the engine serves exactly what was trained. Progress and validation loss are shown as it runs;
+the model card records the held-out loss, the squid query-loss table against the model it replaces,
+and the exact command.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
+import builtins
 import json
+import keyword
 import math
 import os
+import random
+import re
 import sysconfig
 import time
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -162,9 +172,17 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
+# ---- rows --------------------------------------------------------------------------------------
+# A row is (ids, positions, groups), each [S]. The group of a token says what it may attend to
+# (`layout_mask`): files packed side by side have ids >= 0 and a token sees the earlier tokens of
+# its own file; a squid row holds one example, PREFIX tokens, documents 0..k-1 and QUERY tokens;
+# PAD is padding. A token is a training target when the token before it is in the same group.
+PAD, PREFIX, QUERY = -1, -2, -3
+
+
 def pack(docs: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of `seq_len` tokens: documents back to back, long ones split, each with its own
-    positions (from 0) and document id. Returns (ids, positions, doc_ids), each [rows, seq_len]."""
+    positions (from 0) and document id. Returns (ids, positions, groups), each [rows, seq_len]."""
     ids, pos, doc = [], [], []
     row_ids: list[int] = []
     row_pos: list[int] = []
@@ -177,7 +195,7 @@ def pack(docs: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tenso
                 pad = seq_len - len(row_ids)
                 row_ids += [0] * pad
                 row_pos += [0] * pad
-                row_doc += [-1] * pad
+                row_doc += [PAD] * pad
                 ids.append(row_ids), pos.append(row_pos), doc.append(row_doc)
                 row_ids, row_pos, row_doc = [], [], []
             row_ids += piece
@@ -187,24 +205,232 @@ def pack(docs: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.tensor(ids), torch.tensor(pos), torch.tensor(doc)
 
 
-def lm_loss(model: CausalLM, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-    hidden = model.forward_packed(ids, pos, doc)
+def squid_row(prefix: list[int], docs: list[list[int]], query: list[int], seq_len: int) -> tuple[list[int], list[int], list[int]]:
+    """One squid layout as a row in the `shared` convention (engine/squid.py): the prefix at
+    0..P-1, every document from P, the query from P + the longest document; padded to seq_len."""
+    p = len(prefix)
+    ids, pos, grp = list(prefix), list(range(p)), [PREFIX] * p
+    for i, d in enumerate(docs):
+        ids += d
+        pos += range(p, p + len(d))
+        grp += [i] * len(d)
+    q0 = p + max(map(len, docs), default=0)
+    ids += query
+    pos += range(q0, q0 + len(query))
+    grp += [QUERY] * len(query)
+    if len(ids) > seq_len:
+        raise ValueError(f"squid layout of {len(ids)} tokens does not fit a row of {seq_len}")
+    pad = seq_len - len(ids)
+    return ids + [0] * pad, pos + [0] * pad, grp + [PAD] * pad
+
+
+def layout_mask(grp: torch.Tensor) -> torch.Tensor:
+    """Groups [..., S] -> attention mask [..., S, S] (True: may attend). Causal, and a token sees
+    its own group and the prefix; a query token sees everything but padding. For packed files
+    this is the block-diagonal causal mask of `forward_packed`."""
+    S = grp.shape[-1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=grp.device).tril()
+    gi, gj = grp[..., :, None], grp[..., None, :]
+    return causal & ((gi == gj) | (gj == PREFIX) | ((gi == QUERY) & (gj != PAD)))
+
+
+def target_mask(grp: torch.Tensor) -> torch.Tensor:
+    """[B, S-1]: whether token t+1 is predicted from token t (same group, not padding). A
+    document's first token and the query's first token have no prediction: in a squid layout the
+    token before them is another group's."""
+    return (grp[:, 1:] == grp[:, :-1]) & (grp[:, 1:] != PAD)
+
+
+def token_nll(model: CausalLM, ids: torch.Tensor, pos: torch.Tensor, grp: torch.Tensor) -> torch.Tensor:
+    """[B, S-1] negative log-likelihood of each next token under the rows' layout."""
+    hidden = model.forward_masked(ids, pos, layout_mask(grp))
     logits = F.linear(hidden[:, :-1], model.lm_head).float()
-    target = ids[:, 1:].clone()
-    target[doc[:, 1:] != doc[:, :-1]] = -100  # no prediction across a document boundary (or padding)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return nll.view(ids.shape[0], -1)
+
+
+def lm_loss(model: CausalLM, ids: torch.Tensor, pos: torch.Tensor, grp: torch.Tensor) -> torch.Tensor:
+    return token_nll(model, ids, pos, grp)[target_mask(grp)].mean()
 
 
 @torch.no_grad()
-def evaluate(model: CausalLM, data: tuple[torch.Tensor, ...], batch: int) -> float:
-    ids, pos, doc = data
+def evaluate(model: CausalLM, data: tuple[torch.Tensor, ...], batch: int, select: torch.Tensor | None = None) -> float:
+    """Mean loss (nats/token) over the rows' targets, or over `select` [rows, S-1] if given."""
+    ids, pos, grp = data[:3]
     total, n = 0.0, 0
     for i in range(0, ids.shape[0], batch):
-        tgt = doc[i : i + batch, 1:] == doc[i : i + batch, :-1]
-        count = int((tgt & (doc[i : i + batch, 1:] >= 0)).sum())
-        total += lm_loss(model, ids[i : i + batch], pos[i : i + batch], doc[i : i + batch]).item() * count
-        n += count
+        b = slice(i, i + batch)
+        sel = target_mask(grp[b]) if select is None else select[b]
+        total += token_nll(model, ids[b], pos[b], grp[b])[sel].double().sum().item()
+        n += int(sel.sum())
     return total / n
+
+
+# ---- squid examples ----------------------------------------------------------------------------
+_DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+(\w+)|^(\w+)[ \t]*(?::[^=\n]*)?=(?!=)", re.M)
+_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w \t,]*)", re.M)
+_IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w. \t,]+)", re.M)
+_NAME = re.compile(r"[A-Za-z_]\w{2,}")
+_COMMON = frozenset(keyword.kwlist) | frozenset(dir(builtins)) | {"self", "cls"}
+
+
+@dataclass(slots=True)
+class Source:
+    """A corpus file as squid examples use it."""
+
+    module: str  # dotted name; a package's __init__ is the package
+    package: str  # what its relative imports resolve against ("" for a top-level module)
+    text: str
+    ids: list[int]  # its tokens (no end-of-text)
+    starts: list[int]  # the character where each token starts
+    header: list[int]  # "# <module>\n": the prefix of half the examples
+    defs: dict[str, list[int]]  # name -> the token of each line defining it (def, class, top-level assignment)
+    imports: list[str]  # the modules it imports (absolute dotted names, maybe outside the corpus)
+
+
+def module_name(path: str, root: str) -> tuple[str, str]:
+    """(module, package) of a file under `root`."""
+    mod = os.path.relpath(path, root)[: -len(".py")].replace(os.sep, ".")
+    if mod == "__init__" or mod.endswith(".__init__"):
+        mod = mod[: -len("__init__")].rstrip(".")
+        return mod, mod
+    return mod, mod.rpartition(".")[0]
+
+
+def imports_of(text: str, package: str) -> list[str]:
+    out = []
+    for dots, mod, names in _FROM.findall(text):
+        if dots:
+            base = package.split(".") if package else []
+            base = base[: len(base) - (len(dots) - 1)]
+            mod = ".".join(base + ([mod] if mod else []))
+        if mod:
+            out.append(mod)
+            out += [f"{mod}.{n.split()[0]}" for n in names.split(",") if n.split()]  # submodules
+    for group in _IMPORT.findall(text):
+        out += [n.split()[0] for n in group.split(",") if n.split()]
+    return list(dict.fromkeys(out))
+
+
+def make_source(module: str, package: str, text: str, tok) -> Source:
+    enc = tok.encode(text)
+    starts = [s for s, _ in enc.offsets]
+    defs: dict[str, list[int]] = {}
+    for m in _DEF.finditer(text):
+        name = m.group(1) or m.group(2)
+        if not name.startswith("__"):
+            defs.setdefault(name, []).append(max(0, bisect.bisect_right(starts, m.start()) - 1))
+    return Source(module, package, text, enc.ids, starts, tok.encode(f"# {module}\n").ids, defs, imports_of(text, package))
+
+
+def squid_example(rng: random.Random, f: Source, sources: dict[str, Source], seq_len: int,
+                  ) -> tuple[list[int], list[list[int]], list[int]] | None:
+    """(prefix, documents, query) from file `f`, filling a row of `seq_len` tokens, or None if f
+    is too short. The query is a chunk of f (64-192 tokens). The documents, in random order: most
+    often the text just before the query; windows where names the query uses are defined, in f
+    (outside the query) and in the corpus modules f imports or, inside a package, its package's;
+    then other windows of those files. Half the examples have a prefix naming f's module."""
+    n = len(f.ids)
+    q = rng.randint(64, 192)
+    if n < q + 128:
+        return None
+    qa = rng.randint(128, n - q)
+    query = f.ids[qa : qa + q]
+    prefix = f.header if rng.random() < 0.5 else []
+    room = seq_len - len(prefix) - q
+    imported = [sources[m] for m in f.imports if m in sources and sources[m] is not f]
+    package = [s for s in sources.values() if f.package and s.package == f.package and s is not f]
+    related = list({id(s): s for s in [f, *imported, *package]}.values())
+    end = f.starts[qa + q] if qa + q < n else len(f.text)
+    names = {m for m in _NAME.findall(f.text[f.starts[qa] : end]) if m not in _COMMON and not m.startswith("__")}
+    defined = [(g, t) for g in related for name in sorted(names & g.defs.keys()) for t in g.defs[name]]
+    rng.shuffle(defined)
+    windows: list[tuple[Source, int, int]] = []
+
+    def take(g: Source, start: int, length: int) -> None:
+        nonlocal room
+        start = max(0, start)
+        stop = min(len(g.ids), start + length, start + room)
+        if g is f and start < qa + q and stop > qa:  # never the query itself
+            if start >= qa:
+                return
+            stop = qa
+        if stop - start < 16 or any(h is g and s < stop and start < e for h, s, e in windows):
+            return
+        windows.append((g, start, stop))
+        room -= stop - start
+
+    if rng.random() < 0.6:
+        length = rng.randint(48, 256)
+        take(f, qa - length, length)
+    for g, t in defined:
+        if room < 32 or len(windows) >= 8:
+            break
+        take(g, t - rng.randint(0, 8), rng.randint(32, 192))
+    for _ in range(32):
+        if room < 32 or len(windows) >= 8:
+            break
+        g = rng.choice(related)
+        length = rng.randint(32, 192)
+        take(g, rng.randrange(max(1, len(g.ids) - length)), length)
+    if len(windows) < 2:
+        return None
+    rng.shuffle(windows)
+    return prefix, [g.ids[s:e] for g, s, e in windows], query
+
+
+def squid_examples(sources: list[Source], related: dict[str, Source], count: int, seq_len: int, seed: int,
+                   ) -> list[tuple[list[int], list[list[int]], list[int]]]:
+    """`count` examples from files drawn in proportion to their length, up to 8192 tokens (so a few
+    huge data modules do not dominate), seeded."""
+    rng = random.Random(seed)
+    weights = [min(len(s.ids), 8192) for s in sources]
+    out = []
+    while len(out) < count:
+        ex = squid_example(rng, rng.choices(sources, weights)[0], related, seq_len)
+        if ex is not None:
+            out.append(ex)
+    return out
+
+
+def squid_rows(examples, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = [squid_row(*ex, seq_len) for ex in examples]
+    return tuple(torch.tensor([r[i] for r in rows]) for i in range(3))
+
+
+SQUID_CONDITIONS = {
+    "squid": "squid layout (shared positions)",
+    "causal": "full causal over the concatenation",
+    "alone": "query alone (no documents)",
+}
+
+
+def squid_eval_rows(examples, seq_len: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each example three ways, scored on the same targets (the query's tokens after its first):
+    its squid row; prefix + documents + query as one causal text with consecutive positions; and
+    prefix + query alone. Returns {condition: (ids, positions, groups, selected targets)}."""
+    out: dict[str, list] = {c: [] for c in SQUID_CONDITIONS}
+    for prefix, docs, query in examples:
+        flat = [t for d in docs for t in d]
+        for cond, (row, q0) in {
+            "squid": (squid_row(prefix, docs, query, seq_len), len(prefix) + len(flat)),
+            "causal": (squid_row([], [prefix + flat + query], [], seq_len), len(prefix) + len(flat)),
+            "alone": (squid_row([], [prefix + query], [], seq_len), len(prefix)),
+        }.items():
+            sel = [q0 <= t < q0 + len(query) - 1 for t in range(seq_len - 1)]
+            out[cond].append((*row, sel))
+    return {c: tuple(torch.tensor([r[i] for r in rows]) for i in range(4)) for c, rows in out.items()}
+
+
+def squid_table(models: dict[str, CausalLM], rows: dict[str, tuple[torch.Tensor, ...]], batch: int) -> tuple[str, dict]:
+    """Held-out query loss (nats/token) of each model under each condition, as a markdown table."""
+    losses = {name: {c: evaluate(m, r[:3], batch, select=r[3]) for c, r in rows.items()} for name, m in models.items()}
+    lines = ["| model | " + " | ".join(SQUID_CONDITIONS.values()) + " |", "|---" * (len(SQUID_CONDITIONS) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(f"{v[c]:.4f}" for c in SQUID_CONDITIONS) + " |" for name, v in losses.items()]
+    return "\n".join(lines), losses
+
+
+# ---- training ----------------------------------------------------------------------------------
 
 
 def init_weights(model: CausalLM, seed: int) -> None:
@@ -222,6 +448,54 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in hf_state_dict(model).items()}
 
 
+def train(model: CausalLM, rows: tuple[torch.Tensor, ...], *, steps: int, batch: int, lr: float, seed: int,
+          autocast: bool = True, on_eval=None, eval_every: int = 0, progress: bool = True) -> list[float]:
+    """AdamW over `batch` rows a step (seeded order, warm-up and cosine decay, bf16 autocast or
+    fp32); returns the loss of each step. `on_eval()` -> float runs every `eval_every` steps and at
+    the end."""
+    for p in model.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    )
+    order = torch.randperm(rows[0].shape[0], generator=torch.Generator().manual_seed(seed))
+    bar = tqdm(range(steps), desc="train", disable=not progress, mininterval=5)
+    losses, val = [], float("nan")
+    for step in bar:
+        idx = order[(step * batch + torch.arange(batch)) % order.numel()]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = lm_loss(model, *(t[idx] for t in rows[:3]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if on_eval is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            val = on_eval()
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{val:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+    bar.close()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return losses
+
+
+def load_for_comparison(path: str, tok) -> CausalLM | None:
+    """A saved model with this recipe's tokenizer (the one being replaced), or None."""
+    from cuttle.engine.models.loader import load_model
+
+    tok_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")) or not os.path.isfile(tok_path):
+        return None
+    with open(tok_path) as f:
+        if json.load(f) != json.loads(tok.to_str()):
+            print(f"{path}: another tokenizer, not compared")
+            return None
+    return load_model(path, ModelConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "default_model"))
@@ -233,73 +507,94 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--tool-chats", type=int, default=3000, help="synthetic tool-use conversations mixed in")
+    ap.add_argument("--squid-rows", type=int, default=3000, help="rows holding one squid layout each, mixed in")
+    ap.add_argument("--squid-eval", type=int, default=128, help="held-out squid layouts for the query-loss table")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--autocast", choices=["bf16", "off"], default="bf16",
+                    help="off: fp32 throughout (where the CPU has no bf16 matrix units bf16 is far slower)")
+    ap.add_argument("--init", default=None, metavar="DIR",
+                    help="start from this saved model (same tokenizer) instead of random weights: continued training")
+    ap.add_argument("--compare", default=None,
+                    help="a saved model to compare with (default: the one in --out, before it is replaced)")
+    ap.add_argument("--evaluate", nargs="+", default=None, metavar="DIR",
+                    help="train nothing: print the held-out losses of these saved models")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
 
+    root = sysconfig.get_paths()["stdlib"]
     files = corpus_files()
     train_files = [f for f in files if not is_heldout(f)]
-    val_files = [f for f in files if is_heldout(f)]
-    print(f"corpus: {len(files)} stdlib files ({len(val_files)} held out) from {sysconfig.get_paths()['stdlib']}")
-    tok = train_tokenizer([read(f) for f in train_files], args.vocab_size)
+    print(f"corpus: {len(files)} stdlib files ({len(files) - len(train_files)} held out) from {root}")
+    texts = {f: read(f) for f in files}
+    tok = train_tokenizer([texts[f] for f in train_files], args.vocab_size)
     eos = tok.token_to_id("<|endoftext|>")
-    encode = lambda f: tok.encode(read(f)).ids + [eos]  # noqa: E731
-    train_docs = [encode(f) for f in tqdm(train_files, desc="tokenize", leave=False)]
-    val_docs = [encode(f) for f in val_files]
+    sources = {f: make_source(*module_name(f, root), texts[f], tok) for f in tqdm(files, desc="tokenize", leave=False, mininterval=5)}
+    train_src = {s.module: s for f, s in sources.items() if not is_heldout(f)}
+    all_src = {s.module: s for s in sources.values()}
+    val_src = [s for f, s in sources.items() if is_heldout(f)]
+    train_docs = [s.ids + [eos] for f, s in sources.items() if not is_heldout(f)]
+    val_docs = [s.ids + [eos] for s in val_src]
     chats = [tok.encode(c).ids + [eos] for c in synthetic_tool_chats(args.tool_chats, args.seed)]
     train_docs += chats
     # documents in a seeded random order, so rows mix code and conversations
     perm = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(args.seed)).tolist()
     train_docs = [train_docs[i] for i in perm]
-    train = pack(train_docs, args.seq_len)
+    packed = pack(train_docs, args.seq_len)
+    # squid layouts from training files only (their documents too); held-out ones from held-out files
+    squid_train = squid_rows(squid_examples(list(train_src.values()), train_src, args.squid_rows, args.seq_len, args.seed),
+                             args.seq_len)
+    rows = tuple(torch.cat([a, b]) for a, b in zip(packed, squid_train))
     val = pack(val_docs, args.seq_len)
-    print(f"tokens: train {sum(map(len, train_docs)):,} ({sum(map(len, chats)):,} in {len(chats)} tool chats) "
-          f"in {train[0].shape[0]} rows, held-out code {sum(map(len, val_docs)):,}")
+    squid_val = squid_eval_rows(squid_examples(val_src, all_src, args.squid_eval, args.seq_len, args.seed + 1), args.seq_len)
+    n_squid = int((squid_train[2] != PAD).sum())
+    n_query = int(squid_val["squid"][3].sum())
+    print(f"tokens: train {sum(map(len, train_docs)):,} ({sum(map(len, chats)):,} in {len(chats)} tool chats) in "
+          f"{packed[0].shape[0]} rows, + {n_squid:,} in {args.squid_rows} squid rows; held-out code "
+          f"{sum(map(len, val_docs)):,}, held-out squid layouts {args.squid_eval} ({n_query:,} query targets)")
+
+    if args.evaluate:
+        models = {d: load_for_comparison(d, tok) for d in args.evaluate}
+        for d, m in models.items():
+            if m is not None:
+                print(f"{d}: held-out loss {evaluate(m, val, args.batch):.4f}")
+        print(squid_table({d: m for d, m in models.items() if m is not None}, squid_val, args.batch)[0])
+        return
+    previous = load_for_comparison(args.compare or args.out, tok)
 
     hf = {**MODEL_CONFIG, "vocab_size": tok.get_vocab_size(), "eos_token_id": eos, "bos_token_id": None}
-    cfg = ModelConfig.from_hf(hf)
-    model = CausalLM(cfg, torch.float32, torch.device("cpu"))
-    init_weights(model, args.seed)
-    for p in model.parameters():
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-    )
-    g = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(train[0].shape[0], generator=g)
-    bar = tqdm(range(args.steps), desc="train")
-    val_loss = float("nan")
-    for step in bar:
-        idx = order[(step * args.batch + torch.arange(args.batch)) % order.numel()]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = lm_loss(model, train[0][idx], train[1][idx], train[2][idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            val_loss = evaluate(model, val, args.batch)
-        bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val_loss:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
-    bar.close()
-    # the held-out figure recorded in the card is computed without autocast, on the saved bf16 weights
+    if args.init:
+        model = load_for_comparison(args.init, tok)
+        if model is None:
+            raise SystemExit(f"--init {args.init}: no model with this recipe's tokenizer there")
+    else:
+        model = CausalLM(ModelConfig.from_hf(hf), torch.float32, torch.device("cpu"))
+        init_weights(model, args.seed)
+    t1 = time.time()
+    train(model, rows, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, autocast=args.autocast == "bf16",
+          on_eval=lambda: evaluate(model, val, args.batch), eval_every=args.eval_every)
+    step_s = (time.time() - t1) / args.steps
+    # the figures recorded in the card are computed without autocast, on the saved bf16 weights
     model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
     final = evaluate(model, val, args.batch)
+    models = {"this model": model} if previous is None else {"previous model": previous, "this model": model}
+    table, _ = squid_table(models, squid_val, args.batch)
+    prev_loss = evaluate(previous, val, args.batch) if previous is not None else None
     minutes = (time.time() - t0) / 60
-    print(f"held-out loss {final:.4f}, perplexity {math.exp(final):.2f}, {minutes:.1f} min")
-    save(args, model, hf, tok, final, minutes, sum(map(len, train_docs)), sum(map(len, val_docs)))
+    print(f"held-out loss {final:.4f}, perplexity {math.exp(final):.2f}"
+          + (f" (previous model: {prev_loss:.4f})" if prev_loss is not None else "") + f"; {minutes:.1f} min, {step_s:.2f} s/step")
+    print(f"held-out query loss, {args.squid_eval} squid layouts:\n{table}")
+    save(args, model, hf, tok, final, minutes, step_s, sum(map(len, train_docs)), n_squid, sum(map(len, val_docs)),
+         table, n_query, prev_loss)
 
 
-def save(args, model, hf, tok, val_loss, minutes, n_train, n_val) -> None:
+def save(args, model, hf, tok, val_loss, minutes, step_s, n_train, n_squid, n_val, table, n_query, prev_loss) -> None:
     os.makedirs(args.out, exist_ok=True)
     save_file(to_hf_state_dict(model), os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
+        json.dump({**hf, "squid_positions": "shared"}, f, indent=2)
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": hf["eos_token_id"], "do_sample": True, "temperature": 0.7, "top_p": 0.95}, f, indent=2)
     tok.save(os.path.join(args.out, "tokenizer.json"))
@@ -307,9 +602,13 @@ def save(args, model, hf, tok, val_loss, minutes, n_train, n_val) -> None:
         json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>",
                    "model_max_length": hf["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
     n_params = sum(p.numel() for p in model.parameters())
+    skip = {"out", "compare", "evaluate"}
     cmd = "python -m cuttle.engine.train_default_model " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in skip and v is not None
     )
+    start = (f"continued from the model in `{args.init}` when the command ran (its own recipe's weights; the previous "
+             "model in git history)" if args.init else "from random weights")
+    prev = f" (the model it replaced: {prev_loss:.4f}, same files and measure)" if prev_loss is not None else ""
     card = f"""# cuttle-tiny-coder
 
 The embedded default model of cuttle: a {n_params / 1e6:.1f}M-parameter Qwen3-MoE ({hf['num_hidden_layers']} layers,
@@ -318,11 +617,25 @@ hidden {hf['hidden_size']}, {hf['num_experts']} experts top-{hf['num_experts_per
 on the Python {sysconfig.get_python_version()} standard library's own source (test directories excluded).
 
 - Training: {n_train:,} tokens of {len(corpus_files())} files, files packed into {args.seq_len}-token rows with document
-  masking (no attention across files; positions restart per file), {args.steps} AdamW steps of {args.batch} rows,
-  lr {args.lr} with warm-up and cosine decay, bf16 autocast, seed {args.seed}; {minutes:.1f} minutes wall-clock on this
-  machine's CPU ({torch.get_num_threads()} thread(s)).
+  masking (no attention across files; positions restart per file), plus {args.squid_rows} rows that each hold one
+  squid layout ({n_squid:,} tokens, below); {start}; {args.steps} AdamW steps of {args.batch} rows drawn from both,
+  lr {args.lr} with warm-up and cosine decay, {'bf16 autocast' if args.autocast == 'bf16' else 'fp32'}, seed {args.seed}; {minutes:.1f} minutes wall-clock on a
+  2-core CPU shared with other jobs ({torch.get_num_threads()} training thread(s), {step_s:.2f} s/step).
 - Held-out (2% of files chosen by a CRC of the file name, {n_val:,} tokens): loss **{val_loss:.4f}** nats/token,
-  perplexity **{math.exp(val_loss):.2f}**, measured on the saved bf16 weights.
+  perplexity **{math.exp(val_loss):.2f}**{prev}, measured on the saved bf16 weights, padding excluded.
+- Squid: `config.json` says `"squid_positions": "shared"`, the convention the engine then uses for this
+  model's documents, and the one it was trained with, so squid document caching is exact for it (the
+  same numbers as a dense forward with the squid mask). A squid row is a file's chunk (the query, 64-192
+  tokens) after documents that fill the rest of the row: most often the text just before the query,
+  windows where names the query uses are defined (in the file, in the corpus modules it imports, in its
+  package), other windows of those files, in random order; half have a prefix `# <module>` line.
+  Documents see the prefix and themselves, each from the position right after the prefix; the query
+  sees everything, from the prefix length + the longest document. Loss on documents and query alike.
+- Held-out query loss (nats/token) on {args.squid_eval} such layouts built from the held-out files
+  ({n_query:,} query targets; the documents come from any file), the same targets three ways:
+
+{table}
+
 - Chat: ChatML (`<|im_start|>` / `<|im_end|>`), tools announced in the system turn, calls as
   `<tool_call>{{"name": ..., "arguments": ...}}</tool_call>`. Besides code it saw {args.tool_chats} synthetic
   tool round trips (weather, add, read_file, run_tests: a call, the tool's response, a templated answer), so it

@@ -162,9 +162,15 @@ class CausalLM(nn.Module):
         positions restart per document, so each document is computed exactly as if alone --
         the same numbers the paged engine produces for it. Returns hidden states [B, S, hidden].
         """
-        B, S = input_ids.shape
+        S = input_ids.shape[1]
         causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).tril()
-        mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+        return self.forward_masked(input_ids, positions, (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)
+
+    def forward_masked(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Training / scoring path with autograd under any attention layout: rows [B, S], their
+        positions [B, S], and mask [B, S, S] (True: token i may attend to token j; every token must
+        see at least one). Squid layouts (documents beside each other, a query seeing them all) are
+        trained and scored through it. Returns hidden states [B, S, hidden]."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.tables(positions.reshape(-1), x.dtype)
         for layer in self.layers:
