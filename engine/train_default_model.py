@@ -606,8 +606,7 @@ def save(args, model, hf, tok, val_loss, minutes, step_s, n_train, n_squid, n_va
     cmd = "python -m cuttle.engine.train_default_model " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in skip and v is not None
     )
-    start = (f"continued from the model in `{args.init}` when the command ran (its own recipe's weights; the previous "
-             "model in git history)" if args.init else "from random weights")
+    start = f"continued from the saved model in `{args.init}` as the command found it" if args.init else "from random weights"
     prev = f" (the model it replaced: {prev_loss:.4f}, same files and measure)" if prev_loss is not None else ""
     card = f"""# cuttle-tiny-coder
 
