@@ -49,7 +49,9 @@ def merge_lse_rows(
     lse_parts = lse_parts.float()
     heads = lse_parts.shape[1]
     m = torch.full((num_rows, heads), float("-inf"), dtype=torch.float32, device=lse_parts.device)
-    m.scatter_reduce_(0, rows[:, None].expand(-1, heads), lse_parts, "amax")
+    # A contiguous index: with an expanded (stride-0) one, torch's multi-threaded CPU
+    # scatter_reduce_ took ~60-120 ms for 8 rows x 16 heads (7 us contiguous) on 2 threads.
+    m.scatter_reduce_(0, rows[:, None].expand(-1, heads).contiguous(), lse_parts, "amax")
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w = torch.exp(lse_parts - m_safe[rows])  # [V, H]
     total = torch.zeros_like(m).index_add_(0, rows, w)

@@ -35,6 +35,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cuttle.attention.merge import merge_lse_rows
+from cuttle.attention.rope import rotate_partial
+
 if TYPE_CHECKING:
     from cuttle.attention.rope import RotaryEmbedding
 
@@ -92,6 +95,23 @@ class SegmentBatch:
     @property
     def num_parts(self) -> int:
         return len(self.kv_lens_cpu)
+
+    def virtual_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """The parts' query rows [V, H, D]: each part's own copy of its sequence's rows of `q`,
+        rotated by -delta where the part's keys sit delta positions from where they were rotated."""
+        qv = q[self.row_index]
+        if self.rot_rows is not None:
+            assert self.rot_cos is not None and self.rot_sin is not None
+            if 2 * self.rot_cos.shape[-1] > q.shape[-1]:
+                raise ValueError(f"rotary dims {2 * self.rot_cos.shape[-1]} exceed head_dim {q.shape[-1]}")
+            qv[self.rot_rows] = rotate_partial(qv[self.rot_rows], self.rot_cos, self.rot_sin)
+        return qv
+
+    def merge(self, o_parts: torch.Tensor, lse_parts: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts' results (fp32 [V, H, D], [V, H]) merged per query row of `q`: (o in q's dtype,
+        lse fp32)."""
+        out, lse = merge_lse_rows(o_parts, lse_parts, self.row_index, q.shape[0])
+        return out.to(q.dtype), lse
 
     @property
     def num_rows(self) -> int:

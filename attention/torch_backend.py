@@ -19,9 +19,7 @@ import torch
 
 from cuttle.attention import native_attention
 from cuttle.attention.backend import write_kv
-from cuttle.attention.merge import merge_lse_rows
 from cuttle.attention.metadata import AttentionMetadata
-from cuttle.attention.rope import rotate_partial
 
 
 class TorchAttentionBackend:
@@ -99,11 +97,7 @@ class TorchAttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         sb = plan.meta.segments
         assert sb is not None
-        qv = q[sb.row_index]  # [V, H, D], one copy of its sequence's rows per part
-        if sb.rot_rows is not None:
-            if 2 * sb.rot_cos.shape[-1] > q.shape[-1]:
-                raise ValueError(f"rotary dims {2 * sb.rot_cos.shape[-1]} exceed head_dim {q.shape[-1]}")
-            qv[sb.rot_rows] = rotate_partial(qv[sb.rot_rows], sb.rot_cos, sb.rot_sin)
+        qv = sb.virtual_queries(q)
         ov = torch.empty(qv.shape, dtype=torch.float32, device=q.device)
         lv = torch.empty(qv.shape[:2], dtype=torch.float32, device=q.device)
         parts = plan.parts
@@ -124,8 +118,7 @@ class TorchAttentionBackend:
             o, l = _attend(qv[start : start + qlen], k_cache, v_cache, blocks, kv_len, causal, bias, scale)
             ov[start : start + qlen] = o
             lv[start : start + qlen] = l
-        out, lse = merge_lse_rows(ov, lv, sb.row_index, q.shape[0])
-        return out.to(q.dtype), lse
+        return sb.merge(ov, lv, q)
 
 
 def _attend(

@@ -21,9 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from cuttle.attention.merge import merge_lse_rows
 from cuttle.attention.metadata import AttentionMetadata
-from cuttle.attention.rope import rotate_partial
 from cuttle.attention.triton_kernels import INTERPRETED, paged_attention, write_kv
 
 
@@ -82,16 +80,11 @@ class TritonAttentionBackend:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
             self._run(plan, q, k_cache, v_cache, out, lse, meta.query_start_loc, meta.seq_lens, meta.block_tables, None, scale)
             return out, lse
-        qv = q[sb.row_index]  # [V, H, D]: each part's own copy of its sequence's rows
-        if sb.rot_rows is not None:
-            if 2 * sb.rot_cos.shape[-1] > q.shape[-1]:
-                raise ValueError(f"rotary dims {2 * sb.rot_cos.shape[-1]} exceed head_dim {q.shape[-1]}")
-            qv[sb.rot_rows] = rotate_partial(qv[sb.rot_rows], sb.rot_cos, sb.rot_sin)
+        qv = sb.virtual_queries(q)
         ov = torch.empty(qv.shape, dtype=torch.float32, device=q.device)
         lv = torch.empty(qv.shape[:2], dtype=torch.float32, device=q.device)
         self._run(plan, qv, k_cache, v_cache, ov, lv, sb.query_start_loc, sb.kv_lens, sb.block_tables, plan.full, scale)
-        out, lse = merge_lse_rows(ov, lv, sb.row_index, q.shape[0])
-        return out.to(q.dtype), lse
+        return sb.merge(ov, lv, q)
 
     def _run(
         self, plan: _StepPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

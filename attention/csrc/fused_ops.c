@@ -17,7 +17,7 @@
  *     glibc's expf on the elements torch leaves to its scalar tail loop (the last < 2 vectors of
  *     each contiguous run it hands a thread; `threads` lets us find the runs torch would split).
  * Two vector widths of those torch kernels matter and are passed in by the caller: `lanes` of the
- * norms is that of torch's sum kernel (8 fp32 lanes even on AVX512 in torch 2.13; cpu_fused.py
+ * norms is that of torch's sum kernel (8 fp32 lanes even on AVX512 in torch 2.13; native/fused.py
  * finds it with a probe), `lanes` of silu that of its elementwise loops (16 on AVX512, 8 on
  * AVX2). NaN payloads are not reproduced (NaN stays NaN).
  *

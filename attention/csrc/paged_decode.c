@@ -331,16 +331,3 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
     }
     return failed ? -1 : 0;
 }
-
-/* The first interface (one row per decode sequence, q and out rows alike, no lse), kept for the
- * old binding in cpu_kernels.py until it is removed: paged_attention_rows does the work. */
-int paged_decode_attention(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache,
-                           const void *v_cache, int kv_dtype, void *out, int out_dtype,
-                           int64_t out_row_stride, const int64_t *row_index, const int32_t *tables,
-                           int64_t table_stride, const int32_t *seq_lens, int64_t num_seqs,
-                           int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                           int64_t max_seq_len, float scale, int64_t head_chunks) {
-    return paged_attention_rows(q, q_dtype, q_row_stride, k_cache, v_cache, kv_dtype, out, out_dtype, out_row_stride,
-                                NULL, 0, row_index, row_index, tables, table_stride, seq_lens, num_seqs, num_kv_heads,
-                                group, head_dim, block_size, max_seq_len, scale, head_chunks);
-}

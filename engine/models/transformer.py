@@ -5,9 +5,9 @@ from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, routed-MoE MLPs o
 a shared expert beside the routed ones, multi-head latent attention), so they share one
 definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
 slices HF tensors into them. At a few rows (small-batch decode) they go through the native
-weight-streaming kernel of `cuttle.attention.cpu_kernels.linear`, else `F.linear`. The small
+weight-streaming kernel of `cuttle.attention.native.gemm.linear`, else `F.linear`. The small
 ops between the projections (residual add + RMSNorm, q/k norm + RoPE, silu * up) go through the
-fused CPU kernels of `cuttle.attention.cpu_fused` (bit-identical to the torch code they replace,
+fused CPU kernels of `cuttle.attention.native.fused` (bit-identical to the torch code they replace,
 which runs on other devices and under autograd). The forward takes a flattened, unpadded batch
 and the attention metadata; it never owns KV memory (the runner hands each layer its cache views).
 """
@@ -178,7 +178,7 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def linear_weights(self) -> list[torch.Tensor]:
-        """The weights the inference forward hands to `cpu_kernels.linear` (to pack them ahead)."""
+        """The weights the inference forward hands to `native.gemm.linear` (to pack them ahead)."""
         out: list[torch.Tensor] = [self.lm_head]
         for layer in self.layers:
             if isinstance(layer.attn, Attention):
