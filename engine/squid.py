@@ -32,6 +32,11 @@ segment) or parks the query and enqueues the missing documents as *document jobs
 sequences whose KV goes into the document index when complete (`complete`). A document needed by
 several requests at once is computed by one job. A preempted query lets its pins go and is
 resolved again when re-admitted.
+
+The dense equivalent (`SquidLayout.dense_context` / `dense_mask_and_positions`) is the one place
+that spells out, as a token row, its positions and an [S, S] mask, exactly what the engine
+computes for a layout, so a trainer (cuttle.rl) can score sampled tokens under the attention they
+were sampled with through `CausalLM.forward_masked`.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import xxhash
 
 from cuttle.engine.block_manager import BlockManager
@@ -85,6 +91,64 @@ class SquidLayout:
         for d in self.documents:
             out.extend(d)
         return out + list(query)
+
+    # ---- the dense equivalent (training and scoring) -------------------------------------------
+    def _dense_segments(self) -> list[tuple[str, int, list[int], int]]:
+        """(kind, document index, tokens, first position) of each piece of the dense row before
+        the tail: "prefix", then per document an optional "copy" of the prefix and the "doc".
+
+        Why copies: a document is encoded once, right after the prefix (positions P..), and under
+        `concat` placed at P + offset for the query. RoPE scores depend only on position
+        differences, so "encoded at P after a prefix at 0, keys read at P + offset" is the same
+        computation as "a prefix copy at offset, the document at P + offset after it": each
+        document after the first gets its own prefix copy, seen by that document only, and the
+        query sees the real prefix. Under `shared` (and with no prefix) no copy is needed."""
+        if self.convention not in CONVENTIONS:
+            raise ValueError(f"squid convention must be one of {CONVENTIONS}, got {self.convention!r}")
+        p = self.prefix_len
+        segs = [("prefix", -1, self.prefix, 0)] if p else []
+        for i, (doc, place) in enumerate(zip(self.documents, self.placements())):
+            if p and place != p:
+                segs.append(("copy", i, self.prefix, place - p))
+            segs.append(("doc", i, doc, place))
+        return segs
+
+    def dense_context(self) -> list[int]:
+        """The tokens of the dense row before the tail (the query and what follows it): the
+        prefix and the documents in the order given (under `concat` with a prefix, each document
+        after the first preceded by a copy of the prefix)."""
+        return [t for _, _, toks, _ in self._dense_segments() for t in toks]
+
+    def dense_mask_and_positions(self, tail_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the row `dense_context() + tail` (tail: the query, then generated tokens; S tokens
+        in all): mask [S, S] bool (True: row i may attend to column j) and positions [S] int64,
+        such that one dense forward computes what the engine computes for this layout, in
+        either convention. Causal everywhere; the prefix and each copy see themselves; a
+        document sees its prefix (or its copy) and itself; the tail sees the prefix, every
+        document and itself, never a copy."""
+        segs = self._dense_segments()
+        ctx = sum(len(toks) for _, _, toks, _ in segs)
+        S = ctx + tail_len
+        allowed = torch.zeros(S, S, dtype=torch.bool)
+        positions = torch.empty(S, dtype=torch.long)
+        prefix = slice(0, self.prefix_len)
+        copies: dict[int, slice] = {}
+        at = 0
+        for kind, i, toks, start in segs:
+            span = slice(at, at + len(toks))
+            positions[span] = torch.arange(start, start + len(toks))
+            allowed[span, span] = True
+            if kind == "copy":
+                copies[i] = span
+            elif kind == "doc":
+                allowed[span, copies.get(i, prefix)] = True
+            at = span.stop
+        tail = slice(ctx, S)
+        positions[tail] = torch.arange(self.query_start(), self.query_start() + tail_len)
+        allowed[tail, :] = True
+        for span in copies.values():
+            allowed[tail, span] = False
+        return allowed & torch.ones(S, S, dtype=torch.bool).tril(), positions
 
 
 def parse_prompt(prompt: dict, encode: Callable[[str], list[int]], check_ids: Callable[[list[int], str], None],

@@ -8,6 +8,13 @@ Token convention: position t of a sequence holds token t; `loss_mask[t] = 1` whe
 sampled by the model and is trained on (its logprob comes from the logits at position t - 1), and
 `rollout_logprobs[t]` is the engine's logprob of token t (0.0 where the mask is 0). Prompt, tool
 output and padding are all mask 0.
+
+Squid documents: a sequence sampled with documents is laid out as the dense row of its layout
+(`SquidLayout.dense_context()`: prefix, documents, then the query and the turns), with the
+positions the sampler used, and keeps its layout in `layouts`; its attention is not causal, so a
+trainer must use `dense_masks()` (padded) or `row_mask(a, b)` (packed), which rebuild it with
+`SquidLayout.dense_mask_and_positions`, the engine's one definition of that attention. Plain
+sequences get the causal mask from the same methods, so a trainer can use them for every batch.
 """
 from __future__ import annotations
 
@@ -15,7 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
+from cuttle.engine.squid import SquidLayout
 from cuttle.rl.types import Group, Trajectory
+
+
+def sequence_mask(layout: SquidLayout | None, length: int) -> torch.Tensor:
+    """[length, length] bool attention of one sequence: causal, or its squid layout's."""
+    if layout is None:
+        return torch.ones(length, length, dtype=torch.bool).tril()
+    tail = length - len(layout.dense_context())
+    if tail <= 0:
+        raise ValueError(f"a squid sequence of {length} tokens has no tokens after its documents")
+    return layout.dense_mask_and_positions(tail)[0]
 
 
 @dataclass(slots=True)
@@ -31,6 +49,7 @@ class PackedBatch:
     rewards          [N] float32 the reward each sequence got
     group_ids        [N] int64   which group (prompt) a sequence belongs to
     weight_version   [N] int64   the oldest weight version that sampled any of its tokens
+    layouts          N entries   each sequence's squid layout, or None (plain causal); None: all plain
     """
 
     input_ids: torch.Tensor
@@ -42,6 +61,7 @@ class PackedBatch:
     rewards: torch.Tensor
     group_ids: torch.Tensor
     weight_version: torch.Tensor
+    layouts: list[SquidLayout | None] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -55,6 +75,13 @@ class PackedBatch:
     def num_trained_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    def row_mask(self, a: int, b: int) -> torch.Tensor:
+        """[T, T] bool attention over sequences [a, b) laid back to back (tokens cu_seqlens[a]:
+        cu_seqlens[b]): block-diagonal, each block its sequence's own (causal or squid), so the
+        sequences of a row never see each other and each is computed exactly as if alone."""
+        layouts = self.layouts or [None] * self.num_seqs
+        return torch.block_diag(*(sequence_mask(layouts[i], n) for i, n in zip(range(a, b), self.seq_lens[a:b])))
+
 
 @dataclass(slots=True)
 class TrainBatch:
@@ -62,13 +89,16 @@ class TrainBatch:
 
     input_ids        [N, S] int64   prompt + completion (+ later turns) tokens; padding is `pad_id`
     attention_mask   [N, S] bool    True on real tokens
-    position_ids     [N, S] int64   0 .. len-1 on real tokens, 0 on padding
+    position_ids     [N, S] int64   0 .. len-1 on real tokens (a squid row: its layout's), 0 on padding
     loss_mask        [N, S] float32 1 on trained (model-sampled) tokens; 0 on prompt, tool, padding
     rollout_logprobs [N, S] float32 the engine's logprob of each token (0 where loss_mask is 0)
     advantages       [N] float32    one per sequence (broadcast over its trained tokens)
     rewards          [N] float32    the reward each sequence got
     group_ids        [N] int64      which group (prompt) a sequence belongs to
     weight_version   [N] int64      the oldest weight version that sampled any of its tokens
+    layouts          N entries      each sequence's squid layout, or None (plain causal); None: all plain
+
+    `attention_mask` only marks real tokens; the attention itself is `dense_masks()`.
     """
 
     input_ids: torch.Tensor
@@ -80,6 +110,7 @@ class TrainBatch:
     rewards: torch.Tensor
     group_ids: torch.Tensor
     weight_version: torch.Tensor
+    layouts: list[SquidLayout | None] | None = None
 
     @classmethod
     def from_trajectories(
@@ -89,41 +120,53 @@ class TrainBatch:
             raise ValueError("need one advantage and one group id per trajectory")
         if not trajectories:
             raise ValueError("a TrainBatch needs at least one sequence")
-        n, s = len(trajectories), max(len(t.token_ids) for t in trajectories)
+        rows = []  # (tokens, positions, context length) per sequence
+        for t in trajectories:
+            if t.layout is None:
+                rows.append((t.token_ids, list(range(len(t.token_ids))), 0))
+            else:
+                ctx = t.layout.dense_context()
+                _, pos = t.layout.dense_mask_and_positions(len(t.token_ids))
+                rows.append((ctx + t.token_ids, pos.tolist(), len(ctx)))
+        n, s = len(trajectories), max(len(r[0]) for r in rows)
         input_ids = torch.full((n, s), pad_id, dtype=torch.long)
         attention = torch.zeros(n, s, dtype=torch.bool)
         positions = torch.zeros(n, s, dtype=torch.long)
         loss_mask = torch.zeros(n, s)
         rollout = torch.zeros(n, s)
         versions = []
-        for i, t in enumerate(trajectories):
-            k = len(t.token_ids)
-            if k and t.loss_mask[0]:
-                raise ValueError("a sequence's first token cannot be trained on (nothing precedes it)")
-            input_ids[i, :k] = torch.tensor(t.token_ids)
+        for i, (t, (ids, pos, c)) in enumerate(zip(trajectories, rows)):
+            k = len(ids)
+            if t.token_ids and t.loss_mask[0]:
+                what = "the first token after the documents" if t.layout is not None else "a sequence's first token"
+                raise ValueError(f"{what} cannot be trained on (it is not predicted from its own stream)")
+            input_ids[i, :k] = torch.tensor(ids)
             attention[i, :k] = True
-            positions[i, :k] = torch.arange(k)
-            loss_mask[i, :k] = torch.tensor(t.loss_mask, dtype=torch.float32)
-            rollout[i, :k] = torch.tensor(t.logprobs, dtype=torch.float32)
+            positions[i, :k] = torch.tensor(pos)
+            loss_mask[i, c:k] = torch.tensor(t.loss_mask, dtype=torch.float32)
+            rollout[i, c:k] = torch.tensor(t.logprobs, dtype=torch.float32)
             sampled = [v for v, m in zip(t.weight_versions, t.loss_mask) if m]
             versions.append(min(sampled) if sampled else -1)
+        layouts = [t.layout for t in trajectories]
         return cls(
             input_ids, attention, positions, loss_mask, rollout * loss_mask,
             torch.tensor(advantages, dtype=torch.float32),
             torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             torch.tensor(group_ids, dtype=torch.long),
             torch.tensor(versions, dtype=torch.long),
+            layouts if any(lay is not None for lay in layouts) else None,
         )
 
     @classmethod
     def from_groups(cls, groups: list[Group], advantages: list[list[float]], pad_id: int = 0) -> TrainBatch:
-        """One sequence per sample: the group's prompt (mask 0) then the sample (mask 1)."""
+        """One sequence per sample: the group's prompt (mask 0) then the sample (mask 1); a group
+        with documents keeps its layout in front."""
         trajs: list[Trajectory] = []
         flat_adv: list[float] = []
         gids: list[int] = []
         for gi, (g, adv) in enumerate(zip(groups, advantages, strict=True)):
             for s, a in zip(g.samples, adv, strict=True):
-                t = Trajectory.start(g.prompt_token_ids)
+                t = Trajectory.start(g.prompt_token_ids, g.layout)
                 t.append_sample(s)
                 t.reward = s.reward
                 trajs.append(t)
@@ -135,6 +178,17 @@ class TrainBatch:
     def num_seqs(self) -> int:
         return self.input_ids.shape[0]
 
+    def dense_masks(self) -> torch.Tensor:
+        """[N, S, S] bool attention per row (causal, or the row's squid layout's). A padding token
+        sees only itself, so every row of the mask has a key (what `forward_masked` needs)."""
+        n, s = self.input_ids.shape
+        out = torch.eye(s, dtype=torch.bool).repeat(n, 1, 1)
+        lens = self.attention_mask.sum(dim=1).tolist()
+        layouts = self.layouts or [None] * n
+        for i, k in enumerate(lens):
+            out[i, :k, :k] = sequence_mask(layouts[i], k)
+        return out
+
     def packed(self) -> PackedBatch:
         lens = self.attention_mask.sum(dim=1)
         cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
@@ -142,5 +196,5 @@ class TrainBatch:
         keep = self.attention_mask
         return PackedBatch(
             self.input_ids[keep], self.position_ids[keep], cu, self.loss_mask[keep], self.rollout_logprobs[keep],
-            self.advantages, self.rewards, self.group_ids, self.weight_version,
+            self.advantages, self.rewards, self.group_ids, self.weight_version, self.layouts,
         )

@@ -5,6 +5,10 @@ trainer's side. It satisfies `TokenSampler`, so `sample_groups(client, ...)` wor
 an in-process `LLM`. With several servers, prompts are spread round-robin (a prompt's whole group
 stays on one server, so its samples still share one prefill) and weight updates go to all.
 Must never tokenize: token ids in, token ids out.
+
+Squid documents are not served over HTTP yet: `/v1/rl/generate` takes token-id prompts only, so
+a prompt dict with documents is refused here (and by `sample_groups`, since the client has no
+`squid_positions`) before anything is sent.
 """
 from __future__ import annotations
 
@@ -52,6 +56,8 @@ class RolloutClient:
 
     # ---- rollouts --------------------------------------------------------------------------
     def generate_tokens(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        if any(isinstance(p, dict) for p in prompts):
+            raise ValueError("RolloutClient: prompts with documents are not supported; /v1/rl/generate takes token-id prompts only")
         wire = {k: v for k, v in dataclasses.asdict(params).items() if k in _WIRE_FIELDS}
         k = len(self.base_urls)
         shards = [list(range(i, len(prompts), k)) for i in range(k)]

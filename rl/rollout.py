@@ -1,26 +1,42 @@
 """Token-in / token-out rollouts: GRPO groups and multi-turn trajectory turns.
 
-Owns turning prompts (token ids) into `Group`s of `Sample`s through anything that can generate
-tokens: an in-process `LLM`, or `RolloutClient` against `cuttle serve`. A group is one engine
-request with `n = group_size`, so its prompt is prefilled once and the samples fork from it
-(copy-on-write). Must never tokenize text or re-tokenize outputs: rewards may read `Sample.text`,
-training reads token ids only.
+Owns turning prompts into `Group`s of `Sample`s through anything that can generate tokens: an
+in-process `LLM`, or `RolloutClient` against `cuttle serve`. A group is one engine request with
+`n = group_size`, so its prompt is prefilled once and the samples fork from it (copy-on-write).
+Must never re-tokenize outputs: rewards may read `Sample.text`, training reads token ids only.
+
+A prompt is token ids, text, or a squid dict `{"prefix"?, "documents", "prompt"}`
+(engine/squid.py). Text is encoded once, here, with the engine's own tokenizer, and from then on
+only ids travel: the engine receives the ids, and the group records them (`Group.layout`, the
+query in `prompt_token_ids`) with the engine's position convention. All groups of a call go to
+the engine together, so every document is computed once per batch, however many groups and
+samples use it, in whatever order.
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from cuttle.engine.llm import LLM
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.squid import SquidLayout, parse_prompt
 from cuttle.rl.types import Group, Sample, Trajectory
+
+# token ids, text, or {"prefix"?: text | ids, "documents": [text | ids, ...], "prompt": text | ids}
+RolloutPrompt = list[int] | str | dict[str, Any]
 
 
 class TokenSampler(Protocol):
-    """What a rollout needs from an engine: one list of samples per prompt, `params.n` each."""
+    """What a rollout needs from an engine: one list of samples per prompt, `params.n` each.
 
-    def generate_tokens(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]: ...
+    Prompts are token ids, or dicts of token ids `{"prefix", "documents", "prompt"}` for a
+    sampler that serves squid documents; such a sampler also has `squid_positions` ("shared" or
+    "concat"), the convention it places documents with."""
+
+    def generate_tokens(self, prompts: list[list[int] | dict[str, Any]], params: SamplingParams) -> list[list[Sample]]: ...
 
 
 def rollout_params(params: SamplingParams, n: int) -> SamplingParams:
@@ -37,39 +53,93 @@ def samples_of(out: RequestOutput) -> list[Sample]:
     return samples
 
 
-def generate_tokens(sampler: LLM | TokenSampler, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+def generate_tokens(sampler: LLM | TokenSampler, prompts: list[list[int] | dict[str, Any]], params: SamplingParams) -> list[list[Sample]]:
     if isinstance(sampler, LLM):
         return [samples_of(o) for o in sampler.generate(prompts, params, use_tqdm=False)]
     return sampler.generate_tokens(prompts, params)
 
 
+def squid_positions(sampler: LLM | TokenSampler) -> str:
+    """The position convention `sampler` places documents with; refused if it serves none."""
+    if isinstance(sampler, LLM):
+        return sampler.engine.squid_positions
+    conv = getattr(sampler, "squid_positions", None)
+    if conv is None:
+        raise ValueError(f"prompts with documents need a sampler that serves them; {type(sampler).__name__} does not "
+                         "(it has no squid_positions)")
+    return conv
+
+
+def _check_ids(ids: list[int], field: str) -> None:
+    # the engine checks the vocabulary range again when the ids arrive; this names the field early
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0), None)
+    if bad is not None:
+        raise ValueError(f"{field} token ids must be non-negative integers, got {bad!r}")
+
+
+def _encoder(sampler: LLM | TokenSampler) -> Callable[[str], list[int]]:
+    if isinstance(sampler, LLM):
+        return sampler.get_tokenizer().encode  # the very function the engine encodes text with
+
+    def refuse(text: str) -> list[int]:
+        raise ValueError(f"{type(sampler).__name__} has no tokenizer: give prompts (and a prompt dict's fields) as token ids")
+    return refuse
+
+
+def resolve_prompt(sampler: LLM | TokenSampler, prompt: RolloutPrompt) -> tuple[list[int], SquidLayout | None]:
+    """A rollout prompt -> (query ids, layout or None), every field as token ids. Errors name the field."""
+    if isinstance(prompt, str):
+        return _encoder(sampler)(prompt), None
+    if not isinstance(prompt, dict):
+        return list(prompt), None
+    convention = squid_positions(sampler)
+    # the sampler's engine applies its own document limit when the prompt arrives
+    max_documents = sampler.engine.config.max_documents if isinstance(sampler, LLM) else sys.maxsize
+    layout, query, _ = parse_prompt(prompt, _encoder(sampler), _check_ids, convention, max_documents)
+    if not query:
+        raise ValueError("prompt (the query after the documents) must not be empty")
+    return query, layout
+
+
+def _engine_prompt(query: list[int], layout: SquidLayout | None) -> list[int] | dict[str, Any]:
+    if layout is None:
+        return query
+    return {"prefix": layout.prefix, "documents": layout.documents, "prompt": query}
+
+
 def sample_groups(
     sampler: LLM | TokenSampler,
-    prompts: list[list[int]],
+    prompts: list[RolloutPrompt],
     group_size: int,
     sampling_params: SamplingParams,
     metadata: list[dict[str, Any]] | None = None,
 ) -> list[Group]:
-    """One `Group` of `group_size` samples per prompt (token ids), in prompt order.
+    """One `Group` of `group_size` samples per prompt (token ids, text or a squid dict), in prompt order.
 
     `metadata[i]` rides along on group i (the task its reward function needs).
     """
     if metadata is not None and len(metadata) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(metadata)} metadata entries")
+    resolved = [resolve_prompt(sampler, p) for p in prompts]
     params = rollout_params(sampling_params, group_size)
-    per_prompt = generate_tokens(sampler, [list(p) for p in prompts], params)
+    per_prompt = generate_tokens(sampler, [_engine_prompt(q, lay) for q, lay in resolved], params)
     meta = metadata or [{} for _ in prompts]
-    return [Group(list(p), s, dict(m)) for p, s, m in zip(prompts, per_prompt, meta)]
+    return [Group(q, s, dict(m), lay) for (q, lay), s, m in zip(resolved, per_prompt, meta)]
 
 
 def extend_trajectories(sampler: LLM | TokenSampler, trajectories: list[Trajectory], sampling_params: SamplingParams) -> list[Sample]:
     """Sample one model turn for each trajectory (from its full token stream) and append it.
 
     The caller then appends tool output / the next user turn with `append_context`; the engine's
-    prefix cache makes the repeated history cheap, and nothing is ever re-tokenized.
+    prefix cache makes the repeated history cheap (and a trajectory's documents stay cached), and
+    nothing is ever re-tokenized.
     """
+    for i, t in enumerate(trajectories):
+        if t.layout is not None and t.layout.convention != squid_positions(sampler):
+            raise ValueError(f"trajectories[{i}].layout was sampled with {t.layout.convention!r} positions; "
+                             f"this sampler uses {squid_positions(sampler)!r}")
     params = rollout_params(sampling_params, 1)
-    per = generate_tokens(sampler, [t.token_ids for t in trajectories], params)
+    per = generate_tokens(sampler, [_engine_prompt(t.token_ids, t.layout) for t in trajectories], params)
     turns = [s[0] for s in per]
     for traj, sample in zip(trajectories, turns):
         traj.append_sample(sample)

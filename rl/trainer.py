@@ -2,8 +2,10 @@
 the chosen policy loss, and pushes the new weights back into a running engine.
 
 Owns a training copy of the model (float32 master weights by default), its optimizer, and the
-recomputation of the sampled tokens' logprobs (`CausalLM.forward_packed`: the same parameters
-and kernels' math as the engine, so the mismatch metric measures numerics, not model drift).
+recomputation of the sampled tokens' logprobs (`CausalLM.forward_masked` over rows of whole
+sequences, each under the attention it was sampled with: causal, or its squid layout's mask and
+positions from `SquidLayout.dense_mask_and_positions`; the same parameters and math as the
+engine, so the mismatch metric measures numerics, not model drift).
 Must never sample and never hold engine state: weights reach the engine only through
 `update_weights` on an `LLM`, an `AsyncEngine` caller or a `RolloutClient`.
 
@@ -81,7 +83,9 @@ class Trainer:
         pos = batch.position_ids[span].to(self.device)
         lens = torch.tensor(batch.seq_lens[a:b], device=self.device)
         doc = torch.repeat_interleave(torch.arange(b - a, device=self.device), lens)
-        hidden = self.model.forward_packed(ids[None], pos[None], doc[None])[0]
+        # block-diagonal: each sequence causal or under its squid layout, never seeing another
+        mask = batch.row_mask(a, b).to(self.device)
+        hidden = self.model.forward_masked(ids[None], pos[None], mask[None])[0]
         targets = batch.loss_mask[span].to(self.device).nonzero().squeeze(1)
         # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
         logits = self.model.compute_logits(hidden[targets - 1])

@@ -4,11 +4,18 @@ token stream with a loss mask).
 Owns the shapes every other RL module passes around. Token ids are the only representation:
 nothing here tokenizes or detokenizes, so what the trainer scores is exactly what the engine
 sampled (re-rendering a chat and re-tokenizing it is how multi-turn RL silently drifts).
+
+Squid documents: a group or trajectory sampled from a prompt with documents keeps the engine's
+`SquidLayout` (prefix ids, document ids in the order given, position convention) next to its
+query ids, so the trainer rebuilds the exact attention the sampler used
+(`SquidLayout.dense_mask_and_positions`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from cuttle.engine.squid import SquidLayout
 
 
 @dataclass(slots=True)
@@ -25,11 +32,15 @@ class Sample:
 
 @dataclass(slots=True)
 class Group:
-    """G samples of one prompt: the unit of GRPO's baseline."""
+    """G samples of one prompt: the unit of GRPO's baseline.
+
+    With documents, `prompt_token_ids` is the query (the prompt after the documents) and `layout`
+    holds the prefix and the documents before it; without, `layout` is None."""
 
     prompt_token_ids: list[int]
     samples: list[Sample]
     metadata: dict[str, Any] = field(default_factory=dict)  # the task behind the prompt, for rewards
+    layout: SquidLayout | None = None
 
     @property
     def rewards(self) -> list[float]:
@@ -42,7 +53,9 @@ class Trajectory:
 
     `token_ids[i]` is scored by the trainer iff `loss_mask[i]`; `logprobs[i]` is the engine's
     logprob for model tokens and 0.0 elsewhere. `weight_versions[i]` is -1 for tokens the model
-    did not sample. Appending never re-tokenizes what is already there.
+    did not sample. Appending never re-tokenizes what is already there. With `layout` (squid
+    documents), the stream is what follows the documents: the query, then the turns; every turn
+    is sampled and scored with the prefix and documents in front.
     """
 
     token_ids: list[int]
@@ -52,11 +65,12 @@ class Trajectory:
     reward: float = 0.0
     num_turns: int = 0
     finish_reason: str | None = None
+    layout: SquidLayout | None = None
 
     @classmethod
-    def start(cls, prompt_token_ids: list[int]) -> Trajectory:
+    def start(cls, prompt_token_ids: list[int], layout: SquidLayout | None = None) -> Trajectory:
         n = len(prompt_token_ids)
-        return cls(list(prompt_token_ids), [0] * n, [0.0] * n, [-1] * n)
+        return cls(list(prompt_token_ids), [0] * n, [0.0] * n, [-1] * n, layout=layout)
 
     def append_context(self, token_ids: list[int]) -> None:
         """Tokens the model did not sample (tool output, user turn, template glue): loss mask 0."""
