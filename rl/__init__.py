@@ -3,7 +3,9 @@
 Map (docs/rl.md): `types` (Sample, Group, Trajectory), `rollout` (sample_groups over an `LLM` or
 any TokenSampler), `client` (the same over HTTP), `rewards` / `code_reward`, `advantages`,
 `losses`, `batch` (TrainBatch, PackedBatch), `mismatch`, `trainer` (reference trainer + weight
-push). Imports only the engine (and the sandbox lazily, through `code_reward`); never ray.
+push). Prompts may carry squid documents (`{"prefix", "documents", "prompt"}`): groups keep the
+engine's `SquidLayout` and the trainer scores under its mask and positions. Imports only the
+engine (and the sandbox lazily, through `code_reward`); never ray.
 """
 from cuttle.rl.advantages import compute_advantages, drop_zero_variance, group_advantages
 from cuttle.rl.batch import PackedBatch, TrainBatch
