@@ -24,7 +24,7 @@ import torch
 
 from cuttle.engine.llm_engine import LLMEngine
 from cuttle.engine.outputs import RequestOutput
-from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("cuttle.engine")
 
@@ -163,11 +163,13 @@ class AsyncEngine:
 
     # ---- the API ---------------------------------------------------------------------------
     async def add(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, cache_salt: str | None = None
     ) -> RequestStream:
         """Admit a request and return its stream of outputs once the engine has accepted it
-        (raises what `add_request` raised, or QueueFullError). Read the stream to its final
-        output, or `aclose()` it to abort; a stream dropped unread aborts too."""
+        (raises what `add_request` raised, or QueueFullError). `prompt` is anything `add_request`
+        takes (a dict: squid documents). Read the stream to its final output, or `aclose()` it to
+        abort; a stream dropped unread aborts too. The stream carries what `params.output_kind`
+        says: DELTA for a streamed response (O(L) in all), FINAL_ONLY for one output at the end."""
         if self._thread is None:
             raise EngineDeadError("engine loop is not running")
         with self._lock:
@@ -178,8 +180,10 @@ class AsyncEngine:
             loop = asyncio.get_running_loop()
             queue_: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = (loop, queue_)
+        # a FINAL_ONLY request is not detokenized step by step (its text is decoded once at the end)
+        per_step = params.output_kind != RequestOutputKind.FINAL_ONLY
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt, params, stream=True, cache_salt=cache_salt))
+            await self._call(lambda: self.engine.add_request(request_id, prompt, params, stream=per_step, cache_salt=cache_salt))
         except asyncio.CancelledError:
             # the caller left while the add was queued: it still runs, so abort right behind it
             # (on the same queue: the abort queue may be drained before the add runs)
@@ -192,7 +196,7 @@ class AsyncEngine:
         return RequestStream(self, request_id, queue_)
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput per step with progress (per `params.output_kind`), the last one
         `finished`. Leaving the iterator early (client gone) aborts the request."""

@@ -34,9 +34,9 @@ SAMPLING_FIELDS = frozenset({
     "include_stop_str_in_output",
 })
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
-                                       "cache_salt"}
+                                       "cache_salt", "documents", "prefix"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice",
-                                 "response_format", "logprobs", "top_logprobs", "cache_salt"}
+                                 "response_format", "logprobs", "top_logprobs", "cache_salt", "documents"}
 RL_FIELDS = frozenset({"prompts", "sampling_params"})
 RL_SAMPLING_FIELDS = SAMPLING_FIELDS
 
@@ -65,7 +65,9 @@ _REFUSED_WHY = {
        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                  "guided_whitespace_pattern", "structured_outputs")},
     **{k: "the server renders the model's own chat template as is"
-       for k in ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents")},
+       for k in ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")},
+    "prefix": ("prefix is a /v1/completions field; in chat the system messages are the documents' prefix "
+               "(docs/server.md)"),
     "functions": "the deprecated functions API is not supported (use tools)",
     "function_call": "the deprecated functions API is not supported (use tool_choice)",
     "return_token_ids": "return_token_ids is supported on /v1/completions only",
@@ -84,9 +86,7 @@ def check_fields(body: dict[str, Any], allowed: frozenset[str] | set[str], n: An
             if not (type(v) is type(off) and (v == off or (name == "best_of" and v == n))):
                 raise OpenAIError(f"{why}; got {name}={show(v)}", param=name)
         elif name in IGNORED_FIELDS:
-            kind, _ = IGNORED_FIELDS[name]
-            if not isinstance(v, kind):
-                raise OpenAIError(f"{name} must be of type {kind.__name__}, got {type(v).__name__}", param=name)
+            _typed(body, name, IGNORED_FIELDS[name][0], f"of type {IGNORED_FIELDS[name][0].__name__}")
         else:
             why = _REFUSED_WHY.get(name, "this server does not implement it")
             raise OpenAIError(f"{name} is not supported: {why}. cuttle refuses fields it cannot honour rather than "
@@ -94,13 +94,20 @@ def check_fields(body: dict[str, Any], allowed: frozenset[str] | set[str], n: An
 
 
 # ---- typed getters ---------------------------------------------------------------------------
-def get_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+def _typed(body: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    """The field's value if present (None if absent or null), refused unless an instance of
+    `kind` (never a bool where a number is meant): the one shape check every getter shares."""
     v = body.get(name)
     if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise OpenAIError(f"{name} must be a boolean, got {type(v).__name__}", param=name)
+        return None
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
+        raise OpenAIError(f"{name} must be {what}, got {type(v).__name__}", param=name)
     return v
+
+
+def get_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    v = _typed(body, name, bool, "a boolean")
+    return default if v is None else v
 
 
 def get_int(body: dict[str, Any], name: str, lo: int, hi: int, default: int | None = None, param: str | None = None) -> int | None:
@@ -114,11 +121,9 @@ def get_int(body: dict[str, Any], name: str, lo: int, hi: int, default: int | No
 
 def get_float(body: dict[str, Any], name: str, default: float) -> float:
     """A finite number (NaN / Infinity, which Python's json accepts, are refused here)."""
-    v = body.get(name)
+    v = _typed(body, name, (int, float), "a number")
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise OpenAIError(f"{name} must be a number, got {type(v).__name__}", param=name)
     try:
         f = float(v)
     except OverflowError:
@@ -129,12 +134,24 @@ def get_float(body: dict[str, Any], name: str, default: float) -> float:
 
 
 def get_str(body: dict[str, Any], name: str, default: str | None = None) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise OpenAIError(f"{name} must be a string, got {type(v).__name__}", param=name)
-    return v
+    v = _typed(body, name, str, "a string")
+    return default if v is None else v
+
+
+def is_token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def get_documents(body: dict[str, Any]) -> list[str | list[int]] | None:
+    """The `documents` extension (squid, docs/server.md): a list of texts or token-id lists. Their
+    contents (empty, token range, count, length) are the engine's to check; it names the field."""
+    docs = _typed(body, "documents", list, "a list of strings or token-id lists")
+    if docs is None:
+        return None
+    for i, d in enumerate(docs):
+        if not (isinstance(d, str) or is_token_ids(d)):
+            raise OpenAIError(f"documents[{i}] must be a string or a list of token ids, got {show(d)}", param="documents")
+    return docs
 
 
 def get_stream_options(body: dict[str, Any]) -> bool:
@@ -168,7 +185,7 @@ def sampling_params(body: dict[str, Any], max_tokens_field: str = "max_tokens", 
     max_field = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
     max_tokens = get_int(body, max_field, 1, 2**31 - 1)
     stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (isinstance(stop_ids, list) and all(type(t) is int for t in stop_ids)):
+    if stop_ids is not None and not is_token_ids(stop_ids):
         raise OpenAIError("stop_token_ids must be a list of integers", param="stop_token_ids")
     fields = dict(
         n=get_int(body, "n", 1, 1024, 1),
@@ -237,19 +254,30 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
 
 @dataclass(slots=True)
 class Usage:
+    """Token counts of a response. A final output's prompt counts once (`add_prompt`); generated
+    tokens are counted from every output that carries them (`add_completion`: the one final
+    output of a non-streamed request, or each delta of a streamed one)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_document_tokens: int = 0
 
-    def add(self, out: RequestOutput) -> None:
+    def add_prompt(self, out: RequestOutput) -> None:
         self.prompt_tokens += len(out.prompt_token_ids)
-        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         self.cached_tokens += out.num_cached_tokens
+        self.cached_document_tokens += out.num_cached_document_tokens
+
+    def add_completion(self, out: RequestOutput) -> None:
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
 
     def to_openai(self) -> dict[str, Any]:
+        # cached_tokens: prefix-cache hits plus squid prefix / document tokens served from the
+        # document cache; cached_document_tokens: those of them from the document cache
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens,
+                                          "cached_document_tokens": self.cached_document_tokens}}
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], text_offset0: int = 0) -> dict[str, Any]:

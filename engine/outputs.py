@@ -31,7 +31,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not computed: prefix-cache hits + num_cached_document_tokens
+    num_cached_document_tokens: int = 0  # squid prefix and document tokens served from the document cache
     metrics: dict[str, float] = field(default_factory=dict)
     # Set when processing this request failed inside the engine (e.g. its detokenizer raised): the
     # request ended there (finish_reason "abort", its KV freed) while the rest of the batch went on.

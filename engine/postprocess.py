@@ -121,6 +121,7 @@ class Postprocessor:
             outputs=outs,
             finished=finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens + req.seqs[0].num_reused_tokens,
+            num_cached_document_tokens=req.seqs[0].num_reused_tokens,
             metrics={"weight_version": req.weight_version},
             error=req.error,
         )

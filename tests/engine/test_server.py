@@ -229,3 +229,56 @@ def test_metadata_fields_and_off_values_are_accepted(live, path):
     r = raw(live, path, body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_streams_carry_only_new_tokens(live, monkeypatch):
+    """A streamed request asks the engine for DELTA outputs: each output object carries the one
+    token its step sampled and that token's text, not everything so far (O(L) per stream, not
+    O(L^2)); together they are the whole completion, and the stream equals the non-streamed one."""
+    seen: dict[str, list] = {}
+    real = live.engine._deliver
+
+    def spy(rid, item):
+        if not isinstance(item, BaseException):
+            seen.setdefault(rid, []).append(item)
+        real(rid, item)
+
+    monkeypatch.setattr(live.engine, "_deliver", spy)
+    body = {"prompt": "a b c", "max_tokens": 48, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = raw(live, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    whole = raw(live, "/v1/completions", body).json()
+    events = _events(r)
+    [rid] = [k for k, outs in seen.items() if len(outs) > 1]
+    per_step = [o.outputs[0] for o in seen[rid]]
+    assert len(per_step) == 48 and all(len(c.token_ids) == 1 for c in per_step)
+    assert [t for c in per_step for t in c.token_ids] == whole["choices"][0]["token_ids"]
+    assert "".join(c.text for c in per_step) == whole["choices"][0]["text"]
+    assert max(len(c.text) for c in per_step) < len(whole["choices"][0]["text"]) / 8
+    assert [t for e in events for ch in e["choices"] for t in ch["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert events[-1]["usage"] == whole["usage"]
+
+
+def test_streamed_samples_finish_once_and_equal_non_streamed(live):
+    """n = 3 samples that end at different steps (a stop token): each streamed choice sends its
+    finish_reason once, and its text, token ids and logprobs equal the non-streamed ones."""
+    base = {"prompt": "a b c", "n": 3, "seed": 11, "temperature": 1.0, "max_tokens": 24, "ignore_eos": True,
+            "return_token_ids": True, "logprobs": 1}
+    probe = raw(live, "/v1/completions", base).json()["choices"]
+    body = {**base, "stop_token_ids": [probe[0]["token_ids"][3]]}  # sample 0 stops at its 4th token
+    whole = sorted(raw(live, "/v1/completions", body).json()["choices"], key=lambda c: c["index"])
+    lengths = [len(c["token_ids"]) for c in whole]
+    assert lengths[0] == 4 and max(lengths) == 24
+    events = _events(raw(live, "/v1/completions", {**body, "stream": True}))
+    for c in whole:
+        mine = [ch for e in events for ch in e["choices"] if ch["index"] == c["index"]]
+        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == [c["finish_reason"]]
+        assert mine[-1]["finish_reason"] == c["finish_reason"]
+        assert "".join(ch["text"] for ch in mine) == c["text"]
+        assert [t for ch in mine for t in ch["token_ids"]] == c["token_ids"]
+        assert [x for ch in mine for x in ch["logprobs"]["token_logprobs"]] == c["logprobs"]["token_logprobs"]

@@ -491,7 +491,7 @@ async def _chat(client, url, tools, stream: bool):
 
 
 def test_tool_parser_failure_is_that_requests_500(srv, monkeypatch):
-    import cuttle.engine.server as server
+    import cuttle.engine.server.chat as server  # the chat route's module holds the tool parsers it calls
 
     real_parse, real_parser = server.parse_tool_calls, server.StreamingToolParser
 

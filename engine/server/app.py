@@ -1,0 +1,95 @@
+"""The server application: `create_app` wires auth, error handlers, the plain routes (/health,
+/metrics, /v1/models) and the route modules over one `AsyncEngine`.
+
+Owns nothing about a request's content. Auth is a plain ASGI middleware, not Starlette's
+`@app.middleware("http")` (BaseHTTPMiddleware): under that, an endpoint never sees the client's
+`http.disconnect`, and abandoned requests ran to the end (streaming.py races every handler's
+engine work against it).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from cuttle.engine.async_engine import AsyncEngine
+from cuttle.engine.metrics import ServerMetrics
+from cuttle.engine.openai_protocol import OpenAIError
+from cuttle.engine.server.body import MAX_BODY_BYTES
+from cuttle.engine.server.chat import add_chat_routes
+from cuttle.engine.server.completions import add_completion_routes
+from cuttle.engine.server.rl_routes import add_rl_routes
+from cuttle.engine.server.streaming import Serving
+from cuttle.engine.tool_parsers import PARSERS, parser_for_template
+
+log = logging.getLogger("cuttle.server")
+
+
+class _Auth:
+    """Bearer-token check for /v1 routes, as a plain ASGI middleware (see the module docstring)."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if auth != self.expected:
+                err = OpenAIError("invalid or missing API key", 401, "authentication_error", code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    llm = engine.engine
+    tok = llm.tokenizer
+    parser = tool_call_parser or parser_for_template(tok.chat_template)
+    if parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {parser!r}")
+    metrics = ServerMetrics(model_name)
+    serving = Serving(engine, model_name, metrics, max_body_bytes)
+    app = FastAPI(title="cuttle", version="0.1.0")
+    app.state.engine = engine
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        engine.start()
+
+    @app.on_event("shutdown")
+    async def _stop() -> None:
+        engine.shutdown()
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(OpenAIError(f"internal error: {e}", 500, "server_error").body(), status_code=500)
+
+    app.add_middleware(_Auth, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine._thread is not None else 503)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(metrics.render(engine.stats_snapshot), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "cuttle", "max_model_len": llm.max_model_len}]}
+
+    add_completion_routes(app, serving, tok)
+    add_chat_routes(app, serving, tok, parser)
+    add_rl_routes(app, engine, max_body_bytes, serving.disconnected)
+    return app

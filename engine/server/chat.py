@@ -1,0 +1,257 @@
+"""POST /v1/chat/completions: the model's chat template, tools (Hermes / Qwen3-Coder formats),
+`tool_choice` (by prefix forcing), `logprobs`, streaming, and squid documents (docs/server.md).
+
+Owns how a chat request becomes the engine's prompt and how samples become chat choices: the
+messages' checks, the template rendering, where documents go, the tool-call parsing of the
+output. Admission, waiting, streaming, disconnects and usage are `streaming.Serving`'s.
+
+Documents (the `documents` field, and `{"type": "document", "name", "text"}` content parts, in
+that order) are placed after the system prompt: the prefix of the squid layout is the template's
+rendering of the leading system / developer messages (with the tools, where the template puts
+them there), each document is encoded alone after it, and the query is the rest of the rendering
+(the conversation and the generation prompt). A document part is shown to the model as a `# name`
+line followed by its text, ending in a newline, so its cache key includes its name.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from cuttle.engine.openai_protocol import (
+    CHAT_FIELDS, OpenAIError, Usage, chat_logprobs, check_response_format, check_tools, get_bool, get_documents, get_int,
+    get_str, get_stream_options, sampling_params, show,
+)
+from cuttle.engine.outputs import RequestOutput
+from cuttle.engine.sampling_params import RequestOutputKind
+from cuttle.engine.server.body import read_body
+from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
+from cuttle.engine.tokenizer import Tokenizer, validate_messages
+from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls
+
+
+def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, parser: str) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        t0 = time.monotonic()
+        body = await read_body(request, serving.max_body_bytes, serving.model_name, CHAT_FIELDS)
+        if body.get("messages") is None:
+            raise OpenAIError("messages is required", param="messages")
+        messages, part_docs = _flatten_messages(body["messages"])
+        field_docs = get_documents(body) or []
+        check_response_format(body)
+        tools = check_tools(body.get("tools"))
+        choice = body.get("tool_choice")
+        if choice is None:
+            choice = "auto" if tools else "none"
+        forced_name = None
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            forced_name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type", "function") != "function" or not isinstance(forced_name, str):
+                raise OpenAIError("tool_choice must be 'auto', 'none', 'required' or {type: function, function: {name}}", param="tool_choice")
+            if not tools or forced_name not in {t["function"]["name"] for t in tools}:
+                raise OpenAIError(f"tool_choice names function {show(forced_name)}, which is not in tools", param="tool_choice")
+            choice = "named"
+        elif choice not in ("auto", "none", "required"):
+            raise OpenAIError("tool_choice must be 'auto', 'none', 'required' or {type: function, function: {name}}", param="tool_choice")
+        elif choice == "required" and not tools:
+            raise OpenAIError("tool_choice 'required' needs tools", param="tool_choice")
+        use_tools = tools is not None and choice != "none"
+        want_lp = get_bool(body, "logprobs")
+        top_n = get_int(body, "top_logprobs", 0, 20, 0)
+        if top_n and not want_lp:
+            raise OpenAIError("top_logprobs requires logprobs: true", param="top_logprobs")
+        stream = get_bool(body, "stream")
+        include_usage = get_stream_options(body)
+        salt = get_str(body, "cache_salt")
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        params = sampling_params(body, "max_completion_tokens", default_max_tokens=None, logprobs=top_n if want_lp else None,
+                                 output_kind=kind)
+        max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        # required / named tool_choice: the call's opening is written for the model (prefix forcing)
+        forced = _forced_prefix(parser, choice, forced_name)
+        forced_ids = tok.encode(forced, add_special_tokens=False) if forced else []
+        render_tools = tools if use_tools else None
+        try:
+            if field_docs or part_docs:
+                prefix_ids, query_ids = _split_after_system(tok, messages, render_tools)
+                docs = [tok.encode(d, add_special_tokens=False) if isinstance(d, str) else d for d in field_docs]
+                docs += [tok.encode(_document_text(name, text), add_special_tokens=False) for name, text in part_docs]
+                prompt: Prompt = {"prefix": prefix_ids, "documents": docs, "prompt": query_ids + forced_ids}
+            else:
+                prompt = tok.encode_chat(messages, tools=render_tools, add_generation_prompt=True) + forced_ids
+        except (ValueError, TypeError) as e:  # the template could not render these messages
+            raise OpenAIError(str(e), param="messages") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        fields = Fields("messages", max_field, documents="documents" if field_docs else "messages", prefix="messages")
+
+        def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {"id": rid, "object": "chat.completion.chunk" if stream else "chat.completion", "created": int(time.time()),
+                    "model": serving.model_name, "choices": choices, **extra}
+
+        def message_of(text: str) -> tuple[dict[str, Any], bool]:
+            text = forced + text
+            if not use_tools:
+                return {"role": "assistant", "content": text}, False
+            content, calls = parse_tool_calls(text, parser, tools)
+            if forced and not calls:
+                raise OpenAIError(f"tool_choice {choice!r} was requested but the model's output is not a valid tool call: {text[:200]!r}",
+                                  500, "server_error", param="tool_choice")
+            msg: dict[str, Any] = {"role": "assistant", "content": content or None}
+            if calls:
+                msg["tool_calls"] = [c.to_openai() for c in calls]
+            return msg, bool(calls)
+
+        if not stream:
+            def respond(finals: list[RequestOutput]) -> dict[str, Any]:
+                [out] = finals
+                usage = Usage()
+                usage.add_prompt(out)
+                usage.add_completion(out)
+                choices = []
+                for c in out.outputs:
+                    msg, called = message_of(c.text)
+                    ch = {"index": c.index, "message": msg, "logprobs": None,
+                          "finish_reason": "tool_calls" if called else c.finish_reason}
+                    if want_lp:
+                        ch["logprobs"] = {"content": chat_logprobs(tok, c.token_ids, c.logprobs or [], top_n)}
+                    choices.append(ch)
+                return frame(choices, usage=usage.to_openai())
+
+            return await serving.complete(request, [(rid, prompt)], params, salt, fields, respond, t0)
+
+        streams = await serving.open(request, [(rid, prompt)], params, salt, fields)
+        n = params.n
+        parsers = [StreamingToolParser(parser, tools) if use_tools else None for _ in range(n)]
+        text_so_far = [""] * n  # what a tool parser has been fed (it reads the growing text)
+        ncalls = [0] * n
+        # logprobs of tokens whose text is not sent yet (held for a stop string or a tool call)
+        held_ids: list[list[int]] = [[] for _ in range(n)]
+        held_lps: list[list] = [[] for _ in range(n)]
+
+        def choice_of(d: Delta) -> dict[str, Any] | None:
+            c, i = d.sample, d.sample.index
+            text = forced + c.text if d.first else c.text
+            final = c.finish_reason is not None
+            held_ids[i] += c.token_ids
+            held_lps[i] += c.logprobs or []
+            delta: dict[str, Any] = {}
+            if parsers[i] is not None:
+                text_so_far[i] += text
+                content, calls = parsers[i].feed(text_so_far[i], final=final)
+                if calls:
+                    delta["tool_calls"] = [tc.to_openai(ncalls[i] + k) for k, tc in enumerate(calls)]
+                    ncalls[i] += len(calls)
+            else:
+                content = text
+            if content:
+                delta["content"] = content
+            finish = None
+            if final:
+                if forced and ncalls[i] == 0:
+                    raise OpenAIError("tool_choice requested but the model's output is not a valid tool call",
+                                      500, "server_error", param="tool_choice")
+                finish = "tool_calls" if ncalls[i] else c.finish_reason
+            if not delta and finish is None:
+                return None
+            ch = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if want_lp and held_ids[i]:
+                ch["logprobs"] = {"content": chat_logprobs(tok, held_ids[i], held_lps[i], top_n)}
+            held_ids[i], held_lps[i] = [], []
+            return ch
+
+        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)]
+        return serving.stream(streams, choice_of, frame, include_usage, t0, opening)
+
+
+def _split_after_system(tok: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:
+    """(prefix ids, query ids): the rendering of the leading system / developer messages (with
+    the tools, and whatever else the template puts first), and the rest of the rendering. When
+    the template does not render that head as a prefix of the whole, the prefix is empty and the
+    documents come first."""
+    full = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    k = 0
+    while k < len(messages) and messages[k]["role"] in ("system", "developer"):
+        k += 1
+    try:
+        head = tok.apply_chat_template(messages[:k], tools=tools, add_generation_prompt=False)
+    except ValueError:  # e.g. a template that reads messages[0] of an empty list
+        head = ""
+    if not full.startswith(head):
+        head = ""
+    prefix = tok.encode(head, add_special_tokens=False) if head else []
+    return prefix, tok.encode(full[len(head):], add_special_tokens=False)
+
+
+def _document_text(name: str | None, text: str) -> str:
+    """How a document part reads to the model: a `# name` line, the text, a final newline."""
+    body = text if text.endswith("\n") else text + "\n"
+    return f"# {name}\n{body}" if name else body
+
+
+def _flatten_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[str | None, str]]]:
+    """Text parts joined into one string per message (the templates expect strings), and the
+    document parts taken out, in order, as (name, text); the fields a template reads are checked
+    here, so a malformed one is a 400, not an error mid-render."""
+    if not isinstance(messages, list):
+        raise OpenAIError("messages must be a list", param="messages")
+    out, docs = [], []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise OpenAIError(f"messages[{i}] must be an object", param="messages")
+        m = dict(m)
+        if isinstance(m.get("content"), list):
+            parts = []
+            for j, p in enumerate(m["content"]):
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind == "text" and isinstance(p.get("text"), str):
+                    parts.append(p["text"])
+                elif kind == "document":
+                    docs.append(_document_part(p, i, j, m.get("role")))
+                else:
+                    raise OpenAIError(f"messages[{i}].content: only text and document parts are supported", param="messages")
+            m["content"] = "".join(parts)
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise OpenAIError(f"messages[{i}].{key} must be a string", param="messages")
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments", ""), (str, dict)) for c in calls)):
+            raise OpenAIError(f"messages[{i}].tool_calls must be a list of {{type: function, function: {{name, arguments}}}}",
+                              param="messages")
+        out.append(m)
+    try:
+        validate_messages(out)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages") from None
+    return out, docs
+
+
+def _document_part(p: dict[str, Any], i: int, j: int, role: Any) -> tuple[str | None, str]:
+    where = f"messages[{i}].content[{j}]"
+    if role == "assistant":  # the model's own tokens stay where it wrote them
+        raise OpenAIError(f"{where}: document parts are not allowed in assistant messages", param="messages")
+    unknown = set(p) - {"type", "name", "text"}
+    if unknown:
+        raise OpenAIError(f"{where}: unknown document part field(s) {sorted(unknown)} (expected name, text)", param="messages")
+    name, text = p.get("name"), p.get("text")
+    if name is not None and (not isinstance(name, str) or not name or "\n" in name):
+        raise OpenAIError(f"{where}.name must be a non-empty one-line string", param="messages")
+    if not isinstance(text, str) or not text:
+        raise OpenAIError(f"{where}.text must be a non-empty string (an empty document is refused)", param="messages")
+    return name, text
+
+
+def _forced_prefix(parser: str, choice: str, name: str | None) -> str:
+    """The opening of a tool call written for the model. It stops before a space or quote: BPE
+    merges those with what follows, and a prefix cut inside such a merge reads as text the model
+    never saw in training."""
+    if choice == "named":
+        return f'<tool_call>\n{{"name": "{name}", "arguments":' if parser == "hermes" else f"<tool_call>\n<function={name}>\n"
+    if choice == "required":
+        return '<tool_call>\n{"name":' if parser == "hermes" else "<tool_call>\n<function="
+    return ""

@@ -1,0 +1,122 @@
+"""POST /v1/completions: text or token-id prompts (one or a list), `n`, `echo`, `logprobs`,
+`return_token_ids`, streaming, and squid documents (`documents`, `prefix`; docs/server.md).
+
+Owns the completions wire format of a request and of its choices only; admission, waiting,
+streaming, disconnects and usage are `streaming.Serving`'s.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from cuttle.engine.openai_protocol import (
+    COMPLETION_FIELDS, OpenAIError, Usage, completion_logprobs, get_bool, get_documents, get_int, get_str, get_stream_options,
+    is_token_ids, sampling_params,
+)
+from cuttle.engine.outputs import CompletionOutput, RequestOutput
+from cuttle.engine.sampling_params import RequestOutputKind
+from cuttle.engine.server.body import read_body
+from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
+from cuttle.engine.tokenizer import Tokenizer
+
+
+def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        t0 = time.monotonic()
+        body = await read_body(request, serving.max_body_bytes, serving.model_name, COMPLETION_FIELDS)
+        if body.get("prompt") is None:
+            raise OpenAIError("prompt is required", param="prompt")
+        prompts = _prompts(body["prompt"])
+        echo = get_bool(body, "echo")
+        lp = get_int(body, "logprobs", 0, 20)
+        stream = get_bool(body, "stream")
+        include_usage = get_stream_options(body)
+        want_ids = get_bool(body, "return_token_ids")
+        salt = get_str(body, "cache_salt")
+        documents = get_documents(body)
+        prefix = body.get("prefix")
+        if prefix is not None and not (isinstance(prefix, str) or is_token_ids(prefix)):
+            raise OpenAIError("prefix must be a string or a list of token ids", param="prefix")
+        squid = bool(documents) or prefix is not None
+        if squid and echo and lp is not None:
+            raise OpenAIError("echo with logprobs needs the prompt's logprobs, which are not computed for prompts with documents",
+                              param="documents")
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        params = sampling_params(body, logprobs=lp, prompt_logprobs=lp if echo and lp is not None else None, output_kind=kind)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        # every prompt of the request is a query over the same prefix and documents (computed once)
+        items: list[tuple[str, Prompt]] = [
+            (f"{rid}-{i}", _squid_prompt(p, prefix, documents) if squid else p) for i, p in enumerate(prompts)]
+        fields = Fields("prompt")
+        # echo repeats the `prompt` field as sent (with documents: the query, not the documents)
+        echoed = [(p if isinstance(p, str) else tok.decode(p, False)) if echo else "" for p in prompts]
+
+        def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name,
+                    "choices": choices, **extra}
+
+        if not stream:
+            def choice_logprobs(out: RequestOutput, c: CompletionOutput) -> dict[str, Any] | None:
+                if lp is None:
+                    return None
+                ids, lps = list(c.token_ids), list(c.logprobs or [])
+                if echo:
+                    ids = out.prompt_token_ids + ids
+                    lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
+                return completion_logprobs(tok, ids, lps)
+
+            def respond(finals: list[RequestOutput]) -> dict[str, Any]:
+                usage = Usage()
+                choices = []
+                for i, out in enumerate(finals):
+                    usage.add_prompt(out)
+                    usage.add_completion(out)
+                    for c in out.outputs:
+                        ch = {"index": i * params.n + c.index, "text": echoed[i] + c.text, "logprobs": choice_logprobs(out, c),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        if want_ids:
+                            ch["prompt_token_ids"], ch["token_ids"] = out.prompt_token_ids, c.token_ids
+                        choices.append(ch)
+                return frame(choices, usage=usage.to_openai())
+
+            return await serving.complete(request, items, params, salt, fields, respond, t0)
+
+        streams = await serving.open(request, items, params, salt, fields)
+
+        def choice(d: Delta) -> dict[str, Any] | None:
+            c = d.sample
+            text = echoed[d.prompt] + c.text if d.first else c.text
+            if not text and c.finish_reason is None and not c.token_ids:
+                return None
+            ch = {"index": d.prompt * params.n + c.index, "text": text, "logprobs": None,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if lp is not None:
+                ch["logprobs"] = completion_logprobs(tok, c.token_ids, c.logprobs or [])
+            if want_ids:
+                ch["token_ids"] = c.token_ids
+            return ch
+
+        return serving.stream(streams, choice, frame, include_usage, t0)
+
+
+def _squid_prompt(query: str | list[int], prefix: Any, documents: list[str | list[int]] | None) -> dict[str, Any]:
+    """The engine's prompt dict (engine/squid.py): prefix, then each document encoded alone after
+    it, then the query. Texts are tokenized by the engine, as a plain text prompt is."""
+    p: dict[str, Any] = {"documents": documents or [], "prompt": query}
+    if prefix is not None:
+        p["prefix"] = prefix
+    return p
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if is_token_ids(prompt) and prompt:
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or (is_token_ids(p) and p) for p in prompt):
+        return list(prompt)
+    raise OpenAIError("prompt must be a string, a list of strings, a list of token ids, or a list of those (non-empty)", param="prompt")

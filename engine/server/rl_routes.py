@@ -1,0 +1,90 @@
+"""Routes for RL trainers (`cuttle.rl.RolloutClient` speaks them); under /v1, so behind auth.
+
+POST /v1/rl/generate        {"prompts": [[ids], ...], "sampling_params": {...}} -> one entry per
+                            prompt: {"weight_version", "samples": [{"token_ids", "logprobs",
+                            "finish_reason", "text"}]}. Token ids in and out; `n` samples per
+                            prompt fork from one prefill; logprobs are the engine's (processed).
+                            A trainer that disconnects aborts all of its rollouts.
+POST /v1/rl/update_weights  body: a safetensors file (HF or engine parameter names; not
+                            subject to the JSON body limit); ?in_flight=abort|finish ->
+                            {"weight_version"}
+GET  /v1/rl/weight_version  -> {"weight_version"}
+
+Owns these routes' wire format only; admission and disconnects are `streaming.Serving`'s.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from cuttle.engine.async_engine import AsyncEngine
+from cuttle.engine.openai_protocol import RL_FIELDS, RL_SAMPLING_FIELDS, OpenAIError, check_fields, sampling_params
+from cuttle.engine.outputs import RequestOutput
+from cuttle.engine.sampling_params import RequestOutputKind
+from cuttle.engine.server.body import MAX_BODY_BYTES, json_body
+from cuttle.engine.server.streaming import Fields, Serving
+
+
+def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_BODY_BYTES,
+                  on_disconnect: Callable[[], None] = lambda: None) -> None:
+    from safetensors.torch import load as load_safetensors
+
+    llm = engine.engine
+    # no latency metrics: rollouts are not the serving traffic the histograms describe
+    serving = Serving(engine, "", None, max_body_bytes, on_disconnect)
+
+    @app.post("/v1/rl/generate")
+    async def rl_generate(request: Request) -> dict[str, Any]:
+        t0 = time.monotonic()
+        body = await json_body(request, max_body_bytes)
+        check_fields(body, RL_FIELDS)
+        prompts = body.get("prompts")
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) and p for p in prompts):
+            raise OpenAIError("prompts must be a non-empty list of non-empty token-id lists", param="prompts")
+        raw = body.get("sampling_params") or {}
+        if not isinstance(raw, dict):
+            raise OpenAIError("sampling_params must be an object", param="sampling_params")
+        try:
+            check_fields(raw, RL_SAMPLING_FIELDS, raw.get("n", 1))
+            params = sampling_params(raw, default_max_tokens=None, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        except OpenAIError as e:
+            e.param = f"sampling_params.{e.param}" if e.param else "sampling_params"
+            raise
+        base = uuid.uuid4().hex
+
+        def respond(finals: list[RequestOutput]) -> dict[str, Any]:
+            results = []
+            for out in finals:
+                samples = [
+                    {"token_ids": c.token_ids, "logprobs": [d[t].logprob for d, t in zip(c.logprobs or [], c.token_ids)],
+                     "finish_reason": c.finish_reason, "text": c.text}
+                    for c in out.outputs
+                ]
+                results.append({"weight_version": int(out.metrics["weight_version"]), "samples": samples})
+            return {"results": results}
+
+        items = [(f"rl-{base}-{i}", p) for i, p in enumerate(prompts)]
+        fields = Fields("prompts", "sampling_params.max_tokens", "sampling_params.n")
+        return await serving.complete(request, items, params, None, fields, respond, t0, observe=False)
+
+    @app.post("/v1/rl/update_weights")
+    async def rl_update_weights(request: Request, in_flight: str = "abort") -> dict[str, Any]:
+        if in_flight not in ("abort", "finish"):
+            raise OpenAIError("in_flight must be 'abort' or 'finish'", param="in_flight")
+        try:
+            tensors = load_safetensors(await request.body())
+        except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+            raise OpenAIError(f"body is not a safetensors file: {e}") from None
+        try:
+            version = await engine.update_weights(tensors.items(), in_flight)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        return {"weight_version": version}
+
+    @app.get("/v1/rl/weight_version")
+    async def rl_weight_version() -> dict[str, Any]:
+        return {"weight_version": llm.weight_version}
