@@ -3,9 +3,10 @@ or sharded index, memory-mapped), HF tensor names sliced into the fused paramete
 
 Owns the name mapping from HF layouts to `CausalLM`: every family's attention (q|k|v or MLA),
 dense MLPs, routed experts (per-expert, Mixtral's w1/w2/w3, transformers-5 fused, MXFP8 as
-`cuttle.moe.checkpoint` writes them), routers, expert-choice biases and shared experts. Every
-parameter must be filled exactly once from a tensor of the right shape; anything else is a clear
-error naming the tensor. Quantizing experts is `moe_quant`'s job; this module only routes tensors.
+`cuttle.moe.checkpoint` writes them), routers, expert-choice biases, shared experts, and NSA
+layers' gates and compression weights. Every parameter must be filled exactly once from a tensor
+of the right shape; anything else is a clear error naming the tensor. Quantizing experts is
+`moe_quant`'s job; this module only routes tensors.
 """
 from __future__ import annotations
 
@@ -271,6 +272,10 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
         })
         return table
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    # NSA layers (cuttle.engine.models.nsa_config): gates under fla-org's name, phi's weights
+    table["self_attn.g_proj.weight"] = ("attn.g_weight", None)
+    table["self_attn.compress_k.weight"] = ("attn.ck_weight", None)
+    table["self_attn.compress_v.weight"] = ("attn.cv_weight", None)
     table["self_attn.q_norm.weight"] = ("attn.q_norm.weight", None)
     table["self_attn.k_norm.weight"] = ("attn.k_norm.weight", None)
     for proj, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):

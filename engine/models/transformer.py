@@ -10,6 +10,9 @@ ops between the projections (residual add + RMSNorm, q/k norm + RoPE, silu * up)
 fused CPU kernels of `cuttle.attention.native.fused` (bit-identical to the torch code they replace,
 which runs on other devices and under autograd). The forward takes a flattened, unpadded batch
 and the attention metadata; it never owns KV memory (the runner hands each layer its cache views).
+A config.json with an `"nsa"` object makes every attention layer an `NSAAttention` (natively
+sparse attention: `cuttle.attention.nsa`), whose inference path goes through the NSA backend and
+whose training path through the same torch reference.
 """
 from __future__ import annotations
 
@@ -21,10 +24,12 @@ from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
 from cuttle.attention.native.gemm import linear
+from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend
 from cuttle.attention.rope import RotaryEmbedding, apply_rope
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
 from cuttle.engine.models.mla import MLAttention
+from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.moe import FusedMoE, RoutingConfig, SharedExpert
 
 
@@ -60,8 +65,8 @@ class Attention(nn.Module):
         o, _ = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return linear(o.reshape(-1, self.q_size), self.o_weight)
 
-    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Training path: x [B, S, hidden], mask [B, 1, S, S] (True = may attend); no KV cache."""
+    def _qkv_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Training-path projections of x [B, S, hidden]: q [B, S, H, D], k and v [B, S, Hkv, D]."""
         B, S, _ = x.shape
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -70,11 +75,66 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-        k = apply_rope(k, cos, sin).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.reshape(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin).view(B, S, self.num_heads, self.head_dim)
+        k = apply_rope(k, cos, sin).view(B, S, self.num_kv_heads, self.head_dim)
+        return q, k, v.reshape(B, S, self.num_kv_heads, self.head_dim)
+
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Training path: x [B, S, hidden], mask [B, 1, S, S] (True = may attend); no KV cache."""
+        B, S, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self._qkv_dense(x, cos, sin))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return F.linear(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight)
+
+
+class NSAAttention(Attention):
+    """Natively sparse attention (arXiv 2502.11089): the dense layer's projections plus per-head
+    gates (sigmoid of a linear map of the layer input, fla-org's `g_proj` layout: row 3*h + branch)
+    and phi's weights. Inference hands q/k/v, the gates and `compress_windows` to the backend's
+    `forward_nsa` (paged raw + compressed caches); training runs `cuttle.attention.nsa.nsa_attend`,
+    the same reference the backends are tested against."""
+
+    def __init__(self, cfg: ModelConfig, nsa: NSAConfig, dtype: torch.dtype, layer_id: int = 0):
+        super().__init__(cfg, dtype, layer_id)
+        self.nsa = nsa
+        self.g_weight = empty_param(3 * self.num_heads, cfg.hidden_size, dtype=dtype)
+        self.ck_weight: nn.Parameter | None = None
+        self.cv_weight: nn.Parameter | None = None
+        if nsa.compress_fn == "linear":
+            width = nsa.compress_block * self.head_dim
+            self.ck_weight = empty_param(self.num_kv_heads, width, self.head_dim, dtype=dtype)
+            self.cv_weight = empty_param(self.num_kv_heads, width, self.head_dim, dtype=dtype)
+
+    def compress_windows(self, wk: torch.Tensor, wv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """phi over blocks of cached keys and values [E, Hkv, l, D] -> ([E, Hkv, D], [E, Hkv, D])."""
+        return compress_windows(wk, self.ck_weight, self.nsa), compress_windows(wv, self.cv_weight, self.nsa)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qn, kn = self.q_norm, self.k_norm
+        q, k, v = qk_norm_rope(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
+            kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
+        )
+        gates = torch.sigmoid(linear(x, self.g_weight)).view(-1, self.num_heads, 3)
+        o = backend.forward_nsa(self.layer_id, q, k, v, gates, kv_cache, meta, self.scale, self.compress_windows)
+        return linear(o.reshape(-1, self.q_size), self.o_weight)
+
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Training path over causal rows: x [B, S, hidden]; `mask` must be the plain causal mask
+        (NSA's branches define their own visibility: packed documents and squid layouts are refused)."""
+        B, S, _ = x.shape
+        causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+        if not bool((mask == causal).all()):
+            raise NotImplementedError("NSA layers train on plain causal rows only (no packed documents or squid layouts)")
+        q, k, v = self._qkv_dense(x, cos, sin)
+        gates = torch.sigmoid(F.linear(x, self.g_weight)).view(B, S, self.num_heads, 3)
+        pos = torch.arange(S, device=x.device)
+        rows = []
+        for b in range(B):
+            ck, cv = compress(k[b], self.ck_weight, self.nsa), compress(v[b], self.cv_weight, self.nsa)
+            rows.append(nsa_attend(q[b], k[b], v[b], ck, cv, gates[b], pos, self.nsa, self.scale)[0])
+        return F.linear(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight)
 
 
 class DenseMLP(nn.Module):
@@ -89,10 +149,16 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, nsa: NSAConfig | None = None):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn: nn.Module = MLAttention(cfg, dtype, layer_id) if cfg.mla is not None else Attention(cfg, dtype, layer_id)
+        self.attn: nn.Module
+        if cfg.mla is not None:
+            self.attn = MLAttention(cfg, dtype, layer_id)
+        elif nsa is not None:
+            self.attn = NSAAttention(cfg, nsa, dtype, layer_id)
+        else:
+            self.attn = Attention(cfg, dtype, layer_id)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # `mlp` is the routed FusedMoE or the dense MLP; a shared expert sits beside the routed one
         self.shared: SharedExpert | None = None
@@ -131,8 +197,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cfg = cfg
+        self.nsa = nsa_config(cfg.hf_config)  # None: dense attention
         self.embed = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, self.nsa) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = self.embed if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
@@ -141,11 +208,12 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Returns final hidden states [T, hidden] (logits are computed only for the rows needed)."""
+        """Returns final hidden states [T, hidden] (logits are computed only for the rows needed).
+        A layer's cache is (k, v), or (k, v, compressed k, compressed v) for an NSA model."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.tables(positions, x.dtype)
         delta = None
@@ -183,6 +251,8 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             if isinstance(layer.attn, Attention):
                 out += [layer.attn.qkv_weight, layer.attn.o_weight]
+            if isinstance(layer.attn, NSAAttention):
+                out.append(layer.attn.g_weight)
             if isinstance(layer.mlp, DenseMLP):
                 out += [layer.mlp.gate_up_weight, layer.mlp.down_weight]
         return out
