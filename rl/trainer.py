@@ -9,10 +9,14 @@ engine, so the mismatch metric measures numerics, not model drift).
 Must never sample and never hold engine state: weights reach the engine only through
 `update_weights` on an `LLM`, an `AsyncEngine` caller or a `RolloutClient`.
 
-One `step` is one optimizer step over the whole batch (micro-batched by tokens, gradients
-accumulated); the old policy is the trainer's own weights at the start of the step, as in
-on-policy GRPO with a single update per batch. The engine's logprobs enter only through TIS and
-the mismatch metric.
+One `step` is `minibatches` optimizer steps over consecutive parts of the batch (each micro-batched
+by tokens, gradients accumulated). The PPO/GRPO ratio's old policy (`old_policy`) is either the
+behaviour policy, the engine's logprobs of the sampled tokens (default: the ratio then also
+corrects for stale weights and sampler/trainer mismatch, and its clip binds wherever the policy
+has moved away from what sampled), or the trainer's own logprobs scored once at the start of the
+step ("start", classic PPO; the clip then binds from the second minibatch on, and TIS corrects
+the sampler gap). Never the current logprobs detached: that ratio is 1 by construction and the
+clip could never bind.
 """
 from __future__ import annotations
 
@@ -44,6 +48,17 @@ class TrainerConfig:
     temperature: float = 1.0  # must equal the rollout's, so the trainer scores the sampling distribution
     max_tokens_per_row: int = 2048  # micro-batch size: whole sequences packed into one row
     dtype: str = "float32"
+    old_policy: str = "behaviour"  # the ratio's denominator: "behaviour" (engine logprobs) or "start"
+    minibatches: int = 1  # optimizer steps per batch, each over a consecutive part of its sequences
+
+    def __post_init__(self) -> None:
+        if self.old_policy not in OLD_POLICIES:
+            raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
+        if self.minibatches < 1:
+            raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
+
+
+OLD_POLICIES = ("behaviour", "start")
 
 
 class Trainer:
@@ -62,17 +77,19 @@ class Trainer:
         self.num_steps = 0
 
     # ---- scoring ---------------------------------------------------------------------------
-    def _rows(self, batch: PackedBatch) -> Iterator[tuple[int, int]]:
-        """Consecutive sequence ranges [a, b) whose tokens fit one row (a longer one goes alone)."""
+    def _rows(self, batch: PackedBatch, first: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
+        """Consecutive sequence ranges [a, b) within [first, end) whose tokens fit one row (a
+        longer one goes alone)."""
         lens = batch.seq_lens
-        a, total = 0, 0
-        for i, n in enumerate(lens):
-            if i > a and total + n > self.config.max_tokens_per_row:
+        end = len(lens) if end is None else end
+        a, total = first, 0
+        for i in range(first, end):
+            if i > a and total + lens[i] > self.config.max_tokens_per_row:
                 yield a, i
                 a, total = i, 0
-            total += n
-        if a < len(lens):
-            yield a, len(lens)
+            total += lens[i]
+        if a < end:
+            yield a, end
 
     def _row_logprobs(self, batch: PackedBatch, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, slice]:
         """Logprobs of the trained tokens of sequences [a, b) (autograd follows the caller's mode),
@@ -103,37 +120,50 @@ class Trainer:
 
     # ---- training --------------------------------------------------------------------------
     def step(self, batch: TrainBatch | PackedBatch) -> dict[str, float]:
-        """One AdamW step on the configured loss; returns loss, grad norm, mismatch and reward stats."""
+        """`minibatches` AdamW steps on the configured loss; returns loss, grad norm, clip fraction,
+        mismatch (of the logprobs at the start of the step) and reward stats."""
         t0 = time.perf_counter()
         packed = batch.packed() if isinstance(batch, TrainBatch) else batch
         cfg = self.config.loss
         trained_per_seq = [int(packed.loss_mask[s:e].sum().item()) for s, e in zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist())]
-        norm = Normalizer(packed.num_seqs, sum(trained_per_seq), cfg.max_len or max(trained_per_seq, default=1))
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total_loss, clip_fracs, scored = 0.0, [], []
-        for a, b in self._rows(packed):
-            lp, seq_idx, span = self._row_logprobs(packed, a, b)
-            mask = packed.loss_mask[span] > 0
-            rollout = packed.rollout_logprobs[span][mask].to(lp.device)
-            loss, stats = policy_loss(lp, lp.detach(), rollout, packed.advantages[a:b].to(lp.device), seq_idx, b - a, cfg, norm)
-            loss.backward()
-            total_loss += loss.item()
-            clip_fracs.append(stats["clip_frac"])
-            scored.append(lp.detach().cpu())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip or float("inf")).item()
-        self.optimizer.step()
-        self.num_steps += 1
         rollout_all = packed.rollout_logprobs[packed.loss_mask > 0]
+        # offsets of each sequence's trained tokens in the flat (stream-order) vector
+        starts = [0]
+        for n in trained_per_seq:
+            starts.append(starts[-1] + n)
+        k = min(self.config.minibatches, packed.num_seqs)
+        # scored before any update: the old policy for "start", and with several minibatches the
+        # only logprobs that measure the sampler mismatch against these weights
+        start_lp = self.score(packed) if self.config.old_policy == "start" or k > 1 else None
+        old_all = start_lp if self.config.old_policy == "start" else rollout_all
+        bounds = [round(i * packed.num_seqs / k) for i in range(k + 1)]
+        self.model.train()
+        total_loss, clip_fracs, grad_norms, scored = 0.0, [], [], []
+        for m0, m1 in zip(bounds, bounds[1:]):
+            norm = Normalizer(m1 - m0, sum(trained_per_seq[m0:m1]), cfg.max_len or max(trained_per_seq, default=1))
+            self.optimizer.zero_grad(set_to_none=True)
+            for a, b in self._rows(packed, m0, m1):
+                lp, seq_idx, span = self._row_logprobs(packed, a, b)
+                flat = slice(starts[a], starts[b])
+                old, rollout = old_all[flat].to(lp.device), rollout_all[flat].to(lp.device)
+                loss, stats = policy_loss(lp, old, rollout, packed.advantages[a:b].to(lp.device), seq_idx, b - a, cfg, norm)
+                loss.backward()
+                total_loss += loss.item()
+                clip_fracs.append(stats["clip_frac"])
+                scored.append(lp.detach().cpu())
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip or float("inf")).item())
+            self.optimizer.step()
+        self.num_steps += 1
+        trainer_lp = start_lp if start_lp is not None else torch.cat(scored)  # k == 1: scored before the update
         return {
-            "loss": total_loss,
-            "grad_norm": grad_norm,
+            "loss": total_loss / k,
+            "grad_norm": max(grad_norms),
             "clip_frac": sum(clip_fracs) / max(len(clip_fracs), 1),
             "reward_mean": packed.rewards.mean().item(),
             "num_seqs": float(packed.num_seqs),
-            "num_trained_tokens": float(norm.num_tokens),
+            "num_trained_tokens": float(sum(trained_per_seq)),
             "train_seconds": time.perf_counter() - t0,
-            **mismatch(torch.cat(scored), rollout_all).to_dict(),
+            **mismatch(trainer_lp, rollout_all).to_dict(),
         }
 
     # ---- weight sync -----------------------------------------------------------------------

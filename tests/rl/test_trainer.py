@@ -2,6 +2,8 @@
 and weight push back into the engine."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -83,3 +85,56 @@ def test_mismatch_metric_values():
     assert m.max_abs == pytest.approx(0.5) and m.mean_abs == pytest.approx(0.25)
     assert m.k3_kl == pytest.approx((torch.tensor(0.5).exp().item() - 1 - 0.5) / 2)
     assert mismatch(torch.zeros(0), torch.zeros(0)).num_tokens == 0
+
+
+def _skewed(batch: TrainBatch, trainer: Trainer, shift: float) -> TrainBatch:
+    """`batch` with behaviour logprobs = the trainer's own minus `shift` (ratio exp(shift) on every token)."""
+    packed = batch.packed()
+    rollout = packed.rollout_logprobs.clone()
+    rollout[packed.loss_mask > 0] = trainer.score(batch) - shift
+    packed.rollout_logprobs = rollout
+    return packed
+
+
+def _params(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in trainer.params])
+
+
+def test_behaviour_logprobs_are_the_old_policy_so_the_clip_binds(moe_path, rollout):
+    _, groups = rollout
+    g = groups[1]
+    trainer = Trainer(moe_path, TrainerConfig(lr=1e-3, grad_clip=None))
+    # the policy has moved to ratio 1.5 > 1 + 0.2 since sampling: with A > 0 every token is clipped
+    up = _skewed(TrainBatch.from_groups([g], [[1.0] * 8]), trainer, math.log(1.5))
+    before = _params(trainer)
+    stats = trainer.step(up)
+    assert stats["clip_frac"] == 1.0 and stats["grad_norm"] == 0.0
+    assert torch.equal(_params(trainer), before), "a fully clipped batch must not move the weights"
+    # A < 0: min() keeps the unclipped term, the gradient flows (ratio 1.5 times the on-policy one)
+    down = _skewed(TrainBatch.from_groups([g], [[-1.0] * 8]), trainer, math.log(1.5))
+    stats = trainer.step(down)
+    assert stats["clip_frac"] == 0.0 and stats["grad_norm"] > 0
+    assert not torch.equal(_params(trainer), before)
+
+
+def test_start_of_step_old_policy_ignores_the_behaviour_gap(moe_path, rollout):
+    _, groups = rollout
+    trainer = Trainer(moe_path, TrainerConfig(lr=1e-3, grad_clip=None, old_policy="start"))
+    up = _skewed(TrainBatch.from_groups([groups[1]], [[1.0] * 8]), trainer, math.log(1.5))
+    before = _params(trainer)
+    stats = trainer.step(up)
+    # ratio 1 against the start-of-step policy: nothing clipped, the weights move
+    assert stats["clip_frac"] == 0.0 and stats["grad_norm"] > 0
+    assert not torch.equal(_params(trainer), before)
+    assert stats["mismatch_max_abs"] == pytest.approx(math.log(1.5), abs=1e-5)
+
+
+def test_minibatches_take_one_optimizer_step_each(moe_path, rollout):
+    _, groups = rollout
+    batch = TrainBatch.from_groups(groups[:2], compute_advantages(groups[:2], True))
+    trainer = Trainer(moe_path, TrainerConfig(lr=1e-3, minibatches=2))
+    stats = trainer.step(batch)
+    assert trainer.optimizer.state[trainer.params[0]]["step"].item() == 2
+    assert stats["mismatch_max_abs"] <= 1e-5 and stats["mismatch_num_tokens"] == batch.packed().num_trained_tokens
+    with pytest.raises(ValueError, match="old_policy"):
+        TrainerConfig(old_policy="current")
