@@ -4,7 +4,9 @@ format, whole or streamed.
 
 Owns only text -> (content, tool calls). The streaming parser never emits text that could still
 turn out to be part of a tool call, and its deltas always add up to the whole-text parse, however
-the text is split.
+the text is split. Every parsed call keeps the exact block the model wrote (`ToolCall.text`,
+`<tool_call>` to `</tool_call>`), so a caller that must reproduce the model's tokens (an agent's
+next turn, an RL trajectory) never has to re-serialize the arguments.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object, as text (the OpenAI wire format)
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    text: str = ""  # the model's exact block, "<tool_call>...</tool_call>" (not sent on the wire)
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -76,23 +79,43 @@ def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> Too
     return ToolCall(name, json.dumps(args))
 
 
-def parse_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
-    """Whole text -> (content outside tool-call blocks, calls). An unparseable block stays content."""
+@dataclass(slots=True)
+class ParsedOutput:
+    content: str  # text outside the parsed calls (stripped when there are calls), as the server returns it
+    calls: list[ToolCall]
+    malformed: list[str]  # blocks that open a tool call but do not parse (or never close), verbatim
+
+
+def split_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]] | None = None) -> ParsedOutput:
+    """Whole text -> content, calls, and the malformed blocks (which stay part of the content)."""
     if fmt not in PARSERS:
         raise ValueError(f"tool-call parser must be one of {', '.join(PARSERS)}, got {fmt!r}")
     calls: list[ToolCall] = []
+    malformed: list[str] = []
     content_parts: list[str] = []
     pos = 0
     for m in _BLOCK.finditer(text):
         call = _parse_block(m.group(1), fmt, tools)
         if call is None:
+            malformed.append(m.group(0))
             continue
+        call.text = m.group(0)
         content_parts.append(text[pos : m.start()])
         calls.append(call)
         pos = m.end()
     content_parts.append(text[pos:])
+    last_close = text.rfind(CLOSE)
+    unterminated = text.find(OPEN, last_close + len(CLOSE) if last_close >= 0 else 0)
+    if unterminated != -1:
+        malformed.append(text[unterminated:])
     content = "".join(content_parts)
-    return (content.strip() if calls else content), calls
+    return ParsedOutput(content.strip() if calls else content, calls, malformed)
+
+
+def parse_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
+    """Whole text -> (content outside tool-call blocks, calls). An unparseable block stays content."""
+    parsed = split_tool_calls(text, fmt, tools)
+    return parsed.content, parsed.calls
 
 
 def _partial_suffix(text: str, token: str) -> int:
@@ -138,6 +161,7 @@ class StreamingToolParser:
             if call is None:
                 content += rest[start:block_end]
             else:
+                call.text = rest[start:block_end]
                 new_calls.append(call)
             self.sent += block_end - start
         self.calls += new_calls

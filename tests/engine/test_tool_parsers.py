@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls, parser_for_template
+from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls, parser_for_template, split_tool_calls
 
 HERMES = (
     "Let me check both.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
@@ -59,7 +59,7 @@ def test_streaming_equals_whole_for_any_split(fmt, text, seed):
         content += d
         calls += new
     whole_content, whole_calls = parse_tool_calls(text, fmt, TOOLS)
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+    assert [(c.name, c.arguments, c.text) for c in calls] == [(c.name, c.arguments, c.text) for c in whole_calls]
     if whole_calls:
         assert content.strip() == whole_content
     else:
@@ -71,3 +71,26 @@ def test_parser_choice_from_template():
     assert parser_for_template("{{ '<tool_call>' }}") == "hermes"
     with pytest.raises(ValueError, match="tool-call parser"):
         parse_tool_calls("x", "pythonic")
+
+
+def test_calls_keep_the_exact_block_the_model_wrote():
+    # spacing and key order the canonical re-serialisation would change: the text keeps them
+    text = 'ok <tool_call>\n{"arguments": {"path":"a.py"},  "name": "read_file"}\n</tool_call>\n' + CODER
+    _, calls = parse_tool_calls(text, "hermes")
+    assert calls[0].arguments == '{"path": "a.py"}'
+    assert calls[0].text == '<tool_call>\n{"arguments": {"path":"a.py"},  "name": "read_file"}\n</tool_call>'
+    assert text.count(calls[0].text) == 1
+    _, coder = parse_tool_calls(CODER, "qwen3_coder", TOOLS)
+    assert coder[0].text == CODER
+    assert "text" not in json.dumps(coder[0].to_openai())  # the wire format is unchanged
+
+
+def test_split_reports_malformed_blocks_verbatim():
+    broken = '<tool_call>\n{not json}\n</tool_call>'
+    good = '<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call>'
+    cut = '<tool_call>\n{"name": "y", "argu'
+    parsed = split_tool_calls(f"a {broken} b {good} c {cut}")
+    assert [c.name for c in parsed.calls] == ["x"]
+    assert parsed.malformed == [broken, cut]
+    assert parsed.content == f"a {broken} b  c {cut}".strip()
+    assert split_tool_calls(HERMES).malformed == []
