@@ -169,12 +169,26 @@ def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def _softmax_masked(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if s.shape[-1] == 0:  # no key at all (a sequence shorter than one compressed block)
+        return s
     s = s.masked_fill(~mask, float("-inf"))
     mx = s.amax(-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
     e = torch.exp(s - mx)
     den = e.sum(-1, keepdim=True)
     return e / torch.where(den > 0, den, torch.ones_like(den))
+
+
+def compressed_probs(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, cfg: NSAConfig, scale: float) -> torch.Tensor:
+    """The compression branch's attention probabilities p_cmp [M, H, Nc] of query rows q [M, H, D]
+    at indices q_pos over compressed keys ck [Nc, Hkv, D] (entries a row cannot see, and every
+    entry of a row that sees none, get 0). Also the input of the selection scores."""
+    group = q.shape[1] // ck.shape[1]
+    t = q_pos.to(q.device)[:, None]
+    nc_vis = torch.clamp(torch.div(t + 1 - cfg.compress_block, cfg.compress_stride, rounding_mode="floor") + 1, min=0)
+    cmask = torch.arange(ck.shape[0], device=q.device)[None, :] < nc_vis  # [M, Nc]
+    s = torch.einsum("mhd,nhd->mhn", q, ck.to(q.dtype).repeat_interleave(group, 1)) * scale
+    return _softmax_masked(s, cmask[:, None, :])
 
 
 def nsa_attend(
@@ -194,13 +208,10 @@ def nsa_attend(
     m, h, _ = q.shape
     num_keys, hkv = k.shape[0], k.shape[1]
     group = h // hkv
-    l, d, lp = cfg.compress_block, cfg.compress_stride, cfg.select_block
+    lp = cfg.select_block
     t = q_pos.to(q.device)[:, None]
     # compression branch
-    nc_vis = torch.clamp(torch.div(t + 1 - l, d, rounding_mode="floor") + 1, min=0)  # [M, 1]
-    cmask = torch.arange(ck.shape[0], device=q.device)[None, :] < nc_vis  # [M, Nc]
-    s = torch.einsum("mhd,nhd->mhn", q, ck.to(q.dtype).repeat_interleave(group, 1)) * scale
-    p_cmp = _softmax_masked(s, cmask[:, None, :])
+    p_cmp = compressed_probs(q, ck, q_pos, cfg, scale)
     o_cmp = torch.einsum("mhn,nhd->mhd", p_cmp, cv.to(q.dtype).repeat_interleave(group, 1))
     # selection branch: Eq. 9 + 10 scores, top-n, then attention over the chosen blocks' keys
     num_blocks = -(-num_keys // lp)

@@ -6,6 +6,9 @@ token, plus the block tables and sequence lengths the attention backend reads. L
 computed only for the rows that are sampled (the last token of a sequence that reaches its end)
 and the prompt rows whose logprobs were asked for. Pending copy-on-write block copies run first.
 The model is loaded here, with its routed experts in MXFP8 when `EngineConfig.moe_quant` asks.
+An NSA model (config.json's "nsa") also gets its compressed K/V cache here, one more paged tensor
+per layer indexed by the raw cache's block ids (attention/nsa_backend.py), and the NSA backend
+around the dense one.
 """
 from __future__ import annotations
 
@@ -16,9 +19,11 @@ import torch
 from cuttle.attention.backend import get_backend
 from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout
 from cuttle.attention.native import gemm
+from cuttle.attention.nsa_backend import NSABackend, compressed_slots_per_block
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.storage import KVStorage
 from cuttle.engine.models import load_model
+from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.sequence import Sequence
 
 
@@ -44,6 +49,15 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, device)
         mc = model_config
         self.kv = KVStorage(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
+        self.nsa_cache: torch.Tensor | None = None  # [layers, 2, blocks, S_c, kv_heads, head_dim]
+        nsa = self.model.nsa
+        if nsa is not None:
+            if getattr(config, "has_host_tier", False):
+                raise ValueError("KV tiers do not move an NSA model's compressed cache yet: run NSA models without a host tier")
+            slots = compressed_slots_per_block(nsa, self.block_size)
+            self.nsa_cache = torch.zeros(mc.num_layers, 2, num_blocks, slots, mc.num_kv_heads, mc.head_dim, dtype=dtype,
+                                         device=device)
+            self.backend = NSABackend(nsa, self.backend, self.block_size)
 
     def prepack(self) -> None:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not
@@ -53,10 +67,26 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return KVStorage.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        raw = KVStorage.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        nsa = nsa_config(mc.hf_config)
+        if nsa is None:
+            return raw
+        # an NSA block also holds its compressed entries (S_c slots of K and V per layer)
+        return raw + raw // block_size * compressed_slots_per_block(nsa, block_size)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv.copy_blocks(copies)
+        if self.nsa_cache is not None and copies:
+            # a copied (copy-on-write) block takes its compressed entries along
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.nsa_cache[:, :, dst] = self.nsa_cache[:, :, src]
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """Each layer's cache views: (k, v), or (k, v, compressed k, compressed v) for NSA."""
+        if self.nsa_cache is None:
+            return self.kv.layers
+        return [(k, v, self.nsa_cache[i, 0], self.nsa_cache[i, 1]) for i, (k, v) in enumerate(self.kv.layers)]
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
         bs = self.block_size
@@ -138,7 +168,8 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Returns float32 logits for `inputs.logit_rows`, in that order."""
         self.backend.begin_step(inputs.meta)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv.layers, inputs.meta, self.backend)
+        caches = self.kv.layers if self.nsa_cache is None else self.layer_caches()
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta, self.backend)
         if inputs.logit_rows.numel() == 0:
             return torch.empty(0, self.model_config.vocab_size)
         return self.model.compute_logits(hidden[inputs.logit_rows]).cpu()

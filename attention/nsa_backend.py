@@ -1,0 +1,162 @@
+"""NSA over the paged caches: the attention backend of an NSA model.
+
+Owns the per-step NSA plan (which compressed entries this step completes, where each sequence's
+compressed entries live, which rows the native decode kernel takes) and `forward_nsa`, which
+writes a layer's raw K/V, builds and stores the compressed entries completed by this step's
+tokens, and runs the three gated branches. Dense layers (and `forward`) go to the wrapped dense
+backend untouched. Never allocates cache memory (the runner does) and never decides a selection
+differently from the reference (`nsa.py`): the kernels implement the same rules.
+
+Compressed cache layout (per layer, K and V): `[num_blocks, S_c, kv_heads, head_dim]` indexed by
+the *raw cache's own block ids*. Compressed entry i covers keys i*d .. i*d + l - 1 and lives in the
+raw block holding its last key e = i*d + l - 1, at slot (e % B) // d (B = the engine's
+block_size, S_c = max(1, B // d), so d | B or B | d is required). A raw block therefore carries
+the compressed entries that end inside it, and an entry depends only on keys at or before its
+block: prefix-cache hits, forked prompts (copy-on-write copies the compressed slots with the raw
+block), preemption and freeing need no bookkeeping of their own, and a full block's compressed
+entries are a deterministic function of the hashed prefix.
+
+Selection (top-n per KV head from Eq. 9 scores) runs per query row: in the native decode kernel
+(`native/nsa.py`, decode rows on CPU), in torch (`nsa.py`'s reference, every other row on the
+torch path, and the index lists the Triton kernel takes).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from cuttle.attention.backend import AttentionBackend, write_kv
+from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.nsa import NSAConfig, nsa_attend
+
+# phi of the layer: (windows of keys, of values) [E, Hkv, l, D] -> compressed ([E, Hkv, D], [E, Hkv, D])
+Compressor = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def compressed_slots_per_block(cfg: NSAConfig, block_size: int) -> int:
+    """S_c: compressed entries a raw block of `block_size` keys owns."""
+    d = cfg.compress_stride
+    if block_size % d and d % block_size:
+        raise ValueError(
+            f"nsa.compress_stride = {d} and block_size = {block_size}: one must divide the other, so that every "
+            "raw KV block owns a fixed number of compressed entries"
+        )
+    return max(1, block_size // d)
+
+
+class NSAStepPlan:
+    """Host-side plan of one step, shared by every NSA layer."""
+
+    __slots__ = ("meta", "cfg", "new_src", "new_dst", "seqs", "native_rows", "native_cslots", "native_tables",
+                 "native_lens", "max_len", "max_nc", "torch_seqs")
+
+    def __init__(self, meta: AttentionMetadata, cfg: NSAConfig, slots_per_block: int, native_decode: bool) -> None:
+        if meta.segments is not None:
+            raise NotImplementedError(
+                "NSA models do not take segmented steps (squid documents or other shared segments) yet"
+            )
+        self.meta, self.cfg = meta, cfg
+        bs, l, d = meta.block_size, cfg.compress_block, cfg.compress_stride
+        device = meta.block_tables.device
+        tables = meta.block_tables.tolist()
+        starts = meta.query_start_loc.tolist()
+        src: list[list[int]] = []
+        dst: list[int] = []
+        # per sequence: (first row, rows, keys, raw slots of keys, compressed slots of visible entries)
+        self.seqs: list[tuple[int, int, int, list[int], list[int]]] = []
+        for b, (qlen, num_keys) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            table = tables[b]
+            slots = [table[t // bs] * bs + t % bs for t in range(num_keys)]
+            ctx = num_keys - qlen
+            # entries whose last key e = i*d + l - 1 arrives in this step: ctx <= e < num_keys
+            for i in range(max(0, -(-(ctx - l + 1) // d)), cfg.num_compressed(num_keys)):
+                src.append(slots[i * d : i * d + l])
+                dst.append(_cslot(table, i, cfg, bs, slots_per_block))
+            cslots = [_cslot(table, i, cfg, bs, slots_per_block) for i in range(cfg.num_compressed(num_keys))]
+            self.seqs.append((starts[b], qlen, num_keys, slots, cslots))
+        self.new_src = torch.tensor(src, dtype=torch.int64, device=device) if src else None
+        self.new_dst = torch.tensor(dst, dtype=torch.int64, device=device) if dst else None
+        decode = [b for b, s in enumerate(self.seqs) if s[1] == 1] if native_decode else []
+        self.torch_seqs = [b for b in range(len(self.seqs)) if b not in set(decode)]
+        self.native_rows = self.native_cslots = self.native_tables = self.native_lens = None
+        self.max_len = self.max_nc = 0
+        if decode:
+            self.native_rows = torch.tensor([self.seqs[b][0] for b in decode], dtype=torch.int64)
+            self.max_nc = max(len(self.seqs[b][4]) for b in decode)
+            self.max_len = max(self.seqs[b][2] for b in decode)
+            nblocks = -(-self.max_len // bs)
+            self.native_tables = meta.block_tables[torch.tensor(decode), :nblocks].to(torch.int32).contiguous()
+            self.native_lens = torch.tensor([self.seqs[b][2] for b in decode], dtype=torch.int32)
+
+
+def _cslot(table: list[int], i: int, cfg: NSAConfig, bs: int, slots_per_block: int) -> int:
+    e = i * cfg.compress_stride + cfg.compress_block - 1
+    return table[e // bs] * slots_per_block + (e % bs) // cfg.compress_stride
+
+
+class NSABackend:
+    """NSA layers' attention over the paged raw and compressed caches; dense calls pass through.
+
+    kernel: "torch" (the reference per sequence)."""
+
+    def __init__(self, cfg: NSAConfig, dense: AttentionBackend, block_size: int, kernel: str = "torch",
+                 native: bool = True) -> None:
+        if kernel != "torch":
+            raise ValueError(f"NSA kernel must be 'torch', got {kernel!r}")
+        self.cfg = cfg
+        self.dense = dense
+        self.kernel = kernel
+        self.name = f"nsa-{kernel}"
+        self.slots_per_block = compressed_slots_per_block(cfg, block_size)
+        self.native = False
+        self._plan: NSAStepPlan | None = None
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self.dense.begin_step(meta)
+        self._plan = None  # planned at the first NSA layer (a dense model never pays for it)
+
+    def forward(self, layer, q, k, v, k_cache, v_cache, meta, scale):
+        return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta, scale)
+
+    def plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> NSAStepPlan:
+        if self._plan is None or self._plan.meta is not meta:
+            native = self.native and q.device.type == "cpu" and k_cache.device.type == "cpu"
+            self._plan = NSAStepPlan(meta, self.cfg, self.slots_per_block, native)
+        return self._plan
+
+    def forward_nsa(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, H, D], RoPE applied
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        gates: torch.Tensor,  # [T, H, 3] sigmoid gates (compressed, selected, window)
+        caches: tuple[torch.Tensor, ...],  # (k_cache, v_cache, ck_cache, cv_cache)
+        meta: AttentionMetadata,
+        scale: float,
+        compressor: Compressor,
+    ) -> torch.Tensor:
+        """Write this step's K/V and the compressed entries it completes, then attend: o [T, H, D]."""
+        k_cache, v_cache, ck_cache, cv_cache = caches
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = self.plan(meta, q, k_cache)
+        hkv, dim = k_cache.shape[2], k_cache.shape[3]
+        kf, vf = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
+        ckf, cvf = ck_cache.view(-1, hkv, dim), cv_cache.view(-1, hkv, dim)
+        if plan.new_src is not None:
+            wk = kf[plan.new_src].transpose(1, 2)  # [E, l, Hkv, D] -> [E, Hkv, l, D]
+            wv = vf[plan.new_src].transpose(1, 2)
+            ck, cv = compressor(wk, wv)
+            ckf.index_copy_(0, plan.new_dst, ck.to(ckf.dtype))
+            cvf.index_copy_(0, plan.new_dst, cv.to(cvf.dtype))
+        out = torch.empty_like(q)
+        for b in plan.torch_seqs:
+            start, qlen, num_keys, slots, cslots = plan.seqs[b]
+            sl = torch.tensor(slots, device=q.device)
+            cs = torch.tensor(cslots, dtype=torch.int64, device=q.device)
+            pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
+            o, _ = nsa_attend(q[start : start + qlen].float(), kf[sl].float(), vf[sl].float(), ckf[cs].float(),
+                              cvf[cs].float(), gates[start : start + qlen].float(), pos, self.cfg, scale)
+            out[start : start + qlen] = o.to(out.dtype)
+        return out
