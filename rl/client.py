@@ -1,14 +1,16 @@
 """`RolloutClient`: the rollout API over HTTP, against one `cuttle serve` or a pool of them.
 
-Owns the wire format of the RL routes (`/v1/rl/*`, see `engine/server.py::add_rl_routes`) from the
+Owns the wire format of the RL routes (`/v1/rl/*`, see `engine/server/rl_routes.py`) from the
 trainer's side. It satisfies `TokenSampler`, so `sample_groups(client, ...)` works exactly as with
 an in-process `LLM`. With several servers, prompts are spread round-robin (a prompt's whole group
 stays on one server, so its samples still share one prefill) and weight updates go to all.
 Must never tokenize: token ids in, token ids out.
 
-Squid documents are not served over HTTP yet: `/v1/rl/generate` takes token-id prompts only, so
-a prompt dict with documents is refused here (and by `sample_groups`, since the client has no
-`squid_positions`) before anything is sent.
+Squid prompts travel as token ids too (`{"prefix", "documents", "prompt"}`, each ids): text in
+them is refused before anything is sent. `squid_positions` is the servers' convention (read once
+from `/v1/rl/info`; servers that disagree are refused), so `rl.batch` rebuilds the attention the
+servers sampled with. With several servers each one computes a document once for the prompts it
+is sent (round-robin does not group prompts by document).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class RolloutClient:
             raise ValueError("RolloutClient needs at least one server URL")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=headers, timeout=timeout)
+        self._squid_positions: str | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -54,10 +57,24 @@ class RolloutClient:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text}")
         return r.json()
 
+    def _get(self, url: str) -> dict[str, Any]:
+        r = self._http.get(url)
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text}")
+        return r.json()
+
     # ---- rollouts --------------------------------------------------------------------------
-    def generate_tokens(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        if any(isinstance(p, dict) for p in prompts):
-            raise ValueError("RolloutClient: prompts with documents are not supported; /v1/rl/generate takes token-id prompts only")
+    @property
+    def squid_positions(self) -> str:
+        """The position convention the servers place squid documents with ("shared" or "concat")."""
+        if self._squid_positions is None:
+            seen = {u: self._get(u + "/v1/rl/info")["squid_positions"] for u in self.base_urls}
+            if len(set(seen.values())) != 1:
+                raise ValueError(f"RolloutClient: servers place documents differently: {seen}")
+            self._squid_positions = next(iter(seen.values()))
+        return self._squid_positions
+
+    def generate_tokens(self, prompts: list[list[int] | dict[str, Any]], params: SamplingParams) -> list[list[Sample]]:
         wire = {k: v for k, v in dataclasses.asdict(params).items() if k in _WIRE_FIELDS}
         k = len(self.base_urls)
         shards = [list(range(i, len(prompts), k)) for i in range(k)]

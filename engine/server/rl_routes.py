@@ -1,14 +1,19 @@
 """Routes for RL trainers (`cuttle.rl.RolloutClient` speaks them); under /v1, so behind auth.
 
-POST /v1/rl/generate        {"prompts": [[ids], ...], "sampling_params": {...}} -> one entry per
+POST /v1/rl/generate        {"prompts": [[ids] | {"prefix"?: [ids], "documents": [[ids], ...],
+                            "prompt": [ids]}, ...], "sampling_params": {...}} -> one entry per
                             prompt: {"weight_version", "samples": [{"token_ids", "logprobs",
-                            "finish_reason", "text"}]}. Token ids in and out; `n` samples per
-                            prompt fork from one prefill; logprobs are the engine's (processed).
-                            A trainer that disconnects aborts all of its rollouts.
+                            "finish_reason", "text"}]}. Token ids in and out (a squid prompt's
+                            fields too: never text); `n` samples per prompt fork from one prefill;
+                            logprobs are the engine's (processed). A trainer that disconnects
+                            aborts all of its rollouts.
 POST /v1/rl/update_weights  body: a safetensors file (HF or engine parameter names; not
                             subject to the JSON body limit); ?in_flight=abort|finish ->
                             {"weight_version"}
 GET  /v1/rl/weight_version  -> {"weight_version"}
+GET  /v1/rl/info            -> {"weight_version", "squid_positions", "max_documents",
+                            "max_model_len"}: what a trainer needs to lay out squid prompts the
+                            way this engine does (rl.batch rebuilds the same attention).
 
 Owns these routes' wire format only; admission and disconnects are `streaming.Serving`'s.
 """
@@ -43,8 +48,10 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
         body = await json_body(request, max_body_bytes)
         check_fields(body, RL_FIELDS)
         prompts = body.get("prompts")
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) and p for p in prompts):
-            raise OpenAIError("prompts must be a non-empty list of non-empty token-id lists", param="prompts")
+        if not isinstance(prompts, list) or not prompts:
+            raise OpenAIError("prompts must be a non-empty list of token-id lists or squid prompt objects", param="prompts")
+        for i, p in enumerate(prompts):
+            _check_rl_prompt(p, f"prompts[{i}]")
         raw = body.get("sampling_params") or {}
         if not isinstance(raw, dict):
             raise OpenAIError("sampling_params must be an object", param="sampling_params")
@@ -88,3 +95,43 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
     @app.get("/v1/rl/weight_version")
     async def rl_weight_version() -> dict[str, Any]:
         return {"weight_version": llm.weight_version}
+
+    @app.get("/v1/rl/info")
+    async def rl_info() -> dict[str, Any]:
+        return {"weight_version": llm.weight_version, "squid_positions": llm.squid_positions,
+                "max_documents": llm.config.max_documents, "max_model_len": llm.max_model_len}
+
+
+_SQUID_KEYS = frozenset({"prefix", "documents", "prompt"})
+
+
+def _ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _check_rl_prompt(p: Any, where: str) -> None:
+    """The wire shape of one RL prompt: non-empty token ids, or a squid object whose every field is
+    token ids (text would be tokenized here, not by the trainer: token-in/token-out). Values (ids
+    in the vocabulary, lengths, the document limit) are the engine's to check; its errors name
+    the field too."""
+    if isinstance(p, list):
+        if not p or not _ids(p):
+            raise OpenAIError(f"{where} must be a non-empty list of token ids", param=where)
+        return
+    if not isinstance(p, dict):
+        raise OpenAIError(f"{where} must be a token-id list or an object with prefix/documents/prompt", param=where)
+    unknown = sorted(set(p) - _SQUID_KEYS)
+    if unknown:
+        raise OpenAIError(f"{where}.{unknown[0]} is not a field of a squid prompt (prefix, documents, prompt)",
+                          param=f"{where}.{unknown[0]}")
+    if "prefix" in p and not _ids(p["prefix"]):
+        raise OpenAIError(f"{where}.prefix must be a list of token ids", param=f"{where}.prefix")
+    docs = p.get("documents")
+    if not isinstance(docs, list) or not docs:
+        raise OpenAIError(f"{where}.documents must be a non-empty list of token-id lists", param=f"{where}.documents")
+    for j, d in enumerate(docs):
+        if not d or not _ids(d):
+            raise OpenAIError(f"{where}.documents[{j}] must be a non-empty list of token ids",
+                              param=f"{where}.documents[{j}]")
+    if not p.get("prompt") or not _ids(p["prompt"]):
+        raise OpenAIError(f"{where}.prompt must be a non-empty list of token ids", param=f"{where}.prompt")

@@ -237,12 +237,8 @@ def test_bad_prompts_are_refused_naming_the_field(moe_path):
         SquidLayout([], [[1]], "rotated").dense_mask_and_positions(1)
 
 
-def test_remote_client_refuses_documents():
-    """`/v1/rl/generate` takes token-id prompts only: refused before anything is sent."""
+def test_remote_client_refuses_text():
+    """The client never tokenizes: text anywhere in a prompt is refused before anything is sent."""
     with RolloutClient("http://127.0.0.1:9") as client:
-        with pytest.raises(ValueError, match="RolloutClient does not"):
-            client.sample_groups([{"documents": [[5]], "prompt": [6]}], 2, SP)
-        with pytest.raises(ValueError, match="RolloutClient: prompts with documents are not supported"):
-            client.generate_tokens([{"documents": [[5]], "prompt": [6]}], SP)
         with pytest.raises(ValueError, match="no tokenizer"):
             client.sample_groups(["text"], 2, SP)

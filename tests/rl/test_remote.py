@@ -1,5 +1,5 @@
 """The rollout API over HTTP against a live cuttle server: same samples as in process, weight
-updates, a pool of servers."""
+updates, a pool of servers, squid prompts (token ids) with their documents computed once."""
 from __future__ import annotations
 
 import httpx
@@ -50,3 +50,39 @@ def test_pool_spreads_prompts_and_keeps_order(moe_path, random_prompts):
             assert [[s.token_ids for s in g.samples] for g in pooled] == [[s.token_ids for s in g.samples] for g in local]
             assert a.stats()["prefill_tokens_computed"] == 2 * 12  # prompts 0 and 2
             assert b.stats()["prefill_tokens_computed"] == 12  # prompt 1
+
+
+def test_remote_groups_with_documents_equal_local(moe_path):
+    docs = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([16, 37, 5])]
+    prompts = [{"prefix": [7, 8, 9], "documents": [docs[0], docs[1]], "prompt": [40, 41]},
+               {"prefix": [7, 8, 9], "documents": [docs[2], docs[1], docs[0]], "prompt": [42, 43]}]
+    local = sample_groups(LLM(moe_path, dtype="float32", num_kv_blocks=128), prompts, 3, SP)
+    with LiveServer(moe_path, dtype="float32", num_kv_blocks=128) as srv, RolloutClient(srv.url) as client:
+        info = httpx.get(srv.url + "/v1/rl/info").json()
+        assert client.squid_positions == info["squid_positions"] == "concat"  # the tiny checkpoint says nothing
+        remote = sample_groups(client, prompts, 3, SP)
+        assert [[s.token_ids for s in g.samples] for g in remote] == [[s.token_ids for s in g.samples] for g in local]
+        for rg, lg in zip(remote, local):
+            assert rg.layout == lg.layout and rg.prompt_token_ids == lg.prompt_token_ids
+            for rs, ls in zip(rg.samples, lg.samples):
+                assert rs.logprobs == pytest.approx(ls.logprobs, abs=1e-6)
+        stats = srv.stats()
+        assert stats["documents_computed"] == 3 + 1  # each document once, and the prefix, for both groups
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+        cases = [
+            ({"documents": [[5]], "prompt": [6], "query": [1]}, "prompts[0].query"),
+            ({"documents": [], "prompt": [6]}, "prompts[0].documents"),
+            ({"documents": [[5], []], "prompt": [6]}, "prompts[0].documents[1]"),
+            ({"documents": [[5, "a"]], "prompt": [6]}, "prompts[0].documents[0]"),
+            ({"prefix": "text", "documents": [[5]], "prompt": [6]}, "prompts[0].prefix"),
+            ({"documents": [[5]], "prompt": []}, "prompts[0].prompt"),
+            ({"documents": [[5, 999999]], "prompt": [6]}, "documents[0]"),  # the engine's check, field named
+            ("text", "prompts[0]"),
+        ]
+        for bad, field in cases:
+            r = httpx.post(srv.url + "/v1/rl/generate", json={"prompts": [bad], "sampling_params": {"max_tokens": 2}})
+            assert r.status_code == 400, (bad, r.text)
+            err = r.json()["error"]
+            assert field in (err.get("param") or "") + err["message"], (bad, err)
+        assert srv.stats()["kv_blocks_free"] == srv.stats()["kv_blocks_total"]
