@@ -151,19 +151,26 @@ class SquidLayout:
         return allowed & torch.ones(S, S, dtype=torch.bool).tril(), positions
 
 
-def parse_prompt(prompt: dict, encode: Callable[[str], list[int]], check_ids: Callable[[list[int], str], None],
+def parse_prompt(prompt: dict, encode: Callable[[str, bool], list[int]], check_ids: Callable[[list[int], str], None],
                  convention: str, max_documents: int) -> tuple[SquidLayout, list[int], str | None]:
     """A prompt dict {"prefix"?, "documents", "prompt"} (each text or token ids) -> (layout,
-    query ids, query text). Errors name the field."""
+    query ids, query text). `encode(text, add_special_tokens)`. Errors name the field.
+
+    Special tokens: only the layout's first piece gets the ones the tokenizer adds (a BOS): the
+    prefix, when it is text. Text documents and the query get none, since a BOS before every file
+    would put the model's sequence-start token mid-context. With no prefix and some field given
+    as text, the tokens the tokenizer adds on its own (`encode("", True)`: a BOS, or nothing for
+    Qwen-style tokenizers) become the prefix, so every document and the query see them as they
+    would in a plain prompt. Token ids are taken as given."""
     unknown = set(prompt) - {"prefix", "documents", "prompt"}
     if unknown:
         raise ValueError(f"prompt dict: unknown field(s) {sorted(unknown)}; expected prefix, documents, prompt")
     if "prompt" not in prompt:
         raise ValueError("prompt dict: 'prompt' (the query after the documents) is required")
 
-    def ids_of(value: object, field: str) -> list[int]:
+    def ids_of(value: object, field: str, specials: bool = False) -> list[int]:
         if isinstance(value, str):
-            return encode(value)
+            return encode(value, specials)
         if isinstance(value, list):
             check_ids(value, field)
             return list(value)
@@ -180,7 +187,12 @@ def parse_prompt(prompt: dict, encode: Callable[[str], list[int]], check_ids: Ca
         if not ids:
             raise ValueError(f"documents[{i}] is empty")
         documents.append(ids)
-    prefix = ids_of(prompt.get("prefix", []), "prefix")
+    if "prefix" in prompt:
+        prefix = ids_of(prompt["prefix"], "prefix", specials=True)
+    elif any(isinstance(v, str) for v in [prompt["prompt"], *docs]):
+        prefix = encode("", True)
+    else:
+        prefix = []
     query_raw = prompt["prompt"]
     query = ids_of(query_raw, "prompt")
     return SquidLayout(prefix, documents, convention), query, query_raw if isinstance(query_raw, str) else None

@@ -77,11 +77,11 @@ def _check_ids(ids: list[int], field: str) -> None:
         raise ValueError(f"{field} token ids must be non-negative integers, got {bad!r}")
 
 
-def _encoder(sampler: LLM | TokenSampler) -> Callable[[str], list[int]]:
+def _encoder(sampler: LLM | TokenSampler) -> Callable[[str, bool], list[int]]:
     if isinstance(sampler, LLM):
         return sampler.get_tokenizer().encode  # the very function the engine encodes text with
 
-    def refuse(text: str) -> list[int]:
+    def refuse(text: str, add_special_tokens: bool = True) -> list[int]:
         raise ValueError(f"{type(sampler).__name__} has no tokenizer: give prompts (and a prompt dict's fields) as token ids")
     return refuse
 

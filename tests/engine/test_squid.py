@@ -232,3 +232,24 @@ def _live_seqs(engine) -> list:
                 seen.add(id(seq))
                 out.append(seq)
     return out
+
+
+def test_only_the_first_piece_gets_the_tokenizers_special_tokens():
+    """A BOS-adding tokenizer (Llama-3 style): the prefix text gets the BOS, documents and the
+    query never do; with no prefix the BOS alone is the prefix; token ids are taken as given."""
+    from cuttle.engine.squid import parse_prompt
+
+    BOS = 1
+
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + [ord(c) for c in text]
+
+    def check(ids: list[int], field: str) -> None:
+        pass
+
+    layout, query, text = parse_prompt({"prefix": "s", "documents": ["ab", "c"], "prompt": "q"}, encode, check, "concat", 8)
+    assert (layout.prefix, layout.documents, query, text) == ([BOS, ord("s")], [[97, 98], [99]], [ord("q")], "q")
+    layout, query, _ = parse_prompt({"documents": ["ab"], "prompt": "q"}, encode, check, "shared", 8)
+    assert (layout.prefix, layout.documents, query) == ([BOS], [[97, 98]], [ord("q")])
+    layout, query, _ = parse_prompt({"documents": [[5, 6]], "prompt": [7]}, encode, check, "shared", 8)
+    assert (layout.prefix, layout.documents, query) == ([], [[5, 6]], [7])
