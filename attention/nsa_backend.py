@@ -28,7 +28,7 @@ import torch
 
 from cuttle.attention.backend import AttentionBackend, write_kv
 from cuttle.attention.metadata import AttentionMetadata
-from cuttle.attention.nsa import NSAConfig, nsa_attend
+from cuttle.attention.nsa import NSAConfig, compressed_probs, nsa_attend, select_blocks, selection_scores
 
 # phi of the layer: (windows of keys, of values) [E, Hkv, l, D] -> compressed ([E, Hkv, D], [E, Hkv, D])
 Compressor = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -49,7 +49,7 @@ class NSAStepPlan:
     """Host-side plan of one step, shared by every NSA layer."""
 
     __slots__ = ("meta", "cfg", "new_src", "new_dst", "seqs", "native_rows", "native_cslots", "native_tables",
-                 "native_lens", "max_len", "max_nc", "torch_seqs")
+                 "native_lens", "native_seqs", "torch_seqs")
 
     def __init__(self, meta: AttentionMetadata, cfg: NSAConfig, slots_per_block: int, native_decode: bool) -> None:
         if meta.segments is not None:
@@ -78,14 +78,12 @@ class NSAStepPlan:
         self.new_src = torch.tensor(src, dtype=torch.int64, device=device) if src else None
         self.new_dst = torch.tensor(dst, dtype=torch.int64, device=device) if dst else None
         decode = [b for b, s in enumerate(self.seqs) if s[1] == 1] if native_decode else []
+        self.native_seqs = decode
         self.torch_seqs = [b for b in range(len(self.seqs)) if b not in set(decode)]
-        self.native_rows = self.native_cslots = self.native_tables = self.native_lens = None
-        self.max_len = self.max_nc = 0
+        self.native_rows = self.native_tables = self.native_lens = None
         if decode:
             self.native_rows = torch.tensor([self.seqs[b][0] for b in decode], dtype=torch.int64)
-            self.max_nc = max(len(self.seqs[b][4]) for b in decode)
-            self.max_len = max(self.seqs[b][2] for b in decode)
-            nblocks = -(-self.max_len // bs)
+            nblocks = -(-max(self.seqs[b][2] for b in decode) // bs)
             self.native_tables = meta.block_tables[torch.tensor(decode), :nblocks].to(torch.int32).contiguous()
             self.native_lens = torch.tensor([self.seqs[b][2] for b in decode], dtype=torch.int32)
 
@@ -98,18 +96,24 @@ def _cslot(table: list[int], i: int, cfg: NSAConfig, bs: int, slots_per_block: i
 class NSABackend:
     """NSA layers' attention over the paged raw and compressed caches; dense calls pass through.
 
-    kernel: "torch" (the reference per sequence)."""
+    kernel: "torch" (the reference per sequence; on CPU, decode rows take the native kernel when
+    it builds: native=False keeps them on the reference) or "triton" (selection in torch, the three
+    branches in one Triton kernel)."""
 
     def __init__(self, cfg: NSAConfig, dense: AttentionBackend, block_size: int, kernel: str = "torch",
                  native: bool = True) -> None:
-        if kernel != "torch":
-            raise ValueError(f"NSA kernel must be 'torch', got {kernel!r}")
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f"NSA kernel must be 'torch' or 'triton', got {kernel!r}")
         self.cfg = cfg
         self.dense = dense
         self.kernel = kernel
         self.name = f"nsa-{kernel}"
         self.slots_per_block = compressed_slots_per_block(cfg, block_size)
         self.native = False
+        if native and kernel == "torch":
+            from cuttle.attention.native import nsa as native_nsa
+
+            self.native = native_nsa.available()
         self._plan: NSAStepPlan | None = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
@@ -151,12 +155,49 @@ class NSABackend:
             ckf.index_copy_(0, plan.new_dst, ck.to(ckf.dtype))
             cvf.index_copy_(0, plan.new_dst, cv.to(cvf.dtype))
         out = torch.empty_like(q)
+        if self.kernel == "triton":
+            from cuttle.attention.triton_nsa import nsa_paged_attention
+
+            idx, row_seq, row_pos = self.select(plan, q, ckf, scale)
+            nsa_paged_attention(q, k_cache, v_cache, ck_cache, cv_cache, gates, out, idx, row_seq, row_pos,
+                                meta.block_tables, self.cfg, scale)
+            return out
+        if plan.native_rows is not None:
+            from cuttle.attention.native import nsa as native_nsa
+
+            if native_nsa.supports(q, k_cache, out):
+                native_nsa.nsa_decode(q, k_cache, v_cache, ck_cache, cv_cache, gates, out, plan.native_rows,
+                                      plan.native_tables, plan.native_lens, self.cfg, scale)
+            else:
+                for b in plan.native_seqs:
+                    self._torch_seq(plan, b, q, kf, vf, ckf, cvf, gates, out, scale)
         for b in plan.torch_seqs:
-            start, qlen, num_keys, slots, cslots = plan.seqs[b]
-            sl = torch.tensor(slots, device=q.device)
-            cs = torch.tensor(cslots, dtype=torch.int64, device=q.device)
-            pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
-            o, _ = nsa_attend(q[start : start + qlen].float(), kf[sl].float(), vf[sl].float(), ckf[cs].float(),
-                              cvf[cs].float(), gates[start : start + qlen].float(), pos, self.cfg, scale)
-            out[start : start + qlen] = o.to(out.dtype)
+            self._torch_seq(plan, b, q, kf, vf, ckf, cvf, gates, out, scale)
         return out
+
+    def _torch_seq(self, plan: NSAStepPlan, b: int, q, kf, vf, ckf, cvf, gates, out, scale: float) -> None:
+        """Sequence b's rows through the torch reference (gathering all its keys: the oracle path)."""
+        start, qlen, num_keys, slots, cslots = plan.seqs[b]
+        sl = torch.tensor(slots, device=q.device)
+        cs = torch.tensor(cslots, dtype=torch.int64, device=q.device)
+        pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
+        o, _ = nsa_attend(q[start : start + qlen].float(), kf[sl].float(), vf[sl].float(), ckf[cs].float(),
+                          cvf[cs].float(), gates[start : start + qlen].float(), pos, self.cfg, scale)
+        out[start : start + qlen] = o.to(out.dtype)
+
+    def select(self, plan: NSAStepPlan, q: torch.Tensor, ckf: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+        """Every row's selected blocks [T, Hkv, top_n] int32 (-1 padded), by the reference's scores
+        and rule, with each row's sequence and key index (int32 [T]): the Triton kernel's inputs."""
+        cfg, hkv = self.cfg, ckf.shape[1]
+        idx = torch.full((q.shape[0], hkv, cfg.top_n), -1, dtype=torch.int32, device=q.device)
+        row_seq = torch.empty(q.shape[0], dtype=torch.int32)
+        row_pos = torch.empty(q.shape[0], dtype=torch.int32)
+        for b, (start, qlen, num_keys, _, cslots) in enumerate(plan.seqs):
+            pos = torch.arange(num_keys - qlen, num_keys)
+            row_seq[start : start + qlen] = b
+            row_pos[start : start + qlen] = pos.to(torch.int32)
+            ck = ckf[torch.tensor(cslots, dtype=torch.int64, device=q.device)].float()
+            p = compressed_probs(q[start : start + qlen].float(), ck, pos, cfg, scale)
+            scores = selection_scores(p, q.shape[1] // hkv, -(-num_keys // cfg.select_block), cfg)
+            idx[start : start + qlen] = select_blocks(scores, pos.to(q.device), cfg).to(torch.int32)
+        return idx, row_seq.to(q.device), row_pos.to(q.device)

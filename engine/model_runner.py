@@ -57,7 +57,8 @@ class ModelRunner:
             slots = compressed_slots_per_block(nsa, self.block_size)
             self.nsa_cache = torch.zeros(mc.num_layers, 2, num_blocks, slots, mc.num_kv_heads, mc.head_dim, dtype=dtype,
                                          device=device)
-            self.backend = NSABackend(nsa, self.backend, self.block_size)
+            kernel = "torch" if self.backend.name == "torch" else "triton"
+            self.backend = NSABackend(nsa, self.backend, self.block_size, kernel=kernel)
 
     def prepack(self) -> None:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not

@@ -1,0 +1,93 @@
+"""NSA decode on CPU: the Python binding of `csrc/nsa_decode.c` (`nsa_decode_rows`), called by the
+NSA backend for decode rows; tested against the torch reference (`cuttle.attention.nsa`).
+
+One call attends one query token per row against its sequence's paged raw and compressed caches,
+choosing the row's blocks itself, and can report the blocks it chose and how many KV tokens it
+read per (row, KV head). Which library runs is the process's `KernelSet`
+(`cuttle.attention.native.kernels()`); this module declares the C signature and packs arguments.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from cuttle.attention.native import kernels
+from cuttle.attention.native.build import DTYPE_CODE
+from cuttle.attention.nsa import NSAConfig
+
+__all__ = ["available", "supports", "nsa_decode"]
+
+_vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_ARGTYPES = [
+    _vp, _int, _i64, _vp, _vp, _vp, _vp, _int,  # q, q dtype, q row stride, k, v, ck, cv, kv dtype
+    _vp, _i64, _vp, _int, _i64,  # gates, gate row stride, out, out dtype, out row stride
+    _vp, _vp, _i64, _vp, _i64,  # rows, tables, table stride, lens, num rows
+    _i64, _i64, _i64, _i64, _i64,  # kv heads, group, head_dim, block_size, compressed slots per block
+    _i64, _i64, _i64, _i64, _i64, _i64, _i64,  # l, d, l', top_n, init, local, window
+    _i64, _float, _vp, _vp,  # max_len, scale, selected, touched
+]
+_declared: ctypes.CDLL | None = None
+
+
+def _fn(lib: ctypes.CDLL):
+    global _declared
+    fn = lib.nsa_decode_rows
+    if _declared is not lib:
+        fn.argtypes, fn.restype = _ARGTYPES, _int
+        _declared = lib
+    return fn
+
+
+def available() -> bool:
+    """Whether the native library is loaded in this process's kernel set."""
+    return kernels().lib is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    """CPU tensors in fp32/bf16 with dense head rows and contiguous caches."""
+    return (
+        q.device.type == "cpu" and k_cache.device.type == "cpu"
+        and q.dtype in DTYPE_CODE and k_cache.dtype in DTYPE_CODE and out.dtype in DTYPE_CODE
+        and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and out.is_contiguous() and k_cache.is_contiguous()
+    )
+
+
+def nsa_decode(
+    q: torch.Tensor,  # [*, H, D] rows dense
+    k_cache: torch.Tensor,  # [num_blocks, B, Hkv, D]
+    v_cache: torch.Tensor,
+    ck_cache: torch.Tensor,  # [num_blocks, S_c, Hkv, D] compressed entries (nsa_backend.py's layout)
+    cv_cache: torch.Tensor,
+    gates: torch.Tensor,  # [*, H, 3]
+    out: torch.Tensor,  # [*, H, D] contiguous, written at `rows`
+    rows: torch.Tensor,  # [N] int64 row of q / gates / out of each decode token
+    tables: torch.Tensor,  # [N, nb] int32 raw block ids (also the compressed cache's)
+    lens: torch.Tensor,  # [N] int32 keys of each row, the query's own included (>= 1)
+    cfg: NSAConfig,
+    scale: float,
+    selected: torch.Tensor | None = None,  # [N, Hkv, top_n] int32 out: chosen blocks, rank order, -1 padded
+    touched: torch.Tensor | None = None,  # [N, Hkv] int64 out: KV tokens read
+) -> None:
+    lib = kernels().lib
+    assert lib is not None, "the native library is not loaded (check available())"
+    _, block_size, hkv, dim = k_cache.shape
+    n = rows.shape[0]
+    assert ck_cache.shape[2:] == k_cache.shape[2:] and ck_cache.dtype == k_cache.dtype and ck_cache.is_contiguous()
+    assert rows.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32 and tables.stride(1) == 1
+    assert tables.shape[0] == lens.shape[0] == n and bool((lens >= 1).all())
+    g = gates.float().contiguous()
+    if selected is not None:
+        assert selected.dtype == torch.int32 and selected.is_contiguous() and selected.shape == (n, hkv, cfg.top_n)
+    if touched is not None:
+        assert touched.dtype == torch.int64 and touched.is_contiguous() and touched.shape == (n, hkv)
+    rc = _fn(lib)(
+        q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ck_cache.data_ptr(),
+        cv_cache.data_ptr(), DTYPE_CODE[k_cache.dtype], g.data_ptr(), g.stride(0), out.data_ptr(),
+        DTYPE_CODE[out.dtype], out.stride(0), rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
+        hkv, q.shape[1] // hkv, dim, block_size, ck_cache.shape[1], cfg.compress_block, cfg.compress_stride,
+        cfg.select_block, cfg.top_n, cfg.init_blocks, cfg.local_blocks, cfg.window, int(lens.max()), scale,
+        selected.data_ptr() if selected is not None else None, touched.data_ptr() if touched is not None else None,
+    )
+    if rc != 0:
+        raise MemoryError("nsa_decode_rows: scratch allocation failed")
