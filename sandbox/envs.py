@@ -117,7 +117,8 @@ class EnvPool:
         with env.lock:
             self._check_alive(env)
             start = time.perf_counter()
-            reward = grade(env.task, env.sandbox.workspace, Limits(timeout=env.task.timeout))
+            # graded under the pool's own directory, so its cleanup covers the copies too
+            reward = grade(env.task, env.sandbox.workspace, Limits(timeout=env.task.timeout), scratch_dir=self.base_dir)
             elapsed = (time.perf_counter() - start) * 1e3
             env.last_used = time.monotonic()
         log.info("env=%s reward=%.1f ms=%.1f", env_id, reward.reward, elapsed)

@@ -70,9 +70,10 @@ def solution_files(task: Task, workspace: Workspace) -> dict[str, str]:
     return out
 
 
-def grade(task: Task, workspace: Workspace, limits: Limits | None = None) -> Reward:
-    """Reward 1.0 when every hidden test passes in a fresh copy, else 0.0."""
-    fresh = tempfile.mkdtemp(prefix="cuttle-grade-")
+def grade(task: Task, workspace: Workspace, limits: Limits | None = None, scratch_dir: str | None = None) -> Reward:
+    """Reward 1.0 when every hidden test passes in a fresh copy, else 0.0. The copy lives under
+    `scratch_dir` (default: the system temp dir) and is removed afterwards."""
+    fresh = tempfile.mkdtemp(prefix="cuttle-grade-", dir=scratch_dir)
     try:
         os.chmod(fresh, 0o755)
         write_files(fresh, task.files)
