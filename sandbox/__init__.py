@@ -9,7 +9,7 @@ from .limits import Limits
 from .runner import RunResult
 from .sandbox import Sandbox
 from .testing import TestReport
-from .tools import TOOLS, tool_schemas
+from .tools import SUBMIT, TOOLS, agent_tool_schemas, tool_schemas
 
 __all__ = [
     "NAMESPACES",
@@ -17,11 +17,13 @@ __all__ = [
     "TOOLS",
     "Limits",
     "RunResult",
+    "SUBMIT",
     "Sandbox",
     "SandboxError",
     "SandboxUnavailable",
     "TestReport",
     "ToolError",
+    "agent_tool_schemas",
     "namespace_error",
     "tool_schemas",
 ]

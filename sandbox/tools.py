@@ -100,6 +100,19 @@ def tool_schemas() -> list[dict[str, Any]]:
     return [t.schema() for t in TOOLS.values()]
 
 
+# `submit` ends an agent's episode: the driver of the conversation (an RL rollout, a product
+# agent) grades the workspace, so it has no code here and `call_tool` refuses it like any unknown name.
+SUBMIT = "submit"
+SUBMIT_SCHEMA: dict[str, Any] = {"type": "function", "function": {
+    "name": SUBMIT, "description": "Finish the task: the workspace as it is now is graded by hidden tests.",
+    "parameters": _params([])}}
+
+
+def agent_tool_schemas() -> list[dict[str, Any]]:
+    """The tools an agent is given: every sandbox tool, then `submit`."""
+    return tool_schemas() + [SUBMIT_SCHEMA]
+
+
 _TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float)}
 
 

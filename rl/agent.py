@@ -1,0 +1,377 @@
+"""The agent loop for RL: multi-turn coding episodes with the product's own chat template, tool
+parser and tools, token-in / token-out.
+
+Owns one episode's life: an environment started from a task spec, the chat (system prompt with
+the tool schemas, the task, then turns), each turn sampled from the full token stream, its tool
+calls parsed with the server's parser (`engine/tool_parsers.py`, the format the template teaches)
+and run concurrently against the sandboxed environment, their results appended through the
+template (`rl/chat.py`: deltas only, never re-tokenizing), until the model answers without a tool
+call, calls `submit`, or hits a limit (turns, tokens, context, wall clock); then the reward from
+the hidden tests on a fresh copy of the final workspace. All episodes of a call advance turn by
+turn together: a turn of every live episode is one batch for the engine (at the first turn each
+group is one request with `n` = its live members, so its prompt is prefilled once; later turns
+extend the previous ids exactly, so the prefix cache serves the history).
+
+Bad input never stops a batch: a malformed tool call, an unknown tool or bad arguments become a
+tool error message the model reads next turn; an environment that cannot start fails only its
+episode (`finish="env_error"`, the reason in `error`). Must never run model output outside the
+environment, and never train on a token the model did not sample (loss mask 1 on sampled ids only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from cuttle.engine.llm import LLM
+from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.tokenizer import Tokenizer
+from cuttle.engine.tool_parsers import ToolCall, parser_for_template, split_tool_calls
+from cuttle.rl.advantages import group_advantages
+from cuttle.rl.batch import TrainBatch
+from cuttle.rl.chat import ChatState, ChatTokens, TemplateNotAppendOnly
+from cuttle.rl.environment import AgentEnvironment, EnvFactory
+from cuttle.rl.rollout import TokenSampler, generate_tokens
+from cuttle.rl.types import Sample, Trajectory
+from cuttle.sandbox.tools import SUBMIT, agent_tool_schemas
+
+SYSTEM_PROMPT = ("You are a coding agent working in a Python repository mounted at /workspace. Use the tools to read, "
+                 "search, edit and test the code. When the task is done, call submit.")
+
+# finishes caused by a limit: the trajectory was cut, its last turns are not the model's choice
+LIMIT_FINISHES = ("max_turns", "max_tokens", "context", "wall_clock")
+# the episode produced nothing to train on or grade
+FAILED_FINISHES = ("env_error", "aborted")
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    max_turns: int = 8  # model turns per episode
+    max_tokens_per_turn: int = 256
+    max_total_tokens: int = 4096  # the whole stream: prompt, turns, tool results
+    max_tool_output_chars: int = 4000  # a tool's text beyond this keeps its head and tail
+    max_wall_seconds: float = 600.0  # per call of `run`; checked between turns
+    max_parallel_calls: int = 8  # tool calls (and environment starts, gradings) running at once
+    system_prompt: str = SYSTEM_PROMPT
+    parser: str | None = None  # tool-call format; None: the one the chat template teaches
+
+
+@dataclass(slots=True)
+class ToolResult:
+    name: str
+    ok: bool
+    content: str  # exactly what the tool message shows the model
+    seconds: float
+
+
+@dataclass(slots=True)
+class AgentTurn:
+    text: str  # the model's exact text of the turn (its end-of-turn token excluded)
+    calls: list[ToolCall]  # parsed, each with its exact block in `.text`
+    malformed: list[str]  # blocks that open a call but do not parse, verbatim
+    results: list[ToolResult] = field(default_factory=list)  # one per block, in the order the model wrote them
+
+
+@dataclass(slots=True)
+class Episode:
+    spec: dict[str, Any]  # the task spec the environment was made from
+    group: int  # index of its group in the call
+    trajectory: Trajectory | None = None  # None when the environment never started
+    chat: ChatState | None = None
+    turns: list[AgentTurn] = field(default_factory=list)
+    finish: str | None = None  # answered | submitted | end_of_text | template | one of LIMIT/FAILED_FINISHES
+    error: str | None = None
+    reward: float = 0.0
+    reward_info: dict[str, Any] = field(default_factory=dict)
+    env: AgentEnvironment | None = None
+    seconds: float = 0.0
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish in LIMIT_FINISHES
+
+    @property
+    def failed(self) -> bool:
+        return self.finish in FAILED_FINISHES
+
+    def openai_messages(self) -> list[dict[str, Any]]:
+        """The conversation as a `cuttle serve` client holds it: assistant messages with `content`
+        (outside the calls) and `tool_calls` as the server returns them. Rendered by the template it
+        re-serializes the calls, so it equals the token stream only when the model wrote each call
+        the way the template writes it (`messages` of `chat` is the exact view)."""
+        if self.chat is None:
+            return []
+        out, turns = [], iter(self.turns)
+        for m in self.chat.messages:
+            if m["role"] != "assistant":
+                out.append(dict(m))
+                continue
+            parsed = split_tool_calls(next(turns).text)
+            msg: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+            if parsed.calls:
+                msg["tool_calls"] = [c.to_openai() for c in parsed.calls]
+            out.append(msg)
+        return out
+
+
+@dataclass(slots=True)
+class AgentGroup:
+    spec: dict[str, Any]
+    episodes: list[Episode]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.episodes if not e.failed]
+
+
+def clip_output(text: str, limit: int) -> str:
+    """At most about `limit` characters: the head and the tail, the middle replaced by a count."""
+    if len(text) <= limit:
+        return text
+    head = limit // 2
+    tail = limit - head
+    return f"{text[:head]}\n[... {len(text) - limit} characters truncated ...]\n{text[-tail:]}"
+
+
+def _arguments(call: ToolCall) -> dict[str, Any] | str:
+    try:
+        args = json.loads(call.arguments)
+    except json.JSONDecodeError as err:
+        return f"arguments are not valid JSON ({err.msg})"
+    return args if isinstance(args, dict) else "arguments must be a JSON object"
+
+
+def _ordered_blocks(turn: AgentTurn) -> list[ToolCall | str]:
+    """Calls and malformed blocks in the order the model wrote them (one tool message each)."""
+    return sorted([*turn.calls, *turn.malformed], key=lambda b: turn.text.find(b.text if isinstance(b, ToolCall) else b))
+
+
+def _placeholder(block: ToolCall | str) -> ToolResult:
+    if isinstance(block, str):
+        return ToolResult("", False, "Error: malformed tool call; write <tool_call>\n{\"name\": ..., \"arguments\": "
+                          f"{{...}}}}\n</tool_call>. Got: {clip_output(block, 200)}", 0.0)
+    if block.name == SUBMIT:
+        return ToolResult(SUBMIT, True, "submitted", 0.0)
+    return ToolResult(block.name, False, "", 0.0)
+
+
+class AgentRollout:
+    """Runs groups of agent episodes on one sampler with environments from `env_factory`."""
+
+    def __init__(self, sampler: LLM | TokenSampler, env_factory: EnvFactory, config: AgentConfig | None = None,
+                 tokenizer: Tokenizer | None = None, eos_token_ids: set[int] | None = None):
+        self.sampler = sampler
+        self.env_factory = env_factory
+        self.config = config or AgentConfig()
+        if isinstance(sampler, LLM):
+            tokenizer = tokenizer or sampler.get_tokenizer()
+            eos_token_ids = eos_token_ids or sampler.engine.eos_token_ids
+        if tokenizer is None or eos_token_ids is None:
+            raise ValueError("a sampler other than LLM needs its tokenizer and eos_token_ids")
+        self.tok = tokenizer
+        self.tools = agent_tool_schemas()
+        self.chat = ChatTokens(tokenizer, self.tools, eos_token_ids)
+        self.parser = self.config.parser or parser_for_template(tokenizer.chat_template)
+        self.pool = ThreadPoolExecutor(self.config.max_parallel_calls, thread_name_prefix="cuttle-agent")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    # ---- one call: groups of episodes ------------------------------------------------------
+    def run(self, specs: list[dict[str, Any]], group_size: int, params: SamplingParams,
+            should_stop: Callable[[], bool] | None = None) -> list[AgentGroup]:
+        """`group_size` episodes per task spec, all advanced together; returns one group per spec.
+        `should_stop()` is asked between turns: True aborts every unfinished episode."""
+        t0 = time.monotonic()
+        deadline = t0 + self.config.max_wall_seconds
+        groups = [AgentGroup(spec, [Episode(spec, gi) for _ in range(group_size)]) for gi, spec in enumerate(specs)]
+        episodes = [e for g in groups for e in g.episodes]
+        try:
+            self._start(episodes)
+            turn = 0
+            while True:
+                live = [e for e in episodes if e.finish is None]
+                if not live:
+                    break
+                if should_stop is not None and should_stop():
+                    self._end(live, "aborted", "the rollout was stopped")
+                    break
+                if time.monotonic() > deadline:
+                    self._end(live, "wall_clock")
+                    break
+                self._turn(groups, live, turn, params)
+                turn += 1
+            self._grade([e for e in episodes if not e.failed])
+        finally:
+            for e in episodes:
+                if e.env is not None:
+                    e.env.close()
+                    e.env = None
+        for e in episodes:
+            e.seconds = time.monotonic() - t0
+        return groups
+
+    def _end(self, episodes: list[Episode], finish: str, error: str | None = None) -> None:
+        for e in episodes:
+            e.finish, e.error = finish, error
+
+    def _start(self, episodes: list[Episode]) -> None:
+        futures = [self.pool.submit(self.env_factory, e.spec) for e in episodes]
+        for e, f in zip(episodes, futures):
+            try:
+                e.env = f.result()
+            except Exception as err:  # noqa: BLE001 - any failure to start fails this episode only
+                e.finish, e.error = "env_error", f"environment for task {e.spec!r} could not start: {type(err).__name__}: {err}"
+                continue
+            messages = [{"role": "system", "content": self.config.system_prompt}, {"role": "user", "content": e.env.prompt}]
+            e.chat, ids = self.chat.start(messages)
+            e.trajectory = Trajectory.start(ids)
+
+    def _turn(self, groups: list[AgentGroup], live: list[Episode], turn: int, params: SamplingParams) -> None:
+        cfg = self.config
+        # requests: (episodes sharing one prompt, prompt ids, max new tokens)
+        requests: list[tuple[list[Episode], list[int], int]] = []
+        if turn == 0:
+            for g in groups:
+                members = [e for e in g.episodes if e.finish is None]
+                if members:  # one request per group: its prompt is prefilled once, the members fork from it
+                    requests.append((members, members[0].trajectory.token_ids, 0))
+        else:
+            requests = [([e], e.trajectory.token_ids, 0) for e in live]
+        sized = []
+        for members, ids, _ in requests:
+            room = min(cfg.max_tokens_per_turn, cfg.max_total_tokens - len(ids))
+            if room <= 0:
+                self._end(members, "context")
+            else:
+                sized.append((members, ids, room))
+        by_shape: dict[tuple[int, int], list[tuple[list[Episode], list[int]]]] = {}
+        for members, ids, room in sized:
+            by_shape.setdefault((len(members), room), []).append((members, ids))
+        sampled: list[tuple[Episode, Sample]] = []
+        for (n, room), reqs in by_shape.items():
+            p = dataclasses.replace(params, n=n, max_tokens=room, logprobs=0,
+                                    seed=None if params.seed is None else params.seed + 1_000_003 * turn)
+            outs = generate_tokens(self.sampler, [ids for _, ids in reqs], p)
+            for (members, _), samples in zip(reqs, outs):
+                sampled += list(zip(members, samples))
+        continuing: list[tuple[Episode, Sample, AgentTurn]] = []
+        jobs: list[tuple[Episode, AgentTurn, int, ToolCall]] = []
+        for e, s in sampled:
+            e.trajectory.append_sample(s)
+            text, ended = self.chat.turn_text(s.token_ids)
+            parsed = split_tool_calls(text, self.parser, self.tools)
+            t = AgentTurn(text, parsed.calls, parsed.malformed)
+            e.turns.append(t)
+            if s.finish_reason == "length":
+                finish = "context" if len(e.trajectory.token_ids) >= cfg.max_total_tokens else "max_tokens"
+            elif not ended:
+                finish = "end_of_text"  # ended by an EOS the template does not close turns with
+            elif any(c.name == SUBMIT for c in t.calls):
+                finish = "submitted"
+            elif not t.calls and not t.malformed:
+                finish = "answered"
+            else:
+                finish = None
+            blocks = _ordered_blocks(t)
+            t.results = [_placeholder(b) for b in blocks]  # calls are filled in by _run_tools
+            if finish in (None, "submitted"):  # a submitting turn's other calls still change the workspace
+                jobs += [(e, t, i, b) for i, b in enumerate(blocks) if isinstance(b, ToolCall) and b.name != SUBMIT]
+            if finish is None:
+                continuing.append((e, s, t))
+            else:
+                e.finish = finish
+                self.chat.finish_turn(e.chat, s.token_ids)
+        self._run_tools(jobs)
+        for e, s, t in continuing:
+            messages = [{"role": "tool", "tool_call_id": getattr(b, "id", f"malformed-{i}"), "name": r.name or "error",
+                         "content": r.content} for i, (b, r) in enumerate(zip(_ordered_blocks(t), t.results))]
+            try:
+                delta = self.chat.append_turn(e.chat, s.token_ids, messages)
+            except TemplateNotAppendOnly as err:
+                e.finish, e.error = "template", str(err)
+                continue
+            e.trajectory.append_context(delta)
+            if len(e.turns) >= cfg.max_turns:
+                e.finish = "max_turns"
+            elif len(e.trajectory.token_ids) >= cfg.max_total_tokens:
+                e.finish = "context"
+
+    def _run_tools(self, jobs: list[tuple[Episode, AgentTurn, int, ToolCall]]) -> None:
+        """Every call of every episode of this turn, concurrently (bounded by max_parallel_calls)."""
+        def one(env: AgentEnvironment, call: ToolCall) -> ToolResult:
+            t0 = time.monotonic()
+            args = _arguments(call)
+            if isinstance(args, str):
+                ok, text = False, f"{call.name}: {args}"
+            else:
+                try:
+                    ok, text = env.call(call.name, args)
+                except Exception as err:  # noqa: BLE001 - a host-side failure is reported to the model, the batch goes on
+                    ok, text = False, f"{call.name} failed in the environment: {type(err).__name__}: {err}"
+            content = clip_output(text, self.config.max_tool_output_chars)
+            return ToolResult(call.name, ok, content if ok else f"Error: {content}", time.monotonic() - t0)
+
+        futures = [self.pool.submit(one, e.env, call) for e, _, _, call in jobs]
+        for (_, t, i, _), f in zip(jobs, futures):
+            t.results[i] = f.result()
+
+    def _grade(self, episodes: list[Episode]) -> None:
+        futures = [self.pool.submit(e.env.reward) for e in episodes]
+        for e, f in zip(episodes, futures):
+            try:
+                e.reward, e.reward_info = f.result()
+            except Exception as err:  # noqa: BLE001 - grading broke on the host: no reward to train on
+                e.finish, e.error = "env_error", f"grading failed: {type(err).__name__}: {err}"
+
+
+# ---- from episodes to a training batch -----------------------------------------------------
+def agent_batch(groups: list[AgentGroup], scale_by_std: bool, filter_truncated: bool = True,
+                pad_id: int = 0) -> tuple[TrainBatch | None, dict[str, int]]:
+    """A `TrainBatch` of the groups' episodes with group-relative advantages.
+
+    Failed episodes (no environment, grading broke, aborted) are left out of both the baseline and
+    the batch. With `filter_truncated` (compact filtering), episodes cut by a limit still count in
+    their group's baseline with the reward their workspace earned, but are left out of the loss.
+    Returns (batch or None when nothing is left, counts of what was kept and dropped)."""
+    trajs: list[Trajectory] = []
+    advs: list[float] = []
+    gids: list[int] = []
+    counts = {"kept": 0, "filtered": 0, "failed": 0}
+    for gi, g in enumerate(groups):
+        graded = [e for e in g.episodes if not e.failed]
+        counts["failed"] += len(g.episodes) - len(graded)
+        for e, a in zip(graded, group_advantages([e.reward for e in graded], scale_by_std)):
+            if filter_truncated and e.truncated:
+                counts["filtered"] += 1
+                continue
+            e.trajectory.reward = e.reward
+            trajs.append(e.trajectory)
+            advs.append(a)
+            gids.append(gi)
+    counts["kept"] = len(trajs)
+    return (TrainBatch.from_trajectories(trajs, advs, gids, pad_id) if trajs else None), counts
+
+
+def episode_stats(groups: list[AgentGroup]) -> dict[str, float]:
+    """Per-call summary: rewards, turns, tool calls by kind, tokens, finishes."""
+    eps = [e for g in groups for e in g.episodes]
+    done = [e for e in eps if e.trajectory is not None]
+    calls = Counter(c.name for e in eps for t in e.turns for c in t.calls)
+    stats: dict[str, float] = {
+        "episodes": float(len(eps)),
+        "reward_mean": sum(e.reward for e in eps if not e.failed) / max(1, sum(not e.failed for e in eps)),
+        "turns_mean": sum(len(e.turns) for e in done) / max(1, len(done)),
+        "sampled_tokens": float(sum(sum(e.trajectory.loss_mask) for e in done)),
+        "stream_tokens": float(sum(len(e.trajectory.token_ids) for e in done)),
+        "malformed_calls": float(sum(len(t.malformed) for e in eps for t in e.turns)),
+        "tool_seconds": sum(r.seconds for e in eps for t in e.turns for r in t.results),
+    }
+    stats.update({f"calls_{k}": float(v) for k, v in sorted(calls.items())})
+    stats.update({f"finish_{k}": float(v) for k, v in sorted(Counter(e.finish for e in eps).items())})
+    return stats
