@@ -24,7 +24,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,7 +204,7 @@ class AgentRollout:
                 if time.monotonic() > deadline:
                     self._end(live, "wall_clock")
                     break
-                self._turn(groups, live, turn, params)
+                self._turn(groups, live, turn, params, should_stop)
                 turn += 1
             self._grade([e for e in episodes if not e.failed])
         finally:
@@ -232,7 +232,8 @@ class AgentRollout:
             e.chat, ids = self.chat.start(messages)
             e.trajectory = Trajectory.start(ids)
 
-    def _turn(self, groups: list[AgentGroup], live: list[Episode], turn: int, params: SamplingParams) -> None:
+    def _turn(self, groups: list[AgentGroup], live: list[Episode], turn: int, params: SamplingParams,
+              should_stop: Callable[[], bool] | None) -> None:
         cfg = self.config
         # requests: (episodes sharing one prompt, prompt ids, max new tokens)
         requests: list[tuple[list[Episode], list[int], int]] = []
@@ -287,7 +288,9 @@ class AgentRollout:
             else:
                 e.finish = finish
                 self.chat.finish_turn(e.chat, s.token_ids)
-        self._run_tools(jobs)
+        if not self._run_tools(jobs, should_stop):
+            self._end([e for e, _, _ in continuing], "aborted", "the rollout was stopped during a tool call")
+            return
         for e, s, t in continuing:
             messages = [{"role": "tool", "tool_call_id": getattr(b, "id", f"malformed-{i}"), "name": r.name or "error",
                          "content": r.content} for i, (b, r) in enumerate(zip(_ordered_blocks(t), t.results))]
@@ -302,8 +305,10 @@ class AgentRollout:
             elif len(e.trajectory.token_ids) >= cfg.max_total_tokens:
                 e.finish = "context"
 
-    def _run_tools(self, jobs: list[tuple[Episode, AgentTurn, int, ToolCall]]) -> None:
-        """Every call of every episode of this turn, concurrently (bounded by max_parallel_calls)."""
+    def _run_tools(self, jobs: list[tuple[Episode, AgentTurn, int, ToolCall]], should_stop: Callable[[], bool] | None) -> bool:
+        """Every call of every episode of this turn, concurrently (bounded by max_parallel_calls).
+        False when `should_stop()` turned True first: the calls still running are abandoned (their
+        environments are closed by `run`; a sandboxed command dies at its own timeout)."""
         def one(env: AgentEnvironment, call: ToolCall) -> ToolResult:
             t0 = time.monotonic()
             args = _arguments(call)
@@ -318,8 +323,16 @@ class AgentRollout:
             return ToolResult(call.name, ok, content if ok else f"Error: {content}", time.monotonic() - t0)
 
         futures = [self.pool.submit(one, e.env, call) for e, _, _, call in jobs]
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=None if should_stop is None else 0.05, return_when=FIRST_COMPLETED)
+            if pending and should_stop is not None and should_stop():
+                for f in pending:
+                    f.cancel()
+                return False
         for (_, t, i, _), f in zip(jobs, futures):
             t.results[i] = f.result()
+        return True
 
     def _grade(self, episodes: list[Episode]) -> None:
         futures = [self.pool.submit(e.env.reward) for e in episodes]

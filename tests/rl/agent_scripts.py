@@ -38,6 +38,11 @@ class ScriptedSampler:
         self.calls: list[tuple[int, int]] = []  # (number of prompts, n) per generate call
         self.sampled: list[list[int]] = []  # every sample's ids, in order
 
+    def update_weights(self, named_tensors, in_flight: str = "abort") -> int:  # noqa: ANN001
+        self.weights = dict(named_tensors)
+        self.weight_version += 1
+        return self.weight_version
+
     def generate_tokens(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         self.calls.append((len(prompts), params.n))
         out = []

@@ -1,0 +1,225 @@
+"""Agent rollouts on Ray: rollout workers as actors under a single controller (the driver).
+
+Owns spreading a step's groups over `RolloutWorker` actors, each of which owns a sampler (an
+in-process engine) and the sandbox environments of the groups it runs, and the controller's
+decisions: where a group goes, when a step is done, what is aborted, what is retried, and which
+weights every worker samples with.
+
+* Affinity: a group is the unit of placement. All its members and all their later turns run on
+  the worker that got it, so the group's prompt is prefilled once there (one request, `n` =
+  members) and every later turn extends ids whose KV that worker's prefix cache holds. Groups go
+  to the live worker with the fewest groups outstanding.
+* Stragglers: `run_step` may be given more groups than it needs (over-sampling); it returns as
+  soon as `groups_needed` have finished and aborts the others (their episodes stop between turns or
+  while waiting on a tool, their environments are closed, their engine requests are done: nothing
+  stays in KV between turns on the offline engine).
+* Failures: a worker that dies mid-step loses no group; its groups are given to the remaining
+  workers and run again from the start.
+* Weights: `update_weights` puts the tensors in the object store once and loads them into every
+  worker, between steps, and checks that all report the same new version (every sample carries
+  the version that produced it).
+
+Within a worker, groups run in threads of a threaded actor, each its own `AgentRollout.run`, so one
+group's tool calls overlap another's sampling; calls into the sampler are serialized by a lock
+(the offline engine is not thread-safe), so a worker's engine batches one group's turn at a time.
+`ray` is imported only here; `cuttle.rl` and `cuttle.engine` import without it. Multi-node: the
+same code, with `ray.init(address=...)` on the driver and the workers placed by Ray's scheduler.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from cuttle.engine.llm import LLM
+from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.tokenizer import Tokenizer
+from cuttle.rl.agent import AgentConfig, AgentGroup, AgentRollout
+from cuttle.rl.environment import AgentEnvironment, EnvFactory
+from cuttle.rl.rollout import TokenSampler, generate_tokens
+
+# builds a worker's sampler: an LLM, or (sampler, its tokenizer, its EOS ids)
+SamplerFactory = Callable[[], LLM | tuple[TokenSampler, Tokenizer, set[int]]]
+
+
+class _LockedSampler:
+    def __init__(self, sampler: LLM | TokenSampler):
+        self.sampler, self.lock = sampler, threading.Lock()
+
+    def generate_tokens(self, prompts, params):  # noqa: ANN001 - TokenSampler's signature
+        with self.lock:
+            return generate_tokens(self.sampler, prompts, params)
+
+
+class _CountedEnv:
+    """An environment that tells its worker when it is closed (the release check of a step)."""
+
+    def __init__(self, env: AgentEnvironment, worker: RolloutWorker):
+        self.env, self.worker = env, worker
+        self.task_id, self.prompt = env.task_id, env.prompt
+
+    def call(self, name: str, arguments: dict[str, Any]) -> tuple[bool, str]:
+        return self.env.call(name, arguments)
+
+    def reward(self) -> tuple[float, dict[str, Any]]:
+        return self.env.reward()
+
+    def close(self) -> None:
+        self.env.close()
+        with self.worker._lock:
+            self.worker.open_envs -= 1
+
+
+class RolloutWorker:
+    """One Ray actor's state: a sampler, environments, the groups it is running."""
+
+    def __init__(self, sampler_factory: SamplerFactory, env_factory: EnvFactory, config: AgentConfig | None = None):
+        made = sampler_factory()
+        if isinstance(made, LLM):
+            self.sampler, tok, eos = made, made.get_tokenizer(), made.engine.eos_token_ids
+        else:
+            self.sampler, tok, eos = made
+        self.locked = _LockedSampler(self.sampler)
+        self.stopping: set[int] = set()
+        self.running: set[int] = set()
+        self.open_envs = 0  # environments alive right now (started and not yet closed)
+        self._lock = threading.Lock()
+        self.rollout = AgentRollout(self.locked, self._counted(env_factory), config, tokenizer=tok, eos_token_ids=eos)
+
+    def _counted(self, factory: EnvFactory) -> EnvFactory:
+        def make(spec: dict[str, Any]) -> _CountedEnv:
+            env = _CountedEnv(factory(spec), self)
+            with self._lock:
+                self.open_envs += 1
+            return env
+        return make
+
+    def run_group(self, group_id: int, spec: dict[str, Any], group_size: int, params: SamplingParams) -> AgentGroup:
+        with self._lock:
+            self.running.add(group_id)
+        try:
+            [group] = self.rollout.run([spec], group_size, params, should_stop=lambda: group_id in self.stopping)
+            return group
+        finally:
+            with self._lock:
+                self.running.discard(group_id)
+                self.stopping.discard(group_id)
+
+    def abort(self, group_ids: Iterable[int]) -> None:
+        with self._lock:
+            self.stopping |= set(group_ids) & self.running
+
+    def update_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        with self.locked.lock:  # never between two turns' sampling of a running group's batch
+            return self.sampler.update_weights(iter(tensors.items()))
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"open_envs": self.open_envs, "running_groups": len(self.running)}
+        if isinstance(self.sampler, LLM):
+            out.update(self.sampler.stats())
+        return out
+
+    def ping(self) -> bool:
+        return True
+
+
+@dataclass(slots=True)
+class StepResult:
+    groups: list[AgentGroup]  # the first `groups_needed` to finish, in the order they finished
+    group_ids: list[int]  # index of each into the step's specs
+    aborted: list[int]  # specs whose groups were cut because enough had finished
+    retried: list[int]  # specs run again after their worker died
+    seconds: float
+
+
+class RayRollout:
+    """The controller: `num_workers` RolloutWorker actors and the step loop over them."""
+
+    def __init__(self, num_workers: int, sampler_factory: SamplerFactory, env_factory: EnvFactory,
+                 config: AgentConfig | None = None, num_cpus: float = 1.0, max_groups_per_worker: int = 16):
+        if not ray.is_initialized():
+            raise RuntimeError("call ray.init() (or ray.init(address=...) for a cluster) before RayRollout")
+        actor = ray.remote(num_cpus=num_cpus, max_concurrency=max_groups_per_worker + 2, max_restarts=0)(RolloutWorker)
+        self.workers = [actor.remote(sampler_factory, env_factory, config) for _ in range(num_workers)]
+        ray.get([w.ping.remote() for w in self.workers])  # fail here, not mid-step, if a worker cannot start
+        self.dead: set[int] = set()
+        self._draining: list[ray.ObjectRef] = []  # aborted groups of the last step, still winding down
+
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.workers)) if i not in self.dead]
+
+    def run_step(self, specs: list[dict[str, Any]], group_size: int, params: SamplingParams,
+                 groups_needed: int | None = None, timeout_s: float = 600.0) -> StepResult:
+        """Run one group per spec; return when `groups_needed` (default: all) have finished."""
+        t0 = time.monotonic()
+        needed = len(specs) if groups_needed is None else groups_needed
+        if not 0 < needed <= len(specs):
+            raise ValueError(f"groups_needed must be in 1..{len(specs)}, got {needed}")
+        outstanding = {i: 0 for i in range(len(self.workers))}
+        refs: dict[ray.ObjectRef, tuple[int, int]] = {}  # ref -> (spec index, worker)
+
+        def submit(gi: int) -> None:
+            live = self.live()
+            if not live:
+                raise RuntimeError("every rollout worker has died")
+            w = min(live, key=lambda i: (outstanding[i], i))
+            outstanding[w] += 1
+            refs[self.workers[w].run_group.remote(gi, specs[gi], group_size, params)] = (gi, w)
+
+        for gi in range(len(specs)):
+            submit(gi)
+        done: list[tuple[int, AgentGroup]] = []
+        retried: list[int] = []
+        while len(done) < needed:
+            left = t0 + timeout_s - time.monotonic()
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(left, 0.0))
+            if not ready:
+                raise TimeoutError(f"rollout step: {len(done)} of {needed} groups after {timeout_s} s")
+            gi, w = refs.pop(ready[0])
+            outstanding[w] -= 1
+            try:
+                done.append((gi, ray.get(ready[0])))
+            except ray.exceptions.RayActorError:  # the worker died: its groups start again elsewhere
+                self.dead.add(w)
+                lost = [(r, g) for r, (g, ww) in refs.items() if ww == w]
+                for r, g in lost:
+                    refs.pop(r)
+                for g in [gi] + [g for _, g in lost]:
+                    retried.append(g)
+                    submit(g)
+        aborted = sorted(gi for gi, _ in refs.values())
+        by_worker: dict[int, list[int]] = {}
+        for gi, w in refs.values():
+            by_worker.setdefault(w, []).append(gi)
+        for w, gis in by_worker.items():
+            self.workers[w].abort.remote(gis)
+        self._draining = list(refs)
+        return StepResult([g for _, g in done], [gi for gi, _ in done], aborted, retried, time.monotonic() - t0)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait for the aborted groups of the last step to wind down (their environments closed)."""
+        if self._draining:
+            ray.wait(self._draining, num_returns=len(self._draining), timeout=timeout_s)
+        self._draining = []
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load new weights into every live worker; returns the version all of them now have."""
+        ref = ray.put({n: t.detach().contiguous().cpu() for n, t in named_tensors})
+        live = self.live()
+        versions = ray.get([self.workers[i].update_weights.remote(ref) for i in live])
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"workers disagree on the weight version after an update: {dict(zip(live, versions))}")
+        return versions[0]
+
+    def stats(self) -> list[dict[str, Any]]:
+        return ray.get([self.workers[i].stats.remote() for i in self.live()])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers, self.dead = [], set()

@@ -1,0 +1,111 @@
+"""Agent rollouts on Ray under one controller (issue 17, acceptance 3 and 4), on a local 2-CPU
+cluster started and stopped by this module: over-sampling finishes a step without its stragglers
+and releases their environments, a worker killed mid-step loses no group, weight updates reach
+every worker with one version, and a group's prompt is prefilled once, on the worker that runs it."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import agent_scripts  # noqa: E402
+from agent_scripts import FakeEnvironment, ScriptedSampler, call  # noqa: E402
+
+from cuttle.engine import LLM, SamplingParams  # noqa: E402
+from cuttle.engine.default_model import default_model_path  # noqa: E402
+from cuttle.engine.tokenizer import Tokenizer  # noqa: E402
+from cuttle.rl.agent import AgentConfig  # noqa: E402
+from cuttle.rl.ray_rollout import RayRollout  # noqa: E402
+
+PARAMS = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # the scripted policies live in test files the workers cannot import: ship them by value
+    ray.cloudpickle.register_pickle_by_value(agent_scripts)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+def scripted():
+    tok = Tokenizer(default_model_path())
+    sampler = ScriptedSampler(tok, {"Task fake/": [call("look"), "done"]})
+    return sampler, tok, sampler.eos_token_ids
+
+
+def slow_env(spec):
+    return FakeEnvironment(spec, delay=spec.get("delay", 0.0))
+
+
+def test_oversampling_finishes_without_stragglers_and_releases_them(cluster):
+    rollout = RayRollout(2, scripted, slow_env, num_cpus=0.5)
+    try:
+        specs = [{"seed": i, "delay": 60.0 if i in (1, 4) else 0.05} for i in range(6)]
+        res = rollout.run_step(specs, 2, PARAMS, groups_needed=4, timeout_s=45)
+        assert res.seconds < 30, "the step must not wait for a 60 s tool call"
+        assert sorted(res.group_ids) == [0, 2, 3, 5] and res.aborted == [1, 4] and res.retried == []
+        for g in res.groups:
+            assert [(e.finish, e.reward, len(e.turns)) for e in g.episodes] == [("answered", 1.0, 2)] * 2
+        t0 = time.monotonic()
+        rollout.drain(timeout_s=20)
+        assert time.monotonic() - t0 < 15, "aborted groups stop while waiting on their tool call"
+        assert [(s["open_envs"], s["running_groups"]) for s in rollout.stats()] == [(0, 0), (0, 0)]
+    finally:
+        rollout.shutdown()
+
+
+def test_a_worker_killed_mid_step_loses_no_group(cluster):
+    rollout = RayRollout(2, scripted, slow_env, num_cpus=0.5)
+    try:
+        specs = [{"seed": i, "delay": 2.0} for i in range(4)]
+        victim = rollout.workers[0]
+        threading.Timer(1.0, lambda: ray.kill(victim)).start()
+        res = rollout.run_step(specs, 2, PARAMS, timeout_s=45)
+        assert sorted(res.group_ids) == [0, 1, 2, 3] and rollout.dead == {0}
+        assert sorted(res.retried) == [0, 2]  # worker 0 had groups 0 and 2
+        assert all(e.finish == "answered" and e.reward == 1.0 for g in res.groups for e in g.episodes)
+        assert [(s["open_envs"], s["running_groups"]) for s in rollout.stats()] == [(0, 0)]
+    finally:
+        rollout.shutdown()
+
+
+def test_weight_updates_reach_every_worker_with_one_version(cluster):
+    import torch
+
+    rollout = RayRollout(2, scripted, slow_env, num_cpus=0.5)
+    try:
+        assert rollout.update_weights([("w", torch.ones(3))]) == 1
+        assert rollout.update_weights([("w", torch.zeros(3))]) == 2
+        res = rollout.run_step([{"seed": 0}, {"seed": 1}], 2, PARAMS)
+        versions = {v for g in res.groups for e in g.episodes for v, m in zip(e.trajectory.weight_versions,
+                                                                             e.trajectory.loss_mask) if m}
+        assert versions == {2}
+    finally:
+        rollout.shutdown()
+
+
+def embedded_llm():
+    return LLM(dtype="float32", max_model_len=2048, num_kv_blocks=256)
+
+
+@pytest.mark.slow
+def test_a_group_is_prefilled_once_on_the_worker_that_runs_it(cluster):
+    rollout = RayRollout(2, embedded_llm, slow_env, AgentConfig(max_turns=1, max_tokens_per_turn=8), num_cpus=0.5)
+    try:
+        res = rollout.run_step([{"seed": 0, "prompt": "fix a"}, {"seed": 1, "prompt": "fix b"}], 4,
+                               SamplingParams(temperature=1.0, seed=1))
+        prompt_lens = {gi: g.episodes[0].trajectory.prompt_length for gi, g in zip(res.group_ids, res.groups)}
+        stats = rollout.stats()
+        # one group per worker (fewest outstanding), each computed its own prompt once for 4 members
+        assert sorted(s["prefill_tokens_computed"] for s in stats) == sorted(prompt_lens.values())
+        assert all(s["generated_tokens"] >= 4 for s in stats)
+        assert all(s["num_requests_running"] == 0 and s["open_envs"] == 0 for s in stats)
+    finally:
+        rollout.shutdown()
