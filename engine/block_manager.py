@@ -11,6 +11,10 @@ and the `DocumentIndex` (cached documents) of the device pool. Invariants (check
   it (copy-on-write; the copy is recorded in `pending_copies` for the runner to execute).
 A sequence's own blocks are its `block_table`; KV it shares read-only (a cached document) it holds
 through handles, released with the sequence. Owns no KV memory.
+
+With KV tiers attached (`attach_tiers`, engine/kv/tiers.py) allocation continues a prefix lookup
+that stops in the device pool into the host and disk tiers and queues a load; such a sequence is
+*loading* until `poll_tiers` reports it done. Without tiers none of that code runs.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from cuttle.engine.kv.document_index import DocumentIndex
 from cuttle.engine.kv.handles import KVHandle
 from cuttle.engine.kv.pool import NO_HASH, Block, BlockPool
 from cuttle.engine.kv.prefix_index import PrefixIndex, hash_block
+from cuttle.engine.kv.tiers import KVTiers
 from cuttle.engine.sequence import Sequence
 
 __all__ = ["NO_HASH", "Block", "BlockManager", "hash_block"]
@@ -32,6 +37,10 @@ class BlockManager:
         self.document_index = DocumentIndex(self.pool, block_size)
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
         self.num_cached_tokens_hit = 0  # tokens served from the prefix cache at admission, ever
+        self.tiers: KVTiers | None = None
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        self.tiers = tiers
 
     @property
     def blocks(self) -> list[Block]:
@@ -81,6 +90,46 @@ class BlockManager:
         seq.block_table = table
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         self.num_cached_tokens_hit += seq.num_cached_tokens
+        tiers = self.tiers
+        if tiers is not None:
+            if self.enable_prefix_caching and use_cache:
+                parent = self.pool.blocks[hits[-1]].hash if hits else NO_HASH
+                tiers.plan_load(seq, len(hits), parent, seq.request.prefix_cache_key)
+            else:
+                tiers.drop_swap(seq)
+
+    # ---- tiers -----------------------------------------------------------------------------
+    def is_loading(self, seq: Sequence) -> bool:
+        return self.tiers is not None and seq in self.tiers.loads
+
+    def poll_tiers(self) -> list[Sequence]:
+        """Sequences whose loads finished: their loaded blocks join the device prefix index."""
+        assert self.tiers is not None
+        done = self.tiers.poll()
+        for seq in done:
+            self._loaded(seq)
+        return done
+
+    def wait_load(self, seq: Sequence) -> None:
+        assert self.tiers is not None
+        self.tiers.wait(seq)
+
+    def _loaded(self, seq: Sequence) -> None:
+        gained = seq.num_computed_tokens - seq.num_cached_tokens
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.num_cached_tokens_hit += gained
+        self.hash_computed_blocks(seq)
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Before preempting `seq`: its partial block may go to a host swap slot (the full ones
+        are hashed and stay cached). Needs the prefix cache: the chain is how it comes back."""
+        if self.tiers is not None and self.enable_prefix_caching and seq.request.prompt_logprobs is None:
+            self.tiers.swap_out(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` ends for good: a load in flight is waited for, a swap slot given back."""
+        if self.tiers is not None:
+            self.tiers.cancel(seq)
 
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks go back first so they are evicted before the shared head of the chain.
@@ -144,11 +193,13 @@ class BlockManager:
             parent = blocks[table[i - 1]].hash if i > 0 else NO_HASH
             self.prefix_index.register(block, parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), extra)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block and document (e.g. after a weight update); referenced blocks
-        stay valid for their holders."""
+    def reset_prefix_cache(self, disk_namespace: int | None = None) -> None:
+        """Forget every cached block and document (e.g. after a weight update), in every tier;
+        referenced blocks stay valid for their holders."""
         self.prefix_index.reset()
         self.document_index.reset()
+        if self.tiers is not None:
+            self.tiers.reset(disk_namespace)
 
     def check_invariants(self, live: list[Sequence], pins: list[KVHandle] = ()) -> None:
         """Every block's ref count equals its holders: live sequences' tables and handles, plus
@@ -163,6 +214,11 @@ class BlockManager:
         for handle in pins:
             for bid in handle.blocks:
                 refs[bid] += 1
+        if self.tiers is not None:
+            for blocks in self.tiers.device_pins():
+                for bid in blocks:
+                    refs[bid] += 1
+            self.tiers.check()
         for block, r in zip(self.pool.blocks, refs):
             assert block.ref_count == r, f"block {block.block_id}: ref_count {block.ref_count} but {r} holders"
             assert (block.block_id in self.pool.free) == (r == 0), f"block {block.block_id}: free-list membership wrong"

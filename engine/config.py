@@ -9,6 +9,7 @@ validation. Neither owns memory or state.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -213,6 +214,14 @@ class EngineConfig:
     moe_quant: str | None = None  # "mxfp8": routed-expert weights quantized at load (docs/moe.md)
     squid_positions: str | None = None  # squid documents: "shared" | "concat"; None: the model's config.json says, else "concat"
     max_documents: int = 64  # documents one request may carry
+    # KV tiers under the device pool (docs/kv_tiers.md), all off by default. The host tier's size is
+    # vLLM's `kv_offloading_size` (GiB); `num_host_kv_blocks` gives it in blocks instead (tests).
+    # The disk tier (`kv_cache_dir`, bounded by `kv_cache_dir_gb`, LMCache's local-disk tier) sits
+    # under the host tier and needs it.
+    kv_offloading_size: float = 0.0
+    num_host_kv_blocks: int | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_dir_gb: float = 16.0
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -233,8 +242,22 @@ class EngineConfig:
             raise ValueError(f"squid_positions must be None, 'shared' or 'concat'; got {self.squid_positions!r}")
         if self.max_documents < 0:
             raise ValueError(f"max_documents must be >= 0, got {self.max_documents}")
+        if not (math.isfinite(self.kv_offloading_size) and self.kv_offloading_size >= 0):
+            raise ValueError(f"kv_offloading_size must be a finite number of GiB >= 0 (0: no host tier), got {self.kv_offloading_size}")
+        if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 1:
+            raise ValueError(f"num_host_kv_blocks must be >= 1, got {self.num_host_kv_blocks}")
+        if not (math.isfinite(self.kv_cache_dir_gb) and self.kv_cache_dir_gb > 0):
+            raise ValueError(f"kv_cache_dir_gb must be a finite number of GiB > 0, got {self.kv_cache_dir_gb}")
+        if self.kv_cache_dir is not None and not self.has_host_tier:
+            raise ValueError("kv_cache_dir needs the host tier above it: set kv_offloading_size (GiB) or num_host_kv_blocks")
+        if self.kv_cache_dir is not None and (not self.kv_cache_dir or (os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir))):
+            raise ValueError(f"kv_cache_dir must name a directory, got {self.kv_cache_dir!r}")
         if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
             raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.kv_offloading_size > 0 or self.num_host_kv_blocks is not None
 
     def torch_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

@@ -20,6 +20,10 @@ import torch
 from cuttle.attention.native.gemm import drop_packed
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.config import EngineConfig, ModelConfig
+from cuttle.engine.kv.cost_model import CostModel
+from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespace_key
+from cuttle.engine.kv.tiers import KVTiers
+from cuttle.engine.kv.transfer import TransferEngine
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
 from cuttle.engine.outputs import RequestOutput
@@ -71,8 +75,37 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self.weight_version = 0
+        self._weights_tag = b""  # the disk tier's name for the weights (the checkpoint's until an update)
+        self.tiers: KVTiers | None = self._build_tiers(self.runner.kv.block_bytes) if config.has_host_tier else None
         self.counters = {"prompt_tokens": 0, "prefill_tokens_computed": 0, "generated_tokens": 0, "steps": 0}
         self.post = Postprocessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters)
+
+    def _build_tiers(self, per_block: int) -> KVTiers:
+        """The host tier (and the disk tier under it) below the device pool (engine/kv/tiers.py)."""
+        config = self.config
+        if config.num_host_kv_blocks is not None:
+            host_blocks = config.num_host_kv_blocks
+        else:
+            host_blocks = int(config.kv_offloading_size * 2**30) // per_block
+            if host_blocks < 1:
+                raise ValueError(f"kv_offloading_size ({config.kv_offloading_size} GiB) holds not even one KV block ({per_block} bytes)")
+        transfer = TransferEngine(self.device)
+        disk = None
+        if config.kv_cache_dir is not None:
+            disk = DiskTier(config.kv_cache_dir, int(config.kv_cache_dir_gb * 2**30), per_block, config.block_size)
+            self._weights_tag = checkpoint_fingerprint(config.model)
+            disk.set_namespace(self._disk_namespace())
+        tiers = KVTiers(self.block_manager.pool, self.runner.kv, config.block_size, host_blocks, transfer, per_block, disk,
+                        pin_memory=self.device.type == "cuda")
+        tiers.cost = CostModel.measure(transfer, self.runner.kv, tiers.host_kv, self.model_config, per_block)
+        self.block_manager.attach_tiers(tiers)
+        return tiers
+
+    def _disk_namespace(self) -> int:
+        """What a disk entry's bytes depend on beyond its tokens and the chain's extra key."""
+        mc = self.model_config
+        geometry = f"{mc.num_layers}x{self.config.block_size}x{mc.num_kv_heads}x{mc.head_dim}"
+        return namespace_key(self._weights_tag, str(self.dtype).encode(), geometry.encode())
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(
@@ -164,9 +197,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        # inputs first: with KV tiers the copies of this schedule's evicted blocks run meanwhile
+        inputs = self.runner.prepare(sched.scheduled)
+        if self.tiers is not None:
+            self.tiers.before_write()
         self.runner.copy_blocks(self.block_manager.pending_copies)
         self.block_manager.pending_copies.clear()
-        inputs = self.runner.prepare(sched.scheduled)
         logits = self.runner.run(inputs)
         self.counters["steps"] += 1
 
@@ -311,7 +347,12 @@ class LLMEngine:
             drop_packed(self.runner.model)
             self.runner.prepack()
         self.weight_version += 1
-        self.block_manager.reset_prefix_cache()
+        namespace = None
+        if self.tiers is not None and self.tiers.disk is not None:
+            # a fresh tag: another process's weights after its own update are never these
+            self._weights_tag = os.urandom(16)
+            namespace = self._disk_namespace()
+        self.block_manager.reset_prefix_cache(namespace)
         return ended
 
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -346,6 +387,7 @@ class LLMEngine:
             "num_requests_waiting": len(self.scheduler.waiting),
             "weight_version": self.weight_version,
             **self.squid.counters,
+            **(self.tiers.stats() if self.tiers is not None else {}),
         }
 
 

@@ -3,7 +3,8 @@
 Gauges are refreshed from the engine's stats snapshot at scrape time; latency histograms are
 observed by the request handlers, measured where the client sees them: first token out and
 gaps between streamed outputs for streamed requests (a non-streamed client sees nothing before
-the end), whole request for all.
+the end), whole request for all. With KV tiers on (docs/kv_tiers.md), their counters are exported
+too: blocks hit per tier, bytes moved per direction, seconds the step waited on transfers.
 """
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ class ServerMetrics:
         self.ttft = Histogram("cuttle_time_to_first_token_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("cuttle_inter_token_latency_seconds", "Time between streamed outputs", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("cuttle_e2e_request_latency_seconds", "End-to-end request latency", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        # KV tiers: running totals from the engine's stats, so gauges named as the counters they mirror
+        self.tier_hits = Gauge("cuttle_kv_tier_hit_blocks_total", "KV blocks found in a lower tier and copied back", labels + ["tier"], registry=r)
+        self.tier_bytes = Gauge("cuttle_kv_tier_bytes_total", "KV bytes moved between tiers", labels + ["direction"], registry=r)
+        self.tier_blocked = Gauge("cuttle_kv_transfer_blocked_seconds_total", "Seconds the engine step waited on KV transfers", labels, registry=r)
+        self.tier_swaps = Gauge("cuttle_kv_swap_outs_total", "Preempted sequences whose partial block went to the host tier", labels, registry=r)
+        self.host_usage = Gauge("cuttle_kv_host_cache_usage_perc", "Fraction of host-tier KV blocks in use (0-1)", labels, registry=r)
 
     def render(self, stats: dict[str, Any]) -> bytes:
         m = self.model
@@ -42,4 +49,12 @@ class ServerMetrics:
         self.preemptions.labels(m).set(stats["preemptions"])
         self.prompt_tokens.labels(m).set(stats["prompt_tokens"])
         self.generation_tokens.labels(m).set(stats["generated_tokens"])
+        if "kv_host_blocks_total" in stats:
+            self.tier_hits.labels(m, "host").set(stats["kv_host_hit_blocks"])
+            self.tier_hits.labels(m, "disk").set(stats["kv_disk_hit_blocks"])
+            for direction in ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host"):
+                self.tier_bytes.labels(m, direction).set(stats[f"kv_bytes_{direction}"])
+            self.tier_blocked.labels(m).set(stats["kv_transfer_blocked_s"])
+            self.tier_swaps.labels(m).set(stats["kv_swap_outs"])
+            self.host_usage.labels(m).set(1.0 - stats["kv_host_blocks_free"] / max(stats["kv_host_blocks_total"], 1))
         return generate_latest(self.registry)

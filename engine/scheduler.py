@@ -5,7 +5,10 @@ order (a decode costs one token, an unfinished prompt takes a chunk of what is l
 sequences are admitted while blocks and the budget last, so prefill chunks and decodes share a
 step. When a decode cannot get a block, the most recently admitted running sequence is preempted:
 its blocks are freed and it returns to the front of the queue to be recomputed later (its tokens
-and its sampling state are kept, so the results do not change). Owns the queues, not the blocks.
+and its sampling state are kept, so the results do not change). With KV tiers, a preempted
+sequence may first keep its partial block in a host swap slot, and an admitted sequence whose
+prefix hits lie in a lower tier is *loading*: it holds its blocks and seats but is not scheduled
+until its copy is done, while the others keep stepping. Owns the queues, not the blocks.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []  # admitted, waiting for their KV to be copied in
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -47,6 +51,24 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        if bm.tiers is None:
+            return self._schedule()
+        if self.loading:
+            done = set(bm.poll_tiers())
+            if done:
+                self.running.extend(s for s in self.loading if s in done)
+                self.loading = [s for s in self.loading if s not in done]
+        else:
+            bm.poll_tiers()
+        out = self._schedule()
+        bm.tiers.flush()
+        if out.is_empty and self.loading:  # nothing else can run: the step waits for the KV
+            bm.wait_load(self.loading[0])
+            return self.schedule()
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -77,7 +99,7 @@ class Scheduler:
             return out
         # max_num_seqs counts sequences, and a request with n samples becomes n sequences when its
         # prompt completes (they fork from it), so an unforked prompt holds n seats from admission.
-        seats = sum(_seats(s) for s in self.running)
+        seats = sum(_seats(s) for s in self.running) + sum(_seats(s) for s in self.loading)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seats + _seats(seq) > self.max_num_seqs:
@@ -95,6 +117,9 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, use_cache)
             seq.status = SequenceStatus.RUNNING
+            if bm.is_loading(seq):  # its blocks arrive from a lower tier; scheduled once they have
+                self.loading.append(seq)
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append((seq, n))
             budget -= n
@@ -102,6 +127,7 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.swap_out(seq)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         plp = seq.request.prompt_logprobs
@@ -120,7 +146,10 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from the queues and free its blocks at once."""
         if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            if seq in self.loading:
+                self.loading.remove(seq)
+            else:
+                self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             try:
                 self.waiting.remove(seq)
@@ -129,6 +158,7 @@ class Scheduler:
         if self.squid is not None and self.squid.is_parked(seq):
             for orphan in self.squid.forget(seq):  # document jobs nobody waits for anymore
                 self.finish(orphan)
+        self.block_manager.release(seq)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
 

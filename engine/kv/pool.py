@@ -49,10 +49,14 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free)
 
-    def on_evict(self, hook: EvictHook) -> None:
+    def on_evict(self, hook: EvictHook, first: bool = False) -> None:
         """`hook(block)` runs when a cached free block is about to be handed out for reuse, while
-        it still holds its hash and tokens."""
-        self._evict_hooks.append(hook)
+        it still holds its hash and tokens. `first`: before the hooks already registered (a lower
+        tier copies a document out before the document index forgets it)."""
+        if first:
+            self._evict_hooks.insert(0, hook)
+        else:
+            self._evict_hooks.append(hook)
 
     def take(self) -> int:
         """A free block with ref count 1, evicting whatever it cached."""

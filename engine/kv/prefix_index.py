@@ -55,6 +55,18 @@ class PrefixIndex:
         block.token_ids = tokens
         self.hash_to_block.setdefault(block.hash, block.block_id)
 
+    def insert(self, block: Block, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Record a block whose hash is already known (a copy arriving from another tier)."""
+        block.hash = block_hash
+        block.token_ids = tokens
+        self.hash_to_block.setdefault(block_hash, block.block_id)
+
+    def find(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        bid = self.hash_to_block.get(block_hash)
+        if bid is None or self.pool.blocks[bid].token_ids != tokens:
+            return None
+        return bid
+
     def reset(self) -> None:
         """Forget every entry (after a weight update); blocks in use stay valid, just uncached."""
         for block in self.pool.blocks:

@@ -9,7 +9,9 @@ kernels index it directly. The cost is on the transfer side: one block's KV for 
 per-layer stride of `2 * layers` blocks and break the flat views the kernels and the slot
 mapping use. Transfers instead move many blocks at once with one indexed copy over the block
 dimension (`read_blocks` / `write_blocks`: a single gather or scatter for all layers), so the
-chunk count costs per-call overhead once, not per block.
+chunk count costs per-call overhead once, not per block. A host tier keeps the same layout, so a
+block moves as the same `2 * layers` chunks and an attention kernel could one day read it where
+it is (docs/kv_tiers.md, "read in place").
 """
 from __future__ import annotations
 
@@ -18,10 +20,17 @@ import torch
 
 class KVStorage:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.tensor = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device, pin_memory: bool = False):
+        # pin_memory: a host tier under a CUDA pool, so copies to and from it are DMA
+        self.tensor = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device,
+                                  pin_memory=pin_memory)
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]
         self.device = device
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's KV, every layer: what a tier moves per block."""
+        return self.tensor[:, :, 0].numel() * self.tensor.element_size()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,402 @@
+"""KV tiers (engine/kv/tiers.py): a host tier and a disk tier under the device pool.
+
+Exactness: with a device pool small enough to force offload, reload and swap-preemption, greedy
+tokens and logprobs equal a run with a large pool bit for bit (fp32 and bf16). The engine's
+kernels are not batch-invariant (a prefix computed in another batch differs in the last bits), so
+each scenario keeps the schedule of the compared runs the same where the tier is not involved:
+sequential sessions for offload/reload, concurrent decodes for swap. Then only the tier's copies
+differ, and a copy that moved the wrong bytes (or raced a write) shows. Recompute, for contrast,
+is not bit-identical in fp32 (asserted, so the swap comparison is known to be able to fail).
+No leaks: random interleavings end with every block free in every tier; a copy slowed down on
+purpose is never overtaken by a write. The disk tier survives a restart; another weight version,
+another checkpoint, and corrupt or truncated files are misses.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cuttle.engine import LLM, SamplingParams
+from cuttle.engine.config import EngineConfig
+from helpers import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiers-qwen3"))
+    make_checkpoint(path, "qwen3")
+    return path
+
+
+@pytest.fixture(scope="module")
+def other_model_path(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiers-qwen3-other"))
+    make_checkpoint(path, "qwen3", seed=1)
+    return path
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+def _result(out):
+    c = out.outputs[0]
+    return list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+
+
+def _sessions(n_sessions: int, turns: int, seed: int = 0) -> list[list[list[int]]]:
+    """New user tokens per turn per session (the prompt of a turn is the whole history)."""
+    rng = random.Random(seed)
+    return [[[rng.randrange(3, 256) for _ in range(rng.randrange(6, 14))] for _ in range(turns)] for _ in range(n_sessions)]
+
+
+def _run_sessions(llm: LLM, sessions, params=GREEDY) -> list:
+    """Round-robin over the sessions, one request at a time: each turn resumes a history whose
+    KV the other sessions pushed out of a small device pool."""
+    history = [[] for _ in sessions]
+    results = []
+    for t in range(len(sessions[0])):
+        for s, turns in enumerate(sessions):
+            prompt = history[s] + turns[t]
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            toks, lps = _result(out)
+            results.append((toks, lps))
+            history[s] = prompt + toks
+    return results
+
+
+def _small(path: str, dtype: str = "float32", **kw) -> LLM:
+    return LLM(path, dtype=dtype, block_size=4, num_kv_blocks=kw.pop("num_kv_blocks", 24), max_model_len=96, **kw)
+
+
+def _all_free(llm: LLM) -> None:
+    engine = llm.engine
+    engine.tiers.drain()
+    engine.block_manager.check_invariants([])
+    st_ = llm.stats()
+    assert st_["kv_blocks_free"] == st_["kv_blocks_total"]
+    assert st_["kv_host_blocks_free"] == st_["kv_host_blocks_total"]
+
+
+# ---- exactness -------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resumed_sessions_reload_from_host_bit_identical(model_path, dtype):
+    sessions = _sessions(4, 3)
+    ref_llm = _small(model_path, dtype, num_kv_blocks=256, max_num_seqs=1)
+    ref = _run_sessions(ref_llm, sessions)
+    tiered = _small(model_path, dtype, num_kv_blocks=24, num_host_kv_blocks=128, max_num_seqs=1)
+    got = _run_sessions(tiered, sessions)
+    assert got == ref
+    st_ = tiered.stats()
+    assert st_["kv_offloaded_blocks"] > 0 and st_["kv_host_hit_blocks"] > 0
+    # every resumed history came back by copy: nothing more computed than with the large pool
+    assert st_["prefill_tokens_computed"] == ref_llm.stats()["prefill_tokens_computed"]
+    assert st_["kv_bytes_host_to_device"] == st_["kv_host_hit_blocks"] * tiered.engine.tiers.bytes_per_block
+    _all_free(tiered)
+    # without the tier the small pool recomputes what it evicted
+    plain = _small(model_path, dtype, num_kv_blocks=24, max_num_seqs=1)
+    _run_sessions(plain, sessions)
+    assert plain.stats()["prefill_tokens_computed"] > st_["prefill_tokens_computed"]
+
+
+def _favor_copy(llm: LLM) -> LLM:
+    """The tiny test model sits near the cost model's break-even (a few kFLOP per token against a
+    thread hand-off per copy), where the measured rates decide by noise: pin them."""
+    cost = llm.engine.tiers.cost
+    cost.copy_latency_s, cost.copy_bytes_per_s = 0.0, 1e12
+    return llm
+
+
+def _concurrent(llm: LLM, params=None):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (22, 25, 19)]
+    params = params or SamplingParams(temperature=0, max_tokens=36, ignore_eos=True, logprobs=0)
+    return [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_swap_preemption_bit_identical_and_recomputes_nothing(model_path, dtype):
+    ref_llm = _small(model_path, dtype, num_kv_blocks=64, max_num_seqs=3)
+    ref = _concurrent(ref_llm)
+    assert ref_llm.stats()["preemptions"] == 0
+    swap = _favor_copy(_small(model_path, dtype, num_kv_blocks=20, num_host_kv_blocks=64, max_num_seqs=3))
+    got = _concurrent(swap)
+    st_ = swap.stats()
+    assert st_["preemptions"] > 0 and st_["kv_swap_outs"] > 0 and st_["kv_swap_ins"] > 0
+    assert got == ref
+    assert st_["prefill_tokens_computed"] == 22 + 25 + 19  # the preempted came back by copy alone
+    _all_free(swap)
+    if dtype == "float32":  # recompute runs the prefix in another batch: not the same bits
+        recompute = _small(model_path, dtype, num_kv_blocks=20, max_num_seqs=3)
+        again = _concurrent(recompute)
+        assert recompute.stats()["preemptions"] > 0
+        assert [t for t, _ in again] == [t for t, _ in ref] and again != ref
+
+
+def test_cost_model_keeps_recompute_when_copying_is_dearer(model_path):
+    llm = _small(model_path, num_kv_blocks=20, num_host_kv_blocks=64, max_num_seqs=3)
+    cost = llm.engine.tiers.cost
+    assert cost.copy_bytes_per_s > 0 and cost.flops_per_s > 0
+    assert cost.swap_pays(64, 1) != cost.swap_pays(1, 10**6)  # it is a comparison, not a constant
+    cost.copy_bytes_per_s = 1.0  # a link slower than any recompute
+    got = _concurrent(llm)
+    st_ = llm.stats()
+    assert st_["preemptions"] > 0 and st_["kv_swap_outs"] == 0 and st_["kv_preempt_recompute"] > 0
+    ref = _concurrent(_small(model_path, num_kv_blocks=64, max_num_seqs=3))
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    _all_free(llm)
+
+
+def test_no_device_block_is_written_while_its_copy_is_in_flight(model_path):
+    """Every copy sleeps first; the forward must still see each offload finished, and the
+    outputs stay exact (a write racing a copy would corrupt the reloaded KV)."""
+    sessions = _sessions(4, 3, seed=5)
+    ref = _run_sessions(_small(model_path, num_kv_blocks=256, max_num_seqs=1), sessions)
+    llm = _small(model_path, num_kv_blocks=24, num_host_kv_blocks=128, max_num_seqs=1)
+    engine = llm.engine
+    engine.tiers.transfer.slowdown_s = 0.01
+    run = engine.runner.run
+    checked = []
+
+    def guarded(inputs):
+        assert engine.tiers.unfenced_offloads() == 0, "the forward would write blocks still being copied out"
+        loading = {b for blocks in engine.tiers.device_pins() for b in blocks}
+        running = {b for s in engine.scheduler.running for b in s.block_table}
+        assert not loading & running, "a running sequence holds a block a load is writing"
+        checked.append(1)
+        return run(inputs)
+
+    engine.runner.run = guarded
+    assert _run_sessions(llm, sessions) == ref
+    assert checked and llm.stats()["kv_host_hit_blocks"] > 0
+    _all_free(llm)
+
+
+# ---- no leaks ----------------------------------------------------------------------------------
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 10), st.integers(1, 2)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+        st.tuples(st.just("update_weights"), st.integers(0, 9)),
+    ),
+    min_size=1, max_size=40,
+)
+
+
+@pytest.fixture(scope="module")
+def property_llm(model_path, tmp_path_factory) -> LLM:
+    # one engine for every example (a fresh one each would dominate the run time); every tier is
+    # empty between examples, which the test asserts
+    llm = LLM(model_path, dtype="float32", block_size=4, num_kv_blocks=16, num_host_kv_blocks=12, max_num_batched_tokens=16,
+              max_num_seqs=4, max_model_len=60, kv_cache_dir=str(tmp_path_factory.mktemp("property-kv")))
+    _favor_copy(llm)
+    return llm
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=OPS, slow=st.booleans())
+def test_random_interleavings_leave_every_tier_empty(property_llm, ops, slow):
+    """add (shared histories, n up to 2) / step / abort / weight updates over a device pool of
+    16 blocks, a host tier of 12 and a disk tier: offload, host eviction, reload from host and
+    disk, loads aborted in flight, swap slots, preemption. After every op each block's count
+    equals its holders in both pools; at the end every block of every tier is free."""
+    llm = property_llm
+    engine = llm.engine
+    engine.tiers.transfer.slowdown_s = 0.002 if slow else 0.0
+    bm = engine.block_manager
+    stems = [[3 + (7 * s + i) % 200 for i in range(40)] for s in range(2)]
+    live: list[str] = []
+
+    def check():
+        seqs = [s for r in engine.requests.values() for s in r.seqs if not s.is_finished]
+        bm.check_invariants(seqs)
+        assert all(b.ref_count >= 0 for b in engine.tiers.host_pool.blocks)
+
+    for k, op in enumerate(ops):
+        if op[0] == "add":
+            _, stem, extra, n = op
+            toks = stems[stem % 2][: 8 + 3 * extra]
+            rid = f"p{k}-{len(engine.requests)}"
+            engine.add_request(rid, toks, SamplingParams(n=n, temperature=0 if n == 1 else 1.0, max_tokens=2 + extra, ignore_eos=True))
+            live.append(rid)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                engine.step()
+        elif op[0] == "abort":
+            if live:
+                engine.abort_request(live.pop(op[1] % len(live)))
+        elif op[1] == 0:
+            engine.update_weights([], in_flight="finish")
+            live.clear()
+        check()
+    while engine.has_unfinished_requests():
+        engine.step()
+        check()
+    engine.tiers.drain()
+    check()
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    host = engine.tiers.host_pool
+    assert host.num_free == len(host) and all(b.ref_count == 0 for b in host.blocks)
+    assert not engine.tiers.swapped and not engine.tiers.loads
+
+
+# ---- the disk tier -----------------------------------------------------------------------------
+def _disk_llm(path: str, cache_dir: str, **kw) -> LLM:
+    return _small(path, num_kv_blocks=kw.pop("num_kv_blocks", 24), num_host_kv_blocks=kw.pop("num_host_kv_blocks", 16),
+                  max_num_seqs=1, kv_cache_dir=cache_dir, **kw)
+
+
+def _fill_disk(path: str, cache_dir: str):
+    """One engine's life: sessions that push their KV through the host tier to disk. Session 0's
+    history up to its third turn ends up there whole (the later turns of the others evict it)."""
+    sessions = _sessions(4, 3, seed=9)
+    llm = _disk_llm(path, cache_dir)
+    results = _run_sessions(llm, sessions)
+    llm.engine.tiers.drain()
+    assert llm.stats()["kv_disk_entries"] > 0 and llm.stats()["kv_bytes_host_to_disk"] > 0
+    return sessions, results
+
+
+def _resume_prompt(sessions, results) -> list[int]:
+    """Session 0's second-turn prompt: a prefix of the history the last engine wrote to disk."""
+    return sessions[0][0] + results[0][0] + sessions[0][1]
+
+
+def _resume(llm: LLM, sessions, results) -> tuple:
+    return _result(llm.generate([_resume_prompt(sessions, results)], GREEDY, use_tqdm=False)[0])
+
+
+def _close(a: tuple, b: tuple, tol: float = 1e-4) -> bool:
+    """Same tokens, logprobs within `tol` (for runs whose prefix hit ends at another block than the
+    reference's, so the rest is computed in other chunks: last-bit differences, never garbage)."""
+    return a[0] == b[0] and max(abs(x - y) for x, y in zip(a[1], b[1])) < tol
+
+
+def test_disk_tier_survives_a_restart(model_path, tmp_path):
+    cache = str(tmp_path / "kv")
+    sessions, results = _fill_disk(model_path, cache)
+    ref_llm = _small(model_path, num_kv_blocks=256, max_num_seqs=1)  # the same life, all on device
+    assert _run_sessions(ref_llm, sessions) == results
+    ref = _resume(ref_llm, sessions, results)
+    restarted = _disk_llm(model_path, cache)
+    assert _resume(restarted, sessions, results) == ref
+    st_ = restarted.stats()
+    full_blocks = (len(_resume_prompt(sessions, results)) - 1) // 4
+    assert st_["kv_disk_hit_blocks"] == full_blocks and st_["kv_bytes_disk_to_host"] > 0 and st_["kv_disk_bad_entries"] == 0
+    assert st_["prefill_tokens_computed"] == len(_resume_prompt(sessions, results)) - 4 * full_blocks
+    _all_free(restarted)
+
+
+def test_disk_tier_is_not_reused_across_weights_or_checkpoints(model_path, other_model_path, tmp_path):
+    cache = str(tmp_path / "kv")
+    sessions, results = _fill_disk(model_path, cache)
+    updated = _disk_llm(model_path, cache)
+    updated.update_weights([])  # same values, new version: nothing old may be hit
+    fresh = _resume(_small(model_path, num_kv_blocks=256, max_num_seqs=1), sessions, results)  # computed whole
+    assert _resume(updated, sessions, results) == fresh
+    assert updated.stats()["kv_disk_hit_blocks"] == 0
+    other = _disk_llm(other_model_path, cache)  # same tokens, same chain hashes: only the namespace differs
+    _resume(other, sessions, results)
+    assert other.stats()["kv_disk_hit_blocks"] == 0
+    again = _disk_llm(model_path, cache)  # the original weights' entries are still there
+    _resume(again, sessions, results)
+    assert again.stats()["kv_disk_hit_blocks"] > 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_or_truncated_disk_entry_is_a_miss(model_path, tmp_path, damage):
+    cache = str(tmp_path / "kv")
+    sessions, results = _fill_disk(model_path, cache)
+    fresh = _resume(_small(model_path, num_kv_blocks=256, max_num_seqs=1), sessions, results)
+    clean = _disk_llm(model_path, cache)  # which entries a resume reads: damage the second one
+    engine = clean.engine
+    prompt = _resume_prompt(sessions, results)
+    bs, extra = 4, b"\0" * 8
+    from cuttle.engine.kv.prefix_index import hash_block
+
+    keys, parent = [], -1
+    for i in range((len(prompt) - 1) // bs):
+        parent = hash_block(parent, prompt[i * bs : (i + 1) * bs], extra)
+        keys.append(parent)
+    run = next((i for i, k in enumerate(keys) if k not in engine.tiers.disk), len(keys))
+    assert run >= 2, "the resumed history should start with entries on disk"
+    victim = engine.tiers.disk.path(keys[1])
+    with open(victim, "r+b") as f:
+        if damage == "flip":
+            f.seek(-5, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-5, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0x40]))
+        else:
+            f.truncate(os.path.getsize(victim) - 7)
+    assert _close(_resume(clean, sessions, results), fresh)
+    st_ = clean.stats()
+    assert st_["kv_disk_bad_entries"] == 1
+    assert st_["kv_disk_hit_blocks"] == 1  # the entry before it only
+    assert not os.path.exists(victim)
+    _all_free(clean)
+
+
+def test_disk_tier_stays_within_its_size(model_path, tmp_path):
+    cache = str(tmp_path / "kv")
+    per_file = None
+    llm = _disk_llm(model_path, cache, kv_cache_dir_gb=6 * 2500 / 2**30)  # room for a handful of blocks
+    disk = llm.engine.tiers.disk
+    per_file = disk.file_bytes
+    _run_sessions(llm, _sessions(4, 2, seed=3))
+    llm.engine.tiers.drain()
+    files = [os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs]
+    assert sum(os.path.getsize(f) for f in files) <= disk.capacity_bytes
+    assert len(files) == len(disk.entries) == disk.capacity_bytes // per_file
+
+
+# ---- options and observability -----------------------------------------------------------------
+def test_tier_options_are_off_by_default_and_checked(model_path, tmp_path):
+    cfg = EngineConfig(model=model_path)
+    assert cfg.kv_offloading_size == 0 and cfg.num_host_kv_blocks is None and cfg.kv_cache_dir is None
+    llm = _small(model_path)
+    assert llm.engine.tiers is None and llm.engine.block_manager.tiers is None
+    assert not any(k.startswith("kv_host") for k in llm.stats())
+    for kw, msg in [
+        (dict(kv_offloading_size=-1.0), "kv_offloading_size"),
+        (dict(num_host_kv_blocks=0), "num_host_kv_blocks"),
+        (dict(kv_cache_dir=str(tmp_path)), "kv_cache_dir needs the host tier"),
+        (dict(num_host_kv_blocks=4, kv_cache_dir=str(tmp_path), kv_cache_dir_gb=0.0), "kv_cache_dir_gb"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            EngineConfig(model=model_path, **kw)
+    with pytest.raises(ValueError, match="holds not even one KV block"):
+        _small(model_path, kv_offloading_size=1e-9)
+    with pytest.raises(ValueError, match="holds not even one block"):
+        _small(model_path, num_host_kv_blocks=4, kv_cache_dir=str(tmp_path / "d"), kv_cache_dir_gb=1e-9)
+
+
+def test_tier_counters_reach_stats_and_metrics(model_path):
+    from cuttle.engine.metrics import ServerMetrics
+
+    llm = _small(model_path, num_kv_blocks=24, num_host_kv_blocks=128, max_num_seqs=1)
+    _run_sessions(llm, _sessions(4, 2))
+    st_ = llm.stats()
+    assert st_["kv_host_hit_blocks"] > 0 and st_["kv_bytes_device_to_host"] > 0 and st_["kv_transfer_blocked_s"] >= 0
+    text = ServerMetrics("m").render(st_).decode()
+    assert 'cuttle_kv_tier_hit_blocks_total{model_name="m",tier="host"}' in text
+    assert f'cuttle_kv_tier_bytes_total{{direction="device_to_host",model_name="m"}} {float(st_["kv_bytes_device_to_host"])}' in text
+    assert "cuttle_kv_transfer_blocked_seconds_total" in text
+    plain = ServerMetrics("m").render(_small(model_path).stats()).decode()
+    assert "cuttle_kv_tier_hit_blocks_total{" not in plain
+
+
+def test_kv_bytes_move_as_whole_blocks_for_every_layer(model_path):
+    llm = _small(model_path, num_kv_blocks=24, num_host_kv_blocks=32, max_num_seqs=1)
+    tiers = llm.engine.tiers
+    dev = llm.engine.runner.kv
+    dev.tensor.copy_(torch.randn_like(dev.tensor))
+    tiers.transfer.submit(lambda: tiers.transfer.device_to_host(dev, [3, 4, 9], tiers.host_kv, [7, 8, 0])).wait()
+    assert torch.equal(tiers.host_kv.tensor[:, :, [7, 8, 0]], dev.tensor[:, :, [3, 4, 9]])
+    tiers.transfer.submit(lambda: tiers.transfer.host_to_device(tiers.host_kv, [0, 7], dev, [1, 2])).wait()
+    assert torch.equal(dev.tensor[:, :, [1, 2]], dev.tensor[:, :, [9, 3]])
