@@ -1,10 +1,10 @@
 """The `cuttle` command: serve, generate, chat.
 
 Owns argument parsing and wiring only. `serve` runs the OpenAI server on the embedded default
-model unless --model is given; `generate` streams one completion to the terminal; `chat` is an
-interactive loop over the chat template. Heavy imports happen inside the subcommands, so
-`cuttle --help` is instant. The environment server is the sandbox's own command,
-`cuttle-env-server`: the engine never imports `cuttle.sandbox`.
+model unless a model is given (`cuttle serve MODEL` as in vLLM, or --model); `generate` streams
+one completion to the terminal; `chat` is an interactive loop over the chat template. Heavy
+imports happen inside the subcommands, so `cuttle --help` is instant. The environment server is
+the sandbox's own command, `cuttle-env-server`: the engine never imports `cuttle.sandbox`.
 """
 from __future__ import annotations
 
@@ -28,17 +28,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     g.add_argument("--max-num-seqs", type=int, help="sequences running at once (a request's n samples count n)")
     g.add_argument("--max-model-len", type=int)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse the KV of shared prompt prefixes (default: on)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
+                   help="the same as --no-enable-prefix-caching")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--seed", type=int)
     g.add_argument("--moe-quant", choices=["mxfp8"], help="quantize MoE expert weights at load")
     g.add_argument("--squid-positions", choices=["shared", "concat"], help="where cached documents sit (docs/squid.md; default: the model's, else concat)")
     g.add_argument("--max-documents", type=int, help="documents one request may carry")
+    g.add_argument("--kv-offloading-size", type=float, help="GiB of host memory for the KV host tier under the device pool (docs/kv_tiers.md; default 0: off)")
+    g.add_argument("--num-host-kv-blocks", type=int, help="host tier size in blocks (instead of --kv-offloading-size)")
+    g.add_argument("--kv-cache-dir", help="directory of the disk KV tier under the host tier; survives restarts")
+    g.add_argument("--kv-cache-dir-gb", type=float, help="size bound of --kv-cache-dir in GiB")
 
 
 _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens", "max_num_seqs",
                    "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant", "squid_positions",
-                   "max_documents")
+                   "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb")
 
 
 def _build_llm(args: argparse.Namespace):
@@ -65,12 +72,23 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from cuttle.engine.async_engine import AsyncEngine
     from cuttle.engine.server import create_app
+    from cuttle.engine.server.chat_prompt import load_chat_template
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            sys.exit(f"cuttle serve: the model is given twice ({args.model_tag!r} and --model {args.model!r})")
+        args.model = args.model_tag
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except ValueError as e:
+        sys.exit(f"cuttle serve: {e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # built on the engine thread, which then steps it: one thread does all the OpenMP work
     aeng = AsyncEngine.launch(lambda: _build_llm(args).engine, max_pending=args.max_pending)
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model)))
-    app = create_app(aeng, name, args.api_key, args.tool_call_parser)
+    app = create_app(aeng, name, args.api_key, args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                     chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                     enable_auto_tool_choice=args.enable_auto_tool_choice)
     print(f"cuttle: serving {name!r} on http://{args.host}:{args.port}/v1 (max_model_len {aeng.engine.max_model_len})", flush=True)
     # uvicorn drains connections and runs the shutdown hooks on SIGTERM, then re-raises the signal
     # under the handler that was installed before it; this one turns that into a clean exit 0.
@@ -131,12 +149,22 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="serve a model over the OpenAI API", description="OpenAI-compatible server (completions, chat, tools, metrics)")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF checkpoint directory (the same as --model)")
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--served-model-name", default=None, help=f"model id clients must use (default: {DEFAULT_MODEL_NAME} for the embedded model, else the checkpoint's folder name)")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen3_coder"], help="default: chosen from the chat template")
+    s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help="tool_choice 'auto' parses the model's tool calls (default: on; vLLM needs this flag for it, cuttle "
+                        "accepts it so vLLM command lines work; --no-enable-auto-tool-choice refuses 'auto' with a 400)")
+    s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split <think>...</think> out of chat replies as reasoning_content (default: none)")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template used instead of the checkpoint's: a file path, or the template inline")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests carry their own chat_template (refused otherwise)")
     s.add_argument("--max-pending", type=int, default=256, help="requests in flight before new ones get 503")
 
     g = sub.add_parser("generate", help="stream one completion to the terminal", description="Complete PROMPT and stream the text")

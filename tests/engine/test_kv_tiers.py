@@ -400,3 +400,18 @@ def test_kv_bytes_move_as_whole_blocks_for_every_layer(model_path):
     assert torch.equal(tiers.host_kv.tensor[:, :, [7, 8, 0]], dev.tensor[:, :, [3, 4, 9]])
     tiers.transfer.submit(lambda: tiers.transfer.host_to_device(tiers.host_kv, [0, 7], dev, [1, 2])).wait()
     assert torch.equal(dev.tensor[:, :, [1, 2]], dev.tensor[:, :, [9, 3]])
+
+
+def test_cli_flags_reach_the_engine(model_path, tmp_path, monkeypatch):
+    from cuttle.engine import cli
+
+    built = []
+    monkeypatch.setattr(cli, "_stream", lambda llm, prompt, params: built.append(llm) or "")
+    cli.main(["generate", "hi", "--model", model_path, "--dtype", "float32", "--num-kv-blocks", "32", "--num-host-kv-blocks", "20",
+              "--kv-cache-dir", str(tmp_path / "kv"), "--kv-cache-dir-gb", "0.5"])
+    tiers = built[0].engine.tiers
+    assert len(tiers.host_pool) == 20 and tiers.disk.capacity_bytes == 2**29 and tiers.disk.root == str(tmp_path / "kv")
+    cli.main(["generate", "hi", "--model", model_path, "--dtype", "float32", "--kv-offloading-size", "0.001"])
+    assert len(built[1].engine.tiers.host_pool) == int(0.001 * 2**30) // built[1].engine.runner.kv.block_bytes
+    cli.main(["generate", "hi", "--model", model_path, "--dtype", "float32"])
+    assert built[2].engine.tiers is None
