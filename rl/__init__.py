@@ -3,9 +3,12 @@
 Map (docs/rl.md): `types` (Sample, Group, Trajectory), `rollout` (sample_groups over an `LLM` or
 any TokenSampler), `client` (the same over HTTP), `rewards` / `code_reward`, `advantages`,
 `losses`, `batch` (TrainBatch, PackedBatch), `mismatch`, `trainer` (reference trainer + weight
-push). Prompts may carry squid documents (`{"prefix", "documents", "prompt"}`): groups keep the
-engine's `SquidLayout` and the trainer scores under its mask and positions. Imports only the
-engine (and the sandbox lazily, through `code_reward`); never ray.
+push), and for multi-turn coding agents `chat` (the chat template as token deltas), `environment`
+(sandboxed task environments), `agent` (the agent loop) and `ray_rollout` (Ray workers under one
+controller; the only module that imports ray). Prompts may carry squid documents
+(`{"prefix", "documents", "prompt"}`): groups keep the engine's `SquidLayout` and the trainer
+scores under its mask and positions. Imports only the
+engine; the sandbox and ray only through the submodules named above, which it does not import.
 """
 from cuttle.rl.advantages import compute_advantages, drop_zero_variance, group_advantages
 from cuttle.rl.batch import PackedBatch, TrainBatch

@@ -298,6 +298,7 @@ class AgentRollout:
                 delta = self.chat.append_turn(e.chat, s.token_ids, messages)
             except TemplateNotAppendOnly as err:
                 e.finish, e.error = "template", str(err)
+                self.chat.finish_turn(e.chat, s.token_ids)  # the stream ends with this turn, as sampled
                 continue
             e.trajectory.append_context(delta)
             if len(e.turns) >= cfg.max_turns:

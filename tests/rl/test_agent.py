@@ -207,6 +207,7 @@ def test_a_template_that_rewrites_past_turns_ends_the_episode_with_the_reason(to
     [e] = groups[0].episodes
     assert e.finish == "template" and "turn 1" in e.error and "differs from the token stream" in e.error
     assert len(e.turns) == 1 and not e.failed  # graded: its workspace is what it is
+    assert bad.decode(e.trajectory.token_ids, skip_special_tokens=False) == e.chat.text  # trained up to that turn
 
 
 def test_chat_tokens_refuse_a_template_without_an_eos_closing_turns(tok):
