@@ -110,7 +110,9 @@ class Scheduler:
                     self.waiting.popleft()
                     self.waiting.extendleft(reversed(jobs))
                     continue
-            use_cache = seq.request.prompt_logprobs is None
+            # a document job never takes prefix-cache hits: its blocks go into the document index,
+            # and a block lives in one index (a hit on a plain prompt's blocks made insert fail)
+            use_cache = seq.request.prompt_logprobs is None and seq.request.job is None
             if not bm.can_allocate(seq, use_cache):
                 break
             seats += _seats(seq)

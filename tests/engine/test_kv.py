@@ -204,3 +204,22 @@ def test_random_interleavings_keep_every_block_accounted_for(ops):
             bm.pool.unref(b)
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_document_job_never_takes_a_plain_prompts_prefix_blocks(qwen3_path):
+    """A document whose tokens start an earlier plain prompt is computed into blocks of its own
+    (encoded after its prefix, it is other KV; and a block lives in one index)."""
+    import random
+
+    from cuttle.engine import LLM, SamplingParams
+
+    rng = random.Random(3)
+    doc = [rng.randrange(3, 256) for _ in range(40)]
+    squid = {"prefix": [rng.randrange(3, 256) for _ in range(10)], "documents": [doc], "prompt": [rng.randrange(3, 256) for _ in range(6)]}
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    fresh = LLM(qwen3_path, dtype="float32", block_size=4).generate([squid], sp, use_tqdm=False)[0].outputs[0]
+    llm = LLM(qwen3_path, dtype="float32", block_size=4)
+    llm.generate([doc + [5]], SamplingParams(max_tokens=1), use_tqdm=False)
+    after = llm.generate([squid], sp, use_tqdm=False)[0].outputs[0]
+    assert after.token_ids == fresh.token_ids and after.logprobs == fresh.logprobs
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
