@@ -38,6 +38,11 @@ class ServerMetrics:
         self.tier_blocked = Gauge("cuttle_kv_transfer_blocked_seconds_total", "Seconds the engine step waited on KV transfers", labels, registry=r)
         self.tier_swaps = Gauge("cuttle_kv_swap_outs_total", "Preempted sequences whose partial block went to the host tier", labels, registry=r)
         self.host_usage = Gauge("cuttle_kv_host_cache_usage_perc", "Fraction of host-tier KV blocks in use (0-1)", labels, registry=r)
+        # squid documents (engine/squid.py): running totals mirrored from the engine's counters
+        self.documents = Gauge("cuttle_squid_documents_total", "Squid documents served from the cache (hit) or computed",
+                               labels + ["outcome"], registry=r)
+        self.document_tokens = Gauge("cuttle_squid_document_tokens_total", "Squid document tokens reused from the cache or computed",
+                                     labels + ["outcome"], registry=r)
 
     def render(self, stats: dict[str, Any]) -> bytes:
         m = self.model
@@ -49,6 +54,10 @@ class ServerMetrics:
         self.preemptions.labels(m).set(stats["preemptions"])
         self.prompt_tokens.labels(m).set(stats["prompt_tokens"])
         self.generation_tokens.labels(m).set(stats["generated_tokens"])
+        self.documents.labels(m, "hit").set(stats["documents_hit"])
+        self.documents.labels(m, "computed").set(stats["documents_computed"])
+        self.document_tokens.labels(m, "reused").set(stats["document_tokens_reused"])
+        self.document_tokens.labels(m, "computed").set(stats["document_tokens_computed"])
         if "kv_host_blocks_total" in stats:
             self.tier_hits.labels(m, "host").set(stats["kv_host_hit_blocks"])
             self.tier_hits.labels(m, "disk").set(stats["kv_disk_hit_blocks"])

@@ -69,6 +69,15 @@ def test_completion_with_documents_equals_offline_and_reuses_them(live, offline,
     assert details.cached_tokens >= details.model_extra["cached_document_tokens"]
     assert again.choices[0].model_extra["token_ids"] == want.outputs[0].token_ids  # shared: order-invariant
 
+    # /metrics mirrors the engine's squid counters
+    stats, text = live.stats(), httpx.get(live.url + "/metrics").text
+    for name, outcome, key in [("documents", "hit", "documents_hit"), ("documents", "computed", "documents_computed"),
+                               ("document_tokens", "reused", "document_tokens_reused"),
+                               ("document_tokens", "computed", "document_tokens_computed")]:
+        line = f'cuttle_squid_{name}_total{{model_name="test-model",outcome="{outcome}"}} {float(stats[key])}'
+        assert line in text, line
+    assert stats["document_tokens_reused"] >= 3 + 20 + 37 + 16
+
     # text documents and several prompts (each a query over the same documents)
     texts = ["a b c d e f", "x y z"]
     multi = client.completions.create(model="test-model", prompt=["p q", "r s t"], max_tokens=6, temperature=0,
