@@ -4,7 +4,7 @@ and RequestOutputs -> completion / chat-completion JSON.
 Owns no I/O; the server calls these. Every top-level field of a request body is either
 implemented, or listed in `IGNORED_FIELDS` with the reason ignoring it changes nothing, or
 refused with a 400 whose `param` names it: a field cuttle cannot honour (constrained decoding,
-logit bias, template kwargs, ...) is refused, never silently dropped. A few fields are accepted
+logit bias, ...) is refused, never silently dropped. A few fields are accepted
 only at the value that means "off" (`OFF_VALUES`). A JSON `null` is the same as an absent field.
 """
 from __future__ import annotations
@@ -35,8 +35,15 @@ SAMPLING_FIELDS = frozenset({
 })
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
                                        "cache_salt", "documents", "prefix"}
-CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice",
-                                 "response_format", "logprobs", "top_logprobs", "cache_salt", "documents"}
+# The chat template's fields (chat_prompt.py), shared by chat and the messages form of /tokenize.
+TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
+CHAT_FIELDS = SAMPLING_FIELDS | TEMPLATE_FIELDS | {
+    "model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice", "response_format",
+    "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning"}
+# /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize, vLLM's shapes.
+TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
+TOKENIZE_CHAT_FIELDS = TEMPLATE_FIELDS | {"model", "messages", "tools", "add_special_tokens", "return_token_strs"}
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 RL_FIELDS = frozenset({"prompts", "sampling_params"})
 RL_SAMPLING_FIELDS = SAMPLING_FIELDS
 
@@ -53,7 +60,6 @@ OFF_VALUES: dict[str, tuple[Any, str]] = {
     "logit_bias": ({}, "logit_bias is not supported"),
     "best_of": (1, "best_of is not supported (use n)"),
     "suffix": ("", "suffix (insertion) is not supported"),
-    "echo": (False, "echo is not supported for chat completions (only for /v1/completions)"),
     "parallel_tool_calls": (True, ("parallel_tool_calls: false is not supported: cuttle cannot stop the model from "
                                    "emitting several tool calls in one turn")),
     "store": (False, "store: true is not supported: cuttle stores no completions"),
@@ -64,8 +70,6 @@ _REFUSED_WHY = {
     **{k: "constrained decoding is not implemented, and an unenforced constraint would be silently wrong"
        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                  "guided_whitespace_pattern", "structured_outputs")},
-    **{k: "the server renders the model's own chat template as is"
-       for k in ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")},
     "prefix": ("prefix is a /v1/completions field; in chat the system messages are the documents' prefix "
                "(docs/server.md)"),
     "functions": "the deprecated functions API is not supported (use tools)",
@@ -285,7 +289,7 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset0
     for tok, lps in zip(token_ids, logprobs):
-        piece = tokenizer.decode([tok], skip_special_tokens=False)
+        piece = tokenizer.token_text(tok)
         tokens.append(piece)
         offsets.append(offset)
         offset += len(piece)
@@ -294,18 +298,18 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int
             tops.append(None)
             continue
         token_lps.append(lps[tok].logprob if tok in lps else None)
-        tops.append({tokenizer.decode([t], skip_special_tokens=False): lp.logprob for t, lp in lps.items()})
+        tops.append({tokenizer.token_text(t): lp.logprob for t, lp in lps.items()})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> list[dict[str, Any]]:
     out = []
     for tok, lps in zip(token_ids, logprobs):
-        piece = tokenizer.decode([tok], skip_special_tokens=False)
+        piece = tokenizer.token_text(tok)
         ranked = sorted(lps.items(), key=lambda kv: kv[1].rank)[:top_n]
         out.append({
             "token": piece, "logprob": lps[tok].logprob, "bytes": list(piece.encode()),
-            "top_logprobs": [{"token": (p := tokenizer.decode([t], skip_special_tokens=False)), "logprob": lp.logprob,
+            "top_logprobs": [{"token": (p := tokenizer.token_text(t)), "logprob": lp.logprob,
                               "bytes": list(p.encode())} for t, lp in ranked],
         })
     return out

@@ -47,7 +47,7 @@ class Postprocessor:
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         if p.logprobs is not None:
-            seq.logprobs.append(top or {})
+            seq.logprobs.append(self._decoded(top or {}))
         self.counters["generated_tokens"] += 1
         n_out = seq.num_output_tokens
         finish: str | None = None
@@ -66,6 +66,14 @@ class Postprocessor:
         if finish is not None:
             seq.finish_reason = finish
             self.scheduler.finish(seq)
+
+    def _decoded(self, lps: dict[int, Logprob]) -> dict[int, Logprob]:
+        """`Logprob.decoded_token` filled (vLLM's: each token's own text, special tokens kept)."""
+        if self.tokenizer is not None:
+            for t, lp in lps.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.token_text(t)
+        return lps
 
     # ---- ending a request ------------------------------------------------------------------
     def abort(self, req: Request) -> None:
@@ -113,6 +121,12 @@ class Postprocessor:
                     stop_reason=seq.stop_reason,
                 )
             )
+        # prompt logprobs are recorded without text, in order: fill the new ones (back to a filled one)
+        for lps in reversed(req.prompt_logprobs or ()):
+            if lps:
+                if next(iter(lps.values())).decoded_token is not None:
+                    break
+                self._decoded(lps)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,

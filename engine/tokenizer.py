@@ -1,16 +1,23 @@
 """Text <-> token ids for a checkpoint: `tokenizers` (tokenizer.json), the chat template from
 tokenizer_config.json rendered with jinja2 (sandboxed), and incremental detokenization.
 
-Owns the special-token and template conventions of HF checkpoints. The incremental detokenizer
-never emits a partial UTF-8 character: text is released only once the bytes decode cleanly.
+Owns the special-token and template conventions of HF checkpoints; the template is rendered as
+transformers' `apply_chat_template` renders it (the same sandbox, extensions and filters, its
+`continue_final_message` cut, reasoning fields aliased), so a prompt equals the oracle's. A
+template other than the checkpoint's (`--chat-template`, a request's `chat_template`) is
+compiled once and cached. The incremental detokenizer never emits a partial UTF-8 character:
+text is released only once the bytes decode cleanly.
 """
 from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from datetime import datetime
 from typing import Any
 
+import jinja2.ext
+from jinja2 import meta
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -46,13 +53,17 @@ class Tokenizer:
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii
+        # transformers' environment: loop controls ({% break %}), its tojson (no HTML escaping)
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        self._env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
         self._env.globals["raise_exception"] = _raise
         self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._compiled = self._env.from_string(self.chat_template) if self.chat_template else None
+        self._other: OrderedDict[str, Any] = OrderedDict()  # other templates, compiled (LRU)
+        self._variables: dict[str, frozenset[str]] = {}
+        self._token_text: dict[int, str] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -68,17 +79,72 @@ class Tokenizer:
         full = self.decode(ctx + output_ids, skip_special_tokens)
         return full[len(prefix) :] if full.startswith(prefix) else self.decode(output_ids, skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text with special tokens kept (`Logprob.decoded_token`, logprob pieces);
+        cached, as logprobs ask for the same few thousand ids again and again."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def compile_template(self, source: str | None) -> Any:
+        """The compiled template: the checkpoint's for None, else `source` (cached; a syntax
+        error is a ValueError)."""
+        if source is None or source == self.chat_template:
+            if self._compiled is None:
+                raise ValueError("this checkpoint's tokenizer_config.json has no chat_template (give one with --chat-template)")
+            return self._compiled
+        compiled = self._other.get(source)
+        if compiled is None:
+            try:
+                compiled = self._env.from_string(source)
+            except TemplateError as e:
+                raise ValueError(f"chat template does not compile: {e}") from e
+            self._other[source] = compiled
+            if len(self._other) > 16:
+                self._other.popitem(last=False)
+        else:
+            self._other.move_to_end(source)
+        return compiled
+
+    def template_variables(self, source: str | None) -> frozenset[str]:
+        """The names a template reads from its context (what `chat_template_kwargs` can set)."""
+        self.compile_template(source)  # a template that does not compile is refused first
+        source = self.chat_template if source is None else source
+        names = self._variables.get(source)
+        if names is None:
+            # the environment's own globals (range, namespace, raise_exception) are not the caller's to set
+            names = frozenset(meta.find_undeclared_variables(self._env.parse(source))) - set(self._env.globals)
+            self._variables[source] = names
+            if len(self._variables) > 32:
+                self._variables.pop(next(iter(self._variables)))
+        return names
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        if self._compiled is None:
-            raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
+        """The template's text for `messages`, as transformers renders it. `continue_final_message`:
+        the text ends where the final message's content ends (no end-of-turn), for the model
+        to go on with it; it excludes `add_generation_prompt`."""
+        compiled = self.compile_template(chat_template)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        messages = [_alias_reasoning(m) for m in messages]
+        final = None
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ValueError("continue_final_message needs a final message with text content")
+            # a marker after the final content shows where it ends once rendered (transformers' way)
+            final = messages[-1]["content"]
+            messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
         try:
-            return self._compiled.render(
+            text = compiled.render(
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
@@ -88,6 +154,13 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+        if final is not None:
+            if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
+                raise ValueError("continue_final_message: the chat template does not render the final message's content as given")
+            at = text.rindex(_CONTINUE_TAG.strip())
+            # a template that trims the content's trailing blanks also trimmed the marker's space
+            text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+        return text
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         validate_messages(messages)
@@ -96,6 +169,17 @@ class Tokenizer:
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(m: dict[str, Any]) -> dict[str, Any]:
+    """A message's reasoning under every name templates read (transformers does the same):
+    `reasoning_content` (Qwen3), `thinking` (gpt-oss), from whichever the client sent."""
+    if not isinstance(m, dict):
+        return m
+    reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+    return m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning}
 
 
 def validate_messages(messages: list[dict[str, Any]]) -> None:

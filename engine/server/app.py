@@ -1,5 +1,6 @@
 """The server application: `create_app` wires auth, error handlers, the plain routes (/health,
-/metrics, /v1/models) and the route modules over one `AsyncEngine`.
+/metrics, /v1/models) and the route modules over one `AsyncEngine`, and checks the server-wide
+chat settings (tool-call parser, reasoning parser, `--chat-template`) once, at startup.
 
 Owns nothing about a request's content. Auth is a plain ASGI middleware, not Starlette's
 `@app.middleware("http")` (BaseHTTPMiddleware): under that, an endpoint never sees the client's
@@ -19,10 +20,13 @@ from cuttle.engine.async_engine import AsyncEngine
 from cuttle.engine.metrics import ServerMetrics
 from cuttle.engine.openai_protocol import OpenAIError
 from cuttle.engine.server.body import MAX_BODY_BYTES
+from cuttle.engine.reasoning_parsers import REASONING_PARSERS
 from cuttle.engine.server.chat import add_chat_routes
+from cuttle.engine.server.chat_prompt import ChatOptions
 from cuttle.engine.server.completions import add_completion_routes
 from cuttle.engine.server.rl_routes import add_rl_routes
 from cuttle.engine.server.streaming import Serving
+from cuttle.engine.server.tokens import add_token_routes
 from cuttle.engine.tool_parsers import PARSERS, parser_for_template
 
 log = logging.getLogger("cuttle.server")
@@ -45,12 +49,20 @@ class _Auth:
 
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, reasoning_parser: str | None = None, chat_template: str | None = None,
+               trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = True) -> FastAPI:
+    """`chat_template`: the template's text (`chat_prompt.load_chat_template` reads the CLI's
+    path-or-inline argument), used instead of the checkpoint's."""
     llm = engine.engine
     tok = llm.tokenizer
-    parser = tool_call_parser or parser_for_template(tok.chat_template)
+    parser = tool_call_parser or parser_for_template(chat_template or tok.chat_template)
     if parser not in PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {parser!r}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+    if chat_template is not None:
+        tok.compile_template(chat_template)  # a template that does not compile fails the start, not every request
+    chat_opts = ChatOptions(parser, reasoning_parser, chat_template, trust_request_chat_template, enable_auto_tool_choice)
     metrics = ServerMetrics(model_name)
     serving = Serving(engine, model_name, metrics, max_body_bytes)
     app = FastAPI(title="cuttle", version="0.1.0")
@@ -90,6 +102,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                             "owned_by": "cuttle", "max_model_len": llm.max_model_len}]}
 
     add_completion_routes(app, serving, tok)
-    add_chat_routes(app, serving, tok, parser)
+    add_chat_routes(app, serving, tok, chat_opts)
+    add_token_routes(app, serving, tok, chat_opts, llm.max_model_len)
     add_rl_routes(app, engine, max_body_bytes, serving.disconnected)
     return app

@@ -1,9 +1,13 @@
-"""POST /v1/chat/completions: the model's chat template, tools (Hermes / Qwen3-Coder formats),
-`tool_choice` (by prefix forcing), `logprobs`, streaming, and squid documents (docs/server.md).
+"""POST /v1/chat/completions: the chat template (the checkpoint's, `--chat-template` or the
+request's, with `chat_template_kwargs`, `add_generation_prompt` / `continue_final_message`), tools
+(Hermes / Qwen3-Coder formats), `tool_choice` (by prefix forcing), thinking split out as
+`reasoning_content` (`--reasoning-parser`), `echo`, `logprobs`, streaming, and squid documents
+(docs/server.md).
 
 Owns how a chat request becomes the engine's prompt and how samples become chat choices: the
-messages' checks, the template rendering, where documents go, the tool-call parsing of the
-output. Admission, waiting, streaming, disconnects and usage are `streaming.Serving`'s.
+messages' checks, the rendering (chat_prompt.py), where documents go, the reasoning split and
+the tool-call parsing of the output (the tool parser reads the content only, never thinking
+text). Admission, waiting, streaming, disconnects and usage are `streaming.Serving`'s.
 
 Documents (the `documents` field, and `{"type": "document", "name", "text"}` content parts, in
 that order) are placed after the system prompt: the prefix of the squid layout is the template's
@@ -25,21 +29,27 @@ from cuttle.engine.openai_protocol import (
     get_str, get_stream_options, sampling_params, show,
 )
 from cuttle.engine.outputs import RequestOutput
+from cuttle.engine.reasoning_parsers import CLOSE, CONTENT, OPEN, ReasoningParser, split_reasoning, start_state
 from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.server.body import read_body
+from cuttle.engine.server.chat_prompt import ChatOptions, ChatTemplate, check_continuable, read_chat_template
 from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
 from cuttle.engine.tokenizer import Tokenizer, validate_messages
 from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls
 
 
-def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, parser: str) -> None:
+def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOptions) -> None:
+    parser = opts.tool_parser
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         t0 = time.monotonic()
         body = await read_body(request, serving.max_body_bytes, serving.model_name, CHAT_FIELDS)
         if body.get("messages") is None:
             raise OpenAIError("messages is required", param="messages")
-        messages, part_docs = _flatten_messages(body["messages"])
+        messages, part_docs = flatten_messages(body["messages"])
+        tmpl = read_chat_template(body, tok, opts)
+        check_continuable(messages, tmpl)
         field_docs = get_documents(body) or []
         check_response_format(body)
         tools = check_tools(body.get("tools"))
@@ -59,11 +69,16 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, parser: str)
             raise OpenAIError("tool_choice must be 'auto', 'none', 'required' or {type: function, function: {name}}", param="tool_choice")
         elif choice == "required" and not tools:
             raise OpenAIError("tool_choice 'required' needs tools", param="tool_choice")
+        if choice == "auto" and tools and not opts.enable_auto_tool_choice:
+            raise OpenAIError('tool_choice "auto" needs a server started with --enable-auto-tool-choice (this one has '
+                              '--no-enable-auto-tool-choice); use "none", "required" or a named function', param="tool_choice")
         use_tools = tools is not None and choice != "none"
         want_lp = get_bool(body, "logprobs")
         top_n = get_int(body, "top_logprobs", 0, 20, 0)
         if top_n and not want_lp:
             raise OpenAIError("top_logprobs requires logprobs: true", param="top_logprobs")
+        echo = get_bool(body, "echo")
+        include_reasoning = get_bool(body, "include_reasoning", True)
         stream = get_bool(body, "stream")
         include_usage = get_stream_options(body)
         salt = get_str(body, "cache_salt")
@@ -75,18 +90,22 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, parser: str)
         forced = _forced_prefix(parser, choice, forced_name)
         forced_ids = tok.encode(forced, add_special_tokens=False) if forced else []
         render_tools = tools if use_tools else None
-        try:
-            if field_docs or part_docs:
-                prefix_ids, query_ids = _split_after_system(tok, messages, render_tools)
-                docs = [tok.encode(d, add_special_tokens=False) if isinstance(d, str) else d for d in field_docs]
-                docs += [tok.encode(_document_text(name, text), add_special_tokens=False) for name, text in part_docs]
-                prompt: Prompt = {"prefix": prefix_ids, "documents": docs, "prompt": query_ids + forced_ids}
-            else:
-                prompt = tok.encode_chat(messages, tools=render_tools, add_generation_prompt=True) + forced_ids
-        except (ValueError, TypeError) as e:  # the template could not render these messages
-            raise OpenAIError(str(e), param="messages") from None
+        text = tmpl.render(tok, messages, render_tools)
+        rstate = _reasoning_start(tok, opts, tmpl, messages, render_tools, text, forced)
+        if field_docs or part_docs:
+            prefix_ids, query_ids = _split_after_system(tok, tmpl, messages, render_tools, text)
+            docs = [tok.encode(d, add_special_tokens=False) if isinstance(d, str) else d for d in field_docs]
+            docs += [tok.encode(_document_text(name, text), add_special_tokens=False) for name, text in part_docs]
+            prompt: Prompt = {"prefix": prefix_ids, "documents": docs, "prompt": query_ids + forced_ids}
+        else:
+            # templates already spell out BOS and role markers, so no special tokens are added again
+            prompt = tok.encode(text, add_special_tokens=False) + forced_ids
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fields = Fields("messages", max_field, documents="documents" if field_docs else "messages", prefix="messages")
+        # vLLM's response role: a new assistant turn, or the role of the message being continued
+        role = "assistant" if tmpl.add_generation_prompt else messages[-1]["role"]
+        # echo: the final message's text comes first when the reply continues it (vLLM's rule)
+        echoed = messages[-1]["content"] if echo and messages[-1]["role"] == role and isinstance(messages[-1]["content"], str) else ""
 
         def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk" if stream else "chat.completion", "created": int(time.time()),
@@ -94,16 +113,25 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, parser: str)
 
         def message_of(text: str) -> tuple[dict[str, Any], bool]:
             text = forced + text
-            if not use_tools:
-                return {"role": "assistant", "content": text}, False
-            content, calls = parse_tool_calls(text, parser, tools)
-            if forced and not calls:
-                raise OpenAIError(f"tool_choice {choice!r} was requested but the model's output is not a valid tool call: {text[:200]!r}",
-                                  500, "server_error", param="tool_choice")
-            msg: dict[str, Any] = {"role": "assistant", "content": content or None}
-            if calls:
-                msg["tool_calls"] = [c.to_openai() for c in calls]
-            return msg, bool(calls)
+            msg: dict[str, Any] = {"role": role, "content": text}
+            if rstate is not None:
+                reasoning, text = split_reasoning(text, rstate)
+                text = text or ""
+                msg["content"] = text or None
+                msg["reasoning_content"] = reasoning if include_reasoning else None
+            called = False
+            if use_tools:
+                content, calls = parse_tool_calls(text, parser, tools)
+                if forced and not calls:
+                    raise OpenAIError(f"tool_choice {choice!r} was requested but the model's output is not a valid tool call: {text[:200]!r}",
+                                      500, "server_error", param="tool_choice")
+                msg["content"] = content or None
+                if calls:
+                    msg["tool_calls"] = [c.to_openai() for c in calls]
+                called = bool(calls)
+            if echoed:
+                msg["content"] = echoed + (msg["content"] or "")
+            return msg, called
 
         if not stream:
             def respond(finals: list[RequestOutput]) -> dict[str, Any]:
@@ -125,10 +153,12 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, parser: str)
 
         streams = await serving.open(request, [(rid, prompt)], params, salt, fields)
         n = params.n
+        reasoners = [ReasoningParser(rstate) if rstate is not None else None for _ in range(n)]
         parsers = [StreamingToolParser(parser, tools) if use_tools else None for _ in range(n)]
-        text_so_far = [""] * n  # what a tool parser has been fed (it reads the growing text)
+        output_so_far = [""] * n  # what a reasoning parser has been fed (it reads the growing text)
+        content_so_far = [""] * n  # what a tool parser has been fed (the content only)
         ncalls = [0] * n
-        # logprobs of tokens whose text is not sent yet (held for a stop string or a tool call)
+        # logprobs of tokens whose text is not sent yet (held for a stop string, a tag or a tool call)
         held_ids: list[list[int]] = [[] for _ in range(n)]
         held_lps: list[list] = [[] for _ in range(n)]
 
@@ -139,16 +169,21 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, parser: str)
             held_ids[i] += c.token_ids
             held_lps[i] += c.logprobs or []
             delta: dict[str, Any] = {}
+            if reasoners[i] is not None:
+                output_so_far[i] += text
+                reasoning, text = reasoners[i].feed(output_so_far[i], final=final)
+                if reasoning and include_reasoning:
+                    delta["reasoning_content"] = reasoning
             if parsers[i] is not None:
-                text_so_far[i] += text
-                content, calls = parsers[i].feed(text_so_far[i], final=final)
+                content_so_far[i] += text
+                content, calls = parsers[i].feed(content_so_far[i], final=final)
+                if content:
+                    delta["content"] = content
                 if calls:
                     delta["tool_calls"] = [tc.to_openai(ncalls[i] + k) for k, tc in enumerate(calls)]
                     ncalls[i] += len(calls)
-            else:
-                content = text
-            if content:
-                delta["content"] = content
+            elif text:
+                delta["content"] = text
             finish = None
             if final:
                 if forced and ncalls[i] == 0:
@@ -163,22 +198,39 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, parser: str)
             held_ids[i], held_lps[i] = [], []
             return ch
 
-        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)]
+        opening = [{"index": i, "delta": {"role": role, "content": echoed}, "logprobs": None, "finish_reason": None} for i in range(n)]
         return serving.stream(streams, choice_of, frame, include_usage, t0, opening)
 
 
-def _split_after_system(tok: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:
-    """(prefix ids, query ids): the rendering of the leading system / developer messages (with
-    the tools, and whatever else the template puts first), and the rest of the rendering. When
-    the template does not render that head as a prefix of the whole, the prefix is empty and the
-    documents come first."""
-    full = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+def _reasoning_start(tok: Tokenizer, opts: ChatOptions, tmpl: ChatTemplate, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None, text: str, forced: str) -> str | None:
+    """Where the reasoning parser starts reading this request's output (None: no parser). A
+    forced tool call opens the answer itself, so the output starts as content; forcing one while
+    the template has a thinking block open would put the call inside the thinking: refused."""
+    if opts.reasoning_parser is None:
+        return None
+    tail = tmpl.tail(tok, messages, tools, text)
+    if forced:
+        if tail.rfind(OPEN) > tail.rfind(CLOSE):
+            raise OpenAIError("a required or named tool_choice cannot be forced while the chat template opens a thinking "
+                              "block (the call would be written inside it); use tool_choice 'auto', or turn thinking off "
+                              "(e.g. chat_template_kwargs: {enable_thinking: false})", param="tool_choice")
+        return CONTENT
+    return start_state(opts.reasoning_parser, tail, tmpl.kwargs.get("enable_thinking"))
+
+
+def _split_after_system(tok: Tokenizer, tmpl: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        full: str) -> tuple[list[int], list[int]]:
+    """(prefix ids, query ids) of the rendered prompt `full`: the rendering of the leading system /
+    developer messages (with the tools, and whatever else the template puts first), and the rest.
+    When the template does not render that head as a prefix of the whole, the prefix is empty and
+    the documents come first."""
     k = 0
     while k < len(messages) and messages[k]["role"] in ("system", "developer"):
         k += 1
     try:
-        head = tok.apply_chat_template(messages[:k], tools=tools, add_generation_prompt=False)
-    except ValueError:  # e.g. a template that reads messages[0] of an empty list
+        head = tmpl.render(tok, messages[:k], tools, add_generation_prompt=False, continue_final_message=False)
+    except OpenAIError:  # e.g. a template that reads messages[0] of an empty list
         head = ""
     if not full.startswith(head):
         head = ""
@@ -192,7 +244,7 @@ def _document_text(name: str | None, text: str) -> str:
     return f"# {name}\n{body}" if name else body
 
 
-def _flatten_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[str | None, str]]]:
+def flatten_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[str | None, str]]]:
     """Text parts joined into one string per message (the templates expect strings), and the
     document parts taken out, in order, as (name, text); the fields a template reads are checked
     here, so a malformed one is a 400, not an error mid-render."""

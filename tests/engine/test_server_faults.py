@@ -315,10 +315,14 @@ CHAT_BAD = {
     "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}, "text", 5],
     "logprobs": ["yes", 1],
     "top_logprobs": [21, -1, "x", 2],  # 2 without logprobs: true
-    "echo": [True, "x"],
+    "echo": ["x", 1],
+    "include_reasoning": ["x", 1],
+    "add_generation_prompt": ["x", 1],
+    "continue_final_message": ["x", 1, True],  # true with add_generation_prompt (default true)
+    "chat_template_kwargs": ["x", [], {"a": 1}, {"messages": []}],  # not an object; a key the template never reads; reserved
     "return_token_ids": [True],
     **{k: ["x", {"a": 1}] for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                                    "guided_whitespace_pattern", "structured_outputs", "chat_template", "chat_template_kwargs",
+                                    "guided_whitespace_pattern", "structured_outputs", "chat_template",
                                     "functions", "function_call", "bogus_field")},
 }
 RL_BAD = {

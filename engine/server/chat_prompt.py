@@ -1,0 +1,129 @@
+"""How a chat request's messages become prompt text, for /v1/chat/completions and /tokenize: the
+template (the request's `chat_template`, else the server's `--chat-template`, else the
+checkpoint's), `chat_template_kwargs`, `add_generation_prompt` / `continue_final_message`, and the
+prompt's tail that a reasoning parser starts from.
+
+Owns those fields' checks, each a 400 naming the field, and `load_chat_template` (the
+`--chat-template` argument, vLLM's rules). It renders through `Tokenizer.apply_chat_template`
+and never tokenizes, places documents or decides tool calls.
+"""
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+from typing import Any
+
+from cuttle.engine.openai_protocol import OpenAIError, get_bool, get_str
+from cuttle.engine.tokenizer import Tokenizer
+
+# What the server itself passes to a template: a request sets these through their own fields
+# (or not at all), never through chat_template_kwargs.
+_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template", "bos_token",
+                       "eos_token", "documents"})
+
+
+@dataclass(slots=True)
+class ChatOptions:
+    """The server's chat settings (the `cuttle serve` flags)."""
+
+    tool_parser: str = "hermes"
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1 (reasoning_parsers.py)
+    chat_template: str | None = None  # --chat-template's text (None: the checkpoint's)
+    trust_request_chat_template: bool = False  # a request's own chat_template is refused unless set
+    enable_auto_tool_choice: bool = True  # tool_choice "auto" parses tool calls (vLLM needs the flag; cuttle's default)
+
+
+@dataclass(slots=True)
+class ChatTemplate:
+    """One request's template fields, checked."""
+
+    source: str | None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def render(self, tok: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool | None = None, continue_final_message: bool | None = None) -> str:
+        """The prompt text (a template failure is a 400 naming messages)."""
+        agp = self.add_generation_prompt if add_generation_prompt is None else add_generation_prompt
+        cfm = self.continue_final_message if continue_final_message is None else continue_final_message
+        try:
+            return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=agp, continue_final_message=cfm,
+                                           chat_template=self.source, **self.kwargs)
+        except (ValueError, TypeError) as e:  # the template could not render these messages
+            raise OpenAIError(str(e), param="messages") from None
+
+    def tail(self, tok: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, text: str) -> str:
+        """What the template wrote for the turn the model goes on with: the generation prompt
+        (`text` less the rendering without it), or the final message's turn when it is
+        continued (`text` less the rendering of the messages before it; its content alone when
+        that is not a prefix: a template may close a thinking block before it, as Qwen3's does).
+        A reasoning parser reads where the output starts from it."""
+        if not (self.add_generation_prompt or self.continue_final_message):
+            return ""
+        before = messages[:-1] if self.continue_final_message else messages
+        fallback = messages[-1]["content"] if self.continue_final_message else ""
+        try:
+            head = tok.apply_chat_template(before, tools=tools, add_generation_prompt=False, chat_template=self.source,
+                                           **self.kwargs) if before else ""
+        except (ValueError, TypeError):
+            return fallback
+        return text[len(head):] if text.startswith(head) else fallback
+
+
+def read_chat_template(body: dict[str, Any], tok: Tokenizer, opts: ChatOptions) -> ChatTemplate:
+    """The request's `chat_template`, `chat_template_kwargs`, `add_generation_prompt` and
+    `continue_final_message`, as vLLM reads them; anything cuttle cannot honour is a 400."""
+    source = opts.chat_template
+    own = get_str(body, "chat_template")
+    if own is not None:
+        if not opts.trust_request_chat_template:
+            raise OpenAIError("chat_template in a request is refused: this server was not started with "
+                              "--trust-request-chat-template", param="chat_template")
+        source = own
+    try:
+        names = tok.template_variables(source)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="chat_template" if own is not None else "messages") from None
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise OpenAIError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    for k in kwargs:
+        if k in _RESERVED:
+            raise OpenAIError(f"chat_template_kwargs.{k} is refused: the server sets {k} itself (use the request field "
+                              "of that name where there is one)", param="chat_template_kwargs")
+        if k not in names:
+            # passing it would change nothing: refused, never silently dropped
+            readable = sorted(n for n in names if n not in _RESERVED)
+            raise OpenAIError(f"chat_template_kwargs.{k} is not read by the chat template (it reads: "
+                              f"{', '.join(readable) or 'nothing else'})", param="chat_template_kwargs")
+    agp = get_bool(body, "add_generation_prompt", True)
+    cfm = get_bool(body, "continue_final_message", False)
+    if agp and cfm:
+        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true (set "
+                          "add_generation_prompt: false to continue the final message)", param="continue_final_message")
+    return ChatTemplate(source, dict(kwargs), agp, cfm)
+
+
+def check_continuable(messages: list[dict[str, Any]], tmpl: ChatTemplate) -> None:
+    """continue_final_message goes on with the final message's text: there must be some."""
+    if tmpl.continue_final_message and not (isinstance(messages[-1].get("content"), str) and messages[-1]["content"]):
+        raise OpenAIError("continue_final_message needs a final message with non-empty text content",
+                          param="continue_final_message")
+
+
+def load_chat_template(arg: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the argument itself when it is inline Jinja (vLLM's
+    rule: an argument that cannot be opened is a template if it holds `{`, `}` or a newline, with
+    backslash escapes such as `\\n` decoded; otherwise it was meant as a path, and the error says so)."""
+    if arg is None:
+        return None
+    try:
+        with open(arg) as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in arg for c in "{}\n"):
+            raise ValueError(f"--chat-template {arg!r} looks like a file path, but it cannot be opened: {e}") from None
+        return codecs.decode(arg, "unicode_escape")

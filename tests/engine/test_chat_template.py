@@ -1,0 +1,93 @@
+"""Chat template rendering (engine/tokenizer.py) against transformers' `apply_chat_template` on a
+Qwen3-style template: `enable_thinking`, tools, multi-turn tool loops with reasoning,
+`continue_final_message`; and `--chat-template`'s path-or-inline rule (server/chat_prompt.py)."""
+from __future__ import annotations
+
+import pytest
+
+from thinking_checkpoint import write_thinking_tokenizer
+
+from cuttle.engine.server.chat_prompt import load_chat_template
+from cuttle.engine.tokenizer import Tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+CONVERSATIONS = {
+    "one_turn": [{"role": "user", "content": "What is 2 + 2?"}],
+    "system": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    "tool_loop": [  # the reasoning of the turn after the last query is kept, older turns' is dropped
+        {"role": "system", "content": "You are a weather bot."},
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": "<think>\nold thought\n</think>\n\nIt is sunny."},
+        {"role": "user", "content": "And Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Call the tool.", "tool_calls": [CALL]},
+        {"role": "tool", "content": '{"temp": 21}'},
+    ],
+    "reasoning_alias": [  # a client sending vLLM's newer `reasoning` field: templates read reasoning_content
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": "", "reasoning": "Look it up.", "tool_calls": [CALL]},
+        {"role": "tool", "content": "21"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+
+    path = str(tmp_path_factory.mktemp("qwen3_template"))
+    write_thinking_tokenizer(path)
+    tok = Tokenizer(path)
+    hf = PreTrainedTokenizerFast(tokenizer_file=f"{path}/tokenizer.json", eos_token="<|im_end|>",
+                                 chat_template=tok.chat_template)
+    return tok, hf
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no_tools", "tools"])
+@pytest.mark.parametrize("thinking", [{}, {"enable_thinking": False}, {"enable_thinking": True}], ids=["default", "off", "on"])
+def test_renders_as_transformers_does(tokenizers, name, tools, thinking):
+    tok, hf = tokenizers
+    msgs = CONVERSATIONS[name]
+    ours = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, **thinking)
+    theirs = hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True, **thinking)
+    assert ours == theirs
+    if thinking.get("enable_thinking") is False:
+        assert ours.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    else:
+        assert ours.endswith("<|im_start|>assistant\n")
+    assert tok.encode(ours, add_special_tokens=False) == hf.apply_chat_template(
+        msgs, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False, **thinking)
+
+
+@pytest.mark.parametrize("final", ["The answer is", "The answer is  ", "<think>\nLet me see"])
+def test_continue_final_message_as_transformers(tokenizers, final):
+    tok, hf = tokenizers
+    msgs = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": final}]
+    ours = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    theirs = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert ours == theirs and not ours.endswith("<|im_end|>\n")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tok.apply_chat_template(msgs, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_template_variables_and_other_templates(tokenizers):
+    tok, _ = tokenizers
+    assert {"enable_thinking", "messages", "tools", "add_generation_prompt"} <= tok.template_variables(None)
+    assert "namespace" not in tok.template_variables(None)  # the environment's globals are not the caller's
+    other = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if greet %}hello{% endif %}"
+    assert tok.template_variables(other) == {"messages", "greet"}
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template=other, greet=True) == "[user] x\nhello"
+    with pytest.raises(ValueError, match="does not compile"):
+        tok.compile_template("{% for %}")
+
+
+def test_chat_template_argument_is_a_path_or_inline(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}\n")
+    assert load_chat_template(str(f)) == "{{ messages[0].content }}\n"
+    assert load_chat_template("{{ messages[0].content }}\\n") == "{{ messages[0].content }}\n"  # escapes decoded, as vLLM
+    with pytest.raises(ValueError, match="looks like a file path"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    assert load_chat_template(None) is None
