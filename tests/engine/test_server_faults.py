@@ -330,6 +330,9 @@ RL_BAD = {
     "sampling_params": [5, "x", {"temperature": NAN}, {"n": 0}, {"max_tokens": 10**9}, {"logit_bias": {"1": 1}}, {"bogus": 1}],
     "bogus_field": [1],
 }
+# a malformed prompt's shape is named down to the prompt (values out of range are the engine's
+# errors, named "prompts")
+RL_PROMPT_PARAM = {2: "prompts[0]", 5: "prompts[0]", 6: "prompts[0]"}
 
 
 def _cases():
@@ -346,6 +349,8 @@ def _cases():
                 param = field
                 if path == "/v1/rl/generate" and field == "sampling_params" and isinstance(v, dict):
                     param = f"sampling_params.{next(iter(v))}"
+                if path == "/v1/rl/generate" and field == "prompts" and k in RL_PROMPT_PARAM:
+                    param = RL_PROMPT_PARAM[k]
                 yield pytest.param(path, body, param, id=f"{path.split('/')[-2 if path.endswith('chat/completions') else -1]}-{field}-{k}")
 
 
