@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from cuttle.attention.topk import parse_sparse_attention
 from cuttle.moe.routing import is_moe_layer
 
 # architecture -> the HF model_type its routing rules are keyed by (filled in when config.json
@@ -222,6 +223,9 @@ class EngineConfig:
     num_host_kv_blocks: int | None = None
     kv_cache_dir: str | None = None
     kv_cache_dir_gb: float = 16.0
+    # training-free top-k attention for dense checkpoints (docs/nsa.md): None (dense), a spec string
+    # "topk:budget=2048,block=64,dense_layers=2,summary=quest" or the same as a dict
+    sparse_attention: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -252,6 +256,7 @@ class EngineConfig:
             raise ValueError("kv_cache_dir needs the host tier above it: set kv_offloading_size (GiB) or num_host_kv_blocks")
         if self.kv_cache_dir is not None and (not self.kv_cache_dir or (os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir))):
             raise ValueError(f"kv_cache_dir must name a directory, got {self.kv_cache_dir!r}")
+        parse_sparse_attention(self.sparse_attention)  # a bad spec raises naming its field
         if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
             raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
 

@@ -8,6 +8,8 @@ and the prompt rows whose logprobs were asked for. Pending copy-on-write block c
 The model is loaded here, with its routed experts in MXFP8 when `EngineConfig.moe_quant` asks.
 An NSA model (config.json's "nsa") also gets its compressed K/V cache here, one more paged tensor
 per layer indexed by the raw cache's block ids (attention/nsa_backend.py), and the NSA backend
+around the dense one. Under `EngineConfig.sparse_attention` (training-free top-k) each sparse layer
+gets its block-summary cache the same way (attention/topk_backend.py), and the top-k backend
 around the dense one.
 """
 from __future__ import annotations
@@ -20,6 +22,8 @@ from cuttle.attention.backend import get_backend
 from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout
 from cuttle.attention.native import gemm
 from cuttle.attention.nsa_backend import NSABackend, compressed_slots_per_block
+from cuttle.attention.topk import TopKConfig, parse_sparse_attention
+from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.storage import KVStorage
 from cuttle.engine.models import load_model
@@ -59,6 +63,28 @@ class ModelRunner:
                                          device=device)
             kernel = "torch" if self.backend.name == "torch" else "triton"
             self.backend = NSABackend(nsa, self.backend, self.block_size, kernel=kernel)
+        # [sparse layers, blocks, S, R, kv_heads, head_dim]: the top-k block summaries
+        self.topk_cache: torch.Tensor | None = None
+        sparse = parse_sparse_attention(config.sparse_attention)
+        if sparse is not None:
+            self._check_sparse(sparse, mc)
+            slots = summary_slots_per_block(sparse, self.block_size)
+            self.topk_cache = torch.zeros(mc.num_layers - sparse.dense_layers, num_blocks, slots, sparse.summary_rows,
+                                          mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
+            summaries = [None] * sparse.dense_layers + list(self.topk_cache.unbind(0))
+            self.backend = TopKBackend(sparse, self.backend, self.block_size, summaries)
+
+    def _check_sparse(self, sparse: TopKConfig, mc: ModelConfig) -> None:
+        """Refuse the combinations top-k does not handle (instead of computing something else)."""
+        if self.model.nsa is not None:
+            raise ValueError("sparse_attention is for dense checkpoints; this model is natively sparse (config.json's nsa)")
+        if mc.mla is not None:
+            raise ValueError("sparse_attention with multi-head latent attention (kv_lora_rank) is not supported")
+        if getattr(self.config, "has_host_tier", False):
+            raise ValueError("KV tiers do not move the top-k block summaries yet: run sparse_attention without a host tier")
+        if sparse.dense_layers >= mc.num_layers:
+            raise ValueError(f"sparse_attention.dense_layers = {sparse.dense_layers}: the model has {mc.num_layers} layers, "
+                             "so none would be sparse")
 
     def prepack(self) -> None:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not
@@ -82,6 +108,11 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
             self.nsa_cache[:, :, dst] = self.nsa_cache[:, :, src]
+        if self.topk_cache is not None and copies:
+            # and its block summaries
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.topk_cache[:, dst] = self.topk_cache[:, src]
 
     def layer_caches(self) -> list[tuple[torch.Tensor, ...]]:
         """Each layer's cache views: (k, v), or (k, v, compressed k, compressed v) for NSA."""

@@ -26,6 +26,7 @@ from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
 from cuttle.attention.native.gemm import linear
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend
 from cuttle.attention.rope import RotaryEmbedding, apply_rope
+from cuttle.attention.topk import TopKConfig, topk_attend_chunked
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
 from cuttle.engine.models.mla import MLAttention
@@ -79,9 +80,20 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin).view(B, S, self.num_kv_heads, self.head_dim)
         return q, k, v.reshape(B, S, self.num_kv_heads, self.head_dim)
 
-    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Training path: x [B, S, hidden], mask [B, 1, S, S] (True = may attend); no KV cache."""
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                      sparse: TopKConfig | None = None) -> torch.Tensor:
+        """Training path: x [B, S, hidden], mask [B, 1, S, S] (True = may attend); no KV cache.
+        `sparse`: this layer runs training-free top-k attention (`cuttle.attention.topk`, plain
+        causal rows only), the rule the engine's `sparse_attention` serves."""
         B, S, _ = x.shape
+        if sparse is not None:
+            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            if not bool((mask == causal).all()):
+                raise NotImplementedError("top-k sparse layers run on plain causal rows only (no packed documents or squid layouts)")
+            q, k, v = self._qkv_dense(x, cos, sin)
+            pos = torch.arange(S, device=x.device)
+            rows = [topk_attend_chunked(q[b], k[b], v[b], pos, sparse, self.scale)[0] for b in range(B)]
+            return F.linear(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight)
         q, k, v = (t.transpose(1, 2) for t in self._qkv_dense(x, cos, sin))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return F.linear(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight)
@@ -187,8 +199,10 @@ class DecoderLayer(nn.Module):
         x, h = add_rms_norm(x, a, self.post_attn_norm.weight, self.post_attn_norm.eps)
         return x, self._ffn(h)
 
-    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn.forward_dense(self.input_norm(x), cos, sin, mask)
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                      sparse: TopKConfig | None = None) -> torch.Tensor:
+        h = self.input_norm(x)
+        x = x + (self.attn.forward_dense(h, cos, sin, mask) if sparse is None else self.attn.forward_dense(h, cos, sin, mask, sparse))
         B, S, H = x.shape
         return x + self._ffn(self.post_attn_norm(x).reshape(B * S, H)).view(B, S, H)
 
@@ -234,15 +248,20 @@ class CausalLM(nn.Module):
         causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).tril()
         return self.forward_masked(input_ids, positions, (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)
 
-    def forward_masked(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward_masked(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                       sparse: TopKConfig | None = None) -> torch.Tensor:
         """Training / scoring path with autograd under any attention layout: rows [B, S], their
         positions [B, S], and mask [B, S, S] (True: token i may attend to token j; every token must
         see at least one). Squid layouts (documents beside each other, a query seeing them all) are
-        trained and scored through it. Returns hidden states [B, S, hidden]."""
+        trained and scored through it. `sparse`: the layers from `sparse.dense_layers` on run
+        training-free top-k attention (causal rows only), as the engine does under the same
+        `sparse_attention`. Returns hidden states [B, S, hidden]."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.tables(positions.reshape(-1), x.dtype)
-        for layer in self.layers:
-            x = layer.forward_dense(x, cos, sin, mask[:, None])
+        if sparse is not None and (self.nsa is not None or self.cfg.mla is not None):
+            raise ValueError("sparse_attention (training-free top-k) is for plain attention layers, not NSA or MLA ones")
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_dense(x, cos, sin, mask[:, None], sparse if sparse is not None and i >= sparse.dense_layers else None)
         return self.norm(x)
 
     def linear_weights(self) -> list[torch.Tensor]:

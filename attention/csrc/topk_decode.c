@@ -1,0 +1,142 @@
+/* Training-free top-k decode on the CPU: one query token per row against its sequence's paged
+ * K/V and the per-block key summaries, reading only the summaries and the chosen blocks' keys.
+ *
+ * A work item is (row, KV head): the GROUP query heads sharing that KV head choose one set of
+ * blocks together. Per item (L keys, blocks of P keys, n = nsel blocks attended):
+ *   1. if the query's block index t / P < n, every block is attended (dense);
+ *   2. else each complete block j < L / P is scored per query head from its summary (Quest: the
+ *      bound sum_i max(q_i m_i, q_i M_i); mean: q . mean), softmax over those blocks per head,
+ *      summed over the group; the summary of block j sits in raw block table[e / B] at slot
+ *      (e % B) / P, e = j*P + P - 1, of a [blocks, S, R, kv_heads, D] cache (R = 2: min, max);
+ *   3. the first init_blocks and the local_blocks ending at the query's block are forced, then the
+ *      best-scored complete blocks (ties to the lower) up to n;
+ *   4. one softmax over the chosen blocks' keys (sparse_attend.c), o and the log-sum-exp written.
+ * The rules are those of cuttle/attention/topk.py (the reference this kernel is tested against);
+ * all math is fp32. `touched` (optional) receives per item the K/V tokens read, `selected`
+ * (optional) the chosen blocks in rank order (forced ascending, then by score), -1 padded.
+ * Python binding: cuttle/attention/native/topk.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtypes.h"
+#include "sparse_attend.h"
+
+int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                     const void *summ, int kv_dtype, void *out, int out_dtype, int64_t out_row_stride, float *lse,
+                     int64_t lse_row_stride, const int64_t *rows, const int32_t *tables, int64_t table_stride,
+                     const int32_t *lens, int64_t num_rows, int64_t num_kv_heads, int64_t group, int64_t D,
+                     int64_t block_size, int64_t sslots, int64_t summary_rows, int64_t P, int64_t nsel,
+                     int64_t init_blocks, int64_t local_blocks, int64_t max_len, float scale, int32_t *selected,
+                     int64_t *touched) {
+    int failed = 0;
+    const int64_t token_stride = num_kv_heads * D;
+    const int64_t max_blocks = (max_len + P - 1) / P + 1;
+    const int64_t max_keys = (nsel < max_blocks ? nsel : max_blocks) * P;
+#pragma omp parallel
+    {
+        float *qf = (float *)malloc(sizeof(float) * (size_t)(group * D));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(group * D));
+        float *ps = (float *)malloc(sizeof(float) * (size_t)(group * max_blocks));
+        float *bsc = (float *)malloc(sizeof(float) * (size_t)max_blocks);
+        char *taken = (char *)malloc((size_t)max_blocks);
+        int64_t *pick = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * max_blocks));
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(group * max_keys));
+        float *m = (float *)malloc(sizeof(float) * (size_t)(2 * group)), *s = m + group;
+        if (!qf || !acc || !ps || !bsc || !taken || !pick || !sc || !m) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t *t1 = pick + max_blocks;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
+            if (failed) continue;
+            const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+            const int64_t L = lens[r], t = L - 1;
+            const int32_t *table = tables + r * table_stride;
+            const int64_t qoff = rows[r] * q_row_stride + h * group * D;
+            for (int64_t i = 0; i < group * D; i++)
+                qf[i] = (q_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)q)[qoff + i]) : ((const float *)q)[qoff + i]) * scale;
+            const int64_t cur = t / P, nb = cur + 1, nfull = L / P;
+            int64_t npick = 0;
+            if (nb <= nsel) {
+                for (int64_t j = 0; j < nb; j++) pick[npick++] = j;
+            } else {
+                /* 2. block scores: per head softmax over the complete blocks, summed over the group */
+                for (int64_t j = 0; j < nfull; j++) {
+                    const int64_t e = j * P + P - 1;
+                    const int64_t base = (((int64_t)table[e / block_size] * sslots + (e % block_size) / P) * summary_rows) * token_stride + h * D;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *qg = qf + g * D;
+                        float x;
+                        if (summary_rows == 2) { /* q+ . max + q- . min */
+                            x = 0.f;
+                            if (kv_dtype == DT_BF16) {
+                                const uint16_t *mn = (const uint16_t *)summ + base, *mx = mn + token_stride;
+                                for (int64_t i = 0; i < D; i++) {
+                                    const float a = qg[i] * bf16_to_f32(mn[i]), b = qg[i] * bf16_to_f32(mx[i]);
+                                    x += a > b ? a : b;
+                                }
+                            } else {
+                                const float *mn = (const float *)summ + base, *mx = mn + token_stride;
+                                for (int64_t i = 0; i < D; i++) {
+                                    const float a = qg[i] * mn[i], b = qg[i] * mx[i];
+                                    x += a > b ? a : b;
+                                }
+                            }
+                        } else {
+                            x = sparse_dot(qg, summ, kv_dtype, base, D);
+                        }
+                        ps[g * max_blocks + j] = x;
+                    }
+                }
+                for (int64_t j = 0; j < nb; j++) { bsc[j] = 0.f; taken[j] = 0; }
+                for (int64_t g = 0; g < group; g++) {
+                    float *row = ps + g * max_blocks, mx = -INFINITY, sum = 0.f;
+                    for (int64_t j = 0; j < nfull; j++) mx = row[j] > mx ? row[j] : mx;
+                    for (int64_t j = 0; j < nfull; j++) { row[j] = expf(row[j] - mx); sum += row[j]; }
+                    const float inv = 1.f / sum;
+                    for (int64_t j = 0; j < nfull; j++) bsc[j] += row[j] * inv;
+                }
+                /* 3. forced blocks (ascending), then the best complete others, ties to the lower */
+                for (int64_t j = 0; j < nb && npick < nsel; j++)
+                    if (j < init_blocks || j > cur - local_blocks) { taken[j] = 1; pick[npick++] = j; }
+                while (npick < nsel) {
+                    int64_t best = -1;
+                    for (int64_t j = 0; j < nfull; j++)
+                        if (!taken[j] && (best < 0 || bsc[j] > bsc[best])) best = j;
+                    if (best < 0) break;
+                    taken[best] = 1;
+                    pick[npick++] = best;
+                }
+            }
+            if (selected)
+                for (int64_t p = 0; p < nsel; p++) selected[item * nsel + p] = p < npick ? (int32_t)pick[p] : -1;
+            /* 4. one softmax over the chosen keys (the query's own block only up to the query) */
+            int64_t count = 0;
+            for (int64_t p = 0; p < npick; p++) {
+                const int64_t a = pick[p] * P;
+                t1[p] = a + P < L ? a + P : L;
+                pick[p] = a; /* the ranges' starts, in place */
+                count += t1[p] - a;
+            }
+            sparse_attend(qf, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride, h, group, D, sc, acc, m, s);
+            if (touched) touched[item] = count;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t head = h * group + g;
+                const int64_t ooff = rows[r] * out_row_stride + head * D;
+                const float inv = 1.f / s[g];
+                for (int64_t i = 0; i < D; i++) {
+                    const float o = acc[g * D + i] * inv;
+                    if (out_dtype == DT_BF16) ((uint16_t *)out)[ooff + i] = f32_to_bf16(o);
+                    else ((float *)out)[ooff + i] = o;
+                }
+                if (lse) lse[rows[r] * lse_row_stride + head] = m[g] + logf(s[g]);
+            }
+        }
+        free(qf); free(acc); free(ps); free(bsc); free(taken); free(pick); free(sc); free(m);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,109 @@
+"""Training-free top-k decode on CPU: the Python binding of `csrc/topk_decode.c`
+(`topk_decode_rows`), called by the top-k backend for decode rows; tested against the torch
+reference (`cuttle.attention.topk`).
+
+One call attends one query token per row against its sequence's paged K/V, choosing the row's
+blocks itself from the block summaries, writes o and the log-sum-exp, and can report the blocks it
+chose and how many K/V tokens it read per (row, KV head). Which library runs is the process's
+`KernelSet` (`cuttle.attention.native.kernels()`); this module declares the C signature and packs
+arguments.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from cuttle.attention.native import kernels
+from cuttle.attention.native.build import DTYPE_CODE
+from cuttle.attention.topk import TopKConfig
+
+__all__ = ["available", "supports", "topk_decode", "set_fast_path"]
+
+_vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_ARGTYPES = [
+    _vp, _int, _i64, _vp, _vp, _vp, _int,  # q, q dtype, q row stride, k, v, summaries, kv dtype
+    _vp, _int, _i64, _vp, _i64,  # out, out dtype, out row stride, lse, lse row stride
+    _vp, _vp, _i64, _vp, _i64,  # rows, tables, table stride, lens, num rows
+    _i64, _i64, _i64, _i64, _i64, _i64,  # kv heads, group, head_dim, block_size, summary slots per block, summary rows
+    _i64, _i64, _i64, _i64,  # P, blocks attended, init, local
+    _i64, _float, _vp, _vp,  # max_len, scale, selected, touched
+]
+_declared: ctypes.CDLL | None = None
+
+
+def _fn(lib: ctypes.CDLL):
+    global _declared
+    fn = lib.topk_decode_rows
+    if _declared is not lib:
+        fn.argtypes, fn.restype = _ARGTYPES, _int
+        lib.sparse_attend_set_fast_path.argtypes, lib.sparse_attend_set_fast_path.restype = [_int], None
+        lib.sparse_attend_fast_available.argtypes, lib.sparse_attend_fast_available.restype = [], _int
+        _declared = lib
+    return fn
+
+
+def available() -> bool:
+    """Whether the native library is loaded in this process's kernel set."""
+    return kernels().lib is not None
+
+
+def set_fast_path(enabled: bool) -> bool:
+    """Switch the sparse kernels' AVX2 path (tests compare it with the scalar loops); returns
+    whether this build has it at all."""
+    lib = kernels().lib
+    assert lib is not None
+    _fn(lib)
+    lib.sparse_attend_set_fast_path(int(enabled))
+    return bool(lib.sparse_attend_fast_available())
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    """CPU tensors in fp32/bf16 with dense head rows and contiguous caches."""
+    return (
+        q.device.type == "cpu" and k_cache.device.type == "cpu"
+        and q.dtype in DTYPE_CODE and k_cache.dtype in DTYPE_CODE and out.dtype in DTYPE_CODE
+        and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and out.is_contiguous() and k_cache.is_contiguous()
+    )
+
+
+def topk_decode(
+    q: torch.Tensor,  # [*, H, D] rows dense
+    k_cache: torch.Tensor,  # [num_blocks, B, Hkv, D]
+    v_cache: torch.Tensor,
+    summ: torch.Tensor,  # [num_blocks, S, R, Hkv, D] block summaries (topk_backend.py's layout)
+    out: torch.Tensor,  # [*, H, D] contiguous, written at `rows`
+    lse: torch.Tensor | None,  # [*, H] fp32, unit head stride, written at `rows`
+    rows: torch.Tensor,  # [N] int64 row of q / out of each decode token
+    tables: torch.Tensor,  # [N, nb] int32 raw block ids (also the summary cache's)
+    lens: torch.Tensor,  # [N] int32 keys of each row, the query's own included (>= 1)
+    cfg: TopKConfig,
+    scale: float,
+    selected: torch.Tensor | None = None,  # [N, Hkv, n] int32 out: chosen blocks, rank order, -1 padded
+    touched: torch.Tensor | None = None,  # [N, Hkv] int64 out: K/V tokens read
+) -> None:
+    lib = kernels().lib
+    assert lib is not None, "the native library is not loaded (check available())"
+    _, block_size, hkv, dim = k_cache.shape
+    n = rows.shape[0]
+    assert summ.shape[2] == cfg.summary_rows and summ.shape[3:] == k_cache.shape[2:] and summ.dtype == k_cache.dtype
+    assert summ.is_contiguous() and v_cache.is_contiguous()
+    assert rows.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32 and tables.stride(1) == 1
+    assert tables.shape[0] == lens.shape[0] == n and bool((lens >= 1).all())
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.stride(1) == 1
+    if selected is not None:
+        assert selected.dtype == torch.int32 and selected.is_contiguous() and selected.shape == (n, hkv, cfg.num_blocks)
+    if touched is not None:
+        assert touched.dtype == torch.int64 and touched.is_contiguous() and touched.shape == (n, hkv)
+    rc = _fn(lib)(
+        q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), summ.data_ptr(),
+        DTYPE_CODE[k_cache.dtype], out.data_ptr(), DTYPE_CODE[out.dtype], out.stride(0),
+        lse.data_ptr() if lse is not None else None, lse.stride(0) if lse is not None else 0,
+        rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
+        hkv, q.shape[1] // hkv, dim, block_size, summ.shape[1], cfg.summary_rows, cfg.block, cfg.num_blocks,
+        cfg.init_blocks, cfg.local_blocks, int(lens.max()), scale,
+        selected.data_ptr() if selected is not None else None, touched.data_ptr() if touched is not None else None,
+    )
+    if rc != 0:
+        raise MemoryError("topk_decode_rows: scratch allocation failed")

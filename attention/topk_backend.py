@@ -1,0 +1,148 @@
+"""Training-free top-k attention over the paged cache: the backend an ordinary checkpoint runs under
+`sparse_attention="topk:..."` (rules and reference: `topk.py`).
+
+Owns the per-step plan (which block summaries this step completes, each sequence's key slots and
+summary slots, which rows the native decode kernel takes) and `forward`: for a sparse layer it
+writes the raw K/V, stores the summaries of the blocks this step completes, and attends each query
+row to the blocks its selection picks. The first `dense_layers` layers (and every layer without a
+summary cache) go to the wrapped dense backend untouched. Never allocates cache memory (the runner
+does) and never selects differently from the reference: the native kernel implements the same rule.
+
+Summary cache layout (per sparse layer): `[num_blocks, S, R, kv_heads, head_dim]` indexed by the
+*raw cache's own block ids*, R = 2 (Quest's min, max) or 1 (mean). Block j of a sequence (keys
+j*P .. j*P + P - 1) is summarised once complete, into the raw block holding its last key
+e = j*P + P - 1, at slot (e % B) // P (B = the engine's block_size, S = max(1, B // P); both are
+powers of two). A raw block therefore carries the summaries of the blocks that end inside it,
+which depend only on keys at or before it: prefix-cache hits, forked prompts (copy-on-write copies
+the summary slots with the raw block), preemption and freeing need no bookkeeping of their own,
+exactly as NSA's compressed cache (`nsa_backend.py`).
+"""
+from __future__ import annotations
+
+import torch
+
+from cuttle.attention.backend import AttentionBackend, write_kv
+from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.topk import TopKConfig, summarize, topk_attend_chunked
+
+
+def summary_slots_per_block(cfg: TopKConfig, block_size: int) -> int:
+    """S: block summaries one raw KV block owns."""
+    return max(1, block_size // cfg.block)
+
+
+class TopKStepPlan:
+    """Host-side plan of one step, shared by every sparse layer."""
+
+    __slots__ = ("meta", "new_src", "new_dst", "seqs", "native_rows", "native_tables", "native_lens", "native_seqs",
+                 "torch_seqs")
+
+    def __init__(self, meta: AttentionMetadata, cfg: TopKConfig, slots_per_block: int, native_decode: bool) -> None:
+        if meta.segments is not None:
+            raise NotImplementedError("sparse_attention does not take segmented steps (squid documents or other shared segments) yet")
+        self.meta = meta
+        bs, P = meta.block_size, cfg.block
+        device = meta.block_tables.device
+        starts = meta.query_start_loc.tolist()
+        src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
+        # per sequence: (first row, rows, keys, block table row [nb] int64)
+        self.seqs: list[tuple[int, int, int, torch.Tensor]] = []
+        offs = torch.arange(P, device=device)
+        for b, (qlen, num_keys) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            table = meta.block_tables[b, : -(-num_keys // bs)].long()
+            ctx = num_keys - qlen
+            # blocks whose last key j*P + P - 1 arrives in this step: ctx <= j*P + P - 1 < num_keys
+            j = torch.arange(ctx // P, num_keys // P, device=device)
+            if j.numel():
+                keys = j[:, None] * P + offs  # [E, P]
+                src.append(table[keys // bs] * bs + keys % bs)
+                dst.append(_summary_slot(table, j, P, bs, slots_per_block))
+            self.seqs.append((starts[b], qlen, num_keys, table))
+        self.new_src = torch.cat(src) if src else None
+        self.new_dst = torch.cat(dst) if dst else None
+        decode = [b for b, s in enumerate(self.seqs) if s[1] == 1] if native_decode else []
+        self.native_seqs = decode
+        taken = set(decode)
+        self.torch_seqs = [b for b in range(len(self.seqs)) if b not in taken]
+        self.native_rows = self.native_tables = self.native_lens = None
+        if decode:
+            self.native_rows = torch.tensor([self.seqs[b][0] for b in decode], dtype=torch.int64)
+            nblocks = -(-max(self.seqs[b][2] for b in decode) // bs)
+            self.native_tables = meta.block_tables[torch.tensor(decode), :nblocks].to(torch.int32).contiguous()
+            self.native_lens = torch.tensor([self.seqs[b][2] for b in decode], dtype=torch.int32)
+
+
+def _summary_slot(table: torch.Tensor, j: torch.Tensor, P: int, bs: int, slots_per_block: int) -> torch.Tensor:
+    e = j * P + P - 1
+    return table[e // bs] * slots_per_block + (e % bs) // P
+
+
+class TopKBackend:
+    """Sparse layers' attention over the paged raw cache and its block summaries; dense layers
+    pass through. `summaries[layer]` is that layer's summary cache, None for a dense layer.
+    native=False keeps decode rows on the torch reference (the oracle the kernel is tested against)."""
+
+    def __init__(self, cfg: TopKConfig, dense: AttentionBackend, block_size: int,
+                 summaries: list[torch.Tensor | None], native: bool = True) -> None:
+        self.cfg = cfg
+        self.dense = dense
+        self.name = f"topk-{dense.name}"
+        self.summaries = summaries
+        self.slots_per_block = summary_slots_per_block(cfg, block_size)
+        self.native = False
+        if native:
+            from cuttle.attention.native import topk as native_topk
+
+            self.native = native_topk.available()
+        self._plan: TopKStepPlan | None = None
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self.dense.begin_step(meta)
+        self._plan = None  # planned at the first sparse layer
+
+    def plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> TopKStepPlan:
+        if self._plan is None or self._plan.meta is not meta:
+            native = self.native and q.device.type == "cpu" and k_cache.device.type == "cpu"
+            self._plan = TopKStepPlan(meta, self.cfg, self.slots_per_block, native)
+        return self._plan
+
+    def forward(self, layer, q, k, v, k_cache, v_cache, meta, scale):
+        summ = self.summaries[layer] if layer < len(self.summaries) else None
+        if summ is None:
+            return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta, scale)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = self.plan(meta, q, k_cache)
+        hkv, dim = k_cache.shape[2], k_cache.shape[3]
+        kf, vf = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
+        sf = summ.view(-1, summ.shape[2], hkv, dim)  # [blocks * S, R, Hkv, D]
+        if plan.new_src is not None:
+            windows = kf[plan.new_src].transpose(1, 2)  # [E, P, Hkv, D] -> [E, Hkv, P, D]
+            sf.index_copy_(0, plan.new_dst, summarize(windows, self.cfg).to(sf.dtype))
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        seqs = plan.torch_seqs
+        if plan.native_rows is not None:
+            from cuttle.attention.native import topk as native_topk
+
+            if native_topk.supports(q, k_cache, out):
+                native_topk.topk_decode(q, k_cache, v_cache, summ, out, lse, plan.native_rows, plan.native_tables,
+                                        plan.native_lens, self.cfg, scale)
+            else:
+                seqs = plan.native_seqs + seqs
+        for b in seqs:
+            self._torch_seq(plan, b, q, kf, vf, sf, out, lse, scale)
+        return out, lse
+
+    def _torch_seq(self, plan: TopKStepPlan, b: int, q, kf, vf, sf, out, lse, scale: float) -> None:
+        """Sequence b's rows through the reference (gathering all its keys: the oracle path)."""
+        start, qlen, num_keys, table = plan.seqs[b]
+        bs, P = plan.meta.block_size, self.cfg.block
+        keys = torch.arange(num_keys, device=q.device)
+        slots = table[keys // bs] * bs + keys % bs
+        summ = sf[_summary_slot(table, torch.arange(num_keys // P, device=q.device), P, bs, self.slots_per_block)]
+        pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
+        o, l = topk_attend_chunked(q[start : start + qlen].float(), kf[slots].float(), vf[slots].float(), pos, self.cfg,
+                                   scale, summ.float())
+        out[start : start + qlen] = o.to(out.dtype)
+        lse[start : start + qlen] = l
