@@ -12,6 +12,15 @@ turn together: a turn of every live episode is one batch for the engine (at the 
 group is one request with `n` = its live members, so its prompt is prefilled once; later turns
 extend the previous ids exactly, so the prefix cache serves the history).
 
+Stragglers: `step` returns once `groups_needed` groups are complete. The other groups are either
+aborted (over-sampling: environments closed, nothing kept) or, with `partial=True`, carried into
+the next `step` as they are (partial rollouts): their environments stay open, a tool call they
+are waiting on keeps running in the pool meanwhile, and their next turns are sampled with
+whatever weights the sampler has then, so one trajectory's tokens may carry several weight
+versions (each token keeps its own in `Trajectory.weight_versions`, with its behaviour logprob).
+With `AgentConfig.turn_wait_s` set, a batch does not wait for every tool call of a turn: the
+episodes whose calls are back after that long go on without the slow ones.
+
 Bad input never stops a batch: a malformed tool call, an unknown tool or bad arguments become a
 tool error message the model reads next turn; an environment that cannot start fails only its
 episode (`finish="env_error"`, the reason in `error`). Must never run model output outside the
@@ -24,7 +33,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +64,13 @@ class AgentConfig:
     max_tokens_per_turn: int = 256
     max_total_tokens: int = 4096  # the whole stream: prompt, turns, tool results
     max_tool_output_chars: int = 4000  # a tool's text beyond this keeps its head and tail
-    max_wall_seconds: float = 600.0  # per call of `run`; checked between turns
+    max_wall_seconds: float = 600.0  # per episode, from its environment's start; checked between turns
     max_parallel_calls: int = 8  # tool calls (and environment starts, gradings) running at once
     system_prompt: str = SYSTEM_PROMPT
     parser: str | None = None  # tool-call format; None: the one the chat template teaches
+    # None: every turn waits for all tool calls of the batch (lockstep). A number: after that many
+    # seconds the episodes whose calls are back are sampled again without the slow ones.
+    turn_wait_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +90,19 @@ class AgentTurn:
 
 
 @dataclass(slots=True)
+class PendingTurn:
+    """A sampled turn whose tool calls are still running (the episode waits on them)."""
+
+    sample: Sample
+    turn: AgentTurn
+    jobs: list[tuple[int, Future]]  # (index into turn.results, the running call)
+    continues: bool  # False for a submitting turn: its calls still run, nothing is appended after it
+
+    def ready(self) -> bool:
+        return all(f.done() for _, f in self.jobs)
+
+
+@dataclass(slots=True)
 class Episode:
     spec: dict[str, Any]  # the task spec the environment was made from
     group: int  # index of its group in the call
@@ -89,7 +114,13 @@ class Episode:
     reward: float = 0.0
     reward_info: dict[str, Any] = field(default_factory=dict)
     env: AgentEnvironment | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the environment's start to the last turn (or the abort)
+    started: float = 0.0  # time.monotonic() when the episode started
+    pending: PendingTurn | None = None  # never set on an episode handed back to a caller
+
+    @property
+    def complete(self) -> bool:
+        return self.finish is not None and self.pending is None
 
     @property
     def truncated(self) -> bool:
@@ -127,6 +158,18 @@ class AgentGroup:
     @property
     def rewards(self) -> list[float]:
         return [e.reward for e in self.episodes if not e.failed]
+
+    @property
+    def complete(self) -> bool:
+        return all(e.complete for e in self.episodes)
+
+
+@dataclass(slots=True)
+class AgentStep:
+    groups: list[AgentGroup]  # complete and graded, carried-in groups first
+    aborted: list[AgentGroup]  # cut to end the step (over-sampling): failed episodes, not graded
+    carried: int  # groups left running into the next step (partial rollouts)
+    seconds: float
 
 
 def clip_output(text: str, limit: int) -> str:
@@ -178,51 +221,99 @@ class AgentRollout:
         self.chat = ChatTokens(tokenizer, self.tools, eos_token_ids)
         self.parser = self.config.parser or parser_for_template(tokenizer.chat_template)
         self.pool = ThreadPoolExecutor(self.config.max_parallel_calls, thread_name_prefix="cuttle-agent")
+        self.carried: list[AgentGroup] = []  # unfinished groups kept for the next `step` (partial rollouts)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.drop_carried()
+        # a call abandoned by an abort may still run: its environment is closed, and a sandboxed
+        # command dies at its own timeout, so nothing waits for it here
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def drop_carried(self) -> list[AgentGroup]:
+        """Abort the carried groups and close their environments; returns them."""
+        dropped, self.carried = self.carried, []
+        self._release(dropped, "aborted", "dropped while carried between steps")
+        return dropped
 
     # ---- one call: groups of episodes ------------------------------------------------------
     def run(self, specs: list[dict[str, Any]], group_size: int, params: SamplingParams,
             should_stop: Callable[[], bool] | None = None) -> list[AgentGroup]:
         """`group_size` episodes per task spec, all advanced together; returns one group per spec.
-        `should_stop()` is asked between turns: True aborts every unfinished episode."""
-        t0 = time.monotonic()
-        deadline = t0 + self.config.max_wall_seconds
-        groups = [AgentGroup(spec, [Episode(spec, gi) for _ in range(group_size)]) for gi, spec in enumerate(specs)]
-        episodes = [e for g in groups for e in g.episodes]
+        `should_stop()` is asked between turns and while tool calls run: True aborts every
+        unfinished episode."""
+        groups = self._new_groups(specs, group_size)
         try:
-            self._start(episodes)
-            turn = 0
-            while True:
-                live = [e for e in episodes if e.finish is None]
-                if not live:
-                    break
-                if should_stop is not None and should_stop():
-                    self._end(live, "aborted", "the rollout was stopped")
-                    break
-                if time.monotonic() > deadline:
-                    self._end(live, "wall_clock")
-                    break
-                self._turn(groups, live, turn, params, should_stop)
-                turn += 1
-            self._grade([e for e in episodes if not e.failed])
+            self._start([e for g in groups for e in g.episodes])
+            if self._advance(groups, params, should_stop, None) == "stopped":
+                self._release(groups, "aborted", "the rollout was stopped", close=False)
+            self._grade([e for g in groups for e in g.episodes if not e.failed])
         finally:
-            for e in episodes:
+            self._close(groups)
+        return groups
+
+    def step(self, specs: list[dict[str, Any]], group_size: int, params: SamplingParams,
+             groups_needed: int | None = None, partial: bool = False,
+             should_stop: Callable[[], bool] | None = None) -> AgentStep:
+        """One RL step: the groups carried from the last step (partial rollouts) and a new group per
+        spec advance together until `groups_needed` (default: all) are complete. Those are graded
+        and returned (every group that completed by then, so possibly more than needed); the others
+        are aborted (over-sampling), or with `partial` kept running into the next step."""
+        t0 = time.monotonic()
+        needed = len(self.carried) + len(specs) if groups_needed is None else groups_needed
+        if not 0 < needed <= len(self.carried) + len(specs):
+            raise ValueError(f"groups_needed must be in 1..{len(self.carried) + len(specs)}, got {needed}")
+        new = self._new_groups(specs, group_size)
+        groups, self.carried = self.carried + new, []
+        done: list[AgentGroup] = []
+        rest: list[AgentGroup] = []
+        try:
+            self._start([e for g in new for e in g.episodes])
+            enough = lambda: sum(g.complete for g in groups) >= needed  # noqa: E731
+            reason = self._advance(groups, params, should_stop, enough)
+            done = [g for g in groups if g.complete]
+            rest = [g for g in groups if not g.complete]
+            if partial and reason != "stopped":
+                self.carried, rest = rest, []
+            self._release(rest, "aborted", "cut to end the step (enough groups were complete)", close=False)
+            self._grade([e for g in done for e in g.episodes if not e.failed])
+        except BaseException:
+            self.carried = []
+            self._release(groups, "aborted", "the step failed", close=False)
+            raise
+        finally:
+            kept = set(map(id, self.carried))
+            self._close([g for g in groups if id(g) not in kept])
+        return AgentStep(done, rest, len(self.carried), time.monotonic() - t0)
+
+    def _new_groups(self, specs: list[dict[str, Any]], group_size: int) -> list[AgentGroup]:
+        return [AgentGroup(spec, [Episode(spec, gi) for _ in range(group_size)]) for gi, spec in enumerate(specs)]
+
+    def _release(self, groups: list[AgentGroup], finish: str, error: str, close: bool = True) -> None:
+        """End every unfinished episode of `groups` (a running tool call is abandoned: a sandboxed
+        command dies at its own timeout) and, with `close`, close their environments."""
+        for g in groups:
+            for e in g.episodes:
+                if not e.complete:
+                    if e.pending is not None:
+                        for _, f in e.pending.jobs:
+                            f.cancel()
+                        e.pending = None
+                    e.finish, e.error = finish, error
+                    e.seconds = time.monotonic() - e.started
+        if close:
+            self._close(groups)
+
+    def _close(self, groups: list[AgentGroup]) -> None:
+        for g in groups:
+            for e in g.episodes:
                 if e.env is not None:
                     e.env.close()
                     e.env = None
-        for e in episodes:
-            e.seconds = time.monotonic() - t0
-        return groups
-
-    def _end(self, episodes: list[Episode], finish: str, error: str | None = None) -> None:
-        for e in episodes:
-            e.finish, e.error = finish, error
 
     def _start(self, episodes: list[Episode]) -> None:
         futures = [self.pool.submit(self.env_factory, e.spec) for e in episodes]
         for e, f in zip(episodes, futures):
+            e.started = time.monotonic()
             try:
                 e.env = f.result()
             except Exception as err:  # noqa: BLE001 - any failure to start fails this episode only
@@ -232,37 +323,56 @@ class AgentRollout:
             e.chat, ids = self.chat.start(messages)
             e.trajectory = Trajectory.start(ids)
 
-    def _turn(self, groups: list[AgentGroup], live: list[Episode], turn: int, params: SamplingParams,
-              should_stop: Callable[[], bool] | None) -> None:
+    def _advance(self, groups: list[AgentGroup], params: SamplingParams, should_stop: Callable[[], bool] | None,
+                 enough: Callable[[], bool] | None) -> str:
+        """Sample every episode that is not waiting on a tool, collect tool results, repeat; returns
+        "done" (every episode complete), "enough" or "stopped"."""
+        episodes = [e for g in groups for e in g.episodes]
+        while True:
+            if all(e.complete for e in episodes):
+                return "done"
+            if should_stop is not None and should_stop():
+                return "stopped"
+            if enough is not None and enough():
+                return "enough"
+            now = time.monotonic()
+            ready = [e for e in episodes if e.finish is None and e.pending is None]
+            for e in ready:
+                if now - e.started > self.config.max_wall_seconds:
+                    e.finish = "wall_clock"
+            ready = [e for e in ready if e.finish is None]
+            if ready:
+                self._sample(groups, ready, params)
+            self._collect([e for e in episodes if e.pending is not None],
+                          lambda: (should_stop is not None and should_stop()) or (enough is not None and enough()))
+
+    def _sample(self, groups: list[AgentGroup], ready: list[Episode], params: SamplingParams) -> None:
         cfg = self.config
-        # requests: (episodes sharing one prompt, prompt ids, max new tokens)
-        requests: list[tuple[list[Episode], list[int], int]] = []
-        if turn == 0:
-            for g in groups:
-                members = [e for e in g.episodes if e.finish is None]
-                if members:  # one request per group: its prompt is prefilled once, the members fork from it
-                    requests.append((members, members[0].trajectory.token_ids, 0))
-        else:
-            requests = [([e], e.trajectory.token_ids, 0) for e in live]
-        sized = []
-        for members, ids, _ in requests:
+        ready_set = set(map(id, ready))
+        # requests: (episodes sharing one prompt, prompt ids); a group's first turn is one request
+        # with n = its members (its prompt prefilled once, the members fork from it)
+        requests: list[list[Episode]] = []
+        for g in groups:
+            first = [e for e in g.episodes if id(e) in ready_set and not e.turns]
+            if first:
+                requests.append(first)
+            requests += [[e] for e in g.episodes if id(e) in ready_set and e.turns]
+        by_shape: dict[tuple[int, int, int], list[list[Episode]]] = {}
+        for members in requests:
+            ids = members[0].trajectory.token_ids
             room = min(cfg.max_tokens_per_turn, cfg.max_total_tokens - len(ids))
             if room <= 0:
-                self._end(members, "context")
+                for e in members:
+                    e.finish = "context"
             else:
-                sized.append((members, ids, room))
-        by_shape: dict[tuple[int, int], list[tuple[list[Episode], list[int]]]] = {}
-        for members, ids, room in sized:
-            by_shape.setdefault((len(members), room), []).append((members, ids))
+                by_shape.setdefault((len(members), room, len(members[0].turns)), []).append(members)
         sampled: list[tuple[Episode, Sample]] = []
-        for (n, room), reqs in by_shape.items():
+        for (n, room, turn), reqs in by_shape.items():
             p = dataclasses.replace(params, n=n, max_tokens=room, logprobs=0,
                                     seed=None if params.seed is None else params.seed + 1_000_003 * turn)
-            outs = generate_tokens(self.sampler, [ids for _, ids in reqs], p)
-            for (members, _), samples in zip(reqs, outs):
+            outs = generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], p)
+            for members, samples in zip(reqs, outs):
                 sampled += list(zip(members, samples))
-        continuing: list[tuple[Episode, Sample, AgentTurn]] = []
-        jobs: list[tuple[Episode, AgentTurn, int, ToolCall]] = []
         for e, s in sampled:
             e.trajectory.append_sample(s)
             text, ended = self.chat.turn_text(s.token_ids)
@@ -280,60 +390,75 @@ class AgentRollout:
             else:
                 finish = None
             blocks = _ordered_blocks(t)
-            t.results = [_placeholder(b) for b in blocks]  # calls are filled in by _run_tools
+            t.results = [_placeholder(b) for b in blocks]  # calls are filled in when they are back
+            jobs = []
             if finish in (None, "submitted"):  # a submitting turn's other calls still change the workspace
-                jobs += [(e, t, i, b) for i, b in enumerate(blocks) if isinstance(b, ToolCall) and b.name != SUBMIT]
-            if finish is None:
-                continuing.append((e, s, t))
-            else:
+                jobs = [(i, self.pool.submit(self._call_tool, e.env, b)) for i, b in enumerate(blocks)
+                        if isinstance(b, ToolCall) and b.name != SUBMIT]
+            e.seconds = time.monotonic() - e.started
+            if finish is not None:
                 e.finish = finish
                 self.chat.finish_turn(e.chat, s.token_ids)
-        if not self._run_tools(jobs, should_stop):
-            self._end([e for e, _, _ in continuing], "aborted", "the rollout was stopped during a tool call")
-            return
-        for e, s, t in continuing:
-            messages = [{"role": "tool", "tool_call_id": getattr(b, "id", f"malformed-{i}"), "name": r.name or "error",
-                         "content": r.content} for i, (b, r) in enumerate(zip(_ordered_blocks(t), t.results))]
+            if finish is None or jobs:
+                e.pending = PendingTurn(s, t, jobs, continues=finish is None)
+
+    def _call_tool(self, env: AgentEnvironment, call: ToolCall) -> ToolResult:
+        t0 = time.monotonic()
+        args = _arguments(call)
+        if isinstance(args, str):
+            ok, text = False, f"{call.name}: {args}"
+        else:
             try:
-                delta = self.chat.append_turn(e.chat, s.token_ids, messages)
-            except TemplateNotAppendOnly as err:
-                e.finish, e.error = "template", str(err)
-                self.chat.finish_turn(e.chat, s.token_ids)  # the stream ends with this turn, as sampled
-                continue
-            e.trajectory.append_context(delta)
-            if len(e.turns) >= cfg.max_turns:
-                e.finish = "max_turns"
-            elif len(e.trajectory.token_ids) >= cfg.max_total_tokens:
-                e.finish = "context"
+                ok, text = env.call(call.name, args)
+            except Exception as err:  # noqa: BLE001 - a host-side failure is reported to the model, the batch goes on
+                ok, text = False, f"{call.name} failed in the environment: {type(err).__name__}: {err}"
+        content = clip_output(text, self.config.max_tool_output_chars)
+        return ToolResult(call.name, ok, content if ok else f"Error: {content}", time.monotonic() - t0)
 
-    def _run_tools(self, jobs: list[tuple[Episode, AgentTurn, int, ToolCall]], should_stop: Callable[[], bool] | None) -> bool:
-        """Every call of every episode of this turn, concurrently (bounded by max_parallel_calls).
-        False when `should_stop()` turned True first: the calls still running are abandoned (their
-        environments are closed by `run`; a sandboxed command dies at its own timeout)."""
-        def one(env: AgentEnvironment, call: ToolCall) -> ToolResult:
-            t0 = time.monotonic()
-            args = _arguments(call)
-            if isinstance(args, str):
-                ok, text = False, f"{call.name}: {args}"
-            else:
-                try:
-                    ok, text = env.call(call.name, args)
-                except Exception as err:  # noqa: BLE001 - a host-side failure is reported to the model, the batch goes on
-                    ok, text = False, f"{call.name} failed in the environment: {type(err).__name__}: {err}"
-            content = clip_output(text, self.config.max_tool_output_chars)
-            return ToolResult(call.name, ok, content if ok else f"Error: {content}", time.monotonic() - t0)
+    def _collect(self, waiting: list[Episode], interrupt: Callable[[], bool]) -> None:
+        """Wait for tool calls (all of them, or with `turn_wait_s` those back within it, at least
+        one episode's) and append their results. Returns early when `interrupt()` turns True (the
+        step was stopped, or enough groups are complete); the calls keep running (an abort cancels
+        them, partial rollouts collect them later)."""
+        t0 = time.monotonic()
+        wait_s = self.config.turn_wait_s
+        while waiting:
+            running = {f for e in waiting for _, f in e.pending.jobs if not f.done()}
+            if not running:
+                break
+            if interrupt():
+                return
+            if wait_s is not None and time.monotonic() - t0 >= wait_s and any(e.pending.ready() for e in waiting):
+                break
+            wait(running, timeout=0.05, return_when=FIRST_COMPLETED)
+        for e in waiting:
+            if e.pending.ready():
+                self._finish_turn(e)
 
-        futures = [self.pool.submit(one, e.env, call) for e, _, _, call in jobs]
-        pending = set(futures)
-        while pending:
-            _, pending = wait(pending, timeout=None if should_stop is None else 0.05, return_when=FIRST_COMPLETED)
-            if pending and should_stop is not None and should_stop():
-                for f in pending:
-                    f.cancel()
-                return False
-        for (_, t, i, _), f in zip(jobs, futures):
+    def _finish_turn(self, e: Episode) -> None:
+        cfg = self.config
+        pending, e.pending = e.pending, None
+        t = pending.turn
+        for i, f in pending.jobs:
             t.results[i] = f.result()
-        return True
+        e.seconds = time.monotonic() - e.started
+        if not pending.continues:
+            return
+        messages = [{"role": "tool", "tool_call_id": getattr(b, "id", f"malformed-{i}"), "name": r.name or "error",
+                     "content": r.content} for i, (b, r) in enumerate(zip(_ordered_blocks(t), t.results))]
+        try:
+            delta = self.chat.append_turn(e.chat, pending.sample.token_ids, messages)
+        except TemplateNotAppendOnly as err:
+            e.finish, e.error = "template", str(err)
+            self.chat.finish_turn(e.chat, pending.sample.token_ids)  # the stream ends with this turn, as sampled
+            return
+        e.trajectory.append_context(delta)
+        if len(e.turns) >= cfg.max_turns:
+            e.finish = "max_turns"
+        elif len(e.trajectory.token_ids) >= cfg.max_total_tokens:
+            e.finish = "context"
+        elif time.monotonic() - e.started > cfg.max_wall_seconds:
+            e.finish = "wall_clock"
 
     def _grade(self, episodes: list[Episode]) -> None:
         futures = [self.pool.submit(e.env.reward) for e in episodes]

@@ -50,6 +50,7 @@ class PackedBatch:
     group_ids        [N] int64   which group (prompt) a sequence belongs to
     weight_version   [N] int64   the oldest weight version that sampled any of its tokens
     layouts          N entries   each sequence's squid layout, or None (plain causal); None: all plain
+    token_versions   [T] int64   the weight version that sampled each token (-1 where loss_mask is 0)
     """
 
     input_ids: torch.Tensor
@@ -62,6 +63,7 @@ class PackedBatch:
     group_ids: torch.Tensor
     weight_version: torch.Tensor
     layouts: list[SquidLayout | None] | None = None
+    token_versions: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -97,6 +99,8 @@ class TrainBatch:
     group_ids        [N] int64      which group (prompt) a sequence belongs to
     weight_version   [N] int64      the oldest weight version that sampled any of its tokens
     layouts          N entries      each sequence's squid layout, or None (plain causal); None: all plain
+    token_versions   [N, S] int64   the weight version that sampled each token (-1 where loss_mask is
+                                    0); a partial rollout carried across an update has several
 
     `attention_mask` only marks real tokens; the attention itself is `dense_masks()`.
     """
@@ -111,6 +115,7 @@ class TrainBatch:
     group_ids: torch.Tensor
     weight_version: torch.Tensor
     layouts: list[SquidLayout | None] | None = None
+    token_versions: torch.Tensor | None = None
 
     @classmethod
     def from_trajectories(
@@ -134,6 +139,7 @@ class TrainBatch:
         positions = torch.zeros(n, s, dtype=torch.long)
         loss_mask = torch.zeros(n, s)
         rollout = torch.zeros(n, s)
+        token_versions = torch.full((n, s), -1, dtype=torch.long)
         versions = []
         for i, (t, (ids, pos, c)) in enumerate(zip(trajectories, rows)):
             k = len(ids)
@@ -145,6 +151,8 @@ class TrainBatch:
             positions[i, :k] = torch.tensor(pos)
             loss_mask[i, c:k] = torch.tensor(t.loss_mask, dtype=torch.float32)
             rollout[i, c:k] = torch.tensor(t.logprobs, dtype=torch.float32)
+            token_versions[i, c:k] = torch.tensor([v if m else -1 for v, m in zip(t.weight_versions, t.loss_mask)],
+                                                  dtype=torch.long)
             sampled = [v for v, m in zip(t.weight_versions, t.loss_mask) if m]
             versions.append(min(sampled) if sampled else -1)
         layouts = [t.layout for t in trajectories]
@@ -155,6 +163,7 @@ class TrainBatch:
             torch.tensor(group_ids, dtype=torch.long),
             torch.tensor(versions, dtype=torch.long),
             layouts if any(lay is not None for lay in layouts) else None,
+            token_versions,
         )
 
     @classmethod
@@ -197,4 +206,5 @@ class TrainBatch:
         return PackedBatch(
             self.input_ids[keep], self.position_ids[keep], cu, self.loss_mask[keep], self.rollout_logprobs[keep],
             self.advantages, self.rewards, self.group_ids, self.weight_version, self.layouts,
+            None if self.token_versions is None else self.token_versions[keep],
         )

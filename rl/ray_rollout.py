@@ -13,6 +13,11 @@ weights every worker samples with.
   soon as `groups_needed` have finished and aborts the others (their episodes stop between turns or
   while waiting on a tool, their environments are closed, their engine requests are done: nothing
   stays in KV between turns on the offline engine).
+* Partial rollouts: with `run_step(..., partial=True)` the groups still running when enough have
+  finished are neither waited for nor aborted: they keep running on their worker (a tool call
+  they wait on goes on; their next turns sample with whatever weights the worker has by then, so
+  their tokens carry several weight versions, each token its own) and the next `run_step` counts
+  them first, before its new specs.
 * Failures: a worker that dies mid-step loses no group; its groups are given to the remaining
   workers and run again from the start.
 * Weights: `update_weights` puts the tensors in the object store once and loads them into every
@@ -30,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -131,10 +136,25 @@ class RolloutWorker:
 @dataclass(slots=True)
 class StepResult:
     groups: list[AgentGroup]  # the first `groups_needed` to finish, in the order they finished
-    group_ids: list[int]  # index of each into the step's specs
+    group_ids: list[int]  # index of each into the specs of the step it was started in
     aborted: list[int]  # specs whose groups were cut because enough had finished
     retried: list[int]  # specs run again after their worker died
     seconds: float
+    started_in: list[int] = field(default_factory=list)  # the step each group was started in (1, 2, ...)
+    carried: int = 0  # groups left running into the next step (partial rollouts)
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A group in flight on a worker."""
+
+    step: int
+    spec_index: int
+    spec: dict[str, Any]
+    group_size: int
+    params: SamplingParams
+    worker: int = -1
+    uid: int = -1  # the worker's handle for aborting it: unique over the controller's life
 
 
 class RayRollout:
@@ -149,57 +169,90 @@ class RayRollout:
         ray.get([w.ping.remote() for w in self.workers])  # fail here, not mid-step, if a worker cannot start
         self.dead: set[int] = set()
         self._draining: list[ray.ObjectRef] = []  # aborted groups of the last step, still winding down
+        self._carried: dict[ray.ObjectRef, _Flight] = {}  # groups running into the next step
+        self._steps = 0
+        self._uids = 0
 
     def live(self) -> list[int]:
         return [i for i in range(len(self.workers)) if i not in self.dead]
 
-    def run_step(self, specs: list[dict[str, Any]], group_size: int, params: SamplingParams,
-                 groups_needed: int | None = None, timeout_s: float = 600.0) -> StepResult:
-        """Run one group per spec; return when `groups_needed` (default: all) have finished."""
-        t0 = time.monotonic()
-        needed = len(specs) if groups_needed is None else groups_needed
-        if not 0 < needed <= len(specs):
-            raise ValueError(f"groups_needed must be in 1..{len(specs)}, got {needed}")
-        outstanding = {i: 0 for i in range(len(self.workers))}
-        refs: dict[ray.ObjectRef, tuple[int, int]] = {}  # ref -> (spec index, worker)
+    @property
+    def carried(self) -> int:
+        """Groups started in earlier steps and still running (partial rollouts)."""
+        return len(self._carried)
 
-        def submit(gi: int) -> None:
+    def run_step(self, specs: list[dict[str, Any]], group_size: int, params: SamplingParams,
+                 groups_needed: int | None = None, timeout_s: float = 600.0, partial: bool = False) -> StepResult:
+        """Run one group per spec, after the groups carried from the last step; return when
+        `groups_needed` (default: all of them) have finished. The rest are aborted, or with
+        `partial` left running into the next step."""
+        t0 = time.monotonic()
+        total = len(self._carried) + len(specs)
+        needed = total if groups_needed is None else groups_needed
+        if not 0 < needed <= total:
+            raise ValueError(f"groups_needed must be in 1..{total}, got {needed}")
+        self._steps += 1
+        refs, self._carried = self._carried, {}  # ref -> the group it runs
+        outstanding = {i: 0 for i in range(len(self.workers))}
+        for f in refs.values():
+            outstanding[f.worker] += 1
+
+        def submit(f: _Flight) -> None:
             live = self.live()
             if not live:
                 raise RuntimeError("every rollout worker has died")
-            w = min(live, key=lambda i: (outstanding[i], i))
-            outstanding[w] += 1
-            refs[self.workers[w].run_group.remote(gi, specs[gi], group_size, params)] = (gi, w)
+            f.worker = min(live, key=lambda i: (outstanding[i], i))
+            f.uid, self._uids = self._uids, self._uids + 1
+            outstanding[f.worker] += 1
+            refs[self.workers[f.worker].run_group.remote(f.uid, f.spec, f.group_size, f.params)] = f
 
-        for gi in range(len(specs)):
-            submit(gi)
-        done: list[tuple[int, AgentGroup]] = []
+        for gi, spec in enumerate(specs):
+            submit(_Flight(self._steps, gi, spec, group_size, params))
+        done: list[tuple[_Flight, AgentGroup]] = []
         retried: list[int] = []
         while len(done) < needed:
             left = t0 + timeout_s - time.monotonic()
             ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(left, 0.0))
             if not ready:
+                self._carried = refs  # still running: the caller may drop_carried() or run on
                 raise TimeoutError(f"rollout step: {len(done)} of {needed} groups after {timeout_s} s")
-            gi, w = refs.pop(ready[0])
-            outstanding[w] -= 1
+            f = refs.pop(ready[0])
+            outstanding[f.worker] -= 1
             try:
-                done.append((gi, ray.get(ready[0])))
+                done.append((f, ray.get(ready[0])))
             except ray.exceptions.RayActorError:  # the worker died: its groups start again elsewhere
+                w = f.worker
                 self.dead.add(w)
-                lost = [(r, g) for r, (g, ww) in refs.items() if ww == w]
-                for r, g in lost:
+                lost = [(r, g) for r, g in refs.items() if g.worker == w]
+                for r, _ in lost:
                     refs.pop(r)
-                for g in [gi] + [g for _, g in lost]:
-                    retried.append(g)
+                for g in [f] + [g for _, g in lost]:
+                    retried.append(g.spec_index)
                     submit(g)
-        aborted = sorted(gi for gi, _ in refs.values())
+        aborted: list[int] = []
+        if partial:
+            self._carried = refs
+        else:
+            aborted = sorted(f.spec_index for f in refs.values())
+            self._abort(refs)
+        return StepResult([g for _, g in done], [f.spec_index for f, _ in done], aborted, retried,
+                          time.monotonic() - t0, [f.step for f, _ in done], len(self._carried))
+
+    def _abort(self, refs: dict[ray.ObjectRef, _Flight]) -> None:
         by_worker: dict[int, list[int]] = {}
-        for gi, w in refs.values():
-            by_worker.setdefault(w, []).append(gi)
-        for w, gis in by_worker.items():
-            self.workers[w].abort.remote(gis)
-        self._draining = list(refs)
-        return StepResult([g for _, g in done], [gi for gi, _ in done], aborted, retried, time.monotonic() - t0)
+        for f in refs.values():
+            by_worker.setdefault(f.worker, []).append(f.uid)
+        for w, uids in by_worker.items():
+            if w not in self.dead:
+                self.workers[w].abort.remote(uids)
+        self._draining += list(refs)
+
+    def drop_carried(self) -> int:
+        """Abort the groups carried into the next step (their environments close); returns how many.
+        `drain()` waits for them to wind down."""
+        carried, self._carried = self._carried, {}
+        self._abort(carried)
+        return len(carried)
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait for the aborted groups of the last step to wind down (their environments closed)."""

@@ -119,9 +119,15 @@ class Trainer:
         return torch.cat([self._row_logprobs(packed, a, b)[0] for a, b in self._rows(packed)]).cpu()
 
     # ---- training --------------------------------------------------------------------------
-    def step(self, batch: TrainBatch | PackedBatch) -> dict[str, float]:
+    def step(self, batch: TrainBatch | PackedBatch, current_version: int | None = None) -> dict[str, float]:
         """`minibatches` AdamW steps on the configured loss; returns loss, grad norm, clip fraction,
-        mismatch (of the logprobs at the start of the step) and reward stats."""
+        mismatch (of the logprobs at the start of the step) and reward stats.
+
+        Per-token weight versions (partial rollouts): tokens sampled by a version older than
+        `current_version` (default: the newest in the batch) are stale. The mismatch is always
+        against the behaviour logprobs; it is also reported apart for the fresh tokens (sampler vs
+        trainer numerics under the same weights) and the stale ones (that plus the policy's drift
+        since they were sampled, which the behaviour-policy ratio corrects)."""
         t0 = time.perf_counter()
         packed = batch.packed() if isinstance(batch, TrainBatch) else batch
         cfg = self.config.loss
@@ -155,6 +161,16 @@ class Trainer:
             self.optimizer.step()
         self.num_steps += 1
         trainer_lp = start_lp if start_lp is not None else torch.cat(scored)  # k == 1: scored before the update
+        extra: dict[str, float] = {}
+        if packed.token_versions is not None:
+            versions = packed.token_versions[packed.loss_mask > 0]
+            if versions.numel():
+                current = int(versions.max()) if current_version is None else current_version
+                stale = versions < current
+                extra = {"stale_token_frac": stale.float().mean().item(),
+                         "max_version_lag": float(current - int(versions.min())),
+                         **mismatch(trainer_lp[~stale], rollout_all[~stale]).to_dict("mismatch_fresh_"),
+                         **mismatch(trainer_lp[stale], rollout_all[stale]).to_dict("mismatch_stale_")}
         return {
             "loss": total_loss / k,
             "grad_norm": max(grad_norms),
@@ -164,6 +180,7 @@ class Trainer:
             "num_trained_tokens": float(sum(trained_per_seq)),
             "train_seconds": time.perf_counter() - t0,
             **mismatch(trainer_lp, rollout_all).to_dict(),
+            **extra,
         }
 
     # ---- weight sync -----------------------------------------------------------------------

@@ -61,6 +61,36 @@ def test_oversampling_finishes_without_stragglers_and_releases_them(cluster):
         rollout.shutdown()
 
 
+def test_partial_rollouts_carry_stragglers_into_the_next_step_with_their_versions(cluster):
+    import torch
+
+    rollout = RayRollout(2, scripted, slow_env, num_cpus=0.5)
+    try:
+        specs = [{"seed": i, "delay": 4.0 if i == 1 else 0.05} for i in range(4)]
+        res = rollout.run_step(specs, 2, PARAMS, groups_needed=3, partial=True, timeout_s=30)
+        assert res.seconds < 3.5, "the step must not wait for a 4 s tool call"
+        assert sorted(res.group_ids) == [0, 2, 3] and res.aborted == [] and res.carried == rollout.carried == 1
+        assert sum(s["running_groups"] for s in rollout.stats()) == 1  # still running on its worker
+        assert rollout.update_weights([("w", torch.ones(3))]) == 1  # while the straggler waits on its tool
+        res2 = rollout.run_step([{"seed": 4, "delay": 0.05}], 2, PARAMS, groups_needed=2, partial=True, timeout_s=30)
+        assert sorted(zip(res2.started_in, res2.group_ids)) == [(1, 1), (2, 0)] and res2.carried == 0
+        carried = res2.groups[res2.started_in.index(1)]
+        for e in carried.episodes:
+            assert (e.finish, e.reward, len(e.turns)) == ("answered", 1.0, 2)
+            versions = [v for v, m in zip(e.trajectory.weight_versions, e.trajectory.loss_mask) if m]
+            assert versions[0] == 0 and versions[-1] == 1 and sorted(set(versions)) == [0, 1]
+        rollout.drain(timeout_s=10)
+        assert [(s["open_envs"], s["running_groups"]) for s in rollout.stats()] == [(0, 0), (0, 0)]
+        # a straggler carried and then dropped is aborted and its environment closed
+        res3 = rollout.run_step([{"seed": 5, "delay": 60.0}, {"seed": 6}], 1, PARAMS, groups_needed=1, partial=True,
+                                timeout_s=30)
+        assert res3.group_ids == [1] and rollout.drop_carried() == 1
+        rollout.drain(timeout_s=10)
+        assert [(s["open_envs"], s["running_groups"]) for s in rollout.stats()] == [(0, 0), (0, 0)]
+    finally:
+        rollout.shutdown()
+
+
 def test_a_worker_killed_mid_step_loses_no_group(cluster):
     rollout = RayRollout(2, scripted, slow_env, num_cpus=0.5)
     try:
