@@ -44,7 +44,7 @@ class TopKConfig:
     budget: int = 2048  # keys attended per query row: (budget // block) blocks, forced ones included
     block: int = 64  # keys per block (one summary each)
     dense_layers: int = 2  # the first layers stay dense (Quest: their attention is not sparse)
-    summary: str = "quest"  # "quest" (min/max bound) | "mean" (mean-pooled keys)
+    summary: str = "mean"  # "mean" (mean-pooled keys) | "quest" (min/max bound): mean recalled better (docs/nsa.md)
     init_blocks: int = 1  # always-attended blocks at the start (the attention sink)
     local_blocks: int = 2  # always-attended blocks ending at the query's own block (>= 1: it sees itself)
 

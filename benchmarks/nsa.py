@@ -1,11 +1,20 @@
 """Decode attention per step, dense (today's native paged kernel) vs NSA (the native NSA decode
-kernel), at the Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head_dim 128, bf16), one
-layer, contexts 8k-64k, batch 1 and 8. Reports KV bytes read (dense: every key and value; NSA: the
-tokens its kernel says it read, compressed entries included), time per step, and the time the bytes
-alone would take at the copy bandwidth measured in the same run; prints a markdown table and can
-write a PNG plot. NSA uses the paper's defaults (l=32, d=16, l'=64, n=16, w=512).
+kernel) vs training-free top-k (the native top-k kernel), at the Qwen3-0.6B attention shape (16
+query heads, 8 KV heads, head_dim 128, bf16), one layer, contexts 8k-64k, batch 1 and 8. Reports KV
+bytes read (dense: every key and value; NSA and top-k: the tokens their kernels say they read,
+compressed entries and block summaries included), time per step, and the time the bytes alone would
+take at the copy bandwidth measured in the same run; prints a markdown table and can write a PNG
+plot. NSA uses the paper's defaults (l=32, d=16, l'=64, n=16, w=512); top-k the engine's default
+spec (budget 2048, block 64).
+
+`--e2e CONTEXT` instead times whole decode steps of a random Qwen3-0.6B-shaped model (28 layers,
+bf16, batch 1) through the engine's model runner, dense vs `sparse_attention` top-k, with a
+CONTEXT-token KV cache filled with random keys and values (a real 32k prefill would take far longer
+than the decode being measured on a CPU; the decode step's work does not depend on what the cached
+values are, only on how many there are).
 
     .venv/bin/python benchmarks/nsa.py [--contexts 8192,16384,32768,65536] [--batches 1,8] [--plot out.png]
+    .venv/bin/python benchmarks/nsa.py --e2e 32768
 """
 from __future__ import annotations
 
@@ -21,23 +30,28 @@ from common import copy_bandwidth_gbs, machine_info, markdown_table  # noqa: E40
 
 from cuttle.attention import native_attention  # noqa: E402
 from cuttle.attention.native import nsa as native_nsa  # noqa: E402
+from cuttle.attention.native import topk as native_topk  # noqa: E402
 from cuttle.attention.nsa import NSAConfig  # noqa: E402
 from cuttle.attention.nsa_backend import compressed_slots_per_block  # noqa: E402
+from cuttle.attention.topk import TopKConfig, summarize  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 64
+
+
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (this process's CPU seconds)
 
 
 def _time(fn, repeats: int) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
     return best
 
 
-def run(context: int, batch: int, cfg: NSAConfig, repeats: int) -> dict:
+def run(context: int, batch: int, cfg: NSAConfig, topk: TopKConfig, repeats: int) -> dict:
     nb = context // BLOCK
     g = torch.Generator().manual_seed(0)
     shape = (batch * nb, BLOCK, KV_HEADS, HEAD_DIM)
@@ -63,10 +77,21 @@ def run(context: int, batch: int, cfg: NSAConfig, repeats: int) -> dict:
     def nsa():
         native_nsa.nsa_decode(q, k, v, ck, cv, gates, out, rows, tables, lens, cfg, scale, touched=touched)
 
-    t_dense, t_nsa = _time(dense, repeats), _time(nsa, repeats)
+    # the top-k summaries of the same keys (BLOCK = topk.block: one summary slot per raw block)
+    assert topk.block == BLOCK
+    summ = summarize(k.transpose(1, 2), topk)[:, None].contiguous()  # [blocks, 1, R, Hkv, D]
+    touched_k = torch.zeros(batch, KV_HEADS, dtype=torch.int64)
+
+    def sparse():
+        native_topk.topk_decode(q, k, v, summ, out, lse, rows, tables, lens, topk, scale, touched=touched_k)
+
+    t_dense, t_nsa, t_topk = _time(dense, repeats), _time(nsa, repeats), _time(sparse, repeats)
     per_token = 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+    summary_vectors = (context // topk.block) * topk.summary_rows  # read once per KV head
     return dict(context=context, batch=batch, dense_bytes=batch * context * per_token,
-                nsa_bytes=int(touched[:, 0].sum()) * per_token, nsa_tokens=int(touched[0, 0]), t_dense=t_dense, t_nsa=t_nsa)
+                nsa_bytes=int(touched[:, 0].sum()) * per_token, nsa_tokens=int(touched[0, 0]), t_dense=t_dense, t_nsa=t_nsa,
+                topk_bytes=int(touched_k[:, 0].sum()) * per_token + batch * summary_vectors * KV_HEADS * HEAD_DIM * 2,
+                topk_tokens=int(touched_k[0, 0]), t_topk=t_topk)
 
 
 def main() -> None:
@@ -75,25 +100,43 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--topk", default="topk", help="the top-k spec (block must be 64)")
+    ap.add_argument("--e2e", type=int, default=None, metavar="CONTEXT", help="time whole decode steps of the 0.6B shape instead")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: one thread, timed in process CPU seconds (a machine shared with other jobs makes wall time "
+                         "mostly a measure of the scheduler; CPU time still counts cache and memory contention)")
     args = ap.parse_args()
+    global CLOCK
+    if args.clock == "cpu":
+        torch.set_num_threads(1)
+        CLOCK = time.process_time
     if not native_nsa.available():
         raise SystemExit("the native kernel library did not build here")
+    from cuttle.attention.topk import parse_sparse_attention
+
+    topk = parse_sparse_attention(args.topk)
+    info = machine_info()
+    if args.e2e:
+        return end_to_end(args.e2e, topk, args.repeats, info)
     cfg = NSAConfig()
     bw = copy_bandwidth_gbs()
-    results = [run(c, b, cfg, args.repeats) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
-    info = machine_info()
-    print(f"machine: {info}\ncopy bandwidth: {bw:.1f} GB/s (read + write of one copy)\n")
+    results = [run(c, b, cfg, topk, args.repeats) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
+    print(f"machine: {info}\ncopy bandwidth: {bw:.1f} GB/s (read + write of one copy)\ntop-k: {topk.spec()}\n"
+          f"clock: {args.clock} ({torch.get_num_threads()} threads), best of {args.repeats}\n")
     rows = []
     for r in results:
         rows.append([
-            r["context"], r["batch"], r["nsa_tokens"], f"{r['dense_bytes'] / 2**20:.1f}", f"{r['nsa_bytes'] / 2**20:.2f}",
-            f"{r['dense_bytes'] / r['nsa_bytes']:.1f}x", f"{r['t_dense'] * 1e3:.2f}", f"{r['t_nsa'] * 1e3:.3f}",
-            f"{r['t_dense'] / r['t_nsa']:.1f}x", f"{r['dense_bytes'] / (bw * 1e9) * 1e3:.2f}",
-            f"{r['nsa_bytes'] / (bw * 1e9) * 1e3:.3f}",
+            r["context"], r["batch"], r["nsa_tokens"], r["topk_tokens"], f"{r['dense_bytes'] / 2**20:.1f}",
+            f"{r['nsa_bytes'] / 2**20:.2f}", f"{r['topk_bytes'] / 2**20:.2f}", f"{r['dense_bytes'] / r['nsa_bytes']:.1f}x",
+            f"{r['dense_bytes'] / r['topk_bytes']:.1f}x", f"{r['t_dense'] * 1e3:.2f}", f"{r['t_nsa'] * 1e3:.3f}",
+            f"{r['t_topk'] * 1e3:.3f}", f"{r['t_dense'] / r['t_nsa']:.1f}x", f"{r['t_dense'] / r['t_topk']:.1f}x",
+            f"{r['dense_bytes'] / (bw * 1e9) * 1e3:.2f}", f"{r['nsa_bytes'] / (bw * 1e9) * 1e3:.3f}",
+            f"{r['topk_bytes'] / (bw * 1e9) * 1e3:.3f}",
         ])
     print(markdown_table(
-        ["context", "batch", "NSA tokens/row", "dense MiB", "NSA MiB", "bytes ratio", "dense ms", "NSA ms", "speedup",
-         "dense ms @copy bw", "NSA ms @copy bw"], rows))
+        ["context", "batch", "NSA tokens/row", "top-k tokens/row", "dense MiB", "NSA MiB", "top-k MiB", "bytes ratio NSA",
+         "bytes ratio top-k", "dense ms", "NSA ms", "top-k ms", "NSA speedup", "top-k speedup", "dense ms @copy bw",
+         "NSA ms @copy bw", "top-k ms @copy bw"], rows))
     if args.plot:
         import matplotlib
 
@@ -106,15 +149,57 @@ def main() -> None:
             xs = [r["context"] // 1024 for r in rs]
             ax.plot(xs, [r["t_dense"] * 1e3 for r in rs], "o-", label=f"dense, batch {b}")
             ax.plot(xs, [r["t_nsa"] * 1e3 for r in rs], "s-", label=f"NSA, batch {b}")
+            ax.plot(xs, [r["t_topk"] * 1e3 for r in rs], "^--", label=f"top-k, batch {b}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (k tokens)")
-        ax.set_ylabel("decode attention per step, one layer (ms)")
+        ax.set_ylabel(f"decode attention per step, one layer ({'CPU ' if CLOCK is time.process_time else ''}ms)")
         ax.set_title("Qwen3-0.6B attention shape, bf16, CPU native kernels")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print(f"\nplot: {args.plot}")
+
+
+def end_to_end(context: int, topk: TopKConfig, repeats: int, info: dict) -> None:
+    """Batch-1 decode steps of the random Qwen3-0.6B-shaped checkpoint through the model runner,
+    dense vs top-k, over a `context`-token cache of random K/V (summaries built from it)."""
+    from common import preset_checkpoint
+
+    from cuttle.attention.metadata import AttentionMetadata
+    from cuttle.engine.config import EngineConfig, ModelConfig
+    from cuttle.engine.model_runner import ModelRunner, StepInputs
+
+    path = preset_checkpoint("qwen3-0.6b")
+    mc = ModelConfig.from_pretrained(path)
+    mc.max_position_embeddings = max(mc.max_position_embeddings, context + 64)
+    nb = -(-(context + 1) // BLOCK)
+    times = {}
+    for label, spec in (("dense", None), ("top-k", topk.spec())):
+        config = EngineConfig(model=path, dtype="bfloat16", block_size=BLOCK, num_kv_blocks=nb, sparse_attention=spec)
+        runner = ModelRunner(config, mc, torch.device("cpu"), torch.bfloat16, nb)
+        g = torch.Generator().manual_seed(0)
+        for k, v in runner.kv.layers:
+            k.copy_(torch.randn(k.shape, generator=g).to(k.dtype))
+            v.copy_(torch.randn(v.shape, generator=g).to(v.dtype))
+        if runner.topk_cache is not None:  # the summaries of the random keys, as the prefill would have stored them
+            for i, summ in enumerate(runner.topk_cache.unbind(0)):
+                k = runner.kv.layers[topk.dense_layers + i][0]
+                summ.copy_(summarize(k.transpose(1, 2), topk)[:, None])
+        table = torch.arange(nb, dtype=torch.int32)[None]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([context + 1], dtype=torch.int32),
+            block_tables=table, slot_mapping=torch.tensor([context], dtype=torch.int64), block_size=BLOCK, max_query_len=1,
+            max_seq_len=context + 1, query_lens_cpu=[1], seq_lens_cpu=[context + 1],
+        )
+        inputs = StepInputs(input_ids=torch.tensor([42]), positions=torch.tensor([context]), meta=meta,
+                            logit_rows=torch.tensor([0]), sample_seqs=[], prompt_rows=[])
+        times[label] = _time(lambda r=runner: r.run(inputs), repeats)
+    print(f"machine: {info}\nQwen3-0.6B shape (28 layers, bf16), batch 1, {context}-token context; top-k: {topk.spec()}; "
+          f"{torch.get_num_threads()} threads, best of {repeats}\n")
+    print(markdown_table(["context", "dense ms/step", "top-k ms/step", "speedup"],
+                         [[context, f"{times['dense'] * 1e3:.1f}", f"{times['top-k'] * 1e3:.1f}",
+                           f"{times['dense'] / times['top-k']:.2f}x"]]))
 
 
 if __name__ == "__main__":

@@ -124,8 +124,8 @@ def retrieval_prompts(tok: Tokenizer, filler: list[list[int]], gap: int, count: 
                           add_special_tokens=False)
         body = filler[i % len(filler)][:gap]
         use = tok.encode(f"\n\n\nresult = {name}(", add_special_tokens=False)
-        pre = tok.encode("\n\n\nresult = ", add_special_tokens=False)
-        assert use[: len(pre)] == pre
+        pre = tok.encode("\n\n\nresult =", add_special_tokens=False)  # the space goes with the name's first token
+        assert use[: len(pre)] == pre, (use, pre)
         out.append((head + body + use, len(head) + len(body) + len(pre)))
     return out
 
@@ -139,6 +139,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--dense-layers", type=int, default=1)
     ap.add_argument("--gap", type=int, default=2500, help="tokens between a name's definition and its use")
+    ap.add_argument("--only", choices=["recall", "gap", "retrieval"], default=None, help="run one part")
     args = ap.parse_args()
     torch.manual_seed(0)
     mc = ModelConfig.from_pretrained(args.model)
@@ -151,7 +152,16 @@ def main() -> None:
           f"head_dim {mc.head_dim}); {len(texts)} stdlib files x {args.tokens} tokens; block {args.block}, "
           f"{args.dense_layers} dense layer(s)\n")
 
-    # 1. recall, quest vs mean, on the embedded model and on a tiny random Qwen3
+    if args.only in (None, "recall"):
+        recall_table(model, texts, budgets, args, scale)
+    if args.only in (None, "gap"):
+        gap_table(model, texts, budgets, args)
+    if args.only in (None, "retrieval"):
+        retrieval_table(model, tok, texts, budgets, args)
+
+
+def recall_table(model, texts, budgets, args, scale) -> None:
+    """1. recall, quest vs mean, on the embedded model and on a tiny random Qwen3"""
     qks = [capture_qk(model, ids) for ids in texts]
     rows = []
     for budget in budgets:
@@ -170,7 +180,10 @@ def main() -> None:
     print("### Recall of the true top-n blocks\n")
     print(markdown_table(["model", "budget", "summary", "recall", "attention mass selected"], rows))
 
-    # 2. quality gap vs dense, teacher-forced
+
+
+def gap_table(model, texts, budgets, args) -> None:
+    """2. quality gap vs dense, teacher-forced"""
     dense = [forward(model, ids, None) for ids in texts]
     rows = []
     for budget in budgets:
@@ -188,8 +201,11 @@ def main() -> None:
     print("\n### Quality gap vs dense (teacher-forced, positions past the budget)\n")
     print(markdown_table(["budget", "summary", "greedy agreement", "mean |d logprob| (next token)", "positions"], rows))
 
-    # 3. retrieval
-    prompts = retrieval_prompts(tok, [ids for ids in texts], args.gap, 8)
+
+
+def retrieval_table(model, tok, texts, budgets, args) -> None:
+    """3. retrieval of a name defined early"""
+    prompts = retrieval_prompts(tok, texts, args.gap, 8)
     rows = []
     configs: list[tuple[str, TopKConfig | None]] = [("dense", None)]
     configs += [(f"topk {s} {b}", TopKConfig(budget=b, block=args.block, dense_layers=args.dense_layers, summary=s))
@@ -197,9 +213,8 @@ def main() -> None:
     for label, cfg in configs:
         lps, hits, n = 0.0, 0, 0
         for ids, at in prompts:
-            name_end = len(ids) - 1  # the trailing "(" follows the name
             lp = forward(model, ids, cfg)
-            for i in range(at + 1, name_end):  # the name's tokens after its first
+            for i in range(at + 1, len(ids)):  # the name's tokens after its first (and the "(")
                 lps += lp[i - 1, ids[i]].item()
                 hits += int(lp[i - 1].argmax().item() == ids[i])
                 n += 1

@@ -2,9 +2,14 @@
  * reading only what natively sparse attention needs (arXiv 2502.11089): the compressed entries,
  * the top-n selected blocks and the sliding window.
  *
- * A work item is (row, KV head): the GROUP query heads sharing that KV head are processed
+ * A work item is (row, range of KV heads): the GROUP query heads sharing a KV head are processed
  * together, so they share one block selection (Eq. 10) and every K/V row is loaded once per
- * branch. Per item:
+ * branch; the compressed entries and the window are read for all the item's heads at once, one
+ * contiguous run per entry or key (a single head reads 2 * head_dim bytes every
+ * kv_heads * head_dim * 2: at batch 8 and 64k, where the compressed cache is far larger than the
+ * caches, those strided reads missed on every entry and made the kernel memory-latency bound).
+ * The binding picks the range so that every thread has items (few rows: a few heads per item).
+ * Per item:
  *   1. compression branch: scores of the nc = (L - l) / d + 1 complete compressed entries (entry i
  *      sits in raw block table[e / B] at slot (e % B) / d, e = i*d + l - 1), softmax, p . cV;
  *   2. block scores: each entry's probability, summed over the group, added to every selection
@@ -12,11 +17,13 @@
  *      1, 2, 2, 2, 1 for l=32, d=16, l'=64);
  *   3. selection: the first init_blocks and the local_blocks ending at the query's block, then
  *      the best-scored others (ties to the lower block) up to top_n;
- *   4. selected and window branches: online softmax over the selected blocks' keys (the query's
- *      own block only up to the query) and over the last `window` keys;
+ *   4. selected and window branches: one softmax each over the selected blocks' keys (the query's
+ *      own block only up to the query) and over the last `window` keys, in two passes (scores,
+ *      then exp and p.V: sparse_attend.c, 8 lanes wide with AVX2, where the scalar per-key online
+ *      softmax this kernel had spent most of its time in expf and rescales);
  *   5. o = g_cmp o_cmp + g_slc o_slc + g_win o_win (gates fp32 [row, head, 3]).
  * The rules are those of cuttle/attention/nsa.py (the reference this kernel is tested against);
- * all math is fp32 whatever the storage dtype. `touched` (optional) receives, per item, the KV
+ * all math is fp32 whatever the storage dtype. `touched` (optional) receives, per (row, KV head), the KV
  * tokens this kernel actually read (compressed entries + selected keys + window keys): the
  * counter of issue 16's acceptance 4. `selected` (optional) receives the chosen blocks in rank
  * order, -1 padded. Python binding: cuttle/attention/native/nsa.py.
@@ -27,54 +34,7 @@
 #include <string.h>
 
 #include "dtypes.h"
-
-static inline float nsa_dot(const float *q, const void *k, int kv_dtype, int64_t off, int64_t n) {
-    float acc = 0.f;
-    if (kv_dtype == DT_BF16) {
-        const uint16_t *kk = (const uint16_t *)k + off;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += q[i] * bf16_to_f32(kk[i]);
-    } else {
-        const float *kk = (const float *)k + off;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += q[i] * kk[i];
-    }
-    return acc;
-}
-
-static inline void nsa_axpy(float *acc, float p, const void *v, int kv_dtype, int64_t off, int64_t n) {
-    if (kv_dtype == DT_BF16) {
-        const uint16_t *vv = (const uint16_t *)v + off;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) acc[i] += p * bf16_to_f32(vv[i]);
-    } else {
-        const float *vv = (const float *)v + off;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) acc[i] += p * vv[i];
-    }
-}
-
-/* Online-softmax attention of `group` query rows (qf, pre-scaled) over raw keys [t0, t1) of one
- * sequence: state m, s (running max and sum) and acc [group][D] are updated in place. */
-static void attend_range(const float *qf, const void *k_cache, const void *v_cache, int kv_dtype,
-                         const int32_t *table, int64_t t0, int64_t t1, int64_t block_size, int64_t token_stride,
-                         int64_t h, int64_t group, int64_t D, float *m, float *s, float *acc, float *sc) {
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t off = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + h * D;
-        for (int64_t g = 0; g < group; g++) {
-            const float x = nsa_dot(qf + g * D, k_cache, kv_dtype, off, D);
-            if (x > m[g]) { /* rescale what was accumulated under the old max */
-                const float r = m[g] == -INFINITY ? 0.f : expf(m[g] - x);
-                s[g] *= r;
-                for (int64_t i = 0; i < D; i++) acc[g * D + i] *= r;
-                m[g] = x;
-            }
-            sc[g] = expf(x - m[g]);
-            s[g] += sc[g];
-            nsa_axpy(acc + g * D, sc[g], v_cache, kv_dtype, off, D);
-        }
-    }
-}
+#include "sparse_attend.h"
 
 int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                     const void *ck_cache, const void *cv_cache, int kv_dtype, const float *gates,
@@ -82,115 +42,130 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
                     const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t num_rows,
                     int64_t num_kv_heads, int64_t group, int64_t D, int64_t block_size, int64_t cslots,
                     int64_t cmp_block, int64_t cmp_stride, int64_t sel_block, int64_t top_n, int64_t init_blocks,
-                    int64_t local_blocks, int64_t window, int64_t max_len, float scale, int32_t *selected,
-                    int64_t *touched) {
+                    int64_t local_blocks, int64_t window, int64_t max_len, float scale, int64_t head_chunks,
+                    int32_t *selected, int64_t *touched) {
     int failed = 0;
     const int64_t token_stride = num_kv_heads * D;
     const int64_t max_nc = max_len >= cmp_block ? (max_len - cmp_block) / cmp_stride + 1 : 0;
     const int64_t max_blocks = (max_len + sel_block - 1) / sel_block + 1;
     const int64_t units_per_entry = cmp_block / cmp_stride, units_per_block = sel_block / cmp_stride;
+    const int64_t sel_keys = (top_n < max_blocks ? top_n : max_blocks) * sel_block;
+    const int64_t heads_per_item = (num_kv_heads + head_chunks - 1) / head_chunks;
+    const int64_t R = heads_per_item * group; /* query rows of an item */
+    const int64_t max_keys = sel_keys > window ? sel_keys : window;
 #pragma omp parallel
     {
-        float *qf = (float *)malloc(sizeof(float) * (size_t)(group * D));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(3 * group * D));
-        float *pc = (float *)malloc(sizeof(float) * (size_t)(group * (max_nc > 0 ? max_nc : 1)));
+        float *qf = (float *)malloc(sizeof(float) * (size_t)(R * D));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(3 * R * D)); /* compressed | selected | window */
+        float *pc = (float *)malloc(sizeof(float) * (size_t)(R * (max_nc > 0 ? max_nc : 1)));
         float *bsc = (float *)malloc(sizeof(float) * (size_t)max_blocks);
         char *taken = (char *)malloc((size_t)max_blocks);
-        int64_t *pick = (int64_t *)malloc(sizeof(int64_t) * (size_t)(top_n > 0 ? top_n : 1));
-        float *m = (float *)malloc(sizeof(float) * (size_t)(6 * group)), *s = m + 3 * group;
-        float *sc = (float *)malloc(sizeof(float) * (size_t)group);
-        if (!qf || !acc || !pc || !bsc || !taken || !pick || !m || !sc) {
+        int64_t *pick = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * (top_n > 0 ? top_n : 1)));
+        float *m = (float *)malloc(sizeof(float) * (size_t)(6 * R)), *s = m + 3 * R;
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(R * (max_keys > 0 ? max_keys : 1)));
+        int64_t *sel_count = (int64_t *)malloc(sizeof(int64_t) * (size_t)heads_per_item);
+        if (!qf || !acc || !pc || !bsc || !taken || !pick || !m || !sc || !sel_count) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
+        for (int64_t item = 0; item < num_rows * head_chunks; item++) {
             if (failed) continue;
-            const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+            const int64_t r = item / head_chunks, h0 = (item % head_chunks) * heads_per_item;
+            const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;
+            if (h0 >= h1) continue;
+            const int64_t nh = h1 - h0, nr = nh * group;
             const int64_t L = lens[r], t = L - 1;
             const int32_t *table = tables + r * table_stride;
-            const int64_t qoff = rows[r] * q_row_stride + h * group * D;
-            for (int64_t i = 0; i < group * D; i++)
+            const int64_t qoff = rows[r] * q_row_stride + h0 * group * D;
+            for (int64_t i = 0; i < nr * D; i++)
                 qf[i] = (q_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)q)[qoff + i]) : ((const float *)q)[qoff + i]) * scale;
-            memset(acc, 0, sizeof(float) * (size_t)(3 * group * D));
-            for (int64_t g = 0; g < 3 * group; g++) { m[g] = -INFINITY; s[g] = 0.f; }
-            int64_t count = 0;
-            /* 1. compression branch (two passes: the probabilities also score the blocks) */
+            float *mc = m, *s0 = s, *a0 = acc;
+            for (int64_t i = 0; i < nr; i++) { mc[i] = -INFINITY; s0[i] = 0.f; }
+            memset(a0, 0, sizeof(float) * (size_t)(nr * D));
+            /* 1. compression branch for all the item's heads: an entry's heads are one contiguous run
+             * (two passes: the probabilities also score the blocks) */
             const int64_t nc = L >= cmp_block ? (L - cmp_block) / cmp_stride + 1 : 0;
             for (int64_t i = 0; i < nc; i++) {
                 const int64_t e = i * cmp_stride + cmp_block - 1;
-                const int64_t off = ((int64_t)table[e / block_size] * cslots + (e % block_size) / cmp_stride) * token_stride + h * D;
-                for (int64_t g = 0; g < group; g++) {
-                    const float x = nsa_dot(qf + g * D, ck_cache, kv_dtype, off, D);
-                    pc[g * max_nc + i] = x;
-                    if (x > m[g]) m[g] = x;
+                const int64_t off = ((int64_t)table[e / block_size] * cslots + (e % block_size) / cmp_stride) * token_stride + h0 * D;
+                for (int64_t j = 0; j < nr; j++) {
+                    const float x = sparse_dot(qf + j * D, ck_cache, kv_dtype, off + (j / group) * D, D);
+                    pc[j * max_nc + i] = x;
+                    if (x > mc[j]) mc[j] = x;
                 }
             }
-            for (int64_t g = 0; g < group && nc > 0; g++) {
-                for (int64_t i = 0; i < nc; i++) { pc[g * max_nc + i] = expf(pc[g * max_nc + i] - m[g]); s[g] += pc[g * max_nc + i]; }
-                const float inv = 1.f / s[g];
-                for (int64_t i = 0; i < nc; i++) pc[g * max_nc + i] *= inv;
+            for (int64_t j = 0; j < nr && nc > 0; j++) {
+                s0[j] = sparse_exp_sum(pc + j * max_nc, nc, mc[j]);
+                const float inv = 1.f / s0[j];
+                for (int64_t i = 0; i < nc; i++) pc[j * max_nc + i] *= inv;
             }
             for (int64_t i = 0; i < nc; i++) {
                 const int64_t e = i * cmp_stride + cmp_block - 1;
-                const int64_t off = ((int64_t)table[e / block_size] * cslots + (e % block_size) / cmp_stride) * token_stride + h * D;
-                for (int64_t g = 0; g < group; g++) nsa_axpy(acc + g * D, pc[g * max_nc + i], cv_cache, kv_dtype, off, D);
+                const int64_t off = ((int64_t)table[e / block_size] * cslots + (e % block_size) / cmp_stride) * token_stride + h0 * D;
+                for (int64_t j = 0; j < nr; j++) sparse_axpy(a0 + j * D, pc[j * max_nc + i], cv_cache, kv_dtype, off + (j / group) * D, D);
             }
-            count += nc;
-            /* 2. block scores (Eq. 9 per entry, Eq. 10 over the group) */
+            /* 2-4 per KV head: block scores (Eq. 9 per entry, Eq. 10 over the group), selection
+             * (forced blocks ascending, then the best others, ties to the lower) and the selected
+             * blocks' softmax */
             const int64_t cur = t / sel_block, nb = cur + 1;
-            for (int64_t j = 0; j < nb; j++) { bsc[j] = 0.f; taken[j] = 0; }
-            for (int64_t i = 0; i < nc; i++) {
-                float ps = 0.f;
-                for (int64_t g = 0; g < group; g++) ps += pc[g * max_nc + i];
-                for (int64_t u = i; u < i + units_per_entry; u++) {
-                    const int64_t j = u / units_per_block;
-                    if (j < nb) bsc[j] += ps;
-                }
-            }
-            /* 3. selection: forced blocks (ascending), then the best others, ties to the lower */
-            int64_t npick = 0;
             const int64_t want = top_n < nb ? top_n : nb;
-            for (int64_t j = 0; j < nb && npick < want; j++)
-                if (j < init_blocks || j > cur - local_blocks) { taken[j] = 1; pick[npick++] = j; }
-            while (npick < want) {
-                int64_t best = -1;
-                for (int64_t j = 0; j < nb; j++)
-                    if (!taken[j] && (best < 0 || bsc[j] > bsc[best])) best = j;
-                taken[best] = 1;
-                pick[npick++] = best;
+            float *m1 = m + nr, *s1 = s + nr, *a1 = acc + nr * D;
+            for (int64_t hh = 0; hh < nh; hh++) {
+                for (int64_t j = 0; j < nb; j++) { bsc[j] = 0.f; taken[j] = 0; }
+                for (int64_t i = 0; i < nc; i++) {
+                    float ps = 0.f;
+                    for (int64_t g = 0; g < group; g++) ps += pc[(hh * group + g) * max_nc + i];
+                    for (int64_t u = i; u < i + units_per_entry; u++) {
+                        const int64_t j = u / units_per_block;
+                        if (j < nb) bsc[j] += ps;
+                    }
+                }
+                int64_t npick = 0;
+                for (int64_t j = 0; j < nb && npick < want; j++)
+                    if (j < init_blocks || j > cur - local_blocks) { taken[j] = 1; pick[npick++] = j; }
+                while (npick < want) {
+                    int64_t best = -1;
+                    for (int64_t j = 0; j < nb; j++)
+                        if (!taken[j] && (best < 0 || bsc[j] > bsc[best])) best = j;
+                    taken[best] = 1;
+                    pick[npick++] = best;
+                }
+                const int64_t it = r * num_kv_heads + h0 + hh; /* (row, KV head) index of the outputs */
+                if (selected)
+                    for (int64_t p = 0; p < top_n; p++) selected[it * top_n + p] = p < npick ? (int32_t)pick[p] : -1;
+                int64_t *t1 = pick + top_n, count = 0;
+                for (int64_t p = 0; p < npick; p++) {
+                    const int64_t a = pick[p] * sel_block;
+                    t1[p] = a + sel_block < L ? a + sel_block : L;
+                    pick[p] = a; /* the ranges' starts, in place */
+                    count += t1[p] - a;
+                }
+                sparse_attend(qf + hh * group * D, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
+                              h0 + hh, 1, group, D, sc, a1 + hh * group * D, m1 + hh * group, s1 + hh * group);
+                sel_count[hh] = count;
             }
-            if (selected)
-                for (int64_t p = 0; p < top_n; p++) selected[item * top_n + p] = p < npick ? (int32_t)pick[p] : -1;
-            /* 4. selected blocks and the window, each an online softmax of its own */
-            float *m1 = m + group, *s1 = s + group, *a1 = acc + group * D;
-            for (int64_t g = 0; g < group; g++) { m1[g] = -INFINITY; s1[g] = 0.f; }
-            for (int64_t p = 0; p < npick; p++) {
-                const int64_t t0 = pick[p] * sel_block, t1 = t0 + sel_block < L ? t0 + sel_block : L;
-                attend_range(qf, k_cache, v_cache, kv_dtype, table, t0, t1, block_size, token_stride, h, group, D, m1, s1, a1, sc);
-                count += t1 - t0;
-            }
-            float *m2 = m + 2 * group, *s2 = s + 2 * group, *a2 = acc + 2 * group * D;
-            for (int64_t g = 0; g < group; g++) { m2[g] = -INFINITY; s2[g] = 0.f; }
+            /* 5. the window, all the item's heads together (contiguous runs of each key row) */
+            float *m2 = m + 2 * nr, *s2 = s + 2 * nr, *a2 = acc + 2 * nr * D;
             const int64_t w0 = L - window > 0 ? L - window : 0;
-            attend_range(qf, k_cache, v_cache, kv_dtype, table, w0, L, block_size, token_stride, h, group, D, m2, s2, a2, sc);
-            count += L - w0;
-            if (touched) touched[item] = count;
-            /* 5. gated sum; an empty branch (no key) contributes 0 */
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t head = h * group + g;
+            sparse_attend(qf, k_cache, v_cache, kv_dtype, table, &w0, &L, 1, block_size, token_stride, h0, nh, group, D, sc, a2, m2, s2);
+            if (touched)
+                for (int64_t hh = 0; hh < nh; hh++) touched[r * num_kv_heads + h0 + hh] = nc + sel_count[hh] + L - w0;
+            /* 6. gated sum; an empty branch (no key) contributes 0 */
+            for (int64_t j = 0; j < nr; j++) {
+                const int64_t head = h0 * group + j;
                 const float *gt = gates + rows[r] * gate_row_stride + head * 3;
                 const float w_c = nc > 0 ? gt[0] : 0.f;
-                const float w_s = s1[g] > 0.f ? gt[1] / s1[g] : 0.f, w_w = s2[g] > 0.f ? gt[2] / s2[g] : 0.f;
+                const float w_s = s1[j] > 0.f ? gt[1] / s1[j] : 0.f, w_w = s2[j] > 0.f ? gt[2] / s2[j] : 0.f;
                 const int64_t ooff = rows[r] * out_row_stride + head * D;
                 for (int64_t i = 0; i < D; i++) {
-                    const float o = w_c * acc[g * D + i] + w_s * a1[g * D + i] + w_w * a2[g * D + i];
+                    const float o = w_c * a0[j * D + i] + w_s * a1[j * D + i] + w_w * a2[j * D + i];
                     if (out_dtype == DT_BF16) ((uint16_t *)out)[ooff + i] = f32_to_bf16(o);
                     else ((float *)out)[ooff + i] = o;
                 }
             }
         }
-        free(qf); free(acc); free(pc); free(bsc); free(taken); free(pick); free(m); free(sc);
+        free(qf); free(acc); free(pc); free(bsc); free(taken); free(pick); free(m); free(sc); free(sel_count);
     }
     return failed ? -1 : 0;
 }

@@ -5,25 +5,108 @@
 #define CUTTLE_SPARSE_ATTEND_H
 #include <stdint.h>
 
-/* `group` query rows qf [group][D] (fp32, already multiplied by the softmax scale) against the keys
- * of the ranges [t0[i], t1[i]) of one sequence (block table `table`, KV head h of a
- * [blocks, block_size, kv_heads, D] cache; kv_dtype DT_F32 or DT_BF16). Two passes over the keys:
- * scores, then exp(score - max) and p.V. Writes, per query row g: m[g] = the max score, s[g] = the
- * sum of exp(score - m[g]) and acc[g][D] = sum exp(score - m[g]) v (not normalised; an empty key
- * set gives m = -inf, s = 0, acc = 0). sc: scratch of group * (number of keys) floats. */
+#include "dtypes.h"
+
+/* heads * group query rows qf [heads * group][D] (fp32, already multiplied by the softmax scale;
+ * row r belongs to KV head h + r / group) against the keys of the ranges [t0[i], t1[i]) of one
+ * sequence (block table `table`, KV heads h .. h + heads - 1 of a [blocks, block_size, kv_heads, D]
+ * cache; kv_dtype DT_F32 or DT_BF16). Several consecutive heads read one contiguous run of each key
+ * row, which streams where one head alone reads a short piece every token_stride elements. Two
+ * passes over the keys: scores, then exp(score - max) and p.V. Writes, per query row r: m[r] = the
+ * max score, s[r] = the sum of exp(score - m[r]) and acc[r][D] = sum exp(score - m[r]) v (not
+ * normalised; an empty key set gives m = -inf, s = 0, acc = 0). sc: scratch of heads * group *
+ * (number of keys) floats. */
 void sparse_attend(const float *qf, const void *k_cache, const void *v_cache, int kv_dtype, const int32_t *table,
                    const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t block_size, int64_t token_stride,
-                   int64_t h, int64_t group, int64_t D, float *sc, float *acc, float *m, float *s);
+                   int64_t h, int64_t heads, int64_t group, int64_t D, float *sc, float *acc, float *m, float *s);
 
-/* The same loops' pieces for a kernel's other branches (vectorised like sparse_attend):
- * q . k over D of fp32 q and a cached row (fp32 or bf16) at element offset off; acc += p * v;
- * x[0..n) = exp(x - mx) in place, returning their sum. */
-float sparse_dot(const float *q, const void *k, int kv_dtype, int64_t off, int64_t D);
-void sparse_axpy(float *acc, float p, const void *v, int kv_dtype, int64_t off, int64_t D);
+/* x[0..n) = exp(x - mx) in place, returning their sum (vectorised like sparse_attend). */
 float sparse_exp_sum(float *x, int64_t n, float mx);
 
 /* Tests turn the vector (AVX2) path off to compare it with the scalar loops on the same inputs;
  * fast_available says whether this build has the vector path (0 on a CPU without AVX2 + FMA). */
 void sparse_attend_set_fast_path(int enabled);
 int sparse_attend_fast_available(void);
+extern int sparse_fast_enabled;
+
+/* The loops' pieces, inline for the kernels' other branches: q . k over D of fp32 q and a cached
+ * row (fp32 or bf16) at element offset off (sparse_dot); acc += p * v (sparse_axpy). */
+static inline float dot_scalar(const float *q, const void *k, int kv_dtype, int64_t off, int64_t n) {
+    float acc = 0.f;
+    if (kv_dtype == DT_BF16) {
+        const uint16_t *kk = (const uint16_t *)k + off;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; i++) acc += q[i] * bf16_to_f32(kk[i]);
+    } else {
+        const float *kk = (const float *)k + off;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; i++) acc += q[i] * kk[i];
+    }
+    return acc;
+}
+
+static inline void axpy_scalar(float *acc, float p, const void *v, int kv_dtype, int64_t off, int64_t n) {
+    if (kv_dtype == DT_BF16) {
+        const uint16_t *vv = (const uint16_t *)v + off;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) acc[i] += p * bf16_to_f32(vv[i]);
+    } else {
+        const float *vv = (const float *)v + off;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) acc[i] += p * vv[i];
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+
+/* 8 fp32 lanes of a cached row; a bf16 is the top half of an fp32: zero-extend and shift */
+static inline __m256 load8(const void *base, int kv_dtype, int64_t off) {
+    if (kv_dtype == DT_BF16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + off);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline float dot_avx2(const float *q, const void *k, int kv_dtype, int64_t off, int64_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k, kv_dtype, off + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k, kv_dtype, off + i + 8), a1);
+    }
+    for (; i < n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k, kv_dtype, off + i), a0);
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+#else
+#define HAVE_AVX2 0
+#endif
+
+static inline float sparse_dot(const float *q, const void *k, int kv_dtype, int64_t off, int64_t D) {
+#if HAVE_AVX2
+    if (sparse_fast_enabled && D % 8 == 0) return dot_avx2(q, k, kv_dtype, off, D);
+#endif
+    return dot_scalar(q, k, kv_dtype, off, D);
+}
+
+static inline void sparse_axpy(float *acc, float p, const void *v, int kv_dtype, int64_t off, int64_t D) {
+#if HAVE_AVX2
+    if (sparse_fast_enabled && D % 8 == 0) {
+        const __m256 p8 = _mm256_set1_ps(p);
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p8, load8(v, kv_dtype, off + d), _mm256_loadu_ps(acc + d)));
+        return;
+    }
+#endif
+    axpy_scalar(acc, p, v, kv_dtype, off, D);
+}
 #endif

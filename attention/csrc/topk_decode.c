@@ -122,7 +122,7 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                 pick[p] = a; /* the ranges' starts, in place */
                 count += t1[p] - a;
             }
-            sparse_attend(qf, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride, h, group, D, sc, acc, m, s);
+            sparse_attend(qf, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride, h, 1, group, D, sc, acc, m, s);
             if (touched) touched[item] = count;
             for (int64_t g = 0; g < group; g++) {
                 const int64_t head = h * group + g;

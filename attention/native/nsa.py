@@ -25,7 +25,7 @@ _ARGTYPES = [
     _vp, _vp, _i64, _vp, _i64,  # rows, tables, table stride, lens, num rows
     _i64, _i64, _i64, _i64, _i64,  # kv heads, group, head_dim, block_size, compressed slots per block
     _i64, _i64, _i64, _i64, _i64, _i64, _i64,  # l, d, l', top_n, init, local, window
-    _i64, _float, _vp, _vp,  # max_len, scale, selected, touched
+    _i64, _float, _i64, _vp, _vp,  # max_len, scale, head chunks, selected, touched
 ]
 _declared: ctypes.CDLL | None = None
 
@@ -81,12 +81,16 @@ def nsa_decode(
         assert selected.dtype == torch.int32 and selected.is_contiguous() and selected.shape == (n, hkv, cfg.top_n)
     if touched is not None:
         assert touched.dtype == torch.int64 and touched.is_contiguous() and touched.shape == (n, hkv)
+    # Few rows: split each one's KV heads so every thread has work; many: all heads per item, so
+    # each compressed entry and window key is read as one contiguous run (nsa_decode.c)
+    threads = torch.get_num_threads()
+    head_chunks = min(hkv, max(1, -(-2 * threads // max(n, 1))))
     rc = _fn(lib)(
         q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ck_cache.data_ptr(),
         cv_cache.data_ptr(), DTYPE_CODE[k_cache.dtype], g.data_ptr(), g.stride(0), out.data_ptr(),
         DTYPE_CODE[out.dtype], out.stride(0), rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
         hkv, q.shape[1] // hkv, dim, block_size, ck_cache.shape[1], cfg.compress_block, cfg.compress_stride,
-        cfg.select_block, cfg.top_n, cfg.init_blocks, cfg.local_blocks, cfg.window, int(lens.max()), scale,
+        cfg.select_block, cfg.top_n, cfg.init_blocks, cfg.local_blocks, cfg.window, int(lens.max()), scale, head_chunks,
         selected.data_ptr() if selected is not None else None, touched.data_ptr() if touched is not None else None,
     )
     if rc != 0:

@@ -125,11 +125,19 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 def test_native_decode_equals_reference():
     import pytest
 
-    for case in CASES:
-        for dtype in (torch.float32, torch.bfloat16):
-            err = run_kernel(case, "torch", dtype)
-            if not err <= TOL[dtype]:
-                pytest.fail(f"{case.name} {dtype}: max error {err}")
+    from cuttle.attention.native import topk as native_topk
+
+    # the AVX2 path (where the CPU has it) and the scalar loops (csrc/sparse_attend.c)
+    for fast in (True, False):
+        native_topk.set_fast_path(fast)
+        try:
+            for case in CASES:
+                for dtype in (torch.float32, torch.bfloat16):
+                    err = run_kernel(case, "torch", dtype)
+                    if not err <= TOL[dtype]:
+                        pytest.fail(f"{case.name} {dtype} fast={fast}: max error {err}")
+        finally:
+            native_topk.set_fast_path(True)
 
 
 def test_native_selection_equals_reference():

@@ -101,7 +101,7 @@ def test_forced_blocks_causality_and_group_sharing(summary):
 def test_quest_bound_is_an_upper_bound_of_every_key_score():
     q, k, _ = _seq(256, seed=2)
     k[16:32] = k[16]  # a block of one repeated key: there the bound is exact
-    cfg = TopKConfig(budget=64, block=16)
+    cfg = TopKConfig(budget=64, block=16, summary="quest")
     bound = block_scores(q, summarize_sequence(k, cfg), cfg, 1.0)  # [M, H, 16]
     exact = torch.einsum("mhd,lhd->mhl", q, k.repeat_interleave(2, 1)).reshape(256, 4, 16, 16).amax(-1)
     assert bool((bound >= exact - 1e-4).all())
@@ -122,9 +122,9 @@ class Case:
     dim: int = 16
 
 
-Q16 = TopKConfig(budget=64, block=16, init_blocks=1, local_blocks=2)
+Q16 = TopKConfig(budget=64, block=16, init_blocks=1, local_blocks=2, summary="quest")
 M8 = TopKConfig(budget=32, block=8, init_blocks=1, local_blocks=1, summary="mean")
-Q32 = TopKConfig(budget=128, block=32, init_blocks=0, local_blocks=1)
+Q32 = TopKConfig(budget=128, block=32, init_blocks=0, local_blocks=1, summary="quest")
 CASES = [
     Case("gqa2-quest-B16", 4, 2, Q16, 16, (3, 17, 64, 65, 130, 333), (1,) * 6),
     Case("mha-mean-B16>P", 4, 4, M8, 16, (7, 33, 100, 257), (1,) * 4),  # 2 summaries per raw block
@@ -224,7 +224,7 @@ def test_native_selection_and_counter():
 def test_decode_reads_only_the_chosen_blocks():
     """A 64k context, Qwen3-like block of 64 and budget 2048: 2048 keys read (the own block full),
     and poisoning every other key leaves the output bit-identical."""
-    cfg = TopKConfig(budget=2048, block=64)
+    cfg = TopKConfig(budget=2048, block=64, summary="quest")
     context, bs, hkv, dim = 65536, 64, 2, 16
     g = torch.Generator().manual_seed(3)
     nb = context // bs
