@@ -2,7 +2,7 @@
 `sparse_attention="topk:..."` (rules and reference: `topk.py`).
 
 Owns the per-step plan (which block summaries this step completes, each sequence's key slots and
-summary slots, which rows the native decode kernel takes) and `forward`: for a sparse layer it
+summary slots, the rows the native kernel takes) and `forward`: for a sparse layer it
 writes the raw K/V, stores the summaries of the blocks this step completes, and attends each query
 row to the blocks its selection picks. The first `dense_layers` layers (and every layer without a
 summary cache) go to the wrapped dense backend untouched. Never allocates cache memory (the runner
@@ -37,7 +37,7 @@ class TopKStepPlan:
     __slots__ = ("meta", "new_src", "new_dst", "seqs", "native_rows", "native_tables", "native_lens", "native_seqs",
                  "torch_seqs")
 
-    def __init__(self, meta: AttentionMetadata, cfg: TopKConfig, slots_per_block: int, native_decode: bool) -> None:
+    def __init__(self, meta: AttentionMetadata, cfg: TopKConfig, slots_per_block: int, native_rows: bool) -> None:
         if meta.segments is not None:
             raise NotImplementedError("sparse_attention does not take segmented steps (squid documents or other shared segments) yet")
         self.meta = meta
@@ -61,16 +61,26 @@ class TopKStepPlan:
             self.seqs.append((starts[b], qlen, num_keys, table))
         self.new_src = torch.cat(src) if src else None
         self.new_dst = torch.cat(dst) if dst else None
-        decode = [b for b, s in enumerate(self.seqs) if s[1] == 1] if native_decode else []
-        self.native_seqs = decode
-        taken = set(decode)
+        # the native kernel takes every query row on CPU, each with its own key count (row j of a
+        # chunk sees ctx + j + 1 keys): its rule is per position, so prefill rows are decode rows
+        native = list(range(len(self.seqs))) if native_rows else []
+        self.native_seqs = native
+        taken = set(native)
         self.torch_seqs = [b for b in range(len(self.seqs)) if b not in taken]
         self.native_rows = self.native_tables = self.native_lens = None
-        if decode:
-            self.native_rows = torch.tensor([self.seqs[b][0] for b in decode], dtype=torch.int64)
-            nblocks = -(-max(self.seqs[b][2] for b in decode) // bs)
-            self.native_tables = meta.block_tables[torch.tensor(decode), :nblocks].to(torch.int32).contiguous()
-            self.native_lens = torch.tensor([self.seqs[b][2] for b in decode], dtype=torch.int32)
+        if native:
+            rows: list[int] = []
+            seq_of_row: list[int] = []
+            lens: list[int] = []
+            for b in native:
+                start, qlen, num_keys, _ = self.seqs[b]
+                rows.extend(range(start, start + qlen))
+                seq_of_row.extend([b] * qlen)
+                lens.extend(range(num_keys - qlen + 1, num_keys + 1))
+            nblocks = -(-max(lens) // bs)
+            self.native_rows = torch.tensor(rows, dtype=torch.int64)
+            self.native_tables = meta.block_tables[torch.tensor(seq_of_row), :nblocks].to(torch.int32).contiguous()
+            self.native_lens = torch.tensor(lens, dtype=torch.int32)
 
 
 def _summary_slot(table: torch.Tensor, j: torch.Tensor, P: int, bs: int, slots_per_block: int) -> torch.Tensor:
@@ -81,7 +91,8 @@ def _summary_slot(table: torch.Tensor, j: torch.Tensor, P: int, bs: int, slots_p
 class TopKBackend:
     """Sparse layers' attention over the paged raw cache and its block summaries; dense layers
     pass through. `summaries[layer]` is that layer's summary cache, None for a dense layer.
-    native=False keeps decode rows on the torch reference (the oracle the kernel is tested against)."""
+    On CPU every query row (decode and prefill alike) takes the native kernel when it builds;
+    native=False keeps them on the torch reference (the oracle the kernel is tested against)."""
 
     def __init__(self, cfg: TopKConfig, dense: AttentionBackend, block_size: int,
                  summaries: list[torch.Tensor | None], native: bool = True) -> None:

@@ -1,5 +1,6 @@
 """Training-free top-k decode on CPU: the Python binding of `csrc/topk_decode.c`
-(`topk_decode_rows`), called by the top-k backend for decode rows; tested against the torch
+(`topk_decode_rows`), called by the top-k backend for every query row on CPU (a prefill row is a
+query token with its own key count, like a decode row); tested against the torch
 reference (`cuttle.attention.topk`).
 
 One call attends one query token per row against its sequence's paged K/V, choosing the row's
