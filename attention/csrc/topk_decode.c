@@ -1,8 +1,11 @@
 /* Training-free top-k decode on the CPU: one query token per row against its sequence's paged
  * K/V and the per-block key summaries, reading only the summaries and the chosen blocks' keys.
  *
- * A work item is (row, KV head): the GROUP query heads sharing that KV head choose one set of
- * blocks together. Per item (L keys, blocks of P keys, n = nsel blocks attended):
+ * A work item is (row, range of KV heads); the GROUP query heads sharing a KV head choose one set
+ * of blocks together. The summaries (and, for a row within the budget, the keys) are read for all
+ * the item's heads at once, one contiguous run each (nsa_decode.c says why); the binding splits a
+ * row's heads over items only when rows are fewer than twice the threads.
+ * Per row and KV head (L keys, blocks of P keys, n = nsel blocks attended):
  *   1. if the query's block index t / P < n, every block is attended (dense);
  *   2. else each complete block j < L / P is scored per query head from its summary (Quest: the
  *      bound sum_i max(q_i m_i, q_i M_i); mean: q . mean), softmax over those blocks per head,
@@ -12,7 +15,7 @@
  *      best-scored complete blocks (ties to the lower) up to n;
  *   4. one softmax over the chosen blocks' keys (sparse_attend.c), o and the log-sum-exp written.
  * The rules are those of cuttle/attention/topk.py (the reference this kernel is tested against);
- * all math is fp32. `touched` (optional) receives per item the K/V tokens read, `selected`
+ * all math is fp32. `touched` (optional) receives per (row, KV head) the K/V tokens read, `selected`
  * (optional) the chosen blocks in rank order (forced ascending, then by score), -1 padded.
  * Python binding: cuttle/attention/native/topk.py.
  */
@@ -29,114 +32,135 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                      int64_t lse_row_stride, const int64_t *rows, const int32_t *tables, int64_t table_stride,
                      const int32_t *lens, int64_t num_rows, int64_t num_kv_heads, int64_t group, int64_t D,
                      int64_t block_size, int64_t sslots, int64_t summary_rows, int64_t P, int64_t nsel,
-                     int64_t init_blocks, int64_t local_blocks, int64_t max_len, float scale, int32_t *selected,
-                     int64_t *touched) {
+                     int64_t init_blocks, int64_t local_blocks, int64_t max_len, float scale, int64_t head_chunks,
+                     int32_t *selected, int64_t *touched) {
     int failed = 0;
     const int64_t token_stride = num_kv_heads * D;
     const int64_t max_blocks = (max_len + P - 1) / P + 1;
     const int64_t max_keys = (nsel < max_blocks ? nsel : max_blocks) * P;
+    const int64_t heads_per_item = (num_kv_heads + head_chunks - 1) / head_chunks;
+    const int64_t R = heads_per_item * group; /* query rows of an item */
 #pragma omp parallel
     {
-        float *qf = (float *)malloc(sizeof(float) * (size_t)(group * D));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(group * D));
-        float *ps = (float *)malloc(sizeof(float) * (size_t)(group * max_blocks));
+        float *qf = (float *)malloc(sizeof(float) * (size_t)(R * D));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(R * D));
+        float *ps = (float *)malloc(sizeof(float) * (size_t)(R * max_blocks));
         float *bsc = (float *)malloc(sizeof(float) * (size_t)max_blocks);
         char *taken = (char *)malloc((size_t)max_blocks);
         int64_t *pick = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * max_blocks));
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(group * max_keys));
-        float *m = (float *)malloc(sizeof(float) * (size_t)(2 * group)), *s = m + group;
-        if (!qf || !acc || !ps || !bsc || !taken || !pick || !sc || !m) {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(R * max_keys));
+        float *m = (float *)malloc(sizeof(float) * (size_t)(2 * R)), *s = m + R;
+        int64_t *count = (int64_t *)malloc(sizeof(int64_t) * (size_t)heads_per_item);
+        if (!qf || !acc || !ps || !bsc || !taken || !pick || !sc || !m || !count) {
 #pragma omp atomic write
             failed = 1;
         }
         int64_t *t1 = pick + max_blocks;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
+        for (int64_t item = 0; item < num_rows * head_chunks; item++) {
             if (failed) continue;
-            const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+            const int64_t r = item / head_chunks, h0 = (item % head_chunks) * heads_per_item;
+            const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;
+            if (h0 >= h1) continue;
+            const int64_t nh = h1 - h0, nr = nh * group;
             const int64_t L = lens[r], t = L - 1;
             const int32_t *table = tables + r * table_stride;
-            const int64_t qoff = rows[r] * q_row_stride + h * group * D;
-            for (int64_t i = 0; i < group * D; i++)
+            const int64_t qoff = rows[r] * q_row_stride + h0 * group * D;
+            for (int64_t i = 0; i < nr * D; i++)
                 qf[i] = (q_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)q)[qoff + i]) : ((const float *)q)[qoff + i]) * scale;
             const int64_t cur = t / P, nb = cur + 1, nfull = L / P;
-            int64_t npick = 0;
             if (nb <= nsel) {
-                for (int64_t j = 0; j < nb; j++) pick[npick++] = j;
+                /* 1. every block: plain causal attention, all the item's heads reading each key row
+                 * as one contiguous run */
+                const int64_t zero = 0;
+                sparse_attend(qf, k_cache, v_cache, kv_dtype, table, &zero, &L, 1, block_size, token_stride, h0, nh, group, D, sc, acc, m, s);
+                for (int64_t hh = 0; hh < nh; hh++) {
+                    count[hh] = L;
+                    if (selected)
+                        for (int64_t p = 0; p < nsel; p++) selected[(r * num_kv_heads + h0 + hh) * nsel + p] = p < nb ? (int32_t)p : -1;
+                }
             } else {
-                /* 2. block scores: per head softmax over the complete blocks, summed over the group */
+                /* 2. block scores for all the item's heads (one contiguous run of each summary),
+                 * per query head a softmax over the complete blocks */
                 for (int64_t j = 0; j < nfull; j++) {
                     const int64_t e = j * P + P - 1;
-                    const int64_t base = (((int64_t)table[e / block_size] * sslots + (e % block_size) / P) * summary_rows) * token_stride + h * D;
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *qg = qf + g * D;
+                    const int64_t base = (((int64_t)table[e / block_size] * sslots + (e % block_size) / P) * summary_rows) * token_stride + h0 * D;
+                    for (int64_t i = 0; i < nr; i++) {
+                        const float *qg = qf + i * D;
+                        const int64_t off = base + (i / group) * D;
                         float x;
-                        if (summary_rows == 2) { /* q+ . max + q- . min */
+                        if (summary_rows == 2) { /* sum_d max(q m, q M) */
                             x = 0.f;
                             if (kv_dtype == DT_BF16) {
-                                const uint16_t *mn = (const uint16_t *)summ + base, *mx = mn + token_stride;
-                                for (int64_t i = 0; i < D; i++) {
-                                    const float a = qg[i] * bf16_to_f32(mn[i]), b = qg[i] * bf16_to_f32(mx[i]);
+                                const uint16_t *mn = (const uint16_t *)summ + off, *mx = mn + token_stride;
+                                for (int64_t d = 0; d < D; d++) {
+                                    const float a = qg[d] * bf16_to_f32(mn[d]), b = qg[d] * bf16_to_f32(mx[d]);
                                     x += a > b ? a : b;
                                 }
                             } else {
-                                const float *mn = (const float *)summ + base, *mx = mn + token_stride;
-                                for (int64_t i = 0; i < D; i++) {
-                                    const float a = qg[i] * mn[i], b = qg[i] * mx[i];
+                                const float *mn = (const float *)summ + off, *mx = mn + token_stride;
+                                for (int64_t d = 0; d < D; d++) {
+                                    const float a = qg[d] * mn[d], b = qg[d] * mx[d];
                                     x += a > b ? a : b;
                                 }
                             }
                         } else {
-                            x = sparse_dot(qg, summ, kv_dtype, base, D);
+                            x = sparse_dot(qg, summ, kv_dtype, off, D);
                         }
-                        ps[g * max_blocks + j] = x;
+                        ps[i * max_blocks + j] = x;
                     }
                 }
-                for (int64_t j = 0; j < nb; j++) { bsc[j] = 0.f; taken[j] = 0; }
-                for (int64_t g = 0; g < group; g++) {
-                    float *row = ps + g * max_blocks, mx = -INFINITY, sum = 0.f;
+                for (int64_t i = 0; i < nr; i++) {
+                    float *row = ps + i * max_blocks, mx = -INFINITY;
                     for (int64_t j = 0; j < nfull; j++) mx = row[j] > mx ? row[j] : mx;
-                    for (int64_t j = 0; j < nfull; j++) { row[j] = expf(row[j] - mx); sum += row[j]; }
-                    const float inv = 1.f / sum;
-                    for (int64_t j = 0; j < nfull; j++) bsc[j] += row[j] * inv;
+                    const float inv = 1.f / sparse_exp_sum(row, nfull, mx);
+                    for (int64_t j = 0; j < nfull; j++) row[j] *= inv;
                 }
-                /* 3. forced blocks (ascending), then the best complete others, ties to the lower */
-                for (int64_t j = 0; j < nb && npick < nsel; j++)
-                    if (j < init_blocks || j > cur - local_blocks) { taken[j] = 1; pick[npick++] = j; }
-                while (npick < nsel) {
-                    int64_t best = -1;
-                    for (int64_t j = 0; j < nfull; j++)
-                        if (!taken[j] && (best < 0 || bsc[j] > bsc[best])) best = j;
-                    if (best < 0) break;
-                    taken[best] = 1;
-                    pick[npick++] = best;
+                /* 3-4 per KV head: group sum, forced blocks (ascending), then the best complete
+                 * others (ties to the lower) up to n; one softmax over the chosen keys */
+                for (int64_t hh = 0; hh < nh; hh++) {
+                    for (int64_t j = 0; j < nb; j++) { bsc[j] = 0.f; taken[j] = 0; }
+                    for (int64_t g = 0; g < group; g++)
+                        for (int64_t j = 0; j < nfull; j++) bsc[j] += ps[(hh * group + g) * max_blocks + j];
+                    int64_t npick = 0;
+                    for (int64_t j = 0; j < nb && npick < nsel; j++)
+                        if (j < init_blocks || j > cur - local_blocks) { taken[j] = 1; pick[npick++] = j; }
+                    while (npick < nsel) {
+                        int64_t best = -1;
+                        for (int64_t j = 0; j < nfull; j++)
+                            if (!taken[j] && (best < 0 || bsc[j] > bsc[best])) best = j;
+                        if (best < 0) break;
+                        taken[best] = 1;
+                        pick[npick++] = best;
+                    }
+                    if (selected)
+                        for (int64_t p = 0; p < nsel; p++) selected[(r * num_kv_heads + h0 + hh) * nsel + p] = p < npick ? (int32_t)pick[p] : -1;
+                    count[hh] = 0;
+                    for (int64_t p = 0; p < npick; p++) {
+                        const int64_t a = pick[p] * P;
+                        t1[p] = a + P < L ? a + P : L;
+                        pick[p] = a; /* the ranges' starts, in place */
+                        count[hh] += t1[p] - a;
+                    }
+                    sparse_attend(qf + hh * group * D, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
+                                  h0 + hh, 1, group, D, sc, acc + hh * group * D, m + hh * group, s + hh * group);
                 }
             }
-            if (selected)
-                for (int64_t p = 0; p < nsel; p++) selected[item * nsel + p] = p < npick ? (int32_t)pick[p] : -1;
-            /* 4. one softmax over the chosen keys (the query's own block only up to the query) */
-            int64_t count = 0;
-            for (int64_t p = 0; p < npick; p++) {
-                const int64_t a = pick[p] * P;
-                t1[p] = a + P < L ? a + P : L;
-                pick[p] = a; /* the ranges' starts, in place */
-                count += t1[p] - a;
-            }
-            sparse_attend(qf, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride, h, 1, group, D, sc, acc, m, s);
-            if (touched) touched[item] = count;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t head = h * group + g;
+            if (touched)
+                for (int64_t hh = 0; hh < nh; hh++) touched[r * num_kv_heads + h0 + hh] = count[hh];
+            for (int64_t i = 0; i < nr; i++) {
+                const int64_t head = h0 * group + i;
                 const int64_t ooff = rows[r] * out_row_stride + head * D;
-                const float inv = 1.f / s[g];
-                for (int64_t i = 0; i < D; i++) {
-                    const float o = acc[g * D + i] * inv;
-                    if (out_dtype == DT_BF16) ((uint16_t *)out)[ooff + i] = f32_to_bf16(o);
-                    else ((float *)out)[ooff + i] = o;
+                const float inv = 1.f / s[i];
+                for (int64_t d = 0; d < D; d++) {
+                    const float o = acc[i * D + d] * inv;
+                    if (out_dtype == DT_BF16) ((uint16_t *)out)[ooff + d] = f32_to_bf16(o);
+                    else ((float *)out)[ooff + d] = o;
                 }
-                if (lse) lse[rows[r] * lse_row_stride + head] = m[g] + logf(s[g]);
+                if (lse) lse[rows[r] * lse_row_stride + head] = m[i] + logf(s[i]);
             }
         }
-        free(qf); free(acc); free(ps); free(bsc); free(taken); free(pick); free(sc); free(m);
+        free(qf); free(acc); free(ps); free(bsc); free(taken); free(pick); free(sc); free(m); free(count);
     }
     return failed ? -1 : 0;
 }

@@ -28,7 +28,7 @@ _ARGTYPES = [
     _vp, _vp, _i64, _vp, _i64,  # rows, tables, table stride, lens, num rows
     _i64, _i64, _i64, _i64, _i64, _i64,  # kv heads, group, head_dim, block_size, summary slots per block, summary rows
     _i64, _i64, _i64, _i64,  # P, blocks attended, init, local
-    _i64, _float, _vp, _vp,  # max_len, scale, selected, touched
+    _i64, _float, _i64, _vp, _vp,  # max_len, scale, head chunks, selected, touched
 ]
 _declared: ctypes.CDLL | None = None
 
@@ -97,13 +97,17 @@ def topk_decode(
         assert selected.dtype == torch.int32 and selected.is_contiguous() and selected.shape == (n, hkv, cfg.num_blocks)
     if touched is not None:
         assert touched.dtype == torch.int64 and touched.is_contiguous() and touched.shape == (n, hkv)
+    # Few rows: split each one's KV heads so every thread has work; many: all heads per item, so
+    # each summary (and key, within the budget) is read as one contiguous run (topk_decode.c)
+    threads = torch.get_num_threads()
+    head_chunks = min(hkv, max(1, -(-2 * threads // max(n, 1))))
     rc = _fn(lib)(
         q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), summ.data_ptr(),
         DTYPE_CODE[k_cache.dtype], out.data_ptr(), DTYPE_CODE[out.dtype], out.stride(0),
         lse.data_ptr() if lse is not None else None, lse.stride(0) if lse is not None else 0,
         rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
         hkv, q.shape[1] // hkv, dim, block_size, summ.shape[1], cfg.summary_rows, cfg.block, cfg.num_blocks,
-        cfg.init_blocks, cfg.local_blocks, int(lens.max()), scale,
+        cfg.init_blocks, cfg.local_blocks, int(lens.max()), scale, head_chunks,
         selected.data_ptr() if selected is not None else None, touched.data_ptr() if touched is not None else None,
     )
     if rc != 0:
