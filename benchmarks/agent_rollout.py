@@ -140,7 +140,7 @@ class StragglerFactory:
     the k-th environment made for a spec uid gets member k's delays (a group runs on one worker)."""
 
     def __init__(self) -> None:
-        self.made: dict[int, int] = {}
+        self.made: dict[str, int] = {}
         self.lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # shipped to Ray workers: each gets its own counters
@@ -183,7 +183,8 @@ def model_worker() -> Any:
 class SpecStream:
     """The same sequence of specs for every mode: spec k is task k % NUM_TASKS with delays from Random(k)."""
 
-    def __init__(self, group_size: int, calls: int, p: float, lo: float, hi: float, scale: float):
+    def __init__(self, tag: str, group_size: int, calls: int, p: float, lo: float, hi: float, scale: float):
+        self.tag = tag  # the factories outlive a mode: uids must not repeat across modes
         self.k, self.group_size, self.calls, self.p, self.lo, self.hi, self.scale = 0, group_size, calls, p, lo, hi, scale
 
     def take(self, n: int) -> list[dict[str, Any]]:
@@ -192,7 +193,7 @@ class SpecStream:
             rng = random.Random(self.k)
             delays = [[rng.uniform(self.lo, self.hi) * self.scale if rng.random() < self.p else 0.0
                        for _ in range(self.calls)] for _ in range(self.group_size)]
-            out.append({"kind": "synthetic", "seed": self.k % NUM_TASKS, "uid": self.k, "delays": delays})
+            out.append({"kind": "synthetic", "seed": self.k % NUM_TASKS, "uid": f"{self.tag}/{self.k}", "delays": delays})
             self.k += 1
         return out
 
@@ -211,7 +212,7 @@ def account(groups: list[AgentGroup]) -> dict[str, float]:
 
 def run_mode(system: str, policy: str, mode: str, args: argparse.Namespace, straggle: float,
              shared: dict[str, Any]) -> dict[str, Any]:
-    stream = SpecStream(args.group_size, 4, straggle, 5.0, 20.0, args.delay_scale)
+    stream = SpecStream(f"{policy}/{system}/{mode}/{straggle}", args.group_size, 3, straggle, 5.0, 20.0, args.delay_scale)
     g = args.groups
     started = g if mode == "sync" else g + args.extra
     partial = mode == "partial"
