@@ -14,7 +14,8 @@ through handles, released with the sequence. Owns no KV memory.
 
 With KV tiers attached (`attach_tiers`, engine/kv/tiers.py) allocation continues a prefix lookup
 that stops in the device pool into the host and disk tiers and queues a load; such a sequence is
-*loading* until `poll_tiers` reports it done. Without tiers none of that code runs.
+*loading* until `poll_tiers` reports it done; a squid document job whose document is found below
+is filled the same way instead of being computed. Without tiers none of that code runs.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class BlockManager:
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         self.tiers = tiers
+        tiers.device_docs = self.document_index
 
     @property
     def blocks(self) -> list[Block]:
@@ -92,7 +94,10 @@ class BlockManager:
         self.num_cached_tokens_hit += seq.num_cached_tokens
         tiers = self.tiers
         if tiers is not None:
-            if self.enable_prefix_caching and use_cache:
+            job = seq.request.job
+            if job is not None:  # a document job: its document may be below, whole
+                tiers.plan_document_load(seq, job.key, tuple(job.tokens))
+            elif self.enable_prefix_caching and use_cache:
                 parent = self.pool.blocks[hits[-1]].hash if hits else NO_HASH
                 tiers.plan_load(seq, len(hits), parent, seq.request.prefix_cache_key)
             else:
@@ -115,6 +120,9 @@ class BlockManager:
         self.tiers.wait(seq)
 
     def _loaded(self, seq: Sequence) -> None:
+        if seq.request.job is not None:  # a document: its blocks go into the document index
+            seq.num_cached_tokens = seq.num_computed_tokens
+            return
         gained = seq.num_computed_tokens - seq.num_cached_tokens
         seq.num_cached_tokens = seq.num_computed_tokens
         self.num_cached_tokens_hit += gained
@@ -123,7 +131,9 @@ class BlockManager:
     def swap_out(self, seq: Sequence) -> None:
         """Before preempting `seq`: its partial block may go to a host swap slot (the full ones
         are hashed and stay cached). Needs the prefix cache: the chain is how it comes back."""
-        if self.tiers is not None and self.enable_prefix_caching and seq.request.prompt_logprobs is None:
+        # a document job's blocks are never in the prefix chain, so a swap slot could not come back
+        if (self.tiers is not None and self.enable_prefix_caching and seq.request.prompt_logprobs is None
+                and seq.request.job is None):
             self.tiers.swap_out(seq)
 
     def release(self, seq: Sequence) -> None:

@@ -214,9 +214,7 @@ class LLMEngine:
             if seq.request.job is None:
                 self.block_manager.hash_computed_blocks(seq)
             elif seq.num_computed_tokens == len(seq.token_ids):  # a document is computed: cache it
-                ready = self.squid.complete(seq)
-                self.scheduler.finish(seq)
-                self.scheduler.requeue(ready)
+                self.scheduler.complete_job(seq)
 
         row = 0
         for seq, first, count in inputs.prompt_rows:

@@ -8,7 +8,9 @@ its blocks are freed and it returns to the front of the queue to be recomputed l
 and its sampling state are kept, so the results do not change). With KV tiers, a preempted
 sequence may first keep its partial block in a host swap slot, and an admitted sequence whose
 prefix hits lie in a lower tier is *loading*: it holds its blocks and seats but is not scheduled
-until its copy is done, while the others keep stepping. Owns the queues, not the blocks.
+until its copy is done, while the others keep stepping; a squid document job found in a lower
+tier is loading the same way and completes when its copy is done, never computed. Owns the
+queues, not the blocks.
 """
 from __future__ import annotations
 
@@ -57,8 +59,12 @@ class Scheduler:
         if self.loading:
             done = set(bm.poll_tiers())
             if done:
-                self.running.extend(s for s in self.loading if s in done)
+                ended = [s for s in self.loading if s in done]
+                self.running.extend(ended)
                 self.loading = [s for s in self.loading if s not in done]
+                for seq in ended:
+                    if seq.request.job is not None and seq.num_uncomputed_tokens == 0:
+                        self.complete_job(seq)  # a document loaded whole: nothing to compute
         else:
             bm.poll_tiers()
         out = self._schedule()
@@ -100,6 +106,7 @@ class Scheduler:
         # max_num_seqs counts sequences, and a request with n samples becomes n sequences when its
         # prompt completes (they fork from it), so an unforked prompt holds n seats from admission.
         seats = sum(_seats(s) for s in self.running) + sum(_seats(s) for s in self.loading)
+        unpinned = False
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seats + _seats(seq) > self.max_num_seqs:
@@ -114,6 +121,11 @@ class Scheduler:
             # and a block lives in one index (a hit on a plain prompt's blocks made insert fail)
             use_cache = seq.request.prompt_logprobs is None and seq.request.job is None
             if not bm.can_allocate(seq, use_cache):
+                # nothing runs or loads, so no block will come free: the document pins of squid
+                # queries not yet running are all that is left to give back (once per schedule)
+                if not unpinned and not self.running and not self.loading and self._unpin_waiting():
+                    unpinned = True
+                    continue
                 break
             seats += _seats(seq)
             self.waiting.popleft()
@@ -127,6 +139,19 @@ class Scheduler:
             budget -= n
             self.running.append(seq)
         return out
+
+    def _unpin_waiting(self) -> bool:
+        """Release the document pins of parked queries and of waiting sequences that squid set up
+        but that got no blocks yet; they are resolved again at admission (their documents stay
+        cached in the free LRU unless the blocks are needed). True if anything was released."""
+        if self.squid is None:
+            return False
+        released = self.squid.unpin_parked()
+        for s in self.waiting:
+            if s.shared and not s.block_table:
+                self.block_manager.deallocate(s)
+                released = True
+        return released
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.swap_out(seq)
@@ -163,6 +188,14 @@ class Scheduler:
         self.block_manager.release(seq)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def complete_job(self, jseq: Sequence) -> None:
+        """A document job's KV is all there (computed or loaded): cache it, end the job, and
+        queue the queries that waited only for it."""
+        assert self.squid is not None
+        ready = self.squid.complete(jseq)
+        self.finish(jseq)
+        self.requeue(ready)
 
     def requeue(self, seqs: list[Sequence]) -> None:
         """Parked sequences whose documents are now cached go back to the front of the queue."""

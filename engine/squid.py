@@ -30,7 +30,10 @@ Mechanics (the one seam into the step): a request with documents becomes a query
 the scheduler admits only through `admit`, which pins every cached document (a `KVHandle` per
 segment) or parks the query and enqueues the missing documents as *document jobs*: prefill-only
 sequences whose KV goes into the document index when complete (`complete`). A document needed by
-several requests at once is computed by one job. A preempted query lets its pins go and is
+several requests at once is computed by one job. With KV tiers a job whose document was offloaded
+(host tier, disk) is a *load job*: its blocks are filled by a copy instead of a prefill (the
+block manager decides at allocation), the queries park on it the same way, and it completes
+when the copy is done. A preempted query lets its pins go and is
 resolved again when re-admitted.
 
 The dense equivalent (`SquidLayout.dense_context` / `dense_mask_and_positions`) is the one place
@@ -332,11 +335,19 @@ class Squid:
         job: DocumentJob = jseq.request.job
         doc = self.bm.document_index.insert(job.key, job.tokens, list(jseq.block_table), jseq.pos_base)
         del self.jobs[job.key]
-        self.counters["documents_computed"] += 1
-        self.counters["document_tokens_computed"] += len(job.tokens)
+        # a job filled from a lower KV tier (engine/kv/tiers.py) reused the document: nothing computed
+        loaded = jseq.num_cached_tokens == len(job.tokens)
+        if loaded:
+            self.counters["documents_hit"] += 1
+            self.counters["document_tokens_reused"] += len(job.tokens)
+        else:
+            self.counters["documents_computed"] += 1
+            self.counters["document_tokens_computed"] += len(job.tokens)
         ready = []
         for w in job.waiters:
             self.pins[w][job.key] = KVHandle(self.bm.pool, doc.blocks)
+            if loaded:
+                self.reused[w] = self.reused.get(w, 0) + len(job.tokens)
             if not any(w in j.waiters for j in self.jobs.values()):
                 ready.append(w)
         return ready
@@ -355,6 +366,20 @@ class Squid:
                     del self.jobs[key]
                     orphans.append(job.seq)
         return orphans
+
+    def unpin_parked(self) -> bool:
+        """Release every pin parked queries hold, keeping them parked (their documents stay cached
+        in the free LRU and are looked up again at admission). The scheduler's way out when the
+        queue's head cannot get blocks, nothing runs, and those pins hold the blocks it needs.
+        True if any pin was released."""
+        released = False
+        for seq, pins in self.pins.items():
+            for handle in pins.values():
+                handle.release()
+                released = True
+            pins.clear()
+            self.reused[seq] = 0
+        return released
 
     def is_parked(self, seq: Sequence) -> bool:
         return seq in self.pins

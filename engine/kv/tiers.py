@@ -19,6 +19,14 @@ plugs in at three seams:
   block evicted and reused as a load target is read before it is overwritten), and the
   scheduler holds the sequence until `poll` reports the job done. A disk entry that turns out
   short or corrupt ends the hit there: the sequence computes the rest.
+- **Documents** (squid): a cached document's blocks carry no chain hash but a document key
+  (tokens + prefix key + weight version + dtype). When the first of them is evicted the whole
+  entry goes down (its other blocks are free too: an entry is pinned whole or not at all) into a
+  host `DocumentIndex`, block for block, and each block is written through to disk under a key
+  derived from the document key and its index. A document job (engine/squid.py) that finds its
+  document below (`plan_document_load`) is filled by a load instead of a prefill: the job's
+  blocks are its targets, and it completes when the copy is done. Any bad disk block makes the
+  whole document a miss (a document is used whole or not at all): the job then computes it.
 - **Swap** (`swap_out`, at preemption): a sequence's full blocks are hashed and stay in the
   prefix cache, so under pressure they are offloaded like any prefix block and come back by the
   lookup above; what would be lost is the partial last block, which is copied to a host swap slot
@@ -36,9 +44,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import xxhash
 
 from cuttle.engine.kv.cost_model import CostModel
 from cuttle.engine.kv.disk_tier import DiskTier
+from cuttle.engine.kv.document_index import Document, DocumentIndex
 from cuttle.engine.kv.pool import NO_HASH, Block, BlockPool
 from cuttle.engine.kv.prefix_index import PrefixIndex, hash_block
 from cuttle.engine.kv.storage import KVStorage
@@ -66,8 +76,17 @@ class Load:
     host_ids: list[int]  # host hits (pinned by the load)
     disk: list[tuple[int, tuple[int, ...], int]]  # (key, tokens, host staging block) per disk hit
     swap: Swap | None
+    document: Document | None = None  # a document load: key, tokens, length, pos_base (no blocks)
     ticket: Ticket | None = None
     queued_at: float = field(default_factory=time.perf_counter)
+
+
+def document_block_key(doc_key: int, index: int) -> int:
+    """The disk key of block `index` of a document: the document key already carries everything
+    its KV depends on (tokens, prefix, weight version, dtype); the disk namespace adds the rest."""
+    h = xxhash.xxh3_64(b"cuttle-document-block")
+    h.update(doc_key.to_bytes(8, "little") + index.to_bytes(4, "little"))
+    return h.intdigest()
 
 
 class KVTiers:
@@ -85,6 +104,8 @@ class KVTiers:
         self.host_pool = BlockPool(host_blocks, pool_id=1)
         self.host_kv = KVStorage(L, host_blocks, bs, heads, dim, device_kv.tensor.dtype, torch.device("cpu"), pin_memory)
         self.host_index = PrefixIndex(self.host_pool, block_size)
+        self.host_docs = DocumentIndex(self.host_pool, block_size)
+        self.device_docs: DocumentIndex | None = None  # the block manager's, for offloading documents
         self.cost: CostModel | None = None  # measured by the engine once the pools exist
         device_pool.on_evict(self._offload, first=True)
         self._offloads: list[tuple[int, int]] = []  # (device, host) copies decided, not yet submitted
@@ -99,10 +120,14 @@ class KVTiers:
             "kv_offloaded_blocks": 0, "kv_bytes_device_to_host": 0, "kv_bytes_host_to_device": 0,
             "kv_bytes_host_to_disk": 0, "kv_bytes_disk_to_host": 0, "kv_transfer_blocked_s": 0.0,
             "kv_swap_outs": 0, "kv_swap_ins": 0, "kv_preempt_recompute": 0, "kv_offload_skipped_full": 0,
+            "kv_offloaded_documents": 0, "kv_host_document_hits": 0, "kv_disk_document_hits": 0,
         }
 
     # ---- offload (device eviction hook) ----------------------------------------------------
     def _offload(self, block: Block) -> None:
+        if block.document is not None:
+            self._offload_document(block.document)
+            return
         if block.hash == NO_HASH:
             return
         hit = self.host_index.find(block.hash, block.token_ids)
@@ -121,6 +146,40 @@ class KVTiers:
         if self.disk is not None and block.hash not in self.disk:
             self.host_pool.ref(hid)  # and the disk write's
             self._to_disk.append((block.hash, block.token_ids, hid, self.disk.reserve(block.hash)))
+
+    def _offload_document(self, key: int) -> None:
+        """The first block of a cached document is being evicted: copy the whole entry down (its
+        other blocks are free as well, and become plain free blocks once the device index forgets
+        the entry, so the copy job is fenced by `before_write` like any offload)."""
+        assert self.device_docs is not None
+        doc = self.device_docs.entries.get(key)
+        if doc is None:
+            return
+        hit = self.host_docs.lookup(key, doc.token_ids)
+        if hit is not None:  # already below: refresh its place in the host LRU, tail last
+            for hid in hit.blocks:
+                self.host_pool.ref(hid)
+            for hid in reversed(hit.blocks):
+                self.host_pool.unref(hid)
+            return
+        n = len(doc.blocks)
+        if self.host_pool.num_free < n:
+            self._reclaim()
+        if self.host_pool.num_free < n:
+            self.counters["kv_offload_skipped_full"] += 1
+            return
+        host = [self.host_pool.take() for _ in range(n)]  # each one's reference is the copy's
+        self.host_docs.insert(key, doc.token_ids, host, doc.pos_base)
+        self._offloads.extend(zip(doc.blocks, host))
+        self.counters["kv_offloaded_documents"] += 1
+        if self.disk is not None:
+            bs = self.block_size
+            for i, hid in enumerate(host):
+                dkey = document_block_key(key, i)
+                if dkey in self.disk:
+                    continue
+                self.host_pool.ref(hid)  # and the disk write's
+                self._to_disk.append((dkey, doc.token_ids[i * bs : (i + 1) * bs], hid, self.disk.reserve(dkey)))
 
     def flush(self) -> None:
         """Submit what this schedule decided, in the order that keeps every read before the
@@ -194,6 +253,42 @@ class KVTiers:
         for bid in dev_ids:
             self.device_pool.ref(bid)
         load = Load(seq, first, list(dev_ids), host_ids, disk, swap)
+        self._queued.append(load)
+        self.loads[seq] = load
+        return True
+
+    def plan_document_load(self, seq: Sequence, key: int, tokens: tuple[int, ...]) -> bool:
+        """`seq` is the job computing document `key` and was just given its device blocks; if the
+        document is in the host tier, or whole on disk, queue a load of it into those blocks
+        instead. True if a load was queued (the job completes when it is done)."""
+        self.drop_swap(seq)
+        doc = Document(key, tuple(tokens), [], len(tokens), seq.pos_base)
+        n = len(seq.block_table)
+        host_ids: list[int] = []
+        disk: list[tuple[int, tuple[int, ...], int]] = []
+        hit = self.host_docs.lookup(key, tokens)
+        if hit is not None:
+            host_ids = list(hit.blocks)
+            for hid in host_ids:
+                self.host_pool.ref(hid)
+        elif self.disk is not None:
+            keys = [document_block_key(key, i) for i in range(n)]
+            if not all(k in self.disk for k in keys):
+                return False
+            if self.host_pool.num_free < n:
+                self._reclaim()
+            if self.host_pool.num_free < n:  # a document larger than the free host tier: compute it
+                return False
+            bs = self.block_size
+            for i, k in enumerate(keys):
+                self.disk.touch(k)
+                disk.append((k, doc.token_ids[i * bs : (i + 1) * bs], self.host_pool.take()))
+        else:
+            return False
+        dev_ids = list(seq.block_table)
+        for bid in dev_ids:
+            self.device_pool.ref(bid)
+        load = Load(seq, 0, dev_ids, host_ids, disk, None, document=doc)
         self._queued.append(load)
         self.loads[seq] = load
         return True
@@ -275,6 +370,9 @@ class KVTiers:
             self.host_pool.unref(hid)
 
     def _finish_load(self, load: Load) -> None:
+        if load.document is not None:
+            self._finish_document_load(load)
+            return
         good = load.ticket.wait()
         seq, bs, bpb = load.seq, self.block_size, self.bytes_per_block
         for key, tokens, hid in load.disk[:good]:  # a disk hit read back is a host entry again
@@ -299,6 +397,30 @@ class KVTiers:
         self.counters["kv_disk_hit_blocks"] += good
         self.counters["kv_bytes_disk_to_host"] += good * bpb
         self.counters["kv_bytes_host_to_device"] += loaded * bpb
+
+    def _finish_document_load(self, load: Load) -> None:
+        """A document is whole or a miss: with every block loaded the job's KV is complete;
+        otherwise (a disk block short, corrupt or gone) it computes the document from scratch."""
+        good = load.ticket.wait()
+        doc, seq, bpb = load.document, load.seq, self.bytes_per_block
+        whole = good == len(load.disk)
+        staging = [hid for _, _, hid in load.disk]
+        if load.disk and whole:  # read back from disk: a host entry again
+            self.host_docs.insert(doc.key, doc.token_ids, staging, doc.pos_base)
+        for key, _, _ in load.disk[good:good + 1]:
+            self.disk.forget(key)
+            self.counters["kv_disk_bad_entries"] += 1
+        for hid in reversed(load.host_ids + staging):
+            self.host_pool.unref(hid)
+        for bid in load.dev_ids:
+            self.device_pool.unref(bid)
+        self.counters["kv_bytes_disk_to_host"] += good * bpb
+        if not whole:
+            seq.num_computed_tokens = 0
+            return
+        seq.num_computed_tokens = doc.length
+        self.counters["kv_host_document_hits" if load.host_ids else "kv_disk_document_hits"] += 1
+        self.counters["kv_bytes_host_to_device"] += len(load.dev_ids) * bpb
 
     def wait(self, seq: Sequence) -> None:
         """Block until `seq`'s load is done (then `poll` reports it)."""
@@ -349,6 +471,7 @@ class KVTiers:
         """After a weight update: forget every host entry (pinned blocks stay valid for their
         holders) and switch the disk tier to the new weights' namespace."""
         self.host_index.reset()
+        self.host_docs.reset()
         if self.disk is not None and disk_namespace is not None:
             self.disk.set_namespace(disk_namespace)
 
@@ -395,6 +518,9 @@ class KVTiers:
             assert block.ref_count == r, f"host block {block.block_id}: ref_count {block.ref_count} but {r} holders"
             assert (block.block_id in self.host_pool.free) == (r == 0), f"host block {block.block_id}: free-list membership wrong"
         self.host_index.check()
+        # transfers pin a host document block by block (a disk write only for the blocks not on
+        # disk yet), so a host entry may be partly pinned, unlike a device one
+        self.host_docs.check(whole_pins=False)
 
     def unfenced_offloads(self) -> int:
         """Offload jobs whose copies are not known finished (0 right after `before_write` on CPU)."""

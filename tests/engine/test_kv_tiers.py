@@ -183,6 +183,7 @@ OPS = st.lists(
         st.tuples(st.just("step"), st.integers(1, 4)),
         st.tuples(st.just("abort"), st.integers(0, 50)),
         st.tuples(st.just("update_weights"), st.integers(0, 9)),
+        st.tuples(st.just("docs"), st.integers(0, 10**6)),
     ),
     min_size=1, max_size=40,
 )
@@ -201,20 +202,25 @@ def property_llm(model_path, tmp_path_factory) -> LLM:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=OPS, slow=st.booleans())
 def test_random_interleavings_leave_every_tier_empty(property_llm, ops, slow):
-    """add (shared histories, n up to 2) / step / abort / weight updates over a device pool of
-    16 blocks, a host tier of 12 and a disk tier: offload, host eviction, reload from host and
-    disk, loads aborted in flight, swap slots, preemption. After every op each block's count
+    """add (shared histories, n up to 2) / squid requests over 5 documents / step / abort /
+    weight updates over a device pool of 16 blocks, a host tier of 12 and a disk tier: offload of
+    prefix blocks and whole documents, host eviction, reload from host and disk (document load
+    jobs too), loads aborted in flight, swap slots, preemption. After every op each block's count
     equals its holders in both pools; at the end every block of every tier is free."""
     llm = property_llm
     engine = llm.engine
     engine.tiers.transfer.slowdown_s = 0.002 if slow else 0.0
     bm = engine.block_manager
     stems = [[3 + (7 * s + i) % 200 for i in range(40)] for s in range(2)]
+    docs = [[5 + (11 * d + 3 * i) % 190 for i in range(3 + 3 * d)] for d in range(5)]
     live: list[str] = []
+    sched = engine.scheduler
 
     def check():
-        seqs = [s for r in engine.requests.values() for s in r.seqs if not s.is_finished]
-        bm.check_invariants(seqs)
+        # document jobs are sequences of no user request: the scheduler's queues hold them
+        seqs = {id(s): s for s in [*sched.running, *sched.loading, *sched.waiting]}
+        seqs.update((id(s), s) for r in engine.requests.values() for s in r.seqs if not s.is_finished)
+        bm.check_invariants(list(seqs.values()), pins=engine.squid.held_pins())
         assert all(b.ref_count >= 0 for b in engine.tiers.host_pool.blocks)
 
     for k, op in enumerate(ops):
@@ -223,6 +229,13 @@ def test_random_interleavings_leave_every_tier_empty(property_llm, ops, slow):
             toks = stems[stem % 2][: 8 + 3 * extra]
             rid = f"p{k}-{len(engine.requests)}"
             engine.add_request(rid, toks, SamplingParams(n=n, temperature=0 if n == 1 else 1.0, max_tokens=2 + extra, ignore_eos=True))
+            live.append(rid)
+        elif op[0] == "docs":
+            r = op[1]
+            pick = [docs[(r >> (3 * k)) % 5] for k in range(1 + r % 2)]
+            rid = f"d{k}-{len(engine.requests)}"
+            engine.add_request(rid, {"prefix": [3] * (r % 3), "documents": pick, "prompt": [90, 91 + r % 5]},
+                               SamplingParams(max_tokens=1 + r % 4, n=1 + (r >> 20) % 2, seed=r))
             live.append(rid)
         elif op[0] == "step":
             for _ in range(op[1]):
@@ -243,6 +256,7 @@ def test_random_interleavings_leave_every_tier_empty(property_llm, ops, slow):
     host = engine.tiers.host_pool
     assert host.num_free == len(host) and all(b.ref_count == 0 for b in host.blocks)
     assert not engine.tiers.swapped and not engine.tiers.loads
+    assert not engine.squid.jobs and not engine.squid.pins
 
 
 # ---- the disk tier -----------------------------------------------------------------------------
