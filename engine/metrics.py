@@ -37,6 +37,8 @@ class ServerMetrics:
         self.tier_bytes = Gauge("cuttle_kv_tier_bytes_total", "KV bytes moved between tiers", labels + ["direction"], registry=r)
         self.tier_blocked = Gauge("cuttle_kv_transfer_blocked_seconds_total", "Seconds the engine step waited on KV transfers", labels, registry=r)
         self.tier_swaps = Gauge("cuttle_kv_swap_outs_total", "Preempted sequences whose partial block went to the host tier", labels, registry=r)
+        self.tier_documents = Gauge("cuttle_kv_tier_documents_total", "Squid documents offloaded whole, or loaded back per tier",
+                                    labels + ["event"], registry=r)
         self.host_usage = Gauge("cuttle_kv_host_cache_usage_perc", "Fraction of host-tier KV blocks in use (0-1)", labels, registry=r)
         # squid documents (engine/squid.py): running totals mirrored from the engine's counters
         self.documents = Gauge("cuttle_squid_documents_total", "Squid documents served from the cache (hit) or computed",
@@ -65,5 +67,8 @@ class ServerMetrics:
                 self.tier_bytes.labels(m, direction).set(stats[f"kv_bytes_{direction}"])
             self.tier_blocked.labels(m).set(stats["kv_transfer_blocked_s"])
             self.tier_swaps.labels(m).set(stats["kv_swap_outs"])
+            self.tier_documents.labels(m, "offloaded").set(stats["kv_offloaded_documents"])
+            self.tier_documents.labels(m, "host_hit").set(stats["kv_host_document_hits"])
+            self.tier_documents.labels(m, "disk_hit").set(stats["kv_disk_document_hits"])
             self.host_usage.labels(m).set(1.0 - stats["kv_host_blocks_free"] / max(stats["kv_host_blocks_total"], 1))
         return generate_latest(self.registry)

@@ -401,6 +401,7 @@ def test_tier_counters_reach_stats_and_metrics(model_path):
     assert 'cuttle_kv_tier_hit_blocks_total{model_name="m",tier="host"}' in text
     assert f'cuttle_kv_tier_bytes_total{{direction="device_to_host",model_name="m"}} {float(st_["kv_bytes_device_to_host"])}' in text
     assert "cuttle_kv_transfer_blocked_seconds_total" in text
+    assert f'cuttle_kv_tier_documents_total{{event="offloaded",model_name="m"}} {float(st_["kv_offloaded_documents"])}' in text
     plain = ServerMetrics("m").render(_small(model_path).stats()).decode()
     assert "cuttle_kv_tier_hit_blocks_total{" not in plain
 
