@@ -80,9 +80,14 @@ def run_mode(path: str, dtype: str, mode: str, reqs: list[dict], positions: str,
     def prompt(r):
         return r if mode == "squid" else flat(r)
 
-    # warm-up: every file computed once (the target is "with all files cached"); nothing to warm without a cache
-    if mode != "none":
-        llm.generate([prompt(r) for r in reqs], params, use_tqdm=False)
+    # warm-up: every file computed once, on its own (the target is "with all files cached"), not the
+    # measured requests themselves: warming with those would let prefix caching hit whole prompts
+    # whenever the pool holds them all, i.e. measure repeated prompts. Nothing to warm without a cache.
+    files = list({tuple(d): d for r in reqs for d in r["documents"]}.values())
+    if mode == "prefix":
+        llm.generate(files, params, use_tqdm=False)
+    elif mode == "squid":
+        llm.generate([{"documents": [d], "prompt": reqs[0]["prompt"]} for d in files], params, use_tqdm=False)
     before = llm.stats()["prefill_tokens_computed"]
     ttft = []
     for i, r in enumerate(reqs):
