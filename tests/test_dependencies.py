@@ -27,14 +27,19 @@ def _module_name(path: str) -> str:
 
 
 def _imports(path: str) -> set[str]:
-    """Every cuttle module `path` imports, as absolute dotted names (`from a import b` gives `a.b`
+    """Every cuttle module `path` imports at run time, as absolute dotted names (`from a import b` gives `a.b`
     as well as `a`, since b may be a submodule)."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     me = _module_name(path)
     package = me if path.endswith("__init__.py") else me.rpartition(".")[0]
     found: set[str] = set()
+    # imports under `if TYPE_CHECKING:` are annotations only, never run: not a dependency
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+                   for stmt in node.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

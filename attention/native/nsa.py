@@ -9,12 +9,15 @@ read per (row, KV head). Which library runs is the process's `KernelSet`
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
 from cuttle.attention.native import kernels
 from cuttle.attention.native.build import DTYPE_CODE
-from cuttle.attention.nsa import NSAConfig
+
+if TYPE_CHECKING:  # the config is only an annotation here: the kernel library stays free of the backends
+    from cuttle.attention.nsa import NSAConfig
 
 __all__ = ["available", "supports", "nsa_decode"]
 

@@ -12,12 +12,15 @@ arguments.
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
 from cuttle.attention.native import kernels
 from cuttle.attention.native.build import DTYPE_CODE
-from cuttle.attention.topk import TopKConfig
+
+if TYPE_CHECKING:  # the config is only an annotation here: the kernel library stays free of the backends
+    from cuttle.attention.topk import TopKConfig
 
 __all__ = ["available", "supports", "topk_decode", "set_fast_path"]
 
