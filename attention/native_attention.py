@@ -13,7 +13,8 @@ import ctypes
 
 import torch
 
-from cuttle.attention.native import kernels
+from cuttle.attention.native import available as native_available
+from cuttle.attention.native import kernels, supports_rows
 from cuttle.attention.native.build import DTYPE_CODE
 
 __all__ = ["available", "supports", "paged_attention_rows"]
@@ -37,18 +38,10 @@ def _fn(lib: ctypes.CDLL):
     return fn
 
 
-def available() -> bool:
-    """Whether the native library is loaded in this process's kernel set."""
-    return kernels().lib is not None
+available = native_available
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the native kernel takes these tensors (CPU, fp32/bf16, dense rows)."""
-    return (
-        q.device.type == "cpu" and k_cache.device.type == "cpu"
-        and q.dtype in DTYPE_CODE and k_cache.dtype in DTYPE_CODE and out.dtype in DTYPE_CODE
-        and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and out.is_contiguous() and k_cache.is_contiguous()
-    )
+supports = supports_rows  # the same tensor rules for every native attention kernel
 
 
 def paged_attention_rows(

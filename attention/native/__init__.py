@@ -98,3 +98,19 @@ def _select() -> KernelSet:
     _current = KernelSet(lib, packed, vec_lanes, sum_lanes, exact, describe)
     logger.info("%s", describe)
     return _current
+
+
+def available() -> bool:
+    """Whether the native library is loaded in this process's kernel set."""
+    return kernels().lib is not None
+
+
+def supports_rows(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the native attention kernels (dense, NSA, top-k) take these tensors: CPU tensors
+    in fp32/bf16 with dense head rows and contiguous caches."""
+    codes = build.DTYPE_CODE
+    return (
+        q.device.type == "cpu" and k_cache.device.type == "cpu"
+        and q.dtype in codes and k_cache.dtype in codes and out.dtype in codes
+        and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and out.is_contiguous() and k_cache.is_contiguous()
+    )

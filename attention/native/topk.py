@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cuttle.attention.native import kernels
+from cuttle.attention.native import available as native_available
+from cuttle.attention.native import kernels, supports_rows
 from cuttle.attention.native.build import DTYPE_CODE
 
 if TYPE_CHECKING:  # the config is only an annotation here: the kernel library stays free of the backends
@@ -47,9 +48,7 @@ def _fn(lib: ctypes.CDLL):
     return fn
 
 
-def available() -> bool:
-    """Whether the native library is loaded in this process's kernel set."""
-    return kernels().lib is not None
+available = native_available
 
 
 def set_fast_path(enabled: bool) -> bool:
@@ -62,13 +61,7 @@ def set_fast_path(enabled: bool) -> bool:
     return bool(lib.sparse_attend_fast_available())
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
-    """CPU tensors in fp32/bf16 with dense head rows and contiguous caches."""
-    return (
-        q.device.type == "cpu" and k_cache.device.type == "cpu"
-        and q.dtype in DTYPE_CODE and k_cache.dtype in DTYPE_CODE and out.dtype in DTYPE_CODE
-        and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and out.is_contiguous() and k_cache.is_contiguous()
-    )
+supports = supports_rows  # the same tensor rules for every native attention kernel
 
 
 def topk_decode(

@@ -321,14 +321,7 @@ class KVTiers:
         more blocks than the host tier holds): submit what is queued and wait for the offloads
         and disk writes, whose blocks are then free (and still cached) again."""
         t = time.perf_counter()
-        self.flush()
-        for ticket, _ in self._offload_jobs:
-            ticket.wait()
-        for ticket, _, _ in self._disk_jobs:
-            try:
-                ticket.wait()
-            except OSError:
-                pass
+        self._wait_offloads()
         self._release_transfers()
         self.counters["kv_transfer_blocked_s"] += time.perf_counter() - t
 
@@ -475,8 +468,9 @@ class KVTiers:
         if self.disk is not None and disk_namespace is not None:
             self.disk.set_namespace(disk_namespace)
 
-    def drain(self) -> None:
-        """Wait for every transfer and release what they pinned (tests; shutdown)."""
+    def _wait_offloads(self) -> None:
+        """Submit what is queued and wait for every offload and disk write (a failed disk write
+        is a miss later, not an error here)."""
         self.flush()
         for ticket, _ in self._offload_jobs:
             ticket.wait()
@@ -485,6 +479,10 @@ class KVTiers:
                 ticket.wait()
             except OSError:
                 pass
+
+    def drain(self) -> None:
+        """Wait for every transfer and release what they pinned (tests; shutdown)."""
+        self._wait_offloads()
         for load in self.loads.values():
             load.ticket.wait()
         self.poll()
