@@ -170,6 +170,12 @@ class AsyncEngine:
         takes (a dict: squid documents). Read the stream to its final output, or `aclose()` it to
         abort; a stream dropped unread aborts too. The stream carries what `params.output_kind`
         says: DELTA for a streamed response (O(L) in all), FINAL_ONLY for one output at the end."""
+        # a FINAL_ONLY request is not detokenized step by step (its text is decoded once at the end)
+        per_step = params.output_kind != RequestOutputKind.FINAL_ONLY
+        return await self._admit(request_id, lambda: self.engine.add_request(request_id, prompt, params, stream=per_step,
+                                                                            cache_salt=cache_salt))
+
+    async def _admit(self, request_id: str, add: Callable[[], Any]) -> RequestStream:
         if self._thread is None:
             raise EngineDeadError("engine loop is not running")
         with self._lock:
@@ -180,10 +186,8 @@ class AsyncEngine:
             loop = asyncio.get_running_loop()
             queue_: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = (loop, queue_)
-        # a FINAL_ONLY request is not detokenized step by step (its text is decoded once at the end)
-        per_step = params.output_kind != RequestOutputKind.FINAL_ONLY
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt, params, stream=per_step, cache_salt=cache_salt))
+            await self._call(add)
         except asyncio.CancelledError:
             # the caller left while the add was queued: it still runs, so abort right behind it
             # (on the same queue: the abort queue may be drained before the add runs)
@@ -194,6 +198,35 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise
         return RequestStream(self, request_id, queue_)
+
+    # ---- agent sessions (engine/session.py), each call run on the engine thread -------------
+    async def open_session(self, prompt: str | list[int]) -> str:
+        return await self._call(lambda: self.engine.open_session(prompt))
+
+    async def fork_session(self, session_id: str, n: int) -> list[str]:
+        return await self._call(lambda: self.engine.fork_session(session_id, n))
+
+    async def append_to_session(self, session_id: str, token_ids: list[int]) -> None:
+        await self._call(lambda: self.engine.append_to_session(session_id, token_ids))
+
+    async def session_token_ids(self, session_id: str) -> list[int]:
+        return await self._call(lambda: self.engine.session_token_ids(session_id))
+
+    async def close_session(self, session_id: str) -> None:
+        """Release the session; a turn in flight ends with finish_reason "abort" in its stream."""
+        def run() -> None:
+            out = self.engine.close_session(session_id)
+            if out is not None:
+                self._deliver(out.request_id, out)
+        await self._call(run)
+
+    async def session_turn(self, request_id: str, session_ids: str | list[str], params: SamplingParams) -> RequestStream:
+        """One turn of the session(s), streamed like `add` (output `i` is `session_ids[i]`'s); the
+        sampled ids join the session when the turn ends; closing the stream early aborts the turn
+        and leaves the session as it was."""
+        sids = [session_ids] if isinstance(session_ids, str) else list(session_ids)
+        per_step = params.output_kind != RequestOutputKind.FINAL_ONLY
+        return await self._admit(request_id, lambda: self.engine.add_session_turn(request_id, sids, params, stream=per_step))
 
     async def generate(
         self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, cache_salt: str | None = None

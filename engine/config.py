@@ -226,6 +226,10 @@ class EngineConfig:
     # training-free top-k attention for dense checkpoints (docs/nsa.md): None (dense), a spec string
     # "topk:budget=2048,block=64,dense_layers=2,summary=quest" or the same as a dict
     sparse_attention: str | dict[str, Any] | None = None
+    # agent sessions (engine/session.py): open at once, and KV blocks their pins may hold
+    # (None: half the pool, so the other requests always have the other half)
+    max_sessions: int = 256
+    max_session_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -257,6 +261,10 @@ class EngineConfig:
         if self.kv_cache_dir is not None and (not self.kv_cache_dir or (os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir))):
             raise ValueError(f"kv_cache_dir must name a directory, got {self.kv_cache_dir!r}")
         parse_sparse_attention(self.sparse_attention)  # a bad spec raises naming its field
+        if self.max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0, got {self.max_sessions}")
+        if self.max_session_kv_blocks is not None and self.max_session_kv_blocks < 0:
+            raise ValueError(f"max_session_kv_blocks must be >= 0, got {self.max_session_kv_blocks}")
         if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
             raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
 

@@ -5,6 +5,7 @@ and returns outputs in input order. Owns no scheduling logic of its own.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -108,13 +109,60 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    # ---- agent sessions (engine/session.py) --------------------------------------------------
+    def open_session(self, prompt: str | list[int]) -> str:
+        """A session over `prompt`: its KV stays pinned between turns until `close_session`."""
+        return self.engine.open_session(prompt)
+
+    def fork_session(self, session_id: str, n: int) -> list[str]:
+        """`n` sessions with the same stream (sharing its pinned KV); forks that have not diverged
+        run their next turn as one request, so a group's prompt is prefilled once."""
+        return self.engine.fork_session(session_id, n)
+
+    def append_to_session(self, session_id: str, token_ids: list[int]) -> None:
+        self.engine.append_to_session(session_id, token_ids)
+
+    def session_token_ids(self, session_id: str) -> list[int]:
+        return self.engine.session_token_ids(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self.engine.close_session(session_id)
+
+    def generate_session(self, session_ids: str | Seq[str], sampling_params: SamplingParams | None = None,
+                         use_tqdm: bool = False) -> list[RequestOutput]:
+        """One turn of each session (its whole stream is the prompt; only what is not in its
+        pinned KV is computed); the sampled ids join the session. One `RequestOutput` per session,
+        in order, each with one output. Sessions forked together and not diverged since share one
+        request (n = their number)."""
+        sids = [session_ids] if isinstance(session_ids, str) else list(session_ids)
+        params = sampling_params or SamplingParams()
+        engine = self.engine
+        groups: dict[int, list[str]] = {}  # siblings by origin, in first-seen order
+        for sid in sids:
+            groups.setdefault(engine.sessions.get(sid).origin, []).append(sid)
+        turns = [(f"offline-{next(self._ids)}", members) for members in groups.values()]
+        outs = self._drive([(rid, lambda rid=rid, m=members: engine.add_session_turn(rid, m, params)) for rid, members in turns],
+                           use_tqdm)
+        by_session: dict[str, RequestOutput] = {}
+        for (_, members), out in zip(turns, outs):
+            for i, sid in enumerate(members):
+                by_session[sid] = dataclasses.replace(out, outputs=[out.outputs[i]])
+        return [by_session[sid] for sid in sids]
+
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        return self._drive([(rid, lambda rid=rid, pr=pr, p=p: engine.add_request(rid, pr, p)) for rid, pr, p in zip(ids, prompts, params)],
+                           use_tqdm)
+
+    def _drive(self, adds: list[tuple[str, Any]], use_tqdm: bool) -> list[RequestOutput]:
+        """Add every request (all or nothing), step until all finish; outputs in the order given."""
+        engine = self.engine
+        ids = [rid for rid, _ in adds]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+            for rid, add in adds:
+                add()
                 added.append(rid)
         except ValueError:
             for rid in added:  # all-or-nothing: a bad prompt leaves the engine as it was
@@ -123,6 +171,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        stuck = 0
         try:
             while len(results) < len(ids):
                 for out in engine.step():
@@ -131,6 +180,14 @@ class LLM:
                         bar.update(1)
                 if not engine.has_unfinished_requests() and len(results) < len(ids):
                     raise RuntimeError("engine went idle with requests unfinished")
+                sched = engine.scheduler
+                stuck = stuck + 1 if sched.waiting and not sched.running and not sched.loading else 0
+                if stuck > 1:  # twice nothing admitted with nothing running: no block will come free
+                    for rid in ids:
+                        engine.abort_request(rid)
+                    raise RuntimeError(f"a request cannot get KV blocks: sessions pin {engine.sessions.pinned_block_count()} of "
+                                       f"{engine.block_manager.num_blocks} (max_session_kv_blocks "
+                                       f"{engine.sessions.max_session_kv_blocks}); close sessions first")
         finally:
             bar.close()
         failed = [out for out in results.values() if out.error is not None]

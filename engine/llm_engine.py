@@ -8,6 +8,7 @@ blocks to the pool at once.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import random
@@ -32,6 +33,7 @@ from cuttle.engine.sampler import Logprob, SampleRequest, sample
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.scheduler import Scheduler
 from cuttle.engine.sequence import Request, Sequence
+from cuttle.engine.session import Sessions
 from cuttle.engine.squid import Squid, parse_prompt
 from cuttle.engine.tokenizer import Tokenizer
 
@@ -79,6 +81,11 @@ class LLMEngine:
         self.tiers: KVTiers | None = self._build_tiers(self.runner.kv.block_bytes) if config.has_host_tier else None
         self.counters = {"prompt_tokens": 0, "prefill_tokens_computed": 0, "generated_tokens": 0, "steps": 0}
         self.post = Postprocessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters)
+        session_blocks = config.max_session_kv_blocks if config.max_session_kv_blocks is not None else num_blocks // 2
+        if session_blocks >= num_blocks:
+            raise ValueError(f"max_session_kv_blocks ({session_blocks}) must leave blocks for other requests: the pool has {num_blocks}")
+        self.sessions = Sessions(self.block_manager, config.max_sessions, session_blocks)
+        self.scheduler.sessions = self.sessions
 
     def _build_tiers(self, per_block: int) -> KVTiers:
         """The host tier (and the disk tier under it) below the device pool (engine/kv/tiers.py)."""
@@ -188,6 +195,47 @@ class LLMEngine:
             return None
         self.post.abort(req)
         return self.post.output(req)
+
+    # ---- agent sessions (engine/session.py) --------------------------------------------------
+    def open_session(self, prompt: str | list[int]) -> str:
+        """A session over `prompt` (text is encoded once, here); returns its id."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_ids(ids, "prompt")
+        return self.sessions.open(ids).session_id
+
+    def fork_session(self, session_id: str, n: int) -> list[str]:
+        return [s.session_id for s in self.sessions.fork(session_id, n)]
+
+    def append_to_session(self, session_id: str, token_ids: list[int]) -> None:
+        ids = list(token_ids)
+        self._check_ids(ids, "token_ids")
+        self.sessions.append(session_id, ids)
+
+    def session_token_ids(self, session_id: str) -> list[int]:
+        return list(self.sessions.get(session_id).token_ids)
+
+    def add_session_turn(self, request_id: str, session_ids: list[str], params: SamplingParams, stream: bool = False) -> Request:
+        """One turn of each session, sampled from its whole stream, as one request: sample `i` is
+        session `session_ids[i]`'s (siblings forked from one session and not diverged run together,
+        n = their number). `params.n` must be 1 or that number."""
+        sessions = self.sessions.turn_sessions(list(session_ids))
+        if params.n not in (1, len(sessions)):
+            raise ValueError(f"n ({params.n}) must be 1 or the number of sessions ({len(sessions)}): a turn samples once per session")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported for session turns (the history's KV is reused, not recomputed)")
+        params = dataclasses.replace(params, n=len(sessions))
+        req = self.add_request(request_id, list(sessions[0].token_ids), params, stream)
+        try:
+            self.sessions.begin_turn(sessions, req)
+        except ValueError:
+            self.abort_request(request_id)
+            raise
+        return req
+
+    def close_session(self, session_id: str) -> RequestOutput | None:
+        """Release everything the session holds; a turn in flight is aborted (its output returned)."""
+        req = self.sessions.close(session_id)
+        return self.abort_request(req.request_id) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -345,6 +393,7 @@ class LLMEngine:
             drop_packed(self.runner.model)
             self.runner.prepack()
         self.weight_version += 1
+        self.sessions.invalidate(self.weight_version)  # no session's KV under the old weights is reused
         namespace = None
         if self.tiers is not None and self.tiers.disk is not None:
             # a fresh tag: another process's weights after its own update are never these
@@ -385,6 +434,7 @@ class LLMEngine:
             "num_requests_waiting": len(self.scheduler.waiting),
             "weight_version": self.weight_version,
             **self.squid.counters,
+            **self.sessions.stats(),
             **(self.tiers.stats() if self.tiers is not None else {}),
         }
 

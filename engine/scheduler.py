@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.sequence import Sequence, SequenceStatus
 from cuttle.engine.squid import Squid
+
+if TYPE_CHECKING:
+    from cuttle.engine.session import Sessions
 
 
 @dataclass(slots=True)
@@ -47,6 +51,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []  # admitted, waiting for their KV to be copied in
         self.num_preemptions = 0
+        self.sessions: Sessions | None = None  # agent sessions (engine/session.py): a turn starts from its pins
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -120,7 +125,8 @@ class Scheduler:
             # a document job never takes prefix-cache hits: its blocks go into the document index,
             # and a block lives in one index (a hit on a plain prompt's blocks made insert fail)
             use_cache = seq.request.prompt_logprobs is None and seq.request.job is None
-            if not bm.can_allocate(seq, use_cache):
+            turn = self.sessions is not None and self.sessions.owns(seq)
+            if not (self.sessions.can_allocate(seq) if turn else bm.can_allocate(seq, use_cache)):
                 # nothing runs or loads, so no block will come free: the document pins of squid
                 # queries not yet running are all that is left to give back (once per schedule)
                 if not unpinned and not self.running and not self.loading and self._unpin_waiting():
@@ -129,7 +135,10 @@ class Scheduler:
                 break
             seats += _seats(seq)
             self.waiting.popleft()
-            bm.allocate(seq, use_cache)
+            if turn:
+                self.sessions.allocate(seq)
+            else:
+                bm.allocate(seq, use_cache)
             seq.status = SequenceStatus.RUNNING
             if bm.is_loading(seq):  # its blocks arrive from a lower tier; scheduled once they have
                 self.loading.append(seq)
@@ -185,6 +194,8 @@ class Scheduler:
         if self.squid is not None and self.squid.is_parked(seq):
             for orphan in self.squid.forget(seq):  # document jobs nobody waits for anymore
                 self.finish(orphan)
+        if self.sessions is not None:  # a session takes over the blocks of its finished turn
+            self.sessions.end_turn(seq)
         self.block_manager.release(seq)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,279 @@
+"""Agent sessions (engine/session.py): a multi-turn session's sampled logprobs equal one full
+transformers forward over the concatenated ids (fp32 <= 1e-5); each later turn computes only what
+is not in its pinned KV (the appended ids + the previous turn's last sampled token); pins survive
+pool pressure that evicts other cache; weight updates drop the pins (recomputed, never reused);
+nothing leaks after finish, abort or close; limits are refused by name and the engine serves on."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from helpers import make_checkpoint
+
+from cuttle.engine import LLM, SamplingParams
+from cuttle.engine.async_engine import AsyncEngine
+from cuttle.engine.sampling_params import RequestOutputKind
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("session-qwen3"))
+    model = make_checkpoint(path, "qwen3")
+    return path, model
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 256) for _ in range(n)]
+
+
+def turn_params(seed: int, max_tokens: int) -> SamplingParams:
+    # temperature 1, no truncation: the processed logprob is the model's log-softmax
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+
+
+def prefilled(llm: LLM) -> int:
+    return llm.stats()["prefill_tokens_computed"]
+
+
+def assert_matches_full_forward(model, stream: list[int], turns: list[tuple[int, list[int], list[float]]]) -> None:
+    """Each turn (start index in `stream`, its sampled ids, the engine's logprobs) against one
+    transformers forward over the whole stream."""
+    with torch.no_grad():
+        lp = model(torch.tensor([stream])).logits[0].float().log_softmax(-1)
+    worst = 0.0
+    for start, toks, lps in turns:
+        assert stream[start:start + len(toks)] == toks
+        ref = [lp[start + i - 1, t].item() for i, t in enumerate(toks)]
+        worst = max(worst, max(abs(a - b) for a, b in zip(lps, ref)))
+    assert worst <= 1e-5, worst
+
+
+def sampled(out) -> tuple[list[int], list[float]]:
+    c = out.outputs[0]
+    return list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+
+
+def assert_all_free(llm: LLM) -> None:
+    eng = llm.engine
+    assert eng.sessions.stats()["sessions_open"] == 0 and not eng.sessions.turns
+    eng.block_manager.check_invariants([])
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_multi_turn_session_equals_full_forward_and_prefills_only_appended(ckpt):
+    path, model = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=BS)
+    prompt = ids(21, 1)
+    sid = llm.open_session(prompt)
+    turns = []
+    stream = list(prompt)
+    # lengths chosen so pins end mid-block, on a block boundary, and across several blocks
+    appends = [ids(7, 2), ids(13, 3), ids(5, 4)]
+    max_tokens = [10, 12, 9, 6]
+    for k, m in enumerate(max_tokens):
+        before = prefilled(llm)
+        out = llm.generate_session(sid, turn_params(100 + k, m))[0]
+        grew = prefilled(llm) - before
+        if k == 0:
+            assert grew == len(prompt)
+        else:
+            assert grew == len(appends[k - 1]) + 1, (k, grew)  # appended ids + the last sampled token
+            assert out.num_cached_tokens == len(stream) - len(appends[k - 1]) - 1
+        toks, lps = sampled(out)
+        assert len(toks) == m
+        turns.append((len(stream), toks, lps))
+        stream += toks
+        assert llm.session_token_ids(sid) == stream
+        eng = llm.engine
+        eng.block_manager.check_invariants([], eng.sessions.pins())
+        if k < len(appends):
+            llm.append_to_session(sid, appends[k])
+            stream += appends[k]
+    assert_matches_full_forward(model, stream, turns)
+    assert llm.stats()["session_pinned_blocks"] == (len(stream) - 1 + BS - 1) // BS
+    llm.close_session(sid)
+    assert_all_free(llm)
+
+
+def test_group_forks_share_one_prompt_prefill(ckpt):
+    path, model = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=96, block_size=BS)
+    prompt = ids(40, 5)
+    root = llm.open_session(prompt)
+    group = [root, *llm.fork_session(root, 3)]
+    before = prefilled(llm)
+    outs = llm.generate_session(group, turn_params(7, 8))
+    assert prefilled(llm) - before == len(prompt)  # one request, n = 4: the prompt computed once
+    firsts = [sampled(o) for o in outs]
+    assert len({tuple(t) for t, _ in firsts}) == 4, "members must sample independently"
+    tails = [ids(3 + i, 10 + i) for i in range(4)]
+    for sid, tail in zip(group, tails):
+        llm.append_to_session(sid, tail)
+    before = prefilled(llm)
+    seconds = llm.generate_session(group, turn_params(8, 6))
+    assert prefilled(llm) - before == sum(len(t) + 1 for t in tails)
+    for i, (sid, out) in enumerate(zip(group, seconds)):
+        t1, l1 = firsts[i]
+        t2, l2 = sampled(out)
+        stream = prompt + t1 + tails[i] + t2
+        assert llm.session_token_ids(sid) == stream
+        assert_matches_full_forward(model, stream, [(len(prompt), t1, l1), (len(prompt) + len(t1) + len(tails[i]), t2, l2)])
+    with pytest.raises(ValueError, match="diverged"):
+        llm.engine.add_session_turn("x", group[:2], turn_params(1, 2))
+    for sid in group:
+        llm.close_session(sid)
+    assert_all_free(llm)
+
+
+def test_pins_survive_pool_pressure_that_evicts_other_cache(ckpt):
+    path, model = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=20, block_size=BS, max_session_kv_blocks=8)
+    prompt = ids(50, 20)
+    sid = llm.open_session(prompt)
+    t1, l1 = sampled(llm.generate_session(sid, turn_params(1, 8))[0])
+    pinned = list(llm.engine.sessions.get(sid).pinned_blocks)
+    evictions = llm.engine.block_manager.pool.num_evictions
+    # other traffic through the 16 unpinned blocks: their cached blocks are evicted again and again
+    for k in range(4):
+        llm.generate([ids(120, 30 + k)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.block_manager.pool.num_evictions > evictions + 8
+    assert llm.engine.sessions.get(sid).pinned_blocks == pinned
+    tail = ids(6, 40)
+    llm.append_to_session(sid, tail)
+    before = prefilled(llm)
+    t2, l2 = sampled(llm.generate_session(sid, turn_params(2, 5))[0])
+    assert prefilled(llm) - before == len(tail) + 1
+    stream = prompt + t1 + tail + t2
+    assert_matches_full_forward(model, stream, [(len(prompt), t1, l1), (len(prompt) + len(t1) + len(tail), t2, l2)])
+    llm.close_session(sid)
+    assert_all_free(llm)
+
+
+def test_weight_update_drops_pins_and_recomputes(ckpt):
+    path, model = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=BS)
+    prompt = ids(30, 50)
+    sid = llm.open_session(prompt)
+    t1, l1 = sampled(llm.generate_session(sid, turn_params(3, 6))[0])
+    assert llm.stats()["session_pinned_blocks"] > 0
+    # the same weights under a new version: a reuse of the old KV would be invisible in the numbers,
+    # so the counter is what shows the history is computed again
+    same = [(n, p.detach().clone()) for n, p in llm.engine.runner.model.named_parameters()]
+    assert llm.update_weights(same) == 1
+    assert llm.stats()["session_pinned_blocks"] == 0
+    tail = ids(4, 51)
+    llm.append_to_session(sid, tail)
+    before = prefilled(llm)
+    out = llm.generate_session(sid, turn_params(4, 5))[0]
+    stream = prompt + t1 + tail
+    assert prefilled(llm) - before == len(stream)  # the whole stream, none of it reused
+    assert out.num_cached_tokens == 0 and out.metrics["weight_version"] == 1
+    t2, l2 = sampled(out)
+    assert_matches_full_forward(model, stream + t2, [(len(prompt), t1, l1), (len(stream), t2, l2)])
+    llm.close_session(sid)
+    assert_all_free(llm)
+
+
+def test_abort_keeps_session_and_close_releases_everything(ckpt):
+    path, _ = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=BS)
+    eng = llm.engine
+    sid = llm.open_session(ids(20, 60))
+    llm.generate_session(sid, turn_params(5, 4))
+    before = llm.session_token_ids(sid)
+    pins = list(eng.sessions.get(sid).pinned_blocks)
+    llm.append_to_session(sid, [7, 8, 9])
+    eng.add_session_turn("t-abort", [sid], turn_params(6, 50))
+    for _ in range(3):
+        eng.step()
+    out = eng.abort_request("t-abort")
+    assert out.outputs[0].finish_reason == "abort"
+    assert llm.session_token_ids(sid) == before + [7, 8, 9]  # the aborted turn's tokens are not kept
+    assert eng.sessions.get(sid).pinned_blocks == pins
+    eng.block_manager.check_invariants([], eng.sessions.pins())
+    eng.add_session_turn("t-2", [sid], turn_params(6, 50))
+    with pytest.raises(ValueError, match="turn in flight"):
+        eng.append_to_session(sid, [1])
+    with pytest.raises(ValueError, match="already has a turn in flight"):
+        eng.add_session_turn("t-3", [sid], turn_params(6, 50))
+    eng.step()
+    closed = eng.close_session(sid)  # closing mid-turn aborts the turn
+    assert closed is not None and closed.outputs[0].finish_reason == "abort"
+    assert not eng.has_unfinished_requests()
+    assert_all_free(llm)
+    # a finished turn of a closed session leaves nothing either
+    sid = llm.open_session(ids(9, 61))
+    llm.generate_session(sid, turn_params(1, 3))
+    llm.close_session(sid)
+    assert_all_free(llm)
+
+
+def test_limits_are_refused_by_name_and_the_engine_serves_on(ckpt):
+    path, _ = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, block_size=BS, max_sessions=2, max_session_kv_blocks=6)
+    a = llm.open_session(ids(20, 70))
+    b = llm.open_session(ids(20, 71))
+    with pytest.raises(ValueError, match=r"max_sessions \(2\)"):
+        llm.open_session(ids(5, 72))
+    with pytest.raises(ValueError, match=r"max_sessions \(2\)"):
+        llm.fork_session(a, 1)
+    llm.generate_session(a, turn_params(1, 4))  # 2 blocks pinned
+    with pytest.raises(ValueError, match=r"max_session_kv_blocks is 6"):
+        llm.generate_session(b, turn_params(2, 100))  # could pin 8 more
+    assert not llm.engine.has_unfinished_requests() and llm.engine.sessions.get(b).request is None
+    with pytest.raises(ValueError, match="is not open"):
+        llm.generate_session("session-nope", turn_params(1, 2))
+    with pytest.raises(ValueError, match=r"n \(3\) must be 1 or the number of sessions"):
+        llm.engine.add_session_turn("r", [a], SamplingParams(n=3, max_tokens=2))
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        llm.append_to_session(a, [10**9])
+    with pytest.raises(ValueError, match="max_session_kv_blocks"):
+        LLM(path, dtype="float32", num_kv_blocks=8, max_session_kv_blocks=8)
+    # the engine keeps serving plain requests and the open sessions
+    out = llm.generate([ids(30, 73)], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    llm.generate_session(b, turn_params(2, 4))
+    llm.close_session(a)
+    llm.close_session(b)
+    assert_all_free(llm)
+
+
+def test_async_engine_streams_session_turns(ckpt):
+    path, model = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=BS)
+    aeng = AsyncEngine(llm.engine)
+    aeng.start()
+    prompt, tail = ids(25, 80), ids(6, 81)
+
+    async def main():
+        sid = await aeng.open_session(prompt)
+        p = SamplingParams(temperature=1.0, seed=9, max_tokens=7, ignore_eos=True, logprobs=0, output_kind=RequestOutputKind.DELTA)
+        got = []
+        async for out in await aeng.session_turn("a1", sid, p):
+            got += [(t, d[t].logprob) for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        await aeng.append_to_session(sid, tail)
+        before = aeng.engine.stats()["prefill_tokens_computed"]
+        second = []
+        async for out in await aeng.session_turn("a2", sid, p):
+            second += [(t, d[t].logprob) for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        grew = aeng.engine.stats()["prefill_tokens_computed"] - before
+        stream = await aeng.session_token_ids(sid)
+        await aeng.close_session(sid)
+        return got, second, grew, stream
+
+    try:
+        got, second, grew, stream = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert grew == len(tail) + 1
+    t1, t2 = [t for t, _ in got], [t for t, _ in second]
+    assert stream == prompt + t1 + tail + t2
+    assert_matches_full_forward(model, stream, [(len(prompt), t1, [l for _, l in got]),
+                                                (len(prompt) + len(t1) + len(tail), t2, [l for _, l in second])])
+    assert_all_free(llm)
