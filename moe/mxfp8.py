@@ -117,7 +117,12 @@ def dequantize_mxfp8(
     """Exact dequantization: every output is the correctly rounded `dtype` value of element * 2^(b-127)."""
     K = data.shape[-1]
     blocked = (*data.shape[:-1], K // block_size, block_size)
-    if dtype in (torch.bfloat16, torch.float32) and int(scales.view(torch.uint8).max()) <= _FAST_MAX_SCALE_BYTE:
+    if (
+        dtype in (torch.bfloat16, torch.float32) and int(scales.view(torch.uint8).max()) <= _FAST_MAX_SCALE_BYTE
+        # the bit path reads an E4M3 NaN byte as 480; the quantizer writes one only into NaN-scale
+        # blocks, but bytes from elsewhere must still decode to NaN
+        and not bool((data.view(torch.uint8) & 0x7F).eq_(0x7F).any())
+    ):
         return _dequantize_bits(data, scales, blocked, dtype).reshape(data.shape)
     values = data.to(torch.float32).reshape(blocked) * scale_to_float32(scales).unsqueeze(-1)
     return values.reshape(data.shape).to(dtype)
@@ -131,8 +136,8 @@ def _dequantize_bits(
     Sign-extending the byte and shifting puts `s eeee mmm` into the sign / low exponent / mantissa
     fields (the mask clears the sign copies in between), which reads as element * 2^-120 (E4M3
     subnormals land on target subnormals, so no case split); the 2^120 is folded into the block
-    scale, finite for bytes <= 134. NaN elements only occur in NaN-scale blocks, which the scale
-    turns to NaN anyway. One rounding of an exact product, hence equal to the fp32 path.
+    scale, finite for bytes <= 134. A NaN element byte would read as 480: the caller sends data
+    holding one to the fp32 path. One rounding of an exact product, hence equal to the fp32 path.
     Three in-place passes after the widening copy.
     """
     if dtype == torch.bfloat16:

@@ -1,0 +1,92 @@
+/* MXFP8 (OCP MX v1.0) decoding for the CPU kernels: E4M3 element bytes and E8M0 block-scale
+ * bytes to fp32, as static inline helpers so that every kernel reading MXFP8 weights (the dense
+ * GEMM in mxfp8_gemm.c, a routed-expert kernel) shares one inner loop and one rounding rule.
+ *
+ * Element decode: an E4M3 byte `s eeee mmm` (bias 7) becomes the fp16 `s 0eeee mmm0000000`
+ * (bias 15), i.e. the element times 2^-8 exactly, subnormals included (E4M3 subnormals land on
+ * fp16 subnormals); F16C's vcvtph2ps then widens 8 of them to fp32 in one instruction. So one
+ * 16-byte load gives 16 fp32 values with 3 integer ops and 2 conversions, all in registers.
+ * The NaN byte (0x7F / 0xFF) decodes to 480 * 2^-8 here: quantize_mxfp8 writes it only into
+ * blocks whose scale is NaN, and the NaN scale makes the block NaN (callers that take bytes from
+ * elsewhere check them once: cuttle.attention.native.mxfp8.check_nan_elements; the dequantize
+ * kernel alone decodes them as NaN everywhere).
+ *
+ * Block scale: E8M0 byte b means 2^(b - 127). With the elements carrying 2^-8, a block's factor
+ * is 2^(b - 119), a normal fp32 for b <= 246; b in 247..254 needs the extra 2^8 applied apart
+ * (mx_scale_hi), b = 255 is NaN. Every (element x factor) product is exact or rounded once, so
+ * dequantization is the correctly rounded fp32 value of element * 2^(b - 127), as in
+ * cuttle.moe.mxfp8.dequantize_mxfp8.
+ */
+#ifndef CUTTLE_MXFP8_H
+#define CUTTLE_MXFP8_H
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MX_X86 1
+#define MX_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+#define MX_BLOCK 32
+
+static inline float mx_bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The fp32 factor of scale byte b for elements that carry 2^-8 (b <= 254), NaN for 255. For
+ * b > 246 this is 2^(b - 127) and the caller multiplies by 2^8 first (mx_scale_hi). */
+static inline float mx_scale_factor(uint8_t b) {
+    if (b == 255) return mx_bits_f32(0x7FC00000u);
+    if (b > 246) return mx_bits_f32((uint32_t)b << 23); /* 2^(b - 127) */
+    return mx_bits_f32((uint32_t)(b + 8) << 23);                       /* 2^(b - 119) */
+}
+
+static inline int mx_scale_hi(uint8_t b) { return b > 246 && b != 255; }
+
+/* One E4M3 byte -> element * 2^-8 in fp32 (the scalar twin of mx_decode16). */
+static inline float mx_e4m3_scaled(uint8_t v) {
+    const uint32_t e = (v >> 3) & 0xF, m = v & 7;
+    const float mag = e == 0 ? (float)m * mx_bits_f32(0x37000000u) /* m * 2^-17 */
+                             : mx_bits_f32(((e + 112u) << 23) | (m << 20)); /* 2^(e-7-8) * 1.m */
+    return (v & 0x80) ? -mag : mag;
+}
+
+#ifdef MX_X86
+/* 16 E4M3 bytes -> 16 fp32 (element * 2^-8) in two registers. */
+static inline MX_AVX2 void mx_decode16(const uint8_t *p, __m256 *lo, __m256 *hi) {
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    /* sign-extended byte << 7: bit 15 = sign, bits 14..7 = a copy of the sign then eeee mmm;
+     * clearing bit 14 leaves the fp16 s 0eeee mmm0000000 */
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+/* One 32-element block decoded and scaled: the exact dequantized fp32 values (rounded once). */
+static inline MX_AVX2 void mx_dequant_block(const uint8_t *p, uint8_t b, __m256 out[4]) {
+    mx_decode16(p, &out[0], &out[1]);
+    mx_decode16(p + 16, &out[2], &out[3]);
+    const __m256 f = _mm256_set1_ps(mx_scale_factor(b));
+    if (mx_scale_hi(b)) {
+        const __m256 pre = _mm256_set1_ps(256.f);
+        for (int i = 0; i < 4; i++) out[i] = _mm256_mul_ps(out[i], pre);
+    }
+    for (int i = 0; i < 4; i++) out[i] = _mm256_mul_ps(out[i], f);
+}
+
+static inline MX_AVX2 float mx_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int mx_cpu_has_avx2(void) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#else
+static inline int mx_cpu_has_avx2(void) { return 0; }
+#endif
+#endif

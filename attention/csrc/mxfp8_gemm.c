@@ -1,0 +1,314 @@
+/* y = x @ W^T (+ bias) with W in MXFP8: E4M3 bytes [N, K] and E8M0 block scales [N, K/32] (blocks
+ * of 32 along K, the layout cuttle.moe.mxfp8 writes), read as they are stored (8.25 bits a weight)
+ * and decoded in registers (mxfp8.h). x is fp32 or bf16, y fp32 or bf16, sums are fp32.
+ *
+ * Two loops, both over the stored bytes (no repacked copy):
+ *   - decode (M <= 4 rows, memory-bound): each thread streams a contiguous range of output rows,
+ *     four weight rows at a time (four independent streams keep loads in flight); per 32-element
+ *     block the bytes become 4 fp32 registers, are dotted with every x row into a block sum, and
+ *     the block sum is multiplied once by the block's scale factor. W's bytes are read once.
+ *   - tile (M > 4, prefill): each thread dequantizes a tile of 16 weight rows to fp32 once (L2)
+ *     and runs a 2-row x 4-weight-row register kernel over a chunk of x rows sized to stay in L2,
+ *     so one conversion serves every row of the chunk.
+ * K must be a multiple of 32 (the format's block; refused, never padded: -2). AVX2 + FMA + F16C
+ * is chosen at run time (__builtin_cpu_supports), with a scalar fallback of the same math that
+ * tests can force (mxfp8_set_fast_path(0)).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtypes.h"
+#include "mxfp8.h"
+
+static int fast_path_on = -1; /* -1: decided on first use from the CPU */
+
+static int use_fast(void) {
+    if (fast_path_on < 0) fast_path_on = mx_cpu_has_avx2();
+    return fast_path_on;
+}
+
+int mxfp8_fast_path_available(void) { return mx_cpu_has_avx2(); }
+
+/* Force the scalar loops (0) or return to the CPU's choice (1); returns the path now in effect. */
+int mxfp8_set_fast_path(int on) {
+    fast_path_on = on ? mx_cpu_has_avx2() : 0;
+    return fast_path_on;
+}
+
+/* ---- dequantization ----------------------------------------------------------------------- */
+
+static inline void store_out(void *y, int dt, int64_t i, float v) {
+    if (dt == DT_BF16) ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else ((float *)y)[i] = v;
+}
+
+static inline float dequant_one(uint8_t v, uint8_t b) {
+    if ((v & 0x7F) == 0x7F) return mx_bits_f32(0x7FC00000u); /* the E4M3 NaN byte */
+    float e = mx_e4m3_scaled(v);
+    if (mx_scale_hi(b)) e *= 256.f;
+    return e * mx_scale_factor(b);
+}
+
+#ifdef MX_X86
+static MX_AVX2 void dequant_row_avx2(const uint8_t *d, const uint8_t *s, int64_t K, void *out, int dt) {
+    for (int64_t kb = 0; kb < K / MX_BLOCK; kb++) {
+        __m256 v[4];
+        mx_dequant_block(d + kb * MX_BLOCK, s[kb], v);
+        if (dt == DT_F32) {
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps((float *)out + kb * MX_BLOCK + 8 * i, v[i]);
+        } else {
+            float tmp[MX_BLOCK];
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(tmp + 8 * i, v[i]);
+            for (int i = 0; i < MX_BLOCK; i++) ((uint16_t *)out)[kb * MX_BLOCK + i] = f32_to_bf16(tmp[i]);
+        }
+    }
+    for (int64_t k = 0; k < K; k++) /* NaN element bytes (rare; the quantizer writes none outside NaN blocks) */
+        if ((d[k] & 0x7F) == 0x7F) store_out(out, dt, k, mx_bits_f32(0x7FC00000u));
+}
+#endif
+
+/* data [rows, K], scales [rows, K/32] -> out [rows, K] (fp32 or bf16): the correctly rounded value
+ * of element * 2^(b - 127) (bf16: that fp32 value rounded to nearest even, as torch rounds it).
+ * Returns 0, or -2 when K is not a multiple of 32. */
+int mxfp8_dequantize(const uint8_t *data, const uint8_t *scales, int64_t rows, int64_t K, void *out, int out_dtype) {
+    if (K % MX_BLOCK != 0) return -2;
+    const int fast = use_fast();
+    const int64_t KB = K / MX_BLOCK;
+    const size_t esz = out_dtype == DT_BF16 ? 2 : 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *d = data + r * K, *s = scales + r * KB;
+        char *o = (char *)out + (size_t)(r * K) * esz;
+#ifdef MX_X86
+        if (fast) {
+            dequant_row_avx2(d, s, K, o, out_dtype);
+            continue;
+        }
+#endif
+        for (int64_t k = 0; k < K; k++) store_out(o, out_dtype, k, dequant_one(d[k], s[k / MX_BLOCK]));
+    }
+    (void)fast;
+    return 0;
+}
+
+/* ---- decode loop (M <= 4) ------------------------------------------------------------------ */
+
+#ifdef MX_X86
+/* R consecutive weight rows (w, s at row stride K and KB) dotted with M fp32 x rows (stride K);
+ * out[r * M + m]. R and M are constants at every call site, so the loops unroll. */
+static inline __attribute__((always_inline)) MX_AVX2 void dot_rows_mx(const float *x, const uint8_t *w, const uint8_t *s,
+                                                                      int64_t K, const int R, const int M, float *out) {
+    const int64_t KB = K / MX_BLOCK;
+    __m256 tot[16];
+    for (int i = 0; i < R * M; i++) tot[i] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < KB; kb++) {
+        for (int r = 0; r < R; r++) {
+            __m256 v[4];
+            mx_decode16(w + r * K + kb * MX_BLOCK, &v[0], &v[1]);
+            mx_decode16(w + r * K + kb * MX_BLOCK + 16, &v[2], &v[3]);
+            const uint8_t b = s[r * KB + kb];
+            const __m256 f = _mm256_set1_ps(mx_scale_factor(b));
+            for (int m = 0; m < M; m++) {
+                const float *xm = x + m * K + kb * MX_BLOCK;
+                __m256 blk = _mm256_mul_ps(v[0], _mm256_loadu_ps(xm));
+                blk = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), blk);
+                blk = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), blk);
+                blk = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), blk);
+                if (__builtin_expect(mx_scale_hi(b), 0)) blk = _mm256_mul_ps(blk, _mm256_set1_ps(256.f));
+                tot[r * M + m] = _mm256_fmadd_ps(blk, f, tot[r * M + m]);
+            }
+        }
+    }
+    for (int i = 0; i < R * M; i++) out[i] = mx_hsum(tot[i]);
+}
+
+#define ROWS_MX(R_, M_)                                                                                      \
+    static MX_AVX2 void rows_mx_##R_##_##M_(const float *x, const uint8_t *w, const uint8_t *s, int64_t K, \
+                                            float *out) {                                                  \
+        dot_rows_mx(x, w, s, K, R_, M_, out);                                                              \
+    }
+ROWS_MX(4, 1)
+ROWS_MX(4, 2)
+ROWS_MX(4, 3)
+ROWS_MX(4, 4)
+ROWS_MX(1, 1)
+ROWS_MX(1, 2)
+ROWS_MX(1, 3)
+ROWS_MX(1, 4)
+typedef void (*rows_mx_fn)(const float *, const uint8_t *, const uint8_t *, int64_t, float *);
+#endif
+
+static void dot_rows_scalar(const float *x, const uint8_t *w, const uint8_t *s, int64_t K, int M, float *out) {
+    const int64_t KB = K / MX_BLOCK;
+    for (int m = 0; m < M; m++) {
+        float tot = 0.f;
+        for (int64_t kb = 0; kb < KB; kb++) {
+            float blk = 0.f;
+            for (int i = 0; i < MX_BLOCK; i++) blk += x[m * K + kb * MX_BLOCK + i] * mx_e4m3_scaled(w[kb * MX_BLOCK + i]);
+            if (mx_scale_hi(s[kb])) blk *= 256.f;
+            tot += blk * mx_scale_factor(s[kb]);
+        }
+        out[m] = tot;
+    }
+}
+
+static void linear_decode(const float *x, const uint8_t *w, const uint8_t *s, const float *bias, void *y, int y_dtype,
+                          int64_t M, int64_t N, int64_t K, int fast) {
+    const int64_t KB = K / MX_BLOCK, groups = (N + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = g * 4, nr = N - n0 < 4 ? N - n0 : 4;
+        float acc[16];
+#ifdef MX_X86
+        static const rows_mx_fn four[5] = {0, rows_mx_4_1, rows_mx_4_2, rows_mx_4_3, rows_mx_4_4};
+        static const rows_mx_fn one[5] = {0, rows_mx_1_1, rows_mx_1_2, rows_mx_1_3, rows_mx_1_4};
+        if (fast && nr == 4) {
+            four[M](x, w + n0 * K, s + n0 * KB, K, acc);
+        } else if (fast) {
+            for (int64_t r = 0; r < nr; r++) one[M](x, w + (n0 + r) * K, s + (n0 + r) * KB, K, acc + r * M);
+        } else
+#endif
+        {
+            for (int64_t r = 0; r < nr; r++) dot_rows_scalar(x, w + (n0 + r) * K, s + (n0 + r) * KB, K, (int)M, acc + r * M);
+        }
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t m = 0; m < M; m++)
+                store_out(y, y_dtype, m * N + n0 + r, acc[r * M + m] + (bias ? bias[n0 + r] : 0.f));
+    }
+    (void)fast;
+}
+
+/* ---- tile loop (M > 4) ---------------------------------------------------------------------- */
+
+#define TILE_N 16
+
+#ifdef MX_X86
+/* rows a (and b, if two) of x against 4 rows of the fp32 tile wt (row stride K) */
+static inline __attribute__((always_inline)) MX_AVX2 void micro_mx(const float *xa, const float *xb, const float *wt,
+                                                                   int64_t K, const int two, float out[8]) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 a = _mm256_loadu_ps(xa + k);
+        const __m256 b = two ? _mm256_loadu_ps(xb + k) : a;
+        for (int j = 0; j < 4; j++) {
+            const __m256 w = _mm256_loadu_ps(wt + j * K + k);
+            acc[j] = _mm256_fmadd_ps(a, w, acc[j]);
+            if (two) acc[4 + j] = _mm256_fmadd_ps(b, w, acc[4 + j]);
+        }
+    }
+    for (int i = 0; i < (two ? 8 : 4); i++) out[i] = mx_hsum(acc[i]);
+}
+static MX_AVX2 void micro_mx_2(const float *xa, const float *xb, const float *wt, int64_t K, float out[8]) {
+    micro_mx(xa, xb, wt, K, 1, out);
+}
+static MX_AVX2 void micro_mx_1(const float *xa, const float *wt, int64_t K, float out[8]) {
+    micro_mx(xa, xa, wt, K, 0, out);
+}
+#endif
+
+static void dequant_tile(const uint8_t *w, const uint8_t *s, int64_t rows, int64_t K, float *wt, int fast) {
+    const int64_t KB = K / MX_BLOCK;
+    for (int64_t r = 0; r < rows; r++) {
+#ifdef MX_X86
+        if (fast) {
+            for (int64_t kb = 0; kb < KB; kb++) {
+                __m256 v[4];
+                mx_dequant_block(w + r * K + kb * MX_BLOCK, s[r * KB + kb], v);
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(wt + r * K + kb * MX_BLOCK + 8 * i, v[i]);
+            }
+            continue;
+        }
+#endif
+        for (int64_t k = 0; k < K; k++) {
+            float e = mx_e4m3_scaled(w[r * K + k]);
+            const uint8_t b = s[r * KB + k / MX_BLOCK];
+            if (mx_scale_hi(b)) e *= 256.f;
+            wt[r * K + k] = e * mx_scale_factor(b);
+        }
+    }
+    (void)fast;
+}
+
+static int linear_tile(const float *x, const uint8_t *w, const uint8_t *s, const float *bias, void *y, int y_dtype,
+                       int64_t M, int64_t N, int64_t K, int fast) {
+    const int64_t KB = K / MX_BLOCK, tiles = (N + TILE_N - 1) / TILE_N;
+    /* x rows per chunk: ~256 KiB of fp32 x beside the tile in L2 */
+    int64_t chunk = (65536 / K) & ~(int64_t)1;
+    if (chunk < 8) chunk = 8;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *wt = (float *)malloc(sizeof(float) * (size_t)(TILE_N * K));
+        if (!wt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+                const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t n0 = t * TILE_N, nr = N - n0 < TILE_N ? N - n0 : TILE_N;
+                    dequant_tile(w + n0 * K, s + n0 * KB, nr, K, wt, fast);
+                    if (nr < TILE_N) memset(wt + nr * K, 0, sizeof(float) * (size_t)((TILE_N - nr) * K));
+                    for (int64_t m = m0; m < m1; m += 2) {
+                        const int two = m + 1 < m1;
+                        for (int64_t j0 = 0; j0 < nr; j0 += 4) {
+                            float out[8];
+#ifdef MX_X86
+                            if (fast) {
+                                if (two) micro_mx_2(x + m * K, x + (m + 1) * K, wt + j0 * K, K, out);
+                                else micro_mx_1(x + m * K, wt + j0 * K, K, out);
+                            } else
+#endif
+                            {
+                                for (int i = 0; i < (two ? 8 : 4); i++) {
+                                    const float *xm = x + (m + i / 4) * K, *wr = wt + (j0 + i % 4) * K;
+                                    float a = 0.f;
+                                    for (int64_t k = 0; k < K; k++) a += xm[k] * wr[k];
+                                    out[i] = a;
+                                }
+                            }
+                            for (int i = 0; i < (two ? 8 : 4); i++) {
+                                const int64_t n = n0 + j0 + i % 4;
+                                if (n < n0 + nr) store_out(y, y_dtype, (m + i / 4) * N + n, out[i] + (bias ? bias[n] : 0.f));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        free(wt);
+    }
+    (void)fast;
+    return failed ? -1 : 0;
+}
+
+/* x: [M, K] fp32/bf16 (row stride x_stride), data/scales: the MXFP8 weight [N, K] / [N, K/32],
+ * bias: [N] fp32 or NULL, y: [M, N] contiguous (fp32/bf16). Returns 0; -1 when a buffer cannot be
+ * allocated; -2 when K is not a multiple of 32. */
+int mxfp8_linear(const void *x, int x_dtype, int64_t x_stride, const uint8_t *data, const uint8_t *scales,
+                 const float *bias, void *y, int y_dtype, int64_t M, int64_t N, int64_t K) {
+    if (K % MX_BLOCK != 0) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    const int fast = use_fast();
+    const float *xf = (const float *)x;
+    float *copy = NULL;
+    if (x_dtype != DT_F32 || x_stride != K) { /* one contiguous fp32 copy of x (small next to W) */
+        copy = (float *)malloc(sizeof(float) * (size_t)(M * K));
+        if (!copy) return -1;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++)
+                copy[m * K + k] = x_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)x)[m * x_stride + k])
+                                                     : ((const float *)x)[m * x_stride + k];
+        xf = copy;
+    }
+    int rc = 0;
+    if (M <= 4) linear_decode(xf, data, scales, bias, y, y_dtype, M, N, K, fast);
+    else rc = linear_tile(xf, data, scales, bias, y, y_dtype, M, N, K, fast);
+    free(copy);
+    return rc;
+}

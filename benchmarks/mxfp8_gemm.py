@@ -1,0 +1,108 @@
+"""MXFP8 CPU GEMM (attention/csrc/mxfp8_gemm.c) against the memory it has to read.
+
+Decode (M = 1..4): weights of the given shape are laid out many times over (more bytes than the
+last-level cache) and walked in turn, as a model's layers are, so every call reads its weight from
+memory; reported as GB/s of weight bytes (E4M3 + E8M0 = 8.25 bits a weight) next to the copy
+bandwidth measured in the same run, and next to the bf16 and fp32 weight-streaming kernels on the
+same shapes (`cuttle.attention.native.gemm.linear`). Prefill (M > 4): GFLOP/s of the tile loop
+against torch's fp32 matmul on the dequantized weight (the dequantization not counted for torch).
+
+    python benchmarks/mxfp8_gemm.py [--quick] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, machine_info, markdown_table  # noqa: E402
+
+from cuttle.attention.native import gemm, mxfp8  # noqa: E402
+from cuttle.moe.mxfp8 import dequantize_mxfp8, quantize_mxfp8  # noqa: E402
+
+# (name, N, K): the 0.6B dense linears and a Qwen3-30B-A3B expert's two GEMMs
+SHAPES = [("0.6B qkv", 4096, 1024), ("0.6B gate|up", 6144, 1024), ("0.6B down", 1024, 3072),
+          ("30B-A3B expert w13", 1536, 2048), ("30B-A3B expert w2", 2048, 768)]
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def decode_rates(N: int, K: int, M: int, total_bytes: int, repeats: int) -> dict[str, float]:
+    """GB/s of weight bytes for MXFP8, bf16 and fp32 weights of [N, K] at M rows, weights from memory."""
+    copies = max(2, total_bytes // (N * K))
+    w = torch.randn(N, K) * 0.02
+    d, s = quantize_mxfp8(w)
+    mx_set = [(d.clone(), s.clone()) for _ in range(copies)]
+    x = torch.randn(M, K)
+    out = {}
+    t = best_of(lambda: [mxfp8.linear(x, a, b) for a, b in mx_set], repeats)
+    out["mxfp8"] = copies * (d.numel() + s.numel()) / t / 1e9
+    del mx_set
+    wb = [w.bfloat16() for _ in range(copies)]
+    xb = x.bfloat16()
+    t = best_of(lambda: [gemm.linear(xb, a) for a in wb], repeats)
+    out["bf16"] = copies * N * K * 2 / t / 1e9
+    del wb
+    copies32 = max(2, copies // 2)
+    wf = [w.clone() for _ in range(copies32)]
+    t = best_of(lambda: [gemm.linear(x, a) for a in wf], repeats)
+    out["fp32"] = copies32 * N * K * 4 / t / 1e9
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, decode only at M=1")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--mb", type=int, default=256, help="MiB of weights walked per decode measurement (> LLC)")
+    args = ap.parse_args()
+    repeats = 3 if args.quick else 7
+    info = machine_info()
+    info["load_before"] = os.getloadavg()
+    copy = copy_bandwidth_gbs(1 << 28)
+    read_bound = copy / 2  # copy counts read + write bytes: a pure stream reads about this much
+    rows, results = [], {"copy_gbs": copy, "decode": [], "prefill": []}
+    for name, N, K in SHAPES:
+        for M in ((1,) if args.quick else (1, 4)):
+            r = decode_rates(N, K, M, args.mb << 20, repeats)
+            results["decode"].append({"shape": name, "N": N, "K": K, "M": M, **r})
+            rows.append([name, f"{N}x{K}", M, f"{r['mxfp8']:.1f}", f"{r['mxfp8'] / read_bound:.2f}", f"{r['bf16']:.1f}",
+                         f"{r['fp32']:.1f}", f"{(r['bf16'] / 2) / (r['mxfp8'] / 1.03125):.2f}"])
+    print(f"copy bandwidth {copy:.1f} GB/s (read + write); a read stream is bounded near {read_bound:.1f} GB/s")
+    print(markdown_table(["shape", "N x K", "M", "MXFP8 GB/s", "of copy/2", "bf16 GB/s", "fp32 GB/s",
+                          "MXFP8 speed-up vs bf16 (time)"], rows))
+    prow = []
+    for name, N, K in SHAPES[:3]:
+        w = torch.randn(N, K) * 0.02
+        d, s = quantize_mxfp8(w)
+        wd = dequantize_mxfp8(d, s, 32, torch.float32)
+        for M in ((64,) if args.quick else (16, 64, 256)):
+            x = torch.randn(M, K)
+            t_mx = best_of(lambda: mxfp8.linear(x, d, s), repeats)
+            t_t = best_of(lambda: x @ wd.T, repeats)
+            results["prefill"].append({"shape": name, "M": M, "mxfp8_gflops": 2 * M * N * K / t_mx / 1e9,
+                                       "torch_fp32_gflops": 2 * M * N * K / t_t / 1e9})
+            prow.append([name, M, f"{2 * M * N * K / t_mx / 1e9:.1f}", f"{2 * M * N * K / t_t / 1e9:.1f}"])
+    print(markdown_table(["shape", "M", "MXFP8 tile GFLOP/s", "torch fp32 mm GFLOP/s (dequantized W)"], prow))
+    info["load_after"] = os.getloadavg()
+    print(f"load average before {info['load_before']}, after {info['load_after']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, **results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""MXFP8 CPU kernel (attention/csrc/mxfp8_gemm.c), issue 18 acceptance 2: dequantization bit-exact
+against cuttle.moe.mxfp8's reference (every element byte, every scale byte, fp32 and bf16), the
+GEMM against float64 on the dequantized weights within fp32 accumulation error (decode and tile
+loops, fp32/bf16 activations, bias, ragged N), K not a multiple of 32 refused. Every case runs on
+both the AVX2 path and the scalar fallback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuttle.attention.native import mxfp8 as mx
+from cuttle.moe.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+
+pytestmark = pytest.mark.skipif(not mx.available(), reason="native CPU kernel library not built (no C compiler)")
+
+F64 = torch.float64
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def path(request):
+    if request.param == "avx2" and not mx.fast_path_available():
+        pytest.skip("CPU lacks AVX2/FMA/F16C")
+    assert mx.set_fast_path(request.param == "avx2") == (request.param == "avx2")
+    yield request.param
+    mx.set_fast_path(True)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, every NaN mapped to one value (payloads are not part of the format)."""
+    b = t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).clone()
+    b[torch.isnan(t)] = -1
+    return b
+
+
+def _all_bytes() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every E4M3 byte under every E8M0 byte: 256 rows (one per scale byte) of 256 elements (8 blocks)."""
+    data = torch.arange(256, dtype=torch.uint8).repeat(256, 1)
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8)
+    return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_every_byte_bit_exact(path: str, dtype: torch.dtype) -> None:
+    data, scale = _all_bytes()
+    got, ref = mx.dequantize(data, scale, dtype), dequantize_mxfp8(data, scale, 32, dtype)
+    assert torch.equal(_bits(got), _bits(ref))
+    # the reference's own two paths agree (bit path for scale bytes <= 134, fp32 path above)
+    low = (slice(0, 135), slice(None))
+    no_nan = (data.view(torch.uint8)[low] & 0x7F) != 0x7F
+    assert torch.equal(_bits(got[low])[no_nan], _bits(dequantize_mxfp8(data[low], scale[low][:, :], 32, dtype))[no_nan])
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_quantized_weights_bit_exact(path: str, mode: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 37, 320, generator=g) * torch.logspace(-30, 30, 37)[None, :, None]
+    data, scale = quantize_mxfp8(w, 32, mode)
+    assert torch.equal(_bits(mx.dequantize(data, scale, dtype)), _bits(dequantize_mxfp8(data, scale, 32, dtype)))
+
+
+def _gemm_case(M: int, N: int, K: int, x_dtype: torch.dtype, bias: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.05
+    data, scale = quantize_mxfp8(w)
+    x = torch.randn(M, K, generator=g).to(x_dtype)
+    b = torch.randn(N, generator=g) if bias else None
+    return x, data, scale, b
+
+
+def _check_gemm(x, data, scale, b, y) -> None:
+    wd = dequantize_mxfp8(data, scale, 32, F64)
+    xd = x.to(F64)
+    ref = xd @ wd.T + (b.to(F64) if b is not None else 0)
+    K = x.shape[1]
+    # fp32 accumulation: |error| <= gamma_K * sum |x||w| (+ the bias add and the final rounding)
+    gamma = (K + 2) * 2.0**-24 / (1 - (K + 2) * 2.0**-24)
+    bound = gamma * (xd.abs() @ wd.abs().T + (b.to(F64).abs() if b is not None else 0))
+    if y.dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0**-8  # the output's own rounding
+    err = (y.to(F64) - ref).abs()
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 33])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_gemm_within_fp32_accumulation_error(path: str, M: int, x_dtype: torch.dtype) -> None:
+    for N, K, bias in ((37, 96, True), (16, 1024, False), (5, 32, True)):
+        x, data, scale, b = _gemm_case(M, N, K, x_dtype, bias, seed=M * 100 + N)
+        _check_gemm(x, data, scale, b, mx.linear(x, data, scale, b))
+
+
+@pytest.mark.parametrize("M", [1, 6])
+@pytest.mark.parametrize("scale_bytes,x_scale", [((0, 1, 2, 10), 2.0**60), ((200, 246, 247, 254), 2.0**-30)])
+def test_gemm_extreme_block_scales(path: str, M: int, scale_bytes: tuple[int, ...], x_scale: float) -> None:
+    """Raw bytes with the smallest scales (2^-127: subnormal fp32 weights) and the largest (bytes
+    above 246 take the factor split in two), x scaled so every product stays a normal fp32."""
+    g = torch.Generator().manual_seed(M)
+    N, K = 9, 64
+    data = torch.randint(0, 0x30, (N, K), generator=g, dtype=torch.uint8) | (torch.randint(0, 2, (N, K), generator=g, dtype=torch.uint8) << 7)
+    scale = torch.tensor(scale_bytes, dtype=torch.uint8).repeat(N // len(scale_bytes) + 1)[:N, None].repeat(1, K // 32)
+    data, scale = data.view(torch.float8_e4m3fn), scale.contiguous().view(torch.float8_e8m0fnu)
+    x = torch.randn(M, K, generator=g) * x_scale
+    _check_gemm(x, data, scale, None, mx.linear(x, data, scale))
+
+
+def test_gemm_strided_x_and_out_buffer(path: str) -> None:
+    x, data, scale, b = _gemm_case(3, 40, 128, torch.float32, True, seed=3)
+    wide = torch.zeros(3, 200)
+    wide[:, 50:178] = x
+    out = torch.empty(3, 40, dtype=torch.bfloat16)
+    y = mx.linear(wide[:, 50:178], data, scale, b, out=out)
+    assert y is out
+    _check_gemm(x, data, scale, b, y)
+
+
+def test_nan_scale_block_gives_nan_rows() -> None:
+    w = torch.randn(4, 64)
+    w[1, 40] = float("nan")
+    data, scale = quantize_mxfp8(w)
+    y = mx.linear(torch.ones(2, 64), data, scale)
+    assert torch.isnan(y[:, 1]).all() and torch.isfinite(y[:, [0, 2, 3]]).all()
+
+
+def test_k_not_multiple_of_32_is_refused() -> None:
+    data = torch.zeros(4, 48, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.zeros(4, 1, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match="K = 48 is not a multiple of the block size 32"):
+        mx.linear(torch.zeros(1, 48), data, scale)
+    with pytest.raises(ValueError, match="K = 48"):
+        mx.dequantize(data, scale)
+
+
+def test_bad_arguments_name_the_field() -> None:
+    data, scale = quantize_mxfp8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match=r"x has shape \(1, 32\)"):
+        mx.linear(torch.zeros(1, 32), data, scale)
+    with pytest.raises(ValueError, match="scale has shape"):
+        mx.linear(torch.zeros(1, 64), data, scale[:, :1].contiguous())
+    with pytest.raises(ValueError, match="bias has shape"):
+        mx.linear(torch.zeros(1, 64), data, scale, torch.zeros(7))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        mx.linear(torch.zeros(1, 64), data.view(torch.uint8), scale)
+
+
+def test_nan_element_bytes_outside_nan_blocks_are_refused() -> None:
+    data, scale = quantize_mxfp8(torch.randn(2, 64))
+    mx.check_nan_elements(data, scale)  # what the quantizer writes passes
+    bad = data.clone()
+    bad.view(torch.uint8)[0, 3] = 0x7F
+    with pytest.raises(ValueError, match="NaN bytes in blocks with a finite scale"):
+        mx.check_nan_elements(bad, scale)
+    assert torch.isnan(mx.dequantize(bad, scale)[0, 3])  # the dequantize kernel decodes it as NaN
