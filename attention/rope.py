@@ -2,9 +2,12 @@
 
 Owns the cos/sin tables (built once, fp32) and their application to q and k, and the tables that
 move a cached segment's keys by a position offset without touching them (the attention backends
-rotate the query instead: see `delta_tables`). Supports the Llama-3.1 frequency scaling. Must stay
-numerically identical to transformers in float32: the angle of position p is the fp32 product
-p * inv_freq, as HF computes it.
+rotate the query instead: see `delta_tables`). Frequency scalings: `linear` (position
+interpolation), `llama3` (Llama-3.1) and `yarn` (with its attention factor, "mscale", which
+multiplies cos and sin, so q.k gains its square). The scaling dict arrives validated and complete
+from `cuttle.engine.config`; this module never guesses a missing field. Must stay numerically
+identical to transformers in float32: the angle of position p is the fp32 product p * inv_freq,
+as HF computes it, and the attention factor is applied to the fp32 cos/sin as HF applies it.
 """
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ from typing import Any
 import torch
 
 # Scalings whose angle stays p * inv_freq (only the frequencies change), so rotations compose:
-# R(a + b) = R(a) R(b), and a key cached at c can be used at c + delta. Dynamic NTK (the base
-# depends on the current length) or YaRN's mscale-folded tables would not compose: refused.
-POSITION_LINEAR_ROPE_TYPES = ("default", "llama3")
+# R(a + b) = R(a) R(b), and a key cached at c can be used at c + delta. YaRN is one of them: its
+# attention factor m scales every position's cos/sin alike, so a cached key m R(c) k queried by
+# R(-delta) m R(p) q still gives m^2 <R(p - delta) q, R(c) k>, and the delta tables carry no m.
+# Dynamic NTK (the base depends on the current length) would not compose; config refuses it.
+POSITION_LINEAR_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -27,10 +32,18 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
+    kind = rope_type(scaling)
+    if kind == "default":
         return inv_freq
-    # Llama-3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    assert scaling is not None
     factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    if kind != "llama3":
+        raise ValueError(f"rope type {kind!r} is not supported (supported: {', '.join(POSITION_LINEAR_ROPE_TYPES)})")
+    # Llama-3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))
     old_len = float(scaling["original_max_position_embeddings"])
@@ -44,15 +57,72 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than `beta_slow` times over the original
+    context are interpolated (divided by `factor`), those that turn more than `beta_fast` times are
+    kept, with a linear ramp between; the ramp's ends are rounded outwards unless `truncate` is false."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling["beta_fast"]), float(scaling["beta_slow"])
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor cos and sin are multiplied by (YaRN's "mscale"; 1 for every other type): the
+    config's `attention_factor` if given, else 0.1 ln(factor) + 1, or with DeepSeek's `mscale` and
+    `mscale_all_dim` the ratio of that formula at the two (the rest of DeepSeek's mscale is in the
+    softmax scale: `yarn_softmax_scale`)."""
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    assert scaling is not None
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim)))
+    return _yarn_mscale(factor)
+
+
+def yarn_softmax_scale(scaling: dict[str, Any] | None) -> float:
+    """DeepSeek-V3's extra attention-logit multiplier under YaRN: mscale(factor, mscale_all_dim)^2
+    (1 without `mscale_all_dim`, and for every other rope type)."""
+    if rope_type(scaling) == "default" or scaling is None or not scaling.get("mscale_all_dim"):
+        return 1.0
+    m = _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+    return m * m
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 class RotaryEmbedding:
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None, device: torch.device):
         self.rotary_dim = head_dim  # dims rotated: the first `rotary_dim` of a head (NeoX halves)
         self.rope_type = rope_type(scaling)
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [rotary_dim / 2] fp32, on the host
+        self.attention_factor = rope_attention_factor(scaling)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:  # YaRN: the fp32 tables scaled, as transformers does
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self.cos = cos.to(device)
+        self.sin = sin.to(device)
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ MODEL_TYPES = {
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 MOE_QUANT_MODES = ("mxfp8",)
+QUANTIZATION_MODES = ("mxfp8",)  # EngineConfig.quantization (vLLM's --quantization): every linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,13 +104,7 @@ class ModelConfig:
         hidden = int(hf["hidden_size"])
         rope = hf.get("rope_parameters") or {}
         rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3"):
-                raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, llama3)")
-            if kind == "default":
-                rope_scaling = None
+        rope_scaling = _rope_scaling(hf.get("rope_scaling") or rope, hf, path)
         num_layers = int(hf["num_hidden_layers"])
         num_experts = int(hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
         moe_layers = [i for i in range(num_layers) if is_moe_layer(hf, i)] if num_experts > 0 else []
@@ -171,6 +166,58 @@ class ModelConfig:
         )
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_scaling(raw: dict[str, Any] | None, hf: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The rope scaling as `cuttle.attention.rope` reads it: None for plain RoPE, else a dict with
+    `rope_type` and every field its type uses filled in with transformers' defaults (so the tables
+    never depend on a default guessed later), each checked; any other type is refused by name."""
+    where = path or "config"
+    if not raw:
+        return None
+    kind = str(raw.get("rope_type", raw.get("type", "default")))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling.rope_type {kind!r} in {where} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if kind == "default":
+        return None
+    out = {k: v for k, v in raw.items() if k not in ("type", "rope_theta")}
+    out["rope_type"] = kind
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+
+    def number(name: str, low: float, default: Any = None, low_open: bool = False) -> None:
+        value = out.get(name, default)
+        if value is None:
+            raise ValueError(f"rope_scaling.{name} is required for rope type {kind!r} in {where}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low or (low_open and value == low):
+            raise ValueError(f"rope_scaling.{name} must be a finite number {'>' if low_open else '>='} {low} in {where}, got {value!r}")
+        out[name] = value
+
+    if kind in ("llama3", "yarn"):
+        # transformers prefers a top-level original_max_position_embeddings, then the dict's, then max_position_embeddings
+        original = hf.get("original_max_position_embeddings") or out.get("original_max_position_embeddings") or max_pos
+        out["original_max_position_embeddings"] = original
+        number("original_max_position_embeddings", 1)
+    if kind == "yarn" and out.get("factor") is None:
+        out["factor"] = max_pos / out["original_max_position_embeddings"]  # DeepSeek-style: implied by the lengths
+    number("factor", 0.0, low_open=True)
+    if kind == "llama3":
+        number("low_freq_factor", 0.0, 1.0, low_open=True)
+        number("high_freq_factor", 0.0, 4.0, low_open=True)
+        if out["high_freq_factor"] <= out["low_freq_factor"]:
+            raise ValueError(f"rope_scaling.high_freq_factor must exceed low_freq_factor in {where}")
+    if kind == "yarn":
+        out["beta_fast"] = out.get("beta_fast") or 32  # transformers: a 0 or missing beta means the default
+        out["beta_slow"] = out.get("beta_slow") or 1
+        number("beta_fast", 0.0, low_open=True)
+        number("beta_slow", 0.0, low_open=True)
+        out["truncate"] = bool(out.get("truncate", True))
+        for name in ("attention_factor", "mscale", "mscale_all_dim"):
+            if out.get(name) is not None:
+                number(name, 0.0)
+    return out
+
+
 def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
     """Reject config features the decoder does not implement, rather than compute something else."""
     where = path or "config"
@@ -213,6 +260,7 @@ class EngineConfig:
     logprobs_mode: str = "processed"  # "processed": the distribution sampled from; "raw": the model's logits
     num_threads: int | None = None
     moe_quant: str | None = None  # "mxfp8": routed-expert weights quantized at load (docs/moe.md)
+    quantization: str | None = None  # "mxfp8": attention / dense-MLP linears and routed experts quantized at load (docs/moe.md)
     squid_positions: str | None = None  # squid documents: "shared" | "concat"; None: the model's config.json says, else "concat"
     max_documents: int = 64  # documents one request may carry
     # KV tiers under the device pool (docs/kv_tiers.md), all off by default. The host tier's size is
@@ -223,6 +271,9 @@ class EngineConfig:
     num_host_kv_blocks: int | None = None
     kv_cache_dir: str | None = None
     kv_cache_dir_gb: float = 16.0
+    # host-tier hits: "auto" lets the cost model choose copy-in or read in place (the attention
+    # kernel reads the host blocks where they are); "never" always copies in; "always" reads in place
+    kv_read_in_place: str = "auto"
     # training-free top-k attention for dense checkpoints (docs/nsa.md): None (dense), a spec string
     # "topk:budget=2048,block=64,dense_layers=2,summary=quest" or the same as a dict
     sparse_attention: str | dict[str, Any] | None = None
@@ -260,6 +311,8 @@ class EngineConfig:
             raise ValueError("kv_cache_dir needs the host tier above it: set kv_offloading_size (GiB) or num_host_kv_blocks")
         if self.kv_cache_dir is not None and (not self.kv_cache_dir or (os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir))):
             raise ValueError(f"kv_cache_dir must name a directory, got {self.kv_cache_dir!r}")
+        if self.kv_read_in_place not in ("auto", "never", "always"):
+            raise ValueError(f"kv_read_in_place must be 'auto', 'never' or 'always'; got {self.kv_read_in_place!r}")
         parse_sparse_attention(self.sparse_attention)  # a bad spec raises naming its field
         if self.max_sessions < 0:
             raise ValueError(f"max_sessions must be >= 0, got {self.max_sessions}")
@@ -267,6 +320,8 @@ class EngineConfig:
             raise ValueError(f"max_session_kv_blocks must be >= 0, got {self.max_session_kv_blocks}")
         if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
             raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_MODES)}; got {self.quantization!r}")
 
     @property
     def has_host_tier(self) -> bool:

@@ -16,7 +16,7 @@ from torch import nn
 
 from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
-from cuttle.attention.rope import apply_rope
+from cuttle.attention.rope import apply_rope, yarn_softmax_scale
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
 
@@ -60,7 +60,8 @@ class MLAttention(nn.Module):
         self.kv_b_weight = empty_param(cfg.num_heads * (self.nope + self.v_dim), m.kv_lora_rank, dtype=dtype)
         self.o_weight = empty_param(H, cfg.num_heads * self.v_dim, dtype=dtype)
         self.o_bias = empty_param(H, dtype=dtype) if bias else None
-        self.scale = self.qk_dim**-0.5
+        # DeepSeek-V3 under YaRN with mscale_all_dim also scales the attention logits (transformers does)
+        self.scale = self.qk_dim**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q, k [T, heads, qk_dim] (rotary dims last), v [T, heads, v_dim]."""
