@@ -76,13 +76,17 @@ def fix_script(seed: int) -> list[str]:
 
 
 class ScriptedOverEngine:
-    """A `TokenSampler`: the script's turns, with the engine run for each turn as described above."""
+    """A `TokenSampler`: the script's turns, with the engine run for each turn as described above.
+    `llm` is an `LLM` (in process: one caller) or an `EngineSampler` (a Ray worker: every group
+    thread at once, the turns batched continuously in the engine)."""
 
     def __init__(self, llm: Any, engine_tokens: int | None = None):
+        from cuttle.rl.engine_sampler import EngineSampler
         from cuttle.sandbox.tasks import make_task
 
         self.engine_tokens = engine_tokens
         self.llm, self.tok = llm, llm.get_tokenizer()
+        self.thread_safe = isinstance(llm, EngineSampler)
         self.eos_token_ids = llm.engine.eos_token_ids
         self.end_of_turn = self.tok.encode("<|im_end|>", add_special_tokens=False)[0]
         self.scripts = {make_task({"kind": "synthetic", "seed": s}).prompt: s for s in range(NUM_TASKS)}
@@ -100,7 +104,8 @@ class ScriptedOverEngine:
         lens = [min(len(t), params.max_tokens) for t, _ in turns]
         sps = [SamplingParams(n=params.n, temperature=params.temperature, ignore_eos=True,
                               max_tokens=k if self.engine_tokens is None else min(k, self.engine_tokens)) for k in lens]
-        self.llm.generate(prompts, sps, use_tqdm=False)  # the cost of writing these turns
+        # the cost of writing these turns
+        self.llm.generate(prompts, sps) if self.thread_safe else self.llm.generate(prompts, sps, use_tqdm=False)
         version = self.llm.engine.weight_version
         out = []
         for (t, body), k in zip(turns, lens):
@@ -108,6 +113,12 @@ class ScriptedOverEngine:
             finish = "stop" if len(ids) == len(t) else "length"
             out.append([Sample(list(ids), [0.0] * len(ids), finish, version, text=body) for _ in range(params.n)])
         return out
+
+    def update_weights(self, named_tensors: Any, in_flight: str = "abort") -> int:
+        return self.llm.update_weights(named_tensors, in_flight)
+
+    def stats(self) -> dict[str, Any]:
+        return self.llm.stats()
 
 
 class StragglerEnv:
@@ -172,12 +183,43 @@ ENGINE_TOKENS: int | None = None  # set by main before the workers are made (shi
 
 
 def scripted_worker() -> tuple[Any, Any, set[int]]:
-    s = ScriptedOverEngine(make_llm(threads=1), ENGINE_TOKENS)
+    from cuttle.rl.engine_sampler import EngineSampler
+
+    s = ScriptedOverEngine(EngineSampler(make_llm(threads=1)), ENGINE_TOKENS)
+    return s, s.tok, s.eos_token_ids
+
+
+def scripted_worker_locked() -> tuple[Any, Any, set[int]]:
+    s = ScriptedOverEngine(make_llm(threads=1), ENGINE_TOKENS)  # not thread-safe: the worker locks it
     return s, s.tok, s.eos_token_ids
 
 
 def model_worker() -> Any:
-    return make_llm(threads=1)
+    return make_llm(threads=1)  # the worker serves it through an EngineSampler
+
+
+class LockedLLM:
+    """An in-process LLM handed to a worker as a plain (not thread-safe) sampler: the worker's lock
+    makes its engine sample one group's turn at a time (what workers did before EngineSampler)."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    def generate_tokens(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        from cuttle.rl.rollout import generate_tokens
+
+        return generate_tokens(self.llm, prompts, params)
+
+    def update_weights(self, named_tensors: Any, in_flight: str = "abort") -> int:
+        return self.llm.update_weights(named_tensors, in_flight)
+
+    def stats(self) -> dict[str, Any]:
+        return self.llm.stats()
+
+
+def model_worker_locked() -> tuple[Any, Any, set[int]]:
+    llm = make_llm(threads=1)
+    return LockedLLM(llm), llm.get_tokenizer(), llm.engine.eos_token_ids
 
 
 class SpecStream:
@@ -235,7 +277,7 @@ def run_mode(system: str, policy: str, mode: str, args: argparse.Namespace, stra
         wall = time.perf_counter() - t0
         left = len(runner.drop_carried())
     else:
-        rollout = shared["ray"][policy]
+        rollout = shared["ray"][(policy, system)]
         for _ in range(args.steps):
             specs = stream.take(started - rollout.carried)
             res = rollout.run_step(specs, args.group_size, params, groups_needed=g, partial=partial, timeout_s=900)
@@ -285,14 +327,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--quick", action="store_true", help="3 steps, delays x0.5, engine tokens per scripted turn capped at 8")
     ap.add_argument("--steps", type=int, default=None, help="steps per mode (default 6; --quick 3)")
     ap.add_argument("--groups", type=int, default=4, help="groups each step must return")
-    ap.add_argument("--extra", type=int, default=2, help="groups started beyond --groups (oversample, partial)")
+    ap.add_argument("--extra", type=int, default=4, help="groups started beyond --groups (oversample, partial)")
     ap.add_argument("--group-size", type=int, default=2)
     ap.add_argument("--straggle", type=float, default=0.1, help="probability that a tool call straggles")
     ap.add_argument("--delay-scale", type=float, default=None, help="x the 5-20 s delays (default 1; --quick 0.5)")
     ap.add_argument("--engine-tokens-per-turn", type=int, default=None,
                     help="cap on the engine's decode steps per scripted turn (default: the whole turn; --quick 8)")
     ap.add_argument("--max-tokens", type=int, default=48, help="max tokens of the model policy's turn")
-    ap.add_argument("--systems", nargs="+", default=["inproc", "ray2"], choices=["inproc", "ray2"])
+    ap.add_argument("--systems", nargs="+", default=["inproc", "ray2"], choices=["inproc", "ray2", "ray2_locked"],
+                    help="ray2_locked: 2 workers whose engine serves one group's turn at a time (the old lock)")
     ap.add_argument("--modes", nargs="+", default=["sync", "oversample", "partial"], choices=["sync", "oversample", "partial"])
     ap.add_argument("--policies", nargs="+", default=["scripted", "model"], choices=["scripted", "model"])
     ap.add_argument("--out", default="/tmp/cuttle-agent-rollout")
@@ -317,7 +360,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for policy in args.policies:
         for system in args.systems:
             plan.append((policy, system, "sync", 0.0))  # the system without stragglers
-            if policy == "scripted":  # the model policy makes no tool calls: nothing can straggle
+            # the model policy makes no tool calls: nothing can straggle; ray2_locked is the control
+            # of worker batching, measured without stragglers only
+            if policy == "scripted" and system != "ray2_locked":
                 plan += [(policy, system, m, args.straggle) for m in args.modes]
     try:
         if "inproc" in args.systems:
@@ -325,18 +370,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             s = ScriptedOverEngine(llm, args.engine_tokens_per_turn)
             shared["inproc"]["scripted"] = AgentRollout(s, StragglerFactory(), cfgs["scripted"], tokenizer=s.tok, eos_token_ids=s.eos_token_ids)
             shared["inproc"]["model"] = AgentRollout(llm, StragglerFactory(), cfgs["model"])
-        if "ray2" in args.systems:
+        if any(s.startswith("ray2") for s in args.systems):
             import ray
 
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         for policy, system, mode, straggle in plan:
-            if system == "ray2" and policy not in shared["ray"]:
+            if system.startswith("ray2") and (policy, system) not in shared["ray"]:
                 from cuttle.rl.ray_rollout import RayRollout
 
                 for other in shared["ray"].values():  # 2 workers of one CPU each: one policy's at a time
                     other.shutdown()
-                shared["ray"] = {policy: RayRollout(2, scripted_worker if policy == "scripted" else model_worker,
+                factory = {("scripted", "ray2"): scripted_worker, ("scripted", "ray2_locked"): scripted_worker_locked,
+                           ("model", "ray2"): model_worker, ("model", "ray2_locked"): model_worker_locked}[(policy, system)]
+                shared["ray"] = {(policy, system): RayRollout(2, factory,
                                                     StragglerFactory(), cfgs[policy], num_cpus=1)}
             row = run_mode(system, policy, mode, args, straggle, shared)
             rows.append(row)

@@ -34,6 +34,10 @@ _WIRE_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_toke
 
 
 class RolloutClient:
+    # httpx.Client may be shared by threads, and a server batches concurrent requests itself: a Ray
+    # rollout worker calls it from every group thread at once
+    thread_safe = True
+
     def __init__(self, base_urls: str | list[str], api_key: str | None = None, timeout: float = 600.0):
         self.base_urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not self.base_urls:

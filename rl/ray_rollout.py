@@ -25,8 +25,11 @@ weights every worker samples with.
   the version that produced it).
 
 Within a worker, groups run in threads of a threaded actor, each its own `AgentRollout.run`, so one
-group's tool calls overlap another's sampling; calls into the sampler are serialized by a lock
-(the offline engine is not thread-safe), so a worker's engine batches one group's turn at a time.
+group's tool calls overlap another's sampling. An in-process engine is wrapped in `EngineSampler`
+(rl/engine_sampler.py): every group's turn joins the engine's running batch at its next step, so
+the worker's groups share engine batches (continuous batching). A sampler that says it is
+`thread_safe` (`EngineSampler`, `RolloutClient` fronting a `cuttle serve`, which batches on its
+side) is called from all group threads at once; any other is serialized by a lock.
 `ray` is imported only here; `cuttle.rl` and `cuttle.engine` import without it. Multi-node: the
 same code, with `ray.init(address=...)` on the driver and the workers placed by Ray's scheduler.
 """
@@ -45,15 +48,19 @@ from cuttle.engine.llm import LLM
 from cuttle.engine.sampling_params import SamplingParams
 from cuttle.engine.tokenizer import Tokenizer
 from cuttle.rl.agent import AgentConfig, AgentGroup, AgentRollout
+from cuttle.rl.engine_sampler import EngineSampler
 from cuttle.rl.environment import AgentEnvironment, EnvFactory
 from cuttle.rl.rollout import TokenSampler, generate_tokens
 
-# builds a worker's sampler: an LLM, or (sampler, its tokenizer, its EOS ids)
+# builds a worker's sampler: an LLM (served through an EngineSampler), or (sampler, its tokenizer,
+# its EOS ids), e.g. (RolloutClient(url), Tokenizer(model path), eos ids) to front a `cuttle serve`
 SamplerFactory = Callable[[], LLM | tuple[TokenSampler, Tokenizer, set[int]]]
 
 
 class _LockedSampler:
-    def __init__(self, sampler: LLM | TokenSampler):
+    """A sampler that is not thread-safe, called by one group thread at a time."""
+
+    def __init__(self, sampler: TokenSampler):
         self.sampler, self.lock = sampler, threading.Lock()
 
     def generate_tokens(self, prompts, params):  # noqa: ANN001 - TokenSampler's signature
@@ -86,10 +93,12 @@ class RolloutWorker:
     def __init__(self, sampler_factory: SamplerFactory, env_factory: EnvFactory, config: AgentConfig | None = None):
         made = sampler_factory()
         if isinstance(made, LLM):
-            self.sampler, tok, eos = made, made.get_tokenizer(), made.engine.eos_token_ids
+            made = EngineSampler(made)
+            self.sampler, tok, eos = made, made.get_tokenizer(), made.eos_token_ids
         else:
             self.sampler, tok, eos = made
-        self.locked = _LockedSampler(self.sampler)
+        self.thread_safe = bool(getattr(self.sampler, "thread_safe", False))
+        self.locked = self.sampler if self.thread_safe else _LockedSampler(self.sampler)
         self.stopping: set[int] = set()
         self.running: set[int] = set()
         self.open_envs = 0  # environments alive right now (started and not yet closed)
@@ -120,12 +129,14 @@ class RolloutWorker:
             self.stopping |= set(group_ids) & self.running
 
     def update_weights(self, tensors: dict[str, torch.Tensor]) -> int:
-        with self.locked.lock:  # never between two turns' sampling of a running group's batch
+        if self.thread_safe:  # between engine steps; turns in flight finish under the old weights
+            return self.sampler.update_weights(iter(tensors.items()), in_flight="finish")
+        with self.locked.lock:  # never in the middle of a turn's sampling
             return self.sampler.update_weights(iter(tensors.items()))
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"open_envs": self.open_envs, "running_groups": len(self.running)}
-        if isinstance(self.sampler, LLM):
+        if callable(getattr(self.sampler, "stats", None)):
             out.update(self.sampler.stats())
         return out
 
