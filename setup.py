@@ -43,6 +43,7 @@ setup(
             "pytest",
             "hypothesis",
             "transformers",
+            "accelerate",  # transformers' FP8 block checkpoint loading (the oracle of test_fp8_checkpoint)
             "triton",
             "openai",
             "fastapi",

@@ -80,6 +80,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     hf_config: dict[str, Any] = field(repr=False)
+    fp8_quant: Fp8BlockQuant | None = None  # FP8 block-scaled weights, dequantized at load (engine/models/fp8_checkpoint.py)
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
@@ -163,6 +164,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             hf_config=hf,
+            fp8_quant=fp8_block_quant(hf, path),
         )
 
 
@@ -231,16 +233,70 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
         raise ValueError(f"use_sliding_window in {where} is not supported")
     # A quantized checkpoint loaded as if it were not one drops its scales and computes garbage.
     # cuttle's own MXFP8 expert checkpoints carry no quantization_config (their safetensors header
-    # says so; see cuttle.moe.checkpoint), so every scheme named here is one we do not implement.
+    # says so; see cuttle.moe.checkpoint); FP8 block-scaled ones are read by `fp8_block_quant`;
+    # every other scheme named here is one we do not implement.
     qc = hf.get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else repr(qc)
-        detail = f" (fmt {qc['fmt']!r}, weight_block_size {qc.get('weight_block_size')})" if isinstance(qc, dict) and "fmt" in qc else ""
+        if method != "fp8":
+            raise ValueError(
+                f"quantization_config.quant_method {method!r} in {where} is not supported: cuttle loads unquantized "
+                "checkpoints (bf16/fp16/fp32), FP8 block-scaled ones (quant_method 'fp8' with weight_block_size) and its "
+                "own MXFP8 expert checkpoints; refusing rather than loading the quantized weights without their scales"
+            )
+
+
+@dataclass(slots=True, frozen=True)
+class Fp8BlockQuant:
+    """An FP8 block-scaled checkpoint (Qwen3-*-FP8, DeepSeek-V3): each quantized linear weight is
+    float8_e4m3fn beside a `weight_scale_inv` holding one fp32 multiplier per block of
+    `block[0]` rows x `block[1]` columns; activations are quantized dynamically at run time by the
+    original engines, so nothing else is stored. Modules in `ignored` keep full-precision weights."""
+
+    block: tuple[int, int]
+    ignored: tuple[str, ...]
+
+
+# quantization_config keys of FP8 block checkpoints that change nothing in how the weights are read:
+# scale_fmt "ue8m0" says how the scales were rounded (they are stored as values all the same);
+# `dequantize` is transformers' own load-time switch
+_FP8_INERT_KEYS = ("quant_method", "activation_scheme", "fmt", "weight_block_size", "modules_to_not_convert",
+                   "ignored_layers", "scale_fmt", "dequantize")
+
+
+def fp8_block_quant(hf: dict[str, Any], path: str = "") -> Fp8BlockQuant | None:
+    """The FP8 block layout named by config.json's quantization_config, each field checked; None
+    for an unquantized checkpoint. Static activation scales, the e5m2 format and per-tensor scales
+    (no weight_block_size) are refused by field."""
+    qc = hf.get("quantization_config")
+    if qc is None or not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return None
+    where = path or "config"
+    unknown = sorted(k for k in qc if k not in _FP8_INERT_KEYS)
+    if unknown:
+        raise ValueError(f"quantization_config fields {unknown} in {where} are not supported for quant_method 'fp8' (known: {', '.join(_FP8_INERT_KEYS)})")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"quantization_config.activation_scheme {scheme!r} in {where} is not supported (supported: dynamic)")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt {fmt!r} in {where} is not supported (supported: e4m3)")
+    scale_fmt = qc.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"quantization_config.scale_fmt {scale_fmt!r} in {where} is not supported (supported: ue8m0, or none)")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
         raise ValueError(
-            f"quantization_config.quant_method {method!r}{detail} in {where} is not supported: cuttle loads "
-            "unquantized checkpoints (bf16/fp16/fp32) and its own MXFP8 expert checkpoints; refusing rather than "
-            "loading the quantized weights without their scales"
+            f"quantization_config.weight_block_size in {where} must be two positive integers [rows, columns], got {block!r} "
+            "(per-tensor FP8 scales are not supported)"
         )
+    ignored: list[str] = []
+    for key in ("modules_to_not_convert", "ignored_layers"):
+        names = qc.get(key) or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"quantization_config.{key} in {where} must be a list of module names, got {names!r}")
+        ignored += names
+    return Fp8BlockQuant(block=(block[0], block[1]), ignored=tuple(ignored))
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from cuttle.engine.config import ModelConfig
+from cuttle.engine.models.fp8_checkpoint import dequantized_tensors
 from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, write_quantized
 from cuttle.engine.models.transformer import CausalLM
 from cuttle.moe import FusedMoE
@@ -116,11 +117,15 @@ class _Filler:
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, moe_quant: str | None = None) -> CausalLM:
     """Build and fill a model. `moe_quant="mxfp8"` quantizes routed experts as they load; a
-    checkpoint whose experts are saved in MXFP8 (`cuttle.moe.checkpoint`) loads quantized either way."""
+    checkpoint whose experts are saved in MXFP8 (`cuttle.moe.checkpoint`) loads quantized either way;
+    an FP8 block-scaled checkpoint (`cfg.fp8_quant`) is dequantized to `dtype` as it loads."""
     model = CausalLM(cfg, dtype, device)
     if moe_quant is not None or checkpoint_is_quantized(path):
         prepare_quantized_experts(model, moe_quant or "mxfp8")
-    load_weights(model, iter_tensors(path), strict=True, source=path)
+    tensors = iter_tensors(path)
+    if cfg.fp8_quant is not None:  # FP8 block-scaled weights, dequantized as they stream in
+        tensors = dequantized_tensors(tensors, cfg.fp8_quant, path)
+    load_weights(model, tensors, strict=True, source=path)
     return model.to(device)
 
 

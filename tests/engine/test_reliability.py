@@ -29,9 +29,10 @@ def _copy_checkpoint(src: str, dst: str) -> str:
 
 
 # ---- finding 3: quantized / foreign checkpoints -------------------------------------------------
-def test_fp8_checkpoint_with_scales_is_refused_naming_the_scheme(ckpt, tmp_path):
-    """An FP8 block-scaled checkpoint (Qwen3-FP8 / DeepSeek-V3 layout) used to load with its
-    `weight_scale_inv` tensors dropped as unused; it must be refused, naming the scheme."""
+def test_fp8_config_over_unquantized_weights_is_refused_naming_the_tensor(ckpt, tmp_path):
+    """An FP8 block-scaled config whose weight is not FP8 beside its `weight_scale_inv` used to load
+    with the scale dropped as unused; it must be refused, naming the scale (FP8 checkpoints
+    themselves load: tests/engine/test_fp8_checkpoint.py)."""
     path = _copy_checkpoint(ckpt, str(tmp_path / "fp8"))
     cfg = json.load(open(os.path.join(path, "config.json")))
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -41,7 +42,7 @@ def test_fp8_checkpoint_with_scales_is_refused_naming_the_scheme(ckpt, tmp_path)
     name = "model.layers.0.self_attn.q_proj.weight"
     tensors[name.replace("weight", "weight_scale_inv")] = torch.ones(1, 1)
     save_file(tensors, os.path.join(path, "model.safetensors"))
-    with pytest.raises(ValueError, match=r"quant_method 'fp8'.*not supported"):
+    with pytest.raises(ValueError, match=r"have no FP8 weight beside them: \['model.layers.0.self_attn.q_proj.weight_scale_inv'\]"):
         LLM(path, dtype="float32", num_kv_blocks=16)
 
 

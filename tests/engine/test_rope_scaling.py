@@ -158,3 +158,21 @@ def test_yarn_defaults_filled_as_transformers_does():
     cfg = ModelConfig.from_hf({**_hf_config({"rope_type": "yarn", "factor": 2.0}), "original_max_position_embeddings": 16})
     assert cfg.rope_scaling["original_max_position_embeddings"] == 16
     assert ModelConfig.from_hf(_hf_config({"rope_type": "default"})).rope_scaling is None
+
+
+@pytest.mark.parametrize("name", ["yarn", "yarn_mscale", "linear", "llama3"])
+def test_delta_rotation_composes(name):
+    """A query rotated at p, then by the delta tables of d (how the backends attend keys moved by
+    d), equals the query rotated at p - d: YaRN's attention factor rides on both alike."""
+    cfg = ModelConfig.from_hf(_hf_config(SCALINGS[name]) | {"head_dim": 16, "max_position_embeddings": 512})
+    rope = RotaryEmbedding(16, 512, cfg.rope_theta, cfg.rope_scaling, torch.device("cpu"))
+    from cuttle.attention.rope import apply_rope, rotate_partial
+
+    torch.manual_seed(0)
+    q = torch.randn(6, 2, 16)
+    p = torch.tensor([40, 90, 200, 300, 411, 500])
+    d = [3, 17, 64, 100, 333, 499]
+    cos, sin = rope.tables(p, torch.float32)
+    moved = rotate_partial(apply_rope(q, cos, sin), *(t[:, None, :] for t in rope.delta_tables(d)))
+    cos2, sin2 = rope.tables(p - torch.tensor(d), torch.float32)
+    torch.testing.assert_close(moved, apply_rope(q, cos2, sin2), rtol=0, atol=2e-5)
