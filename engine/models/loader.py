@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.fp8_checkpoint import dequantized_tensors
+from cuttle.engine.models.linear_quant import MXLinearWeight, prepare_quantized_linears, quantized_linears, write_quantized_linear
 from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, write_quantized
 from cuttle.engine.models.transformer import CausalLM
 from cuttle.moe import FusedMoE
@@ -115,11 +116,17 @@ class _Filler:
         self.filled[name] = self.filled.get(name, 0) + numel
 
 
-def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, moe_quant: str | None = None) -> CausalLM:
+def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, moe_quant: str | None = None,
+               quantization: str | None = None) -> CausalLM:
     """Build and fill a model. `moe_quant="mxfp8"` quantizes routed experts as they load; a
-    checkpoint whose experts are saved in MXFP8 (`cuttle.moe.checkpoint`) loads quantized either way;
-    an FP8 block-scaled checkpoint (`cfg.fp8_quant`) is dequantized to `dtype` as it loads."""
+    checkpoint whose experts are saved in MXFP8 (`cuttle.moe.checkpoint`) loads quantized either way.
+    `quantization="mxfp8"` quantizes every attention and dense-MLP linear (`linear_quant`) and the
+    routed experts, if any. An FP8 block-scaled checkpoint (`cfg.fp8_quant`) is dequantized to
+    `dtype` as it loads."""
     model = CausalLM(cfg, dtype, device)
+    if quantization is not None:
+        prepare_quantized_linears(model, quantization)
+        moe_quant = moe_quant or (quantization if moe_layers(model) else None)
     if moe_quant is not None or checkpoint_is_quantized(path):
         prepare_quantized_experts(model, moe_quant or "mxfp8")
     tensors = iter_tensors(path)
@@ -144,6 +151,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     for i, layer in quantized.items():
         for field in _QUANTIZED_DTYPES:
             targets[f"layers.{i}.mlp.{field}"] = getattr(layer, field)
+    mx_linears = quantized_linears(model)  # MXFP8 linears: written through write_quantized_linear
+    targets.update({n: w.data for n, w in mx_linears.items()})
     table = _layer_table(cfg)
     extra_layers = int(cfg.hf_config.get("num_nextn_predict_layers", 0)) if cfg.mla is not None else 0
     filler = _Filler()
@@ -156,6 +165,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
                 filler.put("lm_head", targets["lm_head"], t, name)
         elif name == "model.norm.weight":
             filler.put("norm.weight", targets["norm.weight"], t, name)
+        elif name in mx_linears:  # the engine's own name (a trainer on this model code)
+            filler.count(name, _write_linear(mx_linears[name], t, name))
         elif (n := _NATIVE_EXPERTS.match(name)) is not None and int(n.group(1)) in quantized:
             i, which = int(n.group(1)), n.group(2)
             data, scale = _write_quantized(quantized[i], which, t, name)
@@ -173,7 +184,10 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
                 pname, rows = f"layers.{i}.{target[0]}", target[1]
                 if pname not in targets:
                     raise ValueError(f"tensor {name!r} has no place in layer {i} of this {cfg.architecture} model")
-                filler.put(pname, targets[pname], t, name, rows=rows)
+                if pname in mx_linears:
+                    filler.count(pname, _write_linear(mx_linears[pname], t, name, rows))
+                else:
+                    filler.put(pname, targets[pname], t, name, rows=rows)
             else:
                 unused.append(name)
         else:
@@ -241,6 +255,13 @@ def _write_quantized(
         raise ValueError(f"shape mismatch for {name!r}: {err}") from None
 
 
+def _write_linear(weight: MXLinearWeight, t: torch.Tensor, name: str, rows: slice | None = None) -> int:
+    try:
+        return write_quantized_linear(weight, t, rows)
+    except ValueError as err:
+        raise ValueError(f"shape mismatch for {name!r}: {err}") from None
+
+
 def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
     """Maps the part of an HF name after `model.layers.N.` to (parameter under `layers.N.`, rows)."""
     table: dict[str, tuple[str, slice | None]] = {
@@ -297,6 +318,8 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     cfg = model.cfg
     if any(layer.quant == "mxfp8" for layer in moe_layers(model).values()):
         raise ValueError("hf_state_dict: this model holds MXFP8 experts, which have no HF layout")
+    if quantized_linears(model):
+        raise ValueError("hf_state_dict: this model holds MXFP8 linears (quantization='mxfp8'), which have no HF layout")
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm.weight}
     covered = {"embed": model.embed.numel(), "norm.weight": model.norm.weight.numel()}

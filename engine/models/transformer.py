@@ -23,12 +23,12 @@ from torch import nn
 from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
-from cuttle.attention.native.gemm import linear
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend
 from cuttle.attention.rope import RotaryEmbedding, apply_rope
 from cuttle.attention.topk import TopKConfig, topk_attend_chunked
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
+from cuttle.engine.models.linear_quant import linear  # native.gemm.linear, or the MXFP8 GEMM for quantized weights
 from cuttle.engine.models.mla import MLAttention
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.moe import FusedMoE, RoutingConfig, SharedExpert
@@ -274,7 +274,7 @@ class CausalLM(nn.Module):
                 out.append(layer.attn.g_weight)
             if isinstance(layer.mlp, DenseMLP):
                 out += [layer.mlp.gate_up_weight, layer.mlp.down_weight]
-        return out
+        return [w for w in out if isinstance(w, torch.Tensor)]  # MXFP8 weights (linear_quant) are not packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head).float()

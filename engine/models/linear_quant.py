@@ -1,0 +1,130 @@
+"""MXFP8 linear layers of the engine's models (`EngineConfig.quantization="mxfp8"`, vLLM's flag).
+
+Owns three steps: replacing every attention and dense-MLP projection of a freshly built model by an
+`MXLinearWeight` (E4M3 data + E8M0 block scales, blocks of 32 along the input dim, no high-
+precision copy) before any weight arrives (`prepare_quantized_linears`); writing a high-precision
+tensor into one (`write_quantized_linear`: cast to the model dtype, then `quantize_mxfp8`, floor
+scales, as the routed experts are quantized; rows are independent, so q_proj alone gives the same
+bytes as the fused q|k|v), which the loader and `update_weights` both call; and the forward
+(`linear`): the native MXFP8 GEMM (`cuttle.attention.native.mxfp8`) on CPU, the torch reference
+(dequantize, then `F.linear`) elsewhere, under autograd, or without the kernel library.
+
+What stays in the model dtype: the embedding, lm_head (tied or not), norms, biases, routers and
+shared experts. Routed experts are `moe_quant`'s (the loader quantizes them too under
+`quantization="mxfp8"`). NSA and MLA attention are refused (their extra projections are not
+covered). Never touches checkpoint names: the loader routes tensors here.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cuttle.attention.native import gemm, mxfp8
+from cuttle.engine.config import QUANTIZATION_MODES  # one list: EngineConfig validates against it too
+from cuttle.moe.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+
+if TYPE_CHECKING:
+    from cuttle.engine.models.transformer import CausalLM
+
+_SCALE_MODE = "floor"  # the OCP spec's rule, as for the routed experts (moe_quant)
+
+
+class MXLinearWeight(nn.Module):
+    """An [N, K] linear weight held in MXFP8: buffers `data` (float8_e4m3fn [N, K]) and `scale`
+    (float8_e8m0fnu [N, K/32]); `dtype` is the model dtype the weight is quantized from."""
+
+    def __init__(self, n: int, k: int, dtype: torch.dtype, name: str = "weight") -> None:
+        super().__init__()
+        if k % 32 != 0:
+            raise ValueError(f"quantization='mxfp8': {name} has input dim {k}, not a multiple of the MX block size 32")
+        self.register_buffer("data", torch.empty(n, k, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.empty(n, k // 32, dtype=torch.float8_e8m0fnu))
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def nbytes(self) -> int:
+        return self.data.numel() + self.scale.numel()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mxfp8(self.data, self.scale, 32, dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | MXLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The models' linear layer: MXFP8 weights through `mxfp8_linear`, the rest through
+    `native.gemm.linear` (which itself falls back to `F.linear`)."""
+    if not isinstance(weight, MXLinearWeight):
+        return gemm.linear(x, weight, bias)
+    native = (
+        x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and mxfp8.available()
+        and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+    )
+    if native:
+        return mxfp8.linear(x, weight.data, weight.scale, bias)
+    return reference_linear(x, weight, bias)
+
+
+def reference_linear(x: torch.Tensor, weight: MXLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch MXFP8 path: dequantize exactly to x's dtype, then `F.linear` (the kernel's oracle)."""
+    return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+def _linear_slots(model: CausalLM) -> list[tuple[nn.Module, str, str]]:
+    """(module, attribute, engine parameter name) of every linear weight `quantization` covers."""
+    from cuttle.engine.models.transformer import Attention, DenseMLP, NSAAttention
+
+    slots: list[tuple[nn.Module, str, str]] = []
+    for i, layer in enumerate(model.layers):
+        attn = layer.attn
+        if isinstance(attn, NSAAttention) or not isinstance(attn, Attention):
+            raise ValueError(f"quantization='mxfp8' covers plain attention and dense MLP layers; layer {i} has "
+                             f"{type(attn).__name__} (NSA and MLA models are not supported)")
+        slots += [(attn, "qkv_weight", f"layers.{i}.attn.qkv_weight"), (attn, "o_weight", f"layers.{i}.attn.o_weight")]
+        if isinstance(layer.mlp, DenseMLP):
+            slots += [(layer.mlp, "gate_up_weight", f"layers.{i}.mlp.gate_up_weight"),
+                      (layer.mlp, "down_weight", f"layers.{i}.mlp.down_weight")]
+    return slots
+
+
+def prepare_quantized_linears(model: CausalLM, mode: str = "mxfp8") -> None:
+    """Replace each covered linear parameter by an (unfilled) `MXLinearWeight` of its shape."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
+    for module, attr, name in _linear_slots(model):
+        p = getattr(module, attr)
+        if isinstance(p, MXLinearWeight):
+            continue
+        n, k = p.shape
+        mx_weight = MXLinearWeight(n, k, p.dtype, name)
+        del module._parameters[attr]  # the point: no high-precision copy stays resident
+        setattr(module, attr, mx_weight.to(p.device))
+
+
+def quantized_linears(model: CausalLM) -> dict[str, MXLinearWeight]:
+    """Engine parameter name (e.g. `layers.0.attn.qkv_weight`) -> its MXFP8 weight, for every
+    linear that `prepare_quantized_linears` replaced."""
+    out: dict[str, MXLinearWeight] = {}
+    for i, layer in enumerate(model.layers):
+        for owner, prefix in ((layer.attn, "attn"), (layer.mlp, "mlp")):
+            for attr, mod in owner.named_children():
+                if isinstance(mod, MXLinearWeight):
+                    out[f"layers.{i}.{prefix}.{attr}"] = mod
+    return out
+
+
+def write_quantized_linear(weight: MXLinearWeight, src: torch.Tensor, rows: slice | None = None) -> int:
+    """Quantize a high-precision `src` (all rows, or `rows` of the fused weight) into `weight`;
+    returns the number of elements written. Raises on a shape mismatch."""
+    data, scale = (weight.data, weight.scale) if rows is None else (weight.data[rows], weight.scale[rows])
+    if tuple(data.shape) != tuple(src.shape):
+        raise ValueError(f"tensor has shape {tuple(src.shape)}, the MXFP8 weight expects {tuple(data.shape)}")
+    with torch.no_grad():
+        q, q_scale = quantize_mxfp8(src.to(device=data.device, dtype=weight.dtype), 32, _SCALE_MODE)
+        data.copy_(q)
+        scale.copy_(q_scale)
+    return src.numel()
