@@ -43,13 +43,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-host-kv-blocks", type=int, help="host tier size in blocks (instead of --kv-offloading-size)")
     g.add_argument("--kv-cache-dir", help="directory of the disk KV tier under the host tier; survives restarts")
     g.add_argument("--kv-cache-dir-gb", type=float, help="size bound of --kv-cache-dir in GiB")
-    g.add_argument("--kv-read-in-place", choices=["auto", "never", "always"],
-                   help="host-tier hits: read where they are or copy in (default auto: the cost model chooses)")
 
 
 _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens", "max_num_seqs",
                    "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant", "quantization", "squid_positions",
-                   "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb", "kv_read_in_place",
+                   "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb",
                    "sparse_attention")
 
 
