@@ -15,6 +15,10 @@ buffers w13_mx / w13_scale / w2_mx / w2_scale (E4M3 data, E8M0 scales, blocks of
 reduction dim H for w13 and I for w2); a checkpoint saved already quantized fills those buffers
 through `load_quantized_(tensors)` (names and file format: `cuttle.moe.checkpoint`).
 Forward then runs the Triton grouped GEMM on CUDA and the torch dequantizing path elsewhere.
+
+On CPU, plain fp32/bf16 experts take the native path (`experts_native`: routing and the whole
+expert computation in native calls, weights packed once and repacked after any write) when the
+CPU kernel library is loaded; the torch path is the reference and the fallback.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Literal, Mapping
 import torch
 from torch import nn
 
+from cuttle.moe import experts_native
 from cuttle.moe.experts_torch import ExpertWeight, fused_experts_torch
 from cuttle.moe.mxfp8 import MXTensor, ScaleMode, quantize_mxfp8
 from cuttle.moe.routing import RoutingConfig, route, router_logits
@@ -104,6 +109,8 @@ class FusedMoE(nn.Module):
         return sum(w.numel() * w.element_size() for w in (w13, w2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is None and experts_native.supports(x, self.gate_weight, self.w13, self.w2):
+            return experts_native.fused_moe_native(x, self.gate_weight, self.w13, self.w2, self.routing, self.e_score_correction_bias)
         logits = router_logits(x, self.gate_weight, self.routing)
         weights, ids = route(logits, self.routing, self.e_score_correction_bias)
         w13, w2 = self.expert_weights()

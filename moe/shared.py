@@ -3,15 +3,18 @@
 Owns the helper models use for Qwen2-MoE's `shared_expert` (scaled by sigmoid(shared_expert_gate(x)))
 and DeepSeek-V3's `shared_experts` (ungated, width moe_intermediate_size * n_shared_experts).
 The model decides whether a layer has one and adds it to the routed output; this module never
-routes and never imports from `cuttle.engine`.
+routes and never imports from `cuttle.engine`. Its projections take the CPU kernel library's
+`linear` / `silu_mul` (the dense MLP's kernels; torch where those do not apply, autograd included).
 
 Parameters: w13 [2*I, H] (gate_proj rows, then up_proj rows), w2 [H, I], gate_weight [1, H] if gated.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from cuttle.attention.native.fused import silu_mul
+from cuttle.attention.native.gemm import linear
 
 
 class SharedExpert(nn.Module):
@@ -24,8 +27,7 @@ class SharedExpert(nn.Module):
             self.gate_weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.w13.t()).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ self.w2.t()
+        y = linear(silu_mul(linear(x, self.w13)), self.w2)
         if self.gate_weight is not None:
-            y = torch.sigmoid(x @ self.gate_weight.t()) * y
+            y = torch.sigmoid(linear(x, self.gate_weight)) * y
         return y

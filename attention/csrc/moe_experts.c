@@ -1,0 +1,381 @@
+/* Routed experts of one MoE layer on CPU: routing, token-to-expert grouping, the SwiGLU expert
+ * GEMMs and the weighted combine, each a single call (no per-expert loop in Python).
+ *
+ * Why: at decode a Qwen3-MoE layer's experts are small (a few hundred KB each); the torch path
+ * spends its time in per-expert dispatch (two matmuls, a chunk, silu, mul, per active expert, each
+ * op tens of microseconds), not in reading the weights. Here one call groups the assignments by
+ * expert (a counting sort), then every (active expert, weight panel) pair is one work item of an
+ * OpenMP loop: each selected expert's weights are read once per call, whatever the batch, and
+ * tokens of one expert are processed in row tiles against a panel that stays in L1/L2.
+ *
+ * Packed layouts (made once by moe_pack_w13 / moe_pack_w2, kept by the Python binding):
+ *   w13 [E, 2I, H] (gate rows, then up rows) -> per expert, panels of P13 intermediate features:
+ *       w13p[e][p][k][c]      = gate row (P13 p + c), column k    (c < P13)
+ *       w13p[e][p][k][P13 + c] = up   row (P13 p + c), column k
+ *     so one k of a panel is 2 * P13 contiguous weights: one vector of gate, one of up, multiplied
+ *     by x[k] broadcast; gate and up of the same features end in the same registers, so silu * up
+ *     is computed in the GEMM's epilogue and the [T, 2I] intermediate never exists.
+ *   w2 [E, H, I] -> per expert, panels of P2 output features: w2p[e][q][k][c] = w2 row (P2 q + c), column k.
+ *   Rows past I (or H) are zero. Elements keep the weight's dtype (fp32 or bf16; bf16 widens to
+ *   fp32 in registers with a shift, which is exact).
+ * The weight format is a per-call code (moe_experts' w_format): MOE_W_F32, MOE_W_BF16, and
+ * MOE_W_MXFP8 reserved for E4M3 panels with E8M0 block scales (w13_scale / w2_scale), which this
+ * build does not implement yet (-2).
+ *
+ * Numerics follow the torch expert path (moe/experts_torch.py): fp32 accumulation; with bf16
+ * activations the GEMM outputs, silu and the product are rounded to bf16 where torch rounds them,
+ * so the two differ only by summation order; the combine sums the top-k rows in slot order in fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
+
+#include "dtypes.h"
+
+enum { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_MXFP8 = 2 };
+
+#define P13 8 /* intermediate features per w13 panel (P13 gate + P13 up rows) */
+#define P2 16 /* output features per w2 panel */
+#define MR 4  /* token rows per register tile */
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static inline v8f fmadd(v8f a, v8f b, v8f c) {
+#ifdef __FMA__
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* 8 weights at p (element offset already applied) as fp32 */
+static inline __attribute__((always_inline)) v8f load8(const void *p, const int fmt) {
+    v8f f;
+    if (fmt == MOE_W_BF16) {
+        v8u16 h;
+        memcpy(&h, p, sizeof h);
+        const v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+        memcpy(&f, &w, sizeof f);
+    } else {
+        memcpy(&f, p, sizeof f);
+    }
+    return f;
+}
+
+static inline size_t elsize(int fmt) { return fmt == MOE_W_BF16 ? 2 : 4; }
+
+static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+int64_t moe_packed_w13_numel(int64_t E, int64_t I, int64_t H) { return E * ((I + P13 - 1) / P13) * H * 2 * P13; }
+int64_t moe_packed_w2_numel(int64_t E, int64_t H, int64_t I) { return E * ((H + P2 - 1) / P2) * I * P2; }
+
+/* w13: [E, 2I, H] contiguous, fmt MOE_W_F32 or MOE_W_BF16; out: moe_packed_w13_numel elements of the same type. */
+int moe_pack_w13(const void *w, int fmt, int64_t E, int64_t I, int64_t H, void *out) {
+    if (fmt != MOE_W_F32 && fmt != MOE_W_BF16) return -2;
+    const int64_t np = (I + P13 - 1) / P13;
+    const size_t es = elsize(fmt);
+#pragma omp parallel for schedule(static)
+    for (int64_t ep = 0; ep < E * np; ep++) {
+        const int64_t e = ep / np, p = ep % np;
+        char *dst = (char *)out + (size_t)ep * H * 2 * P13 * es;
+        const char *src = (const char *)w + (size_t)e * 2 * I * H * es;
+        for (int64_t k = 0; k < H; k++)
+            for (int64_t c = 0; c < 2 * P13; c++) {
+                const int64_t f = p * P13 + c % P13; /* intermediate feature */
+                char *d = dst + (size_t)(k * 2 * P13 + c) * es;
+                if (f < I) memcpy(d, src + (size_t)((c < P13 ? f : I + f) * H + k) * es, es);
+                else memset(d, 0, es);
+            }
+    }
+    return 0;
+}
+
+/* w2: [E, H, I] contiguous; out: moe_packed_w2_numel elements of the same type. */
+int moe_pack_w2(const void *w, int fmt, int64_t E, int64_t H, int64_t I, void *out) {
+    if (fmt != MOE_W_F32 && fmt != MOE_W_BF16) return -2;
+    const int64_t nq = (H + P2 - 1) / P2;
+    const size_t es = elsize(fmt);
+#pragma omp parallel for schedule(static)
+    for (int64_t eq = 0; eq < E * nq; eq++) {
+        const int64_t e = eq / nq, q = eq % nq;
+        char *dst = (char *)out + (size_t)eq * I * P2 * es;
+        const char *src = (const char *)w + (size_t)e * H * I * es;
+        for (int64_t k = 0; k < I; k++)
+            for (int64_t c = 0; c < P2; c++) {
+                const int64_t f = q * P2 + c;
+                char *d = dst + (size_t)(k * P2 + c) * es;
+                if (f < H) memcpy(d, src + (size_t)(f * I + k) * es, es);
+                else memset(d, 0, es);
+            }
+    }
+    return 0;
+}
+
+/* ---- routing ---------------------------------------------------------------------------- */
+
+/* indices of the k largest of v[0..n), descending, ties to the lower index */
+static void topk_desc(const float *v, int64_t n, int64_t k, int64_t *idx) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < n; i++) {
+            int taken = 0;
+            for (int64_t q = 0; q < j; q++) taken |= idx[q] == i;
+            if (taken) continue;
+            if (best < 0 || v[i] > v[best]) best = i;
+        }
+        idx[j] = best;
+    }
+}
+
+/* Whether the last kept value a and the first dropped value b are too close for the choice to be
+ * certain: torch.topk breaks exact ties its own way (an implementation detail of its partial sort),
+ * and torch's exp/sigmoid may differ from ours by an ulp or two, so within 4 ulps the caller lets
+ * the torch router decide that token. */
+static int near_tie(float a, float b) {
+    if (a == b) return 1;
+    if (!isfinite(a) || !isfinite(b)) return 0;
+    const float m = fabsf(a) > fabsf(b) ? fabsf(a) : fabsf(b);
+    return a - b <= 4.8e-7f * m;
+}
+
+/* logits [T, E] (fp32 or bf16) -> weights fp32 [T, k], ids int64 [T, k], tie[T] (1: a near-tie at
+ * a selection cut, see near_tie; that token's result must be taken from the torch router).
+ * scoring 0: softmax (fp32) -> top-k -> divide by their sum if renorm.
+ * scoring 1 (DeepSeek-V3): s = sigmoid; choice = s + bias (bias fp32 [E] or NULL); with n_group > 1
+ * keep the topk_group groups whose top-2 choices sum highest; top-k of choice; weights = s, divided
+ * by (sum + 1e-20) if renorm, times scale.
+ * Returns the number of tokens flagged in tie, or -1 on bad sizes. */
+int64_t moe_route(const void *logits, int l_dtype, int64_t T, int64_t E, int64_t k, int scoring, int renorm,
+                  int64_t n_group, int64_t topk_group, float scale, const float *bias, float *weights, int64_t *ids,
+                  uint8_t *tie) {
+    if (k < 1 || k > E || E > 4096 || n_group < 1 || E % n_group || topk_group < 1 || topk_group > n_group) return -1;
+    if (scoring == 1 && n_group > 1 && E / n_group < 2) return -1;
+    int64_t ties = 0;
+#pragma omp parallel for schedule(static) reduction(+ : ties) if (T * E > 16384)
+    for (int64_t t = 0; t < T; t++) {
+        float s[4096], choice[4096], gs[4096];
+        int64_t sel[4097], gsel[4097];
+        for (int64_t e = 0; e < E; e++)
+            s[e] = l_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)logits)[t * E + e]) : ((const float *)logits)[t * E + e];
+        int64_t *id = ids + t * k;
+        float *w = weights + t * k;
+        const int64_t kk = k < E ? k + 1 : k; /* one past the cut, to see how close it is */
+        int amb = 0;
+        if (scoring == 0) {
+            float m = s[0];
+            for (int64_t e = 1; e < E; e++) m = s[e] > m ? s[e] : m;
+            float sum = 0.f;
+            for (int64_t e = 0; e < E; e++) {
+                s[e] = expf(s[e] - m);
+                sum += s[e];
+            }
+            for (int64_t e = 0; e < E; e++) s[e] = s[e] / sum;
+            topk_desc(s, E, kk, sel);
+            amb = kk > k && near_tie(s[sel[k - 1]], s[sel[k]]);
+            for (int64_t j = 0; j < k; j++) id[j] = sel[j], w[j] = s[sel[j]];
+            if (renorm) {
+                float ws = 0.f;
+                for (int64_t j = 0; j < k; j++) ws += w[j];
+                for (int64_t j = 0; j < k; j++) w[j] = w[j] / ws;
+            }
+        } else {
+            for (int64_t e = 0; e < E; e++) {
+                s[e] = 1.f / (1.f + expf(-s[e]));
+                choice[e] = bias ? s[e] + bias[e] : s[e];
+            }
+            if (n_group > 1) {
+                const int64_t gsz = E / n_group, gk = topk_group < n_group ? topk_group + 1 : topk_group;
+                for (int64_t g = 0; g < n_group; g++) {
+                    int64_t two[2];
+                    topk_desc(choice + g * gsz, gsz, 2, two);
+                    gs[g] = choice[g * gsz + two[0]] + choice[g * gsz + two[1]];
+                }
+                topk_desc(gs, n_group, gk, gsel);
+                amb |= gk > topk_group && near_tie(gs[gsel[topk_group - 1]], gs[gsel[topk_group]]);
+                for (int64_t g = 0; g < n_group; g++) {
+                    int keep = 0;
+                    for (int64_t q = 0; q < topk_group; q++) keep |= gsel[q] == g;
+                    if (!keep)
+                        for (int64_t e = g * gsz; e < (g + 1) * gsz; e++) choice[e] = -INFINITY;
+                }
+            }
+            topk_desc(choice, E, kk, sel);
+            amb |= kk > k && near_tie(choice[sel[k - 1]], choice[sel[k]]);
+            float ws = 0.f;
+            for (int64_t j = 0; j < k; j++) {
+                id[j] = sel[j];
+                w[j] = s[sel[j]];
+                ws += w[j];
+            }
+            for (int64_t j = 0; j < k; j++) w[j] = (renorm ? w[j] / (ws + 1e-20f) : w[j]) * scale;
+        }
+        tie[t] = (uint8_t)amb;
+        ties += amb;
+    }
+    return ties;
+}
+
+/* ---- expert GEMMs ------------------------------------------------------------------------ */
+
+/* gate/up accumulators of M token rows (xr[m]: fp32 rows of length H) against one w13 panel */
+static inline __attribute__((always_inline)) void gateup_tile(const float *const *xr, const int M, const char *wp,
+                                                              const int fmt, int64_t H, v8f *g, v8f *u) {
+    const size_t es = elsize(fmt);
+    for (int m = 0; m < M; m++) g[m] = u[m] = (v8f){0};
+    for (int64_t k = 0; k < H; k++) {
+        const v8f wg = load8(wp + (size_t)k * 2 * P13 * es, fmt), wu = load8(wp + ((size_t)k * 2 * P13 + P13) * es, fmt);
+        for (int m = 0; m < M; m++) {
+            const float xs = xr[m][k];
+            g[m] = fmadd(wg, (v8f){0} + xs, g[m]);
+            u[m] = fmadd(wu, (v8f){0} + xs, u[m]);
+        }
+    }
+}
+
+/* y accumulators (two vectors of P2 / 2) of M rows of h against one w2 panel */
+static inline __attribute__((always_inline)) void down_tile(const float *const *hr, const int M, const char *wp,
+                                                            const int fmt, int64_t I, v8f *a, v8f *b) {
+    const size_t es = elsize(fmt);
+    for (int m = 0; m < M; m++) a[m] = b[m] = (v8f){0};
+    for (int64_t k = 0; k < I; k++) {
+        const v8f w0 = load8(wp + (size_t)k * P2 * es, fmt), w1 = load8(wp + ((size_t)k * P2 + 8) * es, fmt);
+        for (int m = 0; m < M; m++) {
+            const float hs = hr[m][k];
+            a[m] = fmadd(w0, (v8f){0} + hs, a[m]);
+            b[m] = fmadd(w1, (v8f){0} + hs, b[m]);
+        }
+    }
+}
+
+/* the (M, fmt) instances the tile loops dispatch to: constants, so the loops above unroll */
+#define TILE_FNS(M_)                                                                                      \
+    static void gateup_f32_##M_(const float *const *x, const char *w, int64_t H, v8f *g, v8f *u) {      \
+        gateup_tile(x, M_, w, MOE_W_F32, H, g, u);                                                        \
+    }                                                                                                     \
+    static void gateup_bf16_##M_(const float *const *x, const char *w, int64_t H, v8f *g, v8f *u) {     \
+        gateup_tile(x, M_, w, MOE_W_BF16, H, g, u);                                                       \
+    }                                                                                                     \
+    static void down_f32_##M_(const float *const *h, const char *w, int64_t I, v8f *a, v8f *b) {        \
+        down_tile(h, M_, w, MOE_W_F32, I, a, b);                                                          \
+    }                                                                                                     \
+    static void down_bf16_##M_(const float *const *h, const char *w, int64_t I, v8f *a, v8f *b) {       \
+        down_tile(h, M_, w, MOE_W_BF16, I, a, b);                                                         \
+    }
+TILE_FNS(1)
+TILE_FNS(2)
+TILE_FNS(3)
+TILE_FNS(4)
+typedef void (*tile_fn)(const float *const *, const char *, int64_t, v8f *, v8f *);
+static const tile_fn GATEUP[2][MR + 1] = {{0, gateup_f32_1, gateup_f32_2, gateup_f32_3, gateup_f32_4},
+                                          {0, gateup_bf16_1, gateup_bf16_2, gateup_bf16_3, gateup_bf16_4}};
+static const tile_fn DOWN[2][MR + 1] = {{0, down_f32_1, down_f32_2, down_f32_3, down_f32_4},
+                                        {0, down_bf16_1, down_bf16_2, down_bf16_3, down_bf16_4}};
+
+/* out[t] = sum_j weights[t, j] * W2[ids[t, j]] (silu(G x[t]) * (U x[t])), G/U/W2 of that expert.
+ *
+ * x: [T, H] rows x_stride apart, dtype x_dtype (fp32/bf16; the computation follows it: bf16 rounds
+ * where torch's bf16 path rounds); ids int64 [T, k] in [0, E); weights fp32 [T, k]; w13p / w2p:
+ * packed by moe_pack_w13 / moe_pack_w2 in format w_format; w13_scale / w2_scale: MXFP8 block
+ * scales (NULL for fp32/bf16); out: [T, H] contiguous, out_dtype.
+ * Returns 0; -1 allocation failed; -2 weight format not implemented; -3 an expert id out of range. */
+int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
+                const float *weights, int64_t k, const void *w13p, const void *w2p, int w_format,
+                const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype) {
+    (void)w13_scale, (void)w2_scale;
+    if (w_format != MOE_W_F32 && w_format != MOE_W_BF16) return -2;
+    const int64_t A = T * k;
+    if (A == 0) return 0;
+    const int bf = x_dtype == DT_BF16, fi = w_format == MOE_W_BF16;
+    const size_t es = elsize(w_format);
+    const int64_t np = (I + P13 - 1) / P13, nq = (H + P2 - 1) / P2;
+    int64_t *cnt = calloc((size_t)E + 1, sizeof *cnt), *pos = malloc(sizeof *pos * (size_t)E);
+    int64_t *sorted = malloc(sizeof *sorted * (size_t)A), *active = malloc(sizeof *active * (size_t)E);
+    float *xf = malloc(sizeof *xf * (size_t)(T * H));  /* x as fp32 (exact for bf16) */
+    float *h = malloc(sizeof *h * (size_t)(A * I));    /* silu(gate) * up, rows in expert-sorted order */
+    float *ys = malloc(sizeof *ys * (size_t)(A * H));  /* expert outputs, rows in assignment order t*k+j */
+    int rc = 0;
+    if (!cnt || !pos || !sorted || !active || !xf || !h || !ys) {
+        rc = -1;
+        goto done;
+    }
+    /* counting sort of the assignments by expert, token order kept inside an expert */
+    for (int64_t a = 0; a < A; a++) {
+        if (ids[a] < 0 || ids[a] >= E) {
+            rc = -3;
+            goto done;
+        }
+        cnt[ids[a] + 1]++;
+    }
+    int64_t nact = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (cnt[e + 1]) active[nact++] = e;
+        cnt[e + 1] += cnt[e];
+        pos[e] = cnt[e];
+    }
+    for (int64_t a = 0; a < A; a++) sorted[pos[ids[a]]++] = a;
+
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < H; c++)
+                xf[t * H + c] = bf ? bf16_to_f32(((const uint16_t *)x)[t * x_stride + c]) : ((const float *)x)[t * x_stride + c];
+        /* stage 1: h = silu(x G^T) * (x U^T), one item per (active expert, panel) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < nact * np; it++) {
+            const int64_t e = active[it / np], p = it % np;
+            const char *wp = (const char *)w13p + (size_t)((e * np + p) * H * 2 * P13) * es;
+            for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MR) {
+                const int M = cnt[e + 1] - r0 < MR ? (int)(cnt[e + 1] - r0) : MR;
+                const float *xr[MR];
+                for (int m = 0; m < M; m++) xr[m] = xf + (sorted[r0 + m] / k) * H;
+                v8f g[MR], u[MR];
+                GATEUP[fi][M](xr, wp, H, g, u);
+                for (int m = 0; m < M; m++)
+                    for (int c = 0; c < P13 && p * P13 + c < I; c++) {
+                        const float gv = rnd(g[m][c], bf), uv = rnd(u[m][c], bf);
+                        const float sv = rnd(gv / (1.f + expf(-gv)), bf);
+                        h[(r0 + m) * I + p * P13 + c] = rnd(sv * uv, bf);
+                    }
+            }
+        }
+        /* stage 2: ys[a] = h[a] W2^T, one item per (active expert, output panel) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < nact * nq; it++) {
+            const int64_t e = active[it / nq], q = it % nq;
+            const char *wp = (const char *)w2p + (size_t)((e * nq + q) * I * P2) * es;
+            for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MR) {
+                const int M = cnt[e + 1] - r0 < MR ? (int)(cnt[e + 1] - r0) : MR;
+                const float *hr[MR];
+                for (int m = 0; m < M; m++) hr[m] = h + (r0 + m) * I;
+                v8f a0[MR], a1[MR];
+                DOWN[fi][M](hr, wp, I, a0, a1);
+                for (int m = 0; m < M; m++) {
+                    float *y = ys + sorted[r0 + m] * H;
+                    for (int c = 0; c < P2 && q * P2 + c < H; c++) y[q * P2 + c] = rnd(c < 8 ? a0[m][c] : a1[m][c - 8], bf);
+                }
+            }
+        }
+        /* combine: the top-k rows of each token in slot order, products and sums in fp32 */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < H; c++) {
+                float s = 0.f;
+                for (int64_t j = 0; j < k; j++) {
+                    const float pr = ys[(t * k + j) * H + c] * weights[t * k + j];
+                    s += pr;
+                }
+                if (out_dtype == DT_BF16) ((uint16_t *)out)[t * H + c] = f32_to_bf16(s);
+                else ((float *)out)[t * H + c] = s;
+            }
+    }
+done:
+    free(cnt), free(pos), free(sorted), free(active), free(xf), free(h), free(ys);
+    return rc;
+}

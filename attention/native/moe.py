@@ -1,0 +1,164 @@
+"""Python side of `csrc/moe_experts.c`: routed-expert weights packed once, routing and the whole
+expert computation of one MoE layer in one native call each.
+
+Owns the packed copies of stacked expert weights (kept on the weight tensor under the same
+attribute as the dense packed GEMM's, so `gemm.drop_packed` forgets them too) and the argument
+checks of the native calls. It knows nothing of routing configs or layers (`cuttle.moe` does):
+callers pass plain numbers. Whether the library is there is `kernels()`'s to say.
+
+Weight formats (the C side's per-call code): `W_F32`, `W_BF16`; `W_MXFP8` is reserved for E4M3
+panels with E8M0 scales and is refused by this build.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from cuttle.attention.native import kernels
+from cuttle.attention.native.build import DTYPE_CODE
+from cuttle.attention.native.gemm import _PACKED_ATTR
+
+W_F32, W_BF16, W_MXFP8 = 0, 1, 2
+WEIGHT_FORMAT = {torch.float32: W_F32, torch.bfloat16: W_BF16}
+
+_vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES: dict[str, tuple[list, type]] = {
+    "moe_packed_w13_numel": ([_i64, _i64, _i64], _i64),
+    "moe_packed_w2_numel": ([_i64, _i64, _i64], _i64),
+    "moe_pack_w13": ([_vp, _int, _i64, _i64, _i64, _vp], _int),
+    "moe_pack_w2": ([_vp, _int, _i64, _i64, _i64, _vp], _int),
+    "moe_route": ([_vp, _int, _i64, _i64, _i64, _int, _int, _i64, _i64, _float, _vp, _vp, _vp, _vp], _i64),
+    "moe_experts": ([_vp, _int, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _vp, _i64, _i64, _vp, _int], _int),
+}
+_declared: set[int] = set()
+MAX_EXPERTS = 4096  # moe_route keeps one token's scores on the stack
+
+
+def _lib() -> ctypes.CDLL:
+    lib = kernels().lib
+    if lib is None:
+        raise RuntimeError("native MoE kernels: the CPU kernel library is not loaded (check available() first)")
+    if id(lib) not in _declared:
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        _declared.add(id(lib))
+    return lib
+
+
+def available() -> bool:
+    """Whether the native MoE kernels can run in this process."""
+    return kernels().lib is not None
+
+
+def _cached(weight: torch.Tensor, make) -> torch.Tensor:
+    # keyed like the dense packed weights: an in-place write (copy_, also on a slice) bumps the
+    # version counter, so the next call repacks
+    key = (weight._version, weight.data_ptr())
+    hit = getattr(weight, _PACKED_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    packed = make()
+    setattr(weight, _PACKED_ATTR, (key, packed))
+    return packed
+
+
+def _check_weight(w: torch.Tensor, name: str) -> None:
+    if w.dim() != 3 or w.device.type != "cpu" or w.dtype not in WEIGHT_FORMAT or not w.is_contiguous():
+        raise ValueError(f"{name}: need a contiguous CPU fp32/bf16 [E, N, K] tensor, got {tuple(w.shape)} {w.dtype} on {w.device}")
+
+
+def packed_w13(w13: torch.Tensor) -> torch.Tensor:
+    """The packed form of w13 [E, 2I, H] (gate rows, then up rows), made on first use and after a write."""
+    _check_weight(w13, "w13")
+    E, two_i, H = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13: row count {two_i} is not 2 * intermediate_size")
+
+    def make() -> torch.Tensor:
+        lib = _lib()
+        out = torch.empty(lib.moe_packed_w13_numel(E, two_i // 2, H), dtype=w13.dtype)
+        if lib.moe_pack_w13(w13.data_ptr(), WEIGHT_FORMAT[w13.dtype], E, two_i // 2, H, out.data_ptr()) != 0:
+            raise RuntimeError("moe_pack_w13 failed")
+        return out
+
+    return _cached(w13, make)
+
+
+def packed_w2(w2: torch.Tensor) -> torch.Tensor:
+    """The packed form of w2 [E, H, I], made on first use and after a write."""
+    _check_weight(w2, "w2")
+    E, H, I = w2.shape
+
+    def make() -> torch.Tensor:
+        lib = _lib()
+        out = torch.empty(lib.moe_packed_w2_numel(E, H, I), dtype=w2.dtype)
+        if lib.moe_pack_w2(w2.data_ptr(), WEIGHT_FORMAT[w2.dtype], E, H, I, out.data_ptr()) != 0:
+            raise RuntimeError("moe_pack_w2 failed")
+        return out
+
+    return _cached(w2, make)
+
+
+def route(
+    logits: torch.Tensor, top_k: int, sigmoid: bool, renorm: bool, n_group: int = 1, topk_group: int = 1,
+    scale: float = 1.0, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """logits [T, E] -> (weights fp32 [T, k], ids int64 [T, k], tied rows): softmax top-k
+    (renormalized if `renorm`), or with `sigmoid` DeepSeek-V3's grouped rule (bias picks, `scale`
+    multiplies). `tied` is None, or the int64 indices of the rows whose last kept and first dropped
+    score are within 4 ulps (or equal): which of them torch.topk keeps is its own implementation
+    detail, so the caller routes those rows with the torch router."""
+    if logits.dim() != 2 or logits.dtype not in DTYPE_CODE or logits.device.type != "cpu":
+        raise ValueError(f"logits: need a CPU fp32/bf16 [T, E] tensor, got {tuple(logits.shape)} {logits.dtype}")
+    T, E = logits.shape
+    if not 1 <= top_k <= E or E > MAX_EXPERTS:
+        raise ValueError(f"top_k={top_k} with {E} experts: need 1 <= top_k <= num_experts <= {MAX_EXPERTS}")
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"n_group={n_group}, topk_group={topk_group} do not divide {E} experts")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (E,) or not bias.is_contiguous()):
+        raise ValueError(f"e_score_correction_bias: need fp32 [{E}], got {tuple(bias.shape)} {bias.dtype}")
+    logits = logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32)
+    ids = torch.empty(T, top_k, dtype=torch.int64)
+    tie = torch.empty(T, dtype=torch.uint8)
+    n_tied = _lib().moe_route(
+        logits.data_ptr(), DTYPE_CODE[logits.dtype], T, E, top_k, int(sigmoid), int(renorm), n_group, topk_group,
+        scale, bias.data_ptr() if bias is not None else None, weights.data_ptr(), ids.data_ptr(), tie.data_ptr(),
+    )
+    if n_tied < 0:
+        raise ValueError(f"moe_route rejected T={T} E={E} top_k={top_k} n_group={n_group} topk_group={topk_group}")
+    return weights, ids, (tie.nonzero().view(-1) if n_tied else None)
+
+
+def experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H] (fp32/bf16, rows dense), w13 [E, 2I, H], w2 [E, H, I] in x's dtype, weights fp32
+    [T, k], ids int64 [T, k] -> [T, H] in x's dtype: sum_j weights[t, j] * SwiGLU expert ids[t, j]."""
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in DTYPE_CODE or x.stride(-1) != 1:
+        raise ValueError(f"x: need a CPU fp32/bf16 [T, H] tensor with dense rows, got {tuple(x.shape)} {x.dtype}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"expert weights {w13.dtype}/{w2.dtype} differ from the activations' {x.dtype}")
+    T, H = x.shape
+    E, two_i, H13 = w13.shape
+    I = two_i // 2
+    if H13 != H or tuple(w2.shape) != (E, H, I):
+        raise ValueError(f"expert weights w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit x's hidden size {H}")
+    k = ids.shape[1] if ids.dim() == 2 else -1
+    if ids.dtype != torch.int64 or ids.shape != (T, k) or weights.dtype != torch.float32 or weights.shape != (T, k):
+        raise ValueError(f"routing: need ids int64 and weights fp32 of shape [{T}, k], got {tuple(ids.shape)} "
+                         f"{ids.dtype} and {tuple(weights.shape)} {weights.dtype}")
+    ids, weights = ids.contiguous(), weights.contiguous()
+    p13, p2 = packed_w13(w13), packed_w2(w2)
+    out = torch.empty(T, H, dtype=x.dtype)
+    rc = _lib().moe_experts(
+        x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), T, H, ids.data_ptr(), weights.data_ptr(), k,
+        p13.data_ptr(), p2.data_ptr(), WEIGHT_FORMAT[w13.dtype], None, None, E, I, out.data_ptr(), DTYPE_CODE[out.dtype],
+    )
+    if rc == -3:
+        raise ValueError(f"expert ids must lie in [0, {E})")
+    if rc != 0:
+        raise MemoryError(f"moe_experts failed ({rc}): workspace allocation for T={T}")
+    return out

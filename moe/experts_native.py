@@ -1,0 +1,53 @@
+"""Native routed-expert path on CPU: router logits, then one native call for routing and one for
+grouping + expert GEMMs + combine (`cuttle.attention.native.moe`), no per-expert Python loop.
+
+Owns the decision of when a layer's forward may take it (`supports`) and the mapping from
+`RoutingConfig` to the native router's arguments. The torch path (`experts_torch.py`) stays the
+reference and the fallback: MXFP8 experts, activation quantization, autograd, non-CPU tensors and
+a process without the kernel library all go there. Must never import `cuttle.engine`.
+"""
+from __future__ import annotations
+
+import torch
+
+from cuttle.attention.native import moe as native_moe
+from cuttle.moe.routing import RoutingConfig, route, router_logits
+
+
+def supports(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the native path takes this call: CPU fp32/bf16 activations with dense rows, plain
+    (not MXFP8) expert weights of the same dtype, nothing that autograd must see, library loaded."""
+    return (
+        x.device.type == "cpu" and x.dim() == 2 and x.dtype in native_moe.WEIGHT_FORMAT and x.stride(-1) == 1
+        and isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+        and w13.dtype == x.dtype and w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()
+        and w13.device.type == "cpu" and w2.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad or gate_weight.requires_grad))
+        and native_moe.available()
+    )
+
+
+def route_native(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`routing.route` in one native call: (weights fp32 [T, k], ids int64 [T, k]). Rows where a
+    selection is a (near-)tie are routed by `routing.route` itself, so the experts chosen are
+    always the torch router's (bf16 logits tie often: 8 mantissa bits over many experts)."""
+    sigmoid = cfg.scoring_func == "sigmoid"
+    weights, ids, tied = native_moe.route(
+        logits, cfg.top_k, sigmoid, cfg.norm_topk_prob, cfg.n_group if sigmoid else 1, cfg.topk_group if sigmoid else 1,
+        cfg.routed_scaling_factor if sigmoid else 1.0, bias.float().contiguous() if (sigmoid and bias is not None) else None,
+    )
+    if tied is not None:
+        weights[tied], ids[tied] = route(logits[tied], cfg, bias)
+    return weights, ids
+
+
+def fused_moe_native(
+    x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg: RoutingConfig,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole routed-expert forward of one layer: x [T, H] -> [T, H] in x's dtype."""
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    # the logits stay torch's matmul, so the native path routes on the very logits the torch path does
+    weights, ids = route_native(router_logits(x, gate_weight, cfg), cfg, bias)
+    return native_moe.experts(x, w13, w2, weights, ids)
