@@ -12,7 +12,8 @@ plus the offline figure as a fraction of the bf16 matmul FLOP limit measured in 
 The peers run in their own venvs (`bash benchmarks/peers/setup.sh` installs them; a peer that is
 not set up is skipped with a message): vLLM via benchmarks/peers/vllm_offline.py (same workload,
 same max-num-seqs), llama.cpp via benchmarks/peers/llamacpp_offline.py on the bf16 GGUF (batch-1
-decode only, all cores; no offline batched figure).
+decode only, all cores; no offline batched figure; bf16 runs only) and, as `llamacpp-q8_0`, on the
+Q8_0 GGUF (8.5 bits per weight; run whatever --dtype, its bandwidth fraction uses its own bytes).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ sys.path.insert(0, HERE)
 from common import PRESETS, copy_bandwidth_gbs, machine_info, markdown_table, matmul_gflops, preset_checkpoint  # noqa: E402
 from peers.servers import PeerUnavailable, gguf_ready, peer_env, require  # noqa: E402
 
-PEERS = ("vllm", "llamacpp")
+PEERS = ("vllm", "llamacpp", "llamacpp-q8_0")
+Q8_0_BYTES_PER_PARAM = 34 / 32  # llama.cpp's Q8_0 block: 32 int8 weights + one fp16 scale
 PEER_TIMEOUT_S = 3600
 
 
@@ -106,10 +108,10 @@ def bench_vllm(path: str, dtype: str, prompts_file: str, out_len: int, max_num_s
     return run_peer("vllm", cmd + (["--enforce-eager"] if enforce_eager else []))
 
 
-def bench_llamacpp(path: str, dtype: str, prompts_file: str, out_len: int) -> dict:
-    if dtype != "bfloat16":
-        raise PeerUnavailable(f"llama.cpp: runs the bf16 GGUF only (this run is {dtype})")
-    py, gguf = require("llamacpp"), gguf_ready(path)
+def bench_llamacpp(path: str, dtype: str, prompts_file: str, out_len: int, outtype: str = "bf16") -> dict:
+    if outtype == "bf16" and dtype != "bfloat16":
+        raise PeerUnavailable(f"llama.cpp: the bf16 GGUF runs in bf16 runs only (this run is {dtype}; llamacpp-q8_0 runs in any)")
+    py, gguf = require("llamacpp"), gguf_ready(path, outtype)
     return run_peer("llamacpp", [py, os.path.join(HERE, "peers", "llamacpp_offline.py"), "--gguf", gguf, "--prompts", prompts_file,
                                  "--output-len", str(out_len), "--threads", str(os.cpu_count() or 1)])
 
@@ -205,8 +207,11 @@ def main() -> None:
                     r = bench_vllm(path, args.dtype, f.name, args.output_len, args.max_num_seqs, args.vllm_enforce_eager)
                     r["batch"] = args.max_num_seqs
                 else:
-                    r = bench_llamacpp(path, args.dtype, f.name, args.output_len)
+                    outtype = "q8_0" if peer == "llamacpp-q8_0" else "bf16"
+                    r = bench_llamacpp(path, args.dtype, f.name, args.output_len, outtype)
                     r["batch"] = 1
+                    if outtype == "q8_0":
+                        r["weight_bytes_per_param"] = Q8_0_BYTES_PER_PARAM
             except (PeerUnavailable, RuntimeError, subprocess.TimeoutExpired) as e:
                 skipped[peer] = str(e)
                 print(f"{peer}: skipped: {e}", flush=True)
@@ -227,9 +232,10 @@ def main() -> None:
     for name in shown:
         r = results[name]
         off, dec = r.get("offline_tok_s"), r["decode_tok_s"]
+        own_bw_limit = bw * 1e9 / (read_params * r["weight_bytes_per_param"]) if "weight_bytes_per_param" in r else bw_limit
         r.update(offline_vs_transformers=ratio(off, t_off), offline_of_flop_limit=ratio(off, flop_limit),
-                 decode_vs_transformers=ratio(dec, t_dec), decode_of_bandwidth_limit=ratio(dec, bw_limit))
-        label = {"vllm": "vLLM (CPU)", "llamacpp": "llama.cpp"}.get(name, name)
+                 decode_vs_transformers=ratio(dec, t_dec), decode_of_bandwidth_limit=ratio(dec, own_bw_limit))
+        label = {"vllm": "vLLM (CPU)", "llamacpp": "llama.cpp (bf16 GGUF)", "llamacpp-q8_0": "llama.cpp (Q8_0 GGUF)"}.get(name, name)
         rows.append([label, str(r["batch"]), cell(off), cell(r["offline_vs_transformers"]), cell(r["offline_of_flop_limit"]),
                      dec, cell(r["decode_vs_transformers"]), cell(r["decode_of_bandwidth_limit"])])
     print(f"\nmachine: {info}")

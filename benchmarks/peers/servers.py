@@ -52,10 +52,15 @@ def peer_python(engine: str) -> str | None:
     return py if os.path.isfile(py) and os.path.isfile(os.path.join(venv, ".cuttle-peer-ok")) else None
 
 
-def gguf_path(model_path: str) -> str:
-    """Where setup.sh puts the bf16 GGUF of an HF checkpoint (it may not exist yet)."""
+GGUF_TYPES = ("bf16", "q8_0")  # the converter's --outtype values setup.sh makes
+
+
+def gguf_path(model_path: str, outtype: str = "bf16") -> str:
+    """Where setup.sh puts the GGUF (`outtype` bf16 or q8_0) of an HF checkpoint (it may not exist yet)."""
+    if outtype not in GGUF_TYPES:
+        raise ValueError(f"GGUF outtype {outtype!r}: one of {GGUF_TYPES}")
     tag = hashlib.sha1(os.path.realpath(model_path).encode()).hexdigest()[:8]
-    return os.path.join(PEERS_DIR, "gguf", f"{os.path.basename(os.path.abspath(model_path))}-{tag}.bf16.gguf")
+    return os.path.join(PEERS_DIR, "gguf", f"{os.path.basename(os.path.abspath(model_path))}-{tag}.{outtype}.gguf")
 
 
 def checkpoint_mtime(model_path: str) -> float:
@@ -64,11 +69,11 @@ def checkpoint_mtime(model_path: str) -> float:
     return max(os.path.getmtime(os.path.join(model_path, n)) for n in names)
 
 
-def gguf_ready(model_path: str) -> str:
+def gguf_ready(model_path: str, outtype: str = "bf16") -> str:
     """The GGUF of `model_path`, or PeerUnavailable when it is missing or older than the checkpoint."""
-    g = gguf_path(model_path)
+    g = gguf_path(model_path, outtype)
     if not os.path.isfile(g):
-        raise PeerUnavailable(f"llama.cpp: no GGUF for {model_path} (expected {g}); {SETUP_HINT} "
+        raise PeerUnavailable(f"llama.cpp: no {outtype} GGUF for {model_path} (expected {g}); {SETUP_HINT} "
                               f"or `bash benchmarks/peers/setup.sh --convert {model_path}`")
     if os.path.getmtime(g) < checkpoint_mtime(model_path):
         raise PeerUnavailable(f"llama.cpp: {g} is older than the checkpoint {model_path}; "

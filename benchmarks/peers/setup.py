@@ -1,8 +1,10 @@
-"""Install the peer engines in their own venvs and convert the benchmark checkpoints to bf16 GGUF.
+"""Install the peer engines in their own venvs and convert the benchmark checkpoints to GGUF
+(bf16, and Q8_0: llama.cpp's 8.5-bit format, 32-element blocks with an fp16 scale).
 
     bash benchmarks/peers/setup.sh                      # everything (about 20-30 min on 2 cores)
     bash benchmarks/peers/setup.sh --only vllm          # one step: vllm | llamacpp | convert
     bash benchmarks/peers/setup.sh --convert CKPT_DIR   # also convert another HF checkpoint
+    bash benchmarks/peers/setup.sh --outtype bf16       # GGUF types to make (default: bf16 q8_0)
 
 Idempotent: a finished venv carries a `.cuttle-peer-ok` marker, a GGUF newer than its checkpoint is
 kept. Logs of every step go to .peers/logs/. Steps:
@@ -15,7 +17,8 @@ kept. Logs of every step go to .peers/logs/. Steps:
   convert_hf_to_gguf.py needs (torch==2.13.0, transformers==4.57.6, sentencepiece, protobuf); the sdist
   is unpacked in .peers/src for that converter and its gguf-py.
 * convert: the qwen3-0.6b and qwen3-moe-small random checkpoints (created by benchmarks/common.py if
-  missing, in ~/.cache/cuttle-bench) -> .peers/gguf/<name>-<hash>.bf16.gguf (see servers.gguf_path).
+  missing, in ~/.cache/cuttle-bench) -> .peers/gguf/<name>-<hash>.{bf16,q8_0}.gguf (see servers.gguf_path),
+  each straight from the HF checkpoint by the converter's `--outtype`.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/
-from peers.servers import PEERS_DIR, REPO_ROOT, checkpoint_mtime, gguf_path  # noqa: E402
+from peers.servers import GGUF_TYPES, PEERS_DIR, REPO_ROOT, checkpoint_mtime, gguf_path  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
 LLAMACPP_VERSION = "0.3.36"
@@ -156,8 +159,8 @@ def setup_llamacpp() -> None:
     say("llamacpp: ok")
 
 
-def convert(ckpt: str) -> None:
-    out = gguf_path(ckpt)
+def convert(ckpt: str, outtype: str = "bf16") -> None:
+    out = gguf_path(ckpt, outtype)
     if os.path.isfile(out) and os.path.getmtime(out) >= checkpoint_mtime(ckpt):
         say(f"convert: {out} is up to date")
         return
@@ -167,8 +170,8 @@ def convert(ckpt: str) -> None:
     llama_dir = os.path.join(llamacpp_src(), "vendor", "llama.cpp")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = out + ".part"
-    say(f"convert: {ckpt} -> {out} (bf16)")
-    run([py, os.path.join(llama_dir, "convert_hf_to_gguf.py"), ckpt, "--outtype", "bf16", "--outfile", tmp], "convert",
+    say(f"convert: {ckpt} -> {out} ({outtype})")
+    run([py, os.path.join(llama_dir, "convert_hf_to_gguf.py"), ckpt, "--outtype", outtype, "--outfile", tmp], "convert",
         env={"PYTHONPATH": os.path.join(llama_dir, "gguf-py"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     os.replace(tmp, out)
     say(f"convert: wrote {out} ({os.path.getsize(out) / 1e9:.2f} GB)")
@@ -189,6 +192,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["vllm", "llamacpp", "convert"], default=None)
     ap.add_argument("--convert", action="append", default=[], metavar="CKPT_DIR", help="also convert this HF checkpoint to GGUF")
+    ap.add_argument("--outtype", nargs="+", choices=GGUF_TYPES, default=list(GGUF_TYPES), help="GGUF types to make")
     args = ap.parse_args()
     steps = [args.only] if args.only else ["llamacpp", "vllm", "convert"]
     t = time.time()
@@ -199,9 +203,11 @@ def main() -> None:
             setup_vllm()
         if "convert" in steps:
             for ckpt in preset_checkpoints():
-                convert(ckpt)
+                for outtype in args.outtype:
+                    convert(ckpt, outtype)
         for ckpt in args.convert:
-            convert(os.path.abspath(ckpt))
+            for outtype in args.outtype:
+                convert(os.path.abspath(ckpt), outtype)
     except StepFailed as e:
         say(f"FAILED: {e}")
         sys.exit(1)
