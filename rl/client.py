@@ -78,6 +78,14 @@ class RolloutClient:
             self._squid_positions = next(iter(seen.values()))
         return self._squid_positions
 
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a sampled turn on the servers (an agent loop needs them to read a turn)."""
+        seen = {u: tuple(self._get(u + "/v1/rl/info")["eos_token_ids"]) for u in self.base_urls}
+        if len(set(seen.values())) != 1:
+            raise ValueError(f"RolloutClient: servers end turns with different eos ids: {seen}")
+        return set(next(iter(seen.values())))
+
     def generate_tokens(self, prompts: list[list[int] | dict[str, Any]], params: SamplingParams) -> list[list[Sample]]:
         wire = {k: v for k, v in dataclasses.asdict(params).items() if k in _WIRE_FIELDS}
         k = len(self.base_urls)

@@ -57,6 +57,25 @@ from cuttle.rl.rollout import TokenSampler, generate_tokens
 SamplerFactory = Callable[[], LLM | tuple[TokenSampler, Tokenizer, set[int]]]
 
 
+@dataclass(frozen=True, slots=True)
+class ServedSampler:
+    """A `SamplerFactory` for a worker that fronts a running `cuttle serve` instead of owning an
+    engine: its turns go to the server's `/v1/rl/generate` as token ids (`RolloutClient`, several
+    group threads at once; the server batches them), weight updates to `/v1/rl/update_weights`.
+    `model` is the served checkpoint's path as the worker sees it, for its tokenizer and chat
+    template (the worker never tokenizes a sampled turn: it renders the template's additions)."""
+
+    url: str | tuple[str, ...]
+    model: str
+    api_key: str | None = None
+
+    def __call__(self) -> tuple[TokenSampler, Tokenizer, set[int]]:
+        from cuttle.rl.client import RolloutClient  # httpx: the serve extra, needed only here
+
+        client = RolloutClient(self.url if isinstance(self.url, str) else list(self.url), self.api_key)
+        return client, Tokenizer(self.model), client.eos_token_ids
+
+
 class _LockedSampler:
     """A sampler that is not thread-safe, called by one group thread at a time."""
 
