@@ -9,8 +9,12 @@ template (`rl/chat.py`: deltas only, never re-tokenizing), until the model answe
 call, calls `submit`, or hits a limit (turns, tokens, context, wall clock); then the reward from
 the hidden tests on a fresh copy of the final workspace. All episodes of a call advance turn by
 turn together: a turn of every live episode is one batch for the engine (at the first turn each
-group is one request with `n` = its live members, so its prompt is prefilled once; later turns
-extend the previous ids exactly, so the prefix cache serves the history).
+group is one request with `n` = its live members, so its prompt is prefilled once). On an
+in-process `LLM` each episode holds an engine session (engine/session.py) from its first turn to
+its end: the group's members fork one session over the shared prompt, and a later turn computes
+only the ids appended since (tool results, template glue) plus the last sampled token, its history
+pinned in the KV pool across the tool calls. Other samplers (HTTP, Ray's locked sampler, scripted
+policies) send the whole stream each turn and rely on the prefix cache.
 
 Stragglers: `step` returns once `groups_needed` groups are complete. The other groups are either
 aborted (over-sampling: environments closed, nothing kept) or, with `partial=True`, carried into
@@ -45,7 +49,7 @@ from cuttle.rl.advantages import group_advantages
 from cuttle.rl.batch import TrainBatch
 from cuttle.rl.chat import ChatState, ChatTokens, TemplateNotAppendOnly
 from cuttle.rl.environment import AgentEnvironment, EnvFactory
-from cuttle.rl.rollout import TokenSampler, generate_tokens
+from cuttle.rl.rollout import TokenSampler, generate_tokens, samples_of
 from cuttle.rl.types import Sample, Trajectory
 from cuttle.sandbox.tools import SUBMIT, agent_tool_schemas
 
@@ -71,6 +75,8 @@ class AgentConfig:
     # None: every turn waits for all tool calls of the batch (lockstep). A number: after that many
     # seconds the episodes whose calls are back are sampled again without the slow ones.
     turn_wait_s: float | None = None
+    # keep each episode's KV pinned in an engine session between turns (in-process LLM only)
+    use_sessions: bool = True
 
 
 @dataclass(slots=True)
@@ -117,6 +123,7 @@ class Episode:
     seconds: float = 0.0  # from the environment's start to the last turn (or the abort)
     started: float = 0.0  # time.monotonic() when the episode started
     pending: PendingTurn | None = None  # never set on an episode handed back to a caller
+    session: str | None = None  # its engine session while it runs (in-process LLM)
 
     @property
     def complete(self) -> bool:
@@ -221,6 +228,7 @@ class AgentRollout:
         self.chat = ChatTokens(tokenizer, self.tools, eos_token_ids)
         self.parser = self.config.parser or parser_for_template(tokenizer.chat_template)
         self.pool = ThreadPoolExecutor(self.config.max_parallel_calls, thread_name_prefix="cuttle-agent")
+        self.llm = sampler if isinstance(sampler, LLM) and self.config.use_sessions else None
         self.carried: list[AgentGroup] = []  # unfinished groups kept for the next `step` (partial rollouts)
 
     def close(self) -> None:
@@ -306,9 +314,15 @@ class AgentRollout:
     def _close(self, groups: list[AgentGroup]) -> None:
         for g in groups:
             for e in g.episodes:
+                self._end_session(e)
                 if e.env is not None:
                     e.env.close()
                     e.env = None
+
+    def _end_session(self, e: Episode) -> None:
+        if e.session is not None:
+            self.llm.close_session(e.session)
+            e.session = None
 
     def _start(self, episodes: list[Episode]) -> None:
         futures = [self.pool.submit(self.env_factory, e.spec) for e in episodes]
@@ -329,6 +343,9 @@ class AgentRollout:
         "done" (every episode complete), "enough" or "stopped"."""
         episodes = [e for g in groups for e in g.episodes]
         while True:
+            for e in episodes:
+                if e.finish is not None:  # its KV is not needed anymore
+                    self._end_session(e)
             if all(e.complete for e in episodes):
                 return "done"
             if should_stop is not None and should_stop():
@@ -370,7 +387,7 @@ class AgentRollout:
         for (n, room, turn), reqs in by_shape.items():
             p = dataclasses.replace(params, n=n, max_tokens=room, logprobs=0,
                                     seed=None if params.seed is None else params.seed + 1_000_003 * turn)
-            outs = generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], p)
+            outs = self._generate(reqs, p)
             for members, samples in zip(reqs, outs):
                 sampled += list(zip(members, samples))
         for e, s in sampled:
@@ -401,6 +418,29 @@ class AgentRollout:
                 self.chat.finish_turn(e.chat, s.token_ids)
             if finish is None or jobs:
                 e.pending = PendingTurn(s, t, jobs, continues=finish is None)
+
+    def _generate(self, reqs: list[list[Episode]], p: SamplingParams) -> list[list[Sample]]:
+        """One turn for each request (a group's first turn: its members together). With sessions,
+        each episode's session is opened at its first turn (members forked from one) and the turn
+        runs on it; if the engine refuses a session (its limits), the batch goes without."""
+        if self.llm is None:
+            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], p)
+        llm = self.llm
+        try:
+            for members in reqs:
+                if members[0].session is None:
+                    sid = llm.open_session(members[0].trajectory.token_ids)
+                    members[0].session = sid
+                    for e, fork in zip(members[1:], llm.fork_session(sid, len(members) - 1) if len(members) > 1 else []):
+                        e.session = fork
+            sids = [e.session for members in reqs for e in members]
+            outs = iter(llm.generate_session(sids, dataclasses.replace(p, n=1)))
+        except ValueError:
+            for members in reqs:
+                for e in members:
+                    self._end_session(e)
+            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], p)
+        return [[samples_of(next(outs))[0] for _ in members] for members in reqs]
 
     def _call_tool(self, env: AgentEnvironment, call: ToolCall) -> ToolResult:
         t0 = time.monotonic()
@@ -453,6 +493,8 @@ class AgentRollout:
             self.chat.finish_turn(e.chat, pending.sample.token_ids)  # the stream ends with this turn, as sampled
             return
         e.trajectory.append_context(delta)
+        if e.session is not None:
+            self.llm.append_to_session(e.session, delta)
         if len(e.turns) >= cfg.max_turns:
             e.finish = "max_turns"
         elif len(e.trajectory.token_ids) >= cfg.max_total_tokens:
