@@ -229,7 +229,7 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
     # Sliding-window attention would change every output past the window.
     if arch == "MixtralForCausalLM" and hf.get("sliding_window") is not None:
         raise ValueError(f"sliding_window={hf['sliding_window']} in {where} is not supported")
-    if arch == "Qwen2MoeForCausalLM" and hf.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and hf.get("use_sliding_window"):
         raise ValueError(f"use_sliding_window in {where} is not supported")
     # A quantized checkpoint loaded as if it were not one drops its scales and computes garbage.
     # cuttle's own MXFP8 expert checkpoints carry no quantization_config (their safetensors header
