@@ -32,7 +32,7 @@ from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.reasoning_parsers import CLOSE, CONTENT, OPEN, ReasoningParser, split_reasoning, start_state
 from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.server.body import read_body
-from cuttle.engine.server.chat_prompt import ChatOptions, ChatTemplate, check_continuable, read_chat_template
+from cuttle.engine.server.chat_prompt import ChatOptions, ChatTemplate, ToolCallReplay, check_continuable, read_chat_template
 from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
 from cuttle.engine.tokenizer import Tokenizer, validate_messages
 from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls
@@ -40,6 +40,9 @@ from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls
 
 def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOptions) -> None:
     parser = opts.tool_parser
+    # assistant turns sent back with tool calls this server produced render as the model's exact text
+    replay = ToolCallReplay()
+    app.state.tool_call_replay = replay
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -50,6 +53,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         messages, part_docs = flatten_messages(body["messages"])
         tmpl = read_chat_template(body, tok, opts)
         check_continuable(messages, tmpl)
+        messages = replay.restore(messages, keep_last=tmpl.continue_final_message)
         field_docs = get_documents(body) or []
         check_response_format(body)
         tools = check_tools(body.get("tools"))
@@ -131,6 +135,8 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                 called = bool(calls)
             if echoed:
                 msg["content"] = echoed + (msg["content"] or "")
+            elif called and rstate is None:
+                replay.record(text, msg["content"], msg["tool_calls"])
             return msg, called
 
         if not stream:
@@ -161,10 +167,14 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         # logprobs of tokens whose text is not sent yet (held for a stop string, a tag or a tool call)
         held_ids: list[list[int]] = [[] for _ in range(n)]
         held_lps: list[list] = [[] for _ in range(n)]
+        # for the replay: the model's text, the content and the calls sent, per choice
+        sent_text, sent_content = [""] * n, [""] * n
+        sent_calls: list[list[dict[str, Any]]] = [[] for _ in range(n)]
 
         def choice_of(d: Delta) -> dict[str, Any] | None:
             c, i = d.sample, d.sample.index
             text = forced + c.text if d.first else c.text
+            sent_text[i] += text
             final = c.finish_reason is not None
             held_ids[i] += c.token_ids
             held_lps[i] += c.logprobs or []
@@ -182,6 +192,8 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                 if calls:
                     delta["tool_calls"] = [tc.to_openai(ncalls[i] + k) for k, tc in enumerate(calls)]
                     ncalls[i] += len(calls)
+                    sent_calls[i] += [tc.to_openai() for tc in calls]
+                sent_content[i] += content or ""
             elif text:
                 delta["content"] = text
             finish = None
@@ -190,6 +202,8 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                     raise OpenAIError("tool_choice requested but the model's output is not a valid tool call",
                                       500, "server_error", param="tool_choice")
                 finish = "tool_calls" if ncalls[i] else c.finish_reason
+                if ncalls[i] and rstate is None and not echoed:
+                    replay.record(sent_text[i], sent_content[i], sent_calls[i])
             if not delta and finish is None:
                 return None
             ch = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}

@@ -1,15 +1,18 @@
 """How a chat request's messages become prompt text, for /v1/chat/completions and /tokenize: the
 template (the request's `chat_template`, else the server's `--chat-template`, else the
 checkpoint's), `chat_template_kwargs`, `add_generation_prompt` / `continue_final_message`, and the
-prompt's tail that a reasoning parser starts from.
+prompt's tail that a reasoning parser starts from, and the replay of the model's exact text for
+assistant turns whose tool calls this server produced.
 
-Owns those fields' checks, each a 400 naming the field, and `load_chat_template` (the
-`--chat-template` argument, vLLM's rules). It renders through `Tokenizer.apply_chat_template`
-and never tokenizes, places documents or decides tool calls.
+Owns those fields' checks, each a 400 naming the field, `load_chat_template` (the
+`--chat-template` argument, vLLM's rules) and `ToolCallReplay`. It renders through
+`Tokenizer.apply_chat_template` and never tokenizes, places documents or decides tool calls.
 """
 from __future__ import annotations
 
 import codecs
+import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,3 +130,73 @@ def load_chat_template(arg: str | None) -> str | None:
         if not any(c in arg for c in "{}\n"):
             raise ValueError(f"--chat-template {arg!r} looks like a file path, but it cannot be opened: {e}") from None
         return codecs.decode(arg, "unicode_escape")
+
+
+class ToolCallReplay:
+    """The model's exact text for the assistant turns this server answered with tool calls.
+
+    A client sends a tool-calling turn back as `content` + `tool_calls` (arguments as JSON text);
+    the template re-serializes those its own way (spacing, key order, escapes), so the next prompt
+    would hold other tokens than the model sampled and the prefix cache would miss from the first
+    call on. The server remembers, per turn, the ids of the calls it returned (random, never
+    chosen by a client), their names and arguments, the content it returned and the model's whole
+    text of the turn; an assistant message that names exactly those calls with the same names,
+    arguments and content is rendered from that text instead (the template writes an assistant
+    `content` verbatim). Anything else (an unknown id, another argument, edited content, a turn
+    evicted from the bounded map) is rendered by the template as sent, so a client can never make
+    the server render text it did not produce for those very calls. Turns with reasoning split out
+    (`--reasoning-parser`) or echoed text are not recorded: their exact text is not what the
+    client holds.
+    """
+
+    def __init__(self, max_turns: int = 4096):
+        self.max_turns = max_turns
+        self._turns: OrderedDict[tuple[str, ...], tuple[str, str, list[tuple[str, str]]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def record(self, text: str, content: str | None, calls: list[dict[str, Any]]) -> None:
+        """`text`: the model's whole turn; `content` and `calls` (OpenAI tool_calls) as returned."""
+        if not calls:
+            return
+        key = tuple(c["id"] for c in calls)
+        self._turns[key] = (text, (content or "").strip(), [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+        self._turns.move_to_end(key)
+        while len(self._turns) > self.max_turns:
+            self._turns.popitem(last=False)
+
+    def restore(self, messages: list[dict[str, Any]], keep_last: bool = False) -> list[dict[str, Any]]:
+        """`messages` with every recognised assistant tool-call turn rendered from the model's text
+        (`keep_last`: the final message is left as sent, e.g. when it is being continued)."""
+        out = []
+        for i, m in enumerate(messages):
+            exact = None if keep_last and i == len(messages) - 1 else self._exact(m)
+            out.append(m if exact is None else {"role": "assistant", "content": exact})
+        return out
+
+    def _exact(self, m: dict[str, Any]) -> str | None:
+        calls = m.get("tool_calls")
+        if m.get("role") != "assistant" or not calls or m.get("reasoning_content"):
+            return None
+        entry = self._turns.get(tuple(c.get("id") for c in calls))
+        if entry is None:
+            return None
+        text, content, sent = entry
+        if not isinstance(m.get("content") or "", str) or (m.get("content") or "").strip() != content:
+            return None
+        for c, (name, arguments) in zip(calls, sent):
+            f = c["function"]
+            args = f.get("arguments", "")
+            if f["name"] != name or not _same_arguments(args, arguments):
+                return None
+        return text
+
+
+def _same_arguments(sent_back: str | dict[str, Any], ours: str) -> bool:
+    if isinstance(sent_back, str):
+        return sent_back == ours
+    try:  # a client may send the arguments back parsed, as an object
+        return json.loads(ours) == sent_back
+    except json.JSONDecodeError:
+        return False

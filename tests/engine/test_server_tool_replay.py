@@ -1,0 +1,117 @@
+"""Server replay of the model's exact tool-call text (issue 17): an assistant turn sent back with the
+tool calls this server produced renders as the model's own text, so the next turn's prompt hits
+the prefix cache for the whole first turn; anything a client changed (an unknown id, other
+arguments, edited content) or the server no longer remembers renders through the template as sent."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from server_fixture import LiveServer
+from thinking_checkpoint import make_thinking_checkpoint
+
+import cuttle.engine.llm_engine as llm_engine
+from cuttle.engine.sampler import Logprob, SampleResult
+from cuttle.engine.server.chat_prompt import ToolCallReplay
+
+BS = 4
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+# compact JSON: not how the template writes a call ({"name": "...", "arguments": ...} with spaces)
+CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+SCRIPTS = {301: CALL, 302: "It is sunny."}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    path = make_thinking_checkpoint(str(tmp_path_factory.mktemp("qwen3_replay")))
+    with pytest.MonkeyPatch.context() as mp, LiveServer(path, dtype="float32", num_kv_blocks=512, block_size=BS,
+                                                        max_model_len=2048) as srv:
+        tok = srv.llm.engine.tokenizer
+        scripts = {seed: tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for seed, text in SCRIPTS.items()}
+        real = llm_engine.sample
+
+        def scripted(logits, rows, *rest):
+            out = real(logits, rows, *rest)
+            for k, r in enumerate(rows):
+                ids = scripts.get(r.params.seed)
+                if ids is not None:
+                    t = ids[min(r.step, len(ids) - 1)]
+                    out[k] = SampleResult(t, -0.25, {t: Logprob(-0.25, 1)} if r.params.logprobs is not None else None)
+            return out
+
+        mp.setattr(llm_engine, "sample", scripted)
+        yield srv
+
+
+def user(stream: bool) -> list[dict]:
+    # each variant its own conversation, so one's cached blocks are no hits for the other
+    return [{"role": "user", "content": f"Weather in Paris? ({'streamed' if stream else 'whole'})"}]
+
+
+def second_turn(client, assistant: dict, stream: bool = False) -> int:
+    """Cached prompt tokens of the turn after `assistant` and its tool result."""
+    call_id = assistant["tool_calls"][0]["id"]
+    messages = user(stream) + [assistant, {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"}]
+    kw = dict(model="test-model", messages=messages, tools=WEATHER, seed=302, max_tokens=30)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        return chunks[-1].usage.prompt_tokens_details.cached_tokens
+    return client.chat.completions.create(**kw).usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_second_turn_hits_the_prefix_cache_for_the_whole_first_turn(live, stream):
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+    kw = dict(model="test-model", messages=user(stream), tools=WEATHER, seed=301, max_tokens=200)
+    if stream:
+        calls, content = [], ""
+        for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                calls += [{"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": t.function.arguments}}
+                          for t in c.delta.tool_calls or []]
+        assistant = {"role": "assistant", "content": content or None, "tool_calls": calls}
+    else:
+        r = client.chat.completions.create(**kw)
+        usage = r.usage
+        assistant = r.choices[0].message.model_dump(exclude_none=True)
+    assert [json.loads(c["function"]["arguments"]) for c in assistant["tool_calls"]] == [{"city": "Paris"}]
+    # the first turn's prompt and its sampled ids, less the final end-of-turn token (its KV is never
+    # computed): every full block of that is a hit
+    first = usage.prompt_tokens + usage.completion_tokens - 1
+    assert second_turn(client, assistant, stream) == first // BS * BS
+    # the same turn with the call re-serialized by a client (no id the server knows): the template
+    # writes the call its own way, so the cache serves the prompt but not the call
+    forged = json.loads(json.dumps(assistant))
+    forged["tool_calls"][0]["id"] = "call_" + "0" * 24
+    missed = second_turn(client, forged, stream)
+    assert usage.prompt_tokens // BS * BS <= missed < first // BS * BS - BS
+
+
+def test_replay_refuses_anything_it_did_not_produce():
+    replay = ToolCallReplay(max_turns=2)
+    calls = [{"id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    replay.record('<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>', None, calls)
+    msg = {"role": "assistant", "content": None, "tool_calls": calls}
+    user = {"role": "user", "content": "hi"}
+    assert replay.restore([user, msg]) == [user, {"role": "assistant", "content": '<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>'}]
+    parsed = {**msg, "tool_calls": [{**calls[0], "function": {"name": "f", "arguments": {"x": 1}}}]}
+    assert replay.restore([parsed])[0]["content"].startswith("<tool_call>")  # arguments sent back as an object
+    assert replay.restore([msg], keep_last=True) == [msg]
+    changed = [
+        {**msg, "tool_calls": [{**calls[0], "function": {"name": "f", "arguments": '{"x": 2}'}}]},  # other arguments
+        {**msg, "tool_calls": [{**calls[0], "function": {"name": "g", "arguments": '{"x": 1}'}}]},  # another tool
+        {**msg, "content": "injected text"},  # edited content
+        {**msg, "tool_calls": [{**calls[0], "id": "call_b"}]},  # unknown id
+        {**msg, "tool_calls": calls + calls},  # more calls than the turn had
+        {**msg, "reasoning_content": "thoughts"},  # reasoning the recorded text does not hold
+    ]
+    for m in changed:
+        assert replay.restore([m]) == [m], m
+    for k in range(2):  # bounded: the oldest turn is forgotten
+        replay.record("t", None, [{"id": f"call_{k}", "function": {"name": "f", "arguments": "{}"}}])
+    assert len(replay) == 2 and replay.restore([msg]) == [msg]
