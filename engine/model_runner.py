@@ -15,11 +15,12 @@ around the dense one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from cuttle.attention.backend import get_backend
-from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout
+from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout, has_host_blocks
 from cuttle.attention.native import gemm
 from cuttle.attention.nsa_backend import NSABackend, compressed_slots_per_block
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention
@@ -54,6 +55,8 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, device)
         mc = model_config
         self.kv = KVStorage(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
+        # the KV host tier's per-layer caches, for tables that name host blocks (read in place)
+        self.host_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.nsa_cache: torch.Tensor | None = None  # [layers, 2, blocks, S_c, kv_heads, head_dim]
         nsa = self.model.nsa
         if nsa is not None:
@@ -94,13 +97,22 @@ class ModelRunner:
             gemm.prepack(self.model.linear_weights())
 
     @staticmethod
-    def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype,
+                           sparse_attention: str | dict[str, Any] | None = None) -> int:
+        """Bytes one KV block costs: raw K/V, plus what hangs on its block id (an NSA model's
+        compressed entries; under training-free top-k (`EngineConfig.sparse_attention`) each
+        sparse layer's block summaries)."""
         raw = KVStorage.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        per_vector = raw // (mc.num_layers * 2 * block_size)  # one token's K (or V) in one layer
         nsa = nsa_config(mc.hf_config)
-        if nsa is None:
-            return raw
-        # an NSA block also holds its compressed entries (S_c slots of K and V per layer)
-        return raw + raw // block_size * compressed_slots_per_block(nsa, block_size)
+        if nsa is not None:
+            # an NSA block also holds its compressed entries (S_c slots of K and V per layer)
+            raw += raw // block_size * compressed_slots_per_block(nsa, block_size)
+        sparse = parse_sparse_attention(sparse_attention)
+        if sparse is not None:
+            sparse_layers = max(0, mc.num_layers - sparse.dense_layers)
+            raw += sparse_layers * summary_slots_per_block(sparse, block_size) * sparse.summary_rows * per_vector
+        return raw
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv.copy_blocks(copies)
@@ -160,6 +172,8 @@ class ModelRunner:
             meta = self._segment_metadata(scheduled)
         else:  # the fast path: one causal segment per sequence
             meta = self._single_segment_metadata(scheduled, query_start, seq_lens, query_lens, slots, max_blocks)
+            if self.host_kv is not None and any(has_host_blocks(seq.block_table) for seq, _ in scheduled):
+                meta.host_kv = self.host_kv
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -177,7 +191,7 @@ class ModelRunner:
             segs = [KVSegment(s.blocks, s.length, causal=False, rope_delta=s.rope_delta, pool=s.pool) for s in seq.shared]
             segs.append(KVSegment(seq.block_table, seq.num_computed_tokens + n, causal=True))
             layouts.append(SeqLayout(n, segs))
-        return AttentionMetadata.build(layouts, self.block_size, self.device, rope=self.model.rope)
+        return AttentionMetadata.build(layouts, self.block_size, self.device, rope=self.model.rope, host_kv=self.host_kv)
 
     def _single_segment_metadata(self, scheduled: list[tuple[Sequence, int]], query_start: list[int], seq_lens: list[int],
                                  query_lens: list[int], slots: list[int], max_blocks: int) -> AttentionMetadata:

@@ -183,3 +183,26 @@ def test_cli_flag_reaches_the_engine(monkeypatch):
     monkeypatch.setattr(cli, "cmd_generate", lambda args: cli._build_llm(args))
     cli.main(ap_args)
     assert seen["sparse_attention"] == QUEST
+
+
+def test_pool_sizing_counts_the_block_summaries(dense_model):
+    """A block under top-k costs its raw K/V plus every sparse layer's summaries of it: the pool
+    sized from a memory budget holds both (the summaries were not counted before)."""
+    path = dense_model[0]
+    mc = ModelConfig.from_pretrained(path)
+    from cuttle.engine.model_runner import ModelRunner
+
+    raw = ModelRunner.kv_bytes_per_block(mc, 16, torch.float32)
+    assert raw == 2 * 2 * 16 * 2 * 16 * 4  # layers, K and V, tokens, kv heads, head_dim, fp32
+    # QUEST: block 8 -> 2 summaries a raw block of 16, min and max rows, 1 sparse layer of 2
+    assert ModelRunner.kv_bytes_per_block(mc, 16, torch.float32, QUEST) == raw + 1 * 2 * 2 * 2 * 16 * 4
+    # MEAN: block 32 spans two raw blocks -> one slot, one row
+    assert ModelRunner.kv_bytes_per_block(mc, 16, torch.float32, MEAN) == raw + 1 * 1 * 1 * 2 * 16 * 4
+    budget_gb = 200 * raw / 2**30  # room for exactly 200 dense blocks
+    llm = LLM(path, dtype="float32", attention_backend="torch", block_size=16, kv_cache_memory_gb=budget_gb,
+              sparse_attention=QUEST, max_num_seqs=64)
+    runner = llm.engine.runner
+    blocks = runner.kv.tensor.shape[2]
+    assert runner.topk_cache.shape[1] == blocks == int(budget_gb * 2**30) // (raw + 2 * 2 * 2 * 16 * 4) < 200
+    used = sum(t.numel() * t.element_size() for t in (runner.kv.tensor, runner.topk_cache))
+    assert used <= budget_gb * 2**30
