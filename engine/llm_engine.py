@@ -25,6 +25,9 @@ from cuttle.engine.kv.cost_model import CostModel
 from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespace_key
 from cuttle.engine.kv.tiers import KVTiers
 from cuttle.engine.kv.transfer import TransferEngine
+from cuttle.engine.memory_budget import kv_pool_bytes
+from cuttle.engine.generation_config import generation_defaults
+from cuttle.engine.memory_budget import kv_pool_bytes
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
 from cuttle.engine.outputs import RequestOutput
@@ -35,6 +38,7 @@ from cuttle.engine.scheduler import Scheduler
 from cuttle.engine.sequence import Request, Sequence
 from cuttle.engine.session import Sessions
 from cuttle.engine.squid import Squid, parse_prompt
+from cuttle.engine.structured_output import StructuredOutput
 from cuttle.engine.tokenizer import Tokenizer
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
@@ -53,10 +57,12 @@ class LLMEngine:
         else:
             self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(mc, self.device)
-        self.tokenizer = Tokenizer(config.model)
+        # skip_tokenizer_init: token ids in and out, no tokenizer file needed (text prompts are refused)
+        self.tokenizer: Tokenizer | None = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = set(mc.eos_token_ids) | _generation_eos(config.model)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.generation_defaults = generation_defaults(config)  # engine/generation_config.py
 
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
@@ -67,7 +73,9 @@ class LLMEngine:
             num_blocks = config.num_kv_blocks
         else:
             wanted = config.max_num_seqs * ((max_len + bs - 1) // bs)
-            num_blocks = max(1, min(wanted, int(config.kv_cache_memory_gb * 2**30) // per_block))
+            pool_bytes = (int(config.kv_cache_memory_gb * 2**30) if config.gpu_memory_utilization is None
+                          else kv_pool_bytes(config.gpu_memory_utilization, self.device, config.model, self.dtype))
+            num_blocks = max(1, min(wanted, pool_bytes // per_block))
         self.max_model_len = min(max_len, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.squid = Squid(self.block_manager, str(self.dtype))
@@ -81,6 +89,8 @@ class LLMEngine:
         self.tiers: KVTiers | None = self._build_tiers(self.runner.kv.block_bytes) if config.has_host_tier else None
         self.counters = {"prompt_tokens": 0, "prefill_tokens_computed": 0, "generated_tokens": 0, "steps": 0}
         self.post = Postprocessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters)
+        # structured output, logit_bias, allowed_token_ids, bad_words (engine/structured_output.py)
+        self.controls = StructuredOutput(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         session_blocks = config.max_session_kv_blocks if config.max_session_kv_blocks is not None else num_blocks // 2
         if session_blocks >= num_blocks:
             raise ValueError(f"max_session_kv_blocks ({session_blocks}) must leave blocks for other requests: the pool has {num_blocks}")
@@ -105,6 +115,12 @@ class LLMEngine:
         tiers = KVTiers(self.block_manager.pool, self.runner.kv, config.block_size, host_blocks, transfer, per_block, disk,
                         pin_memory=self.device.type == "cuda")
         tiers.cost = CostModel.measure(transfer, self.runner.kv, tiers.host_kv, self.model_config, per_block)
+        # read in place needs kernels that address the host tier: the CPU ones (a GPU would need
+        # the host tensors mapped into its address space, which cuttle does not do yet)
+        if self.device.type != "cpu" and config.kv_read_in_place == "always":
+            raise ValueError("kv_read_in_place='always' needs the CPU attention kernels; on a GPU use 'auto' or 'never'")
+        tiers.read_in_place = config.kv_read_in_place if self.device.type == "cpu" else "never"
+        self.runner.host_kv = tiers.host_kv.layers
         self.block_manager.attach_tiers(tiers)
         return tiers
 
@@ -134,13 +150,20 @@ class LLMEngine:
             layout, ids, text = self._squid_prompt(prompt, params)
         elif isinstance(prompt, str):
             text = prompt
-            ids = self.tokenizer.encode(prompt)
+            ids = self.encode(prompt)
         else:
             text = None
             ids = list(prompt)
             self._check_ids(ids, "prompt")
         if not ids:
             raise ValueError("prompt must not be empty")
+        if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
+            if layout is not None:
+                raise ValueError("truncate_prompt_tokens is not supported for prompts with documents")
+            keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init): use stop_token_ids")
         # a squid query's positions start after the prefix and the documents
         start = layout.query_start() if layout is not None else 0
         used = start + len(ids)
@@ -154,6 +177,7 @@ class LLMEngine:
             raise ValueError(
                 f"{what} ({used} positions) + max_tokens ({max_tokens}) = {used + max_tokens} exceeds max_model_len ({self.max_model_len})"
             )
+        controls = self.controls.prepare(params)  # compiles its grammar; a bad spec is refused here
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         extra = self.weight_version.to_bytes(8, "little") + (cache_salt or "").encode()
         req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed, max_tokens=max_tokens,
@@ -163,10 +187,16 @@ class LLMEngine:
             req.full_prompt_token_ids = layout.flat_tokens(ids)
             self.counters["prompt_tokens"] += len(req.full_prompt_token_ids) - len(ids)
         self.post.attach_detokenizer(req.seqs[0])
+        self.controls.attach(req, controls)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self.counters["prompt_tokens"] += len(ids)
         return req
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer, and this engine runs with skip_tokenizer_init: pass token ids")
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         vocab = self.model_config.vocab_size
@@ -181,7 +211,7 @@ class LLMEngine:
             raise ValueError(f"documents are not supported for {mc.architecture} (MLA attention) models")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for prompts with documents")
-        layout, ids, text = parse_prompt(prompt, self.tokenizer.encode, self._check_ids, self.squid_positions,
+        layout, ids, text = parse_prompt(prompt, self.encode, self._check_ids, self.squid_positions,
                                          self.config.max_documents)
         for i, d in enumerate(layout.documents):
             if layout.prefix_len + len(d) >= self.max_model_len:
@@ -199,7 +229,7 @@ class LLMEngine:
     # ---- agent sessions (engine/session.py) --------------------------------------------------
     def open_session(self, prompt: str | list[int]) -> str:
         """A session over `prompt` (text is encoded once, here); returns its id."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_ids(ids, "prompt")
         return self.sessions.open(ids).session_id
 
@@ -247,6 +277,8 @@ class LLMEngine:
             return []
         # inputs first: with KV tiers the copies of this schedule's evicted blocks run meanwhile
         inputs = self.runner.prepare(sched.scheduled)
+        # the token masks of this step's samples are filled on a worker thread during the forward
+        mask_job = self.controls.start(inputs.sample_seqs)
         if self.tiers is not None:
             self.tiers.before_write()
         self.runner.copy_blocks(self.block_manager.pending_copies)
@@ -272,7 +304,8 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         rows: list[int] = []
         targets: list[Sequence] = []
-        for seq in inputs.sample_seqs:
+        src: list[int] = []  # the sample_seqs entry each target's row comes from
+        for j, seq in enumerate(inputs.sample_seqs):
             req = seq.request
             group = [seq]
             if not req.forked:  # the prompt is done: the other n-1 samples fork from it now
@@ -281,7 +314,15 @@ class LLMEngine:
             for s in group:
                 rows.append(row)
                 targets.append(s)
+                src.append(j)
             row += 1
+        mask = None
+        if mask_job is not None:
+            mask = mask_job.result()
+            if len(targets) != len(inputs.sample_seqs):
+                mask = mask.take(src)
+            for k, why in mask.failed.items():
+                self.post.fail(targets[k].request, ValueError(why))
         if targets:
             reqs = [self._sample_request(s) for s in targets]
             # rows are consecutive unless an n > 1 prompt just forked (its row repeats): a slice
@@ -291,7 +332,7 @@ class LLMEngine:
             else:
                 picked = logits[torch.tensor(rows)]
             with torch.inference_mode():  # the logits are inference tensors, updated in place
-                results = sample(picked, reqs, self.config.logprobs_mode)
+                results = sample(picked, reqs, self.config.logprobs_mode, mask)
             now = time.monotonic()
             post = self.post
             for s, res in zip(targets, results):

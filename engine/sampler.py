@@ -10,16 +10,25 @@ Logprobs (`logprobs_mode`):
   penalties, temperature, and top-k / top-p / min-p truncation (renormalized). For greedy rows,
   penalties only. This is the sampling policy's own logprob, the one importance ratios need.
 - "raw": log-softmax of the model's logits before any processing.
+
+The token mask (structured output, allowed_token_ids, bad_words, logit_bias; built by
+engine/structured_output.py while the model ran) is the first processing stage: "processed"
+logprobs are those of the masked distribution, "raw" ones are not. A batch without any of these
+controls passes `mask=None` and pays nothing for them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from cuttle.attention.native.argmax import argmax
 from cuttle.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cuttle.engine.structured_output import TokenMask
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -89,10 +98,33 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str = "processed") -> list[SampleResult]:
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
+    """In place: add the logit_bias entries, then set every token whose bit is clear to -inf."""
+    if mask.bias_rows is not None and mask.bias_rows.numel():
+        logits.index_put_((mask.bias_rows, mask.bias_ids), mask.bias_vals.to(logits.dtype), accumulate=True)
+    if not mask.rows:
+        return
+    vocab = logits.shape[1]
+    # bit t of word w is token 32 w + t (xgrammar's layout); the shift of an int32 is arithmetic,
+    # so & 1 reads the sign bit right too
+    allowed = ((mask.bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(mask.rows), -1)[:, :vocab].bool()
+    if len(mask.rows) == logits.shape[0]:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        for r, a in zip(mask.rows, allowed):
+            logits[r].masked_fill_(~a, float("-inf"))
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str = "processed",
+           mask: TokenMask | None = None) -> list[SampleResult]:
     """logits [N, V] float32 (modified in place). Rows whose params ask for no logprobs get 0.0."""
     n = len(rows)
     raw_lp = torch.log_softmax(logits, dim=-1) if logprobs_mode == "raw" else None
+    if mask is not None:
+        apply_token_mask(logits, mask)
     if any(r.params.has_penalties for r in rows):
         apply_penalties(logits, rows)
     for i, r in enumerate(rows):

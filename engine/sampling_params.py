@@ -7,7 +7,9 @@ return it to the user verbatim.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestOutputKind(enum.Enum):
@@ -17,6 +19,56 @@ class RequestOutputKind(enum.Enum):
     DELTA = 1  # only what is new since the previous output
     FINAL_ONLY = 2  # one output, when the request finishes
 
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on the output, vLLM's offline shape: exactly one of `json` (a JSON schema, as a
+    dict or its JSON text), `regex`, `choice` (the output is one of these strings), `grammar`
+    (EBNF, GBNF-style), `json_object` (any JSON object) or `structural_tag` (xgrammar's structural
+    tag JSON, which the server builds for tool calls). `disable_any_whitespace` is accepted for
+    vLLM's sake: cuttle's JSON never has free whitespace (engine/structured_output.py says why).
+    Compiled by engine/structured_output.py; only the shape is checked here."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
+                             f"structural_tag; got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), got {type(self.json).__name__}")
+        for k in ("regex", "grammar", "structural_tag"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{k} must be a non-empty string")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False) or not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.json_object and .disable_any_whitespace must be booleans")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag") if getattr(self, k))
+
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on (the compile cache's key)."""
+        v = getattr(self, self.kind)
+        return self.kind, v if isinstance(v, str) else json.dumps(v)  # key order matters: properties come out in it
 
 
 @dataclass(slots=True)
@@ -40,6 +92,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (vLLM's; -1: as many as max_model_len allows)
+    # the token-level controls (engine/structured_output.py applies them in one mask stage)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # a word's last token is banned once the rest has been generated
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,10 +132,51 @@ class SamplingParams:
             _check_int("stop_token_ids[]", t, lo=0, hi=2**31 - 1)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (as many as max_model_len allows) or an integer >= 1, got {t!r}")
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must be a mapping of token id -> bias")
+            # JSON object keys are strings: "50256" is token 50256 (OpenAI's wire form)
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+                _check_int("logit_bias key", tid, lo=0, hi=2**31 - 1)
+                _check_float(f"logit_bias[{tid}]", v, lo=-100.0, hi=100.0)
+                bias[tid] = float(v)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids[]", t, lo=0, hi=2**31 - 1)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError("bad_words must be a list of non-blank strings")
+            self.bad_words = self.bad_words or None
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
+            # the grammar decides where the output ends (its stop token); these would fight it
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured_outputs: the grammar ends the output with EOS")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides when the output ends")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_controls(self) -> bool:
+        """Any of logit_bias, allowed_token_ids, bad_words, structured_outputs set."""
+        return (self.logit_bias is not None or self.allowed_token_ids is not None or self.bad_words is not None
+                or self.structured_outputs is not None)
 
     @property
     def has_penalties(self) -> bool:

@@ -1,0 +1,260 @@
+"""Structured output and the token-level controls through the offline engine (engine/structured_output.py).
+
+Oracles: `jsonschema` validates every JSON output against its schema, `re.fullmatch` the regex
+outputs; logit_bias / allowed_token_ids / bad_words are checked against the model's own logits of
+the same step, captured before the sampler touches them; preemption and forks against a run
+that has neither."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+import torch
+
+from cuttle.engine import LLM, SamplingParams
+from cuttle.engine.default_model import default_model_path
+from cuttle.engine.sampling_params import StructuredOutputsParams
+
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "io"]}, "maxItems": 3},
+        "kind": {"enum": ["file", "dir", None]},
+    },
+    "required": ["name", "count", "ok", "tags", "kind"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return LLM(dtype="float32", num_kv_blocks=1024, max_num_seqs=64, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Qwen3 with the embedded model's byte-level BPE tokenizer (vocab 8196)."""
+    from helpers import make_checkpoint
+
+    path = str(tmp_path_factory.mktemp("tiny_bpe"))
+    make_checkpoint(path, "qwen3", vocab_size=8196, eos_token_id=2)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(default_model_path(), f), path)
+    return LLM(path, dtype="float32", num_kv_blocks=1024, max_num_seqs=64, seed=0)
+
+
+def _gen(llm, prompt, **kw):
+    return llm.generate([prompt], SamplingParams(**kw), use_tqdm=False)[0].outputs
+
+
+@pytest.mark.parametrize("model", ["embedded", "tiny"])
+def test_json_schema_outputs_validate_for_50_seeds(model, request):
+    llm = request.getfixturevalue(model)
+    so = StructuredOutputsParams(json=SCHEMA)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured_outputs=so) for s in range(50)]
+    outs = llm.generate(["def load(path):\n    "] * 50, params, use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", (c.finish_reason, c.text)
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert len({o.outputs[0].text for o in outs}) > 10  # sampled, not one forced answer
+
+
+def test_json_object_regex_choice_grammar(embedded, tiny):
+    for llm in (embedded, tiny):
+        obj = _gen(llm, "x = ", temperature=1.0, seed=3, max_tokens=200, n=3,
+                   structured_outputs=StructuredOutputsParams(json_object=True))
+        for c in obj:
+            if c.finish_reason == "stop":  # an unbounded object may run to max_tokens
+                assert isinstance(json.loads(c.text), dict)
+        rx = r"[0-9]{2,4}-(red|green|blue)\.[a-z]{1,5}"
+        for c in _gen(llm, "x = ", temperature=1.0, seed=5, max_tokens=30, n=4, structured_outputs=StructuredOutputsParams(regex=rx)):
+            assert c.finish_reason == "stop" and re.fullmatch(rx, c.text), c.text
+        choices = ["yes", "no", "not sure", 'say "hi"']
+        got = _gen(llm, "answer: ", temperature=1.0, seed=1, max_tokens=10, n=8, structured_outputs=StructuredOutputsParams(choice=choices))
+        assert all(c.text in choices and c.finish_reason == "stop" for c in got)
+        ebnf = 'root ::= "(" num (" + " num)* ")"\nnum ::= [1-9] [0-9]?'
+        for c in _gen(llm, "e = ", temperature=1.0, seed=2, max_tokens=40, n=3, structured_outputs=StructuredOutputsParams(grammar=ebnf)):
+            if c.finish_reason == "stop":
+                assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\)", c.text), c.text
+            else:
+                assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*( \+ [1-9]?)?", c.text), c.text
+
+
+def test_max_tokens_cut_is_length_and_greedy_is_deterministic(embedded):
+    so = StructuredOutputsParams(json=SCHEMA)
+    cut = _gen(embedded, "def f():", temperature=0, max_tokens=4, structured_outputs=so)[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 4
+    with pytest.raises(ValueError):
+        json.loads(cut.text)  # a cut JSON is reported as cut, not as a parse-valid answer
+    full = _gen(embedded, "def f():", temperature=0, max_tokens=160, structured_outputs=so)[0]
+    assert full.token_ids[:4] == cut.token_ids  # the same constrained greedy path
+    jsonschema.validate(json.loads(full.text), SCHEMA)
+
+
+def test_forks_and_preemption_keep_each_samples_grammar(tmp_path):
+    """n=6 samples each with its own matcher; a pool so small that samples are preempted and
+    recomputed gives the same tokens as a roomy one (the matchers never roll back)."""
+    so = StructuredOutputsParams(json=SCHEMA)
+    p = SamplingParams(temperature=1.0, seed=11, n=6, max_tokens=120, structured_outputs=so)
+    roomy = LLM(dtype="float32", num_kv_blocks=512, seed=0).generate(["def g():"], p, use_tqdm=False)[0]
+    tight_llm = LLM(dtype="float32", num_kv_blocks=10, block_size=16, seed=0)
+    tight = tight_llm.generate(["def g():"], p, use_tqdm=False)[0]
+    assert tight_llm.stats()["preemptions"] > 0
+    assert [c.token_ids for c in tight.outputs] == [c.token_ids for c in roomy.outputs]
+    for c in roomy.outputs:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert len({tuple(c.token_ids) for c in roomy.outputs}) > 1
+
+
+def _capture(monkeypatch):
+    """The logits rows each step hands the sampler, copied before the sampler changes them."""
+    import cuttle.engine.llm_engine as le
+
+    seen: list[torch.Tensor] = []
+    real = le.sample
+
+    def spy(logits, rows, mode="processed", mask=None):
+        seen.append(logits.clone())
+        return real(logits, rows, mode, mask)
+
+    monkeypatch.setattr(le, "sample", spy)
+    return seen
+
+
+def test_logit_bias_allowed_ids_bad_words_against_the_models_logits(embedded, monkeypatch):
+    prompt = "import os\nimport sys\n\ndef main():\n    "
+    plain = _gen(embedded, prompt, temperature=0, max_tokens=6, logprobs=0)[0]
+    seen = _capture(monkeypatch)
+    # logit_bias: greedy picks the argmax of logits + bias, and the processed logprob is its log-softmax
+    top = plain.token_ids[0]
+    bias = {top: -100.0, 7: 30.0, 100: 5.5}
+    got = _gen(embedded, prompt, temperature=0, max_tokens=3, logit_bias=bias, logprobs=0)[0]
+    for step, tok in enumerate(got.token_ids):
+        ref = seen[step][0].clone()
+        for t, b in bias.items():
+            ref[t] += b
+        assert tok == int(ref.argmax())
+        assert got.logprobs[step][tok].logprob == pytest.approx(float(torch.log_softmax(ref, -1)[tok]), abs=1e-5)
+    assert top not in got.token_ids[:1]
+    # allowed_token_ids at temperature 1: every token in the set, logprob = log-softmax over the set
+    seen.clear()
+    allowed = [11, 57, 300, 1024, 4000]
+    got = _gen(embedded, prompt, temperature=1.0, seed=4, max_tokens=5, allowed_token_ids=allowed, logprobs=0)[0]
+    idx = torch.tensor(allowed)
+    for step, tok in enumerate(got.token_ids):
+        assert tok in allowed
+        sub = torch.log_softmax(seen[step][0][idx], -1)
+        assert got.logprobs[step][tok].logprob == pytest.approx(float(sub[allowed.index(tok)]), abs=1e-5)
+    # bad_words: the unconstrained greedy output's 2nd..3rd tokens as a word; its last token is
+    # banned exactly where the rest of it was just generated
+    tok = embedded.get_tokenizer()
+    word = tok.decode(plain.token_ids[1:3])
+    ids = tok.encode(word, add_special_tokens=False)
+    assert len(ids) == 2, "pick a prompt whose greedy tokens 1..2 re-encode as themselves"
+    seen.clear()
+    got = _gen(embedded, prompt, temperature=0, max_tokens=6, bad_words=[word])[0]
+    assert got.token_ids[:2] == plain.token_ids[:2]
+    ref = seen[2][0].clone()
+    ref[ids[1]] = float("-inf")
+    assert got.token_ids[2] == int(ref.argmax()) != plain.token_ids[2]
+    out = got.token_ids
+    assert not any(out[i : i + 2] == ids for i in range(len(out) - 1))
+
+
+def test_controls_apply_per_row_in_a_mixed_batch(embedded):
+    """Constrained and free requests in one batch: the free ones are untouched."""
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = embedded.generate(["def a():", "class B:"], free, use_tqdm=False)
+    mixed = embedded.generate(["def a():", "x = ", "class B:"],
+                              [free, SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-c]{8}")), free],
+                              use_tqdm=False)
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == [o.outputs[0].token_ids for o in alone]
+    assert re.fullmatch("[a-c]{1,8}", mixed[1].outputs[0].text)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": 5})), "structured_outputs.json"),
+    (dict(structured_outputs=StructuredOutputsParams(regex="(unclosed")), "structured_outputs.regex"),
+    (dict(structured_outputs=StructuredOutputsParams(grammar="root ::= undefined_rule")), "structured_outputs.grammar"),
+    (dict(logit_bias={10**6: 1.0}), "logit_bias"),
+    (dict(allowed_token_ids=[5, 10**6]), "allowed_token_ids"),
+])
+def test_bad_controls_are_refused_at_admission(embedded, kw, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        embedded.generate(["x"], SamplingParams(max_tokens=2, **kw), use_tqdm=False)
+    assert not embedded.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(logit_bias={5: 101}), "logit_bias[5]"),
+    (dict(logit_bias={-1: 1}), "logit_bias key"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(bad_words=[" "]), "bad_words"),
+    (dict(structured_outputs=StructuredOutputsParams(json={}), ignore_eos=True), "ignore_eos"),
+    (dict(structured_outputs=StructuredOutputsParams(json={}), min_tokens=2), "min_tokens"),
+])
+def test_sampling_params_refuse_bad_controls(kw, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        SamplingParams(**kw)
+
+
+def test_structured_outputs_params_shape():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
+        StructuredOutputsParams(json="{nope")
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        StructuredOutputsParams(choice=[])
+    assert StructuredOutputsParams(json={"type": "object"}).key() == ("json", '{"type": "object"}')
+
+
+def test_word_level_tokenizer_is_refused(qwen3_path):
+    """The test checkpoints' word-level tokenizer decodes with spaces between tokens: a token
+    grammar would not be a text grammar there, so it is refused, naming the decoder."""
+    llm = LLM(qwen3_path, dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="WordPiece"):
+        llm.generate(["a"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")), use_tqdm=False)
+    # the token-level controls need no grammar and work with any tokenizer
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[9, 10], ignore_eos=True), use_tqdm=False)
+    assert set(out[0].outputs[0].token_ids) <= {9, 10}
+
+
+def test_engine_imports_and_refuses_structured_output_without_xgrammar():
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] == 'xgrammar':\n"
+        "            raise ImportError('xgrammar is blocked in this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from cuttle.engine import LLM, SamplingParams\n"
+        "from cuttle.engine.sampling_params import StructuredOutputsParams\n"
+        "llm = LLM(dtype='float32', num_kv_blocks=16)\n"
+        "out = llm.generate(['def f(x):'], SamplingParams(temperature=0, max_tokens=3, logit_bias={5: 2.0}, bad_words=['x']), use_tqdm=False)\n"
+        "assert len(out[0].outputs[0].token_ids) == 3\n"
+        "try:\n"
+        "    llm.generate(['a'], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex='a')), use_tqdm=False)\n"
+        "except ValueError as e:\n"
+        "    assert 'xgrammar' in str(e), e\n"
+        "    print('refused:', e)\n"
+        "else:\n"
+        "    raise SystemExit('not refused')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused: structured_outputs needs the xgrammar package" in r.stdout
