@@ -152,3 +152,24 @@ def _dequantize_bits(
     folded = torch.where(b == E8M0_NAN, 0x7FC00000, (b + 120) << 23).view(torch.float32).to(dtype)
     return vals.reshape(blocked).mul_(folded.unsqueeze(-1))
 
+
+
+class _FakeQuantizeSTE(torch.autograd.Function):
+    """Forward: the exact MXFP8 round trip of w (quantized from `from_dtype`). Backward: the
+    gradient unchanged (straight-through), so master weights train as if unquantized."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, from_dtype: torch.dtype, scale_mode: ScaleMode) -> torch.Tensor:  # type: ignore[override]
+        data, scales = quantize_mxfp8(w.detach().to(from_dtype), 32, scale_mode)
+        return dequantize_mxfp8(data, scales, 32, w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return grad, None, None
+
+
+def fake_quantize_ste(w: torch.Tensor, from_dtype: torch.dtype | None = None, scale_mode: ScaleMode = "floor") -> torch.Tensor:
+    """Quantize-on-the-fly for training: the values an MXFP8 server computes with (w cast to
+    `from_dtype`, the server's model dtype, then quantize_mxfp8 along the last dim), in w's dtype,
+    with straight-through gradients. Bit-identical to dequantizing what the server quantized."""
+    return _FakeQuantizeSTE.apply(w, from_dtype or w.dtype, scale_mode)

@@ -1,6 +1,13 @@
 """The reference trainer: scores `TrainBatch`es with the engine's own model code, steps AdamW on
 the chosen policy loss, and pushes the new weights back into a running engine.
 
+`moe_quant="mxfp8"` trains and scores in the sampler's format: every routed-expert weight is
+quantized on the fly in the forward (a parametrization over the master weight: cast to the
+engine's model dtype, `quantize_mxfp8`, dequantize; straight-through gradients), so the logprobs are
+those of an engine serving `moe_quant="mxfp8"` and the trained policy is sampled with no
+post-training quantization step. The master weights stay in `dtype` and are what `push_weights`
+sends (the engine re-quantizes them the same way).
+
 Owns a training copy of the model (float32 master weights by default), its optimizer, and the
 recomputation of the sampled tokens' logprobs (`CausalLM.forward_masked` over rows of whole
 sequences, each under the attention it was sampled with: causal, or its squid layout's mask and
@@ -26,9 +33,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import nn
+from torch.nn.utils import parametrize
 
-from cuttle.engine.config import DTYPES, ModelConfig
+from cuttle.engine.config import DTYPES, MOE_QUANT_MODES, ModelConfig
 from cuttle.engine.models import CausalLM, load_model
+from cuttle.engine.models.moe_quant import moe_layers
+from cuttle.moe.mxfp8 import fake_quantize_ste
 from cuttle.rl.batch import PackedBatch, TrainBatch
 from cuttle.rl.losses import LossConfig, Normalizer, loss_config, policy_loss
 from cuttle.rl.mismatch import mismatch
@@ -50,8 +61,14 @@ class TrainerConfig:
     dtype: str = "float32"
     old_policy: str = "behaviour"  # the ratio's denominator: "behaviour" (engine logprobs) or "start"
     minibatches: int = 1  # optimizer steps per batch, each over a consecutive part of its sequences
+    moe_quant: str | None = None  # "mxfp8": routed experts quantized on the fly in the forward (the sampler's format)
+    moe_quant_dtype: str | None = None  # the engine's model dtype, which it quantizes from (default: `dtype`)
 
     def __post_init__(self) -> None:
+        if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
+            raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
+        if self.moe_quant_dtype is not None and self.moe_quant_dtype not in DTYPES:
+            raise ValueError(f"moe_quant_dtype must be one of {', '.join(DTYPES)}; got {self.moe_quant_dtype!r}")
         if self.old_policy not in OLD_POLICIES:
             raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
         if self.minibatches < 1:
@@ -69,12 +86,28 @@ class Trainer:
         self.device = torch.device(device)
         mc = ModelConfig.from_pretrained(model_path)
         self.model: CausalLM = load_model(model_path, mc, DTYPES[self.config.dtype], self.device)
+        if self.config.moe_quant is not None:
+            self._quantize_experts_on_the_fly()
         self.params = [p for n, p in self.model.named_parameters() if not n.startswith(freeze)]
         for p in self.params:
             p.requires_grad_(True)
         c = self.config
         self.optimizer = torch.optim.AdamW(self.params, lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
         self.num_steps = 0
+
+    def _quantize_experts_on_the_fly(self) -> None:
+        layers = moe_layers(self.model)
+        if not layers:
+            raise ValueError(f"moe_quant={self.config.moe_quant!r}: this {self.model.cfg.architecture} model has no MoE layers")
+        src = DTYPES[self.config.moe_quant_dtype or self.config.dtype]
+        for layer in layers.values():
+            for name in ("w13", "w2"):
+                parametrize.register_parametrization(layer, name, _MXFP8Experts(src))
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # cached: each expert weight is quantized once per forward, however often the layer reads it
+        with parametrize.cached():
+            return self.model.forward_masked(ids, pos, mask)
 
     # ---- scoring ---------------------------------------------------------------------------
     def _rows(self, batch: PackedBatch, first: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
@@ -102,7 +135,7 @@ class Trainer:
         doc = torch.repeat_interleave(torch.arange(b - a, device=self.device), lens)
         # block-diagonal: each sequence causal or under its squid layout, never seeing another
         mask = batch.row_mask(a, b).to(self.device)
-        hidden = self.model.forward_masked(ids[None], pos[None], mask[None])[0]
+        hidden = self._forward(ids[None], pos[None], mask[None])[0]
         targets = batch.loss_mask[span].to(self.device).nonzero().squeeze(1)
         # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
         logits = self.model.compute_logits(hidden[targets - 1])
@@ -187,8 +220,20 @@ class Trainer:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights under the engine's own parameter names (no HF name round trip)."""
         for name, p in self.model.named_parameters():
-            yield name, p.detach()
+            # a parametrized expert weight's master is `<layer>.parametrizations.<w>.original`
+            yield name.replace("parametrizations.", "").removesuffix(".original"), p.detach()
 
     def push_weights(self, target: WeightTarget, in_flight: str = "abort") -> int:
         """Load the current weights into a running engine; returns its new weight version."""
         return target.update_weights(self.named_weights(), in_flight)
+
+
+class _MXFP8Experts(nn.Module):
+    """Parametrization of a stacked expert weight: its MXFP8 round trip, straight-through."""
+
+    def __init__(self, from_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.from_dtype = from_dtype
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_ste(w, self.from_dtype)

@@ -1,0 +1,90 @@
+"""MXFP8 routed experts on the native MXFP8 GEMM (moe/experts_mxfp8_cpu.py) against the torch
+expert path on the same MXFP8 weights (dequantize, then matmul): fp32 within accumulation
+rounding, bf16 within bf16 rounding; experts with no token, one token and every token; after a
+re-quantization (weight update); the layer takes the native path only where it applies."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuttle.attention.native import mxfp8 as native_mx
+from cuttle.moe import FusedMoE, RoutingConfig
+from cuttle.moe import experts_mxfp8_cpu
+from cuttle.moe.experts_torch import fused_experts_torch
+from cuttle.moe.routing import route, router_logits
+
+pytestmark = pytest.mark.skipif(not native_mx.available(), reason="native CPU kernel library not built")
+
+
+def _layer(dtype: torch.dtype, E: int = 8, H: int = 64, I: int = 96, k: int = 2, seed: int = 0) -> FusedMoE:
+    routing = RoutingConfig.from_hf({"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": k,
+                                     "norm_topk_prob": True})
+    layer = FusedMoE(H, I, routing, dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.gate_weight.copy_(torch.randn(E, H, generator=g))
+        layer.w13.copy_(torch.randn(E, 2 * I, H, generator=g) * 0.1)
+        layer.w2.copy_(torch.randn(E, H, I, generator=g) * 0.1)
+    layer.quantize_("mxfp8")
+    return layer
+
+
+def _both(layer: FusedMoE, x: torch.Tensor, ids: torch.Tensor | None = None):
+    if ids is None:
+        weights, ids = route(router_logits(x, layer.gate_weight, layer.routing), layer.routing)
+    else:
+        weights = torch.full(ids.shape, 1.0 / ids.shape[1])
+    w13, w2 = layer.expert_weights()
+    assert experts_mxfp8_cpu.supports(x, w13, w2)
+    return experts_mxfp8_cpu.fused_experts_mxfp8_cpu(x, w13, w2, weights, ids), fused_experts_torch(x, w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_fp32_equals_torch_path(T: int) -> None:
+    layer = _layer(torch.float32)
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T))
+    got, ref = _both(layer, x)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_within_bf16_rounding() -> None:
+    layer = _layer(torch.bfloat16)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    got, ref = _both(layer, x)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 * 2.0**-8, atol=2e-3)
+
+
+def test_no_token_one_token_every_token() -> None:
+    layer = _layer(torch.float32, E=4)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
+    # expert 0: every token, expert 1: one token, experts 2 and 3: none
+    ids = torch.tensor([[0, 1]] + [[0, 0]] * 5, dtype=torch.int64)
+    got, ref = _both(layer, x, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_forward_takes_it_and_follows_weight_updates() -> None:
+    layer = _layer(torch.float32)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    weights, ids = route(router_logits(x, layer.gate_weight, layer.routing), layer.routing)
+    w13, w2 = layer.expert_weights()
+    torch.testing.assert_close(layer(x), fused_experts_torch(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    # a re-quantized update written in place (as the loader does) is what the next call reads
+    other = _layer(torch.float32, seed=9)
+    layer.w13_mx.copy_(other.w13_mx)
+    layer.w13_scale.copy_(other.w13_scale)
+    w13, w2 = layer.expert_weights()
+    torch.testing.assert_close(layer(x), fused_experts_torch(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    # activation quantization and autograd stay on the torch path
+    assert not experts_mxfp8_cpu.supports(x, w13, w2, act_quant="floor")
+    assert not experts_mxfp8_cpu.supports(x.requires_grad_(), w13, w2)
+
+
+def test_nan_bytes_in_finite_blocks_refused_once_written() -> None:
+    layer = _layer(torch.float32)
+    x = torch.randn(2, 64)
+    layer(x)
+    layer.w2_mx.view(torch.uint8)[0, 0, 0] = 0x7F  # an in-place write bumps the version: checked again
+    with pytest.raises(ValueError, match="NaN bytes in blocks with a finite scale"):
+        experts_mxfp8_cpu.fused_experts_mxfp8_cpu(x, *layer.expert_weights(), torch.ones(2, 2) / 2,
+                                                  torch.zeros(2, 2, dtype=torch.int64))
