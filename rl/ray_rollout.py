@@ -35,6 +35,7 @@ same code, with `ray.init(address=...)` on the driver and the workers placed by 
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -109,7 +110,19 @@ class _CountedEnv:
 class RolloutWorker:
     """One Ray actor's state: a sampler, environments, the groups it is running."""
 
-    def __init__(self, sampler_factory: SamplerFactory, env_factory: EnvFactory, config: AgentConfig | None = None):
+    def __init__(self, sampler_factory: SamplerFactory, env_factory: EnvFactory, config: AgentConfig | None = None,
+                 niceness: int | None = None):
+        # Ray starts worker processes at niceness 15 (its worker_niceness), meant for background
+        # tasks: a rollout worker is the foreground work, and on a shared machine a niced worker
+        # (and the sandboxes it starts, which inherit it) gets a sliver of a core beside the
+        # driver. Back to the driver's priority where the OS lets us; stats() says what we got.
+        self.niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        if niceness is not None and self.niceness > niceness:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, niceness)
+                self.niceness = niceness
+            except PermissionError:  # unprivileged: start Ray with RAY_worker_niceness=0 instead
+                pass
         made = sampler_factory()
         if isinstance(made, LLM):
             made = EngineSampler(made)
@@ -154,7 +167,7 @@ class RolloutWorker:
             return self.sampler.update_weights(iter(tensors.items()))
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"open_envs": self.open_envs, "running_groups": len(self.running)}
+        out: dict[str, Any] = {"open_envs": self.open_envs, "running_groups": len(self.running), "niceness": self.niceness}
         if callable(getattr(self.sampler, "stats", None)):
             out.update(self.sampler.stats())
         return out
@@ -195,7 +208,8 @@ class RayRollout:
         if not ray.is_initialized():
             raise RuntimeError("call ray.init() (or ray.init(address=...) for a cluster) before RayRollout")
         actor = ray.remote(num_cpus=num_cpus, max_concurrency=max_groups_per_worker + 2, max_restarts=0)(RolloutWorker)
-        self.workers = [actor.remote(sampler_factory, env_factory, config) for _ in range(num_workers)]
+        nice = os.getpriority(os.PRIO_PROCESS, 0)
+        self.workers = [actor.remote(sampler_factory, env_factory, config, nice) for _ in range(num_workers)]
         ray.get([w.ping.remote() for w in self.workers])  # fail here, not mid-step, if a worker cannot start
         self.dead: set[int] = set()
         self._draining: list[ray.ObjectRef] = []  # aborted groups of the last step, still winding down
