@@ -1,7 +1,7 @@
 """Agent rollouts on Ray: rollout workers as actors under a single controller (the driver).
 
 Owns spreading a step's groups over `RolloutWorker` actors, each of which owns a sampler (an
-in-process engine) and the sandbox environments of the groups it runs, and the controller's
+in-process engine, or with `ServedSampler` a client of a running `cuttle serve`) and the sandbox environments of the groups it runs, and the controller's
 decisions: where a group goes, when a step is done, what is aborted, what is retried, and which
 weights every worker samples with.
 

@@ -6,15 +6,17 @@
 The embedded model was trained on stdlib source, never on chats: left alone it does not write a
 tool call (`<tool_call>` never comes out of it), so every episode ends at its first answer with
 reward 0 and GRPO has no signal. The route taken here, stated in every output:
-1. **Warm start** (`--warm-start-steps`, supervised): cross-entropy on the first turn of the fix
-   script for synthetic tasks, a `read_file` call of the buggy file written exactly as the
-   product's template writes a call of the product's own `read_file` schema, after the product's
-   own system prompt with every tool schema. It teaches the format, not the task.
-2. **GRPO** with `AgentRollout.step` (multi-turn episodes, the sandbox's tools, partial rollouts
-   with `--partial`), reward = the hidden tests on a fresh copy of the final workspace (1.0) plus
-   a shaped `--format-bonus` (default 0.2) when the episode's first turn is one well-formed call of
-   an existing tool (no malformed block). The bonus is what the tiny model can reach; the hidden
-   tests are what a real model would be trained on.
+1. **Tasks it can solve**: the *guided* task set (rl/examples/agent_tasks.py), synthetic
+   repository tasks whose prompt names the file and the exact line to change; the fix is one
+   `edit_file` call copying the prompt's strings, then `submit`. Reward = the hidden tests on a
+   fresh copy of the final workspace (1.0 or 0.0), as for any sandbox task.
+2. **Warm start** (`--warm-start-steps`, supervised): cross-entropy on the sampled turns of
+   scripted fix trajectories of other guided tasks (`SFT_SEEDS`, disjoint from the GRPO tasks),
+   made by the agent loop itself (product system prompt and tool schemas, the real sandbox's tool
+   results between the turns): it teaches the call format and the copy, not these tasks.
+3. **GRPO** with `AgentRollout.step` (multi-turn episodes, partial rollouts with `--partial`); an
+   optional shaped `--format-bonus` (default 0) when the first turn is one well-formed call of an
+   existing tool.
 Each step: sample, reward, one trainer step (per-token versions, mismatch against the behaviour
 logprobs), push the weights into the same engine. Outputs in `--out`: `log.jsonl` (per step:
 reward, format rate, turns, tool calls by kind, tokens, finishes, straggler wait, mismatch),
@@ -37,45 +39,43 @@ import torch
 from cuttle.engine import LLM, SamplingParams
 from cuttle.rl.agent import AgentConfig, AgentGroup, AgentRollout, agent_batch, episode_stats
 from cuttle.rl.batch import TrainBatch
-from cuttle.rl.chat import ChatTokens
-from cuttle.rl.environment import sandbox_factory
+from cuttle.rl.examples.agent_tasks import ScriptedFix, guided_env, guided_seeds
 from cuttle.rl.examples.grpo_tiny import noise, plot
 from cuttle.rl.losses import loss_config
-from cuttle.rl.trainer import Trainer, TrainerConfig
+from cuttle.rl.trainer import Trainer
+from cuttle.rl.trainer import TrainerConfig
 from cuttle.rl.types import Trajectory
-from cuttle.sandbox.tasks import make_task
 from cuttle.sandbox.tools import agent_tool_schemas
 
-SPEC_SEEDS = range(0, 48)  # synthetic tasks for GRPO; the warm start uses others (SFT_SEEDS)
-SFT_SEEDS = range(1000, 1016)
+SPEC_SEEDS = guided_seeds(0, 48)  # guided tasks for GRPO; the warm start uses others (SFT_SEEDS)
+SFT_SEEDS = guided_seeds(1000, 16)
 
 
-def first_call(seed: int) -> str:
-    """The fix script's first turn: read the file that holds the bug, as the template writes a call."""
-    task = make_task({"kind": "synthetic", "seed": seed})
-    path = next(p for p, text in task.files.items() if task.metadata["mutant"] in text)
-    return f'<tool_call>\n{{"name": "read_file", "arguments": {json.dumps({"path": path})}}}\n</tool_call>'
-
-
-def warm_start(trainer: Trainer, llm: LLM, runner: AgentRollout, steps: int, batch_size: int, rng: random.Random) -> list[float]:
-    """Supervised steps on (product prompt, one well-formed read_file call): returns the losses."""
+def scripted_trajectories(llm: LLM) -> list[Trajectory]:
+    """The scripted fix of every SFT task, run through the agent loop in the sandbox: the exact
+    token streams (prompt, the fix's turns, the template and tool results between them) a policy
+    that solves them would produce. Each must earn reward 1, or the task set is broken."""
     tok = llm.get_tokenizer()
-    chat = ChatTokens(tok, agent_tool_schemas(), llm.engine.eos_token_ids)
-    examples = []
-    for seed in SFT_SEEDS:
-        task = make_task({"kind": "synthetic", "seed": seed})
-        _, ids = chat.start([{"role": "system", "content": runner.config.system_prompt}, {"role": "user", "content": task.prompt}])
-        t = Trajectory.start(ids)
-        turn = tok.encode(first_call(seed), add_special_tokens=False) + [chat.end_of_turn_id]
-        t.token_ids += turn
-        t.loss_mask += [1] * len(turn)
-        t.logprobs += [0.0] * len(turn)
-        t.weight_versions += [0] * len(turn)
-        examples.append(t)
+    cfg = AgentConfig(max_turns=4, max_tokens_per_turn=512)  # the script's turns whole, whatever the run's limits
+    runner = AgentRollout(ScriptedFix(tok, SFT_SEEDS), guided_env, cfg, tokenizer=tok,
+                          eos_token_ids=llm.engine.eos_token_ids)
+    try:
+        groups = runner.run([{"kind": "guided", "seed": s} for s in SFT_SEEDS], 1, SamplingParams(temperature=1.0))
+    finally:
+        runner.close()
+    eps = [g.episodes[0] for g in groups]
+    bad = [(e.spec, e.finish, e.reward, e.error) for e in eps if e.finish != "submitted" or e.reward != 1.0]
+    if bad:
+        raise RuntimeError(f"the scripted fix does not solve every warm-start task: {bad[:3]}")
+    return [e.trajectory for e in eps]
+
+
+def warm_start(trainer: Trainer, examples: list[Trajectory], steps: int, batch_size: int, rng: random.Random) -> list[float]:
+    """Supervised steps on the scripted trajectories' sampled turns: returns the losses."""
     losses = []
     trainer.model.train()
     for _ in range(steps):
-        chosen = rng.sample(examples, batch_size)
+        chosen = rng.sample(examples, min(batch_size, len(examples)))
         packed = TrainBatch.from_trajectories(chosen, [0.0] * len(chosen), list(range(len(chosen)))).packed()
         trainer.optimizer.zero_grad(set_to_none=True)
         total, n = 0.0, packed.num_trained_tokens
@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--partial", action="store_true", help="carry unfinished groups into the next step")
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-turns", type=int, default=3)
-    ap.add_argument("--max-tokens-per-turn", type=int, default=48)
-    ap.add_argument("--warm-start-steps", type=int, default=40)
+    ap.add_argument("--max-tokens-per-turn", type=int, default=128)
+    ap.add_argument("--warm-start-steps", type=int, default=12)
     ap.add_argument("--warm-start-lr", type=float, default=1e-3)
     ap.add_argument("--lr", type=float, default=2e-4)
-    ap.add_argument("--format-bonus", type=float, default=0.2)
+    ap.add_argument("--format-bonus", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "cuttle-agent-grpo"))
     args = ap.parse_args(argv)
@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                                                max_tokens_per_row=4096))
     cfg = AgentConfig(max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens_per_turn, max_total_tokens=4000,
                       turn_wait_s=0.2)
-    runner = AgentRollout(llm, sandbox_factory(), cfg)
-    sft_losses = warm_start(trainer, llm, runner, args.warm_start_steps, 4, rng) if args.warm_start_steps else []
+    runner = AgentRollout(llm, guided_env, cfg)
+    examples = scripted_trajectories(llm) if args.warm_start_steps else []
+    sft_losses = warm_start(trainer, examples, args.warm_start_steps, 4, rng) if args.warm_start_steps else []
     for group in trainer.optimizer.param_groups:
         group["lr"] = args.lr
     if sft_losses:
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     try:
         with open(log_path, "w") as log:
             for step in range(1, args.steps + 1):
-                specs = [{"kind": "synthetic", "seed": rng.choice(SPEC_SEEDS)}
+                specs = [{"kind": "guided", "seed": rng.choice(SPEC_SEEDS)}
                          for _ in range(args.groups + args.extra - len(runner.carried))]
                 params = SamplingParams(temperature=1.0, seed=args.seed * 100_003 + step)
                 res = runner.step(specs, args.group_size, params, groups_needed=args.groups, partial=args.partial)
@@ -181,8 +182,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot(rewards, os.path.join(args.out, "reward.png"),
-         f"agent GRPO, embedded model, warm start {len(sft_losses)} steps, reward = hidden tests + {args.format_bonus} "
-         f"format bonus: first {first:.3f} -> last {last:.3f} (noise {summary['step_noise']:.3f})")
+         f"agent GRPO, embedded model, guided tasks, warm start {len(sft_losses)} steps, reward = hidden tests"
+         f"{f' + {args.format_bonus} format bonus' if args.format_bonus else ''}: first {first:.3f} -> last {last:.3f} "
+         f"(noise {summary['step_noise']:.3f})")
     print(json.dumps(summary, indent=2))
     return summary
 
