@@ -33,6 +33,12 @@ tokens/s, environment-busy seconds (tool calls + grading) per step, trajectories
 step rate against `sync` with stragglers on the same system (the ratio the issue targets, >= 2x).
 Nothing trains between steps (a trainer's time between steps would only help partial rollouts:
 the stragglers' calls keep running meanwhile).
+
+Systems: `inproc` (one `AgentRollout` over one engine in this process), `ray2` (2 `RolloutWorker`
+actors of one CPU each, every worker's engine behind an `EngineSampler`: its groups' turns decode
+in one continuous batch), `ray2_locked` (the same workers with the engine behind the worker's lock,
+one group's turn at a time: the control for batching inside a worker, measured without stragglers
+only). `--straggler-systems` picks the systems measured with stragglers too.
 """
 from __future__ import annotations
 
@@ -336,6 +342,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--max-tokens", type=int, default=48, help="max tokens of the model policy's turn")
     ap.add_argument("--systems", nargs="+", default=["inproc", "ray2"], choices=["inproc", "ray2", "ray2_locked"],
                     help="ray2_locked: 2 workers whose engine serves one group's turn at a time (the old lock)")
+    ap.add_argument("--straggler-systems", nargs="+", default=["inproc", "ray2"], choices=["inproc", "ray2"],
+                    help="systems measured with stragglers too (ray2_locked never is: it is the batching control)")
     ap.add_argument("--modes", nargs="+", default=["sync", "oversample", "partial"], choices=["sync", "oversample", "partial"])
     ap.add_argument("--policies", nargs="+", default=["scripted", "model"], choices=["scripted", "model"])
     ap.add_argument("--out", default="/tmp/cuttle-agent-rollout")
@@ -362,7 +370,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             plan.append((policy, system, "sync", 0.0))  # the system without stragglers
             # the model policy makes no tool calls: nothing can straggle; ray2_locked is the control
             # of worker batching, measured without stragglers only
-            if policy == "scripted" and system != "ray2_locked":
+            if policy == "scripted" and system in args.straggler_systems:
                 plan += [(policy, system, m, args.straggle) for m in args.modes]
     try:
         if "inproc" in args.systems:
