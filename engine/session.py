@@ -157,7 +157,8 @@ class Sessions:
         first = sessions[0]
         pinned_full = first.computed // bm.block_size if self._usable(first, req) else 0
         shared = bm.blocks_needed(length) - pinned_full  # the stream's new blocks, computed once
-        own = bm.blocks_needed(length + req.max_tokens) - bm.blocks_needed(length) + 1  # each sample's
+        # each sample's growth, and with siblings the copy of the shared partial block it writes into
+        own = bm.blocks_needed(length + req.max_tokens) - bm.blocks_needed(length) + (len(sessions) > 1)
         grow = shared + own * len(sessions)
         held = self.pinned_block_count() + sum(self.reserved.values())
         if held + grow > self.max_session_kv_blocks:
@@ -190,7 +191,7 @@ class Sessions:
         s = self.turns[seq.request][0]
         bm = self.bm
         if not self._usable(s, seq.request):
-            bm.allocate(seq)
+            bm.allocate(seq, read_in_place=False)  # the turn's table becomes a device-pool pin (KVHandle)
             return
         assert not seq.block_table, "sequence already holds blocks"
         pool = bm.pool

@@ -277,3 +277,32 @@ def test_async_engine_streams_session_turns(ckpt):
     assert_matches_full_forward(model, stream, [(len(prompt), t1, [l for _, l in got]),
                                                 (len(prompt) + len(t1) + len(tail), t2, [l for _, l in second])])
     assert_all_free(llm)
+
+
+def test_a_preempted_turn_comes_back_from_its_pins(ckpt):
+    path, model = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=12, block_size=BS, max_session_kv_blocks=6)
+    eng = llm.engine
+    prompt = ids(20, 90)
+    sid = llm.open_session(prompt)
+    t1, l1 = sampled(llm.generate_session(sid, turn_params(1, 6))[0])
+    pinned = list(eng.sessions.get(sid).pinned_blocks)
+    tail = ids(5, 91)
+    llm.append_to_session(sid, tail)
+    # a plain request admitted first grows to 10 blocks beside the pins and the turn: the turn,
+    # admitted last, is preempted (its blocks freed, its pins kept) and admitted again later
+    eng.add_request("plain", ids(100, 92), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    eng.add_session_turn("turn", [sid], turn_params(2, 40))
+    outs = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                outs[out.request_id] = out
+        assert eng.sessions.get(sid).pinned_blocks == pinned or "turn" in outs
+    assert eng.scheduler.num_preemptions > 0
+    t2, l2 = sampled(outs["turn"])
+    stream = prompt + t1 + tail + t2
+    assert llm.session_token_ids(sid) == stream
+    assert_matches_full_forward(model, stream, [(len(prompt), t1, l1), (len(prompt) + len(t1) + len(tail), t2, l2)])
+    llm.close_session(sid)
+    assert_all_free(llm)
