@@ -20,7 +20,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     # No defaults here: an option left out is not passed on, so `EngineConfig` stays the one
     # source of engine defaults.
     g = p.add_argument_group("engine (defaults: EngineConfig's)")
-    g.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny coding model)")
+    g.add_argument("--model", default=None, help="HF checkpoint directory, or a Hugging Face repo id in the local HF cache (default: the embedded tiny coding model)")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--block-size", type=int, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: from --kv-cache-memory-gb)")
@@ -43,12 +43,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-host-kv-blocks", type=int, help="host tier size in blocks (instead of --kv-offloading-size)")
     g.add_argument("--kv-cache-dir", help="directory of the disk KV tier under the host tier; survives restarts")
     g.add_argument("--kv-cache-dir-gb", type=float, help="size bound of --kv-cache-dir in GiB")
+    # vLLM's flags (docs/server.md, "vLLM compatibility")
+    g.add_argument("--revision", help="of a Hugging Face repo id MODEL: a branch, tag or commit in the local HF cache")
+    g.add_argument("--tokenizer", help="tokenizer directory or repo id (default: the model's)")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   help="KV pool = this fraction of free device memory (CPU: available RAM) less the weights (instead of --kv-cache-memory-gb)")
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="accepted for vLLM command lines: cuttle always runs eagerly")
+    g.add_argument("--generation-config", help="'auto' (default): sampling defaults from the model's generation_config.json; "
+                                               "'vllm': ignore it; or a directory holding one")
 
 
 _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens", "max_num_seqs",
                    "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant", "quantization", "squid_positions",
                    "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb",
                    "sparse_attention")
+_ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "generation_config")
 
 
 def _build_llm(args: argparse.Namespace):
@@ -88,7 +97,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # built on the engine thread, which then steps it: one thread does all the OpenMP work
     aeng = AsyncEngine.launch(lambda: _build_llm(args).engine, max_pending=args.max_pending)
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model)))
+    from cuttle.engine.hf_cache import is_repo_id
+
+    # a repo id is served under its own name, as vLLM does; a directory under its folder's name
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else
+                                      args.model if is_repo_id(args.model) else os.path.basename(os.path.normpath(args.model)))
     app = create_app(aeng, name, args.api_key, args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
                      enable_auto_tool_choice=args.enable_auto_tool_choice)
@@ -152,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="serve a model over the OpenAI API", description="OpenAI-compatible server (completions, chat, tools, metrics)")
-    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF checkpoint directory (the same as --model)")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF checkpoint directory or repo id (the same as --model)")
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from cuttle.attention.topk import parse_sparse_attention
+from cuttle.engine.hf_cache import resolve_model
 from cuttle.moe.routing import is_moe_layer
 
 # architecture -> the HF model_type its routing rules are keyed by (filled in when config.json
@@ -337,8 +338,29 @@ class EngineConfig:
     # (None: half the pool, so the other requests always have the other half)
     max_sessions: int = 256
     max_session_kv_blocks: int | None = None
+    # vLLM's shapes (docs/server.md, "vLLM compatibility"). `model` may be a Hugging Face repo id,
+    # resolved here to its snapshot in the local HF cache (engine/hf_cache.py; never downloaded).
+    revision: str | None = None  # of a repo id `model`: a branch or tag under refs/, or a commit
+    tokenizer: str | None = None  # directory (or repo id) of tokenizer.json / tokenizer_config.json; None: the model's
+    skip_tokenizer_init: bool = False  # token ids in, token ids out: no tokenizer loaded, output text None
+    # KV pool = this fraction of the device's free memory (CPU: of MemAvailable) at start-up;
+    # None: kv_cache_memory_gb. vLLM's fraction also covers the weights: cuttle's is the KV pool's alone.
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False  # accepted for vLLM command lines: cuttle always runs eagerly (no CUDA graphs, no torch.compile)
+    # sampling defaults: "auto" from the model's generation_config.json (a request's own values
+    # win), "vllm" ignores that file, or a directory holding another generation_config.json
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        self.model = resolve_model(self.model, self.revision)
+        if self.tokenizer is not None:
+            self.tokenizer = resolve_model(self.tokenizer)
+        if self.gpu_memory_utilization is not None and not (
+            isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding generation_config.json, got {self.generation_config!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -15,12 +15,35 @@ import torch
 from tqdm.auto import tqdm
 
 from cuttle.engine.config import ENGINE_DEFAULTS, EngineConfig
+from cuttle.engine.generation_config import default_sampling_params
 from cuttle.engine.llm_engine import LLMEngine
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import SamplingParams
 
-# text, token ids, or {"prefix"?, "documents", "prompt"} (each text or token ids; engine/squid.py)
+# text, token ids, vLLM's {"prompt": text} / {"prompt_token_ids": ids}, or a squid prompt
+# {"prefix"?, "documents", "prompt"} (each text or token ids; engine/squid.py)
 Prompt = str | list[int] | dict
+
+
+def _vllm_prompt(p: Prompt, i: int) -> Prompt:
+    """vLLM's TextPrompt / TokensPrompt dicts as the engine's text / token ids; a dict with
+    documents (or a prefix) is a squid prompt and passes through to the engine's own checks."""
+    if not isinstance(p, dict) or "documents" in p or "prefix" in p:
+        return p
+    extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
+    if extra:
+        raise ValueError(f"prompts[{i}] has fields cuttle does not support: {extra} (a prompt dict is {{'prompt': text}} "
+                         "or {'prompt_token_ids': [...]}, or a squid prompt with 'documents')")
+    if len(p) != 1:
+        raise ValueError(f"prompts[{i}] must have exactly one of 'prompt' (text) or 'prompt_token_ids'")
+    if "prompt_token_ids" in p:
+        ids = p["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"prompts[{i}].prompt_token_ids must be a list of token ids")
+        return list(ids)
+    if not isinstance(p["prompt"], str):
+        raise ValueError(f"prompts[{i}].prompt must be text (token ids go in 'prompt_token_ids')")
+    return p["prompt"]
 
 
 class LLM:
@@ -62,6 +85,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling params: the model's generation_config.json
+        defaults (engine/generation_config.py; none with generation_config="vllm")."""
+        return default_sampling_params(self.engine.generation_defaults)
+
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version
@@ -84,9 +112,9 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text, token ids, or a dict with documents)
-        prompts = list(prompts)
+        prompts = [_vllm_prompt(p, i) for i, p in enumerate(prompts)]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
@@ -103,6 +131,8 @@ class LLM:
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs the tokenizer's chat template, and this LLM runs with skip_tokenizer_init")
         prompts: list[Prompt] = [
             tok.encode_chat(conv, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
             for conv in conversations  # type: ignore[union-attr]

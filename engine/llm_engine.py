@@ -25,6 +25,8 @@ from cuttle.engine.kv.cost_model import CostModel
 from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespace_key
 from cuttle.engine.kv.tiers import KVTiers
 from cuttle.engine.kv.transfer import TransferEngine
+from cuttle.engine.generation_config import generation_defaults
+from cuttle.engine.memory_budget import kv_pool_bytes
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
 from cuttle.engine.outputs import RequestOutput
@@ -54,10 +56,12 @@ class LLMEngine:
         else:
             self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(mc, self.device)
-        self.tokenizer = Tokenizer(config.model)
+        # skip_tokenizer_init: token ids in and out, no tokenizer file needed (text prompts are refused)
+        self.tokenizer: Tokenizer | None = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = set(mc.eos_token_ids) | _generation_eos(config.model)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.generation_defaults = generation_defaults(config)  # engine/generation_config.py
 
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
@@ -68,7 +72,9 @@ class LLMEngine:
             num_blocks = config.num_kv_blocks
         else:
             wanted = config.max_num_seqs * ((max_len + bs - 1) // bs)
-            num_blocks = max(1, min(wanted, int(config.kv_cache_memory_gb * 2**30) // per_block))
+            pool_bytes = (int(config.kv_cache_memory_gb * 2**30) if config.gpu_memory_utilization is None
+                          else kv_pool_bytes(config.gpu_memory_utilization, self.device, config.model, self.dtype))
+            num_blocks = max(1, min(wanted, pool_bytes // per_block))
         self.max_model_len = min(max_len, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.squid = Squid(self.block_manager, str(self.dtype))
@@ -137,13 +143,20 @@ class LLMEngine:
             layout, ids, text = self._squid_prompt(prompt, params)
         elif isinstance(prompt, str):
             text = prompt
-            ids = self.tokenizer.encode(prompt)
+            ids = self.encode(prompt)
         else:
             text = None
             ids = list(prompt)
             self._check_ids(ids, "prompt")
         if not ids:
             raise ValueError("prompt must not be empty")
+        if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
+            if layout is not None:
+                raise ValueError("truncate_prompt_tokens is not supported for prompts with documents")
+            keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init): use stop_token_ids")
         # a squid query's positions start after the prefix and the documents
         start = layout.query_start() if layout is not None else 0
         used = start + len(ids)
@@ -173,6 +186,11 @@ class LLMEngine:
         self.counters["prompt_tokens"] += len(ids)
         return req
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer, and this engine runs with skip_tokenizer_init: pass token ids")
+        return self.tokenizer.encode(text, add_special_tokens)
+
     def _check_ids(self, ids: list[int], field: str) -> None:
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
@@ -186,7 +204,7 @@ class LLMEngine:
             raise ValueError(f"documents are not supported for {mc.architecture} (MLA attention) models")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for prompts with documents")
-        layout, ids, text = parse_prompt(prompt, self.tokenizer.encode, self._check_ids, self.squid_positions,
+        layout, ids, text = parse_prompt(prompt, self.encode, self._check_ids, self.squid_positions,
                                          self.config.max_documents)
         for i, d in enumerate(layout.documents):
             if layout.prefix_len + len(d) >= self.max_model_len:
@@ -204,7 +222,7 @@ class LLMEngine:
     # ---- agent sessions (engine/session.py) --------------------------------------------------
     def open_session(self, prompt: str | list[int]) -> str:
         """A session over `prompt` (text is encoded once, here); returns its id."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_ids(ids, "prompt")
         return self.sessions.open(ids).session_id
 

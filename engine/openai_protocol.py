@@ -31,7 +31,7 @@ class OpenAIError(Exception):
 SAMPLING_FIELDS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "truncate_prompt_tokens",
 })
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
                                        "cache_salt", "documents", "prefix"}
@@ -211,6 +211,7 @@ def sampling_params(body: dict[str, Any], max_tokens_field: str = "max_tokens", 
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
         output_kind=output_kind,
+        truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", -(2**31), 2**31 - 1),
     )
     try:
         return SamplingParams(**fields)

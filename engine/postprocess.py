@@ -37,7 +37,7 @@ class Postprocessor:
         is decoded once, when the output is built."""
         req = seq.request
         p = req.sampling_params
-        if p.stop or req.stream:
+        if self.tokenizer is not None and (p.stop or req.stream):  # no tokenizer: token ids only
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], p.skip_special_tokens)
 
     # ---- one sampled token -----------------------------------------------------------------
@@ -101,12 +101,14 @@ class Postprocessor:
         for seq in req.seqs:
             text = self._text(seq, req)
             n_tok = len(seq.token_ids) - seq.num_prompt_tokens
-            if delta:
+            if delta and text is not None:
                 # hold back what a stop string could still cut off, until the sequence ends
                 upto = len(text) if seq.is_finished or finished else max(seq.sent_chars, len(text) - _stop_hold(p))
                 first_tok, first_char = seq.sent_tokens, seq.sent_chars
                 seq.sent_tokens, seq.sent_chars = n_tok, upto
                 text = text[first_char:upto]
+            elif delta:
+                first_tok, seq.sent_tokens = seq.sent_tokens, n_tok
             else:
                 first_tok = 0
             start = seq.num_prompt_tokens + first_tok
@@ -140,9 +142,11 @@ class Postprocessor:
             error=req.error,
         )
 
-    def _text(self, seq: Sequence, req: Request) -> str:
+    def _text(self, seq: Sequence, req: Request) -> str | None:
         if seq.detok is not None:
             return seq.output_text
+        if self.tokenizer is None:  # skip_tokenizer_init: vLLM's outputs carry text None then
+            return None
         try:
             return self.tokenizer.decode_continuation(req.prompt_token_ids, seq.output_token_ids, req.sampling_params.skip_special_tokens)
         except Exception:

@@ -28,6 +28,7 @@ from cuttle.engine.openai_protocol import (
     CHAT_FIELDS, OpenAIError, Usage, chat_logprobs, check_response_format, check_tools, get_bool, get_documents, get_int,
     get_str, get_stream_options, sampling_params, show,
 )
+from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.reasoning_parsers import CLOSE, CONTENT, OPEN, ReasoningParser, split_reasoning, start_state
 from cuttle.engine.sampling_params import RequestOutputKind
@@ -87,7 +88,8 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         include_usage = get_stream_options(body)
         salt = get_str(body, "cache_salt")
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        params = sampling_params(body, "max_completion_tokens", default_max_tokens=None, logprobs=top_n if want_lp else None,
+        defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
+        params = sampling_params(with_defaults(body, defaults), "max_completion_tokens", default_max_tokens=None, logprobs=top_n if want_lp else None,
                                  output_kind=kind)
         max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         # required / named tool_choice: the call's opening is written for the model (prefix forcing)

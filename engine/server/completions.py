@@ -16,6 +16,7 @@ from cuttle.engine.openai_protocol import (
     COMPLETION_FIELDS, OpenAIError, Usage, completion_logprobs, get_bool, get_documents, get_int, get_str, get_stream_options,
     is_token_ids, sampling_params,
 )
+from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.server.body import read_body
@@ -46,7 +47,8 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
             raise OpenAIError("echo with logprobs needs the prompt's logprobs, which are not computed for prompts with documents",
                               param="documents")
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        params = sampling_params(body, logprobs=lp, prompt_logprobs=lp if echo and lp is not None else None, output_kind=kind)
+        defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
+        params = sampling_params(with_defaults(body, defaults), logprobs=lp, prompt_logprobs=lp if echo and lp is not None else None, output_kind=kind)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # every prompt of the request is a query over the same prefix and documents (computed once)
         items: list[tuple[str, Prompt]] = [
