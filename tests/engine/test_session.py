@@ -131,9 +131,11 @@ def test_group_forks_share_one_prompt_prefill(ckpt):
     assert_all_free(llm)
 
 
-def test_pins_survive_pool_pressure_that_evicts_other_cache(ckpt):
+@pytest.mark.parametrize("host_blocks", [None, 64])
+def test_pins_survive_pool_pressure_that_evicts_other_cache(ckpt, host_blocks):
+    """Also with the KV tiers on: evicted cache goes down to the host tier, pinned blocks never do."""
     path, model = ckpt
-    llm = LLM(path, dtype="float32", num_kv_blocks=20, block_size=BS, max_session_kv_blocks=8)
+    llm = LLM(path, dtype="float32", num_kv_blocks=20, block_size=BS, max_session_kv_blocks=8, num_host_kv_blocks=host_blocks)
     prompt = ids(50, 20)
     sid = llm.open_session(prompt)
     t1, l1 = sampled(llm.generate_session(sid, turn_params(1, 8))[0])
@@ -144,6 +146,8 @@ def test_pins_survive_pool_pressure_that_evicts_other_cache(ckpt):
         llm.generate([ids(120, 30 + k)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert llm.engine.block_manager.pool.num_evictions > evictions + 8
     assert llm.engine.sessions.get(sid).pinned_blocks == pinned
+    if host_blocks:
+        assert llm.stats()["kv_offloaded_blocks"] > 0
     tail = ids(6, 40)
     llm.append_to_session(sid, tail)
     before = prefilled(llm)
