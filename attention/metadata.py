@@ -25,6 +25,14 @@ that one segment (the engine's runner builds these fields directly: the fast pat
 is a `SegmentBatch`, the step seen as a batch of (sequence, segment) parts, built once per step
 by `AttentionMetadata.build`.
 
+Two pools (read in place). A block id with the `HOST_BLOCK` bit set, in any block table of the
+batch, names block `id - HOST_BLOCK` of the *host pool* (the KV host tier: same layout, its own
+tensors, `host_kv[layer]`), which the kernels read where it lies instead of having it copied into
+the device pool first. A segment with `pool=1` has all its blocks there (its table entries are
+flagged here); a sequence's own causal table may also mix flagged cold blocks, full and already
+computed, with device blocks. New K/V is only ever written to device blocks (`slot_mapping` never
+names a host block). `host_kv` is None when no table of the step names a host block.
+
 Positions (the model's RoPE of this step's q and k) are the caller's: the model rotates q and k at
 their absolute positions before the backend; only the per-segment offsets live here.
 """
@@ -42,6 +50,14 @@ if TYPE_CHECKING:
     from cuttle.attention.rope import RotaryEmbedding
 
 
+# Block-table flag of a host-pool block; block ids of either pool stay below it.
+HOST_BLOCK = 1 << 30
+
+
+def has_host_blocks(ids: list[int]) -> bool:
+    return any(b >= HOST_BLOCK for b in ids)
+
+
 @dataclass(slots=True)
 class KVSegment:
     """A run of `length` KV tokens from slot 0 of `block_ids[0]` onward (it may end mid-block)."""
@@ -50,7 +66,7 @@ class KVSegment:
     length: int
     causal: bool  # True only for a sequence's last segment (its own tokens, where new K/V go)
     rope_delta: int = 0  # keys rotated at c, placed at c + rope_delta in this sequence
-    pool: int = 0  # 0 = the device pool (the only one so far)
+    pool: int = 0  # 0 = the device pool, 1 = the host pool (read in place; its ids get HOST_BLOCK)
 
 
 @dataclass(slots=True)
@@ -131,6 +147,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # host copies: loops over sequences never sync the device
     seq_lens_cpu: list[int]
     segments: SegmentBatch | None = None  # None: one causal segment per sequence (the fields above)
+    host_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (k, v) of the host pool
 
     @property
     def num_seqs(self) -> int:
@@ -146,15 +163,17 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls, seqs: list[SeqLayout], block_size: int, device: torch.device | str, rope: RotaryEmbedding | None = None
+        cls, seqs: list[SeqLayout], block_size: int, device: torch.device | str, rope: RotaryEmbedding | None = None,
+        host_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> AttentionMetadata:
         """The metadata of one step from per-sequence layouts (once per step; shared by every layer).
 
         Computes the slot of every new K/V (the last `query_len` tokens of the causal segment) and,
         when some sequence has more than one segment, the `SegmentBatch`. `rope` (the model's
-        `RotaryEmbedding`) is needed only when some segment has a non-zero `rope_delta`.
+        `RotaryEmbedding`) is needed only when some segment has a non-zero `rope_delta`; `host_kv`
+        (the host pool's per-layer caches) only when some block lies in the host pool.
         """
-        return build_metadata(seqs, block_size, device, rope)
+        return build_metadata(seqs, block_size, device, rope, host_kv)
 
 
 def _check(b: int, seq: SeqLayout, block_size: int) -> None:
@@ -164,8 +183,11 @@ def _check(b: int, seq: SeqLayout, block_size: int) -> None:
         raise ValueError(f"sequence {b}: query_len must be >= 1, got {seq.query_len}")
     last = len(seq.segments) - 1
     for i, s in enumerate(seq.segments):
-        if s.pool != 0:
-            raise NotImplementedError(f"sequence {b} segment {i}: pool {s.pool}; only the device pool (0) exists so far")
+        if s.pool not in (0, 1):
+            raise ValueError(f"sequence {b} segment {i}: pool {s.pool}; pools are 0 (device) and 1 (host)")
+        if s.pool == 1 and s.causal:
+            raise ValueError(f"sequence {b} segment {i}: the causal segment is where new K/V is written, so it must be "
+                             "in the device pool (0), not the host pool")
         if s.causal != (i == last):
             raise ValueError(
                 f"sequence {b} segment {i}: only the last segment (the sequence's own tokens) is causal, "
@@ -195,7 +217,8 @@ def _table(rows: list[list[int]]) -> torch.Tensor:
 
 
 def build_metadata(
-    seqs: list[SeqLayout], block_size: int, device: torch.device | str, rope: RotaryEmbedding | None = None
+    seqs: list[SeqLayout], block_size: int, device: torch.device | str, rope: RotaryEmbedding | None = None,
+    host_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> AttentionMetadata:
     """See `AttentionMetadata.build`."""
     if not seqs:
@@ -203,6 +226,14 @@ def build_metadata(
     device = torch.device(device)
     for b, seq in enumerate(seqs):
         _check(b, seq, block_size)
+    uses_host = any(s.pool == 1 or has_host_blocks(s.block_ids) for seq in seqs for s in seq.segments)
+    if uses_host and host_kv is None:
+        raise ValueError("a segment reads the host pool (pool=1 or HOST_BLOCK ids) but no host_kv was given")
+    for b, seq in enumerate(seqs):
+        tail = seq.segments[-1]
+        written = tail.block_ids[(tail.length - seq.query_len) // block_size : -(-tail.length // block_size)]
+        if has_host_blocks(written):
+            raise ValueError(f"sequence {b}: this step's K/V would be written into a host block; new K/V goes to the device pool")
     query_lens = [s.query_len for s in seqs]
     tails = [s.segments[-1] for s in seqs]
     seq_lens = [t.length for t in tails]
@@ -222,6 +253,7 @@ def build_metadata(
         max_seq_len=max(seq_lens),
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
+        host_kv=host_kv if uses_host else None,
     )
     if any(len(s.segments) > 1 for s in seqs):
         meta.segments = _segment_batch(seqs, starts, block_size, device, rope)
@@ -246,7 +278,8 @@ def _segment_batch(
             kv_lens.append(s.length)
             causal.append(s.causal)
             deltas.append(s.rope_delta)
-            tables.append(s.block_ids[: -(-s.length // block_size)])
+            ids = s.block_ids[: -(-s.length // block_size)]
+            tables.append([i | HOST_BLOCK for i in ids] if s.pool == 1 else ids)
             row_index.extend(range(starts[b], starts[b] + seq.query_len))
             vstart.append(vstart[-1] + seq.query_len)
     rot_rows = rot_cos = rot_sin = None

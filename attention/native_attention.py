@@ -6,6 +6,9 @@ A call attends query rows, each against its own block table and key count, readi
 from the paged cache, and writes each row's output and (optionally) its log-sum-exp. Which
 library a call uses is the process's `KernelSet` (`cuttle.attention.native.kernels()`); this
 module only declares the kernel's C signature and packs the arguments.
+
+Read in place: table entries flagged `HOST_BLOCK` (metadata.py) are blocks of a second pool of
+the same layout, `k_host` / `v_host` (the KV host tier), read where they lie.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ __all__ = ["available", "supports", "paged_attention_rows"]
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [
-    _vp, _int, _i64, _vp, _vp, _int, _vp, _int, _i64,  # q, q dtype, q row stride, k, v, kv dtype, out, out dtype, out stride
+    _vp, _int, _i64, _vp, _vp, _vp, _vp, _int,  # q, q dtype, q row stride, k, v, host k, host v, kv dtype
+    _vp, _int, _i64,  # out, out dtype, out stride
     _vp, _i64, _vp, _vp,  # lse, lse row stride, q rows, out rows
     _vp, _i64, _vp, _i64,  # tables, table stride, lens, rows
     _i64, _i64, _i64, _i64, _i64, _float, _i64,  # kv heads, group, head_dim, block_size, max_len, scale, head chunks
@@ -56,6 +60,8 @@ def paged_attention_rows(
     lens: torch.Tensor,  # [N] int32 keys of each row (0 allowed: o = 0, lse = -inf)
     max_len: int,  # >= every lens[i]
     scale: float,
+    k_host: torch.Tensor | None = None,  # [host blocks, block_size, Hkv, D]: the pool of HOST_BLOCK entries
+    v_host: torch.Tensor | None = None,
 ) -> None:
     lib = kernels().lib
     assert lib is not None, "the native library is not loaded (check available())"
@@ -64,6 +70,9 @@ def paged_attention_rows(
     n = q_rows.shape[0]
     assert out_rows.shape[0] == n and tables.shape[0] == n and lens.shape[0] == n and tables.stride(1) == 1
     assert q_rows.dtype == out_rows.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32
+    if k_host is not None:
+        assert v_host is not None and k_host.dtype == k_cache.dtype and k_host.shape[1:] == k_cache.shape[1:]
+        assert k_host.is_contiguous() and v_host.is_contiguous() and k_host.device.type == "cpu"
     if lse is not None:
         assert lse.dtype == torch.float32 and lse.stride(1) == 1 and lse.device.type == "cpu"
     # Few rows: split each one's heads so every thread has work; many: whole rows per item, so
@@ -72,10 +81,13 @@ def paged_attention_rows(
     head_chunks = min(num_kv_heads, max(1, -(-2 * threads // max(n, 1))))
     rc = _fn(lib)(
         q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_host.data_ptr() if k_host is not None else None, v_host.data_ptr() if v_host is not None else None,
         DTYPE_CODE[k_cache.dtype], out.data_ptr(), DTYPE_CODE[out.dtype], out.stride(0),
         lse.data_ptr() if lse is not None else None, lse.stride(0) if lse is not None else 0,
         q_rows.data_ptr(), out_rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
         num_kv_heads, group, head_dim, block_size, max_len, scale, head_chunks,
     )
+    if rc == -2:
+        raise ValueError("paged_attention_rows: a block table names a host block (HOST_BLOCK) but no host pool was given")
     if rc != 0:
         raise MemoryError("paged_attention_rows: scratch allocation failed")

@@ -12,6 +12,9 @@ repeated in memory. Index tensors and masks are planned once per step and shared
 A segmented step (`meta.segments`, see metadata.py) runs the same machinery over its parts: the
 query rows of each (sequence, segment) part are copied (and rotated by the part's RoPE offset),
 attended against that segment alone (full or causal), and merged per row by the log-sum-exp.
+
+Blocks of the host pool (`HOST_BLOCK` ids, `meta.host_kv`: read in place) are read where they
+lie: the native kernel picks the pool per block; the torch paths gather each block from its pool.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 
 from cuttle.attention import native_attention
 from cuttle.attention.backend import write_kv
-from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata
 
 
 class TorchAttentionBackend:
@@ -48,8 +51,9 @@ class TorchAttentionBackend:
         if self._plan is None or self._plan.meta is not meta:
             self._plan = _StepPlan(meta)
         plan = self._plan
+        k_host, v_host = meta.host_kv[layer] if meta.host_kv is not None else (None, None)
         if meta.segments is not None:
-            return self._segmented(q, k_cache, v_cache, plan, scale)
+            return self._segmented(q, k_cache, v_cache, k_host, v_host, plan, scale)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -63,7 +67,7 @@ class TorchAttentionBackend:
             if native.rows is not None:
                 native_attention.paged_attention_rows(
                     q, k_cache, v_cache, out, lse, native.rows, native.rows, native.tables, native.lens,
-                    native.max_len, scale,
+                    native.max_len, scale, k_host, v_host,
                 )
             prefills = native.prefills_left
         elif plan.decode_rows is not None:
@@ -71,8 +75,8 @@ class TorchAttentionBackend:
             # batched matmuls with the softmax in fp32.
             heads = plan.head_index(num_kv_heads)
             plan.plan_decode_gather()
-            kd = k_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads]
-            vd = v_cache.view(-1, num_kv_heads, head_dim)[plan.decode_slots, heads]
+            kd = _take_slots(k_cache, k_host, plan.decode_slots, plan.decode_host, heads)
+            vd = _take_slots(v_cache, v_host, plan.decode_slots, plan.decode_host, heads)
             qd = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
             # Few rows: fp32 (bf16 batched matmul is slow for tiny batches). Many rows: keep the
             # cache dtype, as the fp32 copies of K/V would cost more than the matmuls themselves.
@@ -87,13 +91,14 @@ class TorchAttentionBackend:
 
         for start, qlen, blocks, kv_len, causal, mask in prefills:
             bias = plan.bias(start, mask)
-            o, l = _attend(q[start : start + qlen], k_cache, v_cache, blocks, kv_len, causal, bias, scale)
+            o, l = _attend(q[start : start + qlen], k_cache, v_cache, k_host, v_host, blocks, kv_len, causal, bias, scale)
             out[start : start + qlen] = o
             lse[start : start + qlen] = l
         return out, lse
 
     def _segmented(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_host: torch.Tensor | None,
+        v_host: torch.Tensor | None, plan: _StepPlan, scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         sb = plan.meta.segments
         assert sb is not None
@@ -106,7 +111,7 @@ class TorchAttentionBackend:
             if native.rows is not None:
                 native_attention.paged_attention_rows(
                     qv, k_cache, v_cache, ov, lv, native.rows, native.rows, native.tables, native.lens,
-                    native.max_len, scale,
+                    native.max_len, scale, k_host, v_host,
                 )
             parts = native.prefills_left
         for start, qlen, blocks, kv_len, causal, mask in parts:
@@ -115,16 +120,43 @@ class TorchAttentionBackend:
                 lv[start : start + qlen] = float("-inf")
                 continue
             bias = plan.bias(start, mask)
-            o, l = _attend(qv[start : start + qlen], k_cache, v_cache, blocks, kv_len, causal, bias, scale)
+            o, l = _attend(qv[start : start + qlen], k_cache, v_cache, k_host, v_host, blocks, kv_len, causal, bias, scale)
             ov[start : start + qlen] = o
             lv[start : start + qlen] = l
         return sb.merge(ov, lv, q)
+
+
+def _take_blocks(cache: torch.Tensor, host: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks], except that HOST_BLOCK ids come from the host pool (a copy either way)."""
+    if host is None:
+        return cache[blocks]
+    on_host = blocks >= HOST_BLOCK
+    out = cache[blocks.masked_fill(on_host, 0)]
+    if bool(on_host.any()):
+        out[on_host] = host[blocks[on_host] - HOST_BLOCK]
+    return out
+
+
+def _take_slots(
+    cache: torch.Tensor, host: torch.Tensor | None, slots: torch.Tensor, on_host: torch.Tensor | None, heads: torch.Tensor
+) -> torch.Tensor:
+    """[Bd, Hkv, L, D]: the keys (or values) at flat `slots` [Bd, 1, L] of each head, those with
+    `on_host` set from the host pool."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    flat = cache.view(-1, num_kv_heads, head_dim)
+    if on_host is None:
+        return flat[slots, heads]
+    dev = flat[slots.masked_fill(on_host, 0), heads]
+    cold = host.view(-1, num_kv_heads, head_dim)[slots.masked_fill(~on_host, 0), heads]
+    return torch.where(on_host[..., None], cold, dev)
 
 
 def _attend(
     q: torch.Tensor,  # [qlen, Hq, D]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k_host: torch.Tensor | None,  # the host pool's caches (HOST_BLOCK ids), or None
+    v_host: torch.Tensor | None,
     blocks: torch.Tensor,  # [nb] int64 block ids holding the keys
     kv_len: int,
     causal: bool,
@@ -139,8 +171,8 @@ def _attend(
     to bf16 before p.V (about 1.3x the error of fp32 math), and fp32 flash is still 2-4x faster
     than the math path SDPA used to take here (for 3-D inputs)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    kp = k_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, L, D]
-    vp = v_cache[blocks].view(-1, num_kv_heads, head_dim).transpose(0, 1)
+    kp = _take_blocks(k_cache, k_host, blocks).view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, L, D]
+    vp = _take_blocks(v_cache, v_host, blocks).view(-1, num_kv_heads, head_dim).transpose(0, 1)
     if bias is None:
         kp, vp = kp[:, :kv_len], vp[:, :kv_len]
     qh = q.transpose(0, 1)[None].float()  # [1, Hq, qlen, D]
@@ -223,7 +255,7 @@ class _StepPlan:
     segmented one (then `prefills` lists every part, since all of them may need the torch path)."""
 
     __slots__ = ("meta", "units", "tables", "decode_rows", "decode_tables", "decode_lens", "decode_max_len",
-                 "decode_slots", "decode_bias", "prefills", "_heads", "_native", "_bias")
+                 "decode_slots", "decode_host", "decode_bias", "prefills", "_heads", "_native", "_bias")
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -234,6 +266,7 @@ class _StepPlan:
         self.decode_max_len = 0
         self.decode_slots: torch.Tensor | None = None  # [Bd, 1, L] flat cache slot of each key (gather path)
         self.decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, L] 0 for real keys, -inf past the end
+        self.decode_host: torch.Tensor | None = None  # [Bd, 1, L] key in the host pool; None: none is
         self._heads: torch.Tensor | None = None
         self._native: _NativeRows | None = None
         self._bias: dict[int, torch.Tensor] = {}
@@ -272,7 +305,12 @@ class _StepPlan:
             return
         bs, max_len, device = self.meta.block_size, self.decode_max_len, self.decode_tables.device
         offs = torch.arange(bs, device=device)
-        slots = self.decode_tables.long()[:, :, None] * bs + offs
+        tables = self.decode_tables.long()
+        if self.meta.host_kv is not None:
+            on_host = (tables >= HOST_BLOCK)[:, :, None].expand(-1, -1, bs)
+            self.decode_host = on_host.reshape(len(self.decode_lens), 1, -1)[:, :, :max_len]
+            tables = tables % HOST_BLOCK
+        slots = tables[:, :, None] * bs + offs
         self.decode_slots = slots.reshape(len(self.decode_lens), 1, -1)[:, :, :max_len]
         valid = torch.arange(max_len, device=device)[None, :] < self.decode_lens[:, None]
         bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))

@@ -15,6 +15,8 @@ A segmented step (`meta.segments`) runs the same kernel over its parts as if eac
 sequence: the parts' query rows are copied (rotated by a part's RoPE offset where it has one),
 full-visibility parts are flagged to the kernel, and each row's parts are merged by their
 log-sum-exp (`merge.py`, torch ops on the device).
+
+Host-pool blocks (`HOST_BLOCK` ids, read in place) are read by the kernel from `meta.host_kv`.
 """
 from __future__ import annotations
 
@@ -74,34 +76,44 @@ class TritonAttentionBackend:
         if self._plan is None or self._plan.meta is not meta:
             self._plan = self._make_plan(meta)
         plan = self._plan
+        host = meta.host_kv[layer] if meta.host_kv is not None else (None, None)
+        if host[0] is not None and host[0].device != k_cache.device:
+            raise NotImplementedError(
+                "read in place on a GPU needs the host tier's device addresses (unified memory), which cuttle "
+                "does not map yet: use copy-in (kv_read_in_place='never')"
+            )
         sb = meta.segments
         if sb is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-            self._run(plan, q, k_cache, v_cache, out, lse, meta.query_start_loc, meta.seq_lens, meta.block_tables, None, scale)
+            self._run(plan, q, k_cache, v_cache, host, out, lse, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                      None, scale)
             return out, lse
         qv = sb.virtual_queries(q)
         ov = torch.empty(qv.shape, dtype=torch.float32, device=q.device)
         lv = torch.empty(qv.shape[:2], dtype=torch.float32, device=q.device)
-        self._run(plan, qv, k_cache, v_cache, ov, lv, sb.query_start_loc, sb.kv_lens, sb.block_tables, plan.full, scale)
+        self._run(plan, qv, k_cache, v_cache, host, ov, lv, sb.query_start_loc, sb.kv_lens, sb.block_tables, plan.full,
+                  scale)
         return sb.merge(ov, lv, q)
 
     def _run(
-        self, plan: _StepPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-        lse: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-        full: torch.Tensor | None, scale: float,
+        self, plan: _StepPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        host: tuple[torch.Tensor | None, torch.Tensor | None], out: torch.Tensor, lse: torch.Tensor,
+        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, full: torch.Tensor | None,
+        scale: float,
     ) -> None:
         args = (query_start_loc, seq_lens, block_tables, scale, self.block_n)
         if plan.decode_seqs is not None:
             paged_attention(
                 q, k_cache, v_cache, out, lse, plan.decode_seqs, plan.decode_offs, 1, *args,
-                num_splits=plan.num_splits, split_len=plan.split_len, full=full,
+                num_splits=plan.num_splits, split_len=plan.split_len, full=full, k_host=host[0], v_host=host[1],
             )
         if plan.prefill_seqs:
             group_pad = triton.next_power_of_2(q.shape[1] // k_cache.shape[2])
             block_q = max(1, self.block_m // group_pad)
             tile_seqs, tile_offs = plan.prefill_tiles(block_q)
-            paged_attention(q, k_cache, v_cache, out, lse, tile_seqs, tile_offs, block_q, *args, full=full)
+            paged_attention(q, k_cache, v_cache, out, lse, tile_seqs, tile_offs, block_q, *args, full=full,
+                            k_host=host[0], v_host=host[1])
 
 
 class _StepPlan:

@@ -14,7 +14,10 @@ With SPLIT the key range is cut into chunks of `split_len` tokens (flash-decodin
 writes a normalised partial output and its log-sum-exp, and `_merge_splits_kernel` combines them.
 A "sequence" may also be one part of a segmented step (a query's rows against one cached
 segment): with FULL_VIS a per-sequence flag shows every key to every row instead of the causal
-rule.
+rule. With HOST (read in place) a block-table entry flagged HOST_BLOCK names a block of the host
+pool (same layout, `kh`/`vh`): each key is loaded from the pool its block lies in (two masked
+loads, one of them empty), so cold blocks are read where they are. On a GPU that needs the host
+tensors' device addresses (unified addressing: Grace's C2C link, or mapped pinned memory).
 
 On CPU these run only in the Triton interpreter: TRITON_INTERPRET=1 must be set before this module
 is imported (`INTERPRETED` tells which mode the kernels were built in).
@@ -25,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from cuttle.attention.metadata import HOST_BLOCK
 
 
 @triton.jit
@@ -53,7 +58,7 @@ def _write_kv_kernel(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, kh_ptr, vh_ptr, out_ptr, lse_ptr,
     tile_seq_ptr, tile_qoff_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, full_ptr,
     scale, split_len,
     stride_qt, stride_qh,
@@ -62,7 +67,8 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FULL_VIS: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FULL_VIS: tl.constexpr, HOST: tl.constexpr,
+    HOST_FLAG: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,14 +113,23 @@ def _paged_attention_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < kv_hi
-        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        raw = tl.load(bt_row + n // BLOCK_SIZE, mask=n_valid, other=0)
         off = n % BLOCK_SIZE
         kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(
-            k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(q.dtype)
+        if HOST:
+            on_host = (raw >= HOST_FLAG)[:, None]
+            blk = (raw & (HOST_FLAG - 1)).to(tl.int64)
+            k_off = blk[:, None] * stride_kb + off[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+            # exactly one of the two loads holds each key; the other adds 0
+            k = (tl.load(k_cache_ptr + k_off, mask=kv_mask & (on_host == 0), other=0.0)
+                 + tl.load(kh_ptr + k_off, mask=kv_mask & on_host, other=0.0)).to(q.dtype)
+        else:
+            blk = raw.to(tl.int64)
+            k = tl.load(
+                k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -124,11 +139,12 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(q.dtype)
+        v_off = blk[:, None] * stride_vb + off[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+        if HOST:
+            v = (tl.load(v_cache_ptr + v_off, mask=kv_mask & (on_host == 0), other=0.0)
+                 + tl.load(vh_ptr + v_off, mask=kv_mask & on_host, other=0.0)).to(q.dtype)
+        else:
+            v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -208,6 +224,8 @@ def paged_attention(
     num_splits: int = 1,
     split_len: int = 0,  # keys per split chunk, a multiple of block_n; used when num_splits > 1
     full: torch.Tensor | None = None,  # [num_seqs] int32, 1 = every key visible to every row; None: all causal
+    k_host: torch.Tensor | None = None,  # the host pool's caches (HOST_BLOCK entries); None: no table names one
+    v_host: torch.Tensor | None = None,
 ) -> None:
     """Attention of the tiles' query rows over their sequences' paged K/V, written into `out`
     (and the rows' log-sum-exp into `lse`).
@@ -240,11 +258,17 @@ def paged_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     num_warps = 8 if block_q * group_pad * d_pad >= 128 * 128 else 4
     assert lse.dtype == torch.float32 and lse.stride(1) == 1
+    host = k_host is not None
+    if host:
+        # one set of strides serves both pools: the host tier has the device pool's layout
+        assert v_host is not None and k_host.stride() == k_cache.stride() and v_host.stride() == v_cache.stride()
+        assert k_host.dtype == k_cache.dtype and v_host.dtype == v_cache.dtype
     common = dict(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_N=block_n,
-        DOT_PRECISION=precision, FULL_VIS=full is not None, num_warps=num_warps,
+        DOT_PRECISION=precision, FULL_VIS=full is not None, HOST=host, HOST_FLAG=HOST_BLOCK, num_warps=num_warps,
     )
+    kh, vh = (k_host, v_host) if host else (k_cache, v_cache)  # never read without HOST
     full_arg = full if full is not None else seq_lens  # never read without FULL_VIS
     cache_strides = (
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -252,7 +276,7 @@ def paged_attention(
     )
     if num_splits <= 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads, 1)](
-            q, k_cache, v_cache, out, lse,
+            q, k_cache, v_cache, kh, vh, out, lse,
             tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg,
             scale, 0,
             q.stride(0), q.stride(1), *cache_strides,
@@ -265,7 +289,7 @@ def paged_attention(
     part = torch.empty(num_tiles, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_tiles, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, part, part_lse,
+        q, k_cache, v_cache, kh, vh, part, part_lse,
         tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg,
         scale, split_len,
         q.stride(0), q.stride(1), *cache_strides,

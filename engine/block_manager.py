@@ -16,9 +16,13 @@ With KV tiers attached (`attach_tiers`, engine/kv/tiers.py) allocation continues
 that stops in the device pool into the host and disk tiers and queues a load; such a sequence is
 *loading* until `poll_tiers` reports it done; a squid document job whose document is found below
 is filled the same way instead of being computed. Without tiers none of that code runs.
+A host hit read in place stays in the host tier: the table entry is the host block's id flagged
+`HOST_BLOCK` (always a full, hashed block before the sequence's first written one), and the
+sequence's reference is on the host pool (`_pool_of` routes every ref/unref).
 """
 from __future__ import annotations
 
+from cuttle.attention.metadata import HOST_BLOCK
 from cuttle.engine.kv.document_index import DocumentIndex
 from cuttle.engine.kv.handles import KVHandle
 from cuttle.engine.kv.pool import NO_HASH, Block, BlockPool
@@ -43,6 +47,26 @@ class BlockManager:
     def attach_tiers(self, tiers: KVTiers) -> None:
         self.tiers = tiers
         tiers.device_docs = self.document_index
+        tiers.device_index = self.prefix_index
+
+    def _pool_of(self, bid: int) -> tuple[BlockPool, int]:
+        """The pool a table entry lives in and its id there (HOST_BLOCK: read in place)."""
+        if bid >= HOST_BLOCK:
+            assert self.tiers is not None
+            return self.tiers.host_pool, bid - HOST_BLOCK
+        return self.pool, bid
+
+    def _ref(self, bid: int) -> None:
+        pool, i = self._pool_of(bid)
+        pool.ref(i)
+
+    def _unref(self, bid: int) -> None:
+        pool, i = self._pool_of(bid)
+        pool.unref(i)
+
+    def _block(self, bid: int) -> Block:
+        pool, i = self._pool_of(bid)
+        return pool.blocks[i]
 
     @property
     def blocks(self) -> list[Block]:
@@ -81,27 +105,38 @@ class BlockManager:
         needed = self.blocks_needed(len(seq.token_ids)) - len(hits)
         return needed <= self.pool.num_free - revived
 
-    def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
+    def allocate(self, seq: Sequence, use_cache: bool = True, read_in_place: bool = True) -> None:
+        """Give `seq` its blocks: device prefix hits, then (with tiers) host hits read in place
+        unless `read_in_place` is False (a holder that pins the table in the device pool), then
+        new blocks; a load from below may follow."""
         assert not seq.block_table, "sequence already holds blocks"
         hits = self.match_prefix(seq, use_cache)
         for bid in hits:
             self.pool.ref(bid)
         table = list(hits)
-        for _ in range(self.blocks_needed(len(seq.token_ids)) - len(hits)):
+        tiers = self.tiers
+        chained = tiers is not None and seq.request.job is None and self.enable_prefix_caching and use_cache
+        parent = self.pool.blocks[hits[-1]].hash if hits else NO_HASH
+        if chained and read_in_place:  # host hits read in place (and device hits after them) take no new device block
+            attached, parent = tiers.attach_in_place(seq, len(hits), parent, seq.request.prefix_cache_key)
+            table += attached
+        found = len(table)
+        for _ in range(self.blocks_needed(len(seq.token_ids)) - found):
             table.append(self.pool.take())
         seq.block_table = table
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         self.num_cached_tokens_hit += seq.num_cached_tokens
-        tiers = self.tiers
-        if tiers is not None:
-            job = seq.request.job
-            if job is not None:  # a document job: its document may be below, whole
-                tiers.plan_document_load(seq, job.key, tuple(job.tokens))
-            elif self.enable_prefix_caching and use_cache:
-                parent = self.pool.blocks[hits[-1]].hash if hits else NO_HASH
-                tiers.plan_load(seq, len(hits), parent, seq.request.prefix_cache_key)
-            else:
-                tiers.drop_swap(seq)
+        if tiers is None:
+            return
+        job = seq.request.job
+        if job is not None:  # a document job: its document may be below, whole
+            tiers.plan_document_load(seq, job.key, tuple(job.tokens))
+        elif chained:
+            seq.num_computed_tokens = found * self.block_size
+            if not tiers.plan_load(seq, found, parent, seq.request.prefix_cache_key) and found > len(hits):
+                self._loaded(seq)  # read in place: nothing to wait for
+        else:
+            tiers.drop_swap(seq)
 
     # ---- tiers -----------------------------------------------------------------------------
     def is_loading(self, seq: Sequence) -> bool:
@@ -144,7 +179,7 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks go back first so they are evicted before the shared head of the chain.
         for bid in reversed(seq.block_table):
-            self.pool.unref(bid)
+            self._unref(bid)
         for handle in reversed(seq.handles):
             handle.release()
         seq.block_table = []
@@ -180,7 +215,7 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares every block of the parent (the partial last one copy-on-write)."""
         for bid in parent.block_table:
-            self.pool.ref(bid)
+            self._ref(bid)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.handles = [KVHandle(self.pool, h.blocks) for h in parent.handles]
@@ -195,12 +230,11 @@ class BlockManager:
         bs = self.block_size
         extra = seq.request.prefix_cache_key
         table = seq.block_table
-        blocks = self.pool.blocks
         for i in range(seq.num_computed_tokens // bs):
-            block = blocks[table[i]]
+            block = self._block(table[i])
             if block.hash != NO_HASH:
                 continue
-            parent = blocks[table[i - 1]].hash if i > 0 else NO_HASH
+            parent = self._block(table[i - 1]).hash if i > 0 else NO_HASH
             self.prefix_index.register(block, parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), extra)
 
     def reset_prefix_cache(self, disk_namespace: int | None = None) -> None:
@@ -215,9 +249,13 @@ class BlockManager:
         """Every block's ref count equals its holders: live sequences' tables and handles, plus
         `pins` held outside any sequence."""
         refs = [0] * len(self.pool.blocks)
+        host_refs = [0] * (len(self.tiers.host_pool) if self.tiers is not None else 0)
         for seq in live:
             for bid in seq.block_table:
-                refs[bid] += 1
+                if bid >= HOST_BLOCK:
+                    host_refs[bid - HOST_BLOCK] += 1
+                else:
+                    refs[bid] += 1
             for handle in seq.handles:
                 for bid in handle.blocks:
                     refs[bid] += 1
@@ -228,7 +266,7 @@ class BlockManager:
             for blocks in self.tiers.device_pins():
                 for bid in blocks:
                     refs[bid] += 1
-            self.tiers.check()
+            self.tiers.check(host_refs)
         for block, r in zip(self.pool.blocks, refs):
             assert block.ref_count == r, f"block {block.block_id}: ref_count {block.ref_count} but {r} holders"
             assert (block.block_id in self.pool.free) == (r == 0), f"block {block.block_id}: free-list membership wrong"

@@ -51,11 +51,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=None, help="accepted for vLLM command lines: cuttle always runs eagerly")
     g.add_argument("--generation-config", help="'auto' (default): sampling defaults from the model's generation_config.json; "
                                                "'vllm': ignore it; or a directory holding one")
+    g.add_argument("--kv-read-in-place", choices=["auto", "never", "always"],
+                   help="host-tier hits: read where they are or copy in (default auto: the cost model chooses)")
 
 
 _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens", "max_num_seqs",
                    "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant", "quantization", "squid_positions",
-                   "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb",
+                   "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb", "kv_read_in_place",
                    "sparse_attention")
 _ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "generation_config")
 

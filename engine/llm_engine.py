@@ -114,6 +114,12 @@ class LLMEngine:
         tiers = KVTiers(self.block_manager.pool, self.runner.kv, config.block_size, host_blocks, transfer, per_block, disk,
                         pin_memory=self.device.type == "cuda")
         tiers.cost = CostModel.measure(transfer, self.runner.kv, tiers.host_kv, self.model_config, per_block)
+        # read in place needs kernels that address the host tier: the CPU ones (a GPU would need
+        # the host tensors mapped into its address space, which cuttle does not do yet)
+        if self.device.type != "cpu" and config.kv_read_in_place == "always":
+            raise ValueError("kv_read_in_place='always' needs the CPU attention kernels; on a GPU use 'auto' or 'never'")
+        tiers.read_in_place = config.kv_read_in_place if self.device.type == "cpu" else "never"
+        self.runner.host_kv = tiers.host_kv.layers
         self.block_manager.attach_tiers(tiers)
         return tiers
 

@@ -17,6 +17,11 @@
  * probability-weighted V rows accumulated in registers. The scalar-loop path serves every other
  * combination and is the reference the fast path is tested against.
  *
+ * Read in place: a block-table entry with bit 30 set (HOST_BLOCK) names a block of a second pool
+ * with the same layout (the KV host tier, `k_host` / `v_host`), so a sequence's cold blocks are
+ * read where they lie instead of being copied into the first pool first. The pool is chosen per
+ * block, so one row may mix both; the arithmetic does not depend on where a block lies.
+ *
  * Built at first use by cuttle/attention/native/build.py with the host compiler; plain C so it
  * compiles in about a second and needs no torch headers. Python binding:
  * cuttle/attention/native_attention.py.
@@ -27,6 +32,15 @@
 #include <string.h>
 
 #include "dtypes.h"
+
+#define HOST_BLOCK 0x40000000 /* block-table flag: the block is in the host pool */
+
+/* element offset of block `id` and the pool it lies in (k/v chosen by the caller) */
+static inline __attribute__((always_inline)) int64_t block_base(int32_t id, int64_t block_size, int64_t token_stride,
+                                                                int *on_host) {
+    *on_host = (id & HOST_BLOCK) != 0;
+    return (int64_t)(id & ~HOST_BLOCK) * block_size * token_stride;
+}
 
 static inline __attribute__((always_inline)) float dot_bf16(const float *q, const uint16_t *k, int64_t n) {
     float acc = 0.f;
@@ -90,17 +104,19 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
  * query heads each) against one sequence. scores: [len][rp] fp32 (token-major, rp = nrows
  * rounded up to 16); acc: [nrows][D] fp32. D is a compile-time constant at every call. */
 static inline __attribute__((always_inline)) void item_bf16(
-    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, void *out, int out_dtype,
-    const int32_t *table, int64_t len, int64_t block_size, int64_t token_stride, int64_t h0, int64_t nrows,
+    const uint16_t *q, const uint16_t *k_dev, const uint16_t *v_dev, const uint16_t *k_host, const uint16_t *v_host,
+    void *out, int out_dtype, const int32_t *table, int64_t len, int64_t block_size, int64_t token_stride, int64_t h0, int64_t nrows,
     int64_t group, const int D, float scale, float *scores, float *acc, float *lse) {
     const int C = D / 32; /* 32-element chunks per head row */
     const int64_t rp = (nrows + 15) & ~(int64_t)15;
     /* pass 1: scores[t][r] = scale * q_r . k_t, 16 rows at a time through the reduce tree */
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t base = (int64_t)table[t0 / block_size] * block_size;
+        int host;
+        const int64_t base = block_base(table[t0 / block_size], block_size, token_stride, &host);
+        const uint16_t *k_cache = host ? k_host : k_dev;
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;
         for (int64_t tt = 0; tt < n; tt++) {
-            const uint16_t *krow = k_cache + (base + tt) * token_stride + h0 * D;
+            const uint16_t *krow = k_cache + base + tt * token_stride + h0 * D;
             for (int64_t r0 = 0; r0 < nrows; r0 += 16) {
                 __m512 a[16];
 #pragma GCC unroll 16
@@ -143,7 +159,9 @@ static inline __attribute__((always_inline)) void item_bf16(
     memset(acc, 0, sizeof(float) * (size_t)(nrows * D));
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t base = (int64_t)table[t0 / block_size] * block_size;
+        int host;
+        const int64_t base = block_base(table[t0 / block_size], block_size, token_stride, &host);
+        const uint16_t *v_cache = host ? v_host : v_dev;
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;
         for (int64_t h = 0; h * group < nrows; h++) {
             for (int64_t g0 = 0; g0 < group; g0 += RG) {
@@ -153,7 +171,7 @@ static inline __attribute__((always_inline)) void item_bf16(
 #pragma GCC unroll 16
                 for (int i = 0; i < RG * 2 * C; i++) va[i] = i / (2 * C) < rg ? _mm512_loadu_ps(acc + (r0 + i / (2 * C)) * D + 16 * (i % (2 * C))) : _mm512_setzero_ps();
                 for (int64_t tt = 0; tt < n; tt++) {
-                    const uint16_t *vrow = v_cache + (base + tt) * token_stride + (h0 + h) * D;
+                    const uint16_t *vrow = v_cache + base + tt * token_stride + (h0 + h) * D;
                     const float *e = scores + (t0 + tt) * rp + r0;
 #pragma GCC unroll 8
                     for (int c = 0; c < C; c++) {
@@ -190,11 +208,11 @@ static inline __attribute__((always_inline)) void item_bf16(
 }
 
 #define ITEM_BF16(D_)                                                                                   \
-    static void item_bf16_##D_(const uint16_t *q, const uint16_t *k, const uint16_t *v, void *out, int od, \
-                               const int32_t *table, int64_t len, int64_t bs, int64_t ts, int64_t h0,     \
-                               int64_t nrows, int64_t group, float scale, float *scores, float *acc,      \
-                               float *lse) {                                                              \
-        item_bf16(q, k, v, out, od, table, len, bs, ts, h0, nrows, group, D_, scale, scores, acc, lse); \
+    static void item_bf16_##D_(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *kh,    \
+                               const uint16_t *vh, void *out, int od, const int32_t *table, int64_t len,  \
+                               int64_t bs, int64_t ts, int64_t h0, int64_t nrows, int64_t group,          \
+                               float scale, float *scores, float *acc, float *lse) {                      \
+        item_bf16(q, k, v, kh, vh, out, od, table, len, bs, ts, h0, nrows, group, D_, scale, scores, acc, lse); \
     }
 ITEM_BF16(64)
 ITEM_BF16(128)
@@ -211,8 +229,9 @@ int paged_decode_last_call_fast(void) { return last_call_fast; }
  * row q_rows[i], attends to the first lens[i] tokens of block table tables[i] ([num_rows,
  * table_stride] block ids), and writes out row out_rows[i] and, when lse is given, the natural-log
  * log-sum-exp of its scaled scores (lse row out_rows[i]). A row with no keys (lens[i] == 0) gets
- * o = 0 and lse = -inf. max_len >= every lens[i]. Returns 0, or -1 when a scratch allocation
- * fails (the caller falls back to the torch path).
+ * o = 0 and lse = -inf. max_len >= every lens[i]. Table entries flagged HOST_BLOCK read
+ * k_host / v_host (same layout as the caches; NULL when there is no host pool). Returns 0, -1
+ * when a scratch allocation fails, -2 when a row names a host block and no host pool was given.
  *
  * A work item is one row and a range of its KV heads. Within an item the loops walk the row's
  * tokens in cache order and, per token, all heads of the range: one token's K (or V) row for all
@@ -220,19 +239,24 @@ int paged_decode_last_call_fast(void) { return last_call_fast; }
  * memory is read in long streams the hardware prefetcher follows. (Walking one head at a time
  * instead strides by a whole token row and runs several times slower.) */
 int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache,
-                         const void *v_cache, int kv_dtype, void *out, int out_dtype, int64_t out_row_stride,
+                         const void *v_cache, const void *k_host, const void *v_host, int kv_dtype, void *out, int out_dtype, int64_t out_row_stride,
                          float *lse, int64_t lse_row_stride, const int64_t *q_rows, const int64_t *out_rows,
                          const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t num_rows,
                          int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                          int64_t max_len, float scale, int64_t head_chunks) {
     int failed = 0;
+    if (!k_host || !v_host) /* a host block with no host pool would read anywhere: refuse the call */
+        for (int64_t i = 0; i < num_rows; i++)
+            for (int64_t b = 0; b * block_size < lens[i]; b++)
+                if (tables[i * table_stride + b] & HOST_BLOCK) return -2;
     const int64_t token_stride = num_kv_heads * head_dim; /* elements between consecutive slots */
     const int64_t heads_per_item = (num_kv_heads + head_chunks - 1) / head_chunks;
     const int64_t rows_per_item = heads_per_item * group; /* query heads handled by one item */
     const int64_t score_len = max_len > 0 ? max_len : 1;
 #ifdef HAVE_FAST_BF16
-    typedef void (*item_fn)(const uint16_t *, const uint16_t *, const uint16_t *, void *, int, const int32_t *, int64_t,
-                            int64_t, int64_t, int64_t, int64_t, int64_t, float, float *, float *, float *);
+    typedef void (*item_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *,
+                            void *, int, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                            float *, float *, float *);
     item_fn fast = NULL;
     if (q_dtype == DT_BF16 && kv_dtype == DT_BF16 && rows_per_item <= 512 && fast_path_enabled)
         fast = head_dim == 64 ? item_bf16_64 : head_dim == 128 ? item_bf16_128 : head_dim == 256 ? item_bf16_256 : NULL;
@@ -274,7 +298,8 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
 #ifdef HAVE_FAST_BF16
             if (fast) {
                 void *o = out_dtype == DT_BF16 ? (void *)((uint16_t *)out + ooff) : (void *)((float *)out + ooff);
-                fast(((const uint16_t *)q) + qoff, (const uint16_t *)k_cache, (const uint16_t *)v_cache, o, out_dtype,
+                fast(((const uint16_t *)q) + qoff, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                     (const uint16_t *)k_host, (const uint16_t *)v_host, o, out_dtype,
                      table, len, block_size, token_stride, h0, nrows, group, scale, scores, acc, lse_item);
                 continue;
             }
@@ -284,15 +309,17 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
                                             : ((const float *)q)[qoff + i]) * scale;
             /* pass 1: scores[r][t] for query head r = (h - h0) * group + g */
             for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-                const int64_t base = (int64_t)table[t0 / block_size] * block_size;
+                int host;
+                const int64_t base = block_base(table[t0 / block_size], block_size, token_stride, &host);
+                const void *kc = host ? k_host : k_cache;
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;
                 for (int64_t tt = 0; tt < n; tt++) {
-                    const int64_t off = (base + tt) * token_stride + h0 * head_dim;
+                    const int64_t off = base + tt * token_stride + h0 * head_dim;
                     for (int64_t r = 0; r < nrows; r++) {
                         const int64_t koff = off + (r / group) * head_dim;
                         scores[r * score_len + t0 + tt] =
-                            kv_dtype == DT_BF16 ? dot_bf16(qf + r * head_dim, (const uint16_t *)k_cache + koff, head_dim)
-                                                : dot_f32(qf + r * head_dim, (const float *)k_cache + koff, head_dim);
+                            kv_dtype == DT_BF16 ? dot_bf16(qf + r * head_dim, (const uint16_t *)kc + koff, head_dim)
+                                                : dot_f32(qf + r * head_dim, (const float *)kc + koff, head_dim);
                     }
                 }
             }
@@ -308,15 +335,17 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
             /* pass 2: the probability-weighted sum of V rows, in the same streaming order */
             memset(acc, 0, sizeof(float) * (size_t)(nrows * head_dim));
             for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-                const int64_t base = (int64_t)table[t0 / block_size] * block_size;
+                int host;
+                const int64_t base = block_base(table[t0 / block_size], block_size, token_stride, &host);
+                const void *vc = host ? v_host : v_cache;
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;
                 for (int64_t tt = 0; tt < n; tt++) {
-                    const int64_t off = (base + tt) * token_stride + h0 * head_dim;
+                    const int64_t off = base + tt * token_stride + h0 * head_dim;
                     for (int64_t r = 0; r < nrows; r++) {
                         const int64_t voff = off + (r / group) * head_dim;
                         const float p = scores[r * score_len + t0 + tt];
-                        if (kv_dtype == DT_BF16) axpy_bf16(acc + r * head_dim, p, (const uint16_t *)v_cache + voff, head_dim);
-                        else axpy_f32(acc + r * head_dim, p, (const float *)v_cache + voff, head_dim);
+                        if (kv_dtype == DT_BF16) axpy_bf16(acc + r * head_dim, p, (const uint16_t *)vc + voff, head_dim);
+                        else axpy_f32(acc + r * head_dim, p, (const float *)vc + voff, head_dim);
                     }
                 }
             }

@@ -7,6 +7,14 @@ heads * head_dim` per token and context position) at the measured compute rate. 
 measured once at start-up, in a few milliseconds, on the pools and dtype the engine really uses:
 a copy between the device pool and the host tier through the transfer engine, and a GEMM of the
 model's hidden width. Owns the numbers and the comparison; never moves KV.
+
+It also chooses, for a run of host-tier hits, between copying them in and reading them in place
+(the attention kernel reads the host blocks where they lie, every step). Copy-in costs one copy;
+read in place costs, at every later step that attends them (the remaining decode steps, plus the
+step that starts), what reading those bytes from the host pool costs beyond reading them from the
+device pool: `host_read_penalty_s_per_byte` = 1 / host read bandwidth - 1 / device read
+bandwidth. Where both pools are the same memory (CPU: two tensors in one RAM) the penalty is 0 and
+reading in place always wins; a GPU would measure both (not wired: read in place is CPU-only).
 """
 from __future__ import annotations
 
@@ -27,6 +35,18 @@ class CostModel:
     linear_flops_per_token: float
     attention_flops_per_token_ctx: float
     bytes_per_block: int
+    host_read_penalty_s_per_byte: float = 0.0
+
+    def copy_in_s(self, num_blocks: int) -> float:
+        return self.copy_latency_s + num_blocks * self.bytes_per_block / self.copy_bytes_per_s
+
+    def read_in_place_s(self, num_blocks: int, steps: int) -> float:
+        return steps * num_blocks * self.bytes_per_block * self.host_read_penalty_s_per_byte
+
+    def read_in_place_pays(self, num_blocks: int, remaining_steps: int) -> bool:
+        """Whether `num_blocks` host hits attended by `remaining_steps` more steps (and this one)
+        are better read where they are than copied in."""
+        return self.read_in_place_s(num_blocks, remaining_steps + 1) <= self.copy_in_s(num_blocks)
 
     def swap_s(self, num_blocks: int) -> float:
         return 2 * (self.copy_latency_s + num_blocks * self.bytes_per_block / self.copy_bytes_per_s)
@@ -71,8 +91,10 @@ class CostModel:
                 torch.cuda.synchronize(dev)
             best = min(best, time.perf_counter() - t)
         flops = 2 * 256 * width * 4 * width / max(best, 1e-9)
+        # both pools in one RAM on CPU: reading a host block costs what reading a device block does
+        penalty = 0.0
         return cls(bandwidth, latency, flops, linear_flops_per_token(mc), 4.0 * mc.num_layers * mc.num_heads * mc.head_dim,
-                   bytes_per_block)
+                   bytes_per_block, penalty)
 
 
 def len_blocks(kv: KVStorage) -> int:

@@ -27,6 +27,12 @@ plugs in at three seams:
   document below (`plan_document_load`) is filled by a load instead of a prefill: the job's
   blocks are its targets, and it completes when the copy is done. Any bad disk block makes the
   whole document a miss (a document is used whole or not at all): the job then computes it.
+- **Read in place** (also in `plan_load`): where the attention kernels can address the host
+  tier (CPU here), a run of host hits may stay where it is instead of being copied in: the
+  sequence's table names those host blocks (`HOST_BLOCK` ids; the sequence holds a host reference
+  on each until it lets go of its table) and their device blocks go back unwritten. The cost
+  model chooses per run (`read_in_place`: "auto"), or the engine option forces one way. Only full,
+  hashed blocks are read in place, and new K/V never goes to them.
 - **Swap** (`swap_out`, at preemption): a sequence's full blocks are hashed and stay in the
   prefix cache, so under pressure they are offloaded like any prefix block and come back by the
   lookup above; what would be lost is the partial last block, which is copied to a host swap slot
@@ -46,6 +52,7 @@ import numpy as np
 import torch
 import xxhash
 
+from cuttle.attention.metadata import HOST_BLOCK
 from cuttle.engine.kv.cost_model import CostModel
 from cuttle.engine.kv.disk_tier import DiskTier
 from cuttle.engine.kv.document_index import Document, DocumentIndex
@@ -106,7 +113,9 @@ class KVTiers:
         self.host_index = PrefixIndex(self.host_pool, block_size)
         self.host_docs = DocumentIndex(self.host_pool, block_size)
         self.device_docs: DocumentIndex | None = None  # the block manager's, for offloading documents
+        self.device_index: PrefixIndex | None = None  # the block manager's, for chains read in place
         self.cost: CostModel | None = None  # measured by the engine once the pools exist
+        self.read_in_place = "never"  # host hits: "auto" (the cost model chooses), "never", "always"
         device_pool.on_evict(self._offload, first=True)
         self._offloads: list[tuple[int, int]] = []  # (device, host) copies decided, not yet submitted
         self._to_disk: list[tuple[int, tuple[int, ...], int, list[str]]] = []  # (key, tokens, host, victims)
@@ -121,6 +130,7 @@ class KVTiers:
             "kv_bytes_host_to_disk": 0, "kv_bytes_disk_to_host": 0, "kv_transfer_blocked_s": 0.0,
             "kv_swap_outs": 0, "kv_swap_ins": 0, "kv_preempt_recompute": 0, "kv_offload_skipped_full": 0,
             "kv_offloaded_documents": 0, "kv_host_document_hits": 0, "kv_disk_document_hits": 0,
+            "kv_read_in_place_blocks": 0, "kv_read_in_place_runs": 0, "kv_copy_in_runs": 0,
         }
 
     # ---- offload (device eviction hook) ----------------------------------------------------
@@ -217,9 +227,10 @@ class KVTiers:
 
     # ---- lookup and reload -----------------------------------------------------------------
     def plan_load(self, seq: Sequence, first: int, parent: int, extra_key: bytes) -> bool:
-        """`seq` was just given its device blocks, the first `first` of them prefix hits (the last
-        with chain hash `parent`). Continue the chain below and queue a load of what is found
-        into the following blocks. True if a load was queued (the sequence waits for it)."""
+        """`seq` was just given its blocks, the first `first` of them hits (device prefix hits and
+        what `attach_in_place` attached; the last with chain hash `parent`). Continue the chain
+        below and queue a load of what is found into the following blocks (copy-in). True if a
+        load was queued (the sequence waits for it)."""
         bs = self.block_size
         tokens = seq.token_ids
         max_blocks = (len(tokens) - 1) // bs
@@ -229,6 +240,7 @@ class KVTiers:
             self.host_pool.ref(hid)
         if host_ids:
             parent = self.host_pool.blocks[host_ids[-1]].hash
+            self.counters["kv_copy_in_runs"] += 1
         disk: list[tuple[int, tuple[int, ...], int]] = []
         if self.disk is not None:
             for i in range(first + len(host_ids), max_blocks):
@@ -256,6 +268,51 @@ class KVTiers:
         self._queued.append(load)
         self.loads[seq] = load
         return True
+
+    def attach_in_place(self, seq: Sequence, first: int, parent: int, extra_key: bytes) -> tuple[list[int], int]:
+        """Before `seq` gets its own device blocks (its first `first` blocks are device prefix hits,
+        the last with chain hash `parent`): if the chain continues in the host tier and the cost
+        model (or the option) says to read that run in place, the table entries from `first` on,
+        referenced: the host blocks as HOST_BLOCK ids, then alternately device and host hits (a
+        session read in place keeps its old turns below and its newer ones on the device, so the
+        next turn finds both). Deciding before any device block is taken means nothing is evicted
+        for blocks that stay below. Returns (entries, chain hash of the last)."""
+        if self.read_in_place == "never":
+            return [], parent
+        assert self.device_index is not None
+        bs, tokens = self.block_size, seq.token_ids
+        max_blocks = (len(tokens) - 1) // bs
+        if first >= max_blocks:
+            return [], parent
+        run = self.host_index.match(tokens[first * bs :], max_blocks - first, extra_key, parent)
+        if not run or not self._reads_in_place(seq, len(run)):
+            return [], parent
+        entries: list[int] = []
+        on_host = True
+        while run:
+            pool = self.host_pool if on_host else self.device_pool
+            for bid in run:
+                pool.ref(bid)
+                entries.append(bid | HOST_BLOCK if on_host else bid)
+            parent = pool.blocks[run[-1]].hash
+            if on_host:
+                self.counters["kv_host_hit_blocks"] += len(run)
+                self.counters["kv_read_in_place_blocks"] += len(run)
+            i = first + len(entries)
+            if i >= max_blocks:
+                break
+            on_host = not on_host
+            index = self.host_index if on_host else self.device_index
+            run = index.match(tokens[i * bs :], max_blocks - i, extra_key, parent)
+        self.counters["kv_read_in_place_runs"] += 1
+        return entries, parent
+
+    def _reads_in_place(self, seq: Sequence, num_blocks: int) -> bool:
+        if self.read_in_place != "auto":
+            return self.read_in_place == "always"
+        assert self.cost is not None
+        remaining = max(0, seq.request.max_tokens - seq.num_output_tokens)  # decode steps still to come
+        return self.cost.read_in_place_pays(num_blocks, remaining)
 
     def plan_document_load(self, seq: Sequence, key: int, tokens: tuple[int, ...]) -> bool:
         """`seq` is the job computing document `key` and was just given its device blocks; if the
@@ -491,10 +548,11 @@ class KVTiers:
         """Device blocks held by loads in flight (holders beside sequences, for invariant checks)."""
         return [load.dev_ids for load in self.loads.values()]
 
-    def check(self) -> None:
+    def check(self, table_refs: list[int] | None = None) -> None:
         """Every host block's ref count equals its holders: transfers in flight or queued, swap
-        slots, loads; the host index points only at blocks that hold what it says."""
-        refs = [0] * len(self.host_pool)
+        slots, loads, and the sequences' tables that read it in place (`table_refs`, per host
+        block); the host index points only at blocks that hold what it says."""
+        refs = list(table_refs) if table_refs is not None else [0] * len(self.host_pool)
         for _, hid in self._offloads:
             refs[hid] += 1
         for _, _, hid, _ in self._to_disk:

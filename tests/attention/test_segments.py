@@ -9,7 +9,7 @@
 - lse on the one-segment cases of attention_cases.py.
 - Rotating the query by -delta for a segment equals rotating that segment's cached keys to their
   new positions (keys rotated by the model's RotaryEmbedding, fp32).
-- Refusals: non-zero pool, rope_delta on MLA, a segmented step on flashinfer, a rope type whose
+- Refusals: a host-pool segment without the host pool's caches, an unknown pool, rope_delta on MLA, a segmented step on flashinfer, a rope type whose
   angle is not linear in position.
 """
 from __future__ import annotations
@@ -111,7 +111,8 @@ def _seg(n: int, causal: bool, **kw) -> KVSegment:
         ([SeqLayout(1, [KVSegment([0], 5, True)])], ValueError, "do not fit"),
         ([SeqLayout(1, [_seg(4, True, rope_delta=2)])], ValueError, "rope_delta must be 0"),
         ([SeqLayout(1, [_seg(4, False, rope_delta=2), _seg(1, True)])], ValueError, "RotaryEmbedding"),
-        ([SeqLayout(1, [_seg(4, False, pool=1), _seg(1, True)])], NotImplementedError, "pool"),
+        ([SeqLayout(1, [_seg(4, False, pool=1), _seg(1, True)])], ValueError, "no host_kv"),  # host pool, none given
+        ([SeqLayout(1, [_seg(4, False, pool=2), _seg(1, True)])], ValueError, "pools are 0"),
         ([], ValueError, "at least one"),
     ],
 )

@@ -14,7 +14,6 @@ another checkpoint, and corrupt or truncated files are misses.
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from hypothesis import strategies as st
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import EngineConfig
 from helpers import make_checkpoint
+from kv_tiers_helpers import GREEDY, _all_free, _concurrent, _favor_copy, _result, _run_sessions, _sessions, _small
 
 
 @pytest.fixture(scope="module")
@@ -40,55 +40,14 @@ def other_model_path(tmp_path_factory) -> str:
     return path
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-
-
-def _result(out):
-    c = out.outputs[0]
-    return list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
-
-
-def _sessions(n_sessions: int, turns: int, seed: int = 0) -> list[list[list[int]]]:
-    """New user tokens per turn per session (the prompt of a turn is the whole history)."""
-    rng = random.Random(seed)
-    return [[[rng.randrange(3, 256) for _ in range(rng.randrange(6, 14))] for _ in range(turns)] for _ in range(n_sessions)]
-
-
-def _run_sessions(llm: LLM, sessions, params=GREEDY) -> list:
-    """Round-robin over the sessions, one request at a time: each turn resumes a history whose
-    KV the other sessions pushed out of a small device pool."""
-    history = [[] for _ in sessions]
-    results = []
-    for t in range(len(sessions[0])):
-        for s, turns in enumerate(sessions):
-            prompt = history[s] + turns[t]
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
-            toks, lps = _result(out)
-            results.append((toks, lps))
-            history[s] = prompt + toks
-    return results
-
-
-def _small(path: str, dtype: str = "float32", **kw) -> LLM:
-    return LLM(path, dtype=dtype, block_size=4, num_kv_blocks=kw.pop("num_kv_blocks", 24), max_model_len=96, **kw)
-
-
-def _all_free(llm: LLM) -> None:
-    engine = llm.engine
-    engine.tiers.drain()
-    engine.block_manager.check_invariants([])
-    st_ = llm.stats()
-    assert st_["kv_blocks_free"] == st_["kv_blocks_total"]
-    assert st_["kv_host_blocks_free"] == st_["kv_host_blocks_total"]
-
-
 # ---- exactness -------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_resumed_sessions_reload_from_host_bit_identical(model_path, dtype):
     sessions = _sessions(4, 3)
     ref_llm = _small(model_path, dtype, num_kv_blocks=256, max_num_seqs=1)
     ref = _run_sessions(ref_llm, sessions)
-    tiered = _small(model_path, dtype, num_kv_blocks=24, num_host_kv_blocks=128, max_num_seqs=1)
+    # copy-in (read in place has its own tests: test_kv_tiers_in_place.py)
+    tiered = _small(model_path, dtype, num_kv_blocks=24, num_host_kv_blocks=128, max_num_seqs=1, kv_read_in_place="never")
     got = _run_sessions(tiered, sessions)
     assert got == ref
     st_ = tiered.stats()
@@ -101,21 +60,6 @@ def test_resumed_sessions_reload_from_host_bit_identical(model_path, dtype):
     plain = _small(model_path, dtype, num_kv_blocks=24, max_num_seqs=1)
     _run_sessions(plain, sessions)
     assert plain.stats()["prefill_tokens_computed"] > st_["prefill_tokens_computed"]
-
-
-def _favor_copy(llm: LLM) -> LLM:
-    """The tiny test model sits near the cost model's break-even (a few kFLOP per token against a
-    thread hand-off per copy), where the measured rates decide by noise: pin them."""
-    cost = llm.engine.tiers.cost
-    cost.copy_latency_s, cost.copy_bytes_per_s = 0.0, 1e12
-    return llm
-
-
-def _concurrent(llm: LLM, params=None):
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (22, 25, 19)]
-    params = params or SamplingParams(temperature=0, max_tokens=36, ignore_eos=True, logprobs=0)
-    return [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -200,16 +144,18 @@ def property_llm(model_path, tmp_path_factory) -> LLM:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(ops=OPS, slow=st.booleans())
-def test_random_interleavings_leave_every_tier_empty(property_llm, ops, slow):
+@given(ops=OPS, slow=st.booleans(), in_place=st.sampled_from(["never", "always"]))
+def test_random_interleavings_leave_every_tier_empty(property_llm, ops, slow, in_place):
     """add (shared histories, n up to 2) / squid requests over 5 documents / step / abort /
     weight updates over a device pool of 16 blocks, a host tier of 12 and a disk tier: offload of
     prefix blocks and whole documents, host eviction, reload from host and disk (document load
-    jobs too), loads aborted in flight, swap slots, preemption. After every op each block's count
-    equals its holders in both pools; at the end every block of every tier is free."""
+    jobs too), loads aborted in flight, swap slots, preemption, host hits copied in or read in
+    place (tables that name host blocks: forked, preempted, aborted). After every op each block's
+    count equals its holders in both pools; at the end every block of every tier is free."""
     llm = property_llm
     engine = llm.engine
     engine.tiers.transfer.slowdown_s = 0.002 if slow else 0.0
+    engine.tiers.read_in_place = in_place
     bm = engine.block_manager
     stems = [[3 + (7 * s + i) % 200 for i in range(40)] for s in range(2)]
     docs = [[5 + (11 * d + 3 * i) % 190 for i in range(3 + 3 * d)] for d in range(5)]
