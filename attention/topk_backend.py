@@ -23,7 +23,7 @@ import torch
 
 from cuttle.attention.backend import AttentionBackend, write_kv
 from cuttle.attention.metadata import AttentionMetadata
-from cuttle.attention.topk import TopKConfig, summarize, topk_attend_chunked
+from cuttle.attention.topk import TopKConfig, block_scores, select_blocks, summarize, topk_attend_chunked
 
 
 def summary_slots_per_block(cfg: TopKConfig, block_size: int) -> int:
@@ -91,18 +91,26 @@ def _summary_slot(table: torch.Tensor, j: torch.Tensor, P: int, bs: int, slots_p
 class TopKBackend:
     """Sparse layers' attention over the paged raw cache and its block summaries; dense layers
     pass through. `summaries[layer]` is that layer's summary cache, None for a dense layer.
-    On CPU every query row (decode and prefill alike) takes the native kernel when it builds;
-    native=False keeps them on the torch reference (the oracle the kernel is tested against)."""
+
+    kernel: "torch" (beside the torch dense backend: on CPU every query row, decode and prefill
+    alike, takes the native kernel when it builds, native=False keeps them on the torch reference,
+    the oracle the kernels are tested against) or "triton" (beside any other dense backend: the
+    choice in torch by the reference's rule, then one Triton kernel for all rows,
+    `triton_topk.py`); None picks by the dense backend, as the runner does for NSA."""
 
     def __init__(self, cfg: TopKConfig, dense: AttentionBackend, block_size: int,
-                 summaries: list[torch.Tensor | None], native: bool = True) -> None:
+                 summaries: list[torch.Tensor | None], native: bool = True, kernel: str | None = None) -> None:
+        kernel = kernel or ("torch" if dense.name == "torch" else "triton")
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f"top-k kernel must be 'torch' or 'triton', got {kernel!r}")
         self.cfg = cfg
         self.dense = dense
+        self.kernel = kernel
         self.name = f"topk-{dense.name}"
         self.summaries = summaries
         self.slots_per_block = summary_slots_per_block(cfg, block_size)
         self.native = False
-        if native:
+        if native and kernel == "torch":
             from cuttle.attention.native import topk as native_topk
 
             self.native = native_topk.available()
@@ -132,6 +140,12 @@ class TopKBackend:
             sf.index_copy_(0, plan.new_dst, summarize(windows, self.cfg).to(sf.dtype))
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if self.kernel == "triton":
+            from cuttle.attention.triton_topk import topk_paged_attention
+
+            idx, row_seq, row_pos = self.select(plan, q, sf, scale)
+            topk_paged_attention(q, k_cache, v_cache, out, lse, idx, row_seq, row_pos, meta.block_tables, self.cfg, scale)
+            return out, lse
         seqs = plan.torch_seqs
         if plan.native_rows is not None:
             from cuttle.attention.native import topk as native_topk
@@ -144,6 +158,29 @@ class TopKBackend:
         for b in seqs:
             self._torch_seq(plan, b, q, kf, vf, sf, out, lse, scale)
         return out, lse
+
+    def select(self, plan: TopKStepPlan, q: torch.Tensor, sf: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+        """Every row's chosen blocks [T, Hkv, n] int32 (ascending, -1 padded), by the reference's
+        scores and rule, with each row's sequence and key index (int32 [T]): the Triton kernel's inputs."""
+        cfg, hkv, P = self.cfg, sf.shape[2], self.cfg.block
+        n = cfg.num_blocks
+        idx = torch.full((q.shape[0], hkv, n), -1, dtype=torch.int32, device=q.device)
+        row_seq = torch.empty(q.shape[0], dtype=torch.int32)
+        row_pos = torch.empty(q.shape[0], dtype=torch.int32)
+        for b, (start, qlen, num_keys, table) in enumerate(plan.seqs):
+            pos = torch.arange(num_keys - qlen, num_keys)
+            row_seq[start : start + qlen] = b
+            row_pos[start : start + qlen] = pos.to(torch.int32)
+            summ = sf[_summary_slot(table, torch.arange(num_keys // P, device=q.device), P, plan.meta.block_size,
+                                    self.slots_per_block)].float()
+            qs = q[start : start + qlen].float()
+            chosen = select_blocks(block_scores(qs, summ, cfg, scale), pos.to(q.device), cfg, q.shape[1] // hkv)
+            nb = chosen.shape[-1]
+            j = torch.arange(nb, device=q.device).expand_as(chosen)
+            # the chosen block ids first (ascending), then nb for "none"; at most n are chosen
+            ids = torch.where(chosen, j, nb).sort(-1).values[..., :n]
+            idx[start : start + qlen, :, : ids.shape[-1]] = torch.where(ids == nb, -1, ids).to(torch.int32)
+        return idx, row_seq.to(q.device), row_pos.to(q.device)
 
     def _torch_seq(self, plan: TopKStepPlan, b: int, q, kf, vf, sf, out, lse, scale: float) -> None:
         """Sequence b's rows through the reference (gathering all its keys: the oracle path)."""

@@ -1,8 +1,10 @@
 """Training-free top-k attention (issue 16): the option's parsing and refusals, the reference's
 rule (budget >= context is dense causal attention; forced sink and local blocks; never a block
-after the query; one selection per GQA group), and the native decode kernel (vector and scalar
-paths, fp32 and bf16) against the reference over the paged cache, with its own count of the keys it
-read and a poisoning check that it read nothing else.
+after the query; one selection per GQA group), the native decode kernel (vector and scalar paths,
+fp32 and bf16) against the reference over the paged cache, with its own count of the keys it read
+and a poisoning check that it read nothing else, and the Triton kernel (`triton_topk.py`, in the
+interpreter: a subprocess of this file, `python test_topk.py --triton`, with TRITON_INTERPRET=1 set
+before triton is imported) on the same cases.
 
 Every kernel case lays sequences out in shuffled physical blocks, fills the raw cache and the block
 summaries through `TopKBackend` (prefill on the reference path), then runs one step (decode rows,
@@ -11,16 +13,26 @@ sequence.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-import pytest
-import torch
+if __name__ == "__main__" and "--triton" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout
-from cuttle.attention.native import topk as native_topk
-from cuttle.attention.topk import TopKConfig, parse_sparse_attention, select_blocks, block_scores, summarize_sequence, topk_attend
-from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block
-from cuttle.attention.torch_backend import TorchAttentionBackend
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout  # noqa: E402
+from cuttle.attention.native import topk as native_topk  # noqa: E402
+from cuttle.attention.topk import (  # noqa: E402
+    TopKConfig, block_scores, parse_sparse_attention, select_blocks, summarize_sequence, topk_attend,
+)
+from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block  # noqa: E402
+from cuttle.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 
 # ---- the option ------------------------------------------------------------------------------
@@ -251,3 +263,43 @@ def test_decode_reads_only_the_chosen_blocks():
     out2 = torch.empty_like(q)
     native_topk.topk_decode(q, k, v, summ_cache, out2, None, rows, table[None], lens, cfg, 0.25)
     assert torch.equal(out, out2) and not out.isnan().any()
+
+
+# ---- Triton, in the interpreter (a subprocess of this file) -----------------------------------
+
+def run_triton(case: Case) -> float:
+    meta, x, (k_cache, v_cache, summ), want = build(case, torch.float32)
+    backend = TopKBackend(case.cfg, TorchAttentionBackend(native=False), case.block_size, [summ], kernel="triton")
+    backend.begin_step(meta)
+    out, lse = backend.forward(0, x["q"], x["k"], x["v"], k_cache, v_cache, meta, case.dim**-0.5)
+    o_ref, lse_ref = torch.cat([o for o, _ in want]), torch.cat([l for _, l in want])
+    return max((out - o_ref).abs().max().item(), (lse - lse_ref).abs().max().item())
+
+
+def test_triton_interpreted_equals_reference():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(Path(__file__)), "--triton"], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {r["case"] for r in rows} == {c.name for c in CASES}
+    for r in rows:
+        assert r["err"] <= 1e-5, r
+
+
+def test_triton_backend_is_chosen_beside_non_torch_backends():
+    summ = torch.zeros(4, 1, 1, 2, 16)
+    assert TopKBackend(M8, TorchAttentionBackend(native=False), 16, [summ]).kernel == "torch"
+
+    class Other:
+        name = "triton"
+
+    assert TopKBackend(M8, Other(), 16, [summ]).kernel == "triton"
+    with pytest.raises(ValueError, match="top-k kernel"):
+        TopKBackend(M8, Other(), 16, [summ], kernel="cuda")
+
+
+if __name__ == "__main__" and "--triton" in sys.argv:
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    for case in CASES:
+        print(json.dumps({"case": case.name, "err": run_triton(case)}), flush=True)
