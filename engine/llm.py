@@ -204,6 +204,7 @@ class LLM:
         stuck = 0
         try:
             while len(results) < len(ids):
+                steps = engine.counters["steps"]
                 for out in engine.step():
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
@@ -211,8 +212,9 @@ class LLM:
                 if not engine.has_unfinished_requests() and len(results) < len(ids):
                     raise RuntimeError("engine went idle with requests unfinished")
                 sched = engine.scheduler
-                stuck = stuck + 1 if sched.waiting and not sched.running and not sched.loading else 0
-                if stuck > 1:  # twice nothing admitted with nothing running: no block will come free
+                idle = engine.counters["steps"] == steps and not sched.running and not sched.loading
+                stuck = stuck + 1 if idle and sched.waiting else 0
+                if stuck > 1:  # twice no step with nothing running: no block will come free
                     for rid in ids:
                         engine.abort_request(rid)
                     raise RuntimeError(f"a request cannot get KV blocks: sessions pin {engine.sessions.pinned_block_count()} of "

@@ -243,9 +243,14 @@ def test_limits_are_refused_by_name_and_the_engine_serves_on(ckpt):
     out = llm.generate([ids(30, 73)], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
     llm.generate_session(b, turn_params(2, 4))
+    # a request that cannot fit beside the pins is stopped with an error naming them, not waited on forever
+    with pytest.raises(RuntimeError, match=r"sessions pin 4 of 32 \(max_session_kv_blocks 6\)"):
+        llm.generate([ids(480, 74)], SamplingParams(max_tokens=20), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
     llm.close_session(a)
     llm.close_session(b)
     assert_all_free(llm)
+    assert len(llm.generate([ids(480, 74)], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 20
 
 
 def test_async_engine_streams_session_turns(ckpt):
