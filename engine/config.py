@@ -153,7 +153,7 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            max_position_embeddings=_scaled_max_positions(int(hf.get("max_position_embeddings", 4096)), rope_scaling),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             attention_bias=attention_bias,
@@ -170,6 +170,16 @@ class ModelConfig:
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _scaled_max_positions(max_pos: int, scaling: dict[str, Any] | None) -> int:
+    """The context a scaled RoPE reaches, as vLLM derives max_model_len: YaRN's original length x
+    factor, linear's max_position_embeddings x factor (a checkpoint that already states the longer
+    length keeps it); Llama-3's configs state their extended length themselves."""
+    if scaling is None or scaling["rope_type"] == "llama3":
+        return max_pos
+    base = scaling["original_max_position_embeddings"] if scaling["rope_type"] == "yarn" else max_pos
+    return max(max_pos, int(base * scaling["factor"]))
 
 
 def _rope_scaling(raw: dict[str, Any] | None, hf: dict[str, Any], path: str) -> dict[str, Any] | None:

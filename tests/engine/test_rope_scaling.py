@@ -176,3 +176,35 @@ def test_delta_rotation_composes(name):
     moved = rotate_partial(apply_rope(q, cos, sin), *(t[:, None, :] for t in rope.delta_tables(d)))
     cos2, sin2 = rope.tables(p - torch.tensor(d), torch.float32)
     torch.testing.assert_close(moved, apply_rope(q, cos2, sin2), rtol=0, atol=2e-5)
+
+
+def test_scaled_context_reaches_past_max_position_embeddings(tmp_path):
+    """A Qwen3 config with YaRN added by hand (as Qwen3's model cards say: max_position_embeddings
+    left at the original length) serves original x factor positions, as vLLM derives it; the
+    positions past max_position_embeddings still match transformers, which has no table limit."""
+    import json
+    import os
+
+    model = _model("qwen3", YARN)
+    path = str(tmp_path)
+    model.save_pretrained(path)
+    write_tokenizer(path, 256)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = 64
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert ModelConfig.from_pretrained(path).max_position_embeddings == ORIGINAL * 4
+    linear = ModelConfig.from_hf(_hf_config({"rope_type": "linear", "factor": 3.0}))
+    assert linear.max_position_embeddings == 128 * 3
+    assert ModelConfig.from_hf(_hf_config(SCALINGS["llama3"])).max_position_embeddings == 128
+    llm = LLM(path, dtype="float32", attention_backend="torch", num_kv_blocks=16)
+    assert llm.engine.max_model_len == 128
+    prompt = [random.Random(9).randrange(3, 256) for _ in range(100)]
+    o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0), use_tqdm=False)[0]
+    c = o.outputs[0]
+    with torch.no_grad():
+        hf = model(torch.tensor([prompt + c.token_ids])).logits[0].float().log_softmax(-1)
+    assert hf[99:-1].argmax(-1).tolist() == c.token_ids
+    for step, tok in enumerate(c.token_ids):
+        assert abs(c.logprobs[step][tok].logprob - hf[99 + step, tok].item()) <= TOL
