@@ -3,19 +3,23 @@ and RequestOutputs -> completion / chat-completion JSON.
 
 Owns no I/O; the server calls these. Every top-level field of a request body is either
 implemented, or listed in `IGNORED_FIELDS` with the reason ignoring it changes nothing, or
-refused with a 400 whose `param` names it: a field cuttle cannot honour (constrained decoding,
-logit bias, ...) is refused, never silently dropped. A few fields are accepted
+refused with a 400 whose `param` names it: a field cuttle cannot honour (a custom JSON whitespace
+pattern, a grammar backend other than xgrammar, ...) is refused, never silently dropped.
+Structured output arrives in four spellings (`response_format`, vLLM's `guided_*` fields and its
+`structured_outputs` object, or a forced tool call); `structured_outputs_of` turns the first three
+into one `StructuredOutputsParams`, checked (grammar syntax, tokenizer) with the field named. A few fields are accepted
 only at the value that means "off" (`OFF_VALUES`). A JSON `null` is the same as an absent field.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampler import Logprob
-from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
+from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -31,13 +35,16 @@ class OpenAIError(Exception):
 SAMPLING_FIELDS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
-    "include_stop_str_in_output", "truncate_prompt_tokens",
+    "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
 })
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
+# structured output, vLLM's spellings (OpenAI's `response_format` too; chat also by tool_choice)
+STRUCTURED_FIELDS = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                               "structured_outputs", "response_format"})
+COMPLETION_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
                                        "cache_salt", "documents", "prefix"}
 # The chat template's fields (chat_prompt.py), shared by chat and the messages form of /tokenize.
 TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
-CHAT_FIELDS = SAMPLING_FIELDS | TEMPLATE_FIELDS | {
+CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
     "model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice", "response_format",
     "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning"}
 # /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize, vLLM's shapes.
@@ -57,7 +64,6 @@ IGNORED_FIELDS: dict[str, tuple[type, str]] = {
 
 # Not implemented, but accepted at the value that means "off" (best_of also equal to n).
 OFF_VALUES: dict[str, tuple[Any, str]] = {
-    "logit_bias": ({}, "logit_bias is not supported"),
     "best_of": (1, "best_of is not supported (use n)"),
     "suffix": ("", "suffix (insertion) is not supported"),
     "parallel_tool_calls": (True, ("parallel_tool_calls: false is not supported: cuttle cannot stop the model from "
@@ -67,9 +73,7 @@ OFF_VALUES: dict[str, tuple[Any, str]] = {
 
 # Why some well-known fields are refused (any other unknown field gets a generic message).
 _REFUSED_WHY = {
-    **{k: "constrained decoding is not implemented, and an unenforced constraint would be silently wrong"
-       for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                 "guided_whitespace_pattern", "structured_outputs")},
+    "guided_whitespace_pattern": "cuttle's JSON has no free whitespace (separators ', ' and ': ', docs/server.md)",
     "prefix": ("prefix is a /v1/completions field; in chat the system messages are the documents' prefix "
                "(docs/server.md)"),
     "functions": "the deprecated functions API is not supported (use tools)",
@@ -182,7 +186,8 @@ def show(v: Any) -> str:
 
 def sampling_params(body: dict[str, Any], max_tokens_field: str = "max_tokens", default_max_tokens: int | None = 16,
                     logprobs: int | None = None, prompt_logprobs: int | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> SamplingParams:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise OpenAIError("stop must be a string or a list of strings", param="stop")
@@ -191,6 +196,12 @@ def sampling_params(body: dict[str, Any], max_tokens_field: str = "max_tokens", 
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not is_token_ids(stop_ids):
         raise OpenAIError("stop_token_ids must be a list of integers", param="stop_token_ids")
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None and not (is_token_ids(allowed) and allowed):
+        raise OpenAIError("allowed_token_ids must be a non-empty list of token ids", param="allowed_token_ids")
+    bad_words = body.get("bad_words")
+    if bad_words is not None and not (isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words)):
+        raise OpenAIError("bad_words must be a list of strings", param="bad_words")
     fields = dict(
         n=get_int(body, "n", 1, 1024, 1),
         temperature=get_float(body, "temperature", 1.0),
@@ -211,6 +222,10 @@ def sampling_params(body: dict[str, Any], max_tokens_field: str = "max_tokens", 
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
         output_kind=output_kind,
+        logit_bias=get_logit_bias(body),
+        allowed_token_ids=allowed,
+        bad_words=bad_words or None,
+        structured_outputs=structured_outputs,
         truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", -(2**31), 2**31 - 1),
     )
     try:
@@ -222,15 +237,86 @@ def sampling_params(body: dict[str, Any], max_tokens_field: str = "max_tokens", 
         raise OpenAIError(str(e), param=field if field in fields or field == max_field else None) from None
 
 
-def check_response_format(body: dict[str, Any]) -> None:
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace"}
+
+
+def structured_outputs_of(body: dict[str, Any], tokenizer: Any) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's structured output (None for none) and the field it came from. Its grammar is
+    parsed and the tokenizer checked here, so every refusal names the field the client sent."""
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in ("auto", "xgrammar"):
+        raise OpenAIError(f"guided_decoding_backend {show(backend)} is not supported: cuttle's backend is xgrammar "
+                          "('auto' or 'xgrammar')", param="guided_decoding_backend")
+    given = [k for k in (*_GUIDED, "structured_outputs") if body.get(k) is not None]
     rf = body.get("response_format")
-    if rf is None:
-        return
-    kind = rf.get("type") if isinstance(rf, dict) else None
-    if kind != "text":
-        raise OpenAIError(
-            f"response_format {show(kind)} is not supported: cuttle has no constrained decoding yet, and an unenforced "
-            "format would be silently wrong; only {'type': 'text'} is accepted", param="response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise OpenAIError(f"response_format.type {show(kind)} is not supported (text, json_object or json_schema)",
+                              param="response_format")
+        if kind != "text":
+            given.append("response_format")
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise OpenAIError(f"{given[1]} cannot be combined with {given[0]}: a request has one structured output", param=given[1])
+    field = given[0]
+    spec: dict[str, Any]
+    if field in _GUIDED:
+        v = body[field]
+        if field == "guided_json" and isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise OpenAIError("guided_json must be a JSON schema (an object, or its JSON text)", param=field) from None
+        spec = {_GUIDED[field]: v}
+    elif field == "structured_outputs":
+        so = body[field]
+        if not isinstance(so, dict):
+            raise OpenAIError("structured_outputs must be an object (json, regex, choice, grammar or json_object)", param=field)
+        unknown = sorted(set(so) - _STRUCTURED_KEYS)
+        if unknown:
+            raise OpenAIError(f"structured_outputs.{unknown[0]} is not supported (only {sorted(_STRUCTURED_KEYS)})", param=field)
+        spec = {k: v for k, v in so.items() if v is not None}
+    elif rf["type"] == "json_object":
+        spec = {"json_object": True}
+    else:
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise OpenAIError("response_format json_schema needs json_schema: {name, schema: {...}, strict}", param=field)
+        if js.get("strict") not in (None, True, False):
+            raise OpenAIError("response_format.json_schema.strict must be a boolean", param=field)
+        spec = {"json": js["schema"]}  # strict or not, the schema is enforced
+    try:
+        params = StructuredOutputsParams(**spec)
+        check_structured(params, tokenizer)
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(f"{field}: {e}", param=field) from None
+    return params, field
+
+
+def check_structured(params: StructuredOutputsParams, tokenizer: Any) -> None:
+    """Parse the grammar and check the tokenizer (ValueError otherwise); the engine compiles it."""
+    from cuttle.engine.structured_output import build_grammar, check_tokenizer
+
+    check_tokenizer(tokenizer)
+    build_grammar(params)
+
+
+def get_logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token id (a JSON key, so a string) -> bias in [-100, 100]."""
+    lb = _typed(body, "logit_bias", dict, "an object mapping token ids to biases")
+    if not lb:
+        return None
+    out: dict[int, float] = {}
+    for k, v in lb.items():
+        if not (isinstance(k, str) and k.isdigit()):
+            raise OpenAIError(f"logit_bias keys must be token ids (decimal strings), got {show(k)}", param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise OpenAIError(f"logit_bias[{k}] must be a number in [-100, 100], got {show(v)}", param="logit_bias")
+        out[int(k)] = float(v)
+    return out
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]] | None:

@@ -82,16 +82,22 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
         raise ValueError(f"structured_outputs.{kind} does not compile: {str(e).strip()[:300]}") from None
 
 
+_tokenizer_verdicts: weakref.WeakKeyDictionary[Tokenizer, str] = weakref.WeakKeyDictionary()
+
+
 def check_tokenizer(tok: Tokenizer | None) -> None:
-    """Refuse a tokenizer whose decoded text is not the concatenation of its tokens' texts."""
+    """Refuse a tokenizer whose decoded text is not the concatenation of its tokens' texts (the
+    verdict is cached: serializing a 151k vocabulary to read its decoder takes ~0.1 s)."""
     if tok is None:
-        raise ValueError("structured_outputs and bad_words need a tokenizer (the engine runs without one)")
-    decoder = json.loads(tok.tok.to_str()).get("decoder")
-    kinds = _decoder_kinds(decoder)
-    bad = sorted(kinds - _CONCAT_DECODERS)
-    if bad:
-        raise ValueError(f"structured_outputs is not supported for this checkpoint's tokenizer: its decoder {bad[0]} does not "
-                         "decode text as the concatenation of its tokens (byte-level BPE, byte-fallback and raw vocabularies are)")
+        raise ValueError("structured_outputs needs a tokenizer (the engine runs without one)")
+    why = _tokenizer_verdicts.get(tok)
+    if why is None:
+        bad = sorted(_decoder_kinds(json.loads(tok.tok.to_str()).get("decoder")) - _CONCAT_DECODERS)
+        why = _tokenizer_verdicts[tok] = (
+            f"structured_outputs is not supported for this checkpoint's tokenizer: its decoder {bad[0]} does not decode "
+            "text as the concatenation of its tokens (byte-level BPE, byte-fallback and raw vocabularies do)") if bad else ""
+    if why:
+        raise ValueError(why)
 
 
 def _decoder_kinds(decoder: dict[str, Any] | None) -> set[str]:
@@ -316,3 +322,51 @@ def _set_bits(row: np.ndarray, ids: np.ndarray) -> None:
 
 def _clear_bits(row: np.ndarray, ids: np.ndarray) -> None:
     np.bitwise_and.at(row, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+
+
+# ---- tool calls ----------------------------------------------------------------------------------
+_CALL_END = "}\n</tool_call>"
+
+
+def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dict[str, Any]] | None,
+                        tokenizer: Tokenizer | None) -> StructuredOutputsParams | None:
+    """The structured output that makes a chat request's tool calls parse (hermes format):
+    - `named` / `required`: the server has already written the call's opening for the model
+      (engine/server/chat.py `_forced_prefix`: up to `"arguments":` / `"name":`); the rest is
+      the function's name (required: one of the tools), its arguments under the tool's JSON
+      schema, and the call's end; then only EOS. One call per turn.
+    - `auto`: free text, but once the model writes `<tool_call>` the call follows the grammar
+      (xgrammar's triggered tags).
+    None when there is nothing to enforce: no tools, `none`, the qwen3_coder format (its XML
+    arguments are not constrained yet: such calls are parsed as before), xgrammar missing or a
+    tokenizer it cannot serve (tool calls then work as they did before structured output: prefix
+    forcing, no guarantee that the call parses)."""
+    if not tools or choice == "none" or fmt != "hermes":
+        return None
+    try:
+        xgrammar()
+        check_tokenizer(tokenizer)
+    except ValueError:
+        return None
+
+    def args(t: dict[str, Any]) -> dict[str, Any]:
+        schema = t["function"].get("parameters") or {"type": "object"}
+        # one space at most between JSON tokens (a code model otherwise writes indentation forever)
+        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+
+    def call_rest(t: dict[str, Any]) -> dict[str, Any]:  # after `{"name":`
+        return {"type": "sequence", "elements": [
+            {"type": "const_string", "value": f' {json.dumps(t["function"]["name"])}, "arguments": '}, args(t),
+            {"type": "const_string", "value": _CALL_END}]}
+
+    if choice == "named":
+        [tool] = [t for t in tools if t["function"]["name"] == name]
+        fmt_ = {"type": "sequence", "elements": [{"type": "const_string", "value": " "}, args(tool),
+                                                  {"type": "const_string", "value": _CALL_END}]}
+    elif choice == "required":
+        fmt_ = call_rest(tools[0]) if len(tools) == 1 else {"type": "or", "elements": [call_rest(t) for t in tools]}
+    else:
+        fmt_ = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [
+            {"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
+             "content": args(t), "end": _CALL_END} for t in tools]}
+    return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt_}))

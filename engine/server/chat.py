@@ -25,8 +25,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from cuttle.engine.openai_protocol import (
-    CHAT_FIELDS, OpenAIError, Usage, chat_logprobs, check_response_format, check_tools, get_bool, get_documents, get_int,
-    get_str, get_stream_options, sampling_params, show,
+    CHAT_FIELDS, OpenAIError, Usage, chat_logprobs, check_tools, get_bool, get_documents, get_int,
+    get_str, get_stream_options, sampling_params, show, structured_outputs_of,
 )
 from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import RequestOutput
@@ -35,6 +35,7 @@ from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.server.body import read_body
 from cuttle.engine.server.chat_prompt import ChatOptions, ChatTemplate, ToolCallReplay, check_continuable, read_chat_template
 from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
+from cuttle.engine.structured_output import tool_call_structure
 from cuttle.engine.tokenizer import Tokenizer, validate_messages
 from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls
 
@@ -56,7 +57,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         check_continuable(messages, tmpl)
         messages = replay.restore(messages, keep_last=tmpl.continue_final_message)
         field_docs = get_documents(body) or []
-        check_response_format(body)
+        structured, structured_field = structured_outputs_of(body, tok)
         tools = check_tools(body.get("tools"))
         choice = body.get("tool_choice")
         if choice is None:
@@ -88,9 +89,16 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         include_usage = get_stream_options(body)
         salt = get_str(body, "cache_salt")
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        # tool calls under their tools' JSON schemas (a forced call always parses; with auto, from <tool_call> on)
+        tool_structure = tool_call_structure(parser, choice, forced_name, tools, tok) if use_tools else None
+        if tool_structure is not None:
+            if structured is not None:
+                raise OpenAIError(f"{structured_field} cannot be combined with tools under tool_choice {choice!r}: the tool "
+                                  "calls' grammar already constrains the output", param=structured_field)
+            structured = tool_structure
         defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
         params = sampling_params(with_defaults(body, defaults), "max_completion_tokens", default_max_tokens=None, logprobs=top_n if want_lp else None,
-                                 output_kind=kind)
+                                 output_kind=kind, structured_outputs=structured)
         max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         # required / named tool_choice: the call's opening is written for the model (prefix forcing)
         forced = _forced_prefix(parser, choice, forced_name)
@@ -117,7 +125,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             return {"id": rid, "object": "chat.completion.chunk" if stream else "chat.completion", "created": int(time.time()),
                     "model": serving.model_name, "choices": choices, **extra}
 
-        def message_of(text: str) -> tuple[dict[str, Any], bool]:
+        def message_of(text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
             text = forced + text
             msg: dict[str, Any] = {"role": role, "content": text}
             if rstate is not None:
@@ -128,7 +136,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             called = False
             if use_tools:
                 content, calls = parse_tool_calls(text, parser, tools)
-                if forced and not calls:
+                if forced and not calls and not cut:  # a call cut by max_tokens is reported as cut
                     raise OpenAIError(f"tool_choice {choice!r} was requested but the model's output is not a valid tool call: {text[:200]!r}",
                                       500, "server_error", param="tool_choice")
                 msg["content"] = content or None
@@ -149,7 +157,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                 usage.add_completion(out)
                 choices = []
                 for c in out.outputs:
-                    msg, called = message_of(c.text)
+                    msg, called = message_of(c.text, c.finish_reason == "length")
                     ch = {"index": c.index, "message": msg, "logprobs": None,
                           "finish_reason": "tool_calls" if called else c.finish_reason}
                     if want_lp:
@@ -200,7 +208,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                 delta["content"] = text
             finish = None
             if final:
-                if forced and ncalls[i] == 0:
+                if forced and ncalls[i] == 0 and c.finish_reason != "length":
                     raise OpenAIError("tool_choice requested but the model's output is not a valid tool call",
                                       500, "server_error", param="tool_choice")
                 finish = "tool_calls" if ncalls[i] else c.finish_reason

@@ -1,5 +1,6 @@
 """POST /v1/completions: text or token-id prompts (one or a list), `n`, `echo`, `logprobs`,
-`return_token_ids`, streaming, and squid documents (`documents`, `prefix`; docs/server.md).
+`return_token_ids`, streaming, structured output (`response_format`, `guided_*`,
+`structured_outputs`), and squid documents (`documents`, `prefix`; docs/server.md).
 
 Owns the completions wire format of a request and of its choices only; admission, waiting,
 streaming, disconnects and usage are `streaming.Serving`'s.
@@ -14,7 +15,7 @@ from fastapi import FastAPI, Request
 
 from cuttle.engine.openai_protocol import (
     COMPLETION_FIELDS, OpenAIError, Usage, completion_logprobs, get_bool, get_documents, get_int, get_str, get_stream_options,
-    is_token_ids, sampling_params,
+    is_token_ids, sampling_params, structured_outputs_of,
 )
 from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
@@ -47,8 +48,10 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
             raise OpenAIError("echo with logprobs needs the prompt's logprobs, which are not computed for prompts with documents",
                               param="documents")
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        structured, _ = structured_outputs_of(body, tok)
         defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
-        params = sampling_params(with_defaults(body, defaults), logprobs=lp, prompt_logprobs=lp if echo and lp is not None else None, output_kind=kind)
+        params = sampling_params(with_defaults(body, defaults), logprobs=lp, prompt_logprobs=lp if echo and lp is not None else None, output_kind=kind,
+                                 structured_outputs=structured)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # every prompt of the request is a query over the same prefix and documents (computed once)
         items: list[tuple[str, Prompt]] = [

@@ -61,6 +61,9 @@ class Fields:
             return self.documents
         if msg.startswith("prefix"):
             return self.prefix
+        for name in ("logit_bias", "allowed_token_ids", "structured_outputs"):  # token ids past the vocabulary
+            if msg.startswith(name):
+                return name
         return self.prompt
 
 

@@ -200,13 +200,13 @@ def test_requests_that_finish_queue_no_abort(live, client, monkeypatch):
 @pytest.mark.parametrize("path,field,value", [
     *[("/v1/chat/completions", f, v) for f, v in [
         ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
-        ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " "), ("structured_outputs", {"json": {}}),
+        ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " "), ("structured_outputs", {"json": {}}),
         # the test model's template reads no enable_thinking; a request's own template needs --trust-request-chat-template
         ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"), ("parallel_tool_calls", False),
-        ("return_token_ids", True), ("logit_bias", {"5": 1}), ("best_of", 2), ("functions", [{"name": "f"}]),
+        ("return_token_ids", True), ("logit_bias", {"5": 101}), ("best_of", 2), ("functions", [{"name": "f"}]),
         ("store", True), ("reasoning_effort", "low"), ("no_such_field", 1)]],
     *[("/v1/completions", f, v) for f, v in [
-        ("guided_json", {"type": "object"}), ("guided_choice", ["a"]), ("suffix", "tail"), ("logit_bias", {"5": 1}),
+        ("guided_json", {"type": "object"}), ("guided_choice", ["a"]), ("suffix", "tail"), ("logit_bias", {"5": 101}),
         ("best_of", 3), ("prompt_logprobs", 2), ("use_beam_search", True), ("no_such_field", 1)]],
 ])
 def test_unimplemented_fields_are_refused_naming_them(live, path, field, value):

@@ -276,7 +276,7 @@ SAMPLING_BAD = {
     "stream": ["false", 1, NAN],
     "stream_options": ["x", 5, {"include_usage": "yes"}, {"bogus": 1}, {"continuous_usage_stats": True}],
     "cache_salt": [5, [], NAN],
-    "logit_bias": [{"5": 10}, "x"],
+    "logit_bias": [{"5": 101}, "x", {"x": 1}, {"999999": 1}],
     "best_of": [3, "x"],
     "user": [5, [], NAN],
     "metadata": ["x", 5],
@@ -327,7 +327,7 @@ CHAT_BAD = {
 }
 RL_BAD = {
     "prompts": [5, [], [[]], [[-1]], [[10**6]], [["a"]], [[1.5]], [NAN]],
-    "sampling_params": [5, "x", {"temperature": NAN}, {"n": 0}, {"max_tokens": 10**9}, {"logit_bias": {"1": 1}}, {"bogus": 1}],
+    "sampling_params": [5, "x", {"temperature": NAN}, {"n": 0}, {"max_tokens": 10**9}, {"logit_bias": {"1": 101}}, {"bogus": 1}],
     "bogus_field": [1],
 }
 # a malformed prompt's shape is named down to the prompt (values out of range are the engine's

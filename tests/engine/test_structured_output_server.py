@@ -1,0 +1,174 @@
+"""Structured output and the token-level controls through the OpenAI server, driven by the official
+`openai` client (raw HTTP for refusals): response_format, guided_*, structured_outputs, forced and
+auto tool calls under their schemas, logit_bias / allowed_token_ids / bad_words; streamed equals
+whole; what cannot be honoured is a 400 naming the field."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from cuttle.engine.default_model import default_model_path
+from server_fixture import LiveServer
+
+SCHEMA = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 16}, "line": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                           "fix": {"enum": ["add", "remove", "rename"]}},
+          "required": ["path", "line", "fix"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "read_file", "description": "read a file",
+                                      "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 20},
+                                                                                      "start": {"type": "integer", "minimum": 0, "maximum": 500}},
+                                                     "required": ["path", "start"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {"verbose": {"type": "boolean"}},
+                                                                          "required": ["verbose"], "additionalProperties": False}}},
+]
+MSGS = [{"role": "user", "content": "Find the failing test in utils.py and fix it."}]
+
+
+@pytest.fixture(scope="module")
+def live():
+    with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+
+
+def test_response_format_json_schema_validates_and_streams_equal(client):
+    rf = {"type": "json_schema", "json_schema": {"name": "fix", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model="test-model", messages=MSGS, response_format=rf, temperature=1.0, seed=3, n=8, max_tokens=80)
+    for ch in r.choices:
+        assert ch.finish_reason == "stop"
+        jsonschema.validate(json.loads(ch.message.content), SCHEMA)
+    whole = r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="test-model", messages=MSGS, response_format=rf, temperature=1.0, seed=3,
+                                                 max_tokens=80, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    obj = client.chat.completions.create(model="test-model", messages=MSGS, response_format={"type": "json_object"}, temperature=0,
+                                         max_tokens=120)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:
+        assert obj.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_regex": r"[a-z_]{1,12}\.py:[0-9]{1,4}"}, lambda t: re.fullmatch(r"[a-z_]{1,12}\.py:[0-9]{1,4}", t)),
+    ({"guided_choice": ["pass", "fail", "skip"]}, lambda t: t in ("pass", "fail", "skip")),
+    ({"guided_json": json.dumps(SCHEMA)}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ({"guided_grammar": 'root ::= "x = " [0-9] [0-9]?', "guided_decoding_backend": "xgrammar"}, lambda t: re.fullmatch(r"x = [0-9]{1,2}", t)),
+    ({"structured_outputs": {"regex": "(yes|no)!"}}, lambda t: t in ("yes!", "no!")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, lambda t: t in ("a", "b")),
+])
+def test_guided_fields_on_completions_and_chat(client, extra, check):
+    c = client.completions.create(model="test-model", prompt="def check(path):\n    return ", temperature=1.0, seed=5, n=4,
+                                  max_tokens=60, extra_body=extra)
+    assert all(ch.finish_reason == "stop" and check(ch.text) for ch in c.choices), [ch.text for ch in c.choices]
+    whole = [ch.text for ch in c.choices]
+    streamed = [""] * 4
+    for chunk in client.completions.create(model="test-model", prompt="def check(path):\n    return ", temperature=1.0, seed=5, n=4,
+                                           max_tokens=60, extra_body=extra, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == whole
+    r = client.chat.completions.create(model="test-model", messages=MSGS, temperature=1.0, seed=9, n=3, max_tokens=60, extra_body=extra)
+    assert all(ch.finish_reason == "stop" and check(ch.message.content) for ch in r.choices)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
+def test_forced_tool_call_always_parses_and_validates(client, tool_choice):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for seed in range(3):
+        r = client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice, temperature=1.0,
+                                           seed=seed, n=4, max_tokens=80)
+        for ch in r.choices:
+            assert ch.finish_reason == "tool_calls", ch
+            [call] = ch.message.tool_calls
+            if isinstance(tool_choice, dict):
+                assert call.function.name == "read_file"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    # streamed: the same call
+    kw = dict(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=1, max_tokens=80)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].delta.tool_calls]
+    args = "".join(d.tool_calls[0].function.arguments or "" for d in deltas)
+    assert json.loads(args) == json.loads(whole.function.arguments)
+    # cut by max_tokens: finish_reason "length", not a server error
+    cut = client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=2)
+    assert cut.choices[0].finish_reason == "length"
+
+
+def test_auto_tool_calls_follow_the_schema_once_opened(client):
+    """With tool_choice auto the model writes freely; pushed (logit_bias) to open calls, every call
+    it opens is a valid call of one of the tools."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    r = client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice="auto", temperature=1.0, seed=2, n=4,
+                                       max_tokens=120, logit_bias={"8192": 100})
+    calls = 0
+    for ch in r.choices:
+        for call in ch.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            calls += 1
+    assert calls >= 4
+
+
+def test_logit_bias_allowed_token_ids_bad_words(client, live):
+    tok = live.llm.get_tokenizer()
+    r = client.completions.create(model="test-model", prompt="import os\n", temperature=0, max_tokens=6, logit_bias={"300": 100},
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].model_extra["token_ids"] == [300] * 6
+    allowed = [300, 301, 302, 4000]
+    r = client.completions.create(model="test-model", prompt="import os\n", temperature=1.0, seed=1, max_tokens=12,
+                                  extra_body={"return_token_ids": True, "allowed_token_ids": allowed, "ignore_eos": True})
+    assert set(r.choices[0].model_extra["token_ids"]) <= set(allowed)
+    free = client.completions.create(model="test-model", prompt="import os\nimport sys\n", temperature=0, max_tokens=12,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids = free.choices[0].model_extra["token_ids"]
+    word = tok.decode(ids[1:3])
+    banned = client.completions.create(model="test-model", prompt="import os\nimport sys\n", temperature=0, max_tokens=12,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True, "bad_words": [word]})
+    got = banned.choices[0].model_extra["token_ids"]
+    assert got[:2] == ids[:2] and got[2] != ids[2]
+    chat = client.chat.completions.create(model="test-model", messages=MSGS, temperature=0, max_tokens=4, logit_bias={"300": 100})
+    assert chat.choices[0].message.content == tok.decode([300] * 4)
+
+
+def _post(live, path, body):
+    return httpx.post(live.url + path, json=body, timeout=60)
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/chat/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ("/v1/chat/completions", {"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+    ("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 3}}}}, "response_format"),
+    ("/v1/chat/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"}, "response_format"),
+    ("/v1/completions", {"guided_regex": "(a"}, "guided_regex"),
+    ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
+    ("/v1/completions", {"guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"guided_grammar": "root ::= nothing"}, "guided_grammar"),
+    ("/v1/completions", {"structured_outputs": "a"}, "structured_outputs"),
+    ("/v1/completions", {"guided_json": {"type": "object"}, "ignore_eos": True}, "ignore_eos"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"allowed_token_ids": [1, 999999]}, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"bad_words": [5]}, "bad_words"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_it(live, path, extra, param):
+    body = {"messages": MSGS} if "chat" in path else {"prompt": "a"}
+    r = _post(live, path, {**body, "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert _post(live, "/v1/completions", {"prompt": "a", "max_tokens": 2}).status_code == 200
