@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--quick", action="store_true", help="16 requests x 32 tokens")
     ap.add_argument("--peers", default=",".join(PEERS), help=f"comma list of peers to run, of {','.join(PEERS)}; 'none' for none (default: all)")
+    ap.add_argument("--moe-ab", action="store_true",
+                    help="also run cuttle with the routed experts on the torch path (CUTTLE_MOE_NATIVE=0), in this run")
     ap.add_argument("--vllm-enforce-eager", action="store_true", help="run vLLM without its torch.compile step")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
     args = ap.parse_args()
@@ -184,6 +186,16 @@ def main() -> None:
     print(f"limits: copy {bw:.1f} GB/s, {args.dtype} matmul {flops:.0f} GFLOP/s", flush=True)
     c_off, c_dec = bench_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs)
     print(f"cuttle: offline {c_off:.1f} out tok/s, batch-1 decode {c_dec:.2f} tok/s", flush=True)
+    moe_ab: tuple[float, float] | None = None
+    if args.moe_ab:
+        from cuttle.attention import native
+
+        os.environ["CUTTLE_MOE_NATIVE"] = "0"
+        native.select()  # the kernel set is re-read: the routed experts take the torch path
+        moe_ab = bench_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs)
+        del os.environ["CUTTLE_MOE_NATIVE"]
+        native.select()
+        print(f"cuttle, torch expert path: offline {moe_ab[0]:.1f} out tok/s, batch-1 decode {moe_ab[1]:.2f} tok/s", flush=True)
     rows = []
     if args.skip_transformers:
         t_off = t_dec = float("nan")
@@ -197,6 +209,8 @@ def main() -> None:
         "cuttle": {"batch": args.max_num_seqs, "offline_tok_s": c_off, "decode_tok_s": c_dec},
         "transformers": {"batch": args.hf_batch, "offline_tok_s": t_off, "decode_tok_s": t_dec},
     }
+    if moe_ab is not None:
+        results["cuttle-torch-experts"] = {"batch": args.max_num_seqs, "offline_tok_s": moe_ab[0], "decode_tok_s": moe_ab[1]}
     skipped: dict[str, str] = {}
     with tempfile.NamedTemporaryFile("w", prefix="cuttle-bench-prompts-", suffix=".json", delete=False) as f:
         json.dump(reqs, f)
@@ -228,14 +242,15 @@ def main() -> None:
     def cell(x: float | None) -> float | str:
         return "—" if x is None else x
 
-    shown = ("cuttle", *(() if args.skip_transformers else ("transformers",)), *[p for p in PEERS if p in results])
+    shown = ("cuttle", *(("cuttle-torch-experts",) if moe_ab is not None else ()),
+             *(() if args.skip_transformers else ("transformers",)), *[p for p in PEERS if p in results])
     for name in shown:
         r = results[name]
         off, dec = r.get("offline_tok_s"), r["decode_tok_s"]
         own_bw_limit = bw * 1e9 / (read_params * r["weight_bytes_per_param"]) if "weight_bytes_per_param" in r else bw_limit
         r.update(offline_vs_transformers=ratio(off, t_off), offline_of_flop_limit=ratio(off, flop_limit),
                  decode_vs_transformers=ratio(dec, t_dec), decode_of_bandwidth_limit=ratio(dec, own_bw_limit))
-        label = {"vllm": "vLLM (CPU)", "llamacpp": "llama.cpp (bf16 GGUF)", "llamacpp-q8_0": "llama.cpp (Q8_0 GGUF)"}.get(name, name)
+        label = {"cuttle-torch-experts": "cuttle, torch experts (CUTTLE_MOE_NATIVE=0)", "vllm": "vLLM (CPU)", "llamacpp": "llama.cpp (bf16 GGUF)", "llamacpp-q8_0": "llama.cpp (Q8_0 GGUF)"}.get(name, name)
         rows.append([label, str(r["batch"]), cell(off), cell(r["offline_vs_transformers"]), cell(r["offline_of_flop_limit"]),
                      dec, cell(r["decode_vs_transformers"]), cell(r["decode_of_bandwidth_limit"])])
     print(f"\nmachine: {info}")

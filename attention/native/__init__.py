@@ -36,6 +36,7 @@ class KernelSet:
     vec_lanes: int  # fp32 lanes of torch's vectorized elementwise loops (silu's scalar tails follow them)
     sum_lanes: int  # lanes of torch's sum kernel: the order of RMSNorm's sum of squares
     norms_exact: bool  # that order was found, so the fused norms are bit-identical to torch's
+    moe_experts: bool = False  # routed experts take csrc/moe_experts.c (library loaded, CUTTLE_MOE_NATIVE != "0")
     describe: str = ""  # the logged line
 
 
@@ -72,6 +73,7 @@ def _select() -> KernelSet:
     global _current
     lib = build.load()
     env_off = os.environ.get("CUTTLE_PACKED_GEMM", "1") == "0"
+    moe_native = lib is not None and os.environ.get("CUTTLE_MOE_NATIVE", "1") != "0"
     has_bf16_dot = lib is not None and bool(lib.packed_gemm_available())
     packed = has_bf16_dot and not env_off
     torch_isa = torch.backends.cpu.get_cpu_capability()
@@ -93,9 +95,10 @@ def _select() -> KernelSet:
         else:
             gemm = "<= 4 rows streaming, else torch (packed GEMM off: " + ("CUTTLE_PACKED_GEMM=0" if env_off else "no AVX512-BF16") + ")"
         norms = f"bit-exact (sum lanes {sum_lanes})" if exact else "within an ulp of torch"
-        what = f"native; linear: {gemm}; fused norms: {norms}; argmax: native"
+        moe = "native" if moe_native else "torch (CUTTLE_MOE_NATIVE=0)"
+        what = f"native; linear: {gemm}; fused norms: {norms}; argmax: native; moe experts: {moe}"
     describe = f"CPU kernels: {what} [CPU {isa}, torch {torch_isa}]"
-    _current = KernelSet(lib, packed, vec_lanes, sum_lanes, exact, describe)
+    _current = KernelSet(lib, packed, vec_lanes, sum_lanes, exact, moe_native, describe)
     logger.info("%s", describe)
     return _current
 

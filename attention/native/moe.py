@@ -4,7 +4,8 @@ expert computation of one MoE layer in one native call each.
 Owns the packed copies of stacked expert weights (kept on the weight tensor under the same
 attribute as the dense packed GEMM's, so `gemm.drop_packed` forgets them too) and the argument
 checks of the native calls. It knows nothing of routing configs or layers (`cuttle.moe` does):
-callers pass plain numbers. Whether the library is there is `kernels()`'s to say.
+callers pass plain numbers. Whether experts take these kernels is `kernels()`'s to say (library
+loaded, `CUTTLE_MOE_NATIVE` not "0").
 
 Weight formats (the C side's per-call code): `W_F32`, `W_BF16`; `W_MXFP8` is reserved for E4M3
 panels with E8M0 scales and is refused by this build.
@@ -48,8 +49,8 @@ def _lib() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """Whether the native MoE kernels can run in this process."""
-    return kernels().lib is not None
+    """Whether routed experts take the native kernels in this process (`KernelSet.moe_experts`)."""
+    return kernels().moe_experts
 
 
 def _cached(weight: torch.Tensor, make) -> torch.Tensor:

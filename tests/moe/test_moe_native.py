@@ -16,8 +16,9 @@ from cuttle.moe import layer as layer_mod
 from cuttle.moe.experts_torch import fused_experts_torch
 from cuttle.moe.routing import router_logits
 
-if os.environ.get("CUTTLE_CPU_KERNELS", "1") == "0":
-    pytest.skip("CUTTLE_CPU_KERNELS=0: the native kernels are switched off in this run", allow_module_level=True)
+if os.environ.get("CUTTLE_CPU_KERNELS", "1") == "0" or os.environ.get("CUTTLE_MOE_NATIVE", "1") == "0":
+    pytest.skip("CUTTLE_CPU_KERNELS=0 / CUTTLE_MOE_NATIVE=0: the native MoE path is switched off in this run",
+                allow_module_level=True)
 
 
 @pytest.fixture(autouse=True)
@@ -208,3 +209,29 @@ def test_bad_input_is_refused() -> None:
         native_moe.route(torch.randn(3, 4), 5, False, True)
     with pytest.raises(ValueError, match="n_group"):
         native_moe.route(torch.randn(3, 6), 2, True, True, n_group=4, topk_group=1)
+
+
+def test_switched_off_takes_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cuttle.attention import native
+
+    layer = _layer("qwen3_moe", 64, 32, torch.float32)
+    x = torch.randn(3, 64)
+    calls: list[int] = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return fused_experts_torch(*args, **kwargs)
+
+    monkeypatch.setattr(layer_mod, "fused_experts_torch", counting)
+    monkeypatch.setenv("CUTTLE_MOE_NATIVE", "0")
+    native.select()
+    try:
+        assert not native_moe.available() and "moe experts: torch" in native.kernels().describe
+        layer(x)
+        assert calls == [1]
+    finally:
+        monkeypatch.delenv("CUTTLE_MOE_NATIVE")
+        native.select()
+    assert native_moe.available()
+    layer(x)
+    assert calls == [1]
