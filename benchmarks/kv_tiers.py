@@ -1,24 +1,28 @@
 """KV tiers: multi-turn coding-agent sessions whose KV is several times the device pool, side by side
-in one run: (a) the device pool only (evicted KV is recomputed), (b) the pool + a host tier
-(evicted KV is copied down and back, engine/kv/tiers.py).
+in one run: (a) the device pool only (evicted KV is recomputed), (b) the pool + a host tier with
+copy-in (evicted KV is copied down and back, engine/kv/tiers.py), (c) the pool + the host tier with
+read in place (host hits stay where they are; the attention kernel reads them there; the cost
+model chooses, `kv_read_in_place="auto"`: on CPU both pools are one RAM, so it reads in place).
 
 Workload: the serving benchmark's `coding-agent` dataset (benchmarks/serving.py `make_dataset`:
 synthetic token ids of exact lengths, built locally, no network): one repository context shared by
-every session, then per turn a tool output and the model's reply appended to the history. Sessions
-run round by round, each round one `generate` over every session's next turn with at most
-`--max-num-seqs` sessions resident, so the others' histories are pushed out of the pool between
-their turns. Reported per mode: wall time, throughput (prompt + generated tokens / s), prefill
-tokens computed, bytes moved each way, tier hits.
+every session, then per turn a tool output appended to the history and a short reply generated.
+Sessions run round by round, one session at a time (`--max-num-seqs`), over a device pool several
+times smaller than their KV, so every turn finds its history pushed out by the other sessions.
+Reported per mode: wall time, throughput (prompt + generated tokens / s), prefill tokens computed,
+bytes moved each way, tier hits, blocks read in place.
 
-Resume probe (the issue's TTFT targets), in each mode: a `--probe-len`-token session is prefilled,
-resumed once while it is still in the device pool (a device hit), the workload runs (pushing it
-out), and it is resumed again: from the host tier in (b), recomputed in (a). A resume appends 64
-new tokens and asks for one token, so its time is the TTFT. The tier's copy rate is the resume's
-bytes host -> device over the time the step waited for them; it is set against the copy worker's
-start-up measurement (the engine's cost model) and a plain memcpy, both in the same run.
+Resume probe (the issue's TTFT targets), on one engine with a host tier and a device pool of
+about one probe: a `--probe-len`-token session A is prefilled and resumed at once (a device-pool
+hit), a second session B of the same length pushes it out to the host tier, then A is resumed by
+copy-in (b) and B by read in place (c). Recompute (a) is the same resumed turn with nothing cached,
+computed whole (what (a) does for a pushed-out session). A resume appends 64 new tokens and asks for
+one token, so its time is the TTFT. The copy's rate is (b)'s bytes host -> device over the time the
+step waited for transfers; it is set against a plain one-way memcpy and the copy worker's start-up
+figure, both measured in the same run.
 
     python benchmarks/kv_tiers.py --quick --json kv.json --plot kv.png
-    python benchmarks/kv_tiers.py --sessions 16 --turns 4 --context-len 2048
+    python benchmarks/kv_tiers.py --json kv.json --plot docs/img/kv_tiers.png
 
 fp32 by default: on an AVX2 CPU without AMX bf16 matmuls are several times slower than fp32, and
 the tier moves bytes either way (fp32 blocks are twice the bytes, so the copy side is the harder one).
@@ -36,8 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import DEFAULT_CACHE_DIR, copy_bandwidth_gbs, machine_info, markdown_table, preset_checkpoint  # noqa: E402
 from serving import PromptBuilder, ServingConfig, make_dataset  # noqa: E402
 
-MODES = ("pool", "pool+host")
+MODES = {"(a) pool": None, "(b) pool+host": "never", "(c) pool+host, read in place": "auto"}
 RESUME_NEW = 64  # new tokens a resumed turn appends
+BLOCK = 16
+KEYS = ("prefill_tokens_computed", "generated_tokens", "prompt_tokens", "cached_tokens", "kv_host_hit_blocks",
+        "kv_bytes_device_to_host", "kv_bytes_host_to_device", "kv_transfer_blocked_s", "kv_offloaded_blocks",
+        "kv_read_in_place_blocks", "kv_read_in_place_runs", "kv_copy_in_runs", "preemptions")
 
 
 def sessions(args) -> list[list[tuple[list[int], int]]]:
@@ -49,86 +57,99 @@ def sessions(args) -> list[list[tuple[list[int], int]]]:
 
 def kv_stats(llm) -> dict:
     s = llm.stats()
-    keys = ("prefill_tokens_computed", "generated_tokens", "prompt_tokens", "cached_tokens", "kv_host_hit_blocks",
-            "kv_bytes_device_to_host", "kv_bytes_host_to_device", "kv_transfer_blocked_s", "kv_offloaded_blocks", "preemptions")
-    return {k: float(s.get(k, 0)) for k in keys}
+    return {k: float(s.get(k, 0)) for k in KEYS}
 
 
 def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def resume(llm, history: list[int], rng: random.Random) -> tuple[float, dict, list[int]]:
+def timed(llm, prompt: list[int]) -> tuple[float, dict]:
+    """TTFT of one request asking for one token, and what it moved."""
     from cuttle.engine import SamplingParams
 
-    prompt = history + [rng.randrange(100, 8000) for _ in range(RESUME_NEW)]
     before = kv_stats(llm)
     t = time.perf_counter()
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-    return time.perf_counter() - t, delta(kv_stats(llm), before), prompt
+    return time.perf_counter() - t, delta(kv_stats(llm), before)
 
 
-def run_mode(path: str, mode: str, args, work) -> dict:
+def run_workload(path: str, mode: str, args, work) -> dict:
     from cuttle.engine import LLM, SamplingParams
 
-    kw = dict(num_host_kv_blocks=args.host_blocks) if mode == "pool+host" else {}
+    read = MODES[mode]
+    kw = dict(num_host_kv_blocks=args.host_blocks, kv_read_in_place=read) if read is not None else {}
     llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.device_blocks, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.probe_len + 4 * RESUME_NEW, **kw)
-    rng = random.Random(args.seed + 1)
-    probe = [rng.randrange(100, 8000) for _ in range(args.probe_len)]
-    llm.generate([probe], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-    t_dev, d_dev, _ = resume(llm, probe, rng)  # still in the device pool
-
+              max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.device_blocks * BLOCK, **kw)
+    llm.generate([[7] * 8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
     before = kv_stats(llm)
     t0 = time.perf_counter()
     history = [[] for _ in work]
-    rounds = []
     for r in range(len(work[0])):
         prompts = [h + turns[r][0] for h, turns in zip(history, work)]
         params = [SamplingParams(temperature=0, max_tokens=turns[r][1], ignore_eos=True) for turns in work]
-        tr = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        rounds.append(time.perf_counter() - tr)
         history = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
     wall = time.perf_counter() - t0
-    d_work = delta(kv_stats(llm), before)
-
-    t_back, d_back, _ = resume(llm, probe, rng)  # pushed out: host tier in (b), recomputed in (a)
-    stats = llm.stats()
-    out = {
-        "mode": mode, "device_blocks": args.device_blocks, "host_blocks": args.host_blocks if mode == "pool+host" else 0,
-        "workload": {"wall_s": wall, "rounds_s": rounds, **d_work,
-                     "tokens_per_s": (d_work["prompt_tokens"] + d_work["generated_tokens"]) / wall},
-        "probe": {"len": args.probe_len, "ttft_device_hit_s": t_dev, "device_hit": d_dev, "ttft_resumed_s": t_back,
-                  "resumed": d_back},
-        "copy_worker_gbps": stats.get("kv_copy_bandwidth_gbps"),
-        "bytes_per_block": llm.engine.runner.kv.block_bytes,
-    }
-    if d_back["kv_transfer_blocked_s"] > 0 and d_back["kv_bytes_host_to_device"] > 0:
-        out["probe"]["tier_gbps"] = d_back["kv_bytes_host_to_device"] / d_back["kv_transfer_blocked_s"] / 1e9
+    d = delta(kv_stats(llm), before)
+    out = {"mode": mode, "wall_s": wall, **d, "tokens_per_s": (d["prompt_tokens"] + d["generated_tokens"]) / wall,
+           "final_tokens": [len(h) for h in history]}
     del llm
     return out
 
 
-def plot(results: list[dict], out: str, title: str) -> None:
+def run_probe(path: str, args) -> dict:
+    """Device hit, copy-in (b), read in place (c) on one tiered engine; recompute (a) first, on the
+    same engine while nothing is cached."""
+    from cuttle.engine import LLM, SamplingParams
+
+    llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.probe_blocks, num_host_kv_blocks=4 * args.probe_blocks,
+              max_num_seqs=1, max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.probe_blocks * BLOCK,
+              kv_read_in_place="never")
+    tiers = llm.engine.tiers
+    rng = random.Random(args.seed + 1)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, 8000) for _ in range(n)]
+
+    llm.generate([[7] * 8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
+    out: dict = {"len": args.probe_len, "probe_blocks": args.probe_blocks}
+    out["ttft_recompute_s"], out["recompute"] = timed(llm, tokens(args.probe_len + RESUME_NEW))
+    a, b = tokens(args.probe_len), tokens(args.probe_len)
+    out["prefill_s"], _ = timed(llm, a)
+    out["ttft_device_hit_s"], out["device_hit"] = timed(llm, a + tokens(RESUME_NEW))
+    timed(llm, b)  # pushes A out to the host tier
+    out["ttft_copy_in_s"], out["copy_in"] = timed(llm, a + tokens(RESUME_NEW))  # evicts B to the host tier
+    tiers.read_in_place = "auto"  # what (c) runs with: the cost model chooses
+    out["ttft_in_place_s"], out["in_place"] = timed(llm, b + tokens(RESUME_NEW))
+    moved, blocked = out["copy_in"]["kv_bytes_host_to_device"], out["copy_in"]["kv_transfer_blocked_s"]
+    if moved > 0 and blocked > 0:
+        out["copy_in_gbps"] = moved / blocked / 1e9
+    out["copy_worker_gbps"] = llm.stats().get("kv_copy_bandwidth_gbps")
+    out["bytes_per_block"] = llm.engine.runner.kv.block_bytes
+    del llm
+    return out
+
+
+def plot(results: list[dict], probe: dict, out: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    pool, host = results
-    labels = ["device hit", "host tier (b)", "recompute (a)"]
-    vals = [host["probe"]["ttft_device_hit_s"], host["probe"]["ttft_resumed_s"], pool["probe"]["ttft_resumed_s"]]
-    ax1.bar(labels, vals, color=["#4c72b0", "#55a868", "#c44e52"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = ["device hit", "(b) host,\ncopy-in", "(c) host,\nread in place", "(a) recompute"]
+    vals = [probe["ttft_device_hit_s"], probe["ttft_copy_in_s"], probe["ttft_in_place_s"], probe["ttft_recompute_s"]]
+    ax1.bar(labels, vals, color=["#4c72b0", "#55a868", "#8172b2", "#c44e52"])
     ax1.set_yscale("log")
     ax1.set_ylabel("TTFT of the resumed turn (s, log)")
-    ax1.set_title(f"resume a {host['probe']['len']}-token session")
+    ax1.set_title(f"resume a {probe['len']}-token session (+{RESUME_NEW} new tokens)")
     for i, v in enumerate(vals):
         ax1.text(i, v, f"{v:.2f}", ha="center", va="bottom")
-    ax2.bar([r["mode"] for r in results], [r["workload"]["prefill_tokens_computed"] for r in results], color=["#c44e52", "#55a868"])
+    ax2.bar([r["mode"].split(" ")[0] for r in results], [r["prefill_tokens_computed"] for r in results],
+            color=["#c44e52", "#55a868", "#8172b2"])
     ax2.set_ylabel("prefill tokens computed (workload)")
-    ax2.set_title("coding-agent sessions")
+    ax2.set_title("coding-agent sessions: (a) pool, (b) + host, (c) + read in place")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -138,77 +159,94 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-preset", default="qwen3-0.6b")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quick", action="store_true", help="a few minutes on a 2-core CPU")
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--context-len", type=int, default=2048)
-    ap.add_argument("--tool-output-len", default="128:384")
-    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="a few minutes on a 2-core CPU (1k-token probe, smaller workload)")
+    ap.add_argument("--sessions", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--context-len", type=int, default=128)
+    ap.add_argument("--tool-output-len", default="32:48")
+    ap.add_argument("--output-len", type=int, default=2)
     ap.add_argument("--probe-len", type=int, default=4096)
-    ap.add_argument("--device-blocks", type=int, default=None, help="default: the probe and its resumes plus 8 blocks")
-    ap.add_argument("--host-blocks", type=int, default=None, help="default: the workload's KV and the probe, whole")
-    ap.add_argument("--max-num-seqs", type=int, default=2)
-    ap.add_argument("--max-batched-tokens", type=int, default=1024)
+    ap.add_argument("--device-blocks", type=int, default=None, help="workload's device pool (default: its longest session + 4 blocks)")
+    ap.add_argument("--host-blocks", type=int, default=None, help="default: the workload's KV, whole")
+    ap.add_argument("--max-num-seqs", type=int, default=1)
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-probe", action="store_true")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where preset checkpoints are built")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
     if args.quick:
-        # the resumed session shrinks to 1k tokens here: a 4k recompute alone takes minutes on 2 cores
-        args.sessions, args.turns, args.context_len, args.tool_output_len, args.output_len = 6, 3, 256, "64:128", 8
+        args.sessions, args.turns, args.context_len, args.tool_output_len = 3, 4, 128, "32:48"
         args.probe_len = 1024
-    bs = 16
     work = sessions(args)
-    total_tokens = args.context_len + sum(sum(len(u) + o for u, o in s) - args.context_len for s in work)
+    lengths = [sum(len(u) + o for u, o in s) for s in work]
+    unique = args.context_len + sum(n - args.context_len for n in lengths)
     if args.device_blocks is None:
-        args.device_blocks = (args.probe_len + 4 * RESUME_NEW) // bs + 8
+        args.device_blocks = max(lengths) // BLOCK + 4
     if args.host_blocks is None:
-        args.host_blocks = (total_tokens + args.probe_len) // bs + 64
+        args.host_blocks = unique // BLOCK + 2 * args.sessions + 16
+    args.probe_blocks = (args.probe_len + 2 * RESUME_NEW) // BLOCK + 4
     path = preset_checkpoint(args.model_preset, args.cache_dir)
-    memcpy = copy_bandwidth_gbs(1 << 28) / 2  # it counts read + write bytes; a tier's bytes are one way
+    memcpy = copy_bandwidth_gbs(1 << 28) / 2  # it counts read + write bytes; a tier's bytes go one way
     load = os.getloadavg()
-    print(f"{args.model_preset} {args.dtype}: {args.sessions} sessions x {args.turns} turns, unique KV "
-          f"{total_tokens + args.probe_len} tokens = {(total_tokens + args.probe_len) / (args.device_blocks * bs):.1f}x the device pool "
-          f"({args.device_blocks} blocks); load average {load[0]:.1f} on {os.cpu_count()} cores", flush=True)
-    results = []
+    print(f"{args.model_preset} {args.dtype}: {args.sessions} sessions x {args.turns} turns, unique KV {unique} tokens = "
+          f"{unique / (args.device_blocks * BLOCK):.1f}x the device pool ({args.device_blocks} blocks); "
+          f"load average {load[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    report: dict = {"machine": machine_info(), "load_average": load, "model": args.model_preset, "dtype": args.dtype,
+                    "args": vars(args), "memcpy_gbps": memcpy, "probe": None, "results": [], "targets": {}}
+    targets = report["targets"]
+
+    def save() -> None:
+        if args.json:
+            report["load_average_end"] = os.getloadavg()
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
+    probe = None
+    if not args.skip_probe:  # first: the issue's TTFT targets
+        t = time.perf_counter()
+        probe = report["probe"] = run_probe(path, args)
+        print(f"  probe: {time.perf_counter() - t:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+        rec, dev = probe["ttft_recompute_s"], probe["ttft_device_hit_s"]
+        for key, label in (("ttft_copy_in_s", "(b) copy-in"), ("ttft_in_place_s", "(c) read in place")):
+            targets[f"{key}_vs_recompute"] = rec / probe[key]
+            targets[f"{key}_vs_device_hit"] = probe[key] / dev
+            print(f"resume {args.probe_len} tokens from the host tier, {label}: {probe[key]:.2f} s; recompute {rec:.2f} s "
+                  f"({rec / probe[key]:.1f}x; target >= 20x); device hit {dev:.2f} s ({probe[key] / dev:.2f}x of it; "
+                  "target <= 1.25x)", flush=True)
+        ci = probe["copy_in"]
+        gbps = probe.get("copy_in_gbps")
+        if gbps is not None:
+            print(f"copy-in moved {ci['kv_bytes_host_to_device'] / 1e9:.2f} GB host->device (and {ci['kv_bytes_device_to_host'] / 1e9:.2f} "
+                  f"GB down) while the step waited {ci['kv_transfer_blocked_s']:.2f} s: {gbps:.2f} GB/s = {gbps / memcpy:.0%} of a one-way "
+                  f"memcpy ({memcpy:.2f} GB/s) and {gbps / probe['copy_worker_gbps']:.0%} of the copy worker's start-up "
+                  f"{probe['copy_worker_gbps']:.2f} GB/s")
+        ip = probe["in_place"]
+        print(f"read in place: {ip['kv_read_in_place_blocks']:.0f} blocks read where they lie, "
+              f"{ip['kv_bytes_host_to_device'] / 1e9:.2f} GB copied in", flush=True)
+        save()
+    results = report["results"]
     for mode in MODES:
         t = time.perf_counter()
-        results.append(run_mode(path, mode, args, work))
-        print(f"  {mode}: {time.perf_counter() - t:.0f} s", flush=True)
-    pool, host = results
-    ttft_dev = host["probe"]["ttft_device_hit_s"]
-    ttft_host = host["probe"]["ttft_resumed_s"]
-    ttft_rec = pool["probe"]["ttft_resumed_s"]
-    rows = []
-    for r in results:
-        w = r["workload"]
-        rows.append([r["mode"], f"{w['wall_s']:.1f}", f"{w['tokens_per_s']:.0f}", f"{w['prefill_tokens_computed']:.0f}",
-                     f"{w['kv_bytes_device_to_host'] / 1e9:.2f}", f"{w['kv_bytes_host_to_device'] / 1e9:.2f}",
-                     f"{w['kv_host_hit_blocks']:.0f}", f"{r['probe']['ttft_device_hit_s']:.2f}", f"{r['probe']['ttft_resumed_s']:.2f}"])
+        results.append(run_workload(path, mode, args, work))
+        print(f"  workload {mode}: {time.perf_counter() - t:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+        save()
+    rows = [[r["mode"], f"{r['wall_s']:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['prefill_tokens_computed']:.0f}",
+             f"{r['kv_bytes_device_to_host'] / 1e9:.2f}", f"{r['kv_bytes_host_to_device'] / 1e9:.2f}",
+             f"{r['kv_host_hit_blocks']:.0f}", f"{r['kv_read_in_place_blocks']:.0f}"] for r in results]
     print()
-    print(markdown_table(["mode", "workload s", "tok/s", "prefill tok computed", "GB dev->host", "GB host->dev", "host hit blocks",
-                          "TTFT device hit (s)", "TTFT resumed (s)"], rows))
-    tier = host["probe"].get("tier_gbps")
-    worker = host["copy_worker_gbps"]
-    targets = {
-        "ttft_vs_recompute": ttft_rec / ttft_host, "ttft_vs_device_hit": ttft_host / ttft_dev,
-        "prefill_ratio_b_over_a": host["workload"]["prefill_tokens_computed"] / pool["workload"]["prefill_tokens_computed"],
-    }
-    print()
-    print(f"resume {args.probe_len} tokens: host tier {ttft_host:.2f} s, recompute {ttft_rec:.2f} s ({targets['ttft_vs_recompute']:.1f}x; target >= 20x), "
-          f"device hit {ttft_dev:.2f} s ({targets['ttft_vs_device_hit']:.2f}x of it; target <= 1.25x)")
-    print(f"prefill tokens computed (b)/(a): {targets['prefill_ratio_b_over_a']:.3f} (target <= 0.2)")
-    if tier is not None:
-        print(f"copy: the resume moved {host['probe']['resumed']['kv_bytes_host_to_device'] / 1e9:.2f} GB at {tier:.2f} GB/s = "
-              f"{tier / worker:.0%} of the copy worker's start-up {worker:.2f} GB/s, {tier / memcpy:.0%} of a memcpy's {memcpy:.2f} GB/s (one way)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_info(), "load_average": load, "model": args.model_preset, "dtype": args.dtype,
-                       "args": vars(args), "memcpy_gbps": memcpy, "results": results, "targets": targets}, f, indent=1)
-    if args.plot:
-        plot(results, args.plot, f"{args.model_preset} {args.dtype}, {args.sessions} sessions x {args.turns} turns, "
-                                 f"device pool {args.device_blocks} blocks, load {load[0]:.1f}")
+    print(markdown_table(["mode", "workload s", "tok/s", "prefill tok computed", "GB dev->host", "GB host->dev",
+                          "host hit blocks", "read in place"], rows))
+    pool, host, in_place = results
+    targets["prefill_ratio_b_over_a"] = host["prefill_tokens_computed"] / pool["prefill_tokens_computed"]
+    targets["prefill_ratio_c_over_a"] = in_place["prefill_tokens_computed"] / pool["prefill_tokens_computed"]
+    print(f"\nprefill tokens computed (b)/(a): {targets['prefill_ratio_b_over_a']:.3f}, (c)/(a): "
+          f"{targets['prefill_ratio_c_over_a']:.3f} (target <= 0.2)")
+    save()
+    if args.plot and probe is not None:
+        plot(results, probe, args.plot, f"{args.model_preset} {args.dtype}, {args.sessions} sessions x {args.turns} turns, "
+                                        f"device pool {args.device_blocks} blocks, load {load[0]:.1f}")
 
 
 if __name__ == "__main__":
