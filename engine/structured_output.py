@@ -229,15 +229,18 @@ class StructuredOutput:
         tok = self.tokenizer
         check_tokenizer(tok)
         assert tok is not None
-        backend = tok.tok.to_str()
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend)  # vocab type and prefix-space rule
+        # how xgrammar reads the stored token strings: GPT-2 byte-level, sentencepiece byte
+        # fallback (<0x0A>, with the metaspace prefix), or as they are
+        kinds = _decoder_kinds(json.loads(tok.tok.to_str()).get("decoder"))
+        vocab_type = (xgr.VocabType.BYTE_LEVEL if "ByteLevel" in kinds else
+                      xgr.VocabType.BYTE_FALLBACK if "ByteFallback" in kinds else xgr.VocabType.RAW)
         n = min(tok.vocab_size, self.vocab_size)
         vocab = [tok.tok.id_to_token(i) or "" for i in range(n)]
         for i in tok.special_ids:
             if i < n:
                 vocab[i] = ""
-        info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids,
-                                 add_prefix_space=meta["add_prefix_space"])
+        info = xgr.TokenizerInfo(vocab, vocab_type, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids,
+                                 add_prefix_space="Metaspace" in kinds)
         safe = np.zeros(self.width, dtype=np.uint32)
         clean = [i for i, b in enumerate(info.decoded_vocab) if b and not any(c < 0x20 for c in b)]
         _set_bits(safe, np.array(clean + self.eos_token_ids, dtype=np.int64))
