@@ -1,16 +1,18 @@
 """Native routed-expert path on CPU: router logits, then one native call for routing and one for
 grouping + expert GEMMs + combine (`cuttle.attention.native.moe`), no per-expert Python loop.
 
-Owns the decision of when a layer's forward may take it (`supports`) and the mapping from
-`RoutingConfig` to the native router's arguments. The torch path (`experts_torch.py`) stays the
-reference and the fallback: MXFP8 experts, activation quantization, autograd, non-CPU tensors and
-a process without the kernel library all go there. Must never import `cuttle.engine`.
+Owns the decision of when a layer's forward may take it (`supports`, `supports_mxfp8` for MXFP8
+experts, whose bytes the native panels read as stored) and the mapping from `RoutingConfig` to the
+native router's arguments. The torch path (`experts_torch.py`) stays the reference and the
+fallback: activation quantization, autograd, non-CPU tensors and a process without the kernel
+library all go there. Must never import `cuttle.engine`.
 """
 from __future__ import annotations
 
 import torch
 
 from cuttle.attention.native import moe as native_moe
+from cuttle.moe.mxfp8 import MXTensor
 from cuttle.moe.routing import RoutingConfig, route, router_logits
 
 
@@ -23,6 +25,18 @@ def supports(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: 
         and w13.dtype == x.dtype and w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()
         and w13.device.type == "cpu" and w2.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad or gate_weight.requires_grad))
+        and native_moe.available()
+    )
+
+
+def supports_mxfp8(x: torch.Tensor, gate_weight: torch.Tensor, w13: object, w2: object) -> bool:
+    """Whether the native path takes MXFP8 experts (`MXTensor` pairs from `FusedMoE.quantize_`):
+    CPU fp32/bf16 activations with dense rows, CPU weights, no autograd on x, library loaded."""
+    return (
+        x.device.type == "cpu" and x.dim() == 2 and x.dtype in native_moe.WEIGHT_FORMAT and x.stride(-1) == 1
+        and isinstance(w13, MXTensor) and isinstance(w2, MXTensor)
+        and w13.data.device.type == "cpu" and w2.data.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad))
         and native_moe.available()
     )
 
@@ -42,12 +56,15 @@ def route_native(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | 
 
 
 def fused_moe_native(
-    x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg: RoutingConfig,
-    bias: torch.Tensor | None = None,
+    x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor | MXTensor, w2: torch.Tensor | MXTensor,
+    cfg: RoutingConfig, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The whole routed-expert forward of one layer: x [T, H] -> [T, H] in x's dtype."""
+    """The whole routed-expert forward of one layer: x [T, H] -> [T, H] in x's dtype. Expert
+    weights are x's dtype, or MXFP8 (`MXTensor`, read as stored by the MXFP8 panels)."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
     # the logits stay torch's matmul, so the native path routes on the very logits the torch path does
     weights, ids = route_native(router_logits(x, gate_weight, cfg), cfg, bias)
+    if isinstance(w13, MXTensor) and isinstance(w2, MXTensor):
+        return native_moe.experts_mxfp8(x, (w13.data, w13.scale), (w2.data, w2.scale), weights, ids)
     return native_moe.experts(x, w13, w2, weights, ids)

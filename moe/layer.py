@@ -18,8 +18,8 @@ Forward then runs the Triton grouped GEMM on CUDA and the torch dequantizing pat
 
 On CPU, plain fp32/bf16 experts take the native path (`experts_native`: routing and the whole
 expert computation in native calls, weights packed once and repacked after any write) when the
-CPU kernel library is loaded; MXFP8 experts on CPU take `experts_mxfp8_cpu` (the native MXFP8
-GEMM per active expert); the torch path is the reference and the fallback.
+CPU kernel library is loaded, MXFP8 experts too (their E4M3 bytes and E8M0 scales packed into
+the same panels, decoded in registers); the torch path is the reference and the fallback.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Literal, Mapping
 import torch
 from torch import nn
 
-from cuttle.moe import experts_mxfp8_cpu, experts_native
+from cuttle.moe import experts_native
 from cuttle.moe.experts_torch import ExpertWeight, fused_experts_torch
 from cuttle.moe.mxfp8 import MXTensor, ScaleMode, quantize_mxfp8
 from cuttle.moe.routing import RoutingConfig, route, router_logits
@@ -112,6 +112,10 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None and experts_native.supports(x, self.gate_weight, self.w13, self.w2):
             return experts_native.fused_moe_native(x, self.gate_weight, self.w13, self.w2, self.routing, self.e_score_correction_bias)
+        if self.quant == "mxfp8" and self.act_quant is None:
+            w13, w2 = self.expert_weights()
+            if experts_native.supports_mxfp8(x, self.gate_weight, w13, w2):  # MXFP8 bytes read by the native panels
+                return experts_native.fused_moe_native(x, self.gate_weight, w13, w2, self.routing, self.e_score_correction_bias)
         logits = router_logits(x, self.gate_weight, self.routing)
         weights, ids = route(logits, self.routing, self.e_score_correction_bias)
         w13, w2 = self.expert_weights()
@@ -119,6 +123,4 @@ class FusedMoE(nn.Module):
             from cuttle.moe.experts_triton import fused_experts_triton
 
             return fused_experts_triton(x, w13, w2, weights, ids, act_quant=self.act_quant)
-        if experts_mxfp8_cpu.supports(x, w13, w2, self.act_quant):  # MXFP8 bytes read by the native GEMM
-            return experts_mxfp8_cpu.fused_experts_mxfp8_cpu(x, w13, w2, weights, ids)
         return fused_experts_torch(x, w13, w2, weights, ids, act_quant=self.act_quant)

@@ -18,9 +18,14 @@
  *   w2 [E, H, I] -> per expert, panels of P2 output features: w2p[e][q][k][c] = w2 row (P2 q + c), column k.
  *   Rows past I (or H) are zero. Elements keep the weight's dtype (fp32 or bf16; bf16 widens to
  *   fp32 in registers with a shift, which is exact).
- * The weight format is a per-call code (moe_experts' w_format): MOE_W_F32, MOE_W_BF16, and
- * MOE_W_MXFP8 reserved for E4M3 panels with E8M0 block scales (w13_scale / w2_scale), which this
- * build does not implement yet (-2).
+ * The weight format is a per-call code (moe_experts' w_format): MOE_W_F32, MOE_W_BF16, MOE_W_MXFP8.
+ * MXFP8 panels (moe_pack_mx_w13 / moe_pack_mx_w2) keep the same order with one E4M3 byte per
+ * weight, so one k of a panel is 16 bytes = one 16-byte load decoded in registers (mxfp8.h), and
+ * the E8M0 block scales are packed alongside: per block of 32 k, the panel's 16 features' scale
+ * bytes side by side (s13p[e][p][kb][c], s2p[e][q][kb][c]). The tile sums 32 k into block
+ * accumulators and multiplies them by the 16 features' factors once per block (as mxfp8_gemm.c's
+ * decode loop does), so the weight bytes are read once, 8.25 bits each. Without AVX2/F16C (or
+ * with mxfp8_set_fast_path(0)) a panel is dequantized to fp32 and the fp32 tile runs on it.
  *
  * Numerics follow the torch expert path (moe/experts_torch.py): fp32 accumulation; with bf16
  * activations the GEMM outputs, silu and the product are rounded to bf16 where torch rounds them,
@@ -35,6 +40,7 @@
 #endif
 
 #include "dtypes.h"
+#include "mxfp8.h"
 
 enum { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_MXFP8 = 2 };
 
@@ -68,7 +74,7 @@ static inline __attribute__((always_inline)) v8f load8(const void *p, const int 
     return f;
 }
 
-static inline size_t elsize(int fmt) { return fmt == MOE_W_BF16 ? 2 : 4; }
+static inline size_t elsize(int fmt) { return fmt == MOE_W_BF16 ? 2 : fmt == MOE_W_MXFP8 ? 1 : 4; }
 
 static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
@@ -113,6 +119,43 @@ int moe_pack_w2(const void *w, int fmt, int64_t E, int64_t H, int64_t I, void *o
                 if (f < H) memcpy(d, src + (size_t)(f * I + k) * es, es);
                 else memset(d, 0, es);
             }
+    }
+    return 0;
+}
+
+/* MXFP8 w13: data [E, 2I, H] E4M3 bytes, scale [E, 2I, H/32] E8M0 bytes -> out_data
+ * (moe_packed_w13_numel bytes, the panel order above) and out_scale (that / 32 bytes). -2: H % 32. */
+int moe_pack_mx_w13(const uint8_t *data, const uint8_t *scale, int64_t E, int64_t I, int64_t H, uint8_t *out_data,
+                    uint8_t *out_scale) {
+    if (H % MX_BLOCK) return -2;
+    const int64_t np = (I + P13 - 1) / P13, KB = H / MX_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t ep = 0; ep < E * np; ep++) {
+        const int64_t e = ep / np, p = ep % np;
+        uint8_t *dd = out_data + (size_t)ep * H * 2 * P13, *ds = out_scale + (size_t)ep * KB * 2 * P13;
+        for (int64_t c = 0; c < 2 * P13; c++) {
+            const int64_t f = p * P13 + c % P13, row = e * 2 * I + (c < P13 ? f : I + f);
+            for (int64_t k = 0; k < H; k++) dd[k * 2 * P13 + c] = f < I ? data[row * H + k] : 0;
+            for (int64_t kb = 0; kb < KB; kb++) ds[kb * 2 * P13 + c] = f < I ? scale[row * KB + kb] : 0;
+        }
+    }
+    return 0;
+}
+
+/* MXFP8 w2: data [E, H, I], scale [E, H, I/32] -> panels of P2 output features. -2: I % 32. */
+int moe_pack_mx_w2(const uint8_t *data, const uint8_t *scale, int64_t E, int64_t H, int64_t I, uint8_t *out_data,
+                   uint8_t *out_scale) {
+    if (I % MX_BLOCK) return -2;
+    const int64_t nq = (H + P2 - 1) / P2, KB = I / MX_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t eq = 0; eq < E * nq; eq++) {
+        const int64_t e = eq / nq, q = eq % nq;
+        uint8_t *dd = out_data + (size_t)eq * I * P2, *ds = out_scale + (size_t)eq * KB * P2;
+        for (int64_t c = 0; c < P2; c++) {
+            const int64_t f = q * P2 + c, row = e * H + f;
+            for (int64_t k = 0; k < I; k++) dd[k * P2 + c] = f < H ? data[row * I + k] : 0;
+            for (int64_t kb = 0; kb < KB; kb++) ds[kb * P2 + c] = f < H ? scale[row * KB + kb] : 0;
+        }
     }
     return 0;
 }
@@ -277,6 +320,66 @@ static const tile_fn GATEUP[2][MR + 1] = {{0, gateup_f32_1, gateup_f32_2, gateup
 static const tile_fn DOWN[2][MR + 1] = {{0, down_f32_1, down_f32_2, down_f32_3, down_f32_4},
                                         {0, down_bf16_1, down_bf16_2, down_bf16_3, down_bf16_4}};
 
+/* ---- MXFP8 tiles: one 16-byte panel row (16 features) per k, block sums scaled per 32 k ---- */
+
+#ifdef MX_X86
+/* acc0/acc1 (features 0-7 / 8-15 of the panel) of M rows r[m] (fp32, length K) against an MXFP8
+ * panel wp [K][16] with scales sp [K/32][16]: the gate/up tile (acc0 = gate, acc1 = up) and the
+ * down tile (two halves of P2 = 16 outputs) are this one loop. */
+static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const float *const *r, const int M,
+                                                                        const uint8_t *wp, const uint8_t *sp,
+                                                                        int64_t K, v8f *acc0, v8f *acc1) {
+    __m256 t0[MR], t1[MR];
+    for (int m = 0; m < M; m++) t0[m] = t1[m] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < K / MX_BLOCK; kb++) {
+        __m256 b0[MR], b1[MR];
+        for (int m = 0; m < M; m++) b0[m] = b1[m] = _mm256_setzero_ps();
+        for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k++) {
+            __m256 w0, w1;
+            mx_decode16(wp + k * 16, &w0, &w1);
+            for (int m = 0; m < M; m++) {
+                const __m256 xs = _mm256_set1_ps(r[m][k]);
+                b0[m] = _mm256_fmadd_ps(w0, xs, b0[m]);
+                b1[m] = _mm256_fmadd_ps(w1, xs, b1[m]);
+            }
+        }
+        __m256 f0, p0, f1, p1;
+        mx_factors8(sp + kb * 16, &f0, &p0);
+        mx_factors8(sp + kb * 16 + 8, &f1, &p1);
+        for (int m = 0; m < M; m++) {
+            t0[m] = _mm256_fmadd_ps(_mm256_mul_ps(b0[m], p0), f0, t0[m]);
+            t1[m] = _mm256_fmadd_ps(_mm256_mul_ps(b1[m], p1), f1, t1[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        memcpy(&acc0[m], &t0[m], sizeof(v8f));
+        memcpy(&acc1[m], &t1[m], sizeof(v8f));
+    }
+}
+#define MX_TILE(M_)                                                                                           \
+    static MX_AVX2 void mx_tile_##M_(const float *const *r, const uint8_t *wp, const uint8_t *sp, int64_t K, \
+                                     v8f *a0, v8f *a1) {                                                     \
+        mx_panel_tile(r, M_, wp, sp, K, a0, a1);                                                             \
+    }
+MX_TILE(1)
+MX_TILE(2)
+MX_TILE(3)
+MX_TILE(4)
+typedef void (*mx_tile_fn)(const float *const *, const uint8_t *, const uint8_t *, int64_t, v8f *, v8f *);
+static const mx_tile_fn MX_TILES[MR + 1] = {0, mx_tile_1, mx_tile_2, mx_tile_3, mx_tile_4};
+#endif
+
+/* The scalar route: the panel dequantized to fp32 [K][16] (exact values), for the fp32 tiles. */
+static void mx_panel_dequant(const uint8_t *wp, const uint8_t *sp, int64_t K, float *out) {
+    for (int64_t k = 0; k < K; k++)
+        for (int c = 0; c < 16; c++) {
+            const uint8_t b = sp[(k / MX_BLOCK) * 16 + c];
+            float v = mx_e4m3_scaled(wp[k * 16 + c]);
+            if (mx_scale_hi(b)) v *= 256.f;
+            out[k * 16 + c] = v * mx_scale_factor(b);
+        }
+}
+
 /* out[t] = sum_j weights[t, j] * W2[ids[t, j]] (silu(G x[t]) * (U x[t])), G/U/W2 of that expert.
  *
  * x: [T, H] rows x_stride apart, dtype x_dtype (fp32/bf16; the computation follows it: bf16 rounds
@@ -287,11 +390,15 @@ static const tile_fn DOWN[2][MR + 1] = {{0, down_f32_1, down_f32_2, down_f32_3, 
 int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
                 const float *weights, int64_t k, const void *w13p, const void *w2p, int w_format,
                 const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype) {
-    (void)w13_scale, (void)w2_scale;
-    if (w_format != MOE_W_F32 && w_format != MOE_W_BF16) return -2;
+    if (w_format != MOE_W_F32 && w_format != MOE_W_BF16 && w_format != MOE_W_MXFP8) return -2;
+    const int mx = w_format == MOE_W_MXFP8;
+    if (mx && (H % MX_BLOCK || I % MX_BLOCK || !w13_scale || !w2_scale)) return -2;
     const int64_t A = T * k;
     if (A == 0) return 0;
     const int bf = x_dtype == DT_BF16, fi = w_format == MOE_W_BF16;
+    const int mx_fast = mx && mxfp8_use_fast();
+    /* the scalar MXFP8 route's per-thread fp32 panel: [max(H, I)][16] */
+    const int64_t panel_k = H > I ? H : I;
     const size_t es = elsize(w_format);
     const int64_t np = (I + P13 - 1) / P13, nq = (H + P2 - 1) / P2;
     int64_t *cnt = calloc((size_t)E + 1, sizeof *cnt), *pos = malloc(sizeof *pos * (size_t)E);
@@ -299,7 +406,7 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     float *xf = malloc(sizeof *xf * (size_t)(T * H));  /* x as fp32 (exact for bf16) */
     float *h = malloc(sizeof *h * (size_t)(A * I));    /* silu(gate) * up, rows in expert-sorted order */
     float *ys = malloc(sizeof *ys * (size_t)(A * H));  /* expert outputs, rows in assignment order t*k+j */
-    int rc = 0;
+    int rc = 0, nomem = 0;
     if (!cnt || !pos || !sorted || !active || !xf || !h || !ys) {
         rc = -1;
         goto done;
@@ -322,21 +429,35 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
 
 #pragma omp parallel
     {
+        float *panel = mx && !mx_fast ? malloc(sizeof(float) * (size_t)(panel_k * 16)) : NULL;
+        if (mx && !mx_fast && !panel) {
+#pragma omp atomic write
+            nomem = 1;
+        }
+#pragma omp barrier
+        const int ok = !nomem;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
             for (int64_t c = 0; c < H; c++)
                 xf[t * H + c] = bf ? bf16_to_f32(((const uint16_t *)x)[t * x_stride + c]) : ((const float *)x)[t * x_stride + c];
         /* stage 1: h = silu(x G^T) * (x U^T), one item per (active expert, panel) */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < nact * np; it++) {
+        for (int64_t it = 0; it < (ok ? nact * np : 0); it++) {
             const int64_t e = active[it / np], p = it % np;
             const char *wp = (const char *)w13p + (size_t)((e * np + p) * H * 2 * P13) * es;
+            const uint8_t *sp = mx ? (const uint8_t *)w13_scale + (size_t)((e * np + p) * (H / MX_BLOCK) * 2 * P13) : NULL;
+            if (mx && !mx_fast) mx_panel_dequant((const uint8_t *)wp, sp, H, panel);
             for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MR) {
                 const int M = cnt[e + 1] - r0 < MR ? (int)(cnt[e + 1] - r0) : MR;
                 const float *xr[MR];
                 for (int m = 0; m < M; m++) xr[m] = xf + (sorted[r0 + m] / k) * H;
                 v8f g[MR], u[MR];
-                GATEUP[fi][M](xr, wp, H, g, u);
+#ifdef MX_X86
+                if (mx_fast) MX_TILES[M](xr, (const uint8_t *)wp, sp, H, g, u);
+                else
+#endif
+                if (mx) GATEUP[0][M](xr, (const char *)panel, H, g, u);
+                else GATEUP[fi][M](xr, wp, H, g, u);
                 for (int m = 0; m < M; m++)
                     for (int c = 0; c < P13 && p * P13 + c < I; c++) {
                         const float gv = rnd(g[m][c], bf), uv = rnd(u[m][c], bf);
@@ -347,15 +468,22 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
         }
         /* stage 2: ys[a] = h[a] W2^T, one item per (active expert, output panel) */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < nact * nq; it++) {
+        for (int64_t it = 0; it < (ok ? nact * nq : 0); it++) {
             const int64_t e = active[it / nq], q = it % nq;
             const char *wp = (const char *)w2p + (size_t)((e * nq + q) * I * P2) * es;
+            const uint8_t *sp = mx ? (const uint8_t *)w2_scale + (size_t)((e * nq + q) * (I / MX_BLOCK) * P2) : NULL;
+            if (mx && !mx_fast) mx_panel_dequant((const uint8_t *)wp, sp, I, panel);
             for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MR) {
                 const int M = cnt[e + 1] - r0 < MR ? (int)(cnt[e + 1] - r0) : MR;
                 const float *hr[MR];
                 for (int m = 0; m < M; m++) hr[m] = h + (r0 + m) * I;
                 v8f a0[MR], a1[MR];
-                DOWN[fi][M](hr, wp, I, a0, a1);
+#ifdef MX_X86
+                if (mx_fast) MX_TILES[M](hr, (const uint8_t *)wp, sp, I, a0, a1);
+                else
+#endif
+                if (mx) DOWN[0][M](hr, (const char *)panel, I, a0, a1);
+                else DOWN[fi][M](hr, wp, I, a0, a1);
                 for (int m = 0; m < M; m++) {
                     float *y = ys + sorted[r0 + m] * H;
                     for (int c = 0; c < P2 && q * P2 + c < H; c++) y[q * P2 + c] = rnd(c < 8 ? a0[m][c] : a1[m][c - 8], bf);
@@ -374,7 +502,9 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                 if (out_dtype == DT_BF16) ((uint16_t *)out)[t * H + c] = f32_to_bf16(s);
                 else ((float *)out)[t * H + c] = s;
             }
+        free(panel);
     }
+    if (nomem) rc = -1;
 done:
     free(cnt), free(pos), free(sorted), free(active), free(xf), free(h), free(ys);
     return rc;

@@ -53,6 +53,10 @@ static inline float mx_e4m3_scaled(uint8_t v) {
     return (v & 0x80) ? -mag : mag;
 }
 
+/* Whether the vector loops run (CPU has AVX2 + FMA + F16C, not switched off by
+ * mxfp8_set_fast_path(0)): one switch for every MXFP8 kernel, defined in mxfp8_gemm.c. */
+int mxfp8_use_fast(void);
+
 #ifdef MX_X86
 /* 16 E4M3 bytes -> 16 fp32 (element * 2^-8) in two registers. */
 static inline MX_AVX2 void mx_decode16(const uint8_t *p, __m256 *lo, __m256 *hi) {
@@ -74,6 +78,19 @@ static inline MX_AVX2 void mx_dequant_block(const uint8_t *p, uint8_t b, __m256 
         for (int i = 0; i < 4; i++) out[i] = _mm256_mul_ps(out[i], pre);
     }
     for (int i = 0; i < 4; i++) out[i] = _mm256_mul_ps(out[i], f);
+}
+
+/* The factors of 8 consecutive scale bytes (for 8 features side by side, as the MoE kernel's
+ * panels store them): f = mx_scale_factor(b) per lane and pre = 256 where mx_scale_hi(b), else 1.
+ * A block sum is scaled as (sum * pre) * f. */
+static inline MX_AVX2 void mx_factors8(const uint8_t *s, __m256 *f, __m256 *pre) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s));
+    const __m256i hi = _mm256_cmpgt_epi32(b, _mm256_set1_epi32(246)); /* 247..255 */
+    const __m256i nan = _mm256_cmpeq_epi32(b, _mm256_set1_epi32(255));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(b, _mm256_andnot_si256(hi, _mm256_set1_epi32(8))), 23);
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), nan);
+    *f = _mm256_castsi256_ps(bits);
+    *pre = _mm256_blendv_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(256.f), _mm256_castsi256_ps(_mm256_andnot_si256(nan, hi)));
 }
 
 static inline MX_AVX2 float mx_hsum(__m256 v) {

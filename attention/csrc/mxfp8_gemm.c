@@ -23,7 +23,7 @@
 
 static int fast_path_on = -1; /* -1: decided on first use from the CPU */
 
-static int use_fast(void) {
+int mxfp8_use_fast(void) {
     if (fast_path_on < 0) fast_path_on = mx_cpu_has_avx2();
     return fast_path_on;
 }
@@ -73,7 +73,7 @@ static MX_AVX2 void dequant_row_avx2(const uint8_t *d, const uint8_t *s, int64_t
  * Returns 0, or -2 when K is not a multiple of 32. */
 int mxfp8_dequantize(const uint8_t *data, const uint8_t *scales, int64_t rows, int64_t K, void *out, int out_dtype) {
     if (K % MX_BLOCK != 0) return -2;
-    const int fast = use_fast();
+    const int fast = mxfp8_use_fast();
     const int64_t KB = K / MX_BLOCK;
     const size_t esz = out_dtype == DT_BF16 ? 2 : 4;
 #pragma omp parallel for schedule(static)
@@ -294,7 +294,7 @@ int mxfp8_linear(const void *x, int x_dtype, int64_t x_stride, const uint8_t *da
                  const float *bias, void *y, int y_dtype, int64_t M, int64_t N, int64_t K) {
     if (K % MX_BLOCK != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
-    const int fast = use_fast();
+    const int fast = mxfp8_use_fast();
     const float *xf = (const float *)x;
     float *copy = NULL;
     if (x_dtype != DT_F32 || x_stride != K) { /* one contiguous fp32 copy of x (small next to W) */

@@ -7,8 +7,10 @@ checks of the native calls. It knows nothing of routing configs or layers (`cutt
 callers pass plain numbers. Whether experts take these kernels is `kernels()`'s to say (library
 loaded, `CUTTLE_MOE_NATIVE` not "0").
 
-Weight formats (the C side's per-call code): `W_F32`, `W_BF16`; `W_MXFP8` is reserved for E4M3
-panels with E8M0 scales and is refused by this build.
+Weight formats (the C side's per-call code): `W_F32`, `W_BF16`, and `W_MXFP8`: E4M3 bytes with
+E8M0 block scales (the (data, scale) pairs `cuttle.moe.mxfp8` writes), packed into the same panel
+order with their scales beside them (`packed_mx_w13` / `packed_mx_w2`) and decoded in registers by
+the shared MXFP8 inner loop (`csrc/mxfp8.h`); `experts_mxfp8` runs them.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from cuttle.attention.native import kernels
 from cuttle.attention.native.build import DTYPE_CODE
 from cuttle.attention.native.gemm import _PACKED_ATTR
+from cuttle.attention.native.mxfp8 import check_nan_elements
 
 W_F32, W_BF16, W_MXFP8 = 0, 1, 2
 WEIGHT_FORMAT = {torch.float32: W_F32, torch.bfloat16: W_BF16}
@@ -29,6 +32,8 @@ _SIGNATURES: dict[str, tuple[list, type]] = {
     "moe_packed_w2_numel": ([_i64, _i64, _i64], _i64),
     "moe_pack_w13": ([_vp, _int, _i64, _i64, _i64, _vp], _int),
     "moe_pack_w2": ([_vp, _int, _i64, _i64, _i64, _vp], _int),
+    "moe_pack_mx_w13": ([_vp, _vp, _i64, _i64, _i64, _vp, _vp], _int),
+    "moe_pack_mx_w2": ([_vp, _vp, _i64, _i64, _i64, _vp, _vp], _int),
     "moe_route": ([_vp, _int, _i64, _i64, _i64, _int, _int, _i64, _i64, _float, _vp, _vp, _vp, _vp], _i64),
     "moe_experts": ([_vp, _int, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _vp, _i64, _i64, _vp, _int], _int),
 }
@@ -102,6 +107,63 @@ def packed_w2(w2: torch.Tensor) -> torch.Tensor:
     return _cached(w2, make)
 
 
+def _check_mx(data: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    if (data.dim() != 3 or data.dtype != torch.float8_e4m3fn or scale.dtype != torch.float8_e8m0fnu
+            or data.device.type != "cpu" or not data.is_contiguous() or not scale.is_contiguous()):
+        raise ValueError(f"{name}: need contiguous CPU float8_e4m3fn data [E, N, K] and float8_e8m0fnu scales, "
+                         f"got {tuple(data.shape)} {data.dtype} / {scale.dtype}")
+    E, N, K = data.shape
+    if K % 32:
+        raise ValueError(f"{name}: reduction dim K = {K} is not a multiple of the MX block size 32")
+    if tuple(scale.shape) != (E, N, K // 32):
+        raise ValueError(f"{name}: scale has shape {tuple(scale.shape)}, expected {(E, N, K // 32)}")
+
+
+def _cached_mx(data: torch.Tensor, scale: torch.Tensor, make) -> tuple[torch.Tensor, torch.Tensor]:
+    # the scales are written with the data (quantized together), but key on both
+    key = (data._version, data.data_ptr(), scale._version, scale.data_ptr())
+    hit = getattr(data, _PACKED_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    packed = make()
+    setattr(data, _PACKED_ATTR, (key, packed))
+    return packed
+
+
+def packed_mx_w13(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Panel-packed MXFP8 w13 (bytes, scale bytes) of data [E, 2I, H] / scale [E, 2I, H/32]."""
+    _check_mx(data, scale, "w13")
+    E, two_i, H = data.shape
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        check_nan_elements(data, scale)  # once per weight version: the tiles decode NaN only via the scale
+        lib = _lib()
+        n = lib.moe_packed_w13_numel(E, two_i // 2, H)
+        out, out_s = torch.empty(n, dtype=torch.uint8), torch.empty(n // 32, dtype=torch.uint8)
+        if lib.moe_pack_mx_w13(data.data_ptr(), scale.data_ptr(), E, two_i // 2, H, out.data_ptr(), out_s.data_ptr()) != 0:
+            raise RuntimeError("moe_pack_mx_w13 failed")
+        return out, out_s
+
+    return _cached_mx(data, scale, make)
+
+
+def packed_mx_w2(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Panel-packed MXFP8 w2 (bytes, scale bytes) of data [E, H, I] / scale [E, H, I/32]."""
+    _check_mx(data, scale, "w2")
+    E, H, I = data.shape
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        check_nan_elements(data, scale)  # once per weight version: the tiles decode NaN only via the scale
+        lib = _lib()
+        n = lib.moe_packed_w2_numel(E, H, I)
+        out, out_s = torch.empty(n, dtype=torch.uint8), torch.empty(n // 32, dtype=torch.uint8)
+        if lib.moe_pack_mx_w2(data.data_ptr(), scale.data_ptr(), E, H, I, out.data_ptr(), out_s.data_ptr()) != 0:
+            raise RuntimeError("moe_pack_mx_w2 failed")
+        return out, out_s
+
+    return _cached_mx(data, scale, make)
+
+
 def route(
     logits: torch.Tensor, top_k: int, sigmoid: bool, renorm: bool, n_group: int = 1, topk_group: int = 1,
     scale: float = 1.0, bias: torch.Tensor | None = None,
@@ -133,33 +195,63 @@ def route(
     return weights, ids, (tie.nonzero().view(-1) if n_tied else None)
 
 
+def _routing_args(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in DTYPE_CODE or x.stride(-1) != 1:
+        raise ValueError(f"x: need a CPU fp32/bf16 [T, H] tensor with dense rows, got {tuple(x.shape)} {x.dtype}")
+    T = x.shape[0]
+    k = ids.shape[1] if ids.dim() == 2 else -1
+    if ids.dtype != torch.int64 or ids.shape != (T, k) or weights.dtype != torch.float32 or weights.shape != (T, k):
+        raise ValueError(f"routing: need ids int64 and weights fp32 of shape [{T}, k], got {tuple(ids.shape)} "
+                         f"{ids.dtype} and {tuple(weights.shape)} {weights.dtype}")
+    return weights.contiguous(), ids.contiguous(), k
+
+
+def _run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, k: int, p13: torch.Tensor, p2: torch.Tensor,
+         fmt: int, s13: torch.Tensor | None, s2: torch.Tensor | None, E: int, I: int) -> torch.Tensor:
+    T, H = x.shape
+    out = torch.empty(T, H, dtype=x.dtype)
+    rc = _lib().moe_experts(
+        x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), T, H, ids.data_ptr(), weights.data_ptr(), k,
+        p13.data_ptr(), p2.data_ptr(), fmt, s13.data_ptr() if s13 is not None else None,
+        s2.data_ptr() if s2 is not None else None, E, I, out.data_ptr(), DTYPE_CODE[out.dtype],
+    )
+    if rc == -3:
+        raise ValueError(f"expert ids must lie in [0, {E})")
+    if rc == -2:
+        raise ValueError(f"moe_experts: weight format {fmt} with H={H}, I={I} is not supported by this build")
+    if rc != 0:
+        raise MemoryError(f"moe_experts failed ({rc}): workspace allocation for T={T}")
+    return out
+
+
 def experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """x [T, H] (fp32/bf16, rows dense), w13 [E, 2I, H], w2 [E, H, I] in x's dtype, weights fp32
     [T, k], ids int64 [T, k] -> [T, H] in x's dtype: sum_j weights[t, j] * SwiGLU expert ids[t, j]."""
-    if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in DTYPE_CODE or x.stride(-1) != 1:
-        raise ValueError(f"x: need a CPU fp32/bf16 [T, H] tensor with dense rows, got {tuple(x.shape)} {x.dtype}")
+    weights, ids, k = _routing_args(x, weights, ids)
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"expert weights {w13.dtype}/{w2.dtype} differ from the activations' {x.dtype}")
-    T, H = x.shape
+    H = x.shape[1]
     E, two_i, H13 = w13.shape
     I = two_i // 2
     if H13 != H or tuple(w2.shape) != (E, H, I):
         raise ValueError(f"expert weights w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit x's hidden size {H}")
-    k = ids.shape[1] if ids.dim() == 2 else -1
-    if ids.dtype != torch.int64 or ids.shape != (T, k) or weights.dtype != torch.float32 or weights.shape != (T, k):
-        raise ValueError(f"routing: need ids int64 and weights fp32 of shape [{T}, k], got {tuple(ids.shape)} "
-                         f"{ids.dtype} and {tuple(weights.shape)} {weights.dtype}")
-    ids, weights = ids.contiguous(), weights.contiguous()
-    p13, p2 = packed_w13(w13), packed_w2(w2)
-    out = torch.empty(T, H, dtype=x.dtype)
-    rc = _lib().moe_experts(
-        x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), T, H, ids.data_ptr(), weights.data_ptr(), k,
-        p13.data_ptr(), p2.data_ptr(), WEIGHT_FORMAT[w13.dtype], None, None, E, I, out.data_ptr(), DTYPE_CODE[out.dtype],
-    )
-    if rc == -3:
-        raise ValueError(f"expert ids must lie in [0, {E})")
-    if rc != 0:
-        raise MemoryError(f"moe_experts failed ({rc}): workspace allocation for T={T}")
-    return out
+    return _run(x, weights, ids, k, packed_w13(w13), packed_w2(w2), WEIGHT_FORMAT[w13.dtype], None, None, E, I)
+
+
+def experts_mxfp8(
+    x: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor, ids: torch.Tensor,
+) -> torch.Tensor:
+    """`experts` with MXFP8 weights: w13 = (data [E, 2I, H], scale [E, 2I, H/32]), w2 = (data
+    [E, H, I], scale [E, H, I/32]) as `quantize_mxfp8` writes them; H and I multiples of 32."""
+    weights, ids, k = _routing_args(x, weights, ids)
+    H = x.shape[1]
+    p13, s13 = packed_mx_w13(*w13)
+    p2, s2 = packed_mx_w2(*w2)
+    E, two_i, H13 = w13[0].shape
+    I = two_i // 2
+    if H13 != H or tuple(w2[0].shape) != (E, H, I):
+        raise ValueError(f"expert weights w13 {tuple(w13[0].shape)}, w2 {tuple(w2[0].shape)} do not fit x's hidden size {H}")
+    return _run(x, weights, ids, k, p13, p2, W_MXFP8, s13, s2, E, I)

@@ -55,7 +55,7 @@ def test_quantize_replaces_weights_and_forward_uses_them() -> None:
     weights, ids = torch.topk(torch.softmax(x @ layer.gate_weight.t(), -1), 2)
     expected = fused_experts_torch(x, q13.dequantize(), dequantize_mxfp8(*quantize_mxfp8(w2, 32, "rceil")),
                                    weights / weights.sum(-1, keepdim=True), ids)
-    # on CPU the layer runs the native MXFP8 GEMM (experts_mxfp8_cpu): equal up to summation order
+    # on CPU the layer runs the native expert kernel on the MXFP8 bytes: equal up to summation order
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError):
         FusedMoE(64, 32, RoutingConfig(8, 2), torch.float32).quantize_("int4")  # type: ignore[arg-type]

@@ -1,19 +1,34 @@
-"""MXFP8 routed experts on the native MXFP8 GEMM (moe/experts_mxfp8_cpu.py) against the torch
-expert path on the same MXFP8 weights (dequantize, then matmul): fp32 within accumulation
-rounding, bf16 within bf16 rounding; experts with no token, one token and every token; after a
-re-quantization (weight update); the layer takes the native path only where it applies."""
+"""MXFP8 routed experts on the native expert kernel (csrc/moe_experts.c's MXFP8 panels, decoded
+with csrc/mxfp8.h) against the torch expert path on the same MXFP8 weights (dequantize, then
+matmul): fp32 within accumulation rounding, bf16 within bf16 rounding, AVX2 and scalar routes;
+experts with no token, one token and every token; after a re-quantization (weight update); the
+layer takes the native path only where it applies."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from cuttle.attention.native import moe as native_moe
 from cuttle.attention.native import mxfp8 as native_mx
 from cuttle.moe import FusedMoE, RoutingConfig
-from cuttle.moe import experts_mxfp8_cpu
+from cuttle.moe.experts_native import supports_mxfp8
 from cuttle.moe.experts_torch import fused_experts_torch
 from cuttle.moe.routing import route, router_logits
 
 pytestmark = pytest.mark.skipif(not native_mx.available(), reason="native CPU kernel library not built")
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def path(request):
+    if request.param == "avx2" and not native_mx.fast_path_available():
+        pytest.skip("CPU lacks AVX2/FMA/F16C")
+    native_mx.set_fast_path(request.param == "avx2")
+    yield request.param
+    native_mx.set_fast_path(True)
+
+
+def _native(x, w13, w2, weights, ids):
+    return native_moe.experts_mxfp8(x, (w13.data, w13.scale), (w2.data, w2.scale), weights, ids)
 
 
 def _layer(dtype: torch.dtype, E: int = 8, H: int = 64, I: int = 96, k: int = 2, seed: int = 0) -> FusedMoE:
@@ -35,26 +50,26 @@ def _both(layer: FusedMoE, x: torch.Tensor, ids: torch.Tensor | None = None):
     else:
         weights = torch.full(ids.shape, 1.0 / ids.shape[1])
     w13, w2 = layer.expert_weights()
-    assert experts_mxfp8_cpu.supports(x, w13, w2)
-    return experts_mxfp8_cpu.fused_experts_mxfp8_cpu(x, w13, w2, weights, ids), fused_experts_torch(x, w13, w2, weights, ids)
+    assert supports_mxfp8(x, layer.gate_weight, w13, w2)
+    return _native(x, w13, w2, weights, ids), fused_experts_torch(x, w13, w2, weights, ids)
 
 
 @pytest.mark.parametrize("T", [1, 3, 17])
-def test_fp32_equals_torch_path(T: int) -> None:
+def test_fp32_equals_torch_path(path: str, T: int) -> None:
     layer = _layer(torch.float32)
     x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T))
     got, ref = _both(layer, x)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_within_bf16_rounding() -> None:
+def test_bf16_within_bf16_rounding(path: str) -> None:
     layer = _layer(torch.bfloat16)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     got, ref = _both(layer, x)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2 * 2.0**-8, atol=2e-3)
 
 
-def test_no_token_one_token_every_token() -> None:
+def test_no_token_one_token_every_token(path: str) -> None:
     layer = _layer(torch.float32, E=4)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
     # expert 0: every token, expert 1: one token, experts 2 and 3: none
@@ -75,9 +90,8 @@ def test_layer_forward_takes_it_and_follows_weight_updates() -> None:
     layer.w13_scale.copy_(other.w13_scale)
     w13, w2 = layer.expert_weights()
     torch.testing.assert_close(layer(x), fused_experts_torch(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-    # activation quantization and autograd stay on the torch path
-    assert not experts_mxfp8_cpu.supports(x, w13, w2, act_quant="floor")
-    assert not experts_mxfp8_cpu.supports(x.requires_grad_(), w13, w2)
+    # autograd stays on the torch path (activation quantization too: FusedMoE checks act_quant)
+    assert not supports_mxfp8(x.requires_grad_(), layer.gate_weight, w13, w2)
 
 
 def test_nan_bytes_in_finite_blocks_refused_once_written() -> None:
@@ -86,5 +100,4 @@ def test_nan_bytes_in_finite_blocks_refused_once_written() -> None:
     layer(x)
     layer.w2_mx.view(torch.uint8)[0, 0, 0] = 0x7F  # an in-place write bumps the version: checked again
     with pytest.raises(ValueError, match="NaN bytes in blocks with a finite scale"):
-        experts_mxfp8_cpu.fused_experts_mxfp8_cpu(x, *layer.expert_weights(), torch.ones(2, 2) / 2,
-                                                  torch.zeros(2, 2, dtype=torch.int64))
+        _native(x, *layer.expert_weights(), torch.ones(2, 2) / 2, torch.zeros(2, 2, dtype=torch.int64))
