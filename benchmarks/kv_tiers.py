@@ -104,7 +104,7 @@ def run_probe(path: str, args) -> dict:
     from cuttle.engine import LLM, SamplingParams
 
     llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.probe_blocks, num_host_kv_blocks=4 * args.probe_blocks,
-              max_num_seqs=1, max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.probe_blocks * BLOCK,
+              max_num_seqs=1, max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.probe_len + RESUME_NEW + 16,
               kv_read_in_place="never")
     tiers = llm.engine.tiers
     rng = random.Random(args.seed + 1)
@@ -165,7 +165,8 @@ def main() -> None:
     ap.add_argument("--context-len", type=int, default=128)
     ap.add_argument("--tool-output-len", default="32:48")
     ap.add_argument("--output-len", type=int, default=2)
-    ap.add_argument("--probe-len", type=int, default=4096)
+    # 4,000 tokens: the resumed turn (+64) stays within the preset's 4,096 positions
+    ap.add_argument("--probe-len", type=int, default=4000)
     ap.add_argument("--device-blocks", type=int, default=None, help="workload's device pool (default: its longest session + 4 blocks)")
     ap.add_argument("--host-blocks", type=int, default=None, help="default: the workload's KV, whole")
     ap.add_argument("--max-num-seqs", type=int, default=1)
