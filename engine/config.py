@@ -95,10 +95,16 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], path: str = "") -> "ModelConfig":
         archs = hf.get("architectures") or []
+        if "NSAForCausalLM" in archs:  # fla-org's NSA model: read as the Llama + "nsa" config it is
+            from cuttle.engine.models.nsa_config import fla_nsa_to_hf
+
+            hf = fla_nsa_to_hf(hf, path)
+            archs = hf["architectures"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
-                f"unsupported architecture {archs!r} in {path or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {archs!r} in {path or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}, "
+                "NSAForCausalLM (fla-org)"
             )
         hf = {"model_type": MODEL_TYPES[arch], **hf}
         _check_unsupported(hf, arch, path)

@@ -22,6 +22,7 @@ from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.fp8_checkpoint import dequantized_tensors
 from cuttle.engine.models.linear_quant import MXLinearWeight, prepare_quantized_linears, quantized_linears, write_quantized_linear
 from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, write_quantized
+from cuttle.engine.models.nsa_config import FLA_MARK, fla_tensors
 from cuttle.engine.models.transformer import CausalLM
 from cuttle.moe import FusedMoE
 from cuttle.moe.checkpoint import is_quantized_checkpoint
@@ -155,6 +156,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     targets.update({n: w.data for n, w in mx_linears.items()})
     table = _layer_table(cfg)
     extra_layers = int(cfg.hf_config.get("num_nextn_predict_layers", 0)) if cfg.mla is not None else 0
+    if cfg.hf_config.get(FLA_MARK):  # an fla-org NSA checkpoint: its names, renamed to Llama's
+        tensors = fla_tensors(tensors)
     filler = _Filler()
     unused: list[str] = []
     for name, t in tensors:
