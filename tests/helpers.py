@@ -110,3 +110,18 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> tuple[lis
         lps.append(step_lp)
         plps.append(prompt_lp)
     return toks, lps, plps
+
+
+def assert_scored_by_transformers(model, prompt: list[int], out, tol: float) -> None:
+    """An engine output (greedy, with logprobs=0 and prompt_logprobs=0) against transformers scoring
+    the whole sequence in one forward: its argmax at every generated position must be the engine's
+    token (by induction, its own greedy `generate`), and every logprob within `tol`."""
+    c = out.outputs[0]
+    with torch.no_grad():
+        hf = model(torch.tensor([prompt + c.token_ids])).logits[0].float().log_softmax(-1)
+    n = len(prompt)
+    assert hf[n - 1 : -1].argmax(-1).tolist() == c.token_ids
+    for step, tok in enumerate(c.token_ids):
+        assert abs(c.logprobs[step][tok].logprob - hf[n - 1 + step, tok].item()) <= tol
+    for pos in range(1, n):
+        assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - hf[pos - 1, prompt[pos]].item()) <= tol

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.fp8_checkpoint import dequantize_block_fp8
-from helpers import make_checkpoint
+from helpers import assert_scored_by_transformers, make_checkpoint
 
 TOL = 1e-4
 BLOCK = (32, 32)  # real checkpoints use 128x128; the tiny shapes need smaller blocks to have several
@@ -82,15 +82,7 @@ def test_fp8_logits_match_transformers_dequantized(tmp_path, fp8_qwen3, arch):
     llm = LLM(path, dtype="float32", attention_backend="torch", num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     for prompt, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        c = o.outputs[0]
-        with torch.no_grad():
-            hf = ref(torch.tensor([prompt + c.token_ids])).logits[0].float().log_softmax(-1)
-        n = len(prompt)
-        assert hf[n - 1 : -1].argmax(-1).tolist() == c.token_ids
-        for step, tok in enumerate(c.token_ids):
-            assert abs(c.logprobs[step][tok].logprob - hf[n - 1 + step, tok].item()) <= TOL
-        for pos in range(1, n):
-            assert abs(o.prompt_logprobs[pos][prompt[pos]].logprob - hf[pos - 1, prompt[pos]].item()) <= TOL
+        assert_scored_by_transformers(ref, prompt, o, TOL)
 
 
 def test_fp8_weights_are_the_dequantized_ones(fp8_qwen3):

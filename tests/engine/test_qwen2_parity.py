@@ -12,7 +12,7 @@ import torch
 
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from helpers import write_tokenizer
+from helpers import assert_scored_by_transformers, write_tokenizer
 
 TOL = 1e-4
 
@@ -47,15 +47,7 @@ def test_qwen2_token_exact_vs_transformers(tmp_path, tied):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, o in zip(prompts, outs):
-        c = o.outputs[0]
-        with torch.no_grad():
-            hf = model(torch.tensor([prompt + c.token_ids])).logits[0].float().log_softmax(-1)
-        n = len(prompt)
-        assert hf[n - 1 : -1].argmax(-1).tolist() == c.token_ids
-        for step, tok in enumerate(c.token_ids):
-            assert abs(c.logprobs[step][tok].logprob - hf[n - 1 + step, tok].item()) <= TOL
-        for pos in range(1, n):
-            assert abs(o.prompt_logprobs[pos][prompt[pos]].logprob - hf[pos - 1, prompt[pos]].item()) <= TOL
+        assert_scored_by_transformers(model, prompt, o, TOL)
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 5  # varied continuations, not one token
 
 

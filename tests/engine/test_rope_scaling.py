@@ -13,7 +13,7 @@ import torch
 from cuttle.attention.rope import RotaryEmbedding
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from helpers import write_tokenizer
+from helpers import assert_scored_by_transformers, write_tokenizer
 
 TOL = 1e-4
 ORIGINAL = 32  # original_max_position_embeddings of every scaled config below
@@ -99,16 +99,8 @@ def _check_engine(tmp_path, arch: str, scaling: dict, rope_in_config_as: str = "
     llm = LLM(path, dtype="float32", attention_backend="torch", num_kv_blocks=64, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     for prompt, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        c = o.outputs[0]
-        with torch.no_grad():  # transformers scores the whole sequence: its argmax at each step is its greedy choice
-            hf = model(torch.tensor([prompt + c.token_ids])).logits[0].float().log_softmax(-1)
-        n = len(prompt)
-        assert hf[n - 1 : -1].argmax(-1).tolist() == c.token_ids
-        for step, tok in enumerate(c.token_ids):
-            assert abs(c.logprobs[step][tok].logprob - hf[n - 1 + step, tok].item()) <= TOL
-        for pos in range(1, n):
-            assert abs(o.prompt_logprobs[pos][prompt[pos]].logprob - hf[pos - 1, prompt[pos]].item()) <= TOL
-        assert len(set(c.token_ids)) > 3
+        assert_scored_by_transformers(model, prompt, o, TOL)
+        assert len(set(o.outputs[0].token_ids)) > 3
 
 
 @pytest.mark.parametrize("arch,name", [("qwen3", "yarn"), ("qwen3", "yarn_mscale"), ("llama", "linear"), ("llama", "llama3")])
@@ -201,10 +193,5 @@ def test_scaled_context_reaches_past_max_position_embeddings(tmp_path):
     llm = LLM(path, dtype="float32", attention_backend="torch", num_kv_blocks=16)
     assert llm.engine.max_model_len == 128
     prompt = [random.Random(9).randrange(3, 256) for _ in range(100)]
-    o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0), use_tqdm=False)[0]
-    c = o.outputs[0]
-    with torch.no_grad():
-        hf = model(torch.tensor([prompt + c.token_ids])).logits[0].float().log_softmax(-1)
-    assert hf[99:-1].argmax(-1).tolist() == c.token_ids
-    for step, tok in enumerate(c.token_ids):
-        assert abs(c.logprobs[step][tok].logprob - hf[99 + step, tok].item()) <= TOL
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    assert_scored_by_transformers(model, prompt, llm.generate([prompt], params, use_tqdm=False)[0], TOL)
