@@ -64,14 +64,17 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (every thread of the process, copy worker included)
+
+
 def timed(llm, prompt: list[int]) -> tuple[float, dict]:
     """TTFT of one request asking for one token, and what it moved."""
     from cuttle.engine import SamplingParams
 
     before = kv_stats(llm)
-    t = time.perf_counter()
+    t = CLOCK()
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-    return time.perf_counter() - t, delta(kv_stats(llm), before)
+    return CLOCK() - t, delta(kv_stats(llm), before)
 
 
 def run_workload(path: str, mode: str, args, work) -> dict:
@@ -79,18 +82,18 @@ def run_workload(path: str, mode: str, args, work) -> dict:
 
     read = MODES[mode]
     kw = dict(num_host_kv_blocks=args.host_blocks, kv_read_in_place=read) if read is not None else {}
-    llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.device_blocks, max_num_seqs=args.max_num_seqs,
+    llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.device_blocks, max_num_seqs=args.max_num_seqs, num_threads=args.threads,
               max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.device_blocks * BLOCK, **kw)
     llm.generate([[7] * 8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
     before = kv_stats(llm)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     history = [[] for _ in work]
     for r in range(len(work[0])):
         prompts = [h + turns[r][0] for h, turns in zip(history, work)]
         params = [SamplingParams(temperature=0, max_tokens=turns[r][1], ignore_eos=True) for turns in work]
         outs = llm.generate(prompts, params, use_tqdm=False)
         history = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-    wall = time.perf_counter() - t0
+    wall = CLOCK() - t0
     d = delta(kv_stats(llm), before)
     out = {"mode": mode, "wall_s": wall, **d, "tokens_per_s": (d["prompt_tokens"] + d["generated_tokens"]) / wall,
            "final_tokens": [len(h) for h in history]}
@@ -103,7 +106,7 @@ def run_probe(path: str, args) -> dict:
     same engine while nothing is cached."""
     from cuttle.engine import LLM, SamplingParams
 
-    llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.probe_blocks, num_host_kv_blocks=4 * args.probe_blocks,
+    llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.probe_blocks, num_host_kv_blocks=4 * args.probe_blocks, num_threads=args.threads,
               max_num_seqs=1, max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.probe_len + RESUME_NEW + 16,
               kv_read_in_place="never")
     tiers = llm.engine.tiers
@@ -114,9 +117,10 @@ def run_probe(path: str, args) -> dict:
 
     llm.generate([[7] * 8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
     out: dict = {"len": args.probe_len, "probe_blocks": args.probe_blocks}
-    out["ttft_recompute_s"], out["recompute"] = timed(llm, tokens(args.probe_len + RESUME_NEW))
     a, b = tokens(args.probe_len), tokens(args.probe_len)
-    out["prefill_s"], _ = timed(llm, a)
+    # the resumed turn with nothing cached: what (a) computes for a pushed-out session (it also
+    # leaves A's blocks cached for the device hit)
+    out["ttft_recompute_s"], out["recompute"] = timed(llm, a + tokens(RESUME_NEW))
     out["ttft_device_hit_s"], out["device_hit"] = timed(llm, a + tokens(RESUME_NEW))
     timed(llm, b)  # pushes A out to the host tier
     out["ttft_copy_in_s"], out["copy_in"] = timed(llm, a + tokens(RESUME_NEW))  # evicts B to the host tier
@@ -137,15 +141,22 @@ def plot(results: list[dict], probe: dict, out: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 2 if results else 1, figsize=(12 if results else 6, 4.2), squeeze=False)
+    ax1 = axes[0][0]
     labels = ["device hit", "(b) host,\ncopy-in", "(c) host,\nread in place", "(a) recompute"]
     vals = [probe["ttft_device_hit_s"], probe["ttft_copy_in_s"], probe["ttft_in_place_s"], probe["ttft_recompute_s"]]
     ax1.bar(labels, vals, color=["#4c72b0", "#55a868", "#8172b2", "#c44e52"])
     ax1.set_yscale("log")
-    ax1.set_ylabel("TTFT of the resumed turn (s, log)")
+    ax1.set_ylabel(f"TTFT of the resumed turn ({'CPU ' if CLOCK is time.process_time else ''}s, log)")
     ax1.set_title(f"resume a {probe['len']}-token session (+{RESUME_NEW} new tokens)")
     for i, v in enumerate(vals):
         ax1.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+    if not results:
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out, dpi=120)
+        return
+    ax2 = axes[0][1]
     ax2.bar([r["mode"].split(" ")[0] for r in results], [r["prefill_tokens_computed"] for r in results],
             color=["#c44e52", "#55a868", "#8172b2"])
     ax2.set_ylabel("prefill tokens computed (workload)")
@@ -173,10 +184,18 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-probe", action="store_true")
+    ap.add_argument("--skip-workload", action="store_true")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: process CPU time with --threads 1 (a loaded shared machine makes wall time a scheduler measurement)")
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where preset checkpoints are built")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
+    if args.clock == "cpu":
+        global CLOCK
+        CLOCK = time.process_time
+        args.threads = 1
     if args.quick:
         args.sessions, args.turns, args.context_len, args.tool_output_len = 3, 4, 128, "32:48"
         args.probe_len = 1024
@@ -195,7 +214,7 @@ def main() -> None:
           f"{unique / (args.device_blocks * BLOCK):.1f}x the device pool ({args.device_blocks} blocks); "
           f"load average {load[0]:.1f} on {os.cpu_count()} cores", flush=True)
     report: dict = {"machine": machine_info(), "load_average": load, "model": args.model_preset, "dtype": args.dtype,
-                    "args": vars(args), "memcpy_gbps": memcpy, "probe": None, "results": [], "targets": {}}
+                    "args": vars(args), "clock": args.clock, "memcpy_gbps": memcpy, "probe": None, "results": [], "targets": {}}
     targets = report["targets"]
 
     def save() -> None:
@@ -228,26 +247,27 @@ def main() -> None:
               f"{ip['kv_bytes_host_to_device'] / 1e9:.2f} GB copied in", flush=True)
         save()
     results = report["results"]
-    for mode in MODES:
-        t = time.perf_counter()
-        results.append(run_workload(path, mode, args, work))
-        print(f"  workload {mode}: {time.perf_counter() - t:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    if not args.skip_workload:
+        for mode in MODES:
+            t = time.perf_counter()
+            results.append(run_workload(path, mode, args, work))
+            print(f"  workload {mode}: {time.perf_counter() - t:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+            save()
+        rows = [[r["mode"], f"{r['wall_s']:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['prefill_tokens_computed']:.0f}",
+                 f"{r['kv_bytes_device_to_host'] / 1e9:.2f}", f"{r['kv_bytes_host_to_device'] / 1e9:.2f}",
+                 f"{r['kv_host_hit_blocks']:.0f}", f"{r['kv_read_in_place_blocks']:.0f}"] for r in results]
+        print()
+        print(markdown_table(["mode", "workload s", "tok/s", "prefill tok computed", "GB dev->host", "GB host->dev",
+                              "host hit blocks", "read in place"], rows))
+        pool, host, in_place = results
+        targets["prefill_ratio_b_over_a"] = host["prefill_tokens_computed"] / pool["prefill_tokens_computed"]
+        targets["prefill_ratio_c_over_a"] = in_place["prefill_tokens_computed"] / pool["prefill_tokens_computed"]
+        print(f"\nprefill tokens computed (b)/(a): {targets['prefill_ratio_b_over_a']:.3f}, (c)/(a): "
+              f"{targets['prefill_ratio_c_over_a']:.3f} (target <= 0.2)")
         save()
-    rows = [[r["mode"], f"{r['wall_s']:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['prefill_tokens_computed']:.0f}",
-             f"{r['kv_bytes_device_to_host'] / 1e9:.2f}", f"{r['kv_bytes_host_to_device'] / 1e9:.2f}",
-             f"{r['kv_host_hit_blocks']:.0f}", f"{r['kv_read_in_place_blocks']:.0f}"] for r in results]
-    print()
-    print(markdown_table(["mode", "workload s", "tok/s", "prefill tok computed", "GB dev->host", "GB host->dev",
-                          "host hit blocks", "read in place"], rows))
-    pool, host, in_place = results
-    targets["prefill_ratio_b_over_a"] = host["prefill_tokens_computed"] / pool["prefill_tokens_computed"]
-    targets["prefill_ratio_c_over_a"] = in_place["prefill_tokens_computed"] / pool["prefill_tokens_computed"]
-    print(f"\nprefill tokens computed (b)/(a): {targets['prefill_ratio_b_over_a']:.3f}, (c)/(a): "
-          f"{targets['prefill_ratio_c_over_a']:.3f} (target <= 0.2)")
-    save()
     if args.plot and probe is not None:
         plot(results, probe, args.plot, f"{args.model_preset} {args.dtype}, {args.sessions} sessions x {args.turns} turns, "
-                                        f"device pool {args.device_blocks} blocks, load {load[0]:.1f}")
+                                        f"device pool {args.device_blocks} blocks, {args.clock} clock, load {load[0]:.1f}")
 
 
 if __name__ == "__main__":
