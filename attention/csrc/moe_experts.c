@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #ifdef __FMA__
 #include <immintrin.h>
 #endif
@@ -406,7 +407,8 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     float *xf = malloc(sizeof *xf * (size_t)(T * H));  /* x as fp32 (exact for bf16) */
     float *h = malloc(sizeof *h * (size_t)(A * I));    /* silu(gate) * up, rows in expert-sorted order */
     float *ys = malloc(sizeof *ys * (size_t)(A * H));  /* expert outputs, rows in assignment order t*k+j */
-    int rc = 0, nomem = 0;
+    int rc = 0;
+    float *panels = NULL;
     if (!cnt || !pos || !sorted || !active || !xf || !h || !ys) {
         rc = -1;
         goto done;
@@ -427,22 +429,28 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     }
     for (int64_t a = 0; a < A; a++) sorted[pos[ids[a]]++] = a;
 
-#pragma omp parallel
+    /* x as fp32 once (exact for bf16); in parallel only when it is big enough to pay a fork */
+#pragma omp parallel for schedule(static) if (T * H >= (1 << 18))
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t c = 0; c < H; c++)
+            xf[t * H + c] = bf ? bf16_to_f32(((const uint16_t *)x)[t * x_stride + c]) : ((const float *)x)[t * x_stride + c];
+    /* the scalar MXFP8 route's fp32 panels, one per thread, allocated before the parallel region so
+     * it needs no barrier to agree on a failed allocation */
+    const int nthreads = omp_get_max_threads();
+    panels = mx && !mx_fast ? malloc(sizeof(float) * (size_t)(panel_k * 16) * (size_t)nthreads) : NULL;
+    if (mx && !mx_fast && !panels) {
+        rc = -1;
+        goto done;
+    }
+    /* One parallel region with one barrier (between the two stages): on a machine shared with
+     * other busy processes every barrier can wait a whole scheduler slice for a descheduled
+     * thread, so the stages are arranged to need no more. */
+#pragma omp parallel num_threads(nthreads)
     {
-        float *panel = mx && !mx_fast ? malloc(sizeof(float) * (size_t)(panel_k * 16)) : NULL;
-        if (mx && !mx_fast && !panel) {
-#pragma omp atomic write
-            nomem = 1;
-        }
-#pragma omp barrier
-        const int ok = !nomem;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t c = 0; c < H; c++)
-                xf[t * H + c] = bf ? bf16_to_f32(((const uint16_t *)x)[t * x_stride + c]) : ((const float *)x)[t * x_stride + c];
+        float *panel = panels ? panels + (size_t)omp_get_thread_num() * (size_t)(panel_k * 16) : NULL;
         /* stage 1: h = silu(x G^T) * (x U^T), one item per (active expert, panel) */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < (ok ? nact * np : 0); it++) {
+        for (int64_t it = 0; it < nact * np; it++) {
             const int64_t e = active[it / np], p = it % np;
             const char *wp = (const char *)w13p + (size_t)((e * np + p) * H * 2 * P13) * es;
             const uint8_t *sp = mx ? (const uint8_t *)w13_scale + (size_t)((e * np + p) * (H / MX_BLOCK) * 2 * P13) : NULL;
@@ -466,46 +474,49 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                     }
             }
         }
-        /* stage 2: ys[a] = h[a] W2^T, one item per (active expert, output panel) */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < (ok ? nact * nq : 0); it++) {
-            const int64_t e = active[it / nq], q = it % nq;
-            const char *wp = (const char *)w2p + (size_t)((e * nq + q) * I * P2) * es;
-            const uint8_t *sp = mx ? (const uint8_t *)w2_scale + (size_t)((e * nq + q) * (I / MX_BLOCK) * P2) : NULL;
-            if (mx && !mx_fast) mx_panel_dequant((const uint8_t *)wp, sp, I, panel);
-            for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MR) {
-                const int M = cnt[e + 1] - r0 < MR ? (int)(cnt[e + 1] - r0) : MR;
-                const float *hr[MR];
-                for (int m = 0; m < M; m++) hr[m] = h + (r0 + m) * I;
-                v8f a0[MR], a1[MR];
+        /* stage 2 + combine, one item per output panel q: ys[a][q cols] = h[a] W2^T for every
+         * active expert, then each token's k rows of those columns summed in slot order (fp32
+         * products and sums). The item owns its columns for every token, so the combine needs no
+         * barrier; each expert's w2 panel is still read once. */
+#pragma omp for schedule(static) nowait
+        for (int64_t q = 0; q < nq; q++) {
+            for (int64_t ai = 0; ai < nact; ai++) {
+                const int64_t e = active[ai];
+                const char *wp = (const char *)w2p + (size_t)((e * nq + q) * I * P2) * es;
+                const uint8_t *sp = mx ? (const uint8_t *)w2_scale + (size_t)((e * nq + q) * (I / MX_BLOCK) * P2) : NULL;
+                if (mx && !mx_fast) mx_panel_dequant((const uint8_t *)wp, sp, I, panel);
+                for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MR) {
+                    const int M = cnt[e + 1] - r0 < MR ? (int)(cnt[e + 1] - r0) : MR;
+                    const float *hr[MR];
+                    for (int m = 0; m < M; m++) hr[m] = h + (r0 + m) * I;
+                    v8f a0[MR], a1[MR];
 #ifdef MX_X86
-                if (mx_fast) MX_TILES[M](hr, (const uint8_t *)wp, sp, I, a0, a1);
-                else
+                    if (mx_fast) MX_TILES[M](hr, (const uint8_t *)wp, sp, I, a0, a1);
+                    else
 #endif
-                if (mx) DOWN[0][M](hr, (const char *)panel, I, a0, a1);
-                else DOWN[fi][M](hr, wp, I, a0, a1);
-                for (int m = 0; m < M; m++) {
-                    float *y = ys + sorted[r0 + m] * H;
-                    for (int c = 0; c < P2 && q * P2 + c < H; c++) y[q * P2 + c] = rnd(c < 8 ? a0[m][c] : a1[m][c - 8], bf);
+                    if (mx) DOWN[0][M](hr, (const char *)panel, I, a0, a1);
+                    else DOWN[fi][M](hr, wp, I, a0, a1);
+                    for (int m = 0; m < M; m++) {
+                        float *y = ys + sorted[r0 + m] * H;
+                        for (int c = 0; c < P2 && q * P2 + c < H; c++) y[q * P2 + c] = rnd(c < 8 ? a0[m][c] : a1[m][c - 8], bf);
+                    }
                 }
             }
+            const int64_t c1 = (q + 1) * P2 < H ? (q + 1) * P2 : H;
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t c = q * P2; c < c1; c++) {
+                    float s = 0.f;
+                    for (int64_t j = 0; j < k; j++) {
+                        const float pr = ys[(t * k + j) * H + c] * weights[t * k + j];
+                        s += pr;
+                    }
+                    if (out_dtype == DT_BF16) ((uint16_t *)out)[t * H + c] = f32_to_bf16(s);
+                    else ((float *)out)[t * H + c] = s;
+                }
         }
-        /* combine: the top-k rows of each token in slot order, products and sums in fp32 */
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t c = 0; c < H; c++) {
-                float s = 0.f;
-                for (int64_t j = 0; j < k; j++) {
-                    const float pr = ys[(t * k + j) * H + c] * weights[t * k + j];
-                    s += pr;
-                }
-                if (out_dtype == DT_BF16) ((uint16_t *)out)[t * H + c] = f32_to_bf16(s);
-                else ((float *)out)[t * H + c] = s;
-            }
-        free(panel);
     }
-    if (nomem) rc = -1;
 done:
+    free(panels);
     free(cnt), free(pos), free(sorted), free(active), free(xf), free(h), free(ys);
     return rc;
 }
