@@ -51,16 +51,16 @@ SPEC_SEEDS = guided_seeds(0, 48)  # guided tasks for GRPO; the warm start uses o
 SFT_SEEDS = guided_seeds(1000, 16)
 
 
-def scripted_trajectories(llm: LLM) -> list[Trajectory]:
+def scripted_trajectories(llm: LLM, seeds: list[int]) -> list[Trajectory]:
     """The scripted fix of every SFT task, run through the agent loop in the sandbox: the exact
     token streams (prompt, the fix's turns, the template and tool results between them) a policy
     that solves them would produce. Each must earn reward 1, or the task set is broken."""
     tok = llm.get_tokenizer()
     cfg = AgentConfig(max_turns=4, max_tokens_per_turn=512)  # the script's turns whole, whatever the run's limits
-    runner = AgentRollout(ScriptedFix(tok, SFT_SEEDS), guided_env, cfg, tokenizer=tok,
+    runner = AgentRollout(ScriptedFix(tok, seeds), guided_env, cfg, tokenizer=tok,
                           eos_token_ids=llm.engine.eos_token_ids)
     try:
-        groups = runner.run([{"kind": "guided", "seed": s} for s in SFT_SEEDS], 1, SamplingParams(temperature=1.0))
+        groups = runner.run([{"kind": "guided", "seed": s} for s in seeds], 1, SamplingParams(temperature=1.0))
     finally:
         runner.close()
     eps = [g.episodes[0] for g in groups]
@@ -107,11 +107,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--max-tokens-per-turn", type=int, default=128)
     ap.add_argument("--warm-start-steps", type=int, default=12)
     ap.add_argument("--warm-start-lr", type=float, default=1e-3)
+    ap.add_argument("--warm-start-tasks", type=int, default=len(SFT_SEEDS), help=f"scripted trajectories (<= {len(SFT_SEEDS)})")
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--format-bonus", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "cuttle-agent-grpo"))
     args = ap.parse_args(argv)
+    if not 1 <= args.warm_start_tasks <= len(SFT_SEEDS):
+        ap.error(f"--warm-start-tasks must be in 1..{len(SFT_SEEDS)}, got {args.warm_start_tasks}")
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     os.makedirs(args.out, exist_ok=True)
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = AgentConfig(max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens_per_turn, max_total_tokens=4000,
                       turn_wait_s=0.2)
     runner = AgentRollout(llm, guided_env, cfg)
-    examples = scripted_trajectories(llm) if args.warm_start_steps else []
+    examples = scripted_trajectories(llm, SFT_SEEDS[:args.warm_start_tasks]) if args.warm_start_steps else []
     sft_losses = warm_start(trainer, examples, args.warm_start_steps, 4, rng) if args.warm_start_steps else []
     for group in trainer.optimizer.param_groups:
         group["lr"] = args.lr

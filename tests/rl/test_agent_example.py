@@ -1,5 +1,6 @@
 """The agent GRPO example runs end to end on the embedded model in the sandbox (1 step, a 2-step
-warm start, tiny turns) and writes its three outputs with the per-step stats."""
+warm start on 4 scripted guided-task trajectories, tiny turns) and writes its three outputs with
+the per-step stats."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ from cuttle.rl.examples.agent_grpo import main
 
 def test_agent_grpo_runs_a_step_and_writes_log_plot_and_summary(tmp_path, namespaces):
     out = str(tmp_path / "run")
-    summary = main(["--steps", "1", "--warm-start-steps", "2", "--groups", "1", "--group-size", "2", "--max-turns", "1",
+    summary = main(["--steps", "1", "--warm-start-steps", "2", "--warm-start-tasks", "4", "--groups", "1",
+                    "--group-size", "2", "--max-turns", "1",
                     "--max-tokens-per-turn", "8", "--out", out])
     [rec] = [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))]
     assert rec["step"] == 1 and rec["episodes"] == 2.0 and rec["turns_mean"] == 1.0
