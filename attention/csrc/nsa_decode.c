@@ -71,15 +71,12 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_rows * head_chunks; item++) {
             if (failed) continue;
-            const int64_t r = item / head_chunks, h0 = (item % head_chunks) * heads_per_item;
-            const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;
-            if (h0 >= h1) continue;
-            const int64_t nh = h1 - h0, nr = nh * group;
+            int64_t r, h0;
+            const int64_t nh = sparse_item(item, head_chunks, heads_per_item, num_kv_heads, &r, &h0), nr = nh * group;
+            if (nh == 0) continue;
             const int64_t L = lens[r], t = L - 1;
             const int32_t *table = tables + r * table_stride;
-            const int64_t qoff = rows[r] * q_row_stride + h0 * group * D;
-            for (int64_t i = 0; i < nr * D; i++)
-                qf[i] = (q_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)q)[qoff + i]) : ((const float *)q)[qoff + i]) * scale;
+            sparse_load_q(qf, q, q_dtype, rows[r] * q_row_stride + h0 * group * D, nr * D, scale);
             float *mc = m, *s0 = s, *a0 = acc;
             for (int64_t i = 0; i < nr; i++) { mc[i] = -INFINITY; s0[i] = 0.f; }
             memset(a0, 0, sizeof(float) * (size_t)(nr * D));
@@ -112,7 +109,7 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
             const int64_t want = top_n < nb ? top_n : nb;
             float *m1 = m + nr, *s1 = s + nr, *a1 = acc + nr * D;
             for (int64_t hh = 0; hh < nh; hh++) {
-                for (int64_t j = 0; j < nb; j++) { bsc[j] = 0.f; taken[j] = 0; }
+                for (int64_t j = 0; j < nb; j++) bsc[j] = 0.f;
                 for (int64_t i = 0; i < nc; i++) {
                     float ps = 0.f;
                     for (int64_t g = 0; g < group; g++) ps += pc[(hh * group + g) * max_nc + i];
@@ -121,26 +118,9 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
                         if (j < nb) bsc[j] += ps;
                     }
                 }
-                int64_t npick = 0;
-                for (int64_t j = 0; j < nb && npick < want; j++)
-                    if (j < init_blocks || j > cur - local_blocks) { taken[j] = 1; pick[npick++] = j; }
-                while (npick < want) {
-                    int64_t best = -1;
-                    for (int64_t j = 0; j < nb; j++)
-                        if (!taken[j] && (best < 0 || bsc[j] > bsc[best])) best = j;
-                    taken[best] = 1;
-                    pick[npick++] = best;
-                }
-                const int64_t it = r * num_kv_heads + h0 + hh; /* (row, KV head) index of the outputs */
-                if (selected)
-                    for (int64_t p = 0; p < top_n; p++) selected[it * top_n + p] = p < npick ? (int32_t)pick[p] : -1;
-                int64_t *t1 = pick + top_n, count = 0;
-                for (int64_t p = 0; p < npick; p++) {
-                    const int64_t a = pick[p] * sel_block;
-                    t1[p] = a + sel_block < L ? a + sel_block : L;
-                    pick[p] = a; /* the ranges' starts, in place */
-                    count += t1[p] - a;
-                }
+                const int64_t npick = sparse_pick_blocks(bsc, taken, pick, cur, nb, want, init_blocks, local_blocks);
+                int64_t *t1 = pick + top_n;
+                const int64_t count = sparse_block_ranges(pick, t1, npick, sel_block, L, selected, r * num_kv_heads + h0 + hh, top_n);
                 sparse_attend(qf + hh * group * D, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
                               h0 + hh, 1, group, D, sc, a1 + hh * group * D, m1 + hh * group, s1 + hh * group);
                 sel_count[hh] = count;
@@ -158,11 +138,8 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
                 const float w_c = nc > 0 ? gt[0] : 0.f;
                 const float w_s = s1[j] > 0.f ? gt[1] / s1[j] : 0.f, w_w = s2[j] > 0.f ? gt[2] / s2[j] : 0.f;
                 const int64_t ooff = rows[r] * out_row_stride + head * D;
-                for (int64_t i = 0; i < D; i++) {
-                    const float o = w_c * a0[j * D + i] + w_s * a1[j * D + i] + w_w * a2[j * D + i];
-                    if (out_dtype == DT_BF16) ((uint16_t *)out)[ooff + i] = f32_to_bf16(o);
-                    else ((float *)out)[ooff + i] = o;
-                }
+                for (int64_t i = 0; i < D; i++)
+                    sparse_store(out, out_dtype, ooff + i, w_c * a0[j * D + i] + w_s * a1[j * D + i] + w_w * a2[j * D + i]);
             }
         }
         free(qf); free(acc); free(pc); free(bsc); free(taken); free(pick); free(m); free(sc); free(sel_count);

@@ -1,6 +1,7 @@
 /* Attention of one KV head's query group over a *subset* of a sequence's paged keys: the inner
  * loop both sparse decode kernels share (nsa_decode.c: selected blocks and window; topk_decode.c:
- * the top-k blocks). Implementation: sparse_attend.c. */
+ * the top-k blocks), implemented in sparse_attend.c; and, inline here, the rest of what the two
+ * kernels do alike (work items, q loading, block selection, block ranges, stores). */
 #ifndef CUTTLE_SPARSE_ATTEND_H
 #define CUTTLE_SPARSE_ATTEND_H
 #include <stdint.h>
@@ -55,6 +56,68 @@ static inline void axpy_scalar(float *acc, float p, const void *v, int kv_dtype,
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) acc[i] += p * vv[i];
     }
+}
+
+/* ---- the work-item scaffolding both kernels share ------------------------------------------- */
+
+/* Work item `item` of num_rows * head_chunks: row *r and its KV heads *h0 .. *h0 + return - 1
+ * (heads_per_item of them, fewer at the end); 0 heads: nothing to do. */
+static inline int64_t sparse_item(int64_t item, int64_t head_chunks, int64_t heads_per_item, int64_t num_kv_heads,
+                                  int64_t *r, int64_t *h0) {
+    *r = item / head_chunks;
+    *h0 = (item % head_chunks) * heads_per_item;
+    const int64_t h1 = *h0 + heads_per_item < num_kv_heads ? *h0 + heads_per_item : num_kv_heads;
+    return h1 > *h0 ? h1 - *h0 : 0;
+}
+
+/* qf[0..n) = q[off..off+n) * scale in fp32 (q fp32 or bf16) */
+static inline void sparse_load_q(float *qf, const void *q, int q_dtype, int64_t off, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; i++)
+        qf[i] = (q_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)q)[off + i]) : ((const float *)q)[off + i]) * scale;
+}
+
+/* Block selection of one KV head among blocks 0 .. cur (the query's own is cur): the first
+ * init_blocks and the local_blocks ending at cur are forced (ascending), then the best-scored
+ * (bsc) of the candidates 0 .. ncand - 1 not yet taken, ties to the lower block, until `want`
+ * or no candidate is left. taken: scratch of cur + 1. Returns the count written to pick. */
+static inline int64_t sparse_pick_blocks(const float *bsc, char *taken, int64_t *pick, int64_t cur, int64_t ncand,
+                                         int64_t want, int64_t init_blocks, int64_t local_blocks) {
+    int64_t npick = 0;
+    for (int64_t j = 0; j <= cur; j++) taken[j] = 0;
+    for (int64_t j = 0; j <= cur && npick < want; j++)
+        if (j < init_blocks || j > cur - local_blocks) { taken[j] = 1; pick[npick++] = j; }
+    while (npick < want) {
+        int64_t best = -1;
+        for (int64_t j = 0; j < ncand; j++)
+            if (!taken[j] && (best < 0 || bsc[j] > bsc[best])) best = j;
+        if (best < 0) break;
+        taken[best] = 1;
+        pick[npick++] = best;
+    }
+    return npick;
+}
+
+/* The picked blocks of P keys as key ranges [pick[p], t1[p]) of a sequence of L keys (starts
+ * written over the block ids); `selected` (optional, n slots at item index it) gets the block ids
+ * first, -1 padded. Returns the keys the ranges hold. */
+static inline int64_t sparse_block_ranges(int64_t *pick, int64_t *t1, int64_t npick, int64_t P, int64_t L,
+                                          int32_t *selected, int64_t it, int64_t n) {
+    if (selected)
+        for (int64_t p = 0; p < n; p++) selected[it * n + p] = p < npick ? (int32_t)pick[p] : -1;
+    int64_t count = 0;
+    for (int64_t p = 0; p < npick; p++) {
+        const int64_t a = pick[p] * P;
+        t1[p] = a + P < L ? a + P : L;
+        pick[p] = a;
+        count += t1[p] - a;
+    }
+    return count;
+}
+
+/* out[off] = o, stored as fp32 or bf16 */
+static inline void sparse_store(void *out, int out_dtype, int64_t off, float o) {
+    if (out_dtype == DT_BF16) ((uint16_t *)out)[off] = f32_to_bf16(o);
+    else ((float *)out)[off] = o;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -59,15 +59,12 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_rows * head_chunks; item++) {
             if (failed) continue;
-            const int64_t r = item / head_chunks, h0 = (item % head_chunks) * heads_per_item;
-            const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;
-            if (h0 >= h1) continue;
-            const int64_t nh = h1 - h0, nr = nh * group;
+            int64_t r, h0;
+            const int64_t nh = sparse_item(item, head_chunks, heads_per_item, num_kv_heads, &r, &h0), nr = nh * group;
+            if (nh == 0) continue;
             const int64_t L = lens[r], t = L - 1;
             const int32_t *table = tables + r * table_stride;
-            const int64_t qoff = rows[r] * q_row_stride + h0 * group * D;
-            for (int64_t i = 0; i < nr * D; i++)
-                qf[i] = (q_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)q)[qoff + i]) : ((const float *)q)[qoff + i]) * scale;
+            sparse_load_q(qf, q, q_dtype, rows[r] * q_row_stride + h0 * group * D, nr * D, scale);
             const int64_t cur = t / P, nb = cur + 1, nfull = L / P;
             if (nb <= nsel) {
                 /* 1. every block: plain causal attention, all the item's heads reading each key row
@@ -119,29 +116,11 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                 /* 3-4 per KV head: group sum, forced blocks (ascending), then the best complete
                  * others (ties to the lower) up to n; one softmax over the chosen keys */
                 for (int64_t hh = 0; hh < nh; hh++) {
-                    for (int64_t j = 0; j < nb; j++) { bsc[j] = 0.f; taken[j] = 0; }
+                    for (int64_t j = 0; j < nb; j++) bsc[j] = 0.f;
                     for (int64_t g = 0; g < group; g++)
                         for (int64_t j = 0; j < nfull; j++) bsc[j] += ps[(hh * group + g) * max_blocks + j];
-                    int64_t npick = 0;
-                    for (int64_t j = 0; j < nb && npick < nsel; j++)
-                        if (j < init_blocks || j > cur - local_blocks) { taken[j] = 1; pick[npick++] = j; }
-                    while (npick < nsel) {
-                        int64_t best = -1;
-                        for (int64_t j = 0; j < nfull; j++)
-                            if (!taken[j] && (best < 0 || bsc[j] > bsc[best])) best = j;
-                        if (best < 0) break;
-                        taken[best] = 1;
-                        pick[npick++] = best;
-                    }
-                    if (selected)
-                        for (int64_t p = 0; p < nsel; p++) selected[(r * num_kv_heads + h0 + hh) * nsel + p] = p < npick ? (int32_t)pick[p] : -1;
-                    count[hh] = 0;
-                    for (int64_t p = 0; p < npick; p++) {
-                        const int64_t a = pick[p] * P;
-                        t1[p] = a + P < L ? a + P : L;
-                        pick[p] = a; /* the ranges' starts, in place */
-                        count[hh] += t1[p] - a;
-                    }
+                    const int64_t npick = sparse_pick_blocks(bsc, taken, pick, cur, nfull, nsel, init_blocks, local_blocks);
+                    count[hh] = sparse_block_ranges(pick, t1, npick, P, L, selected, r * num_kv_heads + h0 + hh, nsel);
                     sparse_attend(qf + hh * group * D, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
                                   h0 + hh, 1, group, D, sc, acc + hh * group * D, m + hh * group, s + hh * group);
                 }
@@ -152,11 +131,7 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                 const int64_t head = h0 * group + i;
                 const int64_t ooff = rows[r] * out_row_stride + head * D;
                 const float inv = 1.f / s[i];
-                for (int64_t d = 0; d < D; d++) {
-                    const float o = acc[i * D + d] * inv;
-                    if (out_dtype == DT_BF16) ((uint16_t *)out)[ooff + d] = f32_to_bf16(o);
-                    else ((float *)out)[ooff + d] = o;
-                }
+                for (int64_t d = 0; d < D; d++) sparse_store(out, out_dtype, ooff + d, acc[i * D + d] * inv);
                 if (lse) lse[rows[r] * lse_row_stride + head] = m[i] + logf(s[i]);
             }
         }
