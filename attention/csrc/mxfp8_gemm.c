@@ -94,6 +94,8 @@ int mxfp8_dequantize(const uint8_t *data, const uint8_t *scales, int64_t rows, i
 
 /* ---- decode loop (M <= 4) ------------------------------------------------------------------ */
 
+#define PREFETCH_BYTES 2048
+
 #ifdef MX_X86
 /* R consecutive weight rows (w, s at row stride K and KB) dotted with M fp32 x rows (stride K);
  * out[r * M + m]. R and M are constants at every call site, so the loops unroll. */
@@ -105,6 +107,9 @@ static inline __attribute__((always_inline)) MX_AVX2 void dot_rows_mx(const floa
     for (int64_t kb = 0; kb < KB; kb++) {
         for (int r = 0; r < R; r++) {
             __m256 v[4];
+            /* R interleaved streams: prefetch each a few blocks ahead (the hardware prefetcher
+             * alone left a core at ~60 % of its in-cache rate on weights from memory) */
+            _mm_prefetch((const char *)(w + r * K + kb * MX_BLOCK) + PREFETCH_BYTES, _MM_HINT_T0);
             mx_decode16(w + r * K + kb * MX_BLOCK, &v[0], &v[1]);
             mx_decode16(w + r * K + kb * MX_BLOCK + 16, &v[2], &v[3]);
             const uint8_t b = s[r * KB + kb];
