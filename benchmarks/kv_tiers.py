@@ -106,7 +106,7 @@ def run_probe(path: str, args) -> dict:
     same engine while nothing is cached."""
     from cuttle.engine import LLM, SamplingParams
 
-    llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.probe_blocks, num_host_kv_blocks=4 * args.probe_blocks, num_threads=args.threads,
+    llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.probe_blocks, num_host_kv_blocks=2 * args.probe_blocks + 16, num_threads=args.threads,
               max_num_seqs=1, max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.probe_len + RESUME_NEW + 16,
               kv_read_in_place="never")
     tiers = llm.engine.tiers
