@@ -27,10 +27,8 @@ sees the same kind of tails). Each step must return `--groups` groups of `--grou
 * `sync`: `--groups` groups started, wait for all;
 * `oversample`: `--groups + --extra` started, return at `--groups` complete, abort the rest;
 * `partial`: `--groups + --extra` in flight (new ones top the carried up), return at `--groups`
-  complete, the rest carried into the next step (never aborted, never waited for);
-* `partial_new`: partial rollouts that start `--groups` new groups every step, the carried ones
-  running on top (as much new work per step as `sync`: on a CPU-bound machine, more groups in
-  flight only share the same cores, while a carried straggler waiting on its tool costs none).
+  complete, the rest carried into the next step (never aborted, never waited for); after the
+  first step that is `--groups` new groups per step, as in `sync`, with `--extra` carried ones.
 Reported per (policy, system, mode): steps/min, trajectories/min (returned ones), sampled
 tokens/s, environment-busy seconds (tool calls + grading) per step, trajectories aborted, and the
 step rate against `sync` with stragglers on the same system (the ratio the issue targets, >= 2x).
@@ -266,10 +264,10 @@ def run_mode(system: str, policy: str, mode: str, args: argparse.Namespace, stra
     stream = SpecStream(f"{policy}/{system}/{mode}/{straggle}", args.group_size, 3, straggle, 5.0, 20.0, args.delay_scale)
     g = args.groups
     started = g if mode == "sync" else g + args.extra
-    partial = mode.startswith("partial")
+    partial = mode == "partial"
 
     def new_groups(carried: int) -> int:
-        return g if mode in ("sync", "partial_new") else started - carried
+        return g if mode == "sync" else started - carried
     params = SamplingParams(temperature=1.0)  # turn lengths: the policy's AgentConfig
     totals = {"trajectories": 0.0, "sampled_tokens": 0.0, "env_busy_s": 0.0, "aborted": 0.0, "started": 0.0}
     rewards, turns, step_s = [], [], []
@@ -325,8 +323,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(rows) * 2), 4.5))
     for ax, key, name in ((axes[0], "steps_per_min", "steps / min"), (axes[1], "trajectories_per_min", "trajectories / min")):
         colors = ["tab:gray" if not r["stragglers"] else {"sync": "tab:red", "oversample": "tab:blue",
-                                                          "partial": "tab:green", "partial_new": "tab:olive"}[r["mode"]]
-                  for r in rows]
+                                                          "partial": "tab:green"}[r["mode"]] for r in rows]
         ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylabel(name)
@@ -353,8 +350,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="ray2_locked: 2 workers whose engine serves one group's turn at a time (the old lock)")
     ap.add_argument("--straggler-systems", nargs="+", default=["inproc", "ray2"], choices=["inproc", "ray2"],
                     help="systems measured with stragglers too (ray2_locked never is: it is the batching control)")
-    ap.add_argument("--modes", nargs="+", default=["sync", "oversample", "partial", "partial_new"],
-                    choices=["sync", "oversample", "partial", "partial_new"])
+    ap.add_argument("--modes", nargs="+", default=["sync", "oversample", "partial"], choices=["sync", "oversample", "partial"])
     ap.add_argument("--policies", nargs="+", default=["scripted", "model"], choices=["scripted", "model"])
     ap.add_argument("--out", default="/tmp/cuttle-agent-rollout")
     args = ap.parse_args(argv)
