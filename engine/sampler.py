@@ -98,7 +98,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+# bit t of a bitmask word, as int32 (bit 31 is the sign bit)
+_BITS = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32)
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
@@ -108,14 +109,13 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
     if not mask.rows:
         return
     vocab = logits.shape[1]
-    # bit t of word w is token 32 w + t (xgrammar's layout); the shift of an int32 is arithmetic,
-    # so & 1 reads the sign bit right too
-    allowed = ((mask.bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(mask.rows), -1)[:, :vocab].bool()
+    # bit t of word w is token 32 w + t (xgrammar's layout)
+    banned = ((mask.bitmask.unsqueeze(-1) & _BITS) == 0).view(len(mask.rows), -1)[:, :vocab]
     if len(mask.rows) == logits.shape[0]:
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.masked_fill_(banned, float("-inf"))
     else:
-        for r, a in zip(mask.rows, allowed):
-            logits[r].masked_fill_(~a, float("-inf"))
+        for r, b in zip(mask.rows, banned):
+            logits[r].masked_fill_(b, float("-inf"))
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str = "processed",
