@@ -43,12 +43,12 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
 
 
-def bench_cuttle(path: str, dtype: str, reqs: list[list[int]], out_len: int, max_num_seqs: int) -> tuple[float, float]:
-    """Returns (offline output tok/s, batch-1 decode tok/s)."""
+def bench_cuttle(path: str, dtype: str, reqs: list[list[int]], out_len: int, max_num_seqs: int, **engine_kw) -> tuple[float, float]:
+    """Returns (offline output tok/s, batch-1 decode tok/s). `engine_kw`: e.g. quantization="mxfp8"."""
     from cuttle.engine import LLM, SamplingParams
 
     llm = LLM(path, dtype=dtype, max_model_len=len(reqs[0]) + out_len + 16, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=2048, enable_prefix_caching=False)
+              max_num_batched_tokens=2048, enable_prefix_caching=False, **engine_kw)
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(reqs[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     t = time.perf_counter()
@@ -130,6 +130,19 @@ def weight_counts(mc, n_params: int) -> tuple[int, int]:
     return read, read - emb
 
 
+def mxfp8_params(mc, quantization: str | None, moe_quant: str | None) -> int:
+    """Parameters one decode token reads in MXFP8 (8.25 bits) under these options: the active
+    routed experts (either option), plus every attention and dense-MLP linear (`quantization`)."""
+    hf = mc.hf_config
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    n = len(mc.moe_layers) * top_k * 3 * mc.hidden_size * mc.moe_intermediate_size if (quantization or moe_quant) else 0
+    if quantization:
+        q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+        n += mc.num_layers * (mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size)
+        n += (mc.num_layers - len(mc.moe_layers)) * 3 * mc.hidden_size * mc.intermediate_size
+    return n
+
+
 def _finite(x):
     """NaN / inf -> None, recursively (strict JSON)."""
     if isinstance(x, float):
@@ -157,6 +170,10 @@ def main() -> None:
     ap.add_argument("--peers", default=",".join(PEERS), help=f"comma list of peers to run, of {','.join(PEERS)}; 'none' for none (default: all)")
     ap.add_argument("--moe-ab", action="store_true",
                     help="also run cuttle with the routed experts on the torch path (CUTTLE_MOE_NATIVE=0), in this run")
+    ap.add_argument("--quantization", choices=["mxfp8"], default=None,
+                    help="also run cuttle with every linear (and the routed experts) in MXFP8, in this run")
+    ap.add_argument("--moe-quant", choices=["mxfp8"], default=None,
+                    help="also run cuttle with the routed experts in MXFP8, in this run")
     ap.add_argument("--vllm-enforce-eager", action="store_true", help="run vLLM without its torch.compile step")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
     args = ap.parse_args()
@@ -196,6 +213,11 @@ def main() -> None:
         del os.environ["CUTTLE_MOE_NATIVE"]
         native.select()
         print(f"cuttle, torch expert path: offline {moe_ab[0]:.1f} out tok/s, batch-1 decode {moe_ab[1]:.2f} tok/s", flush=True)
+    mx_run: tuple[float, float] | None = None
+    if args.quantization or args.moe_quant:
+        kw = {k: v for k, v in (("quantization", args.quantization), ("moe_quant", args.moe_quant)) if v}
+        mx_run = bench_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs, **kw)
+        print(f"cuttle, MXFP8 ({kw}): offline {mx_run[0]:.1f} out tok/s, batch-1 decode {mx_run[1]:.2f} tok/s", flush=True)
     rows = []
     if args.skip_transformers:
         t_off = t_dec = float("nan")
@@ -209,6 +231,12 @@ def main() -> None:
         "cuttle": {"batch": args.max_num_seqs, "offline_tok_s": c_off, "decode_tok_s": c_dec},
         "transformers": {"batch": args.hf_batch, "offline_tok_s": t_off, "decode_tok_s": t_dec},
     }
+    if mx_run is not None:
+        n_mx = mxfp8_params(mc, args.quantization, args.moe_quant)
+        results["cuttle-mxfp8"] = {"batch": args.max_num_seqs, "offline_tok_s": mx_run[0], "decode_tok_s": mx_run[1],
+                                   "quantization": args.quantization, "moe_quant": args.moe_quant,
+                                   # bytes a decode token reads: MXFP8 params at 8.25 bits, the rest in the model dtype
+                                   "weight_bytes_per_param": (n_mx * 8.25 / 8 + (read_params - n_mx) * tdtype.itemsize) / read_params}
     if moe_ab is not None:
         results["cuttle-torch-experts"] = {"batch": args.max_num_seqs, "offline_tok_s": moe_ab[0], "decode_tok_s": moe_ab[1]}
     skipped: dict[str, str] = {}
@@ -242,7 +270,7 @@ def main() -> None:
     def cell(x: float | None) -> float | str:
         return "—" if x is None else x
 
-    shown = ("cuttle", *(("cuttle-torch-experts",) if moe_ab is not None else ()),
+    shown = ("cuttle", *(("cuttle-mxfp8",) if mx_run is not None else ()), *(("cuttle-torch-experts",) if moe_ab is not None else ()),
              *(() if args.skip_transformers else ("transformers",)), *[p for p in PEERS if p in results])
     for name in shown:
         r = results[name]
@@ -250,7 +278,8 @@ def main() -> None:
         own_bw_limit = bw * 1e9 / (read_params * r["weight_bytes_per_param"]) if "weight_bytes_per_param" in r else bw_limit
         r.update(offline_vs_transformers=ratio(off, t_off), offline_of_flop_limit=ratio(off, flop_limit),
                  decode_vs_transformers=ratio(dec, t_dec), decode_of_bandwidth_limit=ratio(dec, own_bw_limit))
-        label = {"cuttle-torch-experts": "cuttle, torch experts (CUTTLE_MOE_NATIVE=0)", "vllm": "vLLM (CPU)", "llamacpp": "llama.cpp (bf16 GGUF)", "llamacpp-q8_0": "llama.cpp (Q8_0 GGUF)"}.get(name, name)
+        label = {"cuttle-mxfp8": f"cuttle, MXFP8 ({'all linears + experts' if args.quantization else 'experts'})",
+                 "cuttle-torch-experts": "cuttle, torch experts (CUTTLE_MOE_NATIVE=0)", "vllm": "vLLM (CPU)", "llamacpp": "llama.cpp (bf16 GGUF)", "llamacpp-q8_0": "llama.cpp (Q8_0 GGUF)"}.get(name, name)
         rows.append([label, str(r["batch"]), cell(off), cell(r["offline_vs_transformers"]), cell(r["offline_of_flop_limit"]),
                      dec, cell(r["decode_vs_transformers"]), cell(r["decode_of_bandwidth_limit"])])
     print(f"\nmachine: {info}")
@@ -261,6 +290,9 @@ def main() -> None:
         ["engine", "batch", "offline out tok/s", "vs transformers", "of FLOP limit", "batch-1 decode tok/s", "vs transformers", "of bandwidth limit"],
         rows,
     ))
+    if mx_run is not None:
+        print(f"\ncuttle MXFP8 vs cuttle {args.dtype}, same run: batch-1 decode {ratio(mx_run[1], c_dec):.2f}x, "
+              f"offline {ratio(mx_run[0], c_off):.2f}x")
     for peer, why in skipped.items():
         print(f"\n{peer} not run: {why}")
     if args.json:
