@@ -258,3 +258,32 @@ def test_engine_imports_and_refuses_structured_output_without_xgrammar():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "refused: structured_outputs needs the xgrammar package" in r.stdout
+
+
+def test_apply_token_mask_matches_the_bit_layout():
+    """Bit t of word w allows token 32 w + t (xgrammar's layout, checked against xgrammar's own
+    apply); rows without a mask row and the logit_bias entries as specified."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from cuttle.engine.sampler import apply_token_mask
+    from cuttle.engine.structured_output import TokenMask
+
+    vocab = 1000
+    gen = torch.Generator().manual_seed(0)
+    bm = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    x = torch.randn(4, vocab, generator=gen)
+    bits = torch.from_numpy(np.unpackbits(bm.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab].astype(bool))
+    mask = TokenMask([0, 2, 3], bm, bias_rows=torch.tensor([1, 2]), bias_ids=torch.tensor([7, 9]), bias_vals=torch.tensor([2.5, -1.0]))
+    got = x.clone()
+    apply_token_mask(got, mask)
+    want = x.clone()
+    want[1, 7] += 2.5
+    want[2, 9] -= 1.0
+    for k, r in enumerate([0, 2, 3]):
+        want[r][~bits[k]] = float("-inf")
+    assert torch.equal(got, want)
+    xg = x[[0, 2, 3]].clone()
+    xg[1, 9] -= 1.0
+    xgr.apply_token_bitmask_inplace(xg, bm)
+    assert torch.equal(got[[0, 2, 3]], xg)
