@@ -17,19 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PRESETS, markdown_table, preset_checkpoint  # noqa: E402
+import mxfp8_gemm  # noqa: E402
 from throughput import mxfp8_params, weight_counts  # noqa: E402
-
-
-def read_gbs(nbytes: int = 1 << 28, repeats: int = 5) -> float:
-    """One thread's read rate: a large copy under the CPU clock, read + write bytes / 2."""
-    src = torch.empty(nbytes // 4).fill_(1.0)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.process_time()
-        dst.copy_(src)
-        best = min(best, time.process_time() - t)
-    return nbytes / best / 1e9
 
 
 def decode_tok_s(path: str, tokens: int, **kw) -> float:
@@ -67,7 +56,8 @@ def main() -> None:
     n_mx = mxfp8_params(mc, "mxfp8" if args.option == "quantization" else None, "mxfp8")
     bytes_bf16 = read_params * 2
     bytes_mx = n_mx * 8.25 / 8 + (read_params - n_mx) * 2
-    bw = read_gbs()
+    mxfp8_gemm.CLOCK = time.process_time
+    bw = mxfp8_gemm.copy_gbs() / 2  # one thread's read rate: a copy counts read + write bytes
     bf16 = decode_tok_s(path, args.tokens)
     mx = decode_tok_s(path, args.tokens, **{args.option: "mxfp8"})
     rows = [["bf16", f"{bytes_bf16 / 1e6:.0f}", f"{bf16:.2f}", f"{bw * 1e9 / bytes_bf16:.2f}", f"{bf16 / (bw * 1e9 / bytes_bf16):.2f}", "1.00"],
