@@ -38,7 +38,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DEFAULT_CACHE_DIR, copy_bandwidth_gbs, machine_info, markdown_table, preset_checkpoint  # noqa: E402
+from common import (DEFAULT_CACHE_DIR, PRESETS, copy_bandwidth_gbs, machine_info, make_random_checkpoint,  # noqa: E402
+                    markdown_table, preset_checkpoint)
 from serving import PromptBuilder, ServingConfig, make_dataset  # noqa: E402
 
 MODES = {"(a) pool": None, "(b) pool+host": "never", "(c) pool+host, read in place": "auto"}
@@ -47,6 +48,16 @@ BLOCK = 16
 KEYS = ("prefill_tokens_computed", "generated_tokens", "prompt_tokens", "cached_tokens", "kv_host_hit_blocks",
         "kv_bytes_device_to_host", "kv_bytes_host_to_device", "kv_transfer_blocked_s", "kv_offloaded_blocks",
         "kv_read_in_place_blocks", "kv_read_in_place_runs", "kv_copy_in_runs", "preemptions")
+
+
+def kv_shape_checkpoint(preset: str, cache_dir: str) -> str:
+    """The preset's KV geometry (layers, heads, KV heads, head_dim: the same bytes per block) with a
+    64-wide residual stream and a small vocab: the workload's token and byte counts are the
+    preset's (they depend on lengths and KV shape only, replies being fixed-length), at a small
+    fraction of its compute. Its times say nothing about the preset's."""
+    config, sub = PRESETS[preset]
+    small = dict(config, hidden_size=64, intermediate_size=64, vocab_size=8192, eos_token_id=2, bos_token_id=None)
+    return make_random_checkpoint(os.path.join(cache_dir, sub + "-kv-shape"), small)
 
 
 def sessions(args) -> list[list[tuple[list[int], int]]]:
@@ -202,6 +213,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: process CPU time with --threads 1 (a loaded shared machine makes wall time a scheduler measurement)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-shape-only", action="store_true",
+                    help="the workload on a checkpoint with the preset's KV shape but a tiny residual stream: "
+                         "exact token and byte counts, no meaningful times")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where preset checkpoints are built")
     ap.add_argument("--json")
     ap.add_argument("--plot")
@@ -221,14 +235,16 @@ def main() -> None:
     if args.host_blocks is None:
         args.host_blocks = unique // BLOCK + 2 * args.sessions + 16
     args.probe_blocks = (args.probe_len + 2 * RESUME_NEW) // BLOCK + 4
-    path = preset_checkpoint(args.model_preset, args.cache_dir)
+    if args.kv_shape_only and not args.skip_probe:
+        raise SystemExit("--kv-shape-only is for the workload's counts: add --skip-probe")
+    path = (kv_shape_checkpoint if args.kv_shape_only else preset_checkpoint)(args.model_preset, args.cache_dir)
     memcpy = copy_bandwidth_gbs(1 << 28) / 2  # it counts read + write bytes; a tier's bytes go one way
     load = os.getloadavg()
     print(f"{args.model_preset} {args.dtype}: {args.sessions} sessions x {args.turns} turns, unique KV {unique} tokens = "
           f"{unique / (args.device_blocks * BLOCK):.1f}x the device pool ({args.device_blocks} blocks); "
           f"load average {load[0]:.1f} on {os.cpu_count()} cores", flush=True)
     report: dict = {"machine": machine_info(), "load_average": load, "model": args.model_preset, "dtype": args.dtype,
-                    "args": vars(args), "clock": args.clock, "memcpy_gbps": memcpy, "probe": None, "results": [], "targets": {}}
+                    "args": vars(args), "clock": args.clock, "kv_shape_only": args.kv_shape_only, "memcpy_gbps": memcpy, "probe": None, "results": [], "targets": {}}
     targets = report["targets"]
 
     def save() -> None:

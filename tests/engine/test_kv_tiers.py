@@ -85,7 +85,8 @@ def test_cost_model_keeps_recompute_when_copying_is_dearer(model_path):
     llm = _small(model_path, num_kv_blocks=20, num_host_kv_blocks=64, max_num_seqs=3)
     cost = llm.engine.tiers.cost
     assert cost.copy_bytes_per_s > 0 and cost.flops_per_s > 0
-    assert cost.swap_pays(64, 1) != cost.swap_pays(1, 10**6)  # it is a comparison, not a constant
+    # it is a comparison, not a constant (extreme sizes: the start-up rates are noisy on a loaded machine)
+    assert cost.swap_pays(10**6, 1) and not cost.swap_pays(1, 10**9)
     cost.copy_bytes_per_s = 1.0  # a link slower than any recompute
     got = _concurrent(llm)
     st_ = llm.stats()
