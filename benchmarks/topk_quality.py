@@ -10,10 +10,16 @@ the blocks attention actually uses, and what the sparsity costs in model quality
    of the torch reference with and without the rule: the engine computes exactly these logits, as
    tests/engine/test_sparse_engine.py asserts): greedy agreement (argmax equal) and mean
    |delta logprob| of the next token at positions past the budget.
-3. Retrieval: a name defined at the top of a file and used again after thousands of tokens of other
-   code; the log-probability of the name's remaining tokens at the use, dense vs top-k.
+3. Retrieval: a name defined in a file (after `--lead` tokens of other code, so that neither the
+   forced initial block nor the window holds it) and used again `--gap` tokens later; the
+   log-probability and top-1 accuracy of the name's remaining tokens at the use, dense vs top-k,
+   and for every `--compare` model too (an NSA model scored with its own attention, a dense one
+   dense and under top-k): e.g. the default model, its dense control and the NSA variant of the
+   recipe (docs/nsa.md).
 
     .venv/bin/python benchmarks/topk_quality.py [--tokens 3072] [--files 6] [--budgets 256,512,1024]
+    .venv/bin/python benchmarks/topk_quality.py --only retrieval --lead 128 --gap 320 --budgets 128,256 \
+        --compare /tmp/dense_ctrl /tmp/nsa_model
 """
 from __future__ import annotations
 
@@ -111,9 +117,9 @@ def recall(qk, cfg: TopKConfig, scale: float, positions: torch.Tensor) -> tuple[
     return sum(rec) / len(rec), sum(mass) / len(mass)
 
 
-def retrieval_prompts(tok: Tokenizer, filler: list[list[int]], gap: int, count: int) -> list[tuple[list[int], int]]:
-    """(ids, first index of the name's tokens at the use) for `count` made-up names: defined at the
-    top, `gap` tokens of other code, then used."""
+def retrieval_prompts(tok: Tokenizer, filler: list[list[int]], gap: int, count: int, lead: int = 0) -> list[tuple[list[int], int]]:
+    """(ids, first index of the name's tokens at the use) for `count` made-up names: `lead` tokens
+    of code, the definition, `gap` tokens of other code, then the use."""
     rng = random.Random(0)
     words = ["frobnicate", "quaternion", "marmalade", "zeppelin", "halibut", "turmeric", "gondola", "sprocket", "walrus",
              "mandolin", "obsidian", "pumpernickel"]
@@ -123,10 +129,11 @@ def retrieval_prompts(tok: Tokenizer, filler: list[list[int]], gap: int, count: 
         head = tok.encode(f"def {name}(value, limit=None):\n    \"\"\"Return value clipped to limit.\"\"\"\n    return value\n\n\n",
                           add_special_tokens=False)
         body = filler[i % len(filler)][:gap]
+        before = filler[(i + 1) % len(filler)][-lead:] if lead else []
         use = tok.encode(f"\n\n\nresult = {name}(", add_special_tokens=False)
         pre = tok.encode("\n\n\nresult =", add_special_tokens=False)  # the space goes with the name's first token
         assert use[: len(pre)] == pre, (use, pre)
-        out.append((head + body + use, len(head) + len(body) + len(pre)))
+        out.append((before + head + body + use, len(before) + len(head) + len(body) + len(pre)))
     return out
 
 
@@ -139,6 +146,10 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--dense-layers", type=int, default=1)
     ap.add_argument("--gap", type=int, default=2500, help="tokens between a name's definition and its use")
+    ap.add_argument("--lead", type=int, default=0, help="tokens of code before a name's definition (retrieval)")
+    ap.add_argument("--names", type=int, default=8, help="made-up names in the retrieval check")
+    ap.add_argument("--compare", nargs="*", default=[], metavar="DIR",
+                    help="more models (same tokenizer) in the retrieval table: NSA ones with their own attention")
     ap.add_argument("--only", choices=["recall", "gap", "retrieval"], default=None, help="run one part")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -157,7 +168,10 @@ def main() -> None:
     if args.only in (None, "gap"):
         gap_table(model, texts, budgets, args)
     if args.only in (None, "retrieval"):
-        retrieval_table(model, tok, texts, budgets, args)
+        models = {args.model: model}
+        for d in args.compare:
+            models[d] = load_model(d, ModelConfig.from_pretrained(d), torch.float32, torch.device("cpu")).eval()
+        retrieval_table(models, tok, texts, budgets, args)
 
 
 def recall_table(model, texts, budgets, args, scale) -> None:
@@ -203,24 +217,30 @@ def gap_table(model, texts, budgets, args) -> None:
 
 
 
-def retrieval_table(model, tok, texts, budgets, args) -> None:
-    """3. retrieval of a name defined early"""
-    prompts = retrieval_prompts(tok, texts, args.gap, 8)
+def retrieval_table(models: dict, tok, texts, budgets, args) -> None:
+    """3. retrieval of a name defined early, for each model: its own attention, and top-k for a dense one"""
+    prompts = retrieval_prompts(tok, texts, args.gap, args.names, args.lead)
     rows = []
-    configs: list[tuple[str, TopKConfig | None]] = [("dense", None)]
-    configs += [(f"topk {s} {b}", TopKConfig(budget=b, block=args.block, dense_layers=args.dense_layers, summary=s))
-                for b in budgets for s in ("quest", "mean")]
-    for label, cfg in configs:
-        lps, hits, n = 0.0, 0, 0
-        for ids, at in prompts:
-            lp = forward(model, ids, cfg)
-            for i in range(at + 1, len(ids)):  # the name's tokens after its first (and the "(")
-                lps += lp[i - 1, ids[i]].item()
-                hits += int(lp[i - 1].argmax().item() == ids[i])
-                n += 1
-        rows.append([label, f"{lps / n:.3f}", f"{hits / n:.3f}", n])
-    print(f"\n### Retrieval: a name defined at the top, used {args.gap} tokens later (8 names)\n")
-    print(markdown_table(["attention", "mean logprob of the name's later tokens", "top-1 accuracy", "tokens"], rows))
+    for path, model in models.items():
+        own = "nsa" if model.nsa is not None else "dense"
+        configs: list[tuple[str, TopKConfig | None]] = [(own, None)]
+        if model.nsa is None:
+            configs += [(f"topk {s} {b}", TopKConfig(budget=b, block=args.block, dense_layers=args.dense_layers, summary=s))
+                        for b in budgets for s in ("quest", "mean")]
+        for label, cfg in configs:
+            lps, hits, n = 0.0, 0, 0
+            for ids, at in prompts:
+                lp = forward(model, ids, cfg)
+                for i in range(at + 1, len(ids)):  # the name's tokens after its first (and the "(")
+                    lps += lp[i - 1, ids[i]].item()
+                    hits += int(lp[i - 1].argmax().item() == ids[i])
+                    n += 1
+            rows.append([os.path.relpath(path, ROOT) if path.startswith(ROOT) else path, label, f"{lps / n:.3f}",
+                         f"{hits / n:.3f}", n])
+    length = max(len(ids) for ids, _ in prompts)
+    print(f"\n### Retrieval: a name defined after {args.lead} tokens, used {args.gap} tokens later ({args.names} names, "
+          f"prompts of {length} tokens)\n")
+    print(markdown_table(["model", "attention", "mean logprob of the name's later tokens", "top-1 accuracy", "tokens"], rows))
 
 
 def random_model_qk(n_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -13,6 +13,13 @@ learns to use the documents. Training uses the engine's own model code (`CausalL
 so the engine serves exactly what was trained. Progress and validation loss are shown as it runs;
 the model card records the held-out loss, the squid query-loss table against the model it replaces,
 and the exact command.
+
+    python -m cuttle.engine.train_default_model --attention nsa --init engine/default_model --out DIR
+
+trains the same coder with NSA layers (`NSA_CONFIG`, sized for this model's contexts) on plain
+causal rows, one file piece a row (NSA defines its own visibility, so no packing, no squid rows),
+starting from the dense weights (`nsa_from_dense`); `--attention dense --rows causal` is its dense
+control, continued the same way. See docs/nsa.md for the run and its results.
 """
 from __future__ import annotations
 
@@ -84,6 +91,14 @@ MODEL_CONFIG = dict(
     max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
     hidden_act="silu", attention_bias=False, router_aux_loss_coef=0.001, torch_dtype="bfloat16",
 )
+
+# NSA at this model's scale. The paper's defaults (l=32, d=16, l'=64, n=16, w=512) cover 1536
+# keys per query, so at the 512-1024-token contexts this model trains on they would select every
+# block and the window would see everything: dense attention with extra steps. Scaled down by 4
+# in blocks and 8 in window, a query at 1024 reads 126 compressed entries + 6 x 32 selected keys
+# + a 64-key window (at most 382 of 1024 keys), and selection drops blocks from 256 tokens on.
+NSA_CONFIG = dict(compress_block=16, compress_stride=8, select_block=32, top_n=6, init_blocks=1, local_blocks=2,
+                  window=64, compress_fn="linear")
 
 
 _TOOLS = [
@@ -205,6 +220,22 @@ def pack(docs: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.tensor(ids), torch.tensor(pos), torch.tensor(doc)
 
 
+def causal_rows(docs: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of `seq_len` tokens holding one document piece each (long documents split, positions
+    from 0 in each piece, as `pack` does), padded at the end: under a plain causal mask a piece is
+    computed exactly as if alone, which is what NSA layers need (they refuse other masks). The
+    pieces and their targets are `pack`'s, so a dense model scores the same on both."""
+    ids, pos, grp = [], [], []
+    for d in docs:
+        for start in range(0, len(d), seq_len):
+            piece = d[start : start + seq_len]
+            pad = seq_len - len(piece)
+            ids.append(piece + [0] * pad)
+            pos.append(list(range(seq_len)))
+            grp.append([0] * len(piece) + [PAD] * pad)
+    return torch.tensor(ids), torch.tensor(pos), torch.tensor(grp)
+
+
 def squid_row(prefix: list[int], docs: list[list[int]], query: list[int], seq_len: int) -> tuple[list[int], list[int], list[int]]:
     """One squid layout as a row in the `shared` convention (engine/squid.py): the prefix at
     0..P-1, every document from P, the query from P + the longest document; padded to seq_len."""
@@ -242,8 +273,10 @@ def target_mask(grp: torch.Tensor) -> torch.Tensor:
 
 
 def token_nll(model: CausalLM, ids: torch.Tensor, pos: torch.Tensor, grp: torch.Tensor) -> torch.Tensor:
-    """[B, S-1] negative log-likelihood of each next token under the rows' layout."""
-    hidden = model.forward_masked(ids, pos, layout_mask(grp))
+    """[B, S-1] negative log-likelihood of each next token under the rows' layout (plain causal
+    for an NSA model: its rows are `causal_rows`, padding only after the piece)."""
+    mask = layout_mask(grp) if model.nsa is None else torch.ones(grp.shape[-1], grp.shape[-1], dtype=torch.bool).tril().expand(grp.shape[0], -1, -1)
+    hidden = model.forward_masked(ids, pos, mask)
     logits = F.linear(hidden[:, :-1], model.lm_head).float()
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
     return nll.view(ids.shape[0], -1)
@@ -442,6 +475,37 @@ def init_weights(model: CausalLM, seed: int) -> None:
             p.data.normal_(0.0, 0.02, generator=g)
 
 
+def nsa_from_dense(dense: CausalLM, hf: dict) -> CausalLM:
+    """An NSA model (`hf` carries the `"nsa"` object) that starts near the dense one: q/k/v/o,
+    norms, experts and embeddings copied; phi initialised to mean pooling (every intra-block
+    position's matrix I/l), so compressed keys start as block means of the dense keys; the gates'
+    map zero, so every gate is sigmoid(0) = 1/2, with o_proj scaled by 2/3 so the gated sum starts
+    as the average of the three branches (each an attention over a subset of the dense keys)."""
+    model = CausalLM(ModelConfig.from_hf(hf), torch.float32, torch.device("cpu"))
+    result = model.load_state_dict(dense.state_dict(), strict=False)
+    fresh = {n for n in result.missing_keys if not n.endswith(("attn.g_weight", "attn.ck_weight", "attn.cv_weight"))}
+    if fresh or result.unexpected_keys:
+        raise ValueError(f"nsa_from_dense: dense and NSA models differ beyond NSA's weights: {sorted(fresh)[:4]} "
+                         f"{result.unexpected_keys[:4]}")
+    with torch.no_grad():
+        for layer in model.layers:
+            attn = layer.attn
+            attn.g_weight.zero_()
+            attn.o_weight.mul_(2.0 / 3.0)
+            if attn.ck_weight is not None:
+                l, dim = model.nsa.compress_block, attn.head_dim
+                mean = torch.eye(dim).repeat(l, 1) / l  # [l*D, D]: the mean of the block's l keys
+                attn.ck_weight.copy_(mean.expand_as(attn.ck_weight))
+                attn.cv_weight.copy_(mean.expand_as(attn.cv_weight))
+    return model
+
+
+def round_to_saved(model: CausalLM) -> None:
+    """Round the weights to the bf16 values `to_hf_state_dict` saves (kept in fp32), so figures and
+    tests computed afterwards are those of the saved checkpoint."""
+    model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+
+
 def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """The trained parameters under HF Qwen3-MoE names (per-expert layout) in bf16: the loader's
     own name map inverted (`hf_state_dict`), so the saved file loads back into exactly this model."""
@@ -507,7 +571,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--tool-chats", type=int, default=3000, help="synthetic tool-use conversations mixed in")
-    ap.add_argument("--squid-rows", type=int, default=3000, help="rows holding one squid layout each, mixed in")
+    ap.add_argument("--squid-rows", type=int, default=None, help="rows holding one squid layout each, mixed in (default 3000)")
     ap.add_argument("--squid-eval", type=int, default=128, help="held-out squid layouts for the query-loss table")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--autocast", choices=["bf16", "off"], default="bf16",
@@ -518,7 +582,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="a saved model to compare with (default: the one in --out, before it is replaced)")
     ap.add_argument("--evaluate", nargs="+", default=None, metavar="DIR",
                     help="train nothing: print the held-out losses of these saved models")
+    ap.add_argument("--attention", choices=["dense", "nsa"], default="dense",
+                    help="nsa: NSA layers (NSA_CONFIG) on causal rows; with --init, started from the dense weights")
+    ap.add_argument("--rows", choices=["packed", "causal"], default=None,
+                    help="packed (dense default): files packed with document masking plus squid rows; causal (NSA's "
+                         "only choice): one file piece a row, plain causal mask, no squid rows")
     args = ap.parse_args(argv)
+    args.rows = args.rows or ("causal" if args.attention == "nsa" else "packed")
+    if args.attention == "nsa" and args.rows != "causal":
+        ap.error("--attention nsa trains on --rows causal only (NSA layers refuse packed documents and squid layouts)")
+    if args.rows == "causal" and args.squid_rows is not None:
+        ap.error("--squid-rows: causal rows hold no squid layouts (use --rows packed)")
+    if args.rows == "packed":
+        args.squid_rows = 3000 if args.squid_rows is None else args.squid_rows
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -538,6 +614,8 @@ def main(argv: list[str] | None = None) -> None:
     train_docs = [s.ids + [eos] for f, s in sources.items() if not is_heldout(f)]
     val_docs = [s.ids + [eos] for s in val_src]
     chats = [tok.encode(c).ids + [eos] for c in synthetic_tool_chats(args.tool_chats, args.seed)]
+    if args.rows == "causal":
+        return main_causal(args, tok, train_docs, chats, val_docs, t0)
     train_docs += chats
     # documents in a seeded random order, so rows mix code and conversations
     perm = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(args.seed)).tolist()
@@ -588,6 +666,93 @@ def main(argv: list[str] | None = None) -> None:
     print(f"held-out query loss, {args.squid_eval} squid layouts:\n{table}")
     save(args, model, hf, tok, final, minutes, step_s, sum(map(len, train_docs)), n_squid, sum(map(len, val_docs)),
          table, n_query, prev_loss)
+
+
+def main_causal(args, tok, files: list[list[int]], chats: list[list[int]], val_docs: list[list[int]], t0: float) -> None:
+    """`--rows causal`: the NSA variant and its dense control. Tool chats are joined into one
+    stream (they are short; one a row would be mostly padding), files stay one piece a row.
+    Held-out loss on the same held-out files both ways: in 512-token pieces (the card's measure:
+    the same pieces and targets as `pack`) and in --seq-len pieces (where NSA drops blocks)."""
+    eos = tok.token_to_id("<|endoftext|>")
+    rows = causal_rows(files + [[t for c in chats for t in c]], args.seq_len)
+    vals = {n: causal_rows(val_docs, n) for n in dict.fromkeys([512, args.seq_len])}
+    hf = {**MODEL_CONFIG, "vocab_size": tok.get_vocab_size(), "eos_token_id": eos, "bos_token_id": None}
+    if args.attention == "nsa":
+        hf["nsa"] = dict(NSA_CONFIG)
+    print(f"causal rows: {rows[0].shape[0]} of {args.seq_len} tokens ({int((rows[2] != PAD).sum()):,} tokens, "
+          f"{len(chats)} chats in one stream); attention {args.attention}" + (f" {hf['nsa']}" if "nsa" in hf else ""))
+
+    def held_out(m: CausalLM) -> dict[int, float]:
+        return {n: evaluate(m, v, args.batch) for n, v in vals.items()}
+
+    if args.evaluate:
+        for d in args.evaluate:
+            m = load_for_comparison(d, tok)
+            if m is not None:
+                print(f"{d}: held-out loss " + ", ".join(f"{v:.4f} ({n}-token pieces)" for n, v in held_out(m).items()))
+                if args.attention == "nsa" and m.nsa is None:  # where --attention nsa --init d starts
+                    print(f"{d} as NSA at init: held-out loss "
+                          + ", ".join(f"{v:.4f} ({n}-token pieces)" for n, v in held_out(nsa_from_dense(m, hf)).items()))
+        return
+    start = load_for_comparison(args.init, tok) if args.init else None
+    if args.init and start is None:
+        raise SystemExit(f"--init {args.init}: no model with this recipe's tokenizer there")
+    if start is None:
+        model = CausalLM(ModelConfig.from_hf(hf), torch.float32, torch.device("cpu"))
+        init_weights(model, args.seed)
+    elif args.attention == "nsa" and start.nsa is None:
+        model = nsa_from_dense(start, hf)
+    else:
+        model = start
+    # the start's figures (and the NSA model's as initialised from a dense one) come from
+    # `--evaluate DIR` with the same flags: not paid for again by every training run
+    t1 = time.time()
+    train(model, rows, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, autocast=args.autocast == "bf16",
+          on_eval=(lambda: evaluate(model, vals[args.seq_len], args.batch)) if args.eval_every < args.steps else None,
+          eval_every=args.eval_every)  # the final figures are computed below, on the saved weights
+    step_s = (time.time() - t1) / args.steps
+    round_to_saved(model)
+    final = held_out(model)
+    minutes = (time.time() - t0) / 60
+    print("held-out loss " + ", ".join(f"{v:.4f} ({n}-token pieces)" for n, v in final.items())
+          + f"; {minutes:.1f} min, {step_s:.2f} s/step")
+    save_causal(args, model, hf, tok, final, minutes, step_s, int((rows[2] != PAD).sum()), rows[0].shape[0],
+                sum(map(len, val_docs)))
+
+
+def save_causal(args, model, hf, tok, final, minutes, step_s, n_train, n_rows, n_val) -> None:
+    """Weights, config (with its `"nsa"` object for the NSA variant), tokenizer and a short card."""
+    os.makedirs(args.out, exist_ok=True)
+    save_file(to_hf_state_dict(model), os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    with open(os.path.join(args.out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": hf["eos_token_id"], "do_sample": True, "temperature": 0.7, "top_p": 0.95}, f, indent=2)
+    tok.save(os.path.join(args.out, "tokenizer.json"))
+    with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>",
+                   "model_max_length": hf["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
+    skip = {"out", "compare", "evaluate"}
+    cmd = "python -m cuttle.engine.train_default_model " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in skip and v is not None)
+    losses = lambda x: ", ".join(f"{v:.4f} ({n}-token pieces)" for n, v in x.items())  # noqa: E731
+    kind = f"NSA layers `{json.dumps(hf['nsa'])}`" if "nsa" in hf else "dense attention"
+    start = f"continued from `{args.init}`" if args.init else "from random weights"
+    card = f"""# cuttle-tiny-coder ({args.attention}, causal rows)
+
+The embedded default model's architecture with {kind}, {start}: {args.steps} AdamW steps of
+{args.batch} rows of {args.seq_len} tokens ({n_rows} rows, {n_train:,} tokens: one stdlib file piece a row, the
+{args.tool_chats} tool chats joined into one stream), lr {args.lr} with warm-up and cosine decay,
+{'bf16 autocast' if args.autocast == 'bf16' else 'fp32'}, seed {args.seed}; {minutes:.1f} minutes on a shared 2-core CPU
+({torch.get_num_threads()} thread(s), {step_s:.2f} s/step).
+
+- Held-out loss (nats/token, the default model's held-out files, {n_val:,} tokens, saved bf16 weights): **{losses(final)}**.
+- Before training: `--evaluate {args.init or 'DIR'}` with the same flags prints the start's figures (and, for
+  `--attention nsa`, those of the NSA model as `nsa_from_dense` initialises it).
+- Exact command: `{cmd}`
+"""
+    with open(os.path.join(args.out, "README.md"), "w") as f:
+        f.write(card)
 
 
 def save(args, model, hf, tok, val_loss, minutes, step_s, n_train, n_squid, n_val, table, n_query, prev_loss) -> None:

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 if __name__ == "__main__" and "--triton" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -277,14 +275,9 @@ def run_triton(case: Case) -> float:
 
 
 def test_triton_interpreted_equals_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(Path(__file__)), "--triton"], cwd=Path(__file__).parent, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {r["case"] for r in rows} == {c.name for c in CASES}
-    for r in rows:
-        assert r["err"] <= 1e-5, r
+    from sparse_helpers import check_triton_subprocess  # here: the subprocess itself runs without tests/ on its path
+
+    check_triton_subprocess(__file__, {c.name for c in CASES})
 
 
 def test_triton_backend_is_chosen_beside_non_torch_backends():
@@ -300,6 +293,5 @@ def test_triton_backend_is_chosen_beside_non_torch_backends():
 
 
 if __name__ == "__main__" and "--triton" in sys.argv:
-    sys.path.insert(0, str(Path(__file__).parent.parent))
     for case in CASES:
         print(json.dumps({"case": case.name, "err": run_triton(case)}), flush=True)

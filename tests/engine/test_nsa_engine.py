@@ -6,14 +6,11 @@ forward of the reference (`CausalLM.forward_masked` over the whole sequence), fp
 with every KV block free afterwards. Checkpoints are tiny random ones built here (no download)."""
 from __future__ import annotations
 
-import json
-import os
 import random
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from cuttle.attention.nsa import NSAConfig
 from cuttle.engine import LLM, SamplingParams
@@ -22,7 +19,7 @@ from cuttle.engine.models.loader import hf_state_dict, load_model, load_weights
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.models.transformer import CausalLM, NSAAttention
 
-from helpers import write_tokenizer
+from sparse_helpers import check_against_reference, peaked_init_, save_checkpoint
 
 NSA_SMALL = {"compress_block": 8, "compress_stride": 4, "select_block": 16, "top_n": 3, "init_blocks": 1,
              "local_blocks": 1, "window": 24}
@@ -41,32 +38,16 @@ def nsa_hf_config(nsa: dict[str, Any] | None = None, **over: Any) -> dict[str, A
 
 
 def random_nsa_model(hf: dict[str, Any], seed: int = 0) -> CausalLM:
-    """A CausalLM with random weights large enough that attention and block scores are peaked
-    (near-uniform scores would make the top-n choice a coin toss between paths)."""
     torch.manual_seed(seed)
     model = CausalLM(ModelConfig.from_hf(hf), torch.float32, torch.device("cpu"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("ck_weight", "cv_weight")):
-                p.normal_(0, p.shape[1] ** -0.5)
-            elif name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif p.dim() >= 2:
-                p.normal_(0, 0.15)
-        for layer in model.layers:
-            layer.attn.q_norm.weight.fill_(2.0)
-            layer.attn.k_norm.weight.fill_(2.0)
+    peaked_init_(model)
     return model
 
 
 def make_nsa_checkpoint(path: str, nsa: dict[str, Any] | None = None, seed: int = 0, **over: Any) -> CausalLM:
     hf = nsa_hf_config(nsa, **over)
     model = random_nsa_model(hf, seed)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f)
-    save_file({k: v.contiguous().clone() for k, v in hf_state_dict(model).items()}, os.path.join(path, "model.safetensors"))
-    write_tokenizer(path, hf["vocab_size"])
+    save_checkpoint(path, hf, model)
     return model
 
 
@@ -141,7 +122,6 @@ def test_training_path_learns_through_every_nsa_weight():
 
 # ---- the paged engine ------------------------------------------------------------------------
 
-TOL = 1e-5
 NEW = 40
 LENGTHS = [5, 23, 40, 77, 130]  # shorter than one compression block .. several selection blocks
 
@@ -160,36 +140,6 @@ def nsa_model(tmp_path_factory):
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in LENGTHS]
     return path, reference, prompts
-
-
-def reference_logprobs(model, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), vocab] log-probabilities of one causal forward over the whole sequence."""
-    ids = torch.tensor([tokens])
-    pos = torch.arange(len(tokens))[None]
-    mask = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()[None]
-    with torch.no_grad():
-        hidden = model.forward_masked(ids, pos, mask)[0]
-        return model.compute_logits(hidden).log_softmax(-1)
-
-
-def check_against_reference(model, outs, with_prompt: bool) -> int:
-    compared = 0
-    for o in outs:
-        prompt = list(o.prompt_token_ids)
-        for c in o.outputs:
-            full = prompt + list(c.token_ids)
-            ref = reference_logprobs(model, full[:-1])
-            for step, (tok, lps) in enumerate(zip(c.token_ids, c.logprobs)):
-                row = ref[len(prompt) - 1 + step]
-                for t, lp in lps.items():
-                    assert abs(lp.logprob - row[t].item()) <= TOL, (len(prompt), step, t)
-                    compared += 1
-            if with_prompt:
-                for p in range(1, len(prompt)):
-                    for t, lp in o.prompt_logprobs[p].items():
-                        assert abs(lp.logprob - ref[p - 1, t].item()) <= TOL, (len(prompt), p, t)
-                        compared += 1
-    return compared
 
 
 @pytest.mark.parametrize("mode", list(MODES))

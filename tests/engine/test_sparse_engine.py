@@ -6,24 +6,20 @@ budget covering the whole context gives dense attention's; the option's refusals
 tiny random dense Qwen3 ones built here (no download)."""
 from __future__ import annotations
 
-import json
-import os
 import random
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from cuttle.attention.topk import TopKConfig, parse_sparse_attention
+from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import EngineConfig, ModelConfig
-from cuttle.engine.models.loader import hf_state_dict, load_model
+from cuttle.engine.models.loader import load_model
 from cuttle.engine.models.transformer import CausalLM
 
-from helpers import write_tokenizer
+from sparse_helpers import check_against_reference, peaked_init_, save_checkpoint
 
-TOL = 1e-5
 NEW = 40
 LENGTHS = [5, 23, 40, 77, 130]  # shorter than the budget .. many blocks past it
 HF = {
@@ -38,24 +34,10 @@ MEAN = "topk:budget=64,block=32,dense_layers=1,summary=mean,init_blocks=0,local_
 
 
 def make_dense_checkpoint(path: str, seed: int = 0) -> CausalLM:
-    """Random weights large enough that attention and block scores are peaked (near-uniform
-    scores would make the top-k choice a coin toss between paths)."""
     torch.manual_seed(seed)
     model = CausalLM(ModelConfig.from_hf(HF), torch.float32, torch.device("cpu"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif p.dim() >= 2:
-                p.normal_(0, 0.15)
-        for layer in model.layers:
-            layer.attn.q_norm.weight.fill_(2.0)
-            layer.attn.k_norm.weight.fill_(2.0)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(HF, f)
-    save_file({k: v.contiguous().clone() for k, v in hf_state_dict(model).items()}, os.path.join(path, "model.safetensors"))
-    write_tokenizer(path, HF["vocab_size"])
+    peaked_init_(model)
+    save_checkpoint(path, HF, model)
     return model
 
 
@@ -67,33 +49,6 @@ def dense_model(tmp_path_factory):
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in LENGTHS]
     return path, reference, prompts
-
-
-def reference_logprobs(model, tokens: list[int], sparse: TopKConfig | None) -> torch.Tensor:
-    """[len(tokens), vocab] log-probabilities of one causal forward of the whole sequence."""
-    ids = torch.tensor([tokens])
-    pos = torch.arange(len(tokens))[None]
-    mask = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()[None]
-    with torch.no_grad():
-        return model.compute_logits(model.forward_masked(ids, pos, mask, sparse=sparse)[0]).log_softmax(-1)
-
-
-def check_against_reference(model, outs, sparse: TopKConfig | None, with_prompt: bool) -> int:
-    compared = 0
-    for o in outs:
-        prompt = list(o.prompt_token_ids)
-        for c in o.outputs:
-            ref = reference_logprobs(model, (prompt + list(c.token_ids))[:-1], sparse)
-            for step, lps in enumerate(c.logprobs):
-                for t, lp in lps.items():
-                    assert abs(lp.logprob - ref[len(prompt) - 1 + step, t].item()) <= TOL, (len(prompt), step, t)
-                    compared += 1
-            if with_prompt:
-                for p in range(1, len(prompt)):
-                    for t, lp in o.prompt_logprobs[p].items():
-                        assert abs(lp.logprob - ref[p - 1, t].item()) <= TOL, (len(prompt), p, t)
-                        compared += 1
-    return compared
 
 
 MODES = {
@@ -112,7 +67,7 @@ def test_topk_decode_equals_one_full_forward(dense_model, mode):
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=3, prompt_logprobs=3)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == NEW for o in outs)
-    assert check_against_reference(reference, outs, parse_sparse_attention(spec), with_prompt=True) > 1000
+    assert check_against_reference(reference, outs, with_prompt=True, sparse=parse_sparse_attention(spec)) > 1000
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     if mode.startswith("preempt"):
@@ -132,12 +87,12 @@ def test_topk_prefix_cache_hits_and_forked_samples(dense_model):
     assert sum(o.num_cached_tokens for o in second) > 0
     for a, b in zip(first, second):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    check_against_reference(reference, second, sparse, with_prompt=False)
+    check_against_reference(reference, second, with_prompt=False, sparse=sparse)
     # n samples fork from one prefilled prompt (copy-on-write of the last partial block and its summaries)
     sampled = SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=24, ignore_eos=True, logprobs=1)
     outs = llm.generate([prompts[3], prompts[4]], sampled, use_tqdm=False)
     assert len({tuple(c.token_ids) for c in outs[1].outputs}) > 1
-    check_against_reference(reference, outs, sparse, with_prompt=False)
+    check_against_reference(reference, outs, with_prompt=False, sparse=sparse)
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
@@ -147,10 +102,10 @@ def test_budget_covering_the_context_is_dense_attention(dense_model):
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=3, prompt_logprobs=3)
     opts = dict(dtype="float32", attention_backend="torch", num_kv_blocks=128, max_num_batched_tokens=64)
     wide = LLM(path, sparse_attention="topk:budget=256,block=16,dense_layers=0", **opts).generate(prompts, params, use_tqdm=False)
-    check_against_reference(reference, wide, None, with_prompt=True)  # the dense reference
+    check_against_reference(reference, wide, with_prompt=True)  # the dense reference
     narrow = LLM(path, sparse_attention=QUEST, **opts).generate(prompts, params, use_tqdm=False)
     with pytest.raises(AssertionError):  # the check can fail: a small budget is not dense attention
-        check_against_reference(reference, narrow, None, with_prompt=True)
+        check_against_reference(reference, narrow, with_prompt=True)
 
 
 def test_refusals(dense_model, tmp_path):
@@ -160,15 +115,9 @@ def test_refusals(dense_model, tmp_path):
     with pytest.raises(ValueError, match=r"sparse_attention\.dense_layers = 2: the model has 2 layers"):
         LLM(path, dtype="float32", num_kv_blocks=16, sparse_attention="topk:dense_layers=2")
     nsa_hf = {**HF, "nsa": {"compress_block": 8, "compress_stride": 4, "select_block": 16, "top_n": 3, "window": 16}}
-    os.makedirs(tmp_path / "nsa")
     model = CausalLM(ModelConfig.from_hf(nsa_hf), torch.float32, torch.device("cpu"))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    with open(tmp_path / "nsa" / "config.json", "w") as f:
-        json.dump(nsa_hf, f)
-    save_file({k: v.contiguous().clone() for k, v in hf_state_dict(model).items()}, str(tmp_path / "nsa" / "model.safetensors"))
-    write_tokenizer(str(tmp_path / "nsa"), 256)
+    peaked_init_(model)
+    save_checkpoint(str(tmp_path / "nsa"), nsa_hf, model)
     with pytest.raises(ValueError, match="natively sparse"):
         LLM(str(tmp_path / "nsa"), dtype="float32", num_kv_blocks=16, sparse_attention="topk")
 

@@ -1,0 +1,91 @@
+"""What the NSA and training-free top-k tests share (tests/engine/test_nsa_engine.py,
+test_sparse_engine.py, test_nsa_recipe.py; tests/attention/test_nsa_kernels.py, test_topk.py):
+tiny random checkpoints with peaked attention, the one-full-forward oracle the engine's
+log-probabilities are checked against, and the run of a kernel test file's Triton cases in a
+subprocess under the Triton interpreter."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+TOL = 1e-5  # fp32 engine vs the reference
+
+
+def peaked_init_(model) -> None:
+    """Random weights large enough that attention and block scores are peaked (near-uniform scores
+    would make a top-n choice a coin toss between two correct paths); q/k norms at 2."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("ck_weight", "cv_weight")):
+                p.normal_(0, p.shape[1] ** -0.5)
+            elif name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.15)
+        for layer in model.layers:
+            layer.attn.q_norm.weight.fill_(2.0)
+            layer.attn.k_norm.weight.fill_(2.0)
+
+
+def save_checkpoint(path: str, hf: dict[str, Any], model) -> None:
+    """config.json, the model's weights under their HF names and a word-level tokenizer."""
+    from cuttle.engine.models.loader import hf_state_dict
+
+    from helpers import write_tokenizer
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    save_file({k: v.contiguous().clone() for k, v in hf_state_dict(model).items()}, os.path.join(path, "model.safetensors"))
+    write_tokenizer(path, hf["vocab_size"])
+
+
+def reference_logprobs(model, tokens: list[int], sparse=None) -> torch.Tensor:
+    """[len(tokens), vocab] log-probabilities of one causal forward of the whole sequence (under
+    training-free top-k `sparse`, if given)."""
+    ids = torch.tensor([tokens])
+    pos = torch.arange(len(tokens))[None]
+    mask = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()[None]
+    with torch.no_grad():
+        return model.compute_logits(model.forward_masked(ids, pos, mask, sparse=sparse)[0]).log_softmax(-1)
+
+
+def check_against_reference(model, outs, with_prompt: bool, sparse=None, tol: float = TOL) -> int:
+    """Every logprob the engine returned (samples', and the prompt's if `with_prompt`) equals the
+    reference's on that sample's own sequence; returns how many were compared."""
+    compared = 0
+    for o in outs:
+        prompt = list(o.prompt_token_ids)
+        for c in o.outputs:
+            ref = reference_logprobs(model, (prompt + list(c.token_ids))[:-1], sparse)
+            for step, lps in enumerate(c.logprobs):
+                for t, lp in lps.items():
+                    assert abs(lp.logprob - ref[len(prompt) - 1 + step, t].item()) <= tol, (len(prompt), step, t)
+                    compared += 1
+            if with_prompt:
+                for p in range(1, len(prompt)):
+                    for t, lp in o.prompt_logprobs[p].items():
+                        assert abs(lp.logprob - ref[p - 1, t].item()) <= tol, (len(prompt), p, t)
+                        compared += 1
+    return compared
+
+
+def check_triton_subprocess(test_file: str, case_names: set[str], tol: float = TOL) -> None:
+    """Run `python <test_file> --triton` with TRITON_INTERPRET=1 (it must be set before triton is
+    imported, hence a process of its own); each case prints {"case", "err"}: all must be there
+    and within tol."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, test_file, "--triton"], cwd=Path(test_file).parent, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {r["case"] for r in rows} == case_names
+    for r in rows:
+        assert r["err"] <= tol, r
