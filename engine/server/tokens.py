@@ -4,7 +4,7 @@ serves them, so outside the API key).
 Owns those routes' wire format only. /tokenize takes a `prompt` (encoded as /v1/completions
 encodes a text prompt) or `messages` (rendered exactly as /v1/chat/completions renders them:
 the same template, tools, `chat_template_kwargs`, `add_generation_prompt` /
-`continue_final_message`), and answers `{count, max_model_len, tokens, token_strs}`.
+`continue_final_message`, and the chat route's replay of the model's exact tool-call turns), and answers `{count, max_model_len, tokens, token_strs}`.
 /detokenize answers `{prompt}` for `tokens`, special tokens kept.
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ def add_token_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatO
                                   "/tokenize takes text parts only", param="messages")
             tmpl = read_chat_template(body, tok, opts)
             check_continuable(messages, tmpl)
+            messages = request.app.state.tool_call_replay.restore(messages, keep_last=tmpl.continue_final_message)
             text = tmpl.render(tok, messages, check_tools(body.get("tools")))
             ids = tok.encode(text, add_special_tokens=get_bool(body, "add_special_tokens", False))
         else:

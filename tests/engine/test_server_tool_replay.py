@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from server_fixture import LiveServer
@@ -50,15 +51,20 @@ def user(stream: bool) -> list[dict]:
     return [{"role": "user", "content": f"Weather in Paris? ({'streamed' if stream else 'whole'})"}]
 
 
-def second_turn(client, assistant: dict, stream: bool = False) -> int:
-    """Cached prompt tokens of the turn after `assistant` and its tool result."""
+def second_turn(live, client, assistant: dict, stream: bool = False) -> int:
+    """Cached prompt tokens of the turn after `assistant` and its tool result (and /tokenize of the
+    same messages counts the prompt the chat request had)."""
     call_id = assistant["tool_calls"][0]["id"]
     messages = user(stream) + [assistant, {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"}]
     kw = dict(model="test-model", messages=messages, tools=WEATHER, seed=302, max_tokens=30)
     if stream:
-        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
-        return chunks[-1].usage.prompt_tokens_details.cached_tokens
-    return client.chat.completions.create(**kw).usage.prompt_tokens_details.cached_tokens
+        usage = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))[-1].usage
+    else:
+        usage = client.chat.completions.create(**kw).usage
+    counted = httpx.post(live.url + "/tokenize", timeout=60,
+                         json={"messages": messages, "tools": WEATHER}).json()["count"]
+    assert counted == usage.prompt_tokens
+    return usage.prompt_tokens_details.cached_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -83,12 +89,12 @@ def test_second_turn_hits_the_prefix_cache_for_the_whole_first_turn(live, stream
     # the first turn's prompt and its sampled ids, less the final end-of-turn token (its KV is never
     # computed): every full block of that is a hit
     first = usage.prompt_tokens + usage.completion_tokens - 1
-    assert second_turn(client, assistant, stream) == first // BS * BS
+    assert second_turn(live, client, assistant, stream) == first // BS * BS
     # the same turn with the call re-serialized by a client (no id the server knows): the template
     # writes the call its own way, so the cache serves the prompt but not the call
     forged = json.loads(json.dumps(assistant))
     forged["tool_calls"][0]["id"] = "call_" + "0" * 24
-    missed = second_turn(client, forged, stream)
+    missed = second_turn(live, client, forged, stream)
     assert usage.prompt_tokens // BS * BS <= missed < first // BS * BS - BS
 
 
