@@ -60,8 +60,8 @@ def live(path):
         scripts = {seed: tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for seed, text in SCRIPTS.items()}
         real = llm_engine.sample
 
-        def scripted(logits, rows, mode):
-            out = real(logits, rows, mode)
+        def scripted(logits, rows, mode, mask=None):
+            out = real(logits, rows, mode, mask)
             for k, r in enumerate(rows):
                 ids = scripts.get(r.params.seed)
                 if ids is not None:
