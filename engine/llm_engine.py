@@ -321,7 +321,9 @@ class LLMEngine:
             if len(targets) != len(inputs.sample_seqs):
                 mask = mask.take(src)
             for k, why in mask.failed.items():
-                self.post.fail(targets[k].request, ValueError(why))
+                req = targets[k].request
+                self.post.fail(req, ValueError(why))
+                touched[req.request_id] = req  # its output (with the error) must still reach the caller
         if targets:
             reqs = [self._sample_request(s) for s in targets]
             # rows are consecutive unless an n > 1 prompt just forked (its row repeats): a slice

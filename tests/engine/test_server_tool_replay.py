@@ -19,8 +19,9 @@ from cuttle.engine.server.chat_prompt import ToolCallReplay
 BS = 4
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-# compact JSON: not how the template writes a call ({"name": "...", "arguments": ...} with spaces)
-CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+# compact arguments: not how the template writes a call (json.dumps, `{"city": "Paris"}`), yet what
+# the auto tool-call grammar allows (its fixed opening, then at most one space between JSON tokens)
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
 SCRIPTS = {301: CALL, 302: "It is sunny."}
 
 

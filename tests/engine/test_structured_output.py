@@ -6,6 +6,7 @@ the same step, captured before the sampler touches them; preemption and forks ag
 that has neither."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -287,3 +288,40 @@ def test_apply_token_mask_matches_the_bit_layout():
     xg[1, 9] -= 1.0
     xgr.apply_token_bitmask_inplace(xg, bm)
     assert torch.equal(got[[0, 2, 3]], xg)
+
+
+def test_a_token_its_grammar_rejects_fails_that_request_alone_and_is_delivered(embedded, monkeypatch):
+    """A sampled token the request's own grammar rejects (here forced by a patched sampler, as a
+    buggy logits processor or a scripted test sampler would) ends that request with an error output
+    and frees its KV; a free request in the same batch runs on. (Such a request used to be failed
+    without ever producing an output: its caller waited forever and it stayed in `requests`.)"""
+    import cuttle.engine.llm_engine as llm_engine
+
+    engine = embedded.engine
+    real = llm_engine.sample
+    bad = embedded.get_tokenizer().encode("zzz", add_special_tokens=False)[0]
+
+    def forcing(logits, rows, *rest):
+        out = real(logits, rows, *rest)
+        for k, r in enumerate(rows):
+            if r.params.seed == 777:
+                out[k] = dataclasses.replace(out[k], token=bad)
+        return out
+
+    monkeypatch.setattr(llm_engine, "sample", forcing)
+    constrained = SamplingParams(seed=777, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("bad-grammar", "Answer:", constrained)
+    engine.add_request("free", "def a():", free)
+    finals = {}
+    for _ in range(50):
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finals) == {"bad-grammar", "free"}
+    assert "not allowed by the request's grammar" in finals["bad-grammar"].error
+    assert finals["free"].error is None and len(finals["free"].outputs[0].token_ids) == 6
+    stats = engine.stats()
+    assert not engine.requests and stats["kv_blocks_free"] == stats["kv_blocks_total"]
