@@ -208,6 +208,12 @@ def _sdpa_lse(
 # prompt per layer takes ~0.3 ms this way against ~1.3-2.4 ms in SDPA, whose per-call overhead
 # dominates at that size.
 NATIVE_PREFILL_MAX_QLEN = 256
+# ... and only while the chunk's rows read few keys in all: the native kernel streams each row's
+# keys on its own, so a chunk over a long cached context reads that context once per row (a
+# 64-token turn resumed on a 4k-token history read the history 64 times per layer: 2 GB a layer
+# on the 0.6B shape), where SDPA reads it once for the whole chunk. Decode rows (qlen 1) always
+# stay native.
+NATIVE_PREFILL_MAX_KEY_READS = 64 * 1024
 
 # One attention unit of a step: a sequence (one-segment steps) or a part (segmented steps).
 # (first query row, query rows, block ids [nb] int64, keys, causal, mask [qlen, nb * bs] or None)
@@ -226,7 +232,7 @@ class _NativeRows:
         lens: list[int] = []
         taken: set[int] = set()
         for u, (start, qlen, kv_len, causal) in enumerate(plan.units):
-            if qlen > max_qlen:
+            if qlen > max_qlen or (qlen > 1 and qlen * kv_len > NATIVE_PREFILL_MAX_KEY_READS):
                 continue
             rows.extend(range(start, start + qlen))
             unit_of_row.extend([u] * qlen)

@@ -19,6 +19,8 @@ EXTRA = (
     Case("many_decodes", tuple((int(n), 1) for n in torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(3))), 8, 4, 64, 16),
     Case("one_decode_long", ((300, 1),), 16, 8, 128, 16),
     Case("decode_with_prefill", ((0, 9), (47, 1), (12, 1), (30, 5)), 4, 2, 32, 8),
+    # a short chunk over a long cached context (32 rows x 3032 keys): SDPA's, the decode row native
+    Case("chunk_on_long_context", ((3000, 32), (40, 1)), 4, 2, 64, 16),
 )
 
 
@@ -48,9 +50,34 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def _native_rows(cached: int, new: int) -> bool:
+    """The backend's routing rule: decode rows, and short chunks whose rows read few keys in all."""
+    return new == 1 or (new <= torch_backend.NATIVE_PREFILL_MAX_QLEN
+                        and new * (cached + new) <= torch_backend.NATIVE_PREFILL_MAX_KEY_READS)
+
+
 def _has_decode(case: Case) -> bool:
     """Whether the native kernel has rows in this case: decodes and short prefill chunks."""
-    return any(new <= torch_backend.NATIVE_PREFILL_MAX_QLEN for _, new in case.seqs)
+    return any(_native_rows(cached, new) for cached, new in case.seqs)
+
+
+def test_a_chunk_over_a_long_context_goes_to_sdpa_and_a_decode_row_stays_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native kernel reads each row's keys on its own, so a chunk over a long cached context
+    (a resumed 64-token turn on a 4k history) would read the history once per row: SDPA takes it."""
+    assert not _native_rows(4000, 64) and _native_rows(4000, 1) and _native_rows(0, 128)
+    given: list[int] = []
+    real = native_attention.paged_attention_rows
+
+    def recorded(*args, **kwargs):
+        given.append(args[5].numel())  # the query rows the kernel computes
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native_attention, "paged_attention_rows", recorded)
+    case = Case("chunk_and_decode", ((3000, 32), (40, 1), (10, 6)), 4, 2, 64, 16)
+    batch = build_batch(case, junk=None)
+    err = (_run(TorchAttentionBackend(native=True), batch).double() - naive_attention(batch)).abs().max().item()
+    assert err <= 1e-5, err
+    assert given == [1 + 6]  # the decode row and the short chunk on a short context; not the 32 rows
 
 
 @pytest.mark.parametrize("case", CASES + EXTRA, ids=lambda c: c.name)
