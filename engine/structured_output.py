@@ -333,18 +333,18 @@ _CALL_END = "}\n</tool_call>"
 
 def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dict[str, Any]] | None,
                         tokenizer: Tokenizer | None) -> StructuredOutputsParams | None:
-    """The structured output that makes a chat request's tool calls parse (hermes format):
+    """The structured output that makes a chat request's tool calls parse (hermes format here):
     - `named` / `required`: the server has already written the call's opening for the model
       (engine/server/chat.py `_forced_prefix`: up to `"arguments":` / `"name":`); the rest is
       the function's name (required: one of the tools), its arguments under the tool's JSON
       schema, and the call's end; then only EOS. One call per turn.
     - `auto`: free text, but once the model writes `<tool_call>` the call follows the grammar
       (xgrammar's triggered tags).
-    None when there is nothing to enforce: no tools, `none`, the qwen3_coder format (its XML
-    arguments are not constrained yet: such calls are parsed as before), xgrammar missing or a
+    The qwen3_coder format gets the same three cases in its XML form (`_qwen3_coder_calls`).
+    None when there is nothing to enforce: no tools, `none`, xgrammar missing or a
     tokenizer it cannot serve (tool calls then work as they did before structured output: prefix
     forcing, no guarantee that the call parses)."""
-    if not tools or choice == "none" or fmt != "hermes":
+    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder"):
         return None
     try:
         xgrammar()
@@ -362,7 +362,9 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
             {"type": "const_string", "value": f' {json.dumps(t["function"]["name"])}, "arguments": '}, args(t),
             {"type": "const_string", "value": _CALL_END}]}
 
-    if choice == "named":
+    if fmt == "qwen3_coder":
+        fmt_ = _qwen3_coder_calls(choice, name, tools)
+    elif choice == "named":
         [tool] = [t for t in tools if t["function"]["name"] == name]
         fmt_ = {"type": "sequence", "elements": [{"type": "const_string", "value": " "}, args(tool),
                                                   {"type": "const_string", "value": _CALL_END}]}
@@ -373,3 +375,29 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
             {"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
              "content": args(t), "end": _CALL_END} for t in tools]}
     return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt_}))
+
+
+_XML_CALL_END = "\n</function>\n</tool_call>"
+
+
+def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """Qwen3-Coder's XML calls (`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>
+    ...</function>\n</tool_call>`): the parameters follow the tool's JSON schema in xgrammar's
+    `qwen_xml` style (schema order, required keys present, each value of its type; string values
+    are raw text). `named` continues after the server's `<function=NAME>\n`, `required` after
+    `<function=` (chat.py `_forced_prefix`); `auto` applies once the model opens a call."""
+
+    def params(t: dict[str, Any]) -> dict[str, Any]:
+        schema = t["function"].get("parameters") or {"type": "object"}
+        return {"type": "json_schema", "json_schema": schema, "style": "qwen_xml", "max_whitespace_cnt": 1}
+
+    if choice == "named":
+        [tool] = [t for t in tools if t["function"]["name"] == name]
+        return {"type": "sequence", "elements": [params(tool), {"type": "const_string", "value": _XML_CALL_END}]}
+    if choice == "required":
+        alts = [{"type": "sequence", "elements": [{"type": "const_string", "value": f'{t["function"]["name"]}>\n'}, params(t),
+                                                  {"type": "const_string", "value": _XML_CALL_END}]} for t in tools]
+        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
+    return {"type": "triggered_tags", "triggers": ["<tool_call>\n<function="], "tags": [
+        {"type": "tag", "begin": f'<tool_call>\n<function={t["function"]["name"]}>\n', "content": params(t), "end": _XML_CALL_END}
+        for t in tools]}

@@ -20,10 +20,11 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, model: str, name: str = "test-model", api_key: str | None = None, max_pending: int = 256, **llm_kw):
+    def __init__(self, model: str, name: str = "test-model", api_key: str | None = None, max_pending: int = 256,
+                 app_kw: dict | None = None, **llm_kw):
         self.llm = LLM(model, **llm_kw)
         self.engine = AsyncEngine(self.llm.engine, max_pending=max_pending)
-        self.app = create_app(self.engine, name, api_key)
+        self.app = create_app(self.engine, name, api_key, **(app_kw or {}))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
