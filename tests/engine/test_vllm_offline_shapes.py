@@ -193,9 +193,12 @@ def test_server_truncation_and_generation_defaults_through_openai_client(gen_pat
     import openai
     from server_fixture import LiveServer
 
+    # the expected outputs come from an engine of their own: the server's engine is stepped by its
+    # AsyncEngine thread, and a second thread generating on it races that loop (a CI run saw a
+    # step built from both: a negative query length)
+    llm = LLM(gen_path, **KW)
     with LiveServer(gen_path, **KW) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
-        llm = srv.llm
         long = IDS[2]
         r = client.completions.create(model="test-model", prompt=long, max_tokens=4, temperature=0,
                                       extra_body={"truncate_prompt_tokens": 10, "ignore_eos": True, "repetition_penalty": 1.0})
