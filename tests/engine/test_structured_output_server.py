@@ -81,24 +81,28 @@ def test_guided_fields_on_completions_and_chat(client, extra, check):
     assert all(ch.finish_reason == "stop" and check(ch.message.content) for ch in r.choices)
 
 
-@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
-def test_forced_tool_call_always_parses_and_validates(client, tool_choice):
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+def _check_forced_calls(client, tool_choice, schemas: dict, max_tokens: int) -> None:
+    """n=4 x 3 seeds of forced calls: each a tool call of the right tool whose arguments validate;
+    streamed arguments equal the whole ones."""
     for seed in range(3):
         r = client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice, temperature=1.0,
-                                           seed=seed, n=4, max_tokens=80)
+                                           seed=seed, n=4, max_tokens=max_tokens)
         for ch in r.choices:
             assert ch.finish_reason == "tool_calls", ch
             [call] = ch.message.tool_calls
             if isinstance(tool_choice, dict):
                 assert call.function.name == "read_file"
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-    # streamed: the same call
-    kw = dict(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=1, max_tokens=80)
+    kw = dict(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=1, max_tokens=max_tokens)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].delta.tool_calls]
     args = "".join(d.tool_calls[0].function.arguments or "" for d in deltas)
     assert json.loads(args) == json.loads(whole.function.arguments)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
+def test_forced_tool_call_always_parses_and_validates(client, tool_choice):
+    _check_forced_calls(client, tool_choice, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}, max_tokens=80)
     # cut by max_tokens: finish_reason "length", not a server error
     cut = client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=2)
     assert cut.choices[0].finish_reason == "length"
@@ -192,18 +196,4 @@ def test_forced_qwen3_coder_tool_call_always_parses_and_validates(xml_client, to
     def loose(schema):
         return {**schema, "properties": {k: {kk: vv for kk, vv in v.items() if kk != "maxLength"} for k, v in schema["properties"].items()}}
 
-    schemas = {t["function"]["name"]: loose(t["function"]["parameters"]) for t in TOOLS}
-    for seed in range(3):
-        r = xml_client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice, temperature=1.0,
-                                               seed=seed, n=4, max_tokens=200)
-        for ch in r.choices:
-            assert ch.finish_reason == "tool_calls", ch
-            [call] = ch.message.tool_calls
-            if isinstance(tool_choice, dict):
-                assert call.function.name == "read_file"
-            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-    kw = dict(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=1, max_tokens=200)
-    whole = xml_client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
-    deltas = [c.choices[0].delta for c in xml_client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].delta.tool_calls]
-    args = "".join(d.tool_calls[0].function.arguments or "" for d in deltas)
-    assert json.loads(args) == json.loads(whole.function.arguments)
+    _check_forced_calls(xml_client, tool_choice, {t["function"]["name"]: loose(t["function"]["parameters"]) for t in TOOLS}, max_tokens=200)
