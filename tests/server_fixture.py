@@ -10,6 +10,7 @@ import uvicorn
 
 from cuttle.engine import LLM
 from cuttle.engine.async_engine import AsyncEngine
+from cuttle.engine.sampler import Logprob, SampleResult
 from cuttle.engine.server import create_app
 
 
@@ -48,3 +49,19 @@ class LiveServer:
 
     def stats(self) -> dict:
         return self.llm.engine.stats()
+
+
+def scripted_sampler(real, scripts: dict[int, list[int]]):
+    """Wraps the engine's `sample`: a request whose seed is in `scripts` gets those ids, one a step
+    (the last repeated), with logprob -0.25; every other row is sampled as usual."""
+
+    def scripted(logits, rows, *rest):
+        out = real(logits, rows, *rest)
+        for k, r in enumerate(rows):
+            ids = scripts.get(r.params.seed)
+            if ids is not None:
+                t = ids[min(r.step, len(ids) - 1)]
+                out[k] = SampleResult(t, -0.25, {t: Logprob(-0.25, 1)} if r.params.logprobs is not None else None)
+        return out
+
+    return scripted

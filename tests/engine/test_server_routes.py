@@ -18,11 +18,10 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from server_fixture import LiveServer
+from server_fixture import LiveServer, scripted_sampler
 from thinking_checkpoint import QWEN3_TEMPLATE, make_thinking_checkpoint
 
 import cuttle.engine.llm_engine as llm_engine
-from cuttle.engine.sampler import Logprob, SampleResult
 from cuttle.engine.server import create_app
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
@@ -60,16 +59,7 @@ def live(path):
         scripts = {seed: tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for seed, text in SCRIPTS.items()}
         real = llm_engine.sample
 
-        def scripted(logits, rows, mode, mask=None):
-            out = real(logits, rows, mode, mask)
-            for k, r in enumerate(rows):
-                ids = scripts.get(r.params.seed)
-                if ids is not None:
-                    t = ids[min(r.step, len(ids) - 1)]
-                    out[k] = SampleResult(t, -0.25, {t: Logprob(-0.25, 1)} if r.params.logprobs is not None else None)
-            return out
-
-        mp.setattr(llm_engine, "sample", scripted)
+        mp.setattr(llm_engine, "sample", scripted_sampler(real, scripts))
         yield srv
 
 
