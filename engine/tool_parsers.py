@@ -19,7 +19,11 @@ from typing import Any
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+# One whitespace character next to each tag is the format's separator, not the value's: the
+# template writes a newline there, and the structured-output grammar (xgrammar's qwen_xml style)
+# admits any one of space / tab / CR / LF, so stripping exactly one keeps a constrained string
+# within its schema's maxLength.
+_PARAM = re.compile(r"<parameter=([^>\n]+)>[ \t\r\n]?(.*?)[ \t\r\n]?</parameter>", re.S)
 
 PARSERS = ("hermes", "qwen3_coder")
 

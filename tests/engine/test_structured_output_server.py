@@ -189,11 +189,7 @@ def xml_client():
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
 def test_forced_qwen3_coder_tool_call_always_parses_and_validates(xml_client, tool_choice):
-    """Every forced XML call parses, names a tool, has its required parameters, each of its type.
-    String bounds are left out of the check: xgrammar's qwen_xml grammar lets whitespace follow a
-    value before `</parameter>`, and the parser keeps it (a file's content may end in spaces),
-    so a string at its maxLength can come back a character longer (docs/server.md)."""
-    def loose(schema):
-        return {**schema, "properties": {k: {kk: vv for kk, vv in v.items() if kk != "maxLength"} for k, v in schema["properties"].items()}}
-
-    _check_forced_calls(xml_client, tool_choice, {t["function"]["name"]: loose(t["function"]["parameters"]) for t in TOOLS}, max_tokens=200)
+    """Every forced XML call parses, names a tool, has its required parameters, each of its type
+    and within its string bounds (the grammar admits one whitespace character beside each tag,
+    which the parser takes as the separator)."""
+    _check_forced_calls(xml_client, tool_choice, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}, max_tokens=200)

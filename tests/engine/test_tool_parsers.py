@@ -34,6 +34,19 @@ def test_qwen3_coder_whole_uses_schema_types():
     assert json.loads(calls[0].arguments) == {"selection": "tests/test_app.py::test_x", "verbose": True, "count": 3}
 
 
+@pytest.mark.parametrize("before,after,value", [
+    ("\n", "\n", "a b "),   # the template's layout: a value's own trailing space is kept
+    ("", " ", "abc"),         # the grammar's other separators: one space / tab / CR beside a tag
+    ("\t", "\r", "abc"),
+    ("\n", "", "  x"),       # indentation after the separator is the value's
+    ("\n", "\n", "x\n"),    # one separator only; the rest is the value's
+])
+def test_qwen3_coder_one_whitespace_beside_each_tag_is_the_separator(before, after, value):
+    text = f"<tool_call>\n<function=run_tests>\n<parameter=selection>{before}{value}{after}</parameter>\n</function>\n</tool_call>"
+    _, calls = parse_tool_calls(text, "qwen3_coder", TOOLS)
+    assert json.loads(calls[0].arguments) == {"selection": value}
+
+
 def test_plain_text_and_broken_calls_stay_content():
     text = "def f():\n    return 1  # <tool_call> is just a word here"
     assert parse_tool_calls(text) == (text, [])
