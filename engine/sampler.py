@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from cuttle.attention.native.argmax import argmax
+from cuttle.attention.native.token_mask import apply_bitmask
 from cuttle.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
     """In place: add the logit_bias entries, then set every token whose bit is clear to -inf."""
     if mask.bias_rows is not None and mask.bias_rows.numel():
         logits.index_put_((mask.bias_rows, mask.bias_ids), mask.bias_vals.to(logits.dtype), accumulate=True)
-    if not mask.rows:
+    if not mask.rows or apply_bitmask(logits, mask.rows, mask.bitmask):
         return
     vocab = logits.shape[1]
     # bit t of word w is token 32 w + t (xgrammar's layout)

@@ -261,18 +261,33 @@ def test_engine_imports_and_refuses_structured_output_without_xgrammar():
     assert "refused: structured_outputs needs the xgrammar package" in r.stdout
 
 
-def test_apply_token_mask_matches_the_bit_layout():
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("vocab", [1000, 1024, 8196])
+def test_apply_token_mask_matches_the_bit_layout(path, vocab, monkeypatch):
     """Bit t of word w allows token 32 w + t (xgrammar's layout, checked against xgrammar's own
-    apply); rows without a mask row and the logit_bias entries as specified."""
+    apply); rows without a mask row and the logit_bias entries as specified. Both the native
+    kernel (attention/csrc/token_mask.c) and the torch path; whole all-ones and all-zeros words
+    (the kernel's shortcuts), a vocabulary that ends inside a word."""
     import numpy as np
     import xgrammar as xgr
 
+    import cuttle.engine.sampler as sampler
+    from cuttle.attention.native import kernels
     from cuttle.engine.sampler import apply_token_mask
     from cuttle.engine.structured_output import TokenMask
 
-    vocab = 1000
-    gen = torch.Generator().manual_seed(0)
+    calls = []
+    if path == "torch":
+        monkeypatch.setattr(sampler, "apply_bitmask", lambda *a: False)
+    else:
+        assert kernels().lib is not None, "the CPU kernel library did not build (a compiler is part of the test set-up)"
+        real = sampler.apply_bitmask
+        monkeypatch.setattr(sampler, "apply_bitmask", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(vocab)
     bm = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    bm[0, 3:9] = -1  # all allowed
+    bm[1, 2:7] = 0  # all banned
+    bm[2, -1] = 0
     x = torch.randn(4, vocab, generator=gen)
     bits = torch.from_numpy(np.unpackbits(bm.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab].astype(bool))
     mask = TokenMask([0, 2, 3], bm, bias_rows=torch.tensor([1, 2]), bias_ids=torch.tensor([7, 9]), bias_vals=torch.tensor([2.5, -1.0]))
@@ -288,6 +303,16 @@ def test_apply_token_mask_matches_the_bit_layout():
     xg[1, 9] -= 1.0
     xgr.apply_token_bitmask_inplace(xg, bm)
     assert torch.equal(got[[0, 2, 3]], xg)
+    if path == "native":
+        assert calls and torch.isinf(got).any()
+        # a logits view with a row stride (not the whole tensor) is masked in place as well
+        wide = torch.randn(3, vocab + 40, generator=gen)
+        view = wide[:, :vocab]
+        want_v = view.clone()
+        apply_token_mask(view, TokenMask([0, 1, 2], bm))
+        for k in range(3):
+            want_v[k][~bits[k]] = float("-inf")
+        assert torch.equal(view, want_v)
 
 
 def test_a_token_its_grammar_rejects_fails_that_request_alone_and_is_delivered(embedded, monkeypatch):
