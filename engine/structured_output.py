@@ -284,9 +284,10 @@ class StructuredOutput:
         bits = bitmask.numpy().view(np.uint32)
         failed: dict[int, str] = {}
         for k, (j, seq, ctl) in enumerate(masked):
-            out = seq.token_ids[seq.num_prompt_tokens :]
+            # the output is read from its end only (new tokens, a bad word's prefix): no copy of it
+            ids, start = seq.token_ids, seq.num_prompt_tokens
             if ctl.grammar is not None:
-                err = self._fill_grammar(ctl, seq.index, out, bitmask, k)
+                err = self._fill_grammar(ctl, seq.index, ids, start, bitmask, k)
                 if err is not None:
                     failed[j] = err
             if ctl.allowed is not None:
@@ -294,7 +295,8 @@ class StructuredOutput:
             if ctl.banned is not None:
                 _clear_bits(bits[k], ctl.banned)
             if ctl.bad_seqs:
-                hit = [s[-1] for s in ctl.bad_seqs if len(out) >= len(s) - 1 and tuple(out[len(out) - len(s) + 1 :]) == s[:-1]]
+                n = len(ids)
+                hit = [s[-1] for s in ctl.bad_seqs if n - start >= len(s) - 1 and tuple(ids[n - len(s) + 1 :]) == s[:-1]]
                 if hit:
                     _clear_bits(bits[k], np.array(hit, dtype=np.int64))
         mask = TokenMask([j for j, _, _ in masked], bitmask, failed=failed)
@@ -305,12 +307,12 @@ class StructuredOutput:
             mask.bias_vals = torch.cat([c.bias_vals for _, c in biased])
         return mask
 
-    def _fill_grammar(self, ctl: Controls, index: int, out: list[int], bitmask: torch.Tensor, k: int) -> str | None:
+    def _fill_grammar(self, ctl: Controls, index: int, ids: list[int], start: int, bitmask: torch.Tensor, k: int) -> str | None:
         entry = ctl.matchers.get(index)
         if entry is None:
             entry = ctl.matchers[index] = [xgrammar().GrammarMatcher(ctl.grammar, max_rollback_tokens=0), 0]
         matcher, done = entry
-        for t in out[done:]:  # the tokens sampled since the last fill (preemption keeps them all)
+        for t in ids[start + done :]:  # the output tokens sampled since the last fill (preemption keeps them all)
             if not matcher.accept_token(t):
                 return f"token {t} at output position {done} is not allowed by the request's grammar"
             done += 1
