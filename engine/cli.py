@@ -36,6 +36,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--moe-quant", choices=["mxfp8"], help="quantize MoE expert weights at load")
     g.add_argument("--quantization", choices=["mxfp8"], help="quantize every attention / dense-MLP linear and the routed experts at load")
+    g.add_argument("--quantize-lm-head", action="store_true", default=None,
+                   help="with --quantization mxfp8: the lm_head too (a tied one gets an MXFP8 copy beside the embedding)")
     g.add_argument("--squid-positions", choices=["shared", "concat"], help="where cached documents sit (docs/squid.md; default: the model's, else concat)")
     g.add_argument("--max-documents", type=int, help="documents one request may carry")
     g.add_argument("--sparse-attention", help="training-free top-k attention, e.g. 'topk:budget=2048,block=64,dense_layers=2,summary=quest' (docs/nsa.md)")
@@ -56,7 +58,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens", "max_num_seqs",
-                   "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant", "quantization", "squid_positions",
+                   "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant", "quantization", "quantize_lm_head", "squid_positions",
                    "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb", "kv_read_in_place",
                    "sparse_attention")
 _ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "generation_config")

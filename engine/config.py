@@ -334,6 +334,7 @@ class EngineConfig:
     num_threads: int | None = None
     moe_quant: str | None = None  # "mxfp8": routed-expert weights quantized at load (docs/moe.md)
     quantization: str | None = None  # "mxfp8": attention / dense-MLP linears and routed experts quantized at load (docs/moe.md)
+    quantize_lm_head: bool = False  # with quantization="mxfp8": the lm_head too (a tied one gets an MXFP8 copy; docs/moe.md)
     squid_positions: str | None = None  # squid documents: "shared" | "concat"; None: the model's config.json says, else "concat"
     max_documents: int = 64  # documents one request may carry
     # KV tiers under the device pool (docs/kv_tiers.md), all off by default. The host tier's size is
@@ -416,6 +417,8 @@ class EngineConfig:
             raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_MODES)}; got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head=True needs quantization='mxfp8' (the lm_head is quantized with the other linears)")
 
     @property
     def has_host_tier(self) -> bool:

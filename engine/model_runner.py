@@ -28,6 +28,7 @@ from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.storage import KVStorage
 from cuttle.engine.models import load_model
+from cuttle.engine.models.linear_quant import refresh_tied
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.sequence import Sequence
 
@@ -50,7 +51,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, dtype, device, moe_quant=config.moe_quant,
-                                quantization=config.quantization).eval()
+                                quantization=config.quantization, quantize_lm_head=config.quantize_lm_head).eval()
         self.prepack()
         self.backend = get_backend(config.attention_backend, device)
         mc = model_config
@@ -92,7 +93,8 @@ class ModelRunner:
 
     def prepack(self) -> None:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not
-        during the first request's step."""
+        during the first request's step; a tied MXFP8 lm_head is requantized from the embedding."""
+        refresh_tied(self.model)
         if self.device.type == "cpu":
             gemm.prepack(self.model.linear_weights())
 

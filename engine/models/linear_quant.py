@@ -9,7 +9,13 @@ bytes as the fused q|k|v), which the loader and `update_weights` both call; and 
 (`linear`): the native MXFP8 GEMM (`cuttle.attention.native.mxfp8`) on CPU, the torch reference
 (dequantize, then `F.linear`) elsewhere, under autograd, or without the kernel library.
 
-What stays in the model dtype: the embedding, lm_head (tied or not), norms, biases, routers and
+The lm_head joins them only on request (`quantize_lm_head`, `EngineConfig.quantize_lm_head`): a
+separate lm_head is replaced like the projections (no high-precision copy); a tied one keeps the
+embedding in the model dtype for the token lookup and gets an MXFP8 copy of it for the logits,
+derived from the embedding (`tie_to`: requantized whenever the embedding's version changes, so an
+update through either name reaches both), at vocab x hidden x 8.25 bits beside the embedding.
+
+What stays in the model dtype: the embedding, the lm_head unless asked, norms, biases, routers and
 shared experts. Routed experts are `moe_quant`'s (the loader quantizes them too under
 `quantization="mxfp8"`). NSA and MLA attention are refused (their extra projections are not
 covered). Never touches checkpoint names: the loader routes tensors here.
@@ -43,6 +49,30 @@ class MXLinearWeight(nn.Module):
         self.register_buffer("data", torch.empty(n, k, dtype=torch.float8_e4m3fn))
         self.register_buffer("scale", torch.empty(n, k // 32, dtype=torch.float8_e8m0fnu))
         self.dtype = dtype
+        # a tied lm_head's source (the embedding) and the (version, pointer) its bytes were made
+        # from; kept in a tuple so nn.Module does not register the embedding a second time
+        self.tied: tuple[torch.Tensor] | None = None
+        self.tied_key: tuple[int, int] | None = None
+
+    def tie_to(self, source: torch.Tensor) -> None:
+        """Make this weight the MXFP8 copy of `source` (a tied lm_head's embedding), kept in step
+        with it by `refresh`."""
+        if tuple(source.shape) != tuple(self.data.shape):
+            raise ValueError(f"tied MXFP8 weight {tuple(self.data.shape)} cannot copy a {tuple(source.shape)} tensor")
+        self.tied, self.tied_key = (source,), None
+
+    def refresh(self) -> bool:
+        """Requantize a tied weight whose source changed since (an in-place write bumps the
+        version); returns whether it did. Untied weights are written by the loader instead."""
+        if self.tied is None:
+            return False
+        src = self.tied[0]
+        key = (src._version, src.data_ptr())
+        if key == self.tied_key:
+            return False
+        write_quantized_linear(self, src.detach())
+        self.tied_key = key
+        return True
 
     @property
     def shape(self) -> torch.Size:
@@ -60,6 +90,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | MXLinearWeight, bias: torch.T
     `native.gemm.linear` (which itself falls back to `F.linear`)."""
     if not isinstance(weight, MXLinearWeight):
         return gemm.linear(x, weight, bias)
+    weight.refresh()  # a tied lm_head whose embedding was written since (normally done at load / update)
     native = (
         x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and mxfp8.available()
         and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
@@ -72,6 +103,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor | MXLinearWeight, bias: torch.T
 def reference_linear(x: torch.Tensor, weight: MXLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch MXFP8 path: dequantize exactly to x's dtype, then `F.linear` (the kernel's oracle)."""
     return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor | MXLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The training / scoring path's linear (`CausalLM.forward_masked`): `F.linear` on any leading
+    dims under autograd; an MXFP8 weight goes through `reference_linear`, so gradients reach x (the
+    quantized weight itself is a buffer and takes none: training in MXFP8 is the trainer's STE on
+    high-precision master weights, `cuttle.moe.mxfp8.fake_quantize_ste`)."""
+    if isinstance(weight, MXLinearWeight):
+        weight.refresh()
+        return reference_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _linear_slots(model: CausalLM) -> list[tuple[nn.Module, str, str]]:
@@ -91,24 +133,33 @@ def _linear_slots(model: CausalLM) -> list[tuple[nn.Module, str, str]]:
     return slots
 
 
-def prepare_quantized_linears(model: CausalLM, mode: str = "mxfp8") -> None:
-    """Replace each covered linear parameter by an (unfilled) `MXLinearWeight` of its shape."""
+def prepare_quantized_linears(model: CausalLM, mode: str = "mxfp8", lm_head: bool = False) -> None:
+    """Replace each covered linear parameter by an (unfilled) `MXLinearWeight` of its shape;
+    `lm_head` also the lm_head (a tied one becomes an MXFP8 copy of the embedding, see `tie_to`)."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
-    for module, attr, name in _linear_slots(model):
+    slots = _linear_slots(model)
+    if lm_head and not isinstance(model.lm_head, MXLinearWeight):
+        slots.append((model, "lm_head", "lm_head"))
+    for module, attr, name in slots:
         p = getattr(module, attr)
         if isinstance(p, MXLinearWeight):
             continue
         n, k = p.shape
         mx_weight = MXLinearWeight(n, k, p.dtype, name)
-        del module._parameters[attr]  # the point: no high-precision copy stays resident
+        tied = module is model and model.cfg.tie_word_embeddings
+        del module._parameters[attr]  # the point: no high-precision copy stays resident (a tied lm_head's is the embedding)
         setattr(module, attr, mx_weight.to(p.device))
+        if tied:
+            mx_weight.tie_to(model.embed)
 
 
 def quantized_linears(model: CausalLM) -> dict[str, MXLinearWeight]:
-    """Engine parameter name (e.g. `layers.0.attn.qkv_weight`) -> its MXFP8 weight, for every
-    linear that `prepare_quantized_linears` replaced."""
+    """Engine parameter name (e.g. `layers.0.attn.qkv_weight`, `lm_head`) -> its MXFP8 weight, for
+    every linear that `prepare_quantized_linears` replaced."""
     out: dict[str, MXLinearWeight] = {}
+    if isinstance(model.lm_head, MXLinearWeight):
+        out["lm_head"] = model.lm_head
     for i, layer in enumerate(model.layers):
         for owner, prefix in ((layer.attn, "attn"), (layer.mlp, "mlp")):
             for attr, mod in owner.named_children():
@@ -128,3 +179,10 @@ def write_quantized_linear(weight: MXLinearWeight, src: torch.Tensor, rows: slic
         data.copy_(q)
         scale.copy_(q_scale)
     return src.numel()
+
+
+def refresh_tied(model: CausalLM) -> None:
+    """Bring a tied MXFP8 lm_head in step with the embedding now (after a load or a weight update),
+    so that no request pays for it; `linear` would otherwise do it at the next logits."""
+    if isinstance(model.lm_head, MXLinearWeight):
+        model.lm_head.refresh()

@@ -20,7 +20,8 @@ from safetensors import safe_open
 
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.fp8_checkpoint import dequantized_tensors
-from cuttle.engine.models.linear_quant import MXLinearWeight, prepare_quantized_linears, quantized_linears, write_quantized_linear
+from cuttle.engine.models.linear_quant import (MXLinearWeight, prepare_quantized_linears, quantized_linears, refresh_tied,
+                                               write_quantized_linear)
 from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, write_quantized
 from cuttle.engine.models.nsa_config import FLA_MARK, fla_tensors
 from cuttle.engine.models.transformer import CausalLM
@@ -118,15 +119,17 @@ class _Filler:
 
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, moe_quant: str | None = None,
-               quantization: str | None = None) -> CausalLM:
+               quantization: str | None = None, quantize_lm_head: bool = False) -> CausalLM:
     """Build and fill a model. `moe_quant="mxfp8"` quantizes routed experts as they load; a
     checkpoint whose experts are saved in MXFP8 (`cuttle.moe.checkpoint`) loads quantized either way.
     `quantization="mxfp8"` quantizes every attention and dense-MLP linear (`linear_quant`) and the
-    routed experts, if any. An FP8 block-scaled checkpoint (`cfg.fp8_quant`) is dequantized to
-    `dtype` as it loads."""
+    routed experts, if any; `quantize_lm_head` (only with it) the lm_head too. An FP8 block-scaled
+    checkpoint (`cfg.fp8_quant`) is dequantized to `dtype` as it loads."""
+    if quantize_lm_head and quantization is None:
+        raise ValueError("quantize_lm_head=True needs quantization='mxfp8' (the lm_head is quantized with the other linears)")
     model = CausalLM(cfg, dtype, device)
     if quantization is not None:
-        prepare_quantized_linears(model, quantization)
+        prepare_quantized_linears(model, quantization, lm_head=quantize_lm_head)
         moe_quant = moe_quant or (quantization if moe_layers(model) else None)
     if moe_quant is not None or checkpoint_is_quantized(path):
         prepare_quantized_experts(model, moe_quant or "mxfp8")
@@ -134,7 +137,9 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     if cfg.fp8_quant is not None:  # FP8 block-scaled weights, dequantized as they stream in
         tensors = dequantized_tensors(tensors, cfg.fp8_quant, path)
     load_weights(model, tensors, strict=True, source=path)
-    return model.to(device)
+    model = model.to(device)
+    refresh_tied(model)  # a tied MXFP8 lm_head: quantized from the embedding just loaded
+    return model
 
 
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False, source: str = "weights") -> list[str]:
@@ -153,6 +158,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
         for field in _QUANTIZED_DTYPES:
             targets[f"layers.{i}.mlp.{field}"] = getattr(layer, field)
     mx_linears = quantized_linears(model)  # MXFP8 linears: written through write_quantized_linear
+    if cfg.tie_word_embeddings:
+        mx_linears.pop("lm_head", None)  # a tied MXFP8 lm_head is derived from the embedding (linear_quant.refresh_tied)
     targets.update({n: w.data for n, w in mx_linears.items()})
     table = _layer_table(cfg)
     extra_layers = int(cfg.hf_config.get("num_nextn_predict_layers", 0)) if cfg.mla is not None else 0
@@ -164,8 +171,13 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
         if name == "model.embed_tokens.weight":
             filler.put("embed", targets["embed"], t, name)
         elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
+            if "lm_head" in mx_linears:
+                filler.count("lm_head", _write_linear(mx_linears["lm_head"], t, name))
+            elif not cfg.tie_word_embeddings:
                 filler.put("lm_head", targets["lm_head"], t, name)
+        elif name == "lm_head" and cfg.tie_word_embeddings and "lm_head" not in targets:
+            # the engine's name for a tied lm_head whose own entry became an MXFP8 copy: it is the embedding
+            filler.put("embed", targets["embed"], t, name)
         elif name == "model.norm.weight":
             filler.put("norm.weight", targets["norm.weight"], t, name)
         elif name in mx_linears:  # the engine's own name (a trainer on this model code)

@@ -28,7 +28,7 @@ from cuttle.attention.rope import RotaryEmbedding, apply_rope
 from cuttle.attention.topk import TopKConfig, topk_attend_chunked
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
-from cuttle.engine.models.linear_quant import linear  # native.gemm.linear, or the MXFP8 GEMM for quantized weights
+from cuttle.engine.models.linear_quant import dense_linear, linear  # native.gemm.linear, or the MXFP8 GEMM for quantized weights
 from cuttle.engine.models.mla import MLAttention
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.moe import FusedMoE, RoutingConfig, SharedExpert
@@ -69,7 +69,7 @@ class Attention(nn.Module):
     def _qkv_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Training-path projections of x [B, S, hidden]: q [B, S, H, D], k and v [B, S, Hkv, D]."""
         B, S, _ = x.shape
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = dense_linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(B * S, self.num_heads, self.head_dim)
         k = k.reshape(B * S, self.num_kv_heads, self.head_dim)
@@ -93,10 +93,10 @@ class Attention(nn.Module):
             q, k, v = self._qkv_dense(x, cos, sin)
             pos = torch.arange(S, device=x.device)
             rows = [topk_attend_chunked(q[b], k[b], v[b], pos, sparse, self.scale)[0] for b in range(B)]
-            return F.linear(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight)
+            return dense_linear(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight)
         q, k, v = (t.transpose(1, 2) for t in self._qkv_dense(x, cos, sin))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        return F.linear(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight)
+        return dense_linear(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight)
 
 
 class NSAAttention(Attention):

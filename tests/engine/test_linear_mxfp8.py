@@ -13,33 +13,18 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from cuttle.attention.native import mxfp8 as native_mx
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.models import load_model
 from cuttle.engine.models.linear_quant import MXLinearWeight, quantized_linears, reference_linear
-from cuttle.moe.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+from cuttle.moe.mxfp8 import quantize_mxfp8
 from helpers import make_checkpoint, parity_prompts
+from mxfp8_helpers import close_outputs, fake_quantize_checkpoint
 
-_COVERED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [parity_prompts()[i] for i in (0, 3, 5, 7)]
-
-
-def _fake_quantize_checkpoint(src: str, dst: str) -> None:
-    """Copy of `src` whose covered linears hold their MXFP8 round trip (fp32)."""
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if f.endswith(".safetensors"):
-            tensors = load_file(os.path.join(src, f))
-            for name, t in tensors.items():
-                if name.endswith(".weight") and any(f".{p}." in name for p in _COVERED):
-                    tensors[name] = dequantize_mxfp8(*quantize_mxfp8(t.float()), 32, torch.float32).to(t.dtype)
-            save_file(tensors, os.path.join(dst, f), metadata={"format": "pt"})
-        elif not os.path.isdir(os.path.join(src, f)):
-            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
-                b.write(a.read())
 
 
 @pytest.fixture(scope="module")
@@ -48,25 +33,13 @@ def paths(tmp_path_factory) -> dict[str, str]:
     out = {"plain": str(root / "plain"), "fake": str(root / "fake"), "other": str(root / "other")}
     make_checkpoint(out["plain"], "qwen3", seed=3)
     make_checkpoint(out["other"], "qwen3", seed=4)
-    _fake_quantize_checkpoint(out["plain"], out["fake"])
+    fake_quantize_checkpoint(out["plain"], out["fake"])
     return out
 
 
 def _run(llm: LLM):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     return llm.generate(PROMPTS, params, use_tqdm=False)
-
-
-def _close(a, b, tol: float) -> None:
-    for x, y in zip(a, b):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            for tok in lx:
-                assert abs(lx[tok].logprob - ly[tok].logprob) <= tol
-        for px, py in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
-            for tok in px:
-                if tok in py:
-                    assert abs(px[tok].logprob - py[tok].logprob) <= tol
 
 
 @pytest.mark.skipif(not native_mx.available(), reason="native CPU kernel library not built")
@@ -78,7 +51,7 @@ def test_engine_equals_dequantize_then_matmul(paths):
     assert len(mx) == 4 * model.cfg.num_layers
     assert not any(n.endswith(("qkv_weight", "o_weight", "gate_up_weight", "down_weight")) for n, _ in model.named_parameters())
     # 4 prompts decode together (decode loop, M <= 4) after chunked prefills (tile loop, M > 4)
-    _close(_run(quant), _run(LLM(paths["fake"], **kw)), 2e-5)
+    close_outputs(_run(quant), _run(LLM(paths["fake"], **kw)), 2e-5)
 
 
 def test_bytes_equal_quantize_of_the_checkpoint(paths):
