@@ -338,9 +338,8 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
             props = params.get("properties") if isinstance(params, dict) else None
             if not isinstance(params, dict) or not (props is None or (isinstance(props, dict) and all(isinstance(p, dict) for p in props.values()))):
                 raise OpenAIError(f"tools[{i}].function.parameters must be a JSON schema object (properties: name -> schema)", param="tools")
-        if f.get("strict") not in (None, False):
-            raise OpenAIError(f"tools[{i}].function.strict: true is not supported: cuttle constrains tool arguments only in the "
-                              "hermes format with xgrammar installed (docs/server.md), so it cannot promise it", param="tools")
+        if f.get("strict") is not None and not isinstance(f["strict"], bool):
+            raise OpenAIError(f"tools[{i}].function.strict must be a boolean", param="tools")
     return tools
 
 

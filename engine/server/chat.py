@@ -91,6 +91,12 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         # tool calls under their tools' JSON schemas (a forced call always parses; with auto, from <tool_call> on)
         tool_structure = tool_call_structure(parser, choice, forced_name, tools, tok) if use_tools else None
+        if use_tools and tool_structure is None:
+            strict = next((i for i, t in enumerate(tools) if t["function"].get("strict")), None)
+            if strict is not None:  # a promise the server can only keep under a grammar
+                raise OpenAIError(f"tools[{strict}].function.strict: true needs the tool calls generated under their schemas, which "
+                                  "this server cannot do (the xgrammar package is not installed, or its tokenizer is one xgrammar "
+                                  "cannot serve)", param="tools")
         if tool_structure is not None:
             if structured is not None:
                 raise OpenAIError(f"{structured_field} cannot be combined with tools under tool_choice {choice!r}: the tool "

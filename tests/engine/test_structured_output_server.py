@@ -193,3 +193,22 @@ def test_forced_qwen3_coder_tool_call_always_parses_and_validates(xml_client, to
     and within its string bounds (the grammar admits one whitespace character beside each tag,
     which the parser takes as the separator)."""
     _check_forced_calls(xml_client, tool_choice, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}, max_tokens=200)
+
+
+def test_strict_tools_are_kept_under_the_grammar_and_refused_without_one(client, monkeypatch):
+    """`strict: true` is honoured where the calls run under their schemas (here: a forced call
+    validates), and a 400 naming `tools` where the server cannot constrain them."""
+    import cuttle.engine.server.chat as chat
+
+    strict_tools = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    r = client.chat.completions.create(model="test-model", messages=MSGS, tools=strict_tools, tool_choice="required", temperature=1.0, seed=5,
+                                       max_tokens=80)
+    [call] = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name])
+    monkeypatch.setattr(chat, "tool_call_structure", lambda *a: None)  # as without xgrammar
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="test-model", messages=MSGS, tools=strict_tools, tool_choice="required", max_tokens=8)
+    assert e.value.body["param"] == "tools" and "strict" in e.value.body["message"]
+    # without strict the same request is served (prefix forcing, no guarantee), as documented
+    r = client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=8)
+    assert r.choices[0].finish_reason in ("length", "tool_calls", "stop")
