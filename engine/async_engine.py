@@ -172,8 +172,18 @@ class AsyncEngine:
         says: DELTA for a streamed response (O(L) in all), FINAL_ONLY for one output at the end."""
         # a FINAL_ONLY request is not detokenized step by step (its text is decoded once at the end)
         per_step = params.output_kind != RequestOutputKind.FINAL_ONLY
+        await self._compile_grammar(params)
         return await self._admit(request_id, lambda: self.engine.add_request(request_id, prompt, params, stream=per_step,
                                                                             cache_salt=cache_salt))
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar on a worker thread before it is admitted: a schema can
+        take 10s-100s of ms to compile (the first one also builds the vocabulary's tables), which
+        on the engine thread would stall every running request's decoding. The compiled grammar
+        is cached, so `add_request` finds it there; a spec that does not compile raises here
+        exactly what `add_request` would."""
+        if params.structured_outputs is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.controls.compile, params.structured_outputs)
 
     async def _admit(self, request_id: str, add: Callable[[], Any]) -> RequestStream:
         if self._thread is None:
@@ -226,6 +236,7 @@ class AsyncEngine:
         and leaves the session as it was."""
         sids = [session_ids] if isinstance(session_ids, str) else list(session_ids)
         per_step = params.output_kind != RequestOutputKind.FINAL_ONLY
+        await self._compile_grammar(params)
         return await self._admit(request_id, lambda: self.engine.add_session_turn(request_id, sids, params, stream=per_step))
 
     async def generate(

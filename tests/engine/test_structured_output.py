@@ -350,3 +350,39 @@ def test_a_token_its_grammar_rejects_fails_that_request_alone_and_is_delivered(e
     assert finals["free"].error is None and len(finals["free"].outputs[0].token_ids) == 6
     stats = engine.stats()
     assert not engine.requests and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_async_engine_compiles_a_grammar_off_the_engine_thread(embedded, monkeypatch):
+    """A schema's compile runs on a worker thread before admission, so it never stalls the
+    engine thread's steps; the request then finds the grammar compiled, and a spec that does not
+    compile is refused by `add` as before."""
+    import asyncio
+    import threading
+
+    from cuttle.engine.async_engine import AsyncEngine
+
+    controls = embedded.engine.controls
+    threads = []
+    real = controls.compile
+    monkeypatch.setattr(controls, "compile", lambda spec: threads.append(threading.current_thread().name) or real(spec))
+    aeng = AsyncEngine(embedded.engine)
+    aeng.start()
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 4, "maximum": 977}}, "required": ["k"]}
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema))
+
+    async def main():
+        async for out in await aeng.add("so-1", "x = ", params):
+            last = out
+        with pytest.raises(ValueError):
+            await aeng.add("so-2", "x", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(")))
+        return last
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert 4 <= json.loads(out.outputs[0].text)["k"] <= 977
+    # each spec compiled first before admission, off the engine thread ("cuttle-engine"); the
+    # engine's own compile in add_request is then a cache hit (the bad spec fails before that)
+    assert threads[0] != "cuttle-engine" and threads[1] == "cuttle-engine" and threads[2] != "cuttle-engine", threads
+    assert len(threads) == 3
