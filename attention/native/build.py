@@ -1,7 +1,7 @@
 """The CPU kernel library: compile the C sources under `attention/csrc/`, load them with ctypes.
 
 Owns the one build of the native kernels (paged decode attention, GEMMs, fused norms / RoPE /
-SiLU, argmax): the host C compiler (`-O3 -march=native -fopenmp`) builds every source into one
+SiLU, argmax, the sampler's token mask, ...): the host C compiler (`-O3 -march=native -fopenmp`) builds every source into one
 shared library in a per-user cache keyed by the sources, the flags and the CPU, and `load`
 declares the C signatures. No torch headers are involved, so a build takes about a second, and a
 machine without a compiler (or with `CUTTLE_CPU_KERNELS=0`) simply gets `None` and the torch
