@@ -130,9 +130,10 @@ def weight_counts(mc, n_params: int) -> tuple[int, int]:
     return read, read - emb
 
 
-def mxfp8_params(mc, quantization: str | None, moe_quant: str | None) -> int:
+def mxfp8_params(mc, quantization: str | None, moe_quant: str | None, lm_head: bool = False) -> int:
     """Parameters one decode token reads in MXFP8 (8.25 bits) under these options: the active
-    routed experts (either option), plus every attention and dense-MLP linear (`quantization`)."""
+    routed experts (either option), plus every attention and dense-MLP linear (`quantization`),
+    plus the lm_head (`quantize_lm_head`)."""
     hf = mc.hf_config
     top_k = int(hf.get("num_experts_per_tok") or 0)
     n = len(mc.moe_layers) * top_k * 3 * mc.hidden_size * mc.moe_intermediate_size if (quantization or moe_quant) else 0
@@ -140,7 +141,18 @@ def mxfp8_params(mc, quantization: str | None, moe_quant: str | None) -> int:
         q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
         n += mc.num_layers * (mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size)
         n += (mc.num_layers - len(mc.moe_layers)) * 3 * mc.hidden_size * mc.intermediate_size
+    if lm_head:
+        n += mc.vocab_size * mc.hidden_size
     return n
+
+
+# cuttle's MXFP8 runs: (results key, label, engine options, the options of `mxfp8_params`)
+MXFP8_VARIANTS = {
+    "moe_quant": ("cuttle-mxfp8-experts", "cuttle, MXFP8 experts", {"moe_quant": "mxfp8"}, (None, "mxfp8", False)),
+    "quantization": ("cuttle-mxfp8", "cuttle, MXFP8 all linears + experts", {"quantization": "mxfp8"}, ("mxfp8", None, False)),
+    "quantize_lm_head": ("cuttle-mxfp8-lm-head", "cuttle, MXFP8 all linears + experts + lm_head",
+                         {"quantization": "mxfp8", "quantize_lm_head": True}, ("mxfp8", None, True)),
+}
 
 
 def _finite(x):
@@ -174,6 +186,8 @@ def main() -> None:
                     help="also run cuttle with every linear (and the routed experts) in MXFP8, in this run")
     ap.add_argument("--moe-quant", choices=["mxfp8"], default=None,
                     help="also run cuttle with the routed experts in MXFP8, in this run")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="also run cuttle with every linear, the routed experts and the lm_head in MXFP8, in this run")
     ap.add_argument("--vllm-enforce-eager", action="store_true", help="run vLLM without its torch.compile step")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
     args = ap.parse_args()
@@ -213,11 +227,12 @@ def main() -> None:
         del os.environ["CUTTLE_MOE_NATIVE"]
         native.select()
         print(f"cuttle, torch expert path: offline {moe_ab[0]:.1f} out tok/s, batch-1 decode {moe_ab[1]:.2f} tok/s", flush=True)
-    mx_run: tuple[float, float] | None = None
-    if args.quantization or args.moe_quant:
-        kw = {k: v for k, v in (("quantization", args.quantization), ("moe_quant", args.moe_quant)) if v}
-        mx_run = bench_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs, **kw)
-        print(f"cuttle, MXFP8 ({kw}): offline {mx_run[0]:.1f} out tok/s, batch-1 decode {mx_run[1]:.2f} tok/s", flush=True)
+    mx_runs: dict[str, tuple[str, tuple[float, float], tuple]] = {}  # results key -> (label, figures, mxfp8_params options)
+    for opt, (key, label, kw, n_opts) in MXFP8_VARIANTS.items():
+        if getattr(args, opt):
+            fig = bench_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs, **kw)
+            mx_runs[key] = (label, fig, n_opts)
+            print(f"{label} ({kw}): offline {fig[0]:.1f} out tok/s, batch-1 decode {fig[1]:.2f} tok/s", flush=True)
     rows = []
     if args.skip_transformers:
         t_off = t_dec = float("nan")
@@ -231,12 +246,12 @@ def main() -> None:
         "cuttle": {"batch": args.max_num_seqs, "offline_tok_s": c_off, "decode_tok_s": c_dec},
         "transformers": {"batch": args.hf_batch, "offline_tok_s": t_off, "decode_tok_s": t_dec},
     }
-    if mx_run is not None:
-        n_mx = mxfp8_params(mc, args.quantization, args.moe_quant)
-        results["cuttle-mxfp8"] = {"batch": args.max_num_seqs, "offline_tok_s": mx_run[0], "decode_tok_s": mx_run[1],
-                                   "quantization": args.quantization, "moe_quant": args.moe_quant,
-                                   # bytes a decode token reads: MXFP8 params at 8.25 bits, the rest in the model dtype
-                                   "weight_bytes_per_param": (n_mx * 8.25 / 8 + (read_params - n_mx) * tdtype.itemsize) / read_params}
+    for key, (_, fig, n_opts) in mx_runs.items():
+        n_mx = mxfp8_params(mc, *n_opts)
+        results[key] = {"batch": args.max_num_seqs, "offline_tok_s": fig[0], "decode_tok_s": fig[1],
+                        "quantization": n_opts[0], "moe_quant": n_opts[1], "quantize_lm_head": n_opts[2],
+                        # bytes a decode token reads: MXFP8 params at 8.25 bits, the rest in the model dtype
+                        "weight_bytes_per_param": (n_mx * 8.25 / 8 + (read_params - n_mx) * tdtype.itemsize) / read_params}
     if moe_ab is not None:
         results["cuttle-torch-experts"] = {"batch": args.max_num_seqs, "offline_tok_s": moe_ab[0], "decode_tok_s": moe_ab[1]}
     skipped: dict[str, str] = {}
@@ -270,7 +285,7 @@ def main() -> None:
     def cell(x: float | None) -> float | str:
         return "—" if x is None else x
 
-    shown = ("cuttle", *(("cuttle-mxfp8",) if mx_run is not None else ()), *(("cuttle-torch-experts",) if moe_ab is not None else ()),
+    shown = ("cuttle", *mx_runs, *(("cuttle-torch-experts",) if moe_ab is not None else ()),
              *(() if args.skip_transformers else ("transformers",)), *[p for p in PEERS if p in results])
     for name in shown:
         r = results[name]
@@ -278,7 +293,7 @@ def main() -> None:
         own_bw_limit = bw * 1e9 / (read_params * r["weight_bytes_per_param"]) if "weight_bytes_per_param" in r else bw_limit
         r.update(offline_vs_transformers=ratio(off, t_off), offline_of_flop_limit=ratio(off, flop_limit),
                  decode_vs_transformers=ratio(dec, t_dec), decode_of_bandwidth_limit=ratio(dec, own_bw_limit))
-        label = {"cuttle-mxfp8": f"cuttle, MXFP8 ({'all linears + experts' if args.quantization else 'experts'})",
+        label = {**{k: v[0] for k, v in mx_runs.items()},
                  "cuttle-torch-experts": "cuttle, torch experts (CUTTLE_MOE_NATIVE=0)", "vllm": "vLLM (CPU)", "llamacpp": "llama.cpp (bf16 GGUF)", "llamacpp-q8_0": "llama.cpp (Q8_0 GGUF)"}.get(name, name)
         rows.append([label, str(r["batch"]), cell(off), cell(r["offline_vs_transformers"]), cell(r["offline_of_flop_limit"]),
                      dec, cell(r["decode_vs_transformers"]), cell(r["decode_of_bandwidth_limit"])])
@@ -290,9 +305,9 @@ def main() -> None:
         ["engine", "batch", "offline out tok/s", "vs transformers", "of FLOP limit", "batch-1 decode tok/s", "vs transformers", "of bandwidth limit"],
         rows,
     ))
-    if mx_run is not None:
-        print(f"\ncuttle MXFP8 vs cuttle {args.dtype}, same run: batch-1 decode {ratio(mx_run[1], c_dec):.2f}x, "
-              f"offline {ratio(mx_run[0], c_off):.2f}x")
+    for label, fig, _ in mx_runs.values():
+        print(f"\n{label} vs cuttle {args.dtype}, same run: batch-1 decode {ratio(fig[1], c_dec):.2f}x, "
+              f"offline {ratio(fig[0], c_off):.2f}x")
     for peer, why in skipped.items():
         print(f"\n{peer} not run: {why}")
     if args.json:
