@@ -29,6 +29,7 @@ from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.storage import KVStorage
 from cuttle.engine.models import load_model
 from cuttle.engine.models.linear_quant import refresh_tied
+from cuttle.engine.models.moe_quant import pack_experts
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.sequence import Sequence
 
@@ -93,10 +94,12 @@ class ModelRunner:
 
     def prepack(self) -> None:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not
-        during the first request's step; a tied MXFP8 lm_head is requantized from the embedding."""
+        during the first request's step: the packed dense weights, the routed experts (held packed
+        only: their plain copy is dropped); a tied MXFP8 lm_head is requantized from the embedding."""
         refresh_tied(self.model)
         if self.device.type == "cpu":
             gemm.prepack(self.model.linear_weights())
+            pack_experts(self.model)
 
     @staticmethod
     def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype,

@@ -47,8 +47,9 @@ def save_quantized_experts(path: str | Path, layers: Mapping[str, FusedMoE]) -> 
     for prefix, layer in layers.items():
         if layer.quant != "mxfp8":
             raise ValueError(f"layer {prefix!r} is not MXFP8-quantized; call quantize_('mxfp8') first")
-        for field in QUANTIZED_NAMES:
-            tensors[f"{prefix}.{field}"] = getattr(layer, field).contiguous().cpu()
+        w13, w2 = layer.expert_weights()  # unpacked copies for a layer held packed
+        for field, t in zip(QUANTIZED_NAMES, (w13.data, w13.scale, w2.data, w2.scale)):
+            tensors[f"{prefix}.{field}"] = t.contiguous().cpu()
     save_file(tensors, str(path), metadata={QUANT_KEY: "mxfp8", BLOCK_KEY: "32"})
 
 

@@ -2,8 +2,8 @@
 grouping + expert GEMMs + combine (`cuttle.attention.native.moe`), no per-expert Python loop.
 
 Owns the decision of when a layer's forward may take it (`supports`, `supports_mxfp8` for MXFP8
-experts, whose bytes the native panels read as stored) and the mapping from `RoutingConfig` to the
-native router's arguments. The torch path (`experts_torch.py`) stays the reference and the
+experts, whose bytes the native panels read as stored, `supports_packed` for a layer that holds
+only its packed panels) and the mapping from `RoutingConfig` to the native router's arguments. The torch path (`experts_torch.py`) stays the reference and the
 fallback: activation quantization, autograd, non-CPU tensors and a process without the kernel
 library all go there. Must never import `cuttle.engine`.
 """
@@ -41,6 +41,17 @@ def supports_mxfp8(x: torch.Tensor, gate_weight: torch.Tensor, w13: object, w2: 
     )
 
 
+def supports_packed(x: torch.Tensor, gate_weight: torch.Tensor, packed: native_moe.PackedExperts) -> bool:
+    """Whether the native path takes a layer whose experts are held packed (`FusedMoE.pack_`): CPU
+    activations with dense rows (in the weights' dtype unless MXFP8), no autograd on x, library loaded."""
+    return (
+        x.device.type == "cpu" and x.dim() == 2 and x.dtype in native_moe.WEIGHT_FORMAT and x.stride(-1) == 1
+        and (packed.fmt == native_moe.W_MXFP8 or native_moe.WEIGHT_FORMAT[x.dtype] == packed.fmt)
+        and not (torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad))
+        and native_moe.available()
+    )
+
+
 def route_native(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing.route` in one native call: (weights fp32 [T, k], ids int64 [T, k]). Rows where a
     selection is a (near-)tie are routed by `routing.route` itself, so the experts chosen are
@@ -56,15 +67,18 @@ def route_native(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | 
 
 
 def fused_moe_native(
-    x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor | MXTensor, w2: torch.Tensor | MXTensor,
-    cfg: RoutingConfig, bias: torch.Tensor | None = None,
+    x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor | MXTensor | native_moe.PackedExperts,
+    w2: torch.Tensor | MXTensor | None, cfg: RoutingConfig, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole routed-expert forward of one layer: x [T, H] -> [T, H] in x's dtype. Expert
-    weights are x's dtype, or MXFP8 (`MXTensor`, read as stored by the MXFP8 panels)."""
+    weights are x's dtype, or MXFP8 (`MXTensor`, read as stored by the MXFP8 panels), or both
+    already packed (`PackedExperts` as w13, w2 None)."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
     # the logits stay torch's matmul, so the native path routes on the very logits the torch path does
     weights, ids = route_native(router_logits(x, gate_weight, cfg), cfg, bias)
+    if isinstance(w13, native_moe.PackedExperts):
+        return native_moe.experts_packed(x, w13, weights, ids)
     if isinstance(w13, MXTensor) and isinstance(w2, MXTensor):
         return native_moe.experts_mxfp8(x, (w13.data, w13.scale), (w2.data, w2.scale), weights, ids)
     return native_moe.experts(x, w13, w2, weights, ids)

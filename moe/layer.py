@@ -20,6 +20,14 @@ On CPU, plain fp32/bf16 experts take the native path (`experts_native`: routing 
 expert computation in native calls, weights packed once and repacked after any write) when the
 CPU kernel library is loaded, MXFP8 experts too (their E4M3 bytes and E8M0 scales packed into
 the same panels, decoded in registers); the torch path is the reference and the fallback.
+
+Packed-only layers (`pack_`, what the engine does at load and after every weight update): the
+experts are then held only in the kernels' panel layout (`packed`); the plain parameters (or MXFP8
+buffers) are dropped, so expert memory is not doubled. The torch path, which a packed layer still
+takes under autograd or with the native path switched off, unpacks the layer's experts per call
+(an exact permutation, one layer at a time); `unpack_` restores the plain tensors for good (the
+loader does before it writes weights). A layer never packed keeps its plain tensors and a lazily
+made packed copy beside them (`experts_native` caches it on the tensor), as standalone use expects.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from typing import Literal, Mapping
 import torch
 from torch import nn
 
+from cuttle.attention.native import moe as native_moe
 from cuttle.moe import experts_native
 from cuttle.moe.experts_torch import ExpertWeight, fused_experts_torch
 from cuttle.moe.mxfp8 import MXTensor, ScaleMode, quantize_mxfp8
@@ -65,6 +74,7 @@ class FusedMoE(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self.quant: Literal["mxfp8"] | None = None
         self.act_quant: ScaleMode | None = None
+        self.packed: native_moe.PackedExperts | None = None  # set by pack_: then the only copy of the experts
 
     def quantize_(
         self, mode: Literal["mxfp8"] = "mxfp8", scale_mode: ScaleMode = "floor", activations: bool = False
@@ -72,6 +82,7 @@ class FusedMoE(nn.Module):
         """Quantize the loaded expert weights in place; `activations` also rounds GEMM inputs to MXFP8."""
         if mode != "mxfp8":
             raise ValueError(f"unsupported MoE quantization {mode!r}")
+        self.unpack_()
         w13 = _quantize_per_expert(self.w13.data, scale_mode)
         self._set_quantized(w13, _quantize_per_expert(self.w2.data, scale_mode))
         self.act_quant = scale_mode if activations else None
@@ -87,6 +98,7 @@ class FusedMoE(nn.Module):
 
     def _set_quantized(self, w13: MXTensor, w2: MXTensor) -> None:
         device = self.gate_weight.device
+        self.packed = None  # replaced wholesale
         # Dropping the bf16 parameters is the point: only the MXFP8 copy stays resident.
         for name in ("w13", "w2"):
             if name in self._parameters:
@@ -97,25 +109,98 @@ class FusedMoE(nn.Module):
         self.register_buffer("w2_scale", w2.scale.to(device))
         self.quant = "mxfp8"
 
+    def pack_(self) -> bool:
+        """Hold the experts only in the native kernels' panel layout from now on: packed here, once
+        (not at the first forward), and the plain copy dropped. Returns False, changing nothing,
+        where the native path could not run them: kernel library not loaded or switched off, not
+        on CPU, activation quantization, weights that need gradients or are not contiguous."""
+        if self.packed is not None:
+            return True
+        if not native_moe.available() or self.act_quant is not None:
+            return False
+        w13, w2 = self.expert_weights()
+        if isinstance(w13, MXTensor) and isinstance(w2, MXTensor):
+            if w13.data.device.type != "cpu" or w2.data.device.type != "cpu":
+                return False
+            self.packed = native_moe.pack_mxfp8((w13.data, w13.scale), (w2.data, w2.scale))
+            for name in QUANTIZED_NAMES:
+                del self._buffers[name]
+            return True
+        if (w13.device.type != "cpu" or w13.requires_grad or w2.requires_grad or w13.dtype not in native_moe.WEIGHT_FORMAT
+                or not w13.is_contiguous() or not w2.is_contiguous()):
+            return False
+        self.packed = native_moe.pack(w13, w2)
+        del self._parameters["w13"], self._parameters["w2"]
+        return True
+
+    def unpack_(self) -> None:
+        """Back to plain tensors (bit-exact: packing is a permutation), e.g. before weights are written."""
+        if self.packed is None:
+            return
+        w13, w2 = native_moe.unpack(self.packed)
+        self.packed = None
+        if self.quant == "mxfp8":
+            for name, t in zip(QUANTIZED_NAMES, (*w13, *w2)):
+                self.register_buffer(name, t)
+        else:
+            self.w13 = nn.Parameter(w13, requires_grad=False)
+            self.w2 = nn.Parameter(w2, requires_grad=False)
+
+    # state_dict / load_state_dict see a packed layer as the unpacked one (same names, same bytes),
+    # so copying weights between models does not depend on which of them packed its experts
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[override]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:
+            w13, w2 = self.expert_weights()
+            if isinstance(w13, MXTensor) and isinstance(w2, MXTensor):
+                named = zip(QUANTIZED_NAMES, (w13.data, w13.scale, w2.data, w2.scale))
+            else:
+                named = zip(("w13", "w2"), (w13, w2))
+            for name, t in named:
+                destination[prefix + name] = t
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        if self.packed is None:
+            return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.unpack_()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.pack_()
+
     def expert_weights(self) -> tuple[ExpertWeight, ExpertWeight]:
+        """The experts as plain tensors (or `MXTensor`s); for a packed layer, fresh unpacked copies."""
+        if self.packed is not None:
+            w13, w2 = native_moe.unpack(self.packed)
+            return (MXTensor(*w13), MXTensor(*w2)) if self.quant == "mxfp8" else (w13, w2)
         if self.quant == "mxfp8":
             return MXTensor(self.w13_mx, self.w13_scale), MXTensor(self.w2_mx, self.w2_scale)
         return self.w13, self.w2
 
     def expert_weight_bytes(self) -> int:
-        """Resident bytes of the routed-expert weights (data + scales)."""
+        """Resident bytes of the routed-expert weights (data + scales; the panels when packed,
+        padding rows included)."""
+        if self.packed is not None:
+            return self.packed.nbytes()
         w13, w2 = self.expert_weights()
         if isinstance(w13, MXTensor):
             return w13.nbytes() + w2.nbytes()
         return sum(w.numel() * w.element_size() for w in (w13, w2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            if experts_native.supports_packed(x, self.gate_weight, self.packed):
+                return experts_native.fused_moe_native(x, self.gate_weight, self.packed, None, self.routing, self.e_score_correction_bias)
+            return self._forward_torch(x)
         if self.quant is None and experts_native.supports(x, self.gate_weight, self.w13, self.w2):
             return experts_native.fused_moe_native(x, self.gate_weight, self.w13, self.w2, self.routing, self.e_score_correction_bias)
         if self.quant == "mxfp8" and self.act_quant is None:
             w13, w2 = self.expert_weights()
             if experts_native.supports_mxfp8(x, self.gate_weight, w13, w2):  # MXFP8 bytes read by the native panels
                 return experts_native.fused_moe_native(x, self.gate_weight, w13, w2, self.routing, self.e_score_correction_bias)
+        return self._forward_torch(x)
+
+    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference path (Triton on CUDA): under autograd, activation quantization, without the
+        native kernels. A packed layer's experts are unpacked for the call."""
         logits = router_logits(x, self.gate_weight, self.routing)
         weights, ids = route(logits, self.routing, self.e_score_correction_bias)
         w13, w2 = self.expert_weights()

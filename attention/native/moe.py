@@ -1,9 +1,12 @@
 """Python side of `csrc/moe_experts.c`: routed-expert weights packed once, routing and the whole
 expert computation of one MoE layer in one native call each.
 
-Owns the packed copies of stacked expert weights (kept on the weight tensor under the same
-attribute as the dense packed GEMM's, so `gemm.drop_packed` forgets them too) and the argument
-checks of the native calls. It knows nothing of routing configs or layers (`cuttle.moe` does):
+Owns the packed layout of stacked expert weights: `pack` / `pack_mxfp8` make a `PackedExperts`
+(what a layer holds once its plain tensors are dropped: the engine packs at load and after every
+weight update), `unpack` inverts it exactly (a permutation, for the torch reference path and for
+weight writes), and `experts` / `experts_mxfp8` keep a packed copy on the weight tensor itself
+(same attribute as the dense packed GEMM's, so `gemm.drop_packed` forgets it too) for callers that
+hold plain tensors. Also the argument checks of the native calls. It knows nothing of routing configs or layers (`cuttle.moe` does):
 callers pass plain numbers. Whether experts take these kernels is `kernels()`'s to say (library
 loaded, `CUTTLE_MOE_NATIVE` not "0").
 
@@ -15,6 +18,7 @@ the shared MXFP8 inner loop (`csrc/mxfp8.h`); `experts_mxfp8` runs them.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +43,26 @@ _SIGNATURES: dict[str, tuple[list, type]] = {
 }
 _declared: set[int] = set()
 MAX_EXPERTS = 4096  # moe_route keeps one token's scores on the stack
+P13, P2 = 8, 16  # features per w13 / w2 panel (csrc/moe_experts.c); `unpack` reads the layout with them
+
+
+@dataclass(slots=True)
+class PackedExperts:
+    """One layer's routed experts in the kernel's panel layout: w13 [E][ceil(I/P13)][H][2*P13] and w2
+    [E][ceil(H/P2)][I][P2] (rows past I or H are zero), in the weights' dtype, or as E4M3 bytes
+    with the E8M0 scale panels `s13` / `s2` beside them (`fmt` W_MXFP8)."""
+
+    fmt: int
+    E: int
+    I: int
+    H: int
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.s13, self.s2) if t is not None)
 
 
 def _lib() -> ctypes.CDLL:
@@ -75,36 +99,36 @@ def _check_weight(w: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: need a contiguous CPU fp32/bf16 [E, N, K] tensor, got {tuple(w.shape)} {w.dtype} on {w.device}")
 
 
-def packed_w13(w13: torch.Tensor) -> torch.Tensor:
-    """The packed form of w13 [E, 2I, H] (gate rows, then up rows), made on first use and after a write."""
+def _pack_w13(w13: torch.Tensor) -> torch.Tensor:
     _check_weight(w13, "w13")
     E, two_i, H = w13.shape
     if two_i % 2:
         raise ValueError(f"w13: row count {two_i} is not 2 * intermediate_size")
+    lib = _lib()
+    out = torch.empty(lib.moe_packed_w13_numel(E, two_i // 2, H), dtype=w13.dtype)
+    if lib.moe_pack_w13(w13.data_ptr(), WEIGHT_FORMAT[w13.dtype], E, two_i // 2, H, out.data_ptr()) != 0:
+        raise RuntimeError("moe_pack_w13 failed")
+    return out
 
-    def make() -> torch.Tensor:
-        lib = _lib()
-        out = torch.empty(lib.moe_packed_w13_numel(E, two_i // 2, H), dtype=w13.dtype)
-        if lib.moe_pack_w13(w13.data_ptr(), WEIGHT_FORMAT[w13.dtype], E, two_i // 2, H, out.data_ptr()) != 0:
-            raise RuntimeError("moe_pack_w13 failed")
-        return out
 
-    return _cached(w13, make)
+def _pack_w2(w2: torch.Tensor) -> torch.Tensor:
+    _check_weight(w2, "w2")
+    E, H, I = w2.shape
+    lib = _lib()
+    out = torch.empty(lib.moe_packed_w2_numel(E, H, I), dtype=w2.dtype)
+    if lib.moe_pack_w2(w2.data_ptr(), WEIGHT_FORMAT[w2.dtype], E, H, I, out.data_ptr()) != 0:
+        raise RuntimeError("moe_pack_w2 failed")
+    return out
+
+
+def packed_w13(w13: torch.Tensor) -> torch.Tensor:
+    """The packed form of w13 [E, 2I, H] (gate rows, then up rows), made on first use and after a write."""
+    return _cached(w13, lambda: _pack_w13(w13))
 
 
 def packed_w2(w2: torch.Tensor) -> torch.Tensor:
     """The packed form of w2 [E, H, I], made on first use and after a write."""
-    _check_weight(w2, "w2")
-    E, H, I = w2.shape
-
-    def make() -> torch.Tensor:
-        lib = _lib()
-        out = torch.empty(lib.moe_packed_w2_numel(E, H, I), dtype=w2.dtype)
-        if lib.moe_pack_w2(w2.data_ptr(), WEIGHT_FORMAT[w2.dtype], E, H, I, out.data_ptr()) != 0:
-            raise RuntimeError("moe_pack_w2 failed")
-        return out
-
-    return _cached(w2, make)
+    return _cached(w2, lambda: _pack_w2(w2))
 
 
 def _check_mx(data: torch.Tensor, scale: torch.Tensor, name: str) -> None:
@@ -130,38 +154,73 @@ def _cached_mx(data: torch.Tensor, scale: torch.Tensor, make) -> tuple[torch.Ten
     return packed
 
 
+def _pack_mx(data: torch.Tensor, scale: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Panel-packed MXFP8 `which` ("w13": data [E, 2I, H] / scale [E, 2I, H/32]; "w2": [E, H, I] /
+    [E, H, I/32]) as (bytes, scale bytes)."""
+    _check_mx(data, scale, which)
+    check_nan_elements(data, scale)  # once per weight version: the tiles decode NaN only via the scale
+    lib = _lib()
+    E, N, K = data.shape
+    # moe_pack_mx_w13 takes (E, I, H), moe_pack_mx_w2 (E, H, I): the panel count comes from I or H
+    sizes = (E, N // 2, K) if which == "w13" else (E, N, K)
+    n = (lib.moe_packed_w13_numel if which == "w13" else lib.moe_packed_w2_numel)(*sizes)
+    out, out_s = torch.empty(n, dtype=torch.uint8), torch.empty(n // 32, dtype=torch.uint8)
+    pack = lib.moe_pack_mx_w13 if which == "w13" else lib.moe_pack_mx_w2
+    if pack(data.data_ptr(), scale.data_ptr(), *sizes, out.data_ptr(), out_s.data_ptr()) != 0:
+        raise RuntimeError(f"moe_pack_mx_{which} failed")
+    return out, out_s
+
+
 def packed_mx_w13(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Panel-packed MXFP8 w13 (bytes, scale bytes) of data [E, 2I, H] / scale [E, 2I, H/32]."""
-    _check_mx(data, scale, "w13")
-    E, two_i, H = data.shape
-
-    def make() -> tuple[torch.Tensor, torch.Tensor]:
-        check_nan_elements(data, scale)  # once per weight version: the tiles decode NaN only via the scale
-        lib = _lib()
-        n = lib.moe_packed_w13_numel(E, two_i // 2, H)
-        out, out_s = torch.empty(n, dtype=torch.uint8), torch.empty(n // 32, dtype=torch.uint8)
-        if lib.moe_pack_mx_w13(data.data_ptr(), scale.data_ptr(), E, two_i // 2, H, out.data_ptr(), out_s.data_ptr()) != 0:
-            raise RuntimeError("moe_pack_mx_w13 failed")
-        return out, out_s
-
-    return _cached_mx(data, scale, make)
+    return _cached_mx(data, scale, lambda: _pack_mx(data, scale, "w13"))
 
 
 def packed_mx_w2(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Panel-packed MXFP8 w2 (bytes, scale bytes) of data [E, H, I] / scale [E, H, I/32]."""
-    _check_mx(data, scale, "w2")
-    E, H, I = data.shape
+    return _cached_mx(data, scale, lambda: _pack_mx(data, scale, "w2"))
 
-    def make() -> tuple[torch.Tensor, torch.Tensor]:
-        check_nan_elements(data, scale)  # once per weight version: the tiles decode NaN only via the scale
-        lib = _lib()
-        n = lib.moe_packed_w2_numel(E, H, I)
-        out, out_s = torch.empty(n, dtype=torch.uint8), torch.empty(n // 32, dtype=torch.uint8)
-        if lib.moe_pack_mx_w2(data.data_ptr(), scale.data_ptr(), E, H, I, out.data_ptr(), out_s.data_ptr()) != 0:
-            raise RuntimeError("moe_pack_mx_w2 failed")
-        return out, out_s
 
-    return _cached_mx(data, scale, make)
+def pack(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
+    """Plain fp32/bf16 experts w13 [E, 2I, H], w2 [E, H, I] (one dtype) -> their panels."""
+    _check_weight(w13, "w13")
+    _check_weight(w2, "w2")
+    E, two_i, H = w13.shape
+    if w2.dtype != w13.dtype or tuple(w2.shape) != (E, H, two_i // 2):
+        raise ValueError(f"expert weights w13 {tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype} do not fit together")
+    return PackedExperts(WEIGHT_FORMAT[w13.dtype], E, two_i // 2, H, _pack_w13(w13), _pack_w2(w2))
+
+
+def pack_mxfp8(w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]) -> PackedExperts:
+    """MXFP8 experts, w13 = (data [E, 2I, H], scale [E, 2I, H/32]), w2 = (data [E, H, I], scale
+    [E, H, I/32]) -> their panels (bytes and scale bytes)."""
+    E, two_i, H = w13[0].shape
+    if w2[0].dim() != 3 or tuple(w2[0].shape) != (E, H, two_i // 2):
+        raise ValueError(f"expert weights w13 {tuple(w13[0].shape)}, w2 {tuple(w2[0].shape)} do not fit together")
+    p13, s13 = _pack_mx(*w13, "w13")
+    p2, s2 = _pack_mx(*w2, "w2")
+    return PackedExperts(W_MXFP8, E, two_i // 2, H, p13, p2, s13, s2)
+
+
+def _unpanel(panels: torch.Tensor, E: int, rows: int, K: int, width: int, halves: int) -> torch.Tensor:
+    """[E][ceil(rows/width)][K][halves * width] panels -> [E, halves * rows, K]: the inverse of the
+    packing permutation (padding rows dropped)."""
+    n = -(-rows // width)
+    v = panels.view(E, n, K, halves, width).permute(0, 3, 1, 4, 2).reshape(E, halves, n * width, K)
+    return v[:, :, :rows].reshape(E, halves * rows, K).contiguous()
+
+
+def unpack(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor] | tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The exact plain tensors a `PackedExperts` was made from (fresh copies): (w13, w2), or for
+    MXFP8 ((w13 data, w13 scale), (w2 data, w2 scale)). Pure torch: a permutation of the bytes."""
+    E, I, H = p.E, p.I, p.H
+    w13 = _unpanel(p.w13, E, I, H, P13, 2)
+    w2 = _unpanel(p.w2, E, H, I, P2, 1)
+    if p.fmt != W_MXFP8:
+        return w13, w2
+    s13 = _unpanel(p.s13, E, I, H // 32, P13, 2).view(torch.float8_e8m0fnu)
+    s2 = _unpanel(p.s2, E, H, I // 32, P2, 1).view(torch.float8_e8m0fnu)
+    return (w13.view(torch.float8_e4m3fn), s13), (w2.view(torch.float8_e4m3fn), s2)
 
 
 def route(
@@ -255,3 +314,13 @@ def experts_mxfp8(
     if H13 != H or tuple(w2[0].shape) != (E, H, I):
         raise ValueError(f"expert weights w13 {tuple(w13[0].shape)}, w2 {tuple(w2[0].shape)} do not fit x's hidden size {H}")
     return _run(x, weights, ids, k, p13, p2, W_MXFP8, s13, s2, E, I)
+
+
+def experts_packed(x: torch.Tensor, p: PackedExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`experts` / `experts_mxfp8` on weights already packed (`pack`, `pack_mxfp8`)."""
+    weights, ids, k = _routing_args(x, weights, ids)
+    if x.shape[1] != p.H:
+        raise ValueError(f"packed experts have hidden size {p.H}, x has {x.shape[1]}")
+    if p.fmt != W_MXFP8 and WEIGHT_FORMAT[x.dtype] != p.fmt:
+        raise ValueError(f"packed expert weights (format {p.fmt}) differ from the activations' {x.dtype}")
+    return _run(x, weights, ids, k, p.w13, p.w2, p.fmt, p.s13, p.s2, p.E, p.I)

@@ -22,7 +22,7 @@ from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.fp8_checkpoint import dequantized_tensors
 from cuttle.engine.models.linear_quant import (MXLinearWeight, prepare_quantized_linears, quantized_linears, refresh_tied,
                                                write_quantized_linear)
-from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, write_quantized
+from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, unpack_experts, write_quantized
 from cuttle.engine.models.nsa_config import FLA_MARK, fla_tensors
 from cuttle.engine.models.transformer import CausalLM
 from cuttle.moe import FusedMoE
@@ -152,6 +152,9 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     layers); a name that maps to a parameter but has the wrong shape is an error.
     """
     cfg = model.cfg
+    # experts held packed (an engine's model, moe_quant.pack_experts) are written as plain tensors;
+    # the engine packs them again afterwards (ModelRunner.prepack)
+    unpack_experts(model)
     targets = dict(model.named_parameters(remove_duplicate=False))
     quantized = {i: layer for i, layer in moe_layers(model).items() if layer.quant == "mxfp8"}
     for i, layer in quantized.items():
@@ -187,6 +190,10 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
             data, scale = _write_quantized(quantized[i], which, t, name)
             filler.count(f"layers.{i}.mlp.{which}_mx", data.numel())
             filler.count(f"layers.{i}.mlp.{which}_scale", scale.numel())
+        elif name in targets and _NATIVE_EXPERTS.match(name) is not None:
+            # the engine's name for plain experts that were held packed when the caller looked
+            # (LLMEngine.update_weights lists parameters before this unpacks them)
+            filler.put(name, targets[name], t, name)
         elif (m := _LAYER.match(name)) is not None:
             i, rest = int(m.group(1)), m.group(2)
             if i >= cfg.num_layers + extra_layers:
@@ -335,6 +342,9 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
         raise ValueError("hf_state_dict: this model holds MXFP8 experts, which have no HF layout")
     if quantized_linears(model):
         raise ValueError("hf_state_dict: this model holds MXFP8 linears (quantization='mxfp8'), which have no HF layout")
+    if any(layer.packed is not None for layer in moe_layers(model).values()):
+        raise ValueError("hf_state_dict: this model's experts are held packed for the native kernels (an engine's model); "
+                         "call cuttle.engine.models.moe_quant.unpack_experts(model) first")
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm.weight}
     covered = {"embed": model.embed.numel(), "norm.weight": model.norm.weight.numel()}

@@ -1,5 +1,9 @@
 """MXFP8 routed experts inside the engine's models.
 
+Also owns the engine-wide switch between a model's experts held packed for the native kernels
+(`pack_experts`: at load and after every weight update, by the model runner) and held plain
+(`unpack_experts`: the loader's first step, since weights are written into plain tensors).
+
 Owns two steps: turning every `FusedMoE` of a freshly built model into its MXFP8 form before any
 weight arrives (`prepare_quantized_experts`), and writing expert tensors into such a layer
 (`write_quantized`): high-precision tensors are cast to the model dtype and quantized exactly as
@@ -21,6 +25,18 @@ _SCALE_MODE = "floor"  # FusedMoE.quantize_'s default: the OCP spec's rule
 
 def moe_layers(model: CausalLM) -> dict[int, FusedMoE]:
     return {i: layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, FusedMoE)}
+
+
+def pack_experts(model: CausalLM) -> int:
+    """Pack every routed-expert layer for the native kernels now and drop its plain copy
+    (`FusedMoE.pack_`); returns how many layers were packed (0 where the native path is off)."""
+    return sum(layer.pack_() for layer in moe_layers(model).values())
+
+
+def unpack_experts(model: CausalLM) -> None:
+    """Give every packed routed-expert layer its plain tensors back (exact), e.g. before a write."""
+    for layer in moe_layers(model).values():
+        layer.unpack_()
 
 
 def prepare_quantized_experts(model: CausalLM, mode: str = "mxfp8") -> None:

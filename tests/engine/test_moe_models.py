@@ -22,9 +22,11 @@ from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.default_model import DEFAULT_MODEL_DIR
 from cuttle.engine.models import load_model, load_weights
 from cuttle.engine.models.loader import checkpoint_files, iter_tensors
+from cuttle.engine.models.moe_quant import moe_layers
 from cuttle.engine.models.quantized_checkpoint import save_quantized_checkpoint
 from cuttle.moe import FusedMoE
 from cuttle.moe.checkpoint import is_quantized_checkpoint
+from cuttle.moe.layer import QUANTIZED_NAMES
 from helpers import NEW_TOKENS, make_checkpoint, parity_prompts, tiny_config, write_tokenizer
 
 TOL = 1e-4
@@ -164,7 +166,15 @@ def test_transformers_in_memory_names_load_the_same_model(families, family):
 # ---- MXFP8 experts ---------------------------------------------------------------------------
 
 def _mx_buffers(model) -> dict[str, torch.Tensor]:
-    return {n: b.view(torch.uint8) for n, b in model.named_buffers() if n.endswith(("_mx", "_scale"))}
+    """Every MXFP8 layer's expert bytes by buffer name (an engine's layers hold them packed: unpacked copies)."""
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in moe_layers(model).items():
+        if layer.quant == "mxfp8":
+            w13, w2 = layer.expert_weights()
+            for field, t in zip(QUANTIZED_NAMES, (w13.data, w13.scale, w2.data, w2.scale)):
+                out[f"layers.{i}.mlp.{field}"] = t.view(torch.uint8)
+    assert out, "no MXFP8 expert layer"
+    return out
 
 
 @pytest.fixture(scope="module")

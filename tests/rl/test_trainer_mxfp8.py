@@ -73,10 +73,10 @@ def test_step_and_push_keep_one_format(tmp_path):
     names = dict(trainer.named_weights())
     assert "layers.0.mlp.w13" in names and not any("parametrizations" in n for n in names)
     trainer.push_weights(llm)
-    layer = llm.engine.runner.model.layers[0].mlp
+    w13 = llm.engine.runner.model.layers[0].mlp.expert_weights()[0]  # unpacked from the engine's packed panels
     d, s = quantize_mxfp8(names["layers.0.mlp.w13"])
-    assert torch.equal(layer.w13_mx.view(torch.uint8), d.view(torch.uint8))
-    assert torch.equal(layer.w13_scale.view(torch.uint8), s.view(torch.uint8))
+    assert torch.equal(w13.data.view(torch.uint8), d.view(torch.uint8))
+    assert torch.equal(w13.scale.view(torch.uint8), s.view(torch.uint8))
     # after the push the engine and the trainer score the new policy alike
     assert _mismatch(trainer, _groups(llm, [[5, 6, 7, 8]])).max_abs <= 1e-5
 
