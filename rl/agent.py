@@ -2,7 +2,8 @@
 parser and tools, token-in / token-out.
 
 Owns one episode's life: an environment started from a task spec, the chat (system prompt with
-the tool schemas, the task, then turns), each turn sampled from the full token stream, its tool
+the tool schemas offered: every agent tool, or the subset `AgentConfig.tools` names; the task,
+then turns), each turn sampled from the full token stream, its tool
 calls parsed with the server's parser (`engine/tool_parsers.py`, the format the template teaches)
 and run concurrently against the sandboxed environment, their results appended through the
 template (`rl/chat.py`: deltas only, never re-tokenizing), until the model answers without a tool
@@ -77,6 +78,30 @@ class AgentConfig:
     turn_wait_s: float | None = None
     # keep each episode's KV pinned in an engine session between turns (in-process LLM only)
     use_sessions: bool = True
+    # the tools offered (names from `agent_tool_schemas()`; the system prompt lists them in that
+    # order); None: all of them. A call of a tool not offered is an "unknown tool" error message for
+    # the model, and `submit` ends an episode only when it is offered. Fewer schemas, shorter prompts.
+    tools: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tools is not None:
+            offered_tools(self.tools)  # refuses unknown, repeated or no names
+
+
+def offered_tools(names: tuple[str, ...] | list[str] | None) -> list[dict[str, Any]]:
+    """The schemas of the named agent tools (`None`: every one), in `agent_tool_schemas()` order."""
+    schemas = agent_tool_schemas()
+    if names is None:
+        return schemas
+    known = [s["function"]["name"] for s in schemas]
+    if isinstance(names, str) or not names:
+        raise ValueError(f"AgentConfig.tools must be a non-empty sequence of tool names from {', '.join(known)}; got {names!r}")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"AgentConfig.tools: unknown tool(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"AgentConfig.tools: a tool is named twice in {list(names)!r}")
+    return [s for s in schemas if s["function"]["name"] in names]
 
 
 @dataclass(slots=True)
@@ -201,11 +226,11 @@ def _ordered_blocks(turn: AgentTurn) -> list[ToolCall | str]:
     return sorted([*turn.calls, *turn.malformed], key=lambda b: turn.text.find(b.text if isinstance(b, ToolCall) else b))
 
 
-def _placeholder(block: ToolCall | str) -> ToolResult:
+def _placeholder(block: ToolCall | str, submit: str | None) -> ToolResult:
     if isinstance(block, str):
         return ToolResult("", False, "Error: malformed tool call; write <tool_call>\n{\"name\": ..., \"arguments\": "
                           f"{{...}}}}\n</tool_call>. Got: {clip_output(block, 200)}", 0.0)
-    if block.name == SUBMIT:
+    if block.name == submit:
         return ToolResult(SUBMIT, True, "submitted", 0.0)
     return ToolResult(block.name, False, "", 0.0)
 
@@ -224,7 +249,12 @@ class AgentRollout:
         if tokenizer is None or eos_token_ids is None:
             raise ValueError("a sampler other than LLM needs its tokenizer and eos_token_ids")
         self.tok = tokenizer
-        self.tools = agent_tool_schemas()
+        self.tools = offered_tools(self.config.tools)
+        names = [t["function"]["name"] for t in self.tools]
+        # with a subset, a call of another tool is refused here (the environment may well have it);
+        # without one, every name goes to the environment, which refuses the ones it does not know
+        self.tool_names = None if self.config.tools is None else frozenset(names)
+        self.submit = SUBMIT if SUBMIT in names else None  # `submit` ends episodes only when offered
         self.chat = ChatTokens(tokenizer, self.tools, eos_token_ids)
         self.parser = self.config.parser or parser_for_template(tokenizer.chat_template)
         self.pool = ThreadPoolExecutor(self.config.max_parallel_calls, thread_name_prefix="cuttle-agent")
@@ -400,18 +430,18 @@ class AgentRollout:
                 finish = "context" if len(e.trajectory.token_ids) >= cfg.max_total_tokens else "max_tokens"
             elif not ended:
                 finish = "end_of_text"  # ended by an EOS the template does not close turns with
-            elif any(c.name == SUBMIT for c in t.calls):
+            elif any(c.name == self.submit for c in t.calls):
                 finish = "submitted"
             elif not t.calls and not t.malformed:
                 finish = "answered"
             else:
                 finish = None
             blocks = _ordered_blocks(t)
-            t.results = [_placeholder(b) for b in blocks]  # calls are filled in when they are back
+            t.results = [_placeholder(b, self.submit) for b in blocks]  # calls are filled in when they are back
             jobs = []
             if finish in (None, "submitted"):  # a submitting turn's other calls still change the workspace
                 jobs = [(i, self.pool.submit(self._call_tool, e.env, b)) for i, b in enumerate(blocks)
-                        if isinstance(b, ToolCall) and b.name != SUBMIT]
+                        if isinstance(b, ToolCall) and b.name != self.submit]
             e.seconds = time.monotonic() - e.started
             if finish is not None:
                 e.finish = finish
@@ -445,7 +475,9 @@ class AgentRollout:
     def _call_tool(self, env: AgentEnvironment, call: ToolCall) -> ToolResult:
         t0 = time.monotonic()
         args = _arguments(call)
-        if isinstance(args, str):
+        if self.tool_names is not None and call.name not in self.tool_names:
+            ok, text = False, f"unknown tool {call.name!r}; available: {', '.join(sorted(self.tool_names))}"
+        elif isinstance(args, str):
             ok, text = False, f"{call.name}: {args}"
         else:
             try:
