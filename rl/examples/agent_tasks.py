@@ -2,12 +2,14 @@
 actually earn reward on, graded by the same hidden tests as every sandbox task.
 
 Owns the *guided* task set: a seeded synthetic repository task (`cuttle.sandbox.tasks.synthetic`:
-a package with one injected bug, hidden tests over every function) whose prompt also names the
-file and the exact line to change, so solving it is one `edit_file` call that copies the prompt's
-strings, then `submit`. The reward is not weakened: the hidden tests run on a fresh copy of the
-final workspace, and a wrong, partial or missing edit earns 0. Also owns the scripted fix policy
-(a `TokenSampler` writing a task's fix turns in the model's own tool-call format) that makes the
-warm start's trajectories. Must never put a hidden test into a prompt or a workspace.
+a package with one injected bug, hidden tests over every function) whose short prompt names the
+edit that fixes it, as the `edit_file` arguments' JSON (the shortest run of whole words around the
+bug that occurs once in its file), so solving it is one `edit_file` call, then `submit`; and its
+*narrow* subset (one package, four one-operator bugs), which the example trains on. The reward is
+not weakened: the hidden tests run on a fresh copy of the final workspace, and a wrong, partial or
+missing edit earns 0. Also owns the scripted fix policy (a `TokenSampler` writing a task's fix
+turns in the model's own tool-call format) that makes the warm start's trajectories. Must never
+put a hidden test into a prompt or a workspace.
 """
 from __future__ import annotations
 
@@ -28,34 +30,88 @@ def tool_call(name: str, **arguments: Any) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
 
+def _span(bad: str, good: str, text: str) -> tuple[str, str] | None:
+    """The shortest run of whole words of `bad` around its difference from `good` that occurs once
+    in `text`, and the same words of `good`: replacing one by the other turns `bad` into `good`."""
+    pre = 0
+    while pre < min(len(bad), len(good)) and bad[pre] == good[pre]:
+        pre += 1
+    suf = 0
+    while suf < min(len(bad), len(good)) - pre and bad[-1 - suf] == good[-1 - suf]:
+        suf += 1
+    a, b = pre, len(bad) - suf  # bad[a:b] -> good[a:len(good) - suf]
+    while a > 0 and not bad[a - 1].isspace():  # whole words only: a copy never starts mid-word
+        a -= 1
+    while b < len(bad) and not bad[b].isspace():
+        b += 1
+    while True:
+        old = bad[a:b]
+        if old.strip() == old and text.count(old) == 1:
+            return old, good[a:len(good) - (len(bad) - b)]
+        if b < len(bad):  # grow to the right first, then left, a word (and its space) at a time
+            b += 1
+            while b < len(bad) and not bad[b].isspace():
+                b += 1
+        elif a > 0:
+            a -= 1
+            while a > 0 and not bad[a - 1].isspace():
+                a -= 1
+        else:
+            return None
+
+
 @functools.cache
 def guided_fix(seed: int) -> tuple[Task, str, str, str] | None:
-    """(the synthetic task, the buggy file, its buggy line, the fixed line); None when the bug is
-    not one line that occurs once in its file (then one edit cannot name it)."""
+    """(the synthetic task, the buggy file, the shortest unique span of its buggy line around the
+    bug, that span fixed); None when the bug is not within one line of its file."""
     task = make_task({"kind": "synthetic", "seed": seed})
     m = task.metadata
     path = next(p for p, text in task.files.items() if m["mutant"] in text)
     bad, good = m["mutant"].splitlines(), m["original"].splitlines()
     diff = [(a, b) for a, b in zip(bad, good) if a != b]
-    if len(bad) != len(good) or len(diff) != 1 or task.files[path].count(diff[0][0]) != 1:
+    if len(bad) != len(good) or len(diff) != 1:
         return None
-    return task, path, diff[0][0].strip(), diff[0][1].strip()
+    text = task.files[path]
+    span = _span(diff[0][0].strip(), diff[0][1].strip(), text)
+    # the one edit must give back the original file exactly
+    if span is None or text.replace(span[0], span[1]) != text.replace(m["mutant"], m["original"]):
+        return None
+    return task, path, *span
 
 
 def guided_task(seed: int) -> Task:
+    """The synthetic task with a short prompt that names the file and the exact edit."""
     fix = guided_fix(seed)
     if fix is None:
-        raise ValueError(f"guided task seed {seed}: the synthetic bug is not one unique line")
+        raise ValueError(f"guided task seed {seed}: the synthetic bug is not within one line")
     task, path, bad, good = fix
-    prompt = f"{task.prompt} The bug is in {path}: replace `{bad}` with `{good}`, then submit."
+    # the edit's arguments as the call's JSON writes them, so the call copies one run of the prompt
+    prompt = f"Fix the bug with edit_file {json.dumps({'path': path, 'old_str': bad, 'new_str': good})}, then submit."
     return dataclasses.replace(task, task_id=f"guided/{seed}", prompt=prompt)
 
 
-def guided_seeds(start: int, count: int) -> list[int]:
-    """The first `count` usable seeds from `start` on."""
+# The narrow set: one package and four one-operator bugs in two files. The embedded model cannot
+# copy strings from its prompt (measured: after a warm start its loss on a copied `old_str` is ~10
+# nats/token), so on open-ended guided tasks it earns 0 and GRPO has no signal; here a policy that
+# ignores the prompt and writes one of the four fixes earns ~1/4, and one that reads which
+# operator the prompt names earns 1.
+NARROW_PACKAGE = "odds"
+NARROW_EDITS = frozenset({("seqs.py", "//", "%"), ("textx.py", "!=", "=="), ("seqs.py", "-", "+"), ("seqs.py", ">=", ">")})
+
+
+def narrow(seed: int) -> bool:
+    fix = guided_fix(seed)
+    if fix is None:
+        return False
+    package, module = fix[1].split("/")
+    return package == NARROW_PACKAGE and (module, fix[2], fix[3]) in NARROW_EDITS
+
+
+def guided_seeds(start: int, count: int, only_narrow: bool = False) -> list[int]:
+    """The first `count` usable seeds from `start` on (of the narrow set with `only_narrow`)."""
     out, s = [], start
     while len(out) < count:
-        if guided_fix(s) is not None:
+        if (narrow(s) if only_narrow else guided_fix(s) is not None):
             out.append(s)
         s += 1
     return out
