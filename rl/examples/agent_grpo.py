@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--warm-start-lr", type=float, default=2e-3)
     ap.add_argument("--warm-start-batch", type=int, default=4)
     ap.add_argument("--warm-start-tasks", type=int, default=48, help="scripted trajectories (disjoint from --tasks)")
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer scores at the same)")
     ap.add_argument("--format-bonus", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
