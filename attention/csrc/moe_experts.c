@@ -84,45 +84,70 @@ static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf
 int64_t moe_packed_w13_numel(int64_t E, int64_t I, int64_t H) { return E * ((I + P13 - 1) / P13) * H * 2 * P13; }
 int64_t moe_packed_w2_numel(int64_t E, int64_t H, int64_t I) { return E * ((H + P2 - 1) / P2) * I * P2; }
 
-/* w13: [E, 2I, H] contiguous, fmt MOE_W_F32 or MOE_W_BF16; out: moe_packed_w13_numel elements of the same type. */
-int moe_pack_w13(const void *w, int fmt, int64_t E, int64_t I, int64_t H, void *out) {
-    if (fmt != MOE_W_F32 && fmt != MOE_W_BF16) return -2;
+/* The panel permutations, for any element size es (bytes): w [E, 2I, K] (gate rows, then up rows)
+ * -> [E][ceil(I/P13)][K][2 * P13], and w [E, N, K] -> [E][ceil(N/P2)][K][P2]; rows past I (or N)
+ * are zero. fp32/bf16 weights are packed with K = H (or I); MXFP8 bytes likewise with es = 1, and
+ * their scale bytes with K = H/32 (or I/32), which puts each block's scales in the panel order. */
+static inline __attribute__((always_inline)) void panels13(const void *w, const size_t es, int64_t E, int64_t I, int64_t K,
+                                                          void *out) {
     const int64_t np = (I + P13 - 1) / P13;
-    const size_t es = elsize(fmt);
 #pragma omp parallel for schedule(static)
     for (int64_t ep = 0; ep < E * np; ep++) {
         const int64_t e = ep / np, p = ep % np;
-        char *dst = (char *)out + (size_t)ep * H * 2 * P13 * es;
-        const char *src = (const char *)w + (size_t)e * 2 * I * H * es;
-        for (int64_t k = 0; k < H; k++)
+        char *dst = (char *)out + (size_t)ep * K * 2 * P13 * es;
+        const char *src = (const char *)w + (size_t)e * 2 * I * K * es;
+        for (int64_t k = 0; k < K; k++)
             for (int64_t c = 0; c < 2 * P13; c++) {
                 const int64_t f = p * P13 + c % P13; /* intermediate feature */
                 char *d = dst + (size_t)(k * 2 * P13 + c) * es;
-                if (f < I) memcpy(d, src + (size_t)((c < P13 ? f : I + f) * H + k) * es, es);
+                if (f < I) memcpy(d, src + (size_t)((c < P13 ? f : I + f) * K + k) * es, es);
                 else memset(d, 0, es);
             }
     }
+}
+
+static inline __attribute__((always_inline)) void panels2(const void *w, const size_t es, int64_t E, int64_t N, int64_t K,
+                                                         void *out) {
+    const int64_t nq = (N + P2 - 1) / P2;
+#pragma omp parallel for schedule(static)
+    for (int64_t eq = 0; eq < E * nq; eq++) {
+        const int64_t e = eq / nq, q = eq % nq;
+        char *dst = (char *)out + (size_t)eq * K * P2 * es;
+        const char *src = (const char *)w + (size_t)e * N * K * es;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t c = 0; c < P2; c++) {
+                const int64_t f = q * P2 + c;
+                char *d = dst + (size_t)(k * P2 + c) * es;
+                if (f < N) memcpy(d, src + (size_t)(f * K + k) * es, es);
+                else memset(d, 0, es);
+            }
+    }
+}
+
+/* es a constant in each branch, so the element copies compile to plain loads and stores */
+static void pack_panels13(const void *w, size_t es, int64_t E, int64_t I, int64_t K, void *out) {
+    if (es == 1) panels13(w, 1, E, I, K, out);
+    else if (es == 2) panels13(w, 2, E, I, K, out);
+    else panels13(w, 4, E, I, K, out);
+}
+
+static void pack_panels2(const void *w, size_t es, int64_t E, int64_t N, int64_t K, void *out) {
+    if (es == 1) panels2(w, 1, E, N, K, out);
+    else if (es == 2) panels2(w, 2, E, N, K, out);
+    else panels2(w, 4, E, N, K, out);
+}
+
+/* w13: [E, 2I, H] contiguous, fmt MOE_W_F32 or MOE_W_BF16; out: moe_packed_w13_numel elements of the same type. */
+int moe_pack_w13(const void *w, int fmt, int64_t E, int64_t I, int64_t H, void *out) {
+    if (fmt != MOE_W_F32 && fmt != MOE_W_BF16) return -2;
+    pack_panels13(w, elsize(fmt), E, I, H, out);
     return 0;
 }
 
 /* w2: [E, H, I] contiguous; out: moe_packed_w2_numel elements of the same type. */
 int moe_pack_w2(const void *w, int fmt, int64_t E, int64_t H, int64_t I, void *out) {
     if (fmt != MOE_W_F32 && fmt != MOE_W_BF16) return -2;
-    const int64_t nq = (H + P2 - 1) / P2;
-    const size_t es = elsize(fmt);
-#pragma omp parallel for schedule(static)
-    for (int64_t eq = 0; eq < E * nq; eq++) {
-        const int64_t e = eq / nq, q = eq % nq;
-        char *dst = (char *)out + (size_t)eq * I * P2 * es;
-        const char *src = (const char *)w + (size_t)e * H * I * es;
-        for (int64_t k = 0; k < I; k++)
-            for (int64_t c = 0; c < P2; c++) {
-                const int64_t f = q * P2 + c;
-                char *d = dst + (size_t)(k * P2 + c) * es;
-                if (f < H) memcpy(d, src + (size_t)(f * I + k) * es, es);
-                else memset(d, 0, es);
-            }
-    }
+    pack_panels2(w, elsize(fmt), E, H, I, out);
     return 0;
 }
 
@@ -131,17 +156,8 @@ int moe_pack_w2(const void *w, int fmt, int64_t E, int64_t H, int64_t I, void *o
 int moe_pack_mx_w13(const uint8_t *data, const uint8_t *scale, int64_t E, int64_t I, int64_t H, uint8_t *out_data,
                     uint8_t *out_scale) {
     if (H % MX_BLOCK) return -2;
-    const int64_t np = (I + P13 - 1) / P13, KB = H / MX_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t ep = 0; ep < E * np; ep++) {
-        const int64_t e = ep / np, p = ep % np;
-        uint8_t *dd = out_data + (size_t)ep * H * 2 * P13, *ds = out_scale + (size_t)ep * KB * 2 * P13;
-        for (int64_t c = 0; c < 2 * P13; c++) {
-            const int64_t f = p * P13 + c % P13, row = e * 2 * I + (c < P13 ? f : I + f);
-            for (int64_t k = 0; k < H; k++) dd[k * 2 * P13 + c] = f < I ? data[row * H + k] : 0;
-            for (int64_t kb = 0; kb < KB; kb++) ds[kb * 2 * P13 + c] = f < I ? scale[row * KB + kb] : 0;
-        }
-    }
+    pack_panels13(data, 1, E, I, H, out_data);
+    pack_panels13(scale, 1, E, I, H / MX_BLOCK, out_scale);
     return 0;
 }
 
@@ -149,17 +165,8 @@ int moe_pack_mx_w13(const uint8_t *data, const uint8_t *scale, int64_t E, int64_
 int moe_pack_mx_w2(const uint8_t *data, const uint8_t *scale, int64_t E, int64_t H, int64_t I, uint8_t *out_data,
                    uint8_t *out_scale) {
     if (I % MX_BLOCK) return -2;
-    const int64_t nq = (H + P2 - 1) / P2, KB = I / MX_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t eq = 0; eq < E * nq; eq++) {
-        const int64_t e = eq / nq, q = eq % nq;
-        uint8_t *dd = out_data + (size_t)eq * I * P2, *ds = out_scale + (size_t)eq * KB * P2;
-        for (int64_t c = 0; c < P2; c++) {
-            const int64_t f = q * P2 + c, row = e * H + f;
-            for (int64_t k = 0; k < I; k++) dd[k * P2 + c] = f < H ? data[row * I + k] : 0;
-            for (int64_t kb = 0; kb < KB; kb++) ds[kb * P2 + c] = f < H ? scale[row * KB + kb] : 0;
-        }
-    }
+    pack_panels2(data, 1, E, H, I, out_data);
+    pack_panels2(scale, 1, E, H, I / MX_BLOCK, out_scale);
     return 0;
 }
 

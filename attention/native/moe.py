@@ -82,21 +82,32 @@ def available() -> bool:
     return kernels().moe_experts
 
 
-def _cached(weight: torch.Tensor, make) -> torch.Tensor:
-    # keyed like the dense packed weights: an in-place write (copy_, also on a slice) bumps the
-    # version counter, so the next call repacks
-    key = (weight._version, weight.data_ptr())
-    hit = getattr(weight, _PACKED_ATTR, None)
+def _cached(make, *tensors: torch.Tensor):
+    """`make()`, kept on `tensors[0]` and made again once any of `tensors` was written: keyed like
+    the dense packed weights, by version counter (an in-place write, also on a slice, bumps it) and
+    storage."""
+    key = tuple((t._version, t.data_ptr()) for t in tensors)
+    hit = getattr(tensors[0], _PACKED_ATTR, None)
     if hit is not None and hit[0] == key:
         return hit[1]
     packed = make()
-    setattr(weight, _PACKED_ATTR, (key, packed))
+    setattr(tensors[0], _PACKED_ATTR, (key, packed))
     return packed
 
 
 def _check_weight(w: torch.Tensor, name: str) -> None:
     if w.dim() != 3 or w.device.type != "cpu" or w.dtype not in WEIGHT_FORMAT or not w.is_contiguous():
         raise ValueError(f"{name}: need a contiguous CPU fp32/bf16 [E, N, K] tensor, got {tuple(w.shape)} {w.dtype} on {w.device}")
+
+
+def _sizes(w13: torch.Tensor, w2: torch.Tensor, H: int | None = None) -> tuple[int, int, int]:
+    """(E, I, H) of stacked experts w13 [E, 2I, H] and w2 [E, H, I]; raises unless they fit each
+    other (and x's hidden size `H`, if given)."""
+    E, two_i, H13 = w13.shape if w13.dim() == 3 else (0, 1, 0)
+    if two_i % 2 or w13.dim() != 3 or tuple(w2.shape) != (E, H13, two_i // 2) or (H is not None and H13 != H):
+        fit = "each other" if H is None else f"x's hidden size {H}"
+        raise ValueError(f"expert weights w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit {fit}")
+    return E, two_i // 2, H13
 
 
 def _pack_w13(w13: torch.Tensor) -> torch.Tensor:
@@ -123,12 +134,12 @@ def _pack_w2(w2: torch.Tensor) -> torch.Tensor:
 
 def packed_w13(w13: torch.Tensor) -> torch.Tensor:
     """The packed form of w13 [E, 2I, H] (gate rows, then up rows), made on first use and after a write."""
-    return _cached(w13, lambda: _pack_w13(w13))
+    return _cached(lambda: _pack_w13(w13), w13)
 
 
 def packed_w2(w2: torch.Tensor) -> torch.Tensor:
     """The packed form of w2 [E, H, I], made on first use and after a write."""
-    return _cached(w2, lambda: _pack_w2(w2))
+    return _cached(lambda: _pack_w2(w2), w2)
 
 
 def _check_mx(data: torch.Tensor, scale: torch.Tensor, name: str) -> None:
@@ -141,17 +152,6 @@ def _check_mx(data: torch.Tensor, scale: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: reduction dim K = {K} is not a multiple of the MX block size 32")
     if tuple(scale.shape) != (E, N, K // 32):
         raise ValueError(f"{name}: scale has shape {tuple(scale.shape)}, expected {(E, N, K // 32)}")
-
-
-def _cached_mx(data: torch.Tensor, scale: torch.Tensor, make) -> tuple[torch.Tensor, torch.Tensor]:
-    # the scales are written with the data (quantized together), but key on both
-    key = (data._version, data.data_ptr(), scale._version, scale.data_ptr())
-    hit = getattr(data, _PACKED_ATTR, None)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    packed = make()
-    setattr(data, _PACKED_ATTR, (key, packed))
-    return packed
 
 
 def _pack_mx(data: torch.Tensor, scale: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,33 +173,29 @@ def _pack_mx(data: torch.Tensor, scale: torch.Tensor, which: str) -> tuple[torch
 
 def packed_mx_w13(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Panel-packed MXFP8 w13 (bytes, scale bytes) of data [E, 2I, H] / scale [E, 2I, H/32]."""
-    return _cached_mx(data, scale, lambda: _pack_mx(data, scale, "w13"))
+    return _cached(lambda: _pack_mx(data, scale, "w13"), data, scale)
 
 
 def packed_mx_w2(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Panel-packed MXFP8 w2 (bytes, scale bytes) of data [E, H, I] / scale [E, H, I/32]."""
-    return _cached_mx(data, scale, lambda: _pack_mx(data, scale, "w2"))
+    return _cached(lambda: _pack_mx(data, scale, "w2"), data, scale)
 
 
 def pack(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
     """Plain fp32/bf16 experts w13 [E, 2I, H], w2 [E, H, I] (one dtype) -> their panels."""
-    _check_weight(w13, "w13")
-    _check_weight(w2, "w2")
-    E, two_i, H = w13.shape
-    if w2.dtype != w13.dtype or tuple(w2.shape) != (E, H, two_i // 2):
-        raise ValueError(f"expert weights w13 {tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype} do not fit together")
-    return PackedExperts(WEIGHT_FORMAT[w13.dtype], E, two_i // 2, H, _pack_w13(w13), _pack_w2(w2))
+    E, I, H = _sizes(w13, w2)
+    if w2.dtype != w13.dtype:
+        raise ValueError(f"expert weights w13 {w13.dtype}, w2 {w2.dtype}: one dtype expected")
+    return PackedExperts(WEIGHT_FORMAT[w13.dtype], E, I, H, _pack_w13(w13), _pack_w2(w2))
 
 
 def pack_mxfp8(w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]) -> PackedExperts:
     """MXFP8 experts, w13 = (data [E, 2I, H], scale [E, 2I, H/32]), w2 = (data [E, H, I], scale
     [E, H, I/32]) -> their panels (bytes and scale bytes)."""
-    E, two_i, H = w13[0].shape
-    if w2[0].dim() != 3 or tuple(w2[0].shape) != (E, H, two_i // 2):
-        raise ValueError(f"expert weights w13 {tuple(w13[0].shape)}, w2 {tuple(w2[0].shape)} do not fit together")
+    E, I, H = _sizes(w13[0], w2[0])
     p13, s13 = _pack_mx(*w13, "w13")
     p2, s2 = _pack_mx(*w2, "w2")
-    return PackedExperts(W_MXFP8, E, two_i // 2, H, p13, p2, s13, s2)
+    return PackedExperts(W_MXFP8, E, I, H, p13, p2, s13, s2)
 
 
 def _unpanel(panels: torch.Tensor, E: int, rows: int, K: int, width: int, halves: int) -> torch.Tensor:
@@ -291,11 +287,7 @@ def experts(
     weights, ids, k = _routing_args(x, weights, ids)
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"expert weights {w13.dtype}/{w2.dtype} differ from the activations' {x.dtype}")
-    H = x.shape[1]
-    E, two_i, H13 = w13.shape
-    I = two_i // 2
-    if H13 != H or tuple(w2.shape) != (E, H, I):
-        raise ValueError(f"expert weights w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit x's hidden size {H}")
+    E, I, _ = _sizes(w13, w2, x.shape[1])
     return _run(x, weights, ids, k, packed_w13(w13), packed_w2(w2), WEIGHT_FORMAT[w13.dtype], None, None, E, I)
 
 
@@ -306,13 +298,9 @@ def experts_mxfp8(
     """`experts` with MXFP8 weights: w13 = (data [E, 2I, H], scale [E, 2I, H/32]), w2 = (data
     [E, H, I], scale [E, H, I/32]) as `quantize_mxfp8` writes them; H and I multiples of 32."""
     weights, ids, k = _routing_args(x, weights, ids)
-    H = x.shape[1]
+    E, I, _ = _sizes(w13[0], w2[0], x.shape[1])
     p13, s13 = packed_mx_w13(*w13)
     p2, s2 = packed_mx_w2(*w2)
-    E, two_i, H13 = w13[0].shape
-    I = two_i // 2
-    if H13 != H or tuple(w2[0].shape) != (E, H, I):
-        raise ValueError(f"expert weights w13 {tuple(w13[0].shape)}, w2 {tuple(w2[0].shape)} do not fit x's hidden size {H}")
     return _run(x, weights, ids, k, p13, p2, W_MXFP8, s13, s2, E, I)
 
 
