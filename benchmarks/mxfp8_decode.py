@@ -4,6 +4,11 @@ bound that one thread's copy bandwidth puts on it (bytes a decode token reads / 
 
     python benchmarks/mxfp8_decode.py --model-preset qwen3-moe-small --option moe_quant
     python benchmarks/mxfp8_decode.py --model-preset qwen3-0.6b --option quantization
+    python benchmarks/mxfp8_decode.py --model-preset qwen3-moe-small --option quantize_lm_head
+
+Options: `moe_quant` (routed experts in MXFP8), `quantization` (every attention / dense-MLP linear
+and the routed experts), `quantize_lm_head` (those and the lm_head: every 2-D weight a decode step
+reads, as llama.cpp's Q8_0 quantizes them).
 """
 from __future__ import annotations
 
@@ -37,10 +42,18 @@ def decode_tok_s(path: str, tokens: int, **kw) -> float:
     return steps / (time.process_time() - t)
 
 
+# --option -> (engine options, (quantization, moe_quant) for `mxfp8_params`, lm_head in MXFP8)
+OPTIONS = {
+    "moe_quant": ({"moe_quant": "mxfp8"}, (None, "mxfp8"), False),
+    "quantization": ({"quantization": "mxfp8"}, ("mxfp8", None), False),
+    "quantize_lm_head": ({"quantization": "mxfp8", "quantize_lm_head": True}, ("mxfp8", None), True),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-preset", default="qwen3-moe-small", choices=sorted(PRESETS))
-    ap.add_argument("--option", default="moe_quant", choices=["moe_quant", "quantization"])
+    ap.add_argument("--option", default="moe_quant", choices=sorted(OPTIONS))
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -53,15 +66,16 @@ def main() -> None:
     mc = ModelConfig.from_pretrained(path)
     n_params = sum(p.numel() for p in load_model(path, mc, torch.bfloat16, torch.device("cpu")).parameters())
     read_params, _ = weight_counts(mc, n_params)
-    n_mx = mxfp8_params(mc, "mxfp8" if args.option == "quantization" else None, "mxfp8")
+    engine_kw, n_opts, lm_head = OPTIONS[args.option]
+    n_mx = mxfp8_params(mc, *n_opts) + (mc.vocab_size * mc.hidden_size if lm_head else 0)
     bytes_bf16 = read_params * 2
     bytes_mx = n_mx * 8.25 / 8 + (read_params - n_mx) * 2
     mxfp8_gemm.CLOCK = time.process_time
     bw = mxfp8_gemm.copy_gbs() / 2  # one thread's read rate: a copy counts read + write bytes
     bf16 = decode_tok_s(path, args.tokens)
-    mx = decode_tok_s(path, args.tokens, **{args.option: "mxfp8"})
+    mx = decode_tok_s(path, args.tokens, **engine_kw)
     rows = [["bf16", f"{bytes_bf16 / 1e6:.0f}", f"{bf16:.2f}", f"{bw * 1e9 / bytes_bf16:.2f}", f"{bf16 / (bw * 1e9 / bytes_bf16):.2f}", "1.00"],
-            [f"{args.option}=mxfp8", f"{bytes_mx / 1e6:.0f}", f"{mx:.2f}", f"{bw * 1e9 / bytes_mx:.2f}", f"{mx / (bw * 1e9 / bytes_mx):.2f}", f"{mx / bf16:.2f}"]]
+            [args.option, f"{bytes_mx / 1e6:.0f}", f"{mx:.2f}", f"{bw * 1e9 / bytes_mx:.2f}", f"{mx / (bw * 1e9 / bytes_mx):.2f}", f"{mx / bf16:.2f}"]]
     print(f"{args.model_preset}: {read_params / 1e6:.0f}M params read per token ({n_mx / 1e6:.0f}M in MXFP8 under {args.option}); "
           f"one thread reads {bw:.1f} GB/s (CPU clock)")
     print(markdown_table(["weights", "MB read / token", "batch-1 decode tok/s (1 thread, CPU time)", "bound tok/s",
