@@ -40,6 +40,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -100,18 +101,33 @@ def well_formed_first_turn(e: Episode, tools: tuple[str, ...]) -> bool:
         all(c.name in tools for c in e.turns[0].calls)
 
 
-def edit_outcome(e: Episode) -> str:
-    """'right': the episode's first edit_file call has the prompt's exact arguments; 'wrong': it
-    parsed but has others (the wrong operator, path or string); 'none': no edit_file call."""
+def first_edit(e: Episode) -> dict | str | None:
+    """The arguments of the episode's first edit_file call: None when it made none, "?" when they
+    are not a JSON object."""
     call = next((c for t in e.turns for c in t.calls if c.name == "edit_file"), None)
     if call is None:
-        return "none"
-    _, path, old, new = guided_fix(int(e.spec["seed"]))
+        return None
     try:
         args = json.loads(call.arguments)
     except json.JSONDecodeError:
-        return "wrong"
+        return "?"
+    return args if isinstance(args, dict) else "?"
+
+
+def edit_outcome(e: Episode) -> str:
+    """'right': the first edit_file call has the prompt's exact arguments; 'wrong': it has others
+    (the wrong fix, path or string); 'none': no edit_file call."""
+    args = first_edit(e)
+    if args is None:
+        return "none"
+    _, path, old, new = guided_fix(int(e.spec["seed"]))
     return "right" if args == {"path": path, "old_str": old, "new_str": new} else "wrong"
+
+
+def edit_choice(e: Episode) -> str:
+    """The old_str of the first edit_file call: which fix the policy chose ("-" none, "?" unreadable)."""
+    args = first_edit(e)
+    return "-" if args is None else "?" if isinstance(args, str) else str(args.get("old_str", "?"))
 
 
 def compare(rewards: list[float], per_step: list[list[float]], k: int) -> dict[str, float]:
@@ -135,10 +151,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps at most (--budget-minutes may stop earlier)")
     ap.add_argument("--budget-minutes", type=float, default=20.0,
                     help="wall clock for the whole run, setup and warm start included; 0: no limit")
-    ap.add_argument("--groups", type=int, default=2, help="groups each step returns")
+    ap.add_argument("--groups", type=int, default=4, help="groups each step returns")
     ap.add_argument("--extra", type=int, default=0, help="groups started beyond --groups (stragglers carried with --partial)")
     ap.add_argument("--partial", action="store_true", help="carry unfinished groups into the next step")
-    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--filter-truncated", action="store_true",
+                    help="compact filtering: leave episodes cut by --max-turns out of the loss (off: the edit decides the "
+                         "reward whatever the last turn is, so those episodes are trained on)")
     ap.add_argument("--tasks", type=int, default=48, help="narrow guided tasks GRPO draws from")
     ap.add_argument("--tools", default="edit_file,submit", help="the tools offered (comma-separated)")
     ap.add_argument("--max-turns", type=int, default=2)
@@ -166,6 +185,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     budget = args.budget_minutes * 60 if args.budget_minutes > 0 else math.inf
 
     task_seeds = guided_seeds(0, args.tasks, only_narrow=True)
+    by_bug: dict[str, list[int]] = {}
+    for s in task_seeds:
+        by_bug.setdefault(guided_fix(s)[2], []).append(s)
+    bugs = sorted(by_bug)
     sft_seeds = guided_seeds(SFT_SEED_START, args.warm_start_tasks, only_narrow=True) if args.warm_start_steps else []
     assert task_seeds[-1] < SFT_SEED_START, "GRPO and warm-start tasks overlap"
     llm = LLM(dtype="float32", max_model_len=4096, num_kv_blocks=1024)
@@ -194,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 if step_seconds and t_step - t_start + max(step_seconds[-3:]) > budget:
                     print(f"stopping before step {step}: it would end past --budget-minutes {args.budget_minutes}", flush=True)
                     break
-                specs = [{"kind": "guided", "seed": rng.choice(task_seeds)}
+                # each group's task: one of the four bugs uniformly, then a task with it, so a policy that
+                # ignores the prompt earns 1/4 whichever fix it prefers
+                specs = [{"kind": "guided", "seed": rng.choice(by_bug[rng.choice(bugs)])}
                          for _ in range(args.groups + args.extra - len(runner.carried))]
                 params = SamplingParams(temperature=args.temperature, seed=args.seed * 100_003 + step)
                 res = runner.step(specs, args.group_size, params, groups_needed=args.groups, partial=args.partial)
@@ -214,11 +239,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     "format_rate": sum(fmt) / max(1, len(fmt)),
                     **{f"edit_{k}_rate": edits.count(k) / max(1, len(edits)) for k in ("right", "wrong", "none")},
                     "groups_with_variance": sum(len(set(g.rewards)) > 1 for g in groups),
+                    # which bug each group's prompt names, and which fix (old_str) each first edit call wrote
+                    "task_bugs": dict(Counter(guided_fix(int(g.spec["seed"]))[2] for g in groups)),
+                    "edit_choices": dict(Counter(edit_choice(e) for e in eps)),
                     "rollout_seconds": res.seconds, "aborted": len(res.aborted), "carried": res.carried,
                     # time the step spent after its fastest group was complete: what the slowest groups cost it
                     "straggler_wait_seconds": res.seconds - min((max(e.seconds for e in g.episodes) for g in groups), default=0.0),
                 }
-                batch, counts = agent_batch(groups + res.aborted, scale_by_std=True)
+                batch, counts = agent_batch(groups + res.aborted, scale_by_std=True, filter_truncated=args.filter_truncated)
                 record.update({f"batch_{k}": v for k, v in counts.items()})
                 if batch is not None and batch.advantages.abs().sum() > 0:
                     record.update(trainer.step(batch, current_version=llm.engine.weight_version))
@@ -243,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "warm_start_steps": len(sft_losses), "warm_start_loss_first": sft_losses[0] if sft_losses else None,
         "warm_start_loss_last": sft_losses[-1] if sft_losses else None, "format_bonus": args.format_bonus,
         "groups": args.groups, "group_size": args.group_size, "lr": args.lr, "tools": list(tools),
-        "temperature": args.temperature, "partial": args.partial, "budget_minutes": args.budget_minutes}
+        "temperature": args.temperature, "partial": args.partial, "budget_minutes": args.budget_minutes,
+        "filter_truncated": args.filter_truncated, "tasks": len(task_seeds), "bugs": {b: len(v) for b, v in by_bug.items()}}
     if rewards:
         # the rise counts when it is beyond both the step-to-step noise and chance over the episodes
         summary["improved_beyond_noise"] = bool(summary["improvement"] > 2 * summary["step_noise"] > 0

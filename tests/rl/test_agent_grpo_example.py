@@ -22,6 +22,8 @@ def test_agent_grpo_runs_a_step_and_writes_log_plot_and_summary(tmp_path, namesp
     assert rec["step"] == 1 and rec["episodes"] == 2.0 and rec["turns_mean"] == 1.0
     assert rec["hidden_tests_reward_mean"] in (0.0, 0.5, 1.0) and 0.0 <= rec["format_rate"] <= 1.0
     assert rec["edit_right_rate"] + rec["edit_wrong_rate"] + rec["edit_none_rate"] == 1.0
+    assert sum(rec["task_bugs"].values()) == 1 and set(rec["task_bugs"]) <= {old for _, old, _ in NARROW_EDITS}
+    assert sum(rec["edit_choices"].values()) == 2
     assert rec["sampled_tokens"] > 0 and rec["straggler_wait_seconds"] >= 0.0
     # 8 tokens cannot hold an edit call: no edit, reward 0, nothing to train on
     assert rec["edit_right_rate"] == 0.0 and rec["hidden_tests_reward_mean"] == 0.0
