@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--tools", default="edit_file,submit", help="the tools offered (comma-separated)")
     ap.add_argument("--max-turns", type=int, default=2)
     ap.add_argument("--max-tokens-per-turn", type=int, default=64)
-    ap.add_argument("--warm-start-steps", type=int, default=36)
+    ap.add_argument("--warm-start-steps", type=int, default=30)
     ap.add_argument("--warm-start-lr", type=float, default=2e-3)
     ap.add_argument("--warm-start-batch", type=int, default=4)
     ap.add_argument("--warm-start-tasks", type=int, default=48, help="scripted trajectories (disjoint from --tasks)")
