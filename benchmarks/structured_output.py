@@ -9,6 +9,10 @@
    within max_tokens (an array of at least 100 objects, so both runs generate exactly the same
    number of tokens): the per-token overhead of structured output as a share of decode time,
    on the embedded model and the Qwen3-0.6B shape (random weights, --dtype float32).
+3. `--fill`: xgrammar's fill per row as the engine's mask stage meets it, synchronously: 16
+   matchers on the engine's compiled grammar for the `--engine` schema, each walking random
+   allowed tokens (as temperature-1 sampling under the mask does), filled one by one and through
+   xgrammar's batch fill; the cost one constrained row adds to a step in CPU time.
 
 Prints markdown tables (ratios are taken within one run; the machine is shared: record `uptime`).
 """
@@ -155,6 +159,44 @@ def bench_engine(models: list[str], batches: list[int], tokens: int, reps: int, 
                   f"{100 * statistics.median(ratios):+.1f}% |", flush=True)
 
 
+def bench_fill(rows: int = 16, steps: int = 48) -> None:
+    import random
+
+    import numpy as np
+    import xgrammar as xgr
+
+    from cuttle.engine.default_model import default_model_path
+    from cuttle.engine.sampling_params import StructuredOutputsParams
+    from cuttle.engine.structured_output import StructuredOutput
+    from cuttle.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_path())
+    so = StructuredOutput(tok, tok.vocab_size, {tok.eos_token_id} if tok.eos_token_id is not None else set())
+    grammar = so.compile(StructuredOutputsParams(json={"type": "array", "items": SCHEMA, "minItems": 100}))
+    rng = random.Random(0)
+    matchers = [xgr.GrammarMatcher(grammar, max_rollback_tokens=0) for _ in range(rows)]
+    bitmask = torch.full((rows, so.width), -1, dtype=torch.int32)
+    batch = xgr.BatchGrammarMatcher(max_threads=1)
+    one = both = accept = 0.0
+    for _ in range(steps):
+        t = time.perf_counter()
+        for k, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, k)
+        one += time.perf_counter() - t
+        t = time.perf_counter()
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        both += time.perf_counter() - t
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, : tok.vocab_size]
+        picks = [int(rng.choice(np.flatnonzero(bits[k]))) for k in range(rows)]
+        t = time.perf_counter()
+        for m, p in zip(matchers, picks):
+            assert m.accept_token(p)
+        accept += time.perf_counter() - t
+    n = rows * steps
+    print(f"xgrammar, embedded tokenizer ({tok.vocab_size}), {rows} rows x {steps} steps: fill {1e6 * one / n:.1f} us/row, "
+          f"batch fill {1e6 * both / n:.1f} us/row, accept {1e6 * accept / n:.1f} us/row")
+
+
 def _timed(llm, prompt: list[int], batch: int, params, tokens: int) -> float:
     """Seconds per generated token of each row (a 4-token prompt's prefill included, in both runs alike)."""
     t0 = time.perf_counter()
@@ -168,6 +210,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--libs", action="store_true", help="library mask cost (xgrammar vs llguidance) and the sampler's apply")
     ap.add_argument("--engine", action="store_true", help="decode overhead, free vs structured")
+    ap.add_argument("--fill", action="store_true", help="xgrammar's fill per row on the engine's schema, synchronously")
     ap.add_argument("--models", default="embedded,qwen3-0.6b")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--tokens", type=int, default=48)
@@ -175,9 +218,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     print(f"uptime: {open('/proc/loadavg').read().split()[:3]}")
-    if args.libs or not args.engine:
+    everything = not (args.libs or args.engine or args.fill)
+    if args.libs or everything:
         bench_libs(args.reps)
-    if args.engine or not args.libs:
+    if args.fill or everything:
+        bench_fill()
+    if args.engine or everything:
         bench_engine(args.models.split(","), [int(b) for b in args.batches.split(",")], args.tokens, args.reps, args.threads)
     print(f"uptime: {open('/proc/loadavg').read().split()[:3]}")
 
