@@ -50,7 +50,7 @@ def test_engine_equals_dequantize_then_matmul(paths):
     mx = quantized_linears(model)
     assert len(mx) == 4 * model.cfg.num_layers
     assert not any(n.endswith(("qkv_weight", "o_weight", "gate_up_weight", "down_weight")) for n, _ in model.named_parameters())
-    # 4 prompts decode together (decode loop, M <= 4) after chunked prefills (tile loop, M > 4)
+    # 4 prompts decode together (decode loop, M <= 8) after chunked prefills (tile loop, M > 8)
     close_outputs(_run(quant), _run(LLM(paths["fake"], **kw)), 2e-5)
 
 
