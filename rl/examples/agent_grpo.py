@@ -166,7 +166,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--warm-start-lr", type=float, default=2e-3)
     ap.add_argument("--warm-start-batch", type=int, default=4)
     ap.add_argument("--warm-start-tasks", type=int, default=48, help="scripted trajectories (disjoint from --tasks)")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--lr-warmup-steps", type=int, default=5,
+                    help="GRPO steps of linear lr warm-up: Adam's first steps after fresh moments move every weight "
+                         "by ~lr whatever its gradient (measured: one step at 1e-3 broke the warm-started call format)")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer scores at the same)")
     ap.add_argument("--format-bonus", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -198,8 +201,6 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     examples = scripted_trajectories(llm, sft_seeds, tools) if args.warm_start_steps else []
     t_sft = time.perf_counter()
     sft_losses = warm_start(trainer, examples, args.warm_start_steps, args.warm_start_batch, rng) if args.warm_start_steps else []
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = args.lr
     if sft_losses:
         trainer.push_weights(llm)
     setup_seconds = time.perf_counter() - t_start
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     rewards: list[float] = []
     per_step: list[list[float]] = []
     step_seconds: list[float] = []
+    trainer_steps = 0
     log_path = os.path.join(args.out, "log.jsonl")
     try:
         with open(log_path, "w") as log:
@@ -249,6 +251,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 batch, counts = agent_batch(groups + res.aborted, scale_by_std=True, filter_truncated=args.filter_truncated)
                 record.update({f"batch_{k}": v for k, v in counts.items()})
                 if batch is not None and batch.advantages.abs().sum() > 0:
+                    trainer_steps += 1
+                    for group in trainer.optimizer.param_groups:
+                        group["lr"] = args.lr * min(1.0, trainer_steps / max(1, args.lr_warmup_steps))
+                    record["lr"] = trainer.optimizer.param_groups[0]["lr"]
                     record.update(trainer.step(batch, current_version=llm.engine.weight_version))
                     trainer.push_weights(llm)
                 record["weight_version"] = llm.engine.weight_version
@@ -270,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "grpo_step_seconds_mean": statistics.fmean(step_seconds) if step_seconds else None,
         "warm_start_steps": len(sft_losses), "warm_start_loss_first": sft_losses[0] if sft_losses else None,
         "warm_start_loss_last": sft_losses[-1] if sft_losses else None, "format_bonus": args.format_bonus,
-        "groups": args.groups, "group_size": args.group_size, "lr": args.lr, "tools": list(tools),
+        "groups": args.groups, "group_size": args.group_size, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
+        "trainer_steps": trainer_steps, "tools": list(tools),
         "temperature": args.temperature, "partial": args.partial, "budget_minutes": args.budget_minutes,
         "filter_truncated": args.filter_truncated, "tasks": len(task_seeds), "bugs": {b: len(v) for b, v in by_bug.items()}}
     if rewards:
