@@ -148,7 +148,7 @@ def compare(rewards: list[float], per_step: list[list[float]], k: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description="GRPO of the embedded model on multi-turn sandbox tool tasks")
-    ap.add_argument("--steps", type=int, default=60, help="GRPO steps at most (--budget-minutes may stop earlier)")
+    ap.add_argument("--steps", type=int, default=90, help="GRPO steps at most (--budget-minutes may stop earlier)")
     ap.add_argument("--budget-minutes", type=float, default=20.0,
                     help="wall clock for the whole run, setup and warm start included; 0: no limit")
     ap.add_argument("--groups", type=int, default=4, help="groups each step returns")
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--tools", default="edit_file,submit", help="the tools offered (comma-separated)")
     ap.add_argument("--max-turns", type=int, default=2)
     ap.add_argument("--max-tokens-per-turn", type=int, default=64)
-    ap.add_argument("--warm-start-steps", type=int, default=30)
+    ap.add_argument("--warm-start-steps", type=int, default=60)
     ap.add_argument("--warm-start-lr", type=float, default=2e-3)
     ap.add_argument("--warm-start-batch", type=int, default=4)
     ap.add_argument("--warm-start-tasks", type=int, default=48, help="scripted trajectories (disjoint from --tasks)")
