@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from cuttle.rl.examples.agent_grpo import compare, main
+from cuttle.rl.examples.agent_grpo import compare, linear_fit, main
 from cuttle.rl.examples.agent_tasks import NARROW_EDITS, NARROW_PACKAGE, fix_turns, guided_fix, guided_seeds, guided_task
 
 
@@ -64,3 +64,11 @@ def test_compare_first_and_last_steps():
     # 1 of 24 vs 18 of 24 episodes: pooled 19/48
     p = 19 / 48
     assert c["z_last_vs_first"] == pytest.approx((17 / 24) / math.sqrt(p * (1 - p) * (2 / 24)))
+
+
+def test_linear_fit_recovers_a_line_and_its_error():
+    fit = linear_fit([0.1 + 0.02 * i for i in range(10)])
+    assert fit["slope_per_step"] == pytest.approx(0.02) and fit["slope_se"] == pytest.approx(0.0, abs=1e-12)
+    assert fit["fit_first"] == pytest.approx(0.1) and fit["fit_last"] == pytest.approx(0.28)
+    zigzag = linear_fit([0.0, 1.0] * 5)  # slope 1/33 per step, t well under 2
+    assert zigzag["slope_per_step"] == pytest.approx(1 / 33) and abs(zigzag["slope_t"]) < 1
