@@ -29,6 +29,16 @@ static inline void store(void *y, int dt, int64_t i, float v) {
     else ((float *)y)[i] = v;
 }
 
+/* y[m, n0 + r] = acc[r * M + m] + bias[n0 + r] for the rows of one group that exist (< N) */
+static inline void store_group(void *y, int y_dtype, const uint16_t *bias, const float *acc, int64_t n0, int64_t R,
+                               int64_t M, int64_t N) {
+    for (int64_t r = 0; r < R && n0 + r < N; r++)
+        for (int64_t m = 0; m < M; m++) {
+            const float b = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
+            store(y, y_dtype, m * N + n0 + r, acc[r * M + m] + b);
+        }
+}
+
 /* x: [M, K] (row stride x_stride elements), w: [N, K] contiguous, bias: [N] or NULL (same dtype
  * as w), y: [M, N] contiguous. Returns 0, or -1 when the fp32 copy of x cannot be allocated. */
 #ifdef __AVX512BF16__
@@ -91,11 +101,7 @@ static int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
         } else { /* the last, partial group: one row at a time */
             for (int64_t r = 0; n0 + r < N; r++) one[M](x, x_stride, w + (n0 + r) * K, K, acc + r * M);
         }
-        for (int64_t r = 0; r < R && n0 + r < N; r++)
-            for (int64_t m = 0; m < M; m++) {
-                const float b = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
-                store(y, y_dtype, m * N + n0 + r, acc[r * M + m] + b);
-            }
+        store_group(y, y_dtype, bias, acc, n0, R, M, N);
     }
     return 0;
 }
@@ -175,11 +181,7 @@ static void linear_w16_avx2(const float *xf, const uint16_t *w, const uint16_t *
         } else { /* the last, partial group: one row at a time */
             for (int64_t r = 0; n0 + r < N; r++) one[M](xf, w + (n0 + r) * K, K, acc + r * M);
         }
-        for (int64_t r = 0; r < R && n0 + r < N; r++)
-            for (int64_t m = 0; m < M; m++) {
-                const float b = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
-                store(y, y_dtype, m * N + n0 + r, acc[r * M + m] + b);
-            }
+        store_group(y, y_dtype, bias, acc, n0, R, M, N);
     }
 }
 #endif
