@@ -11,14 +11,13 @@
  * instruction, exact products, fp32 sums) over up to 16 weight rows at once: converting bf16 to
  * fp32 element by element caps a core at about half its share of the memory bandwidth.
  *
- * bf16 W on an AVX2 + FMA CPU without it (AMD Zen 2/3, older Xeons) takes `linear_w16_avx2`:
- * widening 8 weights per instruction pair, FMAs into R x M register accumulators, and a software
- * prefetch on each of the R interleaved row streams (as the MXFP8 decode loop does; the hardware
- * prefetcher alone loses the streams at every group of R rows).
+ * bf16 W on an AVX2 CPU without it is w16_gemm.c's (one sequential stream per thread reads faster
+ * there than interleaved rows); it comes here only with the native bf16 GEMMs switched off
+ * (CUTTLE_PACKED_GEMM=0), to the generic loop below.
  */
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
 
@@ -107,85 +106,6 @@ static int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
 }
 #endif
 
-#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
-#define W16_PREFETCH_BYTES 2048
-
-static inline __m256 w16_load8(const uint16_t *p) { /* 8 bf16 -> 8 fp32 (exact) */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-static inline float w16_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* R consecutive bf16 weight rows (stride K) dotted with M fp32 x rows (stride K); out[r * M + m].
- * R and M are constants at every call site, so the loops unroll into R * M accumulators. */
-static inline __attribute__((always_inline)) void dot_rows_w16(const float *x, const uint16_t *w, int64_t K, const int R,
-                                                               const int M, float *out) {
-    __m256 acc[8];
-    for (int i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
-    /* the thread's next group of R rows follows this one, so row r's stream goes on at row r + R:
-     * the point W16_PREFETCH_BYTES ahead is pq rows of that stream further, column pr */
-    const int64_t ahead = W16_PREFETCH_BYTES / 2;
-    int64_t pq = ahead / K, pr = ahead % K;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) { /* 32 weights = one 64-byte line per row */
-        for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(w + (r + R * pq) * K + pr), _MM_HINT_T0);
-            const uint16_t *wr = w + r * K + k;
-            for (int j = 0; j < 4; j++) {
-                const __m256 wv = w16_load8(wr + 8 * j);
-                for (int m = 0; m < M; m++) acc[r * M + m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * j), acc[r * M + m]);
-            }
-        }
-        pr += 32;
-        if (pr >= K) pr -= K, pq++;
-    }
-    for (int i = 0; i < R * M; i++) out[i] = w16_hsum(acc[i]);
-    for (; k < K; k++) /* the tail of a K that is not a multiple of 32 */
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) out[r * M + m] += bf16_to_f32(w[r * K + k]) * x[m * K + k];
-}
-
-#define ROWS_W16(R_, M_)                                                                           \
-    static void rows_w16_##R_##_##M_(const float *x, const uint16_t *w, int64_t K, float *out) {  \
-        dot_rows_w16(x, w, K, R_, M_, out);                                                        \
-    }
-ROWS_W16(4, 1)
-ROWS_W16(4, 2)
-ROWS_W16(2, 3)
-ROWS_W16(2, 4)
-ROWS_W16(1, 1)
-ROWS_W16(1, 2)
-ROWS_W16(1, 3)
-ROWS_W16(1, 4)
-
-typedef void (*rows_w16_fn)(const float *, const uint16_t *, int64_t, float *);
-
-/* bf16 W, M in 1..4, x already in fp32 (xf: [M, K] contiguous) */
-static void linear_w16_avx2(const float *xf, const uint16_t *w, const uint16_t *bias, void *y, int y_dtype, int64_t M,
-                            int64_t N, int64_t K) {
-    static const rows_w16_fn wide[5] = {0, rows_w16_4_1, rows_w16_4_2, rows_w16_2_3, rows_w16_2_4};
-    static const rows_w16_fn one[5] = {0, rows_w16_1_1, rows_w16_1_2, rows_w16_1_3, rows_w16_1_4};
-    const int R = M <= 2 ? 4 : 2;
-    const int64_t groups = (N + R - 1) / R;
-#pragma omp parallel for schedule(static)
-    for (int64_t gidx = 0; gidx < groups; gidx++) {
-        const int64_t n0 = gidx * R;
-        float acc[8];
-        if (n0 + R <= N) {
-            wide[M](xf, w + n0 * K, K, acc);
-        } else { /* the last, partial group: one row at a time */
-            for (int64_t r = 0; n0 + r < N; r++) one[M](xf, w + (n0 + r) * K, K, acc + r * M);
-        }
-        store_group(y, y_dtype, bias, acc, n0, R, M, N);
-    }
-}
-#endif
-
 int small_m_linear(const void *x, int x_dtype, int64_t x_stride, const void *w, int w_dtype, const void *bias,
                    void *y, int y_dtype, int64_t M, int64_t N, int64_t K) {
 #ifdef __AVX512BF16__
@@ -198,13 +118,6 @@ int small_m_linear(const void *x, int x_dtype, int64_t x_stride, const void *w, 
         for (int64_t k = 0; k < K; k++)
             xf[m * K + k] = x_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)x)[m * x_stride + k])
                                                : ((const float *)x)[m * x_stride + k];
-#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
-    if (w_dtype == DT_BF16 && M >= 1 && M <= 4) {
-        linear_w16_avx2(xf, (const uint16_t *)w, (const uint16_t *)bias, y, y_dtype, M, N, K);
-        free(xf);
-        return 0;
-    }
-#endif
     const int64_t groups = (N + 3) / 4;
 #pragma omp parallel for schedule(static)
     for (int64_t gidx = 0; gidx < groups; gidx++) {

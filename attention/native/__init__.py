@@ -37,6 +37,9 @@ class KernelSet:
     sum_lanes: int  # lanes of torch's sum kernel: the order of RMSNorm's sum of squares
     norms_exact: bool  # that order was found, so the fused norms are bit-identical to torch's
     moe_experts: bool = False  # routed experts take csrc/moe_experts.c (library loaded, CUTTLE_MOE_NATIVE != "0")
+    # bf16 linear layers take csrc/w16_gemm.c: a CPU without AVX512-BF16, library built with AVX2 + FMA,
+    # CUTTLE_PACKED_GEMM != "0" (the one switch for the native bf16 GEMMs)
+    w16_gemm: bool = False
     describe: str = ""  # the logged line
 
 
@@ -76,6 +79,7 @@ def _select() -> KernelSet:
     moe_native = lib is not None and os.environ.get("CUTTLE_MOE_NATIVE", "1") != "0"
     has_bf16_dot = lib is not None and bool(lib.packed_gemm_available())
     packed = has_bf16_dot and not env_off
+    w16 = lib is not None and not has_bf16_dot and not env_off and bool(lib.w16_gemm_available())
     torch_isa = torch.backends.cpu.get_cpu_capability()
     vec_lanes = 16 if torch_isa == "AVX512" else 8
     sum_lanes, exact = 8, False
@@ -92,13 +96,16 @@ def _select() -> KernelSet:
     else:
         if packed:
             gemm = "bf16 packed GEMM, fp32 <= 4 rows streaming"
+        elif w16:
+            gemm = "bf16 AVX2 widening GEMM (no AVX512-BF16), fp32 <= 4 rows streaming"
         else:
-            gemm = "<= 4 rows streaming, else torch (packed GEMM off: " + ("CUTTLE_PACKED_GEMM=0" if env_off else "no AVX512-BF16") + ")"
+            off = "CUTTLE_PACKED_GEMM=0" if env_off else "no AVX512-BF16 or AVX2+FMA"
+            gemm = f"<= 4 rows streaming, else torch (native bf16 GEMM off: {off})"
         norms = f"bit-exact (sum lanes {sum_lanes})" if exact else "within an ulp of torch"
         moe = "native" if moe_native else "torch (CUTTLE_MOE_NATIVE=0)"
         what = f"native; linear: {gemm}; fused norms: {norms}; argmax: native; moe experts: {moe}"
     describe = f"CPU kernels: {what} [CPU {isa}, torch {torch_isa}]"
-    _current = KernelSet(lib, packed, vec_lanes, sum_lanes, exact, moe_native, describe)
+    _current = KernelSet(lib, packed, vec_lanes, sum_lanes, exact, moe_native, w16_gemm=w16, describe=describe)
     logger.info("%s", describe)
     return _current
 

@@ -39,6 +39,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "paged_decode_last_call_fast": ([], _int),
     "small_m_linear": ([_vp, _int, _i64, _vp, _int, _vp, _vp, _int, _i64, _i64, _i64], _int),
     "packed_gemm_available": ([], _int),
+    "w16_gemm_available": ([], _int),
+    "w16_linear": ([_vp, _int, _i64, _vp, _vp, _vp, _int, _i64, _i64, _i64], _int),
     "packed_weight_numel": ([_i64, _i64], _i64),
     "pack_weight_bf16": ([_vp, _i64, _i64, _vp], None),
     "packed_gemm_bf16": ([_vp, _i64, _vp, _vp, _vp, _int, _i64, _i64, _i64, _i64], _int),

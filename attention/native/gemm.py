@@ -1,10 +1,11 @@
-"""Linear layers on CPU through the native kernels: a bf16 GEMM on weights packed once for the
-dot instruction (every bf16 linear layer: decode at any batch, prefill chunks), and a
-small-batch kernel that streams the weight once in its own layout (1..4 rows of fp32, or of bf16
-with the packed GEMM off). Anything else, and anything autograd must see, is `F.linear`.
+"""Linear layers on CPU through the native kernels. Every bf16 linear layer (decode at any batch,
+prefill chunks) takes a native bf16 GEMM: on CPUs with AVX512-BF16 the GEMM on weights packed once
+for the dot instruction, on AVX2 CPUs without it the widening GEMM that reads the weight in place.
+A small-batch kernel streams the weight once in its own layout for 1..4 rows of fp32 (or of bf16
+with the native bf16 GEMMs off). Anything else, and anything autograd must see, is `F.linear`.
 
 Owns the packed weight copies (kept on the weight tensor, dropped by `drop_packed`) and the
-Python side of `csrc/packed_gemm.c` and `csrc/small_m_linear.c`. Which path a call may take is
+Python side of `csrc/packed_gemm.c`, `csrc/w16_gemm.c` and `csrc/small_m_linear.c`. Which path a call may take is
 read from `kernels()`, decided once per process; nothing here looks at the environment.
 """
 from __future__ import annotations
@@ -73,16 +74,17 @@ def prepack(weights: list[torch.Tensor]) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear on CPU through the native kernels where they apply: the packed GEMM for bf16 at
-    any row count (measured on the 0.6B model: it streams the weight faster than the streaming
-    kernel even at one row, 51-59 vs 76-80 ms a decode step), the weight-streaming kernel for
-    1..SMALL_M_MAX_ROWS rows otherwise; else torch."""
+    """F.linear on CPU through the native kernels where they apply: for a bf16 weight at any row
+    count the packed GEMM (AVX512-BF16; measured on the 0.6B model: it streams the weight faster
+    than the streaming kernel even at one row, 51-59 vs 76-80 ms a decode step) or the AVX2
+    widening GEMM (3-4x torch's bf16 GEMM there, and one sequential weight stream at a few rows);
+    the weight-streaming kernel for 1..SMALL_M_MAX_ROWS rows otherwise; else torch."""
     ks = kernels()
     lib = ks.lib
     if (
         # shapes that do not fit go to F.linear, which raises the usual error (the kernels would
         # read past the tensors)
-        lib is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.device.type != "cpu"
+        lib is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[1] == 0 or x.device.type != "cpu"
         or (bias is not None and bias.shape != (weight.shape[0],))
         or x.dtype not in DTYPE_CODE or weight.dtype not in DTYPE_CODE or not weight.is_contiguous()
         or x.stride(-1) != 1 or (bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()))
@@ -99,6 +101,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         )
         if rc != 0:
             raise RuntimeError("packed_gemm_bf16: built without AVX512-BF16")
+        return y
+    if weight.dtype == torch.bfloat16 and m > 0 and ks.w16_gemm:
+        y = torch.empty(m, n, dtype=x.dtype)
+        rc = lib.w16_linear(
+            x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), weight.data_ptr(),
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), DTYPE_CODE[y.dtype], m, n, k,
+        )
+        if rc != 0:
+            raise MemoryError("w16_linear: allocation failed") if rc == -1 else RuntimeError("w16_linear: built without AVX2+FMA")
         return y
     if m > SMALL_M_MAX_ROWS:
         return torch.nn.functional.linear(x, weight, bias)

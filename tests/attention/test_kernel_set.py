@@ -65,7 +65,7 @@ def test_environment_is_read_at_selection_only(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("CUTTLE_PACKED_GEMM", "0")
     assert native.kernels() is before
     after = native.select()
-    assert not after.packed_gemm and native.kernels() is after
+    assert not after.packed_gemm and not after.w16_gemm and native.kernels() is after
 
 
 class _CountingLib:
@@ -79,13 +79,13 @@ class _CountingLib:
 
 @pytest.fixture
 def streaming(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The library with the packed GEMM off, so bf16 at a few rows takes the streaming kernel;
-    the names of the kernels called."""
+    """The library with the native bf16 GEMMs off, so bf16 at a few rows takes the streaming
+    kernel; the names of the kernels called."""
     ks = native.kernels()
     if ks.lib is None:
         pytest.skip("no native library here")
     calls: list[str] = []
-    monkeypatch.setattr(native, "_current", dataclasses.replace(ks, lib=_CountingLib(ks.lib, calls), packed_gemm=False))
+    monkeypatch.setattr(native, "_current", dataclasses.replace(ks, lib=_CountingLib(ks.lib, calls), packed_gemm=False, w16_gemm=False))
     return calls
 
 
@@ -118,3 +118,52 @@ def test_small_m_linear_falls_back_outside_its_shapes(streaming: list[str]) -> N
     y.sum().backward()
     assert wg.grad is not None
     assert streaming == []
+
+
+@pytest.fixture
+def widening(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The library with the AVX2 widening bf16 GEMM on (as chosen on a CPU without AVX512-BF16;
+    forced here so a CPU with it tests the kernel too); the names of the kernels called."""
+    ks = native.kernels()
+    if ks.lib is None or not ks.lib.w16_gemm_available():
+        pytest.skip("the library here was built without AVX2 + FMA: no widening GEMM to test")
+    calls: list[str] = []
+    monkeypatch.setattr(native, "_current", dataclasses.replace(ks, lib=_CountingLib(ks.lib, calls), packed_gemm=False, w16_gemm=True))
+    return calls
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k", [(1, 37, 64), (1, 300, 48), (2, 5, 33), (3, 256, 1000), (4, 1031, 96), (5, 3, 16),
+                                   (7, 65, 200), (9, 64, 512), (64, 97, 130), (3, 1, 15)])
+def test_w16_gemm_matches_float64(x_dtype: torch.dtype, m: int, n: int, k: int, widening: list[str]) -> None:
+    """bf16 weights, streamed (<= 4 rows) and tiled (more rows; M and N not multiples of the 3 x 2
+    tile, N not a multiple of the 32-row block, K with a tail past the last 16-column block or
+    shorter than one), bf16 or fp32 x, with and without bias, x a strided view: against a float64
+    product of the same values, to one rounding of the output (bf16) or fp32 accumulation error."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(m, k + 3, generator=g).to(x_dtype)[:, 2 : k + 2]  # row stride k + 3
+    for bias in (None, b):
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+        out = gemm.linear(x, w, bias)
+        assert out.dtype == x_dtype and out.shape == (m, n)
+        if x_dtype == torch.bfloat16:
+            tol = 2 ** -8 * ref.abs().clamp_min(1.0)
+        else:
+            tol = 1e-6 * k ** 0.5 * torch.nn.functional.linear(x.double().abs(), w.double().abs()).clamp_min(1.0)
+        assert ((out.double() - ref).abs() <= tol).all(), (out.double() - ref).abs().max().item()
+    assert widening == ["w16_linear", "w16_linear"]
+
+
+def test_w16_gemm_takes_only_bf16_weights(widening: list[str]) -> None:
+    """fp32 weights keep the streaming kernel / torch; autograd and K = 0 take F.linear."""
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    gemm.linear(x, w)
+    assert widening == ["small_m_linear"]
+    widening.clear()
+    wg = w.bfloat16().requires_grad_()
+    gemm.linear(x.bfloat16(), wg).sum().backward()
+    assert wg.grad is not None
+    e = gemm.linear(torch.zeros(3, 0).bfloat16(), torch.zeros(4, 0).bfloat16(), torch.ones(4).bfloat16())
+    assert torch.equal(e, torch.ones(3, 4).bfloat16())
+    assert widening == []
