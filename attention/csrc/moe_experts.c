@@ -36,7 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#ifdef __FMA__
+#if defined(__FMA__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -67,9 +67,13 @@ static inline v8f fmadd(v8f a, v8f b, v8f c) {
 static inline __attribute__((always_inline)) v8f load8(const void *p, const int fmt) {
     v8f f;
     if (fmt == MOE_W_BF16) {
+#ifdef __AVX2__
+        const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
         v8u16 h;
         memcpy(&h, p, sizeof h);
         const v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+#endif
         memcpy(&f, &w, sizeof f);
     } else {
         memcpy(&f, p, sizeof f);
@@ -276,34 +280,54 @@ int64_t moe_route(const void *logits, int l_dtype, int64_t T, int64_t E, int64_t
 
 /* ---- expert GEMMs ------------------------------------------------------------------------ */
 
+/* One k step of a panel tile: M rows' values r[m][k] broadcast against the two weight vectors of
+ * that step (w0 / w1: 8 features each), into accumulators a0 / a1. */
+static inline __attribute__((always_inline)) void panel_step(const float *const *r, const int M, int64_t k, v8f w0,
+                                                             v8f w1, v8f *a0, v8f *a1) {
+    for (int m = 0; m < M; m++) {
+        const float s = r[m][k];
+        const v8f sv = {s, s, s, s, s, s, s, s};
+        a0[m] = fmadd(w0, sv, a0[m]);
+        a1[m] = fmadd(w1, sv, a1[m]);
+    }
+}
+
+/* Accumulators of M rows r[m] (fp32, length K) against a panel wp of K steps, each `stride`
+ * weights (16 features: w0 at +0, w1 at +off): the gate/up tile (stride 2 * P13, off P13: acc0 =
+ * gate, acc1 = up) and the down tile (stride P2, off 8: the two halves of the P2 outputs). The
+ * accumulators live in registers (locals, stored once at the end: through the output pointers
+ * every step would put a store-to-load forward in each FMA chain); at M <= 2 even and odd k go to
+ * separate accumulators, so four or more independent FMA chains hide the FMA latency. */
+static inline __attribute__((always_inline)) void panel_tile(const float *const *r, const int M, const char *wp,
+                                                             const int fmt, int64_t K, const int64_t stride,
+                                                             const int64_t off, v8f *acc0, v8f *acc1) {
+    const size_t es = elsize(fmt);
+    v8f a0[MRP], a1[MRP], b0[MRP], b1[MRP];
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = b0[m] = b1[m] = (v8f){0};
+    int64_t k = 0;
+    if (M <= 2)
+        for (; k + 2 <= K; k += 2) {
+            const char *p = wp + (size_t)k * stride * es;
+            panel_step(r, M, k, load8(p, fmt), load8(p + off * es, fmt), a0, a1);
+            panel_step(r, M, k + 1, load8(p + stride * es, fmt), load8(p + (stride + off) * es, fmt), b0, b1);
+        }
+    for (; k < K; k++) {
+        const char *p = wp + (size_t)k * stride * es;
+        panel_step(r, M, k, load8(p, fmt), load8(p + off * es, fmt), a0, a1);
+    }
+    for (int m = 0; m < M; m++) acc0[m] = a0[m] + b0[m], acc1[m] = a1[m] + b1[m];
+}
+
 /* gate/up accumulators of M token rows (xr[m]: fp32 rows of length H) against one w13 panel */
 static inline __attribute__((always_inline)) void gateup_tile(const float *const *xr, const int M, const char *wp,
                                                               const int fmt, int64_t H, v8f *g, v8f *u) {
-    const size_t es = elsize(fmt);
-    for (int m = 0; m < M; m++) g[m] = u[m] = (v8f){0};
-    for (int64_t k = 0; k < H; k++) {
-        const v8f wg = load8(wp + (size_t)k * 2 * P13 * es, fmt), wu = load8(wp + ((size_t)k * 2 * P13 + P13) * es, fmt);
-        for (int m = 0; m < M; m++) {
-            const float xs = xr[m][k];
-            g[m] = fmadd(wg, (v8f){0} + xs, g[m]);
-            u[m] = fmadd(wu, (v8f){0} + xs, u[m]);
-        }
-    }
+    panel_tile(xr, M, wp, fmt, H, 2 * P13, P13, g, u);
 }
 
 /* y accumulators (two vectors of P2 / 2) of M rows of h against one w2 panel */
 static inline __attribute__((always_inline)) void down_tile(const float *const *hr, const int M, const char *wp,
                                                             const int fmt, int64_t I, v8f *a, v8f *b) {
-    const size_t es = elsize(fmt);
-    for (int m = 0; m < M; m++) a[m] = b[m] = (v8f){0};
-    for (int64_t k = 0; k < I; k++) {
-        const v8f w0 = load8(wp + (size_t)k * P2 * es, fmt), w1 = load8(wp + ((size_t)k * P2 + 8) * es, fmt);
-        for (int m = 0; m < M; m++) {
-            const float hs = hr[m][k];
-            a[m] = fmadd(w0, (v8f){0} + hs, a[m]);
-            b[m] = fmadd(w1, (v8f){0} + hs, b[m]);
-        }
-    }
+    panel_tile(hr, M, wp, fmt, I, P2, 8, a, b);
 }
 
 /* the (M, fmt) instances the tile loops dispatch to: constants, so the loops above unroll */
@@ -344,9 +368,10 @@ static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const fl
     __m256 t0[MR], t1[MR];
     for (int m = 0; m < M; m++) t0[m] = t1[m] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < K / MX_BLOCK; kb++) {
-        __m256 b0[MR], b1[MR];
-        for (int m = 0; m < M; m++) b0[m] = b1[m] = _mm256_setzero_ps();
-        for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k++) {
+        /* at M <= 2, odd k into c0/c1: four or more independent FMA chains */
+        __m256 b0[MR], b1[MR], c0[MR], c1[MR];
+        for (int m = 0; m < M; m++) b0[m] = b1[m] = c0[m] = c1[m] = _mm256_setzero_ps();
+        for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k += M <= 2 ? 2 : 1) {
             __m256 w0, w1;
             mx_decode16(wp + k * 16, &w0, &w1);
             for (int m = 0; m < M; m++) {
@@ -354,7 +379,17 @@ static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const fl
                 b0[m] = _mm256_fmadd_ps(w0, xs, b0[m]);
                 b1[m] = _mm256_fmadd_ps(w1, xs, b1[m]);
             }
+            if (M <= 2) {
+                mx_decode16(wp + (k + 1) * 16, &w0, &w1);
+                for (int m = 0; m < M; m++) {
+                    const __m256 xs = _mm256_set1_ps(r[m][k + 1]);
+                    c0[m] = _mm256_fmadd_ps(w0, xs, c0[m]);
+                    c1[m] = _mm256_fmadd_ps(w1, xs, c1[m]);
+                }
+            }
         }
+        if (M <= 2)
+            for (int m = 0; m < M; m++) b0[m] = _mm256_add_ps(b0[m], c0[m]), b1[m] = _mm256_add_ps(b1[m], c1[m]);
         __m256 f0, p0, f1, p1;
         mx_factors8(sp + kb * 16, &f0, &p0);
         mx_factors8(sp + kb * 16 + 8, &f1, &p1);
