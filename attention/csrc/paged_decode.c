@@ -14,8 +14,9 @@
  * bf16 q and K/V with head_dim 64, 128 or 256 on a CPU with AVX512-BF16 take a vectorised path
  * (`item_bf16`): q.k with the bf16 dot instruction (exact products, fp32 sums; 16 dot vectors
  * reduced to 16 scores by one shuffle tree), a vectorised exp, and p.V in fp32 with the
- * probability-weighted V rows accumulated in registers. The scalar-loop path serves every other
- * combination and is the reference the fast path is tested against.
+ * probability-weighted V rows accumulated in registers. A CPU with AVX2 + FMA but no AVX512-BF16
+ * takes its 8-lane twin (bf16 widened exactly by a shift or a mask, fp32 FMAs). The scalar-loop
+ * path serves every other combination and is the reference the fast path is tested against.
  *
  * Read in place: a block-table entry with bit 30 set (HOST_BLOCK) names a block of a second pool
  * with the same layout (the KV host tier, `k_host` / `v_host`), so a sequence's cold blocks are
@@ -211,8 +212,151 @@ static inline __attribute__((always_inline)) void item_bf16(
     static void item_bf16_##D_(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *kh,    \
                                const uint16_t *vh, void *out, int od, const int32_t *table, int64_t len,  \
                                int64_t bs, int64_t ts, int64_t h0, int64_t nrows, int64_t group,          \
-                               float scale, float *scores, float *acc, float *lse) {                      \
+                               float scale, float *scores, float *acc, float *qf, float *lse) {           \
+        (void)qf;                                                                                       \
         item_bf16(q, k, v, kh, vh, out, od, table, len, bs, ts, h0, nrows, group, D_, scale, scores, acc, lse); \
+    }
+ITEM_BF16(64)
+ITEM_BF16(128)
+ITEM_BF16(256)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_FAST_BF16 1
+
+/* lane j of the result = horizontal sum of a[j], for 8 vectors */
+static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
+    /* t0 = [a0 a1 a2 a3 (low halves) | a0 a1 a2 a3 (high halves)], t1 likewise for a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* e^x for x <= 0 (scores minus their max): the same Cephes polynomial as the AVX512 path, 2^n
+ * built in the exponent field; below -87.3 it returns ~1e-38 */
+static inline __attribute__((always_inline)) __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The AVX2 + FMA twin of the item above, for CPUs without the bf16 dot instruction (AMD Zen 2/3):
+ * a bf16 pair (32 bits) splits into its even element (<< 16) and its odd one (& 0xffff0000), so
+ * q is widened once into qf with each 16-dim block as [8 even | 8 odd] dims, q.k is two FMAs per
+ * 16 dims against one K load, and 8 query rows' dot vectors are reduced to 8 scores at once.
+ * scores: [len][rp] (rp = nrows rounded up to 8 here; the caller's buffer rounds to 16); acc:
+ * [nrows][D] in the same even/odd order, undone at the end. */
+static inline __attribute__((always_inline)) void item_bf16(
+    const uint16_t *q, const uint16_t *k_dev, const uint16_t *v_dev, const uint16_t *k_host, const uint16_t *v_host,
+    void *out, int out_dtype, const int32_t *table, int64_t len, int64_t block_size, int64_t token_stride, int64_t h0,
+    int64_t nrows, int64_t group, const int D, float scale, float *scores, float *acc, float *qf, float *lse) {
+    const int C = D / 16; /* 16-element blocks per head row */
+    const int64_t rp = (nrows + 7) & ~(int64_t)7;
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t r = 0; r < nrows; r++)
+        for (int d = 0; d < D; d++) /* dim d of a block of 16: even -> slot d/2, odd -> 8 + d/2 */
+            qf[r * D + (d & ~15) + (d & 1) * 8 + ((d & 15) >> 1)] = bf16_to_f32(q[r * D + d]);
+    /* pass 1: scores[t][r] = scale * q_r . k_t, 8 rows at a time through the reduce tree */
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        int host;
+        const int64_t base = block_base(table[t0 / block_size], block_size, token_stride, &host);
+        const uint16_t *k_cache = host ? k_host : k_dev;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t tt = 0; tt < n; tt++) {
+            const uint16_t *krow = k_cache + base + tt * token_stride + h0 * D;
+            for (int64_t r0 = 0; r0 < nrows; r0 += 8) {
+                __m256 a[8];
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++) {
+                    a[i] = _mm256_setzero_ps();
+                    const int64_t r = r0 + i;
+                    if (r < nrows) {
+                        const uint16_t *kh = krow + (r / group) * D;
+                        const float *qr = qf + r * D;
+                        __m256 b = _mm256_setzero_ps();
+#pragma GCC unroll 16
+                        for (int c = 0; c < C; c++) {
+                            const __m256i kv = _mm256_loadu_si256((const __m256i *)(kh + 16 * c));
+                            a[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(kv, 16)), _mm256_loadu_ps(qr + 16 * c), a[i]);
+                            b = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(kv, hi_mask)), _mm256_loadu_ps(qr + 16 * c + 8), b);
+                        }
+                        a[i] = _mm256_add_ps(a[i], b);
+                    }
+                }
+                _mm256_storeu_ps(scores + (t0 + tt) * rp + r0, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
+            }
+        }
+    }
+    /* softmax numerators e = exp(s - max) in place; sums kept for the end (len >= 1 here) */
+    float inv_sum[512], row_max[512], row_sum[512];
+    for (int64_t r0 = 0; r0 < rp; r0 += 8) {
+        __m256 m = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < len; t++) m = _mm256_max_ps(m, _mm256_loadu_ps(scores + t * rp + r0));
+        for (int64_t t = 0; t < len; t++) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t * rp + r0), m));
+            _mm256_storeu_ps(scores + t * rp + r0, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(inv_sum + r0, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
+        _mm256_storeu_ps(row_max + r0, m);
+        _mm256_storeu_ps(row_sum + r0, sum);
+    }
+    if (lse)
+        for (int64_t r = 0; r < nrows; r++) lse[r] = row_max[r] + logf(row_sum[r]);
+    /* pass 2: acc_r += e[t][r] * v_t, one row and 64 dims (8 accumulators in registers) at a time;
+     * the V rows of a block are re-read from L1 for each row of the group and each 64-dim chunk */
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t h = r / group;
+        for (int c0 = 0; c0 < D; c0 += 64) {
+            __m256 va[8];
+            for (int i = 0; i < 8; i++) va[i] = _mm256_setzero_ps();
+            for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+                int host;
+                const int64_t base = block_base(table[t0 / block_size], block_size, token_stride, &host);
+                const uint16_t *v_cache = host ? v_host : v_dev;
+                const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+                for (int64_t tt = 0; tt < n; tt++) {
+                    const uint16_t *vrow = v_cache + base + tt * token_stride + (h0 + h) * D + c0;
+                    const __m256 p = _mm256_set1_ps(scores[(t0 + tt) * rp + r]);
+#pragma GCC unroll 4
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(vrow + 16 * c));
+                        va[2 * c] = _mm256_fmadd_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), va[2 * c]);
+                        va[2 * c + 1] = _mm256_fmadd_ps(p, _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)), va[2 * c + 1]);
+                    }
+                }
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + r * D + c0 + 8 * i, va[i]);
+        }
+    }
+    for (int64_t r = 0; r < nrows; r++) {
+        const float inv = inv_sum[r];
+        for (int d = 0; d < D; d++) {
+            const float v = acc[r * D + (d & ~15) + (d & 1) * 8 + ((d & 15) >> 1)] * inv;
+            const int64_t o = r * D + d;
+            if (out_dtype == DT_BF16) ((uint16_t *)out)[o] = f32_to_bf16(v);
+            else ((float *)out)[o] = v;
+        }
+    }
+}
+
+#define ITEM_BF16(D_)                                                                                   \
+    static void item_bf16_##D_(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *kh,    \
+                               const uint16_t *vh, void *out, int od, const int32_t *table, int64_t len,  \
+                               int64_t bs, int64_t ts, int64_t h0, int64_t nrows, int64_t group,          \
+                               float scale, float *scores, float *acc, float *qf, float *lse) {           \
+        item_bf16(q, k, v, kh, vh, out, od, table, len, bs, ts, h0, nrows, group, D_, scale, scores, acc, qf, lse); \
     }
 ITEM_BF16(64)
 ITEM_BF16(128)
@@ -256,7 +400,7 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
 #ifdef HAVE_FAST_BF16
     typedef void (*item_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *,
                             void *, int, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                            float *, float *, float *);
+                            float *, float *, float *, float *);
     item_fn fast = NULL;
     if (q_dtype == DT_BF16 && kv_dtype == DT_BF16 && rows_per_item <= 512 && fast_path_enabled)
         fast = head_dim == 64 ? item_bf16_64 : head_dim == 128 ? item_bf16_128 : head_dim == 256 ? item_bf16_256 : NULL;
@@ -300,7 +444,7 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
                 void *o = out_dtype == DT_BF16 ? (void *)((uint16_t *)out + ooff) : (void *)((float *)out + ooff);
                 fast(((const uint16_t *)q) + qoff, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                      (const uint16_t *)k_host, (const uint16_t *)v_host, o, out_dtype,
-                     table, len, block_size, token_stride, h0, nrows, group, scale, scores, acc, lse_item);
+                     table, len, block_size, token_stride, h0, nrows, group, scale, scores, acc, qf, lse_item);
                 continue;
             }
 #endif

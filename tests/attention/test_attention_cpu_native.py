@@ -120,7 +120,7 @@ def test_native_kernel_disabled_by_env() -> None:
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
-# The vectorised bf16 path (head_dim 64/128/256, AVX512-BF16): Qwen3-0.6B's shape at batch 40,
+# The vectorised bf16 path (head_dim 64/128/256, AVX512-BF16 or AVX2 + FMA): Qwen3-0.6B's shape at batch 40,
 # rows per item above 16 (the 16-row score chunks, masked), MQA, groups of 3 and of 1, heads split
 # across threads (one sequence), partial last blocks everywhere.
 FAST_CASES = (
@@ -144,8 +144,9 @@ def _bf16_batch(case: Case):
 @pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: c.name)
 def test_fast_bf16_decode_matches_naive_and_scalar_path(case: Case, kernel_calls: list[int]) -> None:
     lib = native.kernels().lib
-    if "avx512_bf16" not in open("/proc/cpuinfo").read():
-        pytest.skip("the fast bf16 path needs AVX512-BF16")
+    flags = set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
+    if "avx512_bf16" not in flags and not {"avx2", "fma"} <= flags:
+        pytest.skip("the fast bf16 path needs AVX512-BF16 or AVX2 + FMA")
     ref = naive_attention(_bf16_batch(case))
     # every row is the kernel's: decodes and (short) prefill chunks alike
     rows = torch.ones(sum(new for _, new in case.seqs), dtype=torch.bool)
