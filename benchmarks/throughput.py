@@ -8,7 +8,8 @@ llama.cpp on the same weights and the same token-id prompts.
 
 Reports output tokens/s, the ratio to transformers, and batch-1 decode as a fraction of the
 memory-bandwidth limit (bytes of the weights one token reads / copy bandwidth measured in this run),
-plus the offline figure as a fraction of the bf16 matmul FLOP limit measured in this run.
+plus the offline figure as a fraction of the matmul FLOP limit measured in this run (the --dtype
+GEMM's rate, or for bf16 the fp32 GEMM's where that is faster: CPUs without AVX512-BF16/AMX).
 The peers run in their own venvs (`bash benchmarks/peers/setup.sh` installs them; a peer that is
 not set up is skipped with a message): vLLM via benchmarks/peers/vllm_offline.py (same workload,
 same max-num-seqs), llama.cpp via benchmarks/peers/llamacpp_offline.py on the bf16 GGUF (batch-1
@@ -201,7 +202,15 @@ def main() -> None:
 
     info = machine_info()
     bw = copy_bandwidth_gbs()
-    flops = matmul_gflops(tdtype)
+    flops = flops_dtype = matmul_gflops(tdtype)
+    flops_src = f"{args.dtype} matmul"
+    if tdtype == torch.bfloat16:
+        # bf16 weights widen exactly to fp32 in registers (the AVX2 path does so), so where torch's
+        # bf16 GEMM is slower than its fp32 one (a CPU without AVX512-BF16/AMX) the machine's
+        # limit is the fp32 rate
+        flops_f32 = matmul_gflops(torch.float32)
+        if flops_f32 > flops:
+            flops, flops_src = flops_f32, f"fp32 matmul (faster than bf16's {flops_dtype:.1f} here)"
     from cuttle.engine.config import ModelConfig
 
     mc = ModelConfig.from_pretrained(path)
@@ -214,7 +223,7 @@ def main() -> None:
     bw_limit = bw * 1e9 / weight_bytes
 
     reqs = prompts(args.num_requests, args.prompt_len, mc.vocab_size)
-    print(f"limits: copy {bw:.1f} GB/s, {args.dtype} matmul {flops:.0f} GFLOP/s", flush=True)
+    print(f"limits: copy {bw:.1f} GB/s, {flops_src} {flops:.0f} GFLOP/s", flush=True)
     c_off, c_dec = bench_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs)
     print(f"cuttle: offline {c_off:.1f} out tok/s, batch-1 decode {c_dec:.2f} tok/s", flush=True)
     moe_ab: tuple[float, float] | None = None
@@ -300,7 +309,7 @@ def main() -> None:
     print(f"\nmachine: {info}")
     print(f"model: {path} ({n_params / 1e6:.0f}M params, {read_params / 1e6:.0f}M read per decode token, {args.dtype}); "
           f"{args.num_requests} requests x ({args.prompt_len} prompt, {args.output_len} output)")
-    print(f"measured limits: copy {bw:.1f} GB/s -> batch-1 bound {bw_limit:.1f} tok/s; {args.dtype} matmul {flops:.0f} GFLOP/s -> offline bound {flop_limit:.0f} output tok/s\n")
+    print(f"measured limits: copy {bw:.1f} GB/s -> batch-1 bound {bw_limit:.1f} tok/s; {flops_src} {flops:.0f} GFLOP/s -> offline bound {flop_limit:.0f} output tok/s\n")
     print(markdown_table(
         ["engine", "batch", "offline out tok/s", "vs transformers", "of FLOP limit", "batch-1 decode tok/s", "vs transformers", "of bandwidth limit"],
         rows,
@@ -315,7 +324,7 @@ def main() -> None:
                "params": n_params, "params_read_per_decode_token": read_params,
                "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
                             "max_num_seqs": args.max_num_seqs, "hf_batch": args.hf_batch},
-               "limits": {"copy_gb_s": bw, "matmul_gflop_s": flops, "batch1_bound_tok_s": bw_limit, "offline_bound_tok_s": flop_limit},
+               "limits": {"copy_gb_s": bw, "matmul_gflop_s": flops, "matmul_limit_source": flops_src, f"{args.dtype}_matmul_gflop_s": flops_dtype, "batch1_bound_tok_s": bw_limit, "offline_bound_tok_s": flop_limit},
                "engines": results, "skipped": skipped}
         with open(args.json, "w") as out:
             json.dump(_finite(doc), out, indent=1)
