@@ -14,9 +14,10 @@
  * the result rounded once (to bf16 nearest-even, or kept fp32).
  *
  * Two loops:
- *  - M <= STREAM_MAX_ROWS (decode at small batch, bound by reading W): each thread takes a
- *    contiguous range of weight rows and finishes one row (all M x rows) before the next, so W is
- *    one sequential stream per thread, with a software prefetch PREFETCH_BYTES ahead of it.
+ *  - M <= 8 (decode at small batch, bound by reading W): each thread takes a contiguous range of
+ *    weight rows and finishes one row (all M x rows, in passes of 4 whose second re-reads the row
+ *    from L1) before the next, so W is one sequential stream per thread, with a software prefetch
+ *    PREFETCH_BYTES ahead of it.
  *  - more rows (bound by the FMA units): each thread takes blocks of NB weight rows; a block is read
  *    from memory once and then stays in L1/L2 while every 3-row tile of x runs over it, 3 x rows
  *    by 2 weight rows (12 accumulators) per tile.
@@ -31,7 +32,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#define STREAM_MAX_ROWS 4
+#define STREAM_MAX_ROWS 4 /* x rows per pass of the streaming loop */
+#define STREAM_PASSES 2     /* passes over each weight row before the tiled loop takes over */
 #define PREFETCH_BYTES 1024
 #define TILE_M 3
 #define TILE_N 2
@@ -174,14 +176,17 @@ int w16_linear(const void *x, int x_dtype, int64_t x_stride, const uint16_t *w, 
             xs[m * K + dst] = x_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)x)[m * x_stride + k])
                                                  : ((const float *)x)[m * x_stride + k];
         }
-    if (M <= STREAM_MAX_ROWS) {
+    if (M <= STREAM_PASSES * STREAM_MAX_ROWS) {
         static const stream_fn fns[STREAM_MAX_ROWS + 1] = {0, stream_1, stream_2, stream_3, stream_4};
-        const stream_fn f = fns[M];
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
-            float acc[STREAM_MAX_ROWS];
-            f(xs, w + n * K, K, acc);
-            store_tile(y, y_dtype, bias, acc, 0, n, (int)M, 1, N);
+            /* x rows 4 at a time: a second pass re-reads the weight row from L1, not memory */
+            for (int64_t m0 = 0; m0 < M; m0 += STREAM_MAX_ROWS) {
+                const int mc = M - m0 < STREAM_MAX_ROWS ? (int)(M - m0) : STREAM_MAX_ROWS;
+                float acc[STREAM_MAX_ROWS];
+                fns[mc](xs + m0 * K, w + n * K, K, acc);
+                store_tile(y, y_dtype, bias, acc, m0, n, mc, 1, N);
+            }
         }
     } else {
         static const tile_fn fns[TILE_M + 1][TILE_N + 1] = {
