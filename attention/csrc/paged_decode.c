@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "vec_exp.h"
 
 #define HOST_BLOCK 0x40000000 /* block-table flag: the block is in the host pool */
 
@@ -232,24 +233,6 @@ static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* e^x for x <= 0 (scores minus their max): the same Cephes polynomial as the AVX512 path, 2^n
- * built in the exponent field; below -87.3 it returns ~1e-38 */
-static inline __attribute__((always_inline)) __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 /* The AVX2 + FMA twin of the item above, for CPUs without the bf16 dot instruction (AMD Zen 2/3):
  * a bf16 pair (32 bits) splits into its even element (<< 16) and its odd one (& 0xffff0000), so

@@ -10,6 +10,7 @@
  * All math is fp32 whatever the storage dtype.
  */
 #include "sparse_attend.h"
+#include "vec_exp.h"
 
 #include <math.h>
 #include <string.h>
@@ -20,24 +21,6 @@ void sparse_attend_set_fast_path(int enabled) { sparse_fast_enabled = enabled; }
 #if HAVE_AVX2
 int sparse_attend_fast_available(void) { return 1; }
 
-/* e^x for x <= 0 (scores minus their max): Cephes' expf polynomial (as paged_decode.c's exp512),
- * 2^n put into the exponent bits; below -87.3 (e^x < 1.2e-38) it returns ~1e-38 */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 /* sc[0..n) = exp(sc - mx), returns their sum */
 static inline float exp_sum_avx2(float *sc, int64_t n, float mx) {
