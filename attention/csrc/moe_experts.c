@@ -492,12 +492,33 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     /* One parallel region with one barrier (between the two stages): on a machine shared with
      * other busy processes every barrier can wait a whole scheduler slice for a descheduled
      * thread, so the stages are arranged to need no more. */
+    /* every active expert holds at most one register tile of rows (decode): stage-1 items cost the same */
+    int uniform = 1;
+    for (int64_t ai = 0; ai < nact; ai++) uniform &= cnt[active[ai] + 1] - cnt[active[ai]] <= mr;
+    int64_t claim = 0; /* stage 1's next item when items go out dynamically */
 #pragma omp parallel num_threads(nthreads)
     {
         float *panel = panels ? panels + (size_t)omp_get_thread_num() * (size_t)(panel_k * 16) : NULL;
         /* stage 1: h = silu(x G^T) * (x U^T), one item per (active expert, panel) */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < nact * np; it++) {
+        /* a thread's items: when every active expert has at most one register tile of rows
+         * (decode) the items cost the same, and a static split into contiguous ranges makes each
+         * thread read long sequential stretches of the packed weights (one expert's panels are
+         * adjacent), which the hardware prefetchers stream far better than 16 KB pieces handed
+         * out alternately; otherwise items go out dynamically */
+        const int nth = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t n1 = nact * np;
+        int64_t next = uniform ? n1 * me / nth : 0;
+        const int64_t end1 = uniform ? n1 * (me + 1) / nth : n1;
+        for (;;) {
+            int64_t it;
+            if (uniform) {
+                if (next >= end1) break;
+                it = next++;
+            } else {
+#pragma omp atomic capture
+                it = claim++;
+                if (it >= n1) break;
+            }
             const int64_t e = active[it / np], p = it % np;
             const char *wp = (const char *)w13p + (size_t)((e * np + p) * H * 2 * P13) * es;
             const uint8_t *sp = mx ? (const uint8_t *)w13_scale + (size_t)((e * np + p) * (H / MX_BLOCK) * 2 * P13) : NULL;
@@ -521,14 +542,17 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                     }
             }
         }
-        /* stage 2 + combine, one item per output panel q: ys[a][q cols] = h[a] W2^T for every
-         * active expert, then each token's k rows of those columns summed in slot order (fp32
-         * products and sums). The item owns its columns for every token, so the combine needs no
+#pragma omp barrier
+        /* stage 2 + combine: each thread owns a contiguous range of output panels [q0, q1):
+         * ys[a][its columns] = h[a] W2^T for every active expert, expert by expert (one expert's
+         * panels of the range are adjacent in w2p, so this too is one sequential stretch per
+         * expert), then each token's k rows of those columns summed in slot order (fp32 products
+         * and sums). The thread owns its columns for every token, so the combine needs no
          * barrier; each expert's w2 panel is still read once. */
-#pragma omp for schedule(static) nowait
-        for (int64_t q = 0; q < nq; q++) {
-            for (int64_t ai = 0; ai < nact; ai++) {
-                const int64_t e = active[ai];
+        const int64_t q0 = nq * me / nth, q1 = nq * (me + 1) / nth;
+        for (int64_t ai = 0; ai < nact; ai++) {
+            const int64_t e = active[ai];
+            for (int64_t q = q0; q < q1; q++) {
                 const char *wp = (const char *)w2p + (size_t)((e * nq + q) * I * P2) * es;
                 const uint8_t *sp = mx ? (const uint8_t *)w2_scale + (size_t)((e * nq + q) * (I / MX_BLOCK) * P2) : NULL;
                 if (mx && !mx_fast) mx_panel_dequant((const uint8_t *)wp, sp, I, panel);
@@ -549,18 +573,18 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                     }
                 }
             }
-            const int64_t c1 = (q + 1) * P2 < H ? (q + 1) * P2 : H;
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t c = q * P2; c < c1; c++) {
-                    float s = 0.f;
-                    for (int64_t j = 0; j < k; j++) {
-                        const float pr = ys[(t * k + j) * H + c] * weights[t * k + j];
-                        s += pr;
-                    }
-                    if (out_dtype == DT_BF16) ((uint16_t *)out)[t * H + c] = f32_to_bf16(s);
-                    else ((float *)out)[t * H + c] = s;
-                }
         }
+        const int64_t c0 = q0 * P2, c1 = q1 * P2 < H ? q1 * P2 : H;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = c0; c < c1; c++) {
+                float s = 0.f;
+                for (int64_t j = 0; j < k; j++) {
+                    const float pr = ys[(t * k + j) * H + c] * weights[t * k + j];
+                    s += pr;
+                }
+                if (out_dtype == DT_BF16) ((uint16_t *)out)[t * H + c] = f32_to_bf16(s);
+                else ((float *)out)[t * H + c] = s;
+            }
     }
 done:
     free(panels);
