@@ -21,7 +21,7 @@ import torch
 
 from cuttle.attention.backend import get_backend
 from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout, has_host_blocks
-from cuttle.attention.native import gemm
+from cuttle.attention.native import gemm, hugepages
 from cuttle.attention.nsa_backend import NSABackend, compressed_slots_per_block
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention
 from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block
@@ -95,7 +95,11 @@ class ModelRunner:
     def prepack(self) -> None:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not
         during the first request's step: the packed dense weights, the routed experts (held packed
-        only: their plain copy is dropped); a tied MXFP8 lm_head is requantized from the embedding."""
+        only: their plain copy is dropped); a tied MXFP8 lm_head is requantized from the embedding.
+        On CPU the large weights first move into huge-page memory (`native.hugepages`: fewer TLB
+        misses while decode streams them; a no-op for tensors already there)."""
+        if self.device.type == "cpu":
+            hugepages.back_module(self.model)
         refresh_tied(self.model)
         if self.device.type == "cpu":
             gemm.prepack(self.model.linear_weights())

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cuttle.attention.native import kernels
+from cuttle.attention.native import hugepages, kernels
 from cuttle.attention.native.build import DTYPE_CODE
 from cuttle.attention.native.gemm import _PACKED_ATTR
 from cuttle.attention.native.mxfp8 import check_nan_elements
@@ -116,7 +116,7 @@ def _pack_w13(w13: torch.Tensor) -> torch.Tensor:
     if two_i % 2:
         raise ValueError(f"w13: row count {two_i} is not 2 * intermediate_size")
     lib = _lib()
-    out = torch.empty(lib.moe_packed_w13_numel(E, two_i // 2, H), dtype=w13.dtype)
+    out = hugepages.empty(lib.moe_packed_w13_numel(E, two_i // 2, H), w13.dtype)
     if lib.moe_pack_w13(w13.data_ptr(), WEIGHT_FORMAT[w13.dtype], E, two_i // 2, H, out.data_ptr()) != 0:
         raise RuntimeError("moe_pack_w13 failed")
     return out
@@ -126,7 +126,7 @@ def _pack_w2(w2: torch.Tensor) -> torch.Tensor:
     _check_weight(w2, "w2")
     E, H, I = w2.shape
     lib = _lib()
-    out = torch.empty(lib.moe_packed_w2_numel(E, H, I), dtype=w2.dtype)
+    out = hugepages.empty(lib.moe_packed_w2_numel(E, H, I), w2.dtype)
     if lib.moe_pack_w2(w2.data_ptr(), WEIGHT_FORMAT[w2.dtype], E, H, I, out.data_ptr()) != 0:
         raise RuntimeError("moe_pack_w2 failed")
     return out
@@ -164,7 +164,7 @@ def _pack_mx(data: torch.Tensor, scale: torch.Tensor, which: str) -> tuple[torch
     # moe_pack_mx_w13 takes (E, I, H), moe_pack_mx_w2 (E, H, I): the panel count comes from I or H
     sizes = (E, N // 2, K) if which == "w13" else (E, N, K)
     n = (lib.moe_packed_w13_numel if which == "w13" else lib.moe_packed_w2_numel)(*sizes)
-    out, out_s = torch.empty(n, dtype=torch.uint8), torch.empty(n // 32, dtype=torch.uint8)
+    out, out_s = hugepages.empty(n, torch.uint8), hugepages.empty(n // 32, torch.uint8)
     pack = lib.moe_pack_mx_w13 if which == "w13" else lib.moe_pack_mx_w2
     if pack(data.data_ptr(), scale.data_ptr(), *sizes, out.data_ptr(), out_s.data_ptr()) != 0:
         raise RuntimeError(f"moe_pack_mx_{which} failed")
