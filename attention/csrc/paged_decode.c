@@ -84,24 +84,6 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
 }
 
-/* e^x for x <= 0 (scores minus their max): Cephes' expf polynomial, 2^n applied by scalef;
- * below -87.3 (e^x < 1.2e-38, nothing next to the max's 1) it returns ~1e-38 */
-static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* One work item on the fast path: query rows [0, nrows) of the item (heads h0.. with `group`
  * query heads each) against one sequence. scores: [len][rp] fp32 (token-major, rp = nrows
  * rounded up to 16); acc: [nrows][D] fp32. D is a compile-time constant at every call. */
