@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.native import rows
 
 
 class AttentionBackend(Protocol):
@@ -42,9 +43,9 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V rows into their cache slots."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter this step's K/V rows into their cache slots (natively on CPU: `native.rows`)."""
+    rows.scatter_(k_cache.view(-1, *k_cache.shape[2:]), slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+    rows.scatter_(v_cache.view(-1, *v_cache.shape[2:]), slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
 
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer")

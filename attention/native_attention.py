@@ -28,7 +28,7 @@ _ARGTYPES = [
     _vp, _int, _i64,  # out, out dtype, out stride
     _vp, _i64, _vp, _vp,  # lse, lse row stride, q rows, out rows
     _vp, _i64, _vp, _i64,  # tables, table stride, lens, rows
-    _i64, _i64, _i64, _i64, _i64, _float, _i64,  # kv heads, group, head_dim, block_size, max_len, scale, head chunks
+    _i64, _i64, _i64, _i64, _float, _i64,  # kv heads, group, head_dim, block_size, scale, head chunks
 ]
 _declared: ctypes.CDLL | None = None
 
@@ -58,7 +58,6 @@ def paged_attention_rows(
     out_rows: torch.Tensor,  # [N] int64, out (and lse) row of each kernel row
     tables: torch.Tensor,  # [N, nb] int32 block ids, rows dense
     lens: torch.Tensor,  # [N] int32 keys of each row (0 allowed: o = 0, lse = -inf)
-    max_len: int,  # >= every lens[i]
     scale: float,
     k_host: torch.Tensor | None = None,  # [host blocks, block_size, Hkv, D]: the pool of HOST_BLOCK entries
     v_host: torch.Tensor | None = None,
@@ -85,7 +84,7 @@ def paged_attention_rows(
         DTYPE_CODE[k_cache.dtype], out.data_ptr(), DTYPE_CODE[out.dtype], out.stride(0),
         lse.data_ptr() if lse is not None else None, lse.stride(0) if lse is not None else 0,
         q_rows.data_ptr(), out_rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
-        num_kv_heads, group, head_dim, block_size, max_len, scale, head_chunks,
+        num_kv_heads, group, head_dim, block_size, scale, head_chunks,
     )
     if rc == -2:
         raise ValueError("paged_attention_rows: a block table names a host block (HOST_BLOCK) but no host pool was given")

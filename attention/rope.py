@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+
 # Scalings whose angle stays p * inv_freq (only the frequencies change), so rotations compose:
 # R(a + b) = R(a) R(b), and a key cached at c can be used at c + delta. YaRN is one of them: its
 # attention factor m scales every position's cos/sin alike, so a cached key m R(c) k queried by
@@ -125,11 +126,15 @@ class RotaryEmbedding:
         self.sin = sin.to(device)
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for the given positions in the activation dtype, [T, 1, D/2] (once per step)."""
+    def cast_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos/sin tables [max_positions, D/2] in the activation dtype (cast once)."""
         if dtype not in self._cast:
             self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
-        cos, sin = self._cast[dtype]
+        return self._cast[dtype]
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for the given positions in the activation dtype, [T, 1, D/2] (once per step)."""
+        cos, sin = self.cast_tables(dtype)
         return cos[positions][:, None, :], sin[positions][:, None, :]
 
     def delta_tables(self, deltas: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,14 +67,15 @@ class TorchAttentionBackend:
             if native.rows is not None:
                 native_attention.paged_attention_rows(
                     q, k_cache, v_cache, out, lse, native.rows, native.rows, native.tables, native.lens,
-                    native.max_len, scale, k_host, v_host,
+                    scale, k_host, v_host,
                 )
             prefills = native.prefills_left
-        elif plan.decode_rows is not None:
+        elif plan.has_decode:
             # Gather straight into [Bd, Hkv, L, D] (one indexed copy, no transpose pass), then two
             # batched matmuls with the softmax in fp32.
             heads = plan.head_index(num_kv_heads)
             plan.plan_decode_gather()
+            assert plan.decode_rows is not None
             kd = _take_slots(k_cache, k_host, plan.decode_slots, plan.decode_host, heads)
             vd = _take_slots(v_cache, v_host, plan.decode_slots, plan.decode_host, heads)
             qd = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
@@ -111,7 +112,7 @@ class TorchAttentionBackend:
             if native.rows is not None:
                 native_attention.paged_attention_rows(
                     qv, k_cache, v_cache, ov, lv, native.rows, native.rows, native.tables, native.lens,
-                    native.max_len, scale, k_host, v_host,
+                    scale, k_host, v_host,
                 )
             parts = native.prefills_left
         for start, qlen, blocks, kv_len, causal, mask in parts:
@@ -220,13 +221,33 @@ NATIVE_PREFILL_MAX_KEY_READS = 64 * 1024
 _Unit = tuple[int, int, torch.Tensor, int, bool, torch.Tensor | None]
 
 
-class _NativeRows:
-    """The rows of one step the native kernel takes: per query row, its block table and key count."""
+# arange(n) int64 per row count: the query (and output) rows of an all-decode step
+_ROWS: dict[int, torch.Tensor] = {}
 
-    __slots__ = ("rows", "tables", "lens", "max_len", "prefills_left", "max_qlen")
+
+class _NativeRows:
+    """The rows of one step the native kernel takes: per query row, its block table and key count.
+
+    A step of decode rows only (one causal segment each) hands the kernel the metadata's own
+    block tables and lengths and a shared arange of rows: no tensor is made per step, so a
+    recorded step (`native.graph`) reads whatever the metadata tensors hold when it replays."""
+
+    __slots__ = ("rows", "tables", "lens", "prefills_left", "max_qlen")
 
     def __init__(self, plan: _StepPlan, max_qlen: int) -> None:
-        block_size = plan.meta.block_size
+        meta = plan.meta
+        self.max_qlen = max_qlen
+        if (meta.segments is None and meta.max_query_len == 1 and meta.block_tables.dtype == torch.int32
+                and meta.block_tables.stride(1) == 1 and meta.seq_lens.dtype == torch.int32 and meta.seq_lens.is_contiguous()
+                and meta.block_tables.is_cpu):
+            n = meta.num_seqs
+            arange = _ROWS.get(n)
+            if arange is None:
+                arange = _ROWS[n] = torch.arange(n)
+            self.rows, self.tables, self.lens = arange, meta.block_tables, meta.seq_lens
+            self.prefills_left = []
+            return
+        block_size = meta.block_size
         rows: list[int] = []
         unit_of_row: list[int] = []
         lens: list[int] = []
@@ -241,13 +262,10 @@ class _NativeRows:
             else:
                 lens.extend([kv_len] * qlen)
             taken.add(start)
-        self.max_qlen = max_qlen
         self.prefills_left = [p for p in plan.prefills if p[0] not in taken]
         self.rows = self.tables = self.lens = None
-        self.max_len = 0
         if rows:
-            self.max_len = max(lens)
-            nblocks = max(1, (self.max_len + block_size - 1) // block_size)
+            nblocks = max(1, (max(lens) + block_size - 1) // block_size)
             device = plan.tables.device
             self.rows = torch.tensor(rows, device=device)
             self.tables = plan.tables[torch.tensor(unit_of_row, device=device), :nblocks].to(torch.int32).contiguous()
@@ -261,7 +279,7 @@ class _StepPlan:
     segmented one (then `prefills` lists every part, since all of them may need the torch path)."""
 
     __slots__ = ("meta", "units", "tables", "decode_rows", "decode_tables", "decode_lens", "decode_max_len",
-                 "decode_slots", "decode_host", "decode_bias", "prefills", "_heads", "_native", "_bias")
+                 "decode_slots", "decode_host", "decode_bias", "prefills", "has_decode", "_heads", "_native", "_bias")
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -277,6 +295,7 @@ class _StepPlan:
         self._native: _NativeRows | None = None
         self._bias: dict[int, torch.Tensor] = {}
         self.prefills: list[_Unit] = []
+        self.has_decode = False  # some sequence has a single query row (one-segment steps)
         sb = meta.segments
         if sb is not None:
             starts = sb.query_start_loc.tolist()
@@ -285,18 +304,10 @@ class _StepPlan:
             for p, (start, qlen, kv_len, causal) in enumerate(self.units):
                 self.prefills.append(_unit(self.tables, p, start, qlen, kv_len, causal, bs))
             return
-        device = meta.block_tables.device
         starts = meta.query_start_loc.tolist()
         self.tables = meta.block_tables
         self.units = [(starts[b], ql, meta.seq_lens_cpu[b], True) for b, ql in enumerate(meta.query_lens_cpu)]
-        decode_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
-        if decode_seqs:
-            idx = torch.tensor(decode_seqs, device=device)
-            self.decode_max_len = max(meta.seq_lens_cpu[b] for b in decode_seqs)
-            nblocks = (self.decode_max_len + bs - 1) // bs
-            self.decode_tables = meta.block_tables[idx, :nblocks].to(torch.int32).contiguous()
-            self.decode_lens = meta.seq_lens[idx].to(torch.int32).contiguous()
-            self.decode_rows = torch.tensor([starts[b] for b in decode_seqs], device=device)
+        self.has_decode = any(ql == 1 for ql in meta.query_lens_cpu)
         for b, qlen in enumerate(meta.query_lens_cpu):
             if qlen != 1:
                 self.prefills.append(_unit(meta.block_tables, b, starts[b], qlen, meta.seq_lens_cpu[b], True, bs))
@@ -306,10 +317,20 @@ class _StepPlan:
         return self.prefills
 
     def plan_decode_gather(self) -> None:
-        """Slot indices and the length mask of the gather path, built on first use in a step."""
+        """The decode rows' tables, slot indices and length mask for the gather path, built on first
+        use in a step (the native kernel needs none of them)."""
         if self.decode_slots is not None:
             return
-        bs, max_len, device = self.meta.block_size, self.decode_max_len, self.decode_tables.device
+        meta, bs = self.meta, self.meta.block_size
+        device = meta.block_tables.device
+        starts = meta.query_start_loc.tolist()
+        decode_seqs = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
+        idx = torch.tensor(decode_seqs, device=device)
+        self.decode_max_len = max_len = max(meta.seq_lens_cpu[b] for b in decode_seqs)
+        nblocks = (max_len + bs - 1) // bs
+        self.decode_tables = meta.block_tables[idx, :nblocks].to(torch.int32).contiguous()
+        self.decode_lens = meta.seq_lens[idx].to(torch.int32).contiguous()
+        self.decode_rows = torch.tensor([starts[b] for b in decode_seqs], device=device)
         offs = torch.arange(bs, device=device)
         tables = self.decode_tables.long()
         if self.meta.host_kv is not None:

@@ -70,7 +70,7 @@ def run(context: int, batch: int, cfg: NSAConfig, topk: TopKConfig, repeats: int
     scale = HEAD_DIM**-0.5
 
     def dense():
-        native_attention.paged_attention_rows(q, k, v, out, lse, rows, rows, tables, lens, context, scale)
+        native_attention.paged_attention_rows(q, k, v, out, lse, rows, rows, tables, lens, scale)
 
     touched = torch.zeros(batch, KV_HEADS, dtype=torch.int64)
 

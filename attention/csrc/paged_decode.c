@@ -338,7 +338,8 @@ int paged_decode_last_call_fast(void) { return last_call_fast; }
  * row q_rows[i], attends to the first lens[i] tokens of block table tables[i] ([num_rows,
  * table_stride] block ids), and writes out row out_rows[i] and, when lse is given, the natural-log
  * log-sum-exp of its scaled scores (lse row out_rows[i]). A row with no keys (lens[i] == 0) gets
- * o = 0 and lse = -inf. max_len >= every lens[i]. Table entries flagged HOST_BLOCK read
+ * o = 0 and lse = -inf. The scratch is sized from the longest row, found here (not passed in:
+ * a recorded call (`native.graph`) replays with the lengths of its step). Table entries flagged HOST_BLOCK read
  * k_host / v_host (same layout as the caches; NULL when there is no host pool). Returns 0, -1
  * when a scratch allocation fails, -2 when a row names a host block and no host pool was given.
  *
@@ -352,8 +353,10 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
                          float *lse, int64_t lse_row_stride, const int64_t *q_rows, const int64_t *out_rows,
                          const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t num_rows,
                          int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                         int64_t max_len, float scale, int64_t head_chunks) {
+                         float scale, int64_t head_chunks) {
     int failed = 0;
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < num_rows; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
     if (!k_host || !v_host) /* a host block with no host pool would read anywhere: refuse the call */
         for (int64_t i = 0; i < num_rows; i++)
             for (int64_t b = 0; b * block_size < lens[i]; b++)

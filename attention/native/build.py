@@ -49,6 +49,9 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "fused_rms_norm": ([_vp, _i64, _vp, _i64, _vp, _vp, _vp, _int, _i64, _i64, _float, _int], _int),
     "fused_qk_norm_rope": ([_vp, _int, _i64, _i64, _i64, _i64, _i64, _vp, _vp, _float, _vp, _vp, _i64, _int], _int),
     "fused_silu_mul": ([_vp, _i64, _vp, _int, _i64, _i64, _int, _int], _int),
+    "gather_rows": ([_vp, _i64, _i64, _vp, _i64, _vp, _i64, _i64], _int),
+    "scatter_rows": ([_vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64], _int),
+    "widen_bf16_rows": ([_vp, _i64, _vp, _i64, _i64, _i64], _int),
 }
 
 _lock = threading.Lock()

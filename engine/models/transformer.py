@@ -22,6 +22,7 @@ from torch import nn
 
 from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.native import rows
 from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend
 from cuttle.attention.rope import RotaryEmbedding, apply_rope
@@ -228,8 +229,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns final hidden states [T, hidden] (logits are computed only for the rows needed).
         A layer's cache is (k, v), or (k, v, compressed k, compressed v) for an NSA model."""
-        x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.tables(positions, x.dtype)
+        # F.embedding and the RoPE tables' rows, natively on CPU (one kernel call each)
+        x = rows.gather(self.embed, input_ids)
+        cos, sin = (rows.gather(t, positions)[:, None, :] for t in self.rope.cast_tables(x.dtype))
         delta = None
         for layer, kv in zip(self.layers, kv_caches):
             x, delta = layer(x, cos, sin, kv, meta, backend, delta)
@@ -277,4 +279,4 @@ class CausalLM(nn.Module):
         return [w for w in out if isinstance(w, torch.Tensor)]  # MXFP8 weights (linear_quant) are not packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        return rows.to_float(linear(hidden, self.lm_head))

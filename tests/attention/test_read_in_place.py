@@ -65,7 +65,7 @@ def test_host_block_without_host_pool_is_refused() -> None:
     rows = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="host block"):
         native_attention.paged_attention_rows(q, kc, vc, out, None, rows, rows, table,
-                                              torch.tensor([8], dtype=torch.int32), 8, 1.0)
+                                              torch.tensor([8], dtype=torch.int32), 1.0)
 
 
 def test_metadata_refuses_host_writes_and_missing_pool() -> None:
