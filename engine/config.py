@@ -363,7 +363,11 @@ class EngineConfig:
     # KV pool = this fraction of the device's free memory (CPU: of MemAvailable) at start-up;
     # None: kv_cache_memory_gb. vLLM's fraction also covers the weights: cuttle's is the KV pool's alone.
     gpu_memory_utilization: float | None = None
-    enforce_eager: bool = False  # accepted for vLLM command lines: cuttle always runs eagerly (no CUDA graphs, no torch.compile)
+    # vLLM's switch: True runs every step eagerly. Otherwise on CPU a decode step of up to
+    # cpu_graph_max_batch sequences replays its recorded kernel calls (engine/step_graphs.py;
+    # 0: never). No CUDA graphs, no torch.compile.
+    enforce_eager: bool = False
+    cpu_graph_max_batch: int = 8
     # sampling defaults: "auto" from the model's generation_config.json (a request's own values
     # win), "vllm" ignores that file, or a directory holding another generation_config.json
     generation_config: str = "auto"
@@ -384,6 +388,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if isinstance(self.cpu_graph_max_batch, bool) or not isinstance(self.cpu_graph_max_batch, int) or self.cpu_graph_max_batch < 0:
+            raise ValueError(f"cpu_graph_max_batch must be an integer >= 0 (0: no kernel graphs), got {self.cpu_graph_max_batch!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -25,6 +25,7 @@ from cuttle.attention.native import gemm, hugepages
 from cuttle.attention.nsa_backend import NSABackend, compressed_slots_per_block
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention
 from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block
+from cuttle.attention.torch_backend import TorchAttentionBackend
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.storage import KVStorage
 from cuttle.engine.models import load_model
@@ -32,6 +33,7 @@ from cuttle.engine.models.linear_quant import refresh_tied
 from cuttle.engine.models.moe_quant import pack_experts
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.sequence import Sequence
+from cuttle.engine.step_graphs import DecodeGraphs
 
 
 @dataclass(slots=True)
@@ -79,6 +81,14 @@ class ModelRunner:
                                           mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
             summaries = [None] * sparse.dense_layers + list(self.topk_cache.unbind(0))
             self.backend = TopKBackend(sparse, self.backend, self.block_size, summaries)
+        # decode steps replayed from kernel graphs: CPU, the plain torch backend on native kernels
+        self.graphs: DecodeGraphs | None = None
+        backend = self.backend
+        if (device.type == "cpu" and not config.enforce_eager and config.cpu_graph_max_batch > 0
+                and isinstance(backend, TorchAttentionBackend) and backend.native):
+            max_len = min(config.max_model_len or mc.max_position_embeddings, num_blocks * self.block_size)
+            self.graphs = DecodeGraphs(config.cpu_graph_max_batch, -(-max_len // self.block_size) + 1, self.block_size,
+                                       backend.begin_step, self._all_logits)
 
     def _check_sparse(self, sparse: TopKConfig, mc: ModelConfig) -> None:
         """Refuse the combinations top-k does not handle (instead of computing something else)."""
@@ -98,6 +108,8 @@ class ModelRunner:
         only: their plain copy is dropped); a tied MXFP8 lm_head is requantized from the embedding.
         On CPU the large weights first move into huge-page memory (`native.hugepages`: fewer TLB
         misses while decode streams them; a no-op for tensors already there)."""
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.clear()  # they hold addresses of the weights about to move or be repacked
         if self.device.type == "cpu":
             hugepages.back_module(self.model)
         refresh_tied(self.model)
@@ -222,10 +234,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Returns float32 logits for `inputs.logit_rows`, in that order."""
+        """Returns float32 logits for `inputs.logit_rows`, in that order (valid until the next
+        step: a replayed decode step returns its graph's logits tensor)."""
+        if self.graphs is not None:
+            logits = self.graphs.run(inputs)
+            if logits is not None:
+                return logits
         self.backend.begin_step(inputs.meta)
+        if inputs.logit_rows.numel() == inputs.input_ids.numel() and not inputs.prompt_rows:
+            return self._all_logits(inputs.input_ids, inputs.positions, inputs.meta).cpu()  # every row: no gather
         caches = self.kv.layers if self.nsa_cache is None else self.layer_caches()
         hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta, self.backend)
         if inputs.logit_rows.numel() == 0:
             return torch.empty(0, self.model_config.vocab_size)
         return self.model.compute_logits(hidden[inputs.logit_rows]).cpu()
+
+    def _all_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model on a planned step (`begin_step` done) and the logits of every row."""
+        caches = self.kv.layers if self.nsa_cache is None else self.layer_caches()
+        return self.model.compute_logits(self.model(input_ids, positions, caches, meta, self.backend))

@@ -3,8 +3,9 @@ norms, RoPE, SiLU, argmax) and the one build of the C library all native kernels
 
 Modules: `build` (compile `attention/csrc/*.c` with the host cc, load with ctypes), `gemm`
 (linear layers: packed bf16 GEMM, small-row streaming kernel), `fused` (RMSNorm, residual add +
-RMSNorm, q/k norm + RoPE, silu * up), `argmax` (the sampler's greedy pick). Each kernel has the
-torch code it is tested against as its fallback.
+RMSNorm, q/k norm + RoPE, silu * up), `rows` (gather / scatter rows: embedding, RoPE tables, K/V
+writes; bf16 -> fp32), `argmax` (the sampler's greedy pick). Each kernel has the torch code it is
+tested against as its fallback. `graph` records a step's kernel calls and replays them.
 
 This package owns the choice of kernels: `kernels()` returns the `KernelSet` selected once per
 process (library present? packed GEMM on? which summation order matches torch?), logged in one
@@ -63,8 +64,21 @@ def select() -> KernelSet:
         return _select()
 
 
+# (thread, kernel set) while `graph.capture` records that thread's kernel calls, else None
+_recording: tuple[int, KernelSet] | None = None
+
+
+def _set_recording(thread: int | None, ks: KernelSet | None) -> None:
+    global _recording
+    _recording = (thread, ks) if thread is not None and ks is not None else None
+
+
 def kernels() -> KernelSet:
-    """The process's kernel set (selected on first use)."""
+    """The process's kernel set (selected on first use); inside a kernel-graph capture, on the
+    capturing thread, the same set with a recording library (`graph.capture`)."""
+    rec = _recording
+    if rec is not None and rec[0] == threading.get_ident():
+        return rec[1]
     ks = _current
     if ks is None:
         with _select_lock:

@@ -1,0 +1,153 @@
+"""CPU decode steps replayed from kernel graphs (`cuttle.attention.native.graph`).
+
+Owns one graph per decode batch size (up to `EngineConfig.cpu_graph_max_batch`; `enforce_eager`
+turns them off), the static tensors each graph reads and writes, and when a graph may be trusted.
+The runner asks `run(inputs)` first and runs the step eagerly whenever it answers None.
+
+A step qualifies when every scheduled sequence decodes one token in one causal segment of the
+device pool (no shared prefix or squid documents, no host-tier blocks), its logits are exactly
+its rows, and the model runs on CPU through the plain torch attention backend with the native
+kernels. The first step of a batch size is captured: the eager forward and logits run for real on
+the graph's own input tensors (token ids, positions, and the metadata's lengths, slots and block
+tables, the latter sized for `max_model_len`), recording every kernel call. The next step of that
+size replays the graph and is then also run eagerly; the graph is kept only if the two logits
+agree bit for bit (a graph that holds a value of its capture step where the step's own should be
+fails here), else that batch size stays eager. From then on a step is: copy its inputs into the
+graph's tensors, replay, and return the graph's logits tensor, which stays valid until the next
+step (the sampler reads it in place). A replay that diverges (a kernel answers differently than at
+capture, e.g. a routing tie) returns None, and the eager rerun writes the same KV slots again.
+
+Graphs hold addresses of weights, packed weights and caches: `clear()` drops them all; the
+runner calls it whenever weights are loaded, moved or repacked (`ModelRunner.prepack`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from cuttle.attention import native
+from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.native.graph import GraphBreak, KernelGraph, capture
+
+if TYPE_CHECKING:
+    from cuttle.engine.model_runner import StepInputs
+
+logger = logging.getLogger(__name__)
+
+# Captures of one batch size that may break (a transient cause, e.g. a routing tie routed by the
+# torch router during the capture step) before that size stays eager.
+MAX_CAPTURE_TRIES = 3
+
+
+@dataclass(slots=True)
+class _Graph:
+    """One batch size's graph and the tensors it reads (inputs) and writes (logits)."""
+
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    meta: AttentionMetadata  # seq_lens, slot_mapping, block_tables [B, width]: filled per step
+    graph: KernelGraph | None = None
+    logits: torch.Tensor | None = None  # [B, vocab] fp32, written by every replay
+    validated: bool = False
+
+
+class DecodeGraphs:
+    def __init__(self, max_batch: int, table_width: int, block_size: int, begin_step: Callable[[AttentionMetadata], None],
+                 forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]) -> None:
+        """`begin_step(meta)`: the attention backend's per-step planning (run before a capture, not
+        recorded); `forward(input_ids, positions, meta)`: the model and the logits of every row
+        (what a capture records)."""
+        self.max_batch = max_batch
+        self.table_width = table_width
+        self.block_size = block_size
+        self._begin_step = begin_step
+        self._forward = forward
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._breaks: dict[tuple[int, int, int], int] = {}
+        self._eager: set[tuple[int, int, int]] = set()
+        self.counters = {"graph_steps": 0, "graph_captures": 0}
+
+    def clear(self) -> None:
+        """Forget every graph (their weight and cache addresses may be stale) and every verdict."""
+        self._graphs.clear()
+        self._breaks.clear()
+        self._eager.clear()
+
+    def qualifies(self, inputs: StepInputs) -> bool:
+        m = inputs.meta
+        return (
+            m.segments is None and m.host_kv is None and m.max_query_len == 1 and 1 <= m.num_seqs <= self.max_batch
+            and inputs.logit_rows.numel() == m.num_seqs and not inputs.prompt_rows
+            and m.block_tables.dim() == 2 and m.block_tables.shape[1] <= self.table_width
+        )
+
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's logits [B, vocab] fp32 from a graph, or None: run the step eagerly."""
+        if not self.qualifies(inputs):
+            return None
+        key = (inputs.meta.num_seqs, torch.get_num_threads(), id(native.kernels()))
+        if key in self._eager:
+            return None
+        g = self._graphs.get(key)
+        if g is None:
+            return self._capture(key, inputs)
+        self._fill(g, inputs)
+        assert g.graph is not None and g.logits is not None
+        if not g.graph.replay():
+            return None
+        if not g.validated:
+            replayed = g.logits.clone()
+            self._begin_step(inputs.meta)
+            eager = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
+            if not torch.equal(replayed.view(torch.int32), eager.view(torch.int32)):
+                logger.warning("kernel graph of decode batch %d differs from the eager step: that batch size runs "
+                               "eagerly from now on", key[0])
+                del self._graphs[key]
+                self._eager.add(key)
+            else:
+                g.validated = True
+            return eager
+        self.counters["graph_steps"] += 1
+        return g.logits
+
+    def _fill(self, g: _Graph, inputs: StepInputs) -> None:
+        m, gm = inputs.meta, g.meta
+        g.input_ids.copy_(inputs.input_ids)
+        g.positions.copy_(inputs.positions)
+        gm.seq_lens.copy_(m.seq_lens)
+        gm.slot_mapping.copy_(m.slot_mapping)
+        gm.block_tables[:, : m.block_tables.shape[1]].copy_(m.block_tables)
+
+    def _capture(self, key: tuple[int, int, int], inputs: StepInputs) -> torch.Tensor | None:
+        m = inputs.meta
+        B = m.num_seqs
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(B + 1, dtype=torch.int32),
+            seq_lens=torch.empty(B, dtype=torch.int32),
+            block_tables=torch.zeros(B, self.table_width, dtype=torch.int32),
+            slot_mapping=torch.empty(B, dtype=torch.int64),
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=self.table_width * self.block_size,  # a bound: each replay has its own lengths
+            query_lens_cpu=[1] * B,
+            seq_lens_cpu=list(m.seq_lens_cpu),
+        )
+        g = _Graph(torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64), meta)
+        self._fill(g, inputs)
+        self._begin_step(meta)
+        try:
+            with capture() as graph:
+                logits = self._forward(g.input_ids, g.positions, g.meta)
+        except GraphBreak as e:
+            n = self._breaks[key] = self._breaks.get(key, 0) + 1
+            if n >= MAX_CAPTURE_TRIES:
+                self._eager.add(key)
+                logger.info("decode batch %d runs eagerly: its step cannot be replayed from a kernel graph (%s)", B, e)
+            return None
+        g.graph, g.logits = graph, logits
+        self._graphs[key] = g
+        self.counters["graph_captures"] += 1
+        return logits

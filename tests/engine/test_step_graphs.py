@@ -1,0 +1,129 @@
+"""Decode steps replayed from kernel graphs (engine/step_graphs.py) give the eager engine's tokens
+and logprobs bit for bit, across batch sizes, block boundaries, architectures, MXFP8 weights and
+weight updates; a graph that would be wrong is caught and that batch size stays eager."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from cuttle.attention import native
+from cuttle.attention.native.graph import KernelGraph
+from cuttle.engine import LLM, SamplingParams
+from cuttle.engine.step_graphs import DecodeGraphs
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernel library not built (no C compiler)")
+
+PROMPTS = [[5 + i, 17, 33 + 3 * i, 9, 100 + i][: 2 + i % 4] * (1 + i % 3) for i in range(7)]
+MAX_TOKENS = [5, 40, 13, 22, 31, 9, 27]  # requests end at different steps: the batch size moves
+
+
+def _generate(path: str, eager: bool, **kw) -> tuple[list, LLM]:
+    llm = LLM(path, block_size=4, max_num_seqs=3, enable_prefix_caching=False, enforce_eager=eager, **kw)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=3) for m in MAX_TOKENS]
+    params[3] = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=22, ignore_eos=True, logprobs=3)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm
+
+
+@pytest.mark.parametrize("arch, dtype, kw", [
+    ("qwen3", "bfloat16", {}),
+    ("qwen3", "float32", {}),
+    ("llama", "bfloat16", {}),
+    ("qwen3_moe", "bfloat16", {}),
+    ("qwen3_moe", "float32", {}),
+    ("qwen3", "bfloat16", {"quantization": "mxfp8", "quantize_lm_head": True}),
+    ("qwen3_moe", "bfloat16", {"quantization": "mxfp8", "moe_quant": "mxfp8"}),
+], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()) or "plain")
+def test_replayed_decode_equals_eager(checkpoints, arch: str, dtype: str, kw: dict) -> None:
+    path = checkpoints[arch]["path"]
+    eager, llm_e = _generate(path, True, dtype=dtype, **kw)
+    graphed, llm = _generate(path, False, dtype=dtype, **kw)
+    assert llm_e.engine.runner.graphs is None
+    assert graphed == eager
+    counters = llm.engine.runner.graphs.counters
+    assert counters["graph_captures"] >= 3 and counters["graph_steps"] > 40, counters  # batch 3, 2 and 1 replayed
+
+
+def test_weight_update_drops_the_graphs(checkpoints) -> None:
+    path = checkpoints["qwen3"]["path"]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    runs = []
+    for eager in (True, False):
+        llm = LLM(path, block_size=4, max_num_seqs=3, enforce_eager=eager)
+        before = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        graphs = llm.engine.runner.graphs
+        captures = graphs.counters["graph_captures"] if graphs else 0
+        w = dict(llm.engine.runner.model.named_parameters())["layers.0.attn.o_weight"]
+        llm.update_weights([("layers.0.attn.o_weight", w.detach() * 1.5)])
+        after = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        if graphs:
+            assert graphs.counters["graph_captures"] > captures  # captured anew on the new weights
+        runs.append([[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out] for out in (before, after)])
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]  # the update changed the outputs
+
+
+def test_a_graph_holding_a_stale_input_is_caught_and_the_size_stays_eager(checkpoints, monkeypatch, caplog) -> None:
+    path = checkpoints["qwen3"]["path"]
+    eager, _ = _generate(path, True)
+    real_fill = DecodeGraphs._fill
+
+    def stale_positions(self, g, inputs):  # a graph that keeps its capture step's positions
+        keep = g.positions.clone()
+        real_fill(self, g, inputs)
+        if g.graph is not None:
+            g.positions.copy_(keep)
+
+    monkeypatch.setattr(DecodeGraphs, "_fill", stale_positions)
+    with caplog.at_level(logging.WARNING, logger="cuttle.engine.step_graphs"):
+        graphed, llm = _generate(path, False)
+    assert graphed == eager
+    assert "differs from the eager step" in caplog.text
+    assert llm.engine.runner.graphs.counters["graph_steps"] == 0
+
+
+def test_a_diverging_replay_reruns_the_step_eagerly(checkpoints, monkeypatch) -> None:
+    path = checkpoints["qwen3_moe"]["path"]
+    eager, _ = _generate(path, True)
+    replays: list[int] = []
+    real = KernelGraph.replay
+
+    def diverging(self) -> bool:  # every other replay "diverges" halfway (a kernel answering differently)
+        replays.append(1)
+        if len(replays) % 2:
+            return real(self)
+        calls = self._calls
+        self._calls = calls[: len(calls) // 2]
+        try:
+            real(self)
+        finally:
+            self._calls = calls
+        return False
+
+    monkeypatch.setattr(KernelGraph, "replay", diverging)
+    graphed, llm = _generate(path, False)
+    assert graphed == eager and len(replays) > 20
+
+
+def test_switches_and_bad_values(checkpoints) -> None:
+    path = checkpoints["qwen3"]["path"]
+    assert LLM(path, cpu_graph_max_batch=0).engine.runner.graphs is None
+    assert LLM(path, enforce_eager=True).engine.runner.graphs is None
+    assert LLM(path, cpu_graph_max_batch=2).engine.runner.graphs.max_batch == 2
+    for bad in (-1, True, "8", 2.5):
+        with pytest.raises(ValueError, match="cpu_graph_max_batch"):
+            LLM(path, cpu_graph_max_batch=bad)
+
+
+def test_shared_prefix_and_prompt_logprob_steps_run_eagerly(checkpoints) -> None:
+    """Steps a graph does not take (segments over a shared prefix, prompt logprobs) still answer
+    as the eager engine does, around replayed steps."""
+    path = checkpoints["qwen3"]["path"]
+    p = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=12, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+    outs = []
+    for eager in (True, False):
+        llm = LLM(path, block_size=4, enforce_eager=eager)
+        o = llm.generate([PROMPTS[2] * 3, PROMPTS[2] * 3 + [8]], p, use_tqdm=False)
+        outs.append([[(c.token_ids, c.logprobs) for c in r.outputs] + [r.prompt_logprobs] for r in o])
+    assert outs[0] == outs[1]
