@@ -29,7 +29,8 @@ def test_models_health_metrics(live, client):
     assert httpx.get(live.url + "/health").status_code == 200
     text = httpx.get(live.url + "/metrics").text
     for name in ("cuttle_num_requests_running", "cuttle_kv_cache_usage_perc", "cuttle_prefix_cache_hit_rate",
-                 "cuttle_time_to_first_token_seconds", "cuttle_inter_token_latency_seconds", "cuttle_e2e_request_latency_seconds"):
+                 "cuttle_time_to_first_token_seconds", "cuttle_inter_token_latency_seconds", "cuttle_e2e_request_latency_seconds",
+                 "cuttle_graph_steps_total"):
         assert name in text
 
 
