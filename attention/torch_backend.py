@@ -35,6 +35,10 @@ class TorchAttentionBackend:
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._plan = _StepPlan(meta)
+        if self.native and meta.segments is None and meta.max_query_len == 1:
+            # an all-decode step's native rows now, before the layers (a recorded step,
+            # `native.graph`, must not make its first tensors inside the capture)
+            self._plan.plan_native(NATIVE_PREFILL_MAX_QLEN)
 
     def forward(
         self,

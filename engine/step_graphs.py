@@ -15,7 +15,8 @@ agree bit for bit (a graph that holds a value of its capture step where the step
 fails here), else that batch size stays eager. From then on a step is: copy its inputs into the
 graph's tensors, replay, and return the graph's logits tensor, which stays valid until the next
 step (the sampler reads it in place). A replay that diverges (a kernel answers differently than at
-capture, e.g. a routing tie) returns None, and the eager rerun writes the same KV slots again.
+capture and no handler settles it, e.g. an out-of-range token id) returns None, and the eager rerun
+writes the same KV slots again (and raises what it raises).
 
 Graphs hold addresses of weights, packed weights and caches: `clear()` drops them all; the
 runner calls it whenever weights are loaded, moved or repacked (`ModelRunner.prepack`).
@@ -69,6 +70,9 @@ class DecodeGraphs:
         self._breaks: dict[tuple[int, int, int], int] = {}
         self._eager: set[tuple[int, int, int]] = set()
         self.counters = {"graph_steps": 0, "graph_captures": 0}
+        # The capture's dispatch mode imports torch._dynamo on its first use (~1.3 s here): pay it at
+        # load, not in the middle of the first decode step a user waits on.
+        import torch._dynamo  # noqa: F401
 
     def clear(self) -> None:
         """Forget every graph (their weight and cache addresses may be stale) and every verdict."""

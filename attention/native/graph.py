@@ -20,8 +20,10 @@ through `kernels().lib`, and refuses (`GraphBreak`) anything a replay would not 
 
 A replay calls the recorded functions in order and checks each one returns what it returned at
 capture; on any difference it stops and answers False (a kernel refused its input, e.g. an index
-out of range, a routing tie the torch router must settle, a failed allocation), and the caller
-runs the step eagerly, which raises or takes the other path as usual. What no check here can see
+out of range, or failed an allocation), and the caller runs the step eagerly, which raises or
+takes the other path as usual. A wrapper whose kernel may legitimately answer otherwise registers
+a handler for that call (`on_result`): the MoE router's kernel reports near-tied rows, which the
+torch router then settles on the graph's own tensors, and the replay goes on. What no check here can see
 is a Python scalar that should differ per step but was passed by value at capture; the kernels a
 graph runs take none (a decode step's lengths and slots are read from tensors), and the engine
 (`cuttle.engine.step_graphs`) compares each new graph's first replay with the eager step bit for
@@ -41,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cuttle.attention import native
 
-__all__ = ["GraphBreak", "KernelGraph", "capture"]
+__all__ = ["GraphBreak", "KernelGraph", "capture", "on_result"]
 
 _aten = torch.ops.aten
 # allocation: the buffers the kernels write (uninitialized, so nothing is computed)
@@ -62,6 +64,7 @@ class KernelGraph:
         self._keep: list[torch.Tensor] = []  # every tensor whose address went into a call
         self._pointers: list[tuple[str, int, int]] = []  # (kernel, argument, address), checked once captured
         self.names: list[str] = []  # the kernels, in call order
+        self._handlers: dict[int, Callable[[Any], bool]] = {}  # call index -> what settles another result
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -69,9 +72,12 @@ class KernelGraph:
     def replay(self) -> bool:
         """Run the recorded calls in order; False as soon as one returns other than at capture
         (the rest are not run: the caller reruns the step eagerly)."""
-        for fn, args, result in self._calls:
-            if fn(*args) != result:
-                return False
+        for i, (fn, args, result) in enumerate(self._calls):
+            r = fn(*args)
+            if r != result:
+                handler = self._handlers.get(i)
+                if handler is None or not handler(r):
+                    return False
         return True
 
     def _record(self, fn: Any, name: str, args: tuple[Any, ...], result: Any) -> None:
@@ -162,6 +168,21 @@ class _Guard(TorchDispatchMode):
 
 
 _capture_lock = threading.Lock()
+_active: tuple[int, KernelGraph] | None = None  # (thread, graph) of the capture in progress
+
+
+def on_result(handler: Callable[[Any], bool]) -> None:
+    """Inside a capture, on its thread: when a replay sees the kernel call just recorded return
+    something other than it did at capture, it calls `handler(result)` instead of stopping; the
+    handler settles that case on the graph's own tensors (torch ops are fine there: a replay runs
+    no guard) and answers whether the replay may go on. Outside a capture it does nothing."""
+    active = _active
+    if active is None or active[0] != threading.get_ident():
+        return
+    graph = active[1]
+    if not graph._calls:
+        raise RuntimeError("on_result: no kernel call has been recorded yet")
+    graph._handlers[len(graph._calls) - 1] = handler
 
 
 @contextmanager
@@ -182,13 +203,16 @@ def capture() -> Iterator[KernelGraph]:
             keep.append(t)
         return real_data_ptr(t)
 
+    global _active
     with _capture_lock:
         torch.Tensor.data_ptr = data_ptr  # type: ignore[method-assign]
         native._set_recording(me, replace(ks, lib=_RecordingLib(ks.lib, graph)))  # type: ignore[arg-type]
+        _active = (me, graph)
         try:
             with _Guard():
                 yield graph
         finally:
+            _active = None
             native._set_recording(None, None)
             torch.Tensor.data_ptr = real_data_ptr  # type: ignore[method-assign]
     graph._check_pointers()

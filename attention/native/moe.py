@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from cuttle.attention.native import hugepages, kernels
+from cuttle.attention.native import graph, hugepages, kernels
 from cuttle.attention.native.build import DTYPE_CODE
 from cuttle.attention.native.gemm import _PACKED_ATTR
 from cuttle.attention.native.mxfp8 import check_nan_elements
@@ -222,12 +223,15 @@ def unpack(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor] | tuple[tuple[
 def route(
     logits: torch.Tensor, top_k: int, sigmoid: bool, renorm: bool, n_group: int = 1, topk_group: int = 1,
     scale: float = 1.0, bias: torch.Tensor | None = None,
+    settle: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """logits [T, E] -> (weights fp32 [T, k], ids int64 [T, k], tied rows): softmax top-k
     (renormalized if `renorm`), or with `sigmoid` DeepSeek-V3's grouped rule (bias picks, `scale`
     multiplies). `tied` is None, or the int64 indices of the rows whose last kept and first dropped
     score are within 4 ulps (or equal): which of them torch.topk keeps is its own implementation
-    detail, so the caller routes those rows with the torch router."""
+    detail, so the caller routes those rows with the torch router. `settle(weights, ids, rows)`,
+    when given, is how the caller does that: a replayed step (`native.graph`) whose routing meets a
+    tie calls it on the recorded tensors and goes on."""
     if logits.dim() != 2 or logits.dtype not in DTYPE_CODE or logits.device.type != "cpu":
         raise ValueError(f"logits: need a CPU fp32/bf16 [T, E] tensor, got {tuple(logits.shape)} {logits.dtype}")
     T, E = logits.shape
@@ -247,6 +251,14 @@ def route(
     )
     if n_tied < 0:
         raise ValueError(f"moe_route rejected T={T} E={E} top_k={top_k} n_group={n_group} topk_group={topk_group}")
+    if settle is not None:
+        def on_tie(n: int) -> bool:
+            if n < 0:
+                return False
+            settle(weights, ids, tie.nonzero().view(-1))
+            return True
+
+        graph.on_result(on_tie)
     return weights, ids, (tie.nonzero().view(-1) if n_tied else None)
 
 

@@ -107,6 +107,26 @@ def test_ties_at_the_cut_are_routed_by_torch(family: str) -> None:
     torch.testing.assert_close(weights.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-6, atol=1e-7)
 
 
+def test_a_replayed_step_meeting_a_tie_settles_it_with_torch_and_goes_on() -> None:
+    """In a kernel graph (`native.graph`) the router's tie count differs from the capture's 0 when
+    a tie appears; the registered handler routes those rows with torch on the graph's tensors, so
+    the replay continues with the eager result instead of stopping."""
+    from cuttle.attention.native import graph
+    from cuttle.moe.experts_native import route_native
+
+    cfg = RoutingConfig.from_hf(FAMILIES["qwen3_moe"])
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, cfg.num_experts, generator=g).mul(0.05).bfloat16()
+    with torch.inference_mode():
+        with graph.capture() as kg:
+            weights, ids = route_native(logits, cfg, None)
+        logits[1] = 0.25  # a whole row tied
+        logits[2] = torch.randn(cfg.num_experts, generator=g).bfloat16()
+        assert kg.replay()
+        ref_w, ref_ids = route_native(logits.clone(), cfg, None)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("T", [1, 3, 37])
 def test_layer_native_equals_torch_fp32(family: str, T: int, native_only: None) -> None:
