@@ -86,6 +86,17 @@ def kernels() -> KernelSet:
     return ks
 
 
+def unrecorded() -> KernelSet:
+    """The process's kernel set, never the recording one: for work done once and cached past the
+    call (a weight's packed copy), which a kernel graph captured around that first call must not
+    redo on every replay."""
+    ks = _current
+    if ks is None:
+        with _select_lock:
+            ks = _current if _current is not None else _select()
+    return ks
+
+
 def _select() -> KernelSet:
     global _current
     lib = build.load()

@@ -10,11 +10,10 @@ read from `kernels()`, decided once per process; nothing here looks at the envir
 """
 from __future__ import annotations
 
-import ctypes
 
 import torch
 
-from cuttle.attention.native import kernels
+from cuttle.attention.native import kernels, unrecorded
 from cuttle.attention.native.build import DTYPE_CODE
 
 # Up to this many rows the weight-streaming kernel reads the weight in its own layout (fp32, or
@@ -29,14 +28,17 @@ SMALL_M_MAX_ROWS = 4
 _PACKED_ATTR = "_cuttle_packed"
 
 
-def _packed(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+def _packed(weight: torch.Tensor) -> torch.Tensor:
     key = (weight._version, weight.data_ptr())
     hit = getattr(weight, _PACKED_ATTR, None)
     if hit is not None and hit[0] == key:
         return hit[1]
     n, k = weight.shape
-    packed = torch.empty(lib.packed_weight_numel(n, k), dtype=torch.bfloat16)
-    lib.pack_weight_bf16(weight.data_ptr(), n, k, packed.data_ptr())
+    # packed once and cached on the weight: inside a kernel-graph capture the pack is done but not
+    # recorded, so a replay reads the packed copy instead of repacking it every step
+    real = unrecorded().lib
+    packed = torch.empty(real.packed_weight_numel(n, k), dtype=torch.bfloat16)
+    real.pack_weight_bf16(weight.data_ptr(), n, k, packed.data_ptr())
     setattr(weight, _PACKED_ATTR, (key, packed))
     return packed
 
@@ -68,9 +70,19 @@ def prepack(weights: list[torch.Tensor]) -> int:
     n = 0
     for w in weights:
         if w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.is_contiguous():
-            _packed(ks.lib, w)
+            _packed(w)
             n += 1
     return n
+
+
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for the shapes the kernels leave to torch. The kernels take fp32 rows against a
+    bf16 weight (the sigmoid routers ask for that product); torch does not mix dtypes, so the
+    weight is widened, which is exact."""
+    if x.dtype == torch.float32 and weight.dtype == torch.bfloat16:
+        weight = weight.float()
+        bias = bias.float() if bias is not None else None
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +108,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and m > 0 and ks.packed_gemm:
         y = torch.empty(m, n, dtype=x.dtype)
         rc = lib.packed_gemm_bf16(
-            x.data_ptr(), x.stride(0), _packed(lib, weight).data_ptr(),
+            x.data_ptr(), x.stride(0), _packed(weight).data_ptr(),
             _bias_f32(bias).data_ptr() if bias is not None else None, y.data_ptr(), DTYPE_CODE[y.dtype], n, m, n, k,
         )
         if rc != 0:
@@ -112,7 +124,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise MemoryError("w16_linear: allocation failed") if rc == -1 else RuntimeError("w16_linear: built without AVX2+FMA")
         return y
     if m > SMALL_M_MAX_ROWS:
-        return torch.nn.functional.linear(x, weight, bias)
+        return _torch_linear(x, weight, bias)
     y = torch.empty(m, n, dtype=x.dtype)
     rc = lib.small_m_linear(
         x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), weight.data_ptr(), DTYPE_CODE[weight.dtype],

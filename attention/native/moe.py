@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from cuttle.attention.native import graph, hugepages, kernels
+from cuttle.attention.native import graph, hugepages, kernels, unrecorded
 from cuttle.attention.native.build import DTYPE_CODE
 from cuttle.attention.native.gemm import _PACKED_ATTR
 from cuttle.attention.native.mxfp8 import check_nan_elements
@@ -66,8 +66,10 @@ class PackedExperts:
         return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.s13, self.s2) if t is not None)
 
 
-def _lib() -> ctypes.CDLL:
-    lib = kernels().lib
+def _lib(record: bool = True) -> ctypes.CDLL:
+    """The kernel library; with record=False never the recording one of a kernel-graph capture
+    (weights are packed once and cached, so a replay must not pack them again)."""
+    lib = (kernels() if record else unrecorded()).lib
     if lib is None:
         raise RuntimeError("native MoE kernels: the CPU kernel library is not loaded (check available() first)")
     if id(lib) not in _declared:
@@ -116,7 +118,7 @@ def _pack_w13(w13: torch.Tensor) -> torch.Tensor:
     E, two_i, H = w13.shape
     if two_i % 2:
         raise ValueError(f"w13: row count {two_i} is not 2 * intermediate_size")
-    lib = _lib()
+    lib = _lib(record=False)
     out = hugepages.empty(lib.moe_packed_w13_numel(E, two_i // 2, H), w13.dtype)
     if lib.moe_pack_w13(w13.data_ptr(), WEIGHT_FORMAT[w13.dtype], E, two_i // 2, H, out.data_ptr()) != 0:
         raise RuntimeError("moe_pack_w13 failed")
@@ -126,7 +128,7 @@ def _pack_w13(w13: torch.Tensor) -> torch.Tensor:
 def _pack_w2(w2: torch.Tensor) -> torch.Tensor:
     _check_weight(w2, "w2")
     E, H, I = w2.shape
-    lib = _lib()
+    lib = _lib(record=False)
     out = hugepages.empty(lib.moe_packed_w2_numel(E, H, I), w2.dtype)
     if lib.moe_pack_w2(w2.data_ptr(), WEIGHT_FORMAT[w2.dtype], E, H, I, out.data_ptr()) != 0:
         raise RuntimeError("moe_pack_w2 failed")
@@ -160,7 +162,7 @@ def _pack_mx(data: torch.Tensor, scale: torch.Tensor, which: str) -> tuple[torch
     [E, H, I/32]) as (bytes, scale bytes)."""
     _check_mx(data, scale, which)
     check_nan_elements(data, scale)  # once per weight version: the tiles decode NaN only via the scale
-    lib = _lib()
+    lib = _lib(record=False)
     E, N, K = data.shape
     # moe_pack_mx_w13 takes (E, I, H), moe_pack_mx_w2 (E, H, I): the panel count comes from I or H
     sizes = (E, N // 2, K) if which == "w13" else (E, N, K)

@@ -42,6 +42,28 @@ def test_replay_on_new_inputs_equals_a_fresh_eager_run(dtype: torch.dtype) -> No
             assert torch.equal(out, step())
 
 
+def test_weights_packed_on_first_use_inside_a_capture_are_not_repacked_by_its_replays() -> None:
+    """A weight packed for the first time inside a capture (a dense bf16 weight where the packed
+    GEMM runs, routed experts everywhere) is packed and cached then, but the pack is not part of the
+    graph: every replay reads the cached copy."""
+    from cuttle.attention.native import moe
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    w13 = torch.randn(4, 16, 32, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 32, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        with graph.capture() as kg:
+            y = linear(x, w)
+            p13 = moe.packed_w13(w13)
+        packing = [n for n in kg.names if "pack" in n and n != "packed_gemm_bf16"]  # the GEMM itself is a step's work
+        assert not packing and len(kg) >= 1, kg.names
+        assert moe.packed_w13(w13) is p13  # cached on the weight by the capture's run
+        want = y.clone()
+        y.zero_()
+        assert kg.replay() and torch.equal(y, want)
+
+
 def test_a_kernel_answering_differently_stops_the_replay() -> None:
     emb = torch.randn(10, 4)
     ids = torch.tensor([1, 2])

@@ -73,7 +73,7 @@ def test_bf16_update_repacks_native_gemm_weights(moe_path, perturbed, random_pro
         pytest.skip("no packed CPU GEMM here (needs the native library and AVX512-BF16)")
     packs: list[int] = []
     real = gemm._packed
-    monkeypatch.setattr(gemm, "_packed", lambda lib, w: packs.append(1) or real(lib, w))
+    monkeypatch.setattr(gemm, "_packed", lambda w: packs.append(1) or real(w))
     path2, tensors = perturbed
     prompts = random_prompts(6, 20, seed=5)
     llm = LLM(moe_path, dtype="bfloat16", num_kv_blocks=256, enable_prefix_caching=False)
