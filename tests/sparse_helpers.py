@@ -15,7 +15,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-TOL = 1e-5  # fp32 engine vs the reference
+# fp32 engine vs the fp32 reference. Not 1e-5: on the peaked test model the fp32 reference's own
+# logprobs differ from a float64 forward of the same weights by up to 1.6e-5 (measured on an
+# AVX512 EPYC, where the engine's preempt-and-recompute case came to 1.26e-5 from it; 6e-6 without
+# preemption), so two fp32 orders of summation may differ by that much; 2e-5 keeps the bound at
+# the oracle's own error.
+TOL = 2e-5
 
 
 def peaked_init_(model) -> None:
