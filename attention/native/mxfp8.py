@@ -6,7 +6,8 @@ scales `float8_e8m0fnu [N, K/32]` (blocks of 32 along K, unpadded, row-major). K
 multiple of 32: a weight whose reduction dim is not is refused here (ValueError naming K), never
 padded, since the format has no partial block. The kernels take fp32/bf16 activations and sum in
 fp32; the library picks AVX2+FMA+F16C or scalar loops at run time (`set_fast_path` forces the
-scalar ones for tests).
+scalar ones for tests), and, where it was built for AVX512-BF16 + VBMI, a decode loop that takes
+bf16 activations as they are (`bf16_dot_available`).
 
 Owns argument checking and the ctypes declarations; never decides whether a model uses MXFP8
 (that is `cuttle.engine.models.linear_quant` and `cuttle.moe`), and never imports `cuttle.moe`:
@@ -21,8 +22,8 @@ import torch
 from cuttle.attention.native import kernels
 from cuttle.attention.native.build import DTYPE_CODE
 
-__all__ = ["available", "fast_path_available", "set_fast_path", "dequantize", "linear", "check_weight",
-           "check_nan_elements"]
+__all__ = ["available", "fast_path_available", "bf16_dot_available", "set_bf16_dot", "set_fast_path", "dequantize", "linear",
+           "last_linear_path", "check_weight", "check_nan_elements"]
 
 BLOCK = 32
 _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -31,6 +32,9 @@ _SIGNATURES = {
     "mxfp8_set_fast_path": ([_int], _int),
     "mxfp8_dequantize": ([_vp, _vp, _i64, _i64, _vp, _int], _int),
     "mxfp8_linear": ([_vp, _int, _i64, _vp, _vp, _vp, _vp, _int, _i64, _i64, _i64], _int),
+    "mxfp8_bf16_dot_available": ([], _int),
+    "mxfp8_last_linear_path": ([], _int),
+    "mxfp8_set_bf16_dot": ([_int], _int),
 }
 _declared: ctypes.CDLL | None = None
 
@@ -91,6 +95,28 @@ def check_nan_elements(data: torch.Tensor, scale: torch.Tensor) -> None:
     if bool((nan_elem & finite).any()):
         raise ValueError("MXFP8 weight holds E4M3 NaN bytes in blocks with a finite scale; the CPU kernels "
                          "decode NaN only through the block scale (quantize_mxfp8 never writes such bytes)")
+
+
+def bf16_dot_available() -> bool:
+    """Whether the library was built with the decode loop that multiplies bf16 activations by the
+    decoded weights with AVX512-BF16's dot instruction (CPUs with AVX512-BF16 and AVX512-VBMI);
+    it takes bf16 x at up to 8 rows when K is a multiple of 64 and the fast path is on."""
+    return bool(_lib().mxfp8_bf16_dot_available())
+
+
+def set_bf16_dot(on: bool) -> bool:
+    """Let bf16 activations take the bf16-dot decode loop (the default where it is built) or the
+    AVX2 one (tests, A/B timing); returns whether the bf16-dot loop is now in use."""
+    return bool(_lib().mxfp8_set_bf16_dot(int(on)))
+
+
+# `last_linear_path()` values
+LINEAR_PATHS = {0: "scalar", 1: "avx2", 2: "bf16_dot", 3: "tile"}
+
+
+def last_linear_path() -> str:
+    """Which loop the process's last `linear` call took (for tests and benchmarks; not thread-safe)."""
+    return LINEAR_PATHS.get(_lib().mxfp8_last_linear_path(), "none")
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

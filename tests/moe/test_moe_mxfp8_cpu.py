@@ -2,7 +2,8 @@
 against cuttle.moe.mxfp8's reference (every element byte, every scale byte, fp32 and bf16), the
 GEMM against float64 on the dequantized weights within fp32 accumulation error (decode and tile
 loops, fp32/bf16 activations, bias, ragged N), K not a multiple of 32 refused. Every case runs on
-both the AVX2 path and the scalar fallback."""
+the bf16-dot decode loop (where the library has it: AVX512-BF16 + VBMI), the AVX2 path and the
+scalar fallback."""
 from __future__ import annotations
 
 import pytest
@@ -16,13 +17,28 @@ pytestmark = pytest.mark.skipif(not mx.available(), reason="native CPU kernel li
 F64 = torch.float64
 
 
-@pytest.fixture(params=["avx2", "scalar"])
+@pytest.fixture(params=["bf16_dot", "avx2", "scalar"])
 def path(request):
-    if request.param == "avx2" and not mx.fast_path_available():
+    if request.param != "scalar" and not mx.fast_path_available():
         pytest.skip("CPU lacks AVX2/FMA/F16C")
-    assert mx.set_fast_path(request.param == "avx2") == (request.param == "avx2")
+    if request.param == "bf16_dot" and not mx.bf16_dot_available():
+        pytest.skip("library not built for AVX512-BF16 + AVX512-VBMI (this CPU lacks them)")
+    fast = request.param != "scalar"
+    assert mx.set_fast_path(fast) == fast
+    assert mx.set_bf16_dot(request.param == "bf16_dot") == (request.param == "bf16_dot")
     yield request.param
     mx.set_fast_path(True)
+    mx.set_bf16_dot(True)
+
+
+def _expect_path(path: str, x: torch.Tensor) -> str:
+    """The loop `mx.linear` takes for x under the fixture's `path`."""
+    M, K = x.shape
+    if M > 8:
+        return "tile"
+    if path == "bf16_dot" and (x.dtype != torch.bfloat16 or K % 64):
+        return "avx2"  # the bf16-dot loop takes bf16 x with K a multiple of 64 only
+    return path
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -85,14 +101,18 @@ def _check_gemm(x, data, scale, b, y) -> None:
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 33])  # decode loop up to 8 (passes of 4), tile loop above
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_gemm_within_fp32_accumulation_error(path: str, M: int, x_dtype: torch.dtype) -> None:
-    for N, K, bias in ((37, 96, True), (16, 1024, False), (5, 32, True)):
+    for N, K, bias in ((37, 96, True), (16, 1024, False), (5, 32, True), (7, 192, True)):
         x, data, scale, b = _gemm_case(M, N, K, x_dtype, bias, seed=M * 100 + N)
-        _check_gemm(x, data, scale, b, mx.linear(x, data, scale, b))
+        for out in (None, torch.empty(M, N)):  # y in x's dtype, and fp32 (no output rounding)
+            _check_gemm(x, data, scale, b, mx.linear(x, data, scale, b, out=out))
+            assert mx.last_linear_path() == _expect_path(path, x)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 6])
 @pytest.mark.parametrize("scale_bytes,x_scale", [((0, 1, 2, 10), 2.0**60), ((200, 246, 247, 254), 2.0**-30)])
-def test_gemm_extreme_block_scales(path: str, M: int, scale_bytes: tuple[int, ...], x_scale: float) -> None:
+def test_gemm_extreme_block_scales(path: str, M: int, scale_bytes: tuple[int, ...], x_scale: float,
+                                   x_dtype: torch.dtype) -> None:
     """Raw bytes with the smallest scales (2^-127: subnormal fp32 weights) and the largest (bytes
     above 246 take the factor split in two), x scaled so every product stays a normal fp32."""
     g = torch.Generator().manual_seed(M)
@@ -100,8 +120,32 @@ def test_gemm_extreme_block_scales(path: str, M: int, scale_bytes: tuple[int, ..
     data = torch.randint(0, 0x30, (N, K), generator=g, dtype=torch.uint8) | (torch.randint(0, 2, (N, K), generator=g, dtype=torch.uint8) << 7)
     scale = torch.tensor(scale_bytes, dtype=torch.uint8).repeat(N // len(scale_bytes) + 1)[:N, None].repeat(1, K // 32)
     data, scale = data.view(torch.float8_e4m3fn), scale.contiguous().view(torch.float8_e8m0fnu)
-    x = torch.randn(M, K, generator=g) * x_scale
-    _check_gemm(x, data, scale, None, mx.linear(x, data, scale))
+    x = (torch.randn(M, K, generator=g) * x_scale).to(x_dtype)
+    _check_gemm(x, data, scale, None, mx.linear(x, data, scale, out=torch.empty(M, N)))
+    assert mx.last_linear_path() == _expect_path(path, x)
+
+
+def test_bf16_dot_every_element_byte(path: str) -> None:
+    """Every E4M3 byte (the NaN byte 0x7F / 0xFF excepted) against every bf16 x lane position, so
+    the byte lookups, the sign and the word order of the bf16-dot loop are each checked."""
+    data = torch.arange(256, dtype=torch.uint8)
+    data = data[(data & 0x7F) != 0x7F]
+    K = 256
+    data = torch.cat([data, data[: K - data.numel()]]).reshape(1, K)
+    data = torch.cat([data, data.roll(1, 1), data.roll(37, 1)])  # each byte at three positions
+    scale = torch.tensor([[127, 120, 130, 127, 127, 1, 127, 200]], dtype=torch.uint8).repeat(3, 1)
+    data, scale = data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
+    g = torch.Generator().manual_seed(5)
+    for trial in range(4):
+        x = torch.zeros(1, K, dtype=torch.bfloat16)
+        x[0, torch.randint(0, K, (1,), generator=g)] = 1.0  # one lane: y is exactly that weight
+        if trial == 3:
+            x = torch.randn(1, K, generator=g).bfloat16()
+        y = mx.linear(x, data, scale, out=torch.empty(1, 3))
+        assert mx.last_linear_path() == _expect_path(path, x)
+        _check_gemm(x, data, scale, None, y)
+        if trial < 3:  # a single product: exact
+            assert torch.equal(y.double(), x.double() @ dequantize_mxfp8(data, scale, 32, F64).T)
 
 
 def test_gemm_strided_x_and_out_buffer(path: str) -> None:
