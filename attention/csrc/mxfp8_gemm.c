@@ -4,11 +4,14 @@
  *
  * Two loops, both over the stored bytes (no repacked copy):
  *   - decode (M <= 8 rows, memory-bound): each thread streams a contiguous range of output rows,
- *     four weight rows at a time (four independent streams keep loads in flight); per 32-element
- *     block the bytes become 4 fp32 registers, are dotted with every x row into a block sum, and
- *     the block sum is multiplied once by the block's scale factor. W's bytes are read once from
- *     memory (x rows 5..8 are a second pass over the group's 4 rows, from L1: at M = 5..8 this
- *     was ~1.4x faster than the tile loop, one thread, K = 1024).
+ *     one weight row after the other, so its bytes are one sequential stream (reading 4 rows
+ *     interleaved, 4 streams a few hundred bytes apart, kept a core at ~20 GB/s from memory on a
+ *     Zen4 EPYC where one stream reads at ~35: the [151936, 1024] lm_head at M = 1 went 7.4 ->
+ *     6.0 ms on this loop, 8.2 -> 4.2 ms on the bf16-dot one); per 32-element block the bytes
+ *     become 4 fp32 registers, are dotted with every x row into a block sum, and the block sum is
+ *     multiplied once by the block's scale factor. W's bytes are read once from memory (x rows
+ *     5..8 are a second pass over the row, from L1: at M = 5..8 this was ~1.4x faster than the
+ *     tile loop, one thread, K = 1024).
  *   - tile (M > 8, prefill): each thread dequantizes a tile of 16 weight rows to fp32 once (L2)
  *     and runs a 2-row x 4-weight-row register kernel over a chunk of x rows sized to stay in L2,
  *     so one conversion serves every row of the chunk.
@@ -109,57 +112,44 @@ int mxfp8_dequantize(const uint8_t *data, const uint8_t *scales, int64_t rows, i
 #define DECODE_MAX_M 8 /* rows the decode loop takes (in passes of 4); more go to the tile loop */
 
 #ifdef MX_X86
-/* R consecutive weight rows (w, s at row stride K and KB) dotted with M fp32 x rows (stride K);
- * out[r * M + m]. R and M are constants at every call site, so the loops unroll. */
-static inline __attribute__((always_inline)) MX_AVX2 void dot_rows_mx(const float *x, const uint8_t *w, const uint8_t *s,
-                                                                      int64_t K, const int R, const int M, float *out) {
+/* One weight row (w, s) dotted with M fp32 x rows (stride K): out[m]. M is a constant at every
+ * call site, so the loops unroll. */
+static inline __attribute__((always_inline)) MX_AVX2 void dot_row_mx(const float *x, const uint8_t *w, const uint8_t *s,
+                                                                     int64_t K, const int M, float *out) {
     const int64_t KB = K / MX_BLOCK;
-    __m256 tot[16];
-    for (int i = 0; i < R * M; i++) tot[i] = _mm256_setzero_ps();
-    /* R interleaved streams: prefetch each PREFETCH_BYTES ahead in its own stream (the hardware
-     * prefetcher alone left a core at ~60 % of its in-cache rate on weights from memory). A
-     * thread takes consecutive groups of R rows, so row r's stream goes on at row r + R: the
-     * point ahead is pq rows of that stream further, column pr (a plain `+ PREFETCH_BYTES` on
-     * row r landed in rows of this very group when K < PREFETCH_BYTES, i.e. bytes already read). */
-    int64_t pq = PREFETCH_BYTES / K, pr = PREFETCH_BYTES % K;
+    __m256 tot[4];
+    for (int m = 0; m < M; m++) tot[m] = _mm256_setzero_ps();
+    /* the hardware prefetcher alone left a core at ~60 % of its in-cache rate on weights from
+     * memory: prefetch PREFETCH_BYTES ahead in the thread's stream (rows follow each other) */
     for (int64_t kb = 0; kb < KB; kb++) {
-        for (int r = 0; r < R; r++) {
-            __m256 v[4];
-            _mm_prefetch((const char *)(w + (r + R * pq) * K + pr), _MM_HINT_T0);
-            mx_decode16(w + r * K + kb * MX_BLOCK, &v[0], &v[1]);
-            mx_decode16(w + r * K + kb * MX_BLOCK + 16, &v[2], &v[3]);
-            const uint8_t b = s[r * KB + kb];
-            const __m256 f = _mm256_set1_ps(mx_scale_factor(b));
-            for (int m = 0; m < M; m++) {
-                const float *xm = x + m * K + kb * MX_BLOCK;
-                __m256 blk = _mm256_mul_ps(v[0], _mm256_loadu_ps(xm));
-                blk = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), blk);
-                blk = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), blk);
-                blk = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), blk);
-                if (__builtin_expect(mx_scale_hi(b), 0)) blk = _mm256_mul_ps(blk, _mm256_set1_ps(256.f));
-                tot[r * M + m] = _mm256_fmadd_ps(blk, f, tot[r * M + m]);
-            }
+        __m256 v[4];
+        _mm_prefetch((const char *)(w + kb * MX_BLOCK + PREFETCH_BYTES), _MM_HINT_T0);
+        mx_decode16(w + kb * MX_BLOCK, &v[0], &v[1]);
+        mx_decode16(w + kb * MX_BLOCK + 16, &v[2], &v[3]);
+        const uint8_t b = s[kb];
+        const __m256 f = _mm256_set1_ps(mx_scale_factor(b));
+        for (int m = 0; m < M; m++) {
+            const float *xm = x + m * K + kb * MX_BLOCK;
+            __m256 blk = _mm256_mul_ps(v[0], _mm256_loadu_ps(xm));
+            blk = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), blk);
+            blk = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), blk);
+            blk = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), blk);
+            if (__builtin_expect(mx_scale_hi(b), 0)) blk = _mm256_mul_ps(blk, _mm256_set1_ps(256.f));
+            tot[m] = _mm256_fmadd_ps(blk, f, tot[m]);
         }
-        pr += MX_BLOCK;
-        if (pr >= K) pr -= K, pq++;
     }
-    for (int i = 0; i < R * M; i++) out[i] = mx_hsum(tot[i]);
+    for (int m = 0; m < M; m++) out[m] = mx_hsum(tot[m]);
 }
 
-#define ROWS_MX(R_, M_)                                                                                      \
-    static MX_AVX2 void rows_mx_##R_##_##M_(const float *x, const uint8_t *w, const uint8_t *s, int64_t K, \
-                                            float *out) {                                                  \
-        dot_rows_mx(x, w, s, K, R_, M_, out);                                                              \
+#define ROW_MX(M_)                                                                                          \
+    static MX_AVX2 void row_mx_##M_(const float *x, const uint8_t *w, const uint8_t *s, int64_t K, float *out) { \
+        dot_row_mx(x, w, s, K, M_, out);                                                                   \
     }
-ROWS_MX(4, 1)
-ROWS_MX(4, 2)
-ROWS_MX(4, 3)
-ROWS_MX(4, 4)
-ROWS_MX(1, 1)
-ROWS_MX(1, 2)
-ROWS_MX(1, 3)
-ROWS_MX(1, 4)
-typedef void (*rows_mx_fn)(const float *, const uint8_t *, const uint8_t *, int64_t, float *);
+ROW_MX(1)
+ROW_MX(2)
+ROW_MX(3)
+ROW_MX(4)
+typedef void (*row_mx_fn)(const float *, const uint8_t *, const uint8_t *, int64_t, float *);
 #endif
 
 static void dot_rows_scalar(const float *x, const uint8_t *w, const uint8_t *s, int64_t K, int M, float *out) {
@@ -178,30 +168,20 @@ static void dot_rows_scalar(const float *x, const uint8_t *w, const uint8_t *s, 
 
 static void linear_decode(const float *x, const uint8_t *w, const uint8_t *s, const float *bias, void *y, int y_dtype,
                           int64_t M, int64_t N, int64_t K, int fast) {
-    const int64_t KB = K / MX_BLOCK, groups = (N + 3) / 4;
+    const int64_t KB = K / MX_BLOCK;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t n0 = g * 4, nr = N - n0 < 4 ? N - n0 : 4;
-        /* x rows 4 at a time: a second pass re-reads the group's 4 weight rows from L1, not memory */
+    for (int64_t n = 0; n < N; n++) {
+        /* x rows 4 at a time: a second pass re-reads the row from L1, not memory */
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t mc = M - m0 < 4 ? M - m0 : 4;
-            const float *xm = x + m0 * K;
-            float acc[16];
+            float acc[4];
 #ifdef MX_X86
-            static const rows_mx_fn four[5] = {0, rows_mx_4_1, rows_mx_4_2, rows_mx_4_3, rows_mx_4_4};
-            static const rows_mx_fn one[5] = {0, rows_mx_1_1, rows_mx_1_2, rows_mx_1_3, rows_mx_1_4};
-            if (fast && nr == 4) {
-                four[mc](xm, w + n0 * K, s + n0 * KB, K, acc);
-            } else if (fast) {
-                for (int64_t r = 0; r < nr; r++) one[mc](xm, w + (n0 + r) * K, s + (n0 + r) * KB, K, acc + r * mc);
-            } else
+            static const row_mx_fn rows[5] = {0, row_mx_1, row_mx_2, row_mx_3, row_mx_4};
+            if (fast) rows[mc](x + m0 * K, w + n * K, s + n * KB, K, acc);
+            else
 #endif
-            {
-                for (int64_t r = 0; r < nr; r++) dot_rows_scalar(xm, w + (n0 + r) * K, s + (n0 + r) * KB, K, (int)mc, acc + r * mc);
-            }
-            for (int64_t r = 0; r < nr; r++)
-                for (int64_t m = 0; m < mc; m++)
-                    store_out(y, y_dtype, (m0 + m) * N + n0 + r, acc[r * mc + m] + (bias ? bias[n0 + r] : 0.f));
+                dot_rows_scalar(x + m0 * K, w + n * K, s + n * KB, K, (int)mc, acc);
+            for (int64_t m = 0; m < mc; m++) store_out(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
         }
     }
     (void)fast;
@@ -244,72 +224,58 @@ static void permute_x_bf16(const uint16_t *x, int64_t K, uint16_t *xp) {
         }
 }
 
-static inline __attribute__((always_inline)) MX_AVX512 void dot_rows_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s,
-                                                                           int64_t K, const int R, const int M, float *out) {
-    const int64_t KB = K / MX_BLOCK;
+static inline __attribute__((always_inline)) MX_AVX512 void dot_row_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s,
+                                                                          int64_t K, const int M, float *out) {
     const __m512i tlo0 = _mm512_loadu_si512(bf16_lo_tab), tlo1 = _mm512_loadu_si512(bf16_lo_tab + 64);
     const __m512i thi0 = _mm512_loadu_si512(bf16_hi_tab), thi1 = _mm512_loadu_si512(bf16_hi_tab + 64);
     const __m512i sign = _mm512_set1_epi8((char)0x80);
-    __m512 tot[16];
-    for (int i = 0; i < R * M; i++) tot[i] = _mm512_setzero_ps();
-    int64_t pq = PREFETCH_BYTES / K, pr = PREFETCH_BYTES % K; /* as in dot_rows_mx */
+    __m512 tot[8];
+    for (int m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
     for (int64_t c = 0; c < K; c += 64) {
-        for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(w + (r + R * pq) * K + pr), _MM_HINT_T0);
-            const __m512i raw = _mm512_loadu_si512(w + r * K + c);
-            const __m512i lo = _mm512_permutex2var_epi8(tlo0, raw, tlo1); /* index bits 0..6 */
-            __m512i hi = _mm512_permutex2var_epi8(thi0, raw, thi1);
-            hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
-            const __m512bh wl = (__m512bh)_mm512_unpacklo_epi8(lo, hi), wh = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
-            const uint8_t *sb = s + r * KB + c / MX_BLOCK;
-            const __m512 f = _mm512_insertf32x8(_mm512_set1_ps(factor_tab[sb[0]]), _mm256_set1_ps(factor_tab[sb[1]]), 1);
-            for (int m = 0; m < M; m++) {
-                const uint16_t *xm = xp + m * K + c;
-                __m512 blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), wl, (__m512bh)_mm512_loadu_si512(xm));
-                blk = _mm512_dpbf16_ps(blk, wh, (__m512bh)_mm512_loadu_si512(xm + 32));
-                tot[r * M + m] = _mm512_fmadd_ps(blk, f, tot[r * M + m]);
-            }
+        _mm_prefetch((const char *)(w + c + PREFETCH_BYTES), _MM_HINT_T0);
+        const __m512i raw = _mm512_loadu_si512(w + c);
+        const __m512i lo = _mm512_permutex2var_epi8(tlo0, raw, tlo1); /* index bits 0..6 */
+        __m512i hi = _mm512_permutex2var_epi8(thi0, raw, thi1);
+        hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
+        const __m512bh wl = (__m512bh)_mm512_unpacklo_epi8(lo, hi), wh = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+        const uint8_t *sb = s + c / MX_BLOCK;
+        const __m512 f = _mm512_insertf32x8(_mm512_set1_ps(factor_tab[sb[0]]), _mm256_set1_ps(factor_tab[sb[1]]), 1);
+        for (int m = 0; m < M; m++) {
+            const uint16_t *xm = xp + m * K + c;
+            __m512 blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), wl, (__m512bh)_mm512_loadu_si512(xm));
+            blk = _mm512_dpbf16_ps(blk, wh, (__m512bh)_mm512_loadu_si512(xm + 32));
+            tot[m] = _mm512_fmadd_ps(blk, f, tot[m]);
         }
-        pr += 64;
-        if (pr >= K) pr -= K, pq++;
     }
-    for (int i = 0; i < R * M; i++) out[i] = _mm512_reduce_add_ps(tot[i]);
+    for (int m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(tot[m]);
 }
 
-#define ROWS_BF16(R_, M_)                                                                                     \
-    static MX_AVX512 void rows_bf16_##R_##_##M_(const uint16_t *x, const uint8_t *w, const uint8_t *s,      \
-                                                int64_t K, float *out) {                                    \
-        dot_rows_bf16(x, w, s, K, R_, M_, out);                                                             \
+#define ROW_BF16(M_)                                                                                             \
+    static MX_AVX512 void row_bf16_##M_(const uint16_t *x, const uint8_t *w, const uint8_t *s, int64_t K, float *out) { \
+        dot_row_bf16(x, w, s, K, M_, out);                                                                      \
     }
-ROWS_BF16(4, 1)
-ROWS_BF16(4, 2)
-ROWS_BF16(4, 3)
-ROWS_BF16(4, 4)
-ROWS_BF16(1, 1)
-ROWS_BF16(1, 2)
-ROWS_BF16(1, 3)
-ROWS_BF16(1, 4)
-typedef void (*rows_bf16_fn)(const uint16_t *, const uint8_t *, const uint8_t *, int64_t, float *);
+ROW_BF16(1)
+ROW_BF16(2)
+ROW_BF16(3)
+ROW_BF16(4)
+ROW_BF16(5)
+ROW_BF16(6)
+ROW_BF16(7)
+ROW_BF16(8)
+typedef void (*row_bf16_fn)(const uint16_t *, const uint8_t *, const uint8_t *, int64_t, float *);
 
 /* linear_decode with xp = M permuted bf16 rows (permute_x_bf16) */
 static void linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s, const float *bias, void *y,
                                int y_dtype, int64_t M, int64_t N, int64_t K) {
-    const int64_t KB = K / MX_BLOCK, groups = (N + 3) / 4;
+    const int64_t KB = K / MX_BLOCK;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t n0 = g * 4, nr = N - n0 < 4 ? N - n0 : 4;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) { /* a second pass reads the group's rows from L1 */
-            const int64_t mc = M - m0 < 4 ? M - m0 : 4;
-            float acc[16];
-            static const rows_bf16_fn four[5] = {0, rows_bf16_4_1, rows_bf16_4_2, rows_bf16_4_3, rows_bf16_4_4};
-            static const rows_bf16_fn one[5] = {0, rows_bf16_1_1, rows_bf16_1_2, rows_bf16_1_3, rows_bf16_1_4};
-            if (nr == 4) four[mc](xp + m0 * K, w + n0 * K, s + n0 * KB, K, acc);
-            else
-                for (int64_t r = 0; r < nr; r++) one[mc](xp + m0 * K, w + (n0 + r) * K, s + (n0 + r) * KB, K, acc + r * mc);
-            for (int64_t r = 0; r < nr; r++)
-                for (int64_t m = 0; m < mc; m++)
-                    store_out(y, y_dtype, (m0 + m) * N + n0 + r, acc[r * mc + m] + (bias ? bias[n0 + r] : 0.f));
-        }
+    for (int64_t n = 0; n < N; n++) {
+        /* every x row in one pass: the row is decoded once (the lookups cost more than a dot) */
+        float acc[DECODE_MAX_M];
+        static const row_bf16_fn rows[DECODE_MAX_M + 1] = {0, row_bf16_1, row_bf16_2, row_bf16_3, row_bf16_4,
+                                                           row_bf16_5, row_bf16_6, row_bf16_7, row_bf16_8};
+        rows[M](xp, w + n * K, s + n * KB, K, acc);
+        for (int64_t m = 0; m < M; m++) store_out(y, y_dtype, m * N + n, acc[m] + (bias ? bias[n] : 0.f));
     }
 }
 #endif
