@@ -110,6 +110,10 @@ int mxfp8_dequantize(const uint8_t *data, const uint8_t *scales, int64_t rows, i
 
 #define PREFETCH_BYTES 2048
 #define DECODE_MAX_M 8 /* rows the decode loop takes (in passes of 4); more go to the tile loop */
+/* rows the bf16-dot decode loop takes (passes of 8): up to here it beats the bf16 tile loop, whose
+ * per-call panel dequantization dominates at few rows (Zen4, 2 threads, [151936, 512]: 16 rows
+ * 13.4 vs 20.5 ms; at 24 rows the two were even) */
+#define DECODE_BF16_MAX_M 16
 
 #ifdef MX_X86
 /* One weight row (w, s) dotted with M fp32 x rows (stride K): out[m]. M is a constant at every
@@ -270,18 +274,115 @@ static void linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8
     const int64_t KB = K / MX_BLOCK;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        /* every x row in one pass: the row is decoded once (the lookups cost more than a dot) */
-        float acc[DECODE_MAX_M];
-        static const row_bf16_fn rows[DECODE_MAX_M + 1] = {0, row_bf16_1, row_bf16_2, row_bf16_3, row_bf16_4,
-                                                           row_bf16_5, row_bf16_6, row_bf16_7, row_bf16_8};
-        rows[M](xp, w + n * K, s + n * KB, K, acc);
-        for (int64_t m = 0; m < M; m++) store_out(y, y_dtype, m * N + n, acc[m] + (bias ? bias[n] : 0.f));
+        /* up to 8 x rows a pass (the row is decoded once a pass: the lookups cost more than a dot);
+         * further passes read the weight row from L1 */
+        for (int64_t m0 = 0; m0 < M; m0 += DECODE_MAX_M) {
+            const int64_t mc = M - m0 < DECODE_MAX_M ? M - m0 : DECODE_MAX_M;
+            float acc[DECODE_MAX_M];
+            static const row_bf16_fn rows[DECODE_MAX_M + 1] = {0, row_bf16_1, row_bf16_2, row_bf16_3, row_bf16_4,
+                                                               row_bf16_5, row_bf16_6, row_bf16_7, row_bf16_8};
+            rows[mc](xp + m0 * K, w + n * K, s + n * KB, K, acc);
+            for (int64_t m = 0; m < mc; m++) store_out(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
+        }
     }
+}
+
+/* ---- tile loop on bf16 activations (M > 8): panels dequantized to bf16 for packed_gemm.c ------ */
+
+int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias_f32, void *y,
+                     int y_dtype, int64_t y_stride, int64_t M, int64_t N, int64_t K);
+
+/* Scale bytes b for which element * 2^(b - 127) is a normal bf16 for every non-zero E4M3 element
+ * (2^-9 .. 448): then the scaled weight is exact in bf16 and is the element's bf16 with b - 127
+ * added to its exponent field. That holds for 10 <= b <= 246; the lower end is 64 so that a
+ * weight (>= 2^-72) times an activation stays above the fp32 normal range the dot instruction
+ * keeps (it flushes smaller products) unless |x| < 2^-54. Outside (tiny or huge blocks, NaN) the
+ * fp32 tile loop runs; real weights have b around 100-127. */
+#define BF16_SAFE_LO 64
+#define BF16_SAFE_HI 246
+
+static int scales_bf16_safe(const uint8_t *s, int64_t n) {
+    uint8_t lo = 255, hi = 0;
+    for (int64_t i = 0; i < n; i++) {
+        lo = s[i] < lo ? s[i] : lo;
+        hi = s[i] > hi ? s[i] : hi;
+    }
+    return n == 0 || (lo >= BF16_SAFE_LO && hi <= BF16_SAFE_HI);
+}
+
+#define BF16_PANEL 64 /* packed_gemm.c's PANEL: features per panel */
+
+/* Rows [0, nr) of W (row stride K, scales stride K/32) -> one packed_gemm panel of bf16 weights:
+ * panel[kk][c][j] = W[c][2 kk + j], zero for rows past nr. Each 64-weight chunk is decoded as in
+ * dot_row_bf16, scaled by adding b - 127 to the exponents of its non-zero words, and its 32 k-pairs
+ * are scattered to their places (the unpacks' pair order: pairs 0-3, 8-11, 16-19, 24-27 in the
+ * low half, the others in the high half). */
+static MX_AVX512 void dequant_panel_bf16(const uint8_t *w, const uint8_t *s, int64_t nr, int64_t K, uint16_t *panel) {
+    const int64_t KB = K / MX_BLOCK;
+    const __m512i tlo0 = _mm512_loadu_si512(bf16_lo_tab), tlo1 = _mm512_loadu_si512(bf16_lo_tab + 64);
+    const __m512i thi0 = _mm512_loadu_si512(bf16_hi_tab), thi1 = _mm512_loadu_si512(bf16_hi_tab + 64);
+    const __m512i sign = _mm512_set1_epi8((char)0x80), mag = _mm512_set1_epi16(0x7FFF);
+    const __m512i pairs_l = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                                               _mm512_set1_epi32(BF16_PANEL));
+    const __m512i pairs_h = _mm512_add_epi32(pairs_l, _mm512_set1_epi32(4 * BF16_PANEL));
+    uint32_t *pd = (uint32_t *)panel;
+    for (int64_t c = 0; c < BF16_PANEL; c++) {
+        if (c >= nr) {
+            for (int64_t kk = 0; kk < K / 2; kk++) pd[kk * BF16_PANEL + c] = 0;
+            continue;
+        }
+        const uint8_t *wr = w + c * K, *sr = s + c * KB;
+        for (int64_t ch = 0; ch < K; ch += 64) {
+            const __m512i raw = _mm512_loadu_si512(wr + ch);
+            const __m512i lo = _mm512_permutex2var_epi8(tlo0, raw, tlo1);
+            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(thi0, raw, thi1), raw, sign, 0xF8);
+            __m512i wl = _mm512_unpacklo_epi8(lo, hi), wh = _mm512_unpackhi_epi8(lo, hi);
+            /* words 0-15 of each half are block ch/32, words 16-31 the next */
+            const __m512i shift = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)((sr[ch / 32] - 127) * 128)),
+                                                          _mm512_set1_epi16((short)((sr[ch / 32 + 1] - 127) * 128)));
+            wl = _mm512_mask_add_epi16(wl, _mm512_test_epi16_mask(wl, mag), wl, shift);
+            wh = _mm512_mask_add_epi16(wh, _mm512_test_epi16_mask(wh, mag), wh, shift);
+            uint32_t *base = pd + (ch / 2) * BF16_PANEL + c;
+            _mm512_i32scatter_epi32(base, pairs_l, wl, 4);
+            _mm512_i32scatter_epi32(base, pairs_h, wh, 4);
+        }
+    }
+}
+
+/* y = x W^T (+ bias) for bf16 x, M > 8: each thread dequantizes a panel of 64 weight rows to bf16
+ * (K x 128 bytes, in L2) and runs packed_gemm.c's 6-row dot tiles over every x row; exact weights,
+ * fp32 sums, as on the other loops. K % 64 == 0 and every scale byte in the safe range (checked by
+ * the caller). Returns -1 when a buffer cannot be allocated. */
+static int linear_tile_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint8_t *s, const float *bias,
+                            void *y, int y_dtype, int64_t M, int64_t N, int64_t K) {
+    const int64_t KB = K / MX_BLOCK, panels = (N + BF16_PANEL - 1) / BF16_PANEL;
+    const size_t esize = y_dtype == DT_BF16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(K * BF16_PANEL));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                const int64_t n0 = p * BF16_PANEL, nr = N - n0 < BF16_PANEL ? N - n0 : BF16_PANEL;
+                dequant_panel_bf16(w + n0 * K, s + n0 * KB, nr, K, buf);
+                /* one panel: packed_gemm's own parallel loop runs nested, i.e. on this thread */
+                packed_gemm_bf16(x, x_stride, buf, bias ? bias + n0 : NULL, (char *)y + n0 * esize, y_dtype, N, M, nr, K);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
 }
 #endif
 
 /* Which loop the last mxfp8_linear call took: 0 scalar, 1 AVX2 decode, 2 bf16-dot decode, 3 tile
- * (tests check that a case exercises the path it means to). */
+ * (fp32), 4 bf16 tile (tests check that a case exercises the path it means to). */
 static int last_path = -1;
 int mxfp8_last_linear_path(void) { return last_path; }
 
@@ -419,7 +520,7 @@ int mxfp8_linear(const void *x, int x_dtype, int64_t x_stride, const uint8_t *da
     if (M <= 0 || N <= 0) return 0;
     const int fast = mxfp8_use_fast();
 #ifdef MX_DOT_BF16
-    if (fast && bf16_dot_on && x_dtype == DT_BF16 && M <= DECODE_MAX_M && K % 64 == 0) {
+    if (fast && bf16_dot_on && x_dtype == DT_BF16 && M <= DECODE_BF16_MAX_M && K % 64 == 0) {
         uint16_t *xp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * K));
         if (!xp) return -1;
         for (int64_t m = 0; m < M; m++) permute_x_bf16((const uint16_t *)x + m * x_stride, K, xp + m * K);
@@ -427,6 +528,10 @@ int mxfp8_linear(const void *x, int x_dtype, int64_t x_stride, const uint8_t *da
         free(xp);
         last_path = 2;
         return 0;
+    }
+    if (fast && bf16_dot_on && x_dtype == DT_BF16 && K % 64 == 0 && scales_bf16_safe(scales, N * (K / MX_BLOCK))) {
+        last_path = 4;
+        return linear_tile_bf16((const uint16_t *)x, x_stride, data, scales, bias, y, y_dtype, M, N, K);
     }
 #endif
     const float *xf = (const float *)x;

@@ -111,7 +111,7 @@ def set_bf16_dot(on: bool) -> bool:
 
 
 # `last_linear_path()` values
-LINEAR_PATHS = {0: "scalar", 1: "avx2", 2: "bf16_dot", 3: "tile"}
+LINEAR_PATHS = {0: "scalar", 1: "avx2", 2: "bf16_dot", 3: "tile", 4: "bf16_tile"}
 
 
 def last_linear_path() -> str:

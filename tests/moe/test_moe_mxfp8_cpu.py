@@ -31,12 +31,17 @@ def path(request):
     mx.set_bf16_dot(True)
 
 
-def _expect_path(path: str, x: torch.Tensor) -> str:
-    """The loop `mx.linear` takes for x under the fixture's `path`."""
+def _expect_path(path: str, x: torch.Tensor, scale: torch.Tensor | None = None) -> str:
+    """The loop `mx.linear` takes for x (and the weight's scales) under the fixture's `path`."""
     M, K = x.shape
+    bf16_dot = path == "bf16_dot" and x.dtype == torch.bfloat16 and K % 64 == 0
+    if bf16_dot and M <= 16:
+        return "bf16_dot"  # the bf16-dot decode loop takes up to 16 rows (passes of 8)
     if M > 8:
-        return "tile"
-    if path == "bf16_dot" and (x.dtype != torch.bfloat16 or K % 64):
+        # the bf16 tile dequantizes to bf16 for scale bytes 64..246 (mxfp8_gemm.c, BF16_SAFE_*)
+        safe = scale is None or bool(((scale.view(torch.uint8) >= 64) & (scale.view(torch.uint8) <= 246)).all())
+        return "bf16_tile" if bf16_dot and safe else "tile"
+    if path == "bf16_dot" and not bf16_dot:
         return "avx2"  # the bf16-dot loop takes bf16 x with K a multiple of 64 only
     return path
 
@@ -98,19 +103,20 @@ def _check_gemm(x, data, scale, b, y) -> None:
     assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 33])  # decode loop up to 8 (passes of 4), tile loop above
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70])  # decode loops up to 8 / 16, tile loops above
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_gemm_within_fp32_accumulation_error(path: str, M: int, x_dtype: torch.dtype) -> None:
-    for N, K, bias in ((37, 96, True), (16, 1024, False), (5, 32, True), (7, 192, True)):
+    for N, K, bias in ((37, 96, True), (16, 1024, False), (5, 32, True), (7, 192, True), (130, 128, True)):
         x, data, scale, b = _gemm_case(M, N, K, x_dtype, bias, seed=M * 100 + N)
         for out in (None, torch.empty(M, N)):  # y in x's dtype, and fp32 (no output rounding)
             _check_gemm(x, data, scale, b, mx.linear(x, data, scale, b, out=out))
-            assert mx.last_linear_path() == _expect_path(path, x)
+            assert mx.last_linear_path() == _expect_path(path, x, scale)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 6])
-@pytest.mark.parametrize("scale_bytes,x_scale", [((0, 1, 2, 10), 2.0**60), ((200, 246, 247, 254), 2.0**-30)])
+@pytest.mark.parametrize("M", [1, 6, 12, 20])
+@pytest.mark.parametrize("scale_bytes,x_scale", [((0, 1, 2, 10), 2.0**60), ((200, 246, 247, 254), 2.0**-30),
+                                                 ((63, 64, 245, 246), 1.0), ((64, 65, 245, 246), 1.0)])  # the bf16 tile's edges
 def test_gemm_extreme_block_scales(path: str, M: int, scale_bytes: tuple[int, ...], x_scale: float,
                                    x_dtype: torch.dtype) -> None:
     """Raw bytes with the smallest scales (2^-127: subnormal fp32 weights) and the largest (bytes
@@ -122,7 +128,7 @@ def test_gemm_extreme_block_scales(path: str, M: int, scale_bytes: tuple[int, ..
     data, scale = data.view(torch.float8_e4m3fn), scale.contiguous().view(torch.float8_e8m0fnu)
     x = (torch.randn(M, K, generator=g) * x_scale).to(x_dtype)
     _check_gemm(x, data, scale, None, mx.linear(x, data, scale, out=torch.empty(M, N)))
-    assert mx.last_linear_path() == _expect_path(path, x)
+    assert mx.last_linear_path() == _expect_path(path, x, scale)
 
 
 def test_bf16_dot_every_element_byte(path: str) -> None:
