@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cuttle.attention.native import kernels, unrecorded
+from cuttle.attention.native import hugepages, kernels, unrecorded
 from cuttle.attention.native.build import DTYPE_CODE
 
 # Up to this many rows the weight-streaming kernel reads the weight in its own layout (fp32, or
@@ -37,7 +37,8 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     # packed once and cached on the weight: inside a kernel-graph capture the pack is done but not
     # recorded, so a replay reads the packed copy instead of repacking it every step
     real = unrecorded().lib
-    packed = torch.empty(real.packed_weight_numel(n, k), dtype=torch.bfloat16)
+    # in huge pages, as the weights it replaces (hugepages.py: a decode step streams all of it)
+    packed = hugepages.empty(real.packed_weight_numel(n, k), torch.bfloat16)
     real.pack_weight_bf16(weight.data_ptr(), n, k, packed.data_ptr())
     setattr(weight, _PACKED_ATTR, (key, packed))
     return packed

@@ -125,3 +125,17 @@ def test_engine_streams_its_weights_from_huge_pages(tmp_path, monkeypatch):
     for (t1, l1), (t2, l2) in zip(fast, plain):
         assert t1 == t2
         assert [float(getattr(a, "logprob", a)) for a in l1] == [float(getattr(b, "logprob", b)) for b in l2]
+
+
+@needs_thp
+def test_packed_bf16_weight_copies_are_advised():
+    """The packed copy the AVX512-BF16 GEMM reads instead of a bf16 weight is streamed like it, so
+    it lives in huge-page memory too (it is what a decode step reads for the lm_head)."""
+    from cuttle.attention import native
+    from cuttle.attention.native import gemm
+
+    if not native.kernels().packed_gemm:
+        pytest.skip("no packed CPU GEMM here (needs the native library and AVX512-BF16)")
+    w = torch.randn(2048, 1024).bfloat16()  # 4 MiB packed
+    packed = gemm._packed(w)
+    assert hugepages.is_backed(packed) and "hg" in _vm_flags(packed.data_ptr())
