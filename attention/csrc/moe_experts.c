@@ -416,6 +416,75 @@ typedef void (*mx_tile_fn)(const float *const *, const uint8_t *, const uint8_t 
 static const mx_tile_fn MX_TILES[MR + 1] = {0, mx_tile_1, mx_tile_2, mx_tile_3, mx_tile_4};
 #endif
 
+/* ---- bf16 tiles on the bf16 dot instruction (AVX512-BF16): bf16 weights and activations ------ */
+
+#ifdef __AVX512BF16__
+#define MOE_DOT_BF16 1
+/* Both panel kinds hold 16 features per k (gate|up or 16 outputs). Two k steps are 32 contiguous
+ * words [k][16] [k+1][16]; VDPBF16PS wants each feature's two k side by side, so one vpermw puts
+ * them in that order (word 2i = (k, i), 2i + 1 = (k + 1, i)) and lane i of the result is feature
+ * i. Rows r[m] are bf16 (the activations as they are; h rounded to bf16 where torch rounds it),
+ * broadcast a k-pair at a time. Products are exact and sums fp32, as in the widening tiles; only
+ * the summation order differs (and the instruction flushes denormal inputs and products). */
+static inline __attribute__((always_inline)) void dot_panel_tile(const uint16_t *const *r, const int M, const uint16_t *wp,
+                                                                 int64_t K, float out[][16]) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 a[MRP], b[MRP];
+    for (int m = 0; m < M; m++) a[m] = b[m] = _mm512_setzero_ps();
+    int64_t kk = 0;
+    for (; 2 * kk + 3 < K; kk += 2) { /* two k-pairs a step: at M <= 2, four or more dot chains */
+        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(wp + 2 * kk * 16));
+        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(wp + (2 * kk + 2) * 16));
+        for (int m = 0; m < M; m++) {
+            int32_t p0, p1;
+            memcpy(&p0, r[m] + 2 * kk, 4);
+            memcpy(&p1, r[m] + 2 * kk + 2, 4);
+            a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_set1_epi32(p0));
+            b[m] = _mm512_dpbf16_ps(b[m], w1, (__m512bh)_mm512_set1_epi32(p1));
+        }
+    }
+    for (; 2 * kk + 1 < K; kk++) {
+        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(wp + 2 * kk * 16));
+        for (int m = 0; m < M; m++) {
+            int32_t p0;
+            memcpy(&p0, r[m] + 2 * kk, 4);
+            a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_set1_epi32(p0));
+        }
+    }
+    if (K & 1) { /* the last k alone: its 16 weights beside zeros, x[K-1] beside a zero */
+        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(wp + (K - 1) * 16))));
+        for (int m = 0; m < M; m++) a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_set1_epi32((int32_t)r[m][K - 1]));
+    }
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(out[m], _mm512_add_ps(a[m], b[m]));
+}
+#define DOT_TILE(M_)                                                                                         \
+    static void dot_tile_##M_(const uint16_t *const *r, const uint16_t *wp, int64_t K, float out[][16]) {  \
+        dot_panel_tile(r, M_, wp, K, out);                                                                  \
+    }
+DOT_TILE(1)
+DOT_TILE(2)
+DOT_TILE(3)
+DOT_TILE(4)
+DOT_TILE(5)
+DOT_TILE(6)
+typedef void (*dot_tile_fn)(const uint16_t *const *, const uint16_t *, int64_t, float[][16]);
+static const dot_tile_fn DOT_TILES[MRP + 1] = {0, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4, dot_tile_5, dot_tile_6};
+#endif
+
+static int bf16_dot_on = 1;
+
+/* Let bf16 experts with bf16 activations take the dot tiles where the library has them (1, the
+ * default) or the widening tiles (0: tests, A/B timing); returns whether the dot tiles are in use. */
+int moe_set_bf16_dot(int on) {
+    bf16_dot_on = on != 0;
+#ifdef MOE_DOT_BF16
+    return bf16_dot_on;
+#else
+    return 0;
+#endif
+}
+
 /* The scalar route: the panel dequantized to fp32 [K][16] (exact values), for the fp32 tiles. */
 static void mx_panel_dequant(const uint8_t *wp, const uint8_t *sp, int64_t K, float *out) {
     for (int64_t k = 0; k < K; k++)
@@ -445,6 +514,11 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     const int bf = x_dtype == DT_BF16, fi = w_format == MOE_W_BF16;
     const int mx_fast = mx && mxfp8_use_fast();
     const int mr = mx ? MR : MRP; /* rows per register tile */
+#ifdef MOE_DOT_BF16
+    const int dot = bf16_dot_on && bf && fi;
+#else
+    const int dot = 0;
+#endif
     /* the scalar MXFP8 route's per-thread fp32 panel: [max(H, I)][16] */
     const int64_t panel_k = H > I ? H : I;
     const size_t es = elsize(w_format);
@@ -454,9 +528,10 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     float *xf = malloc(sizeof *xf * (size_t)(T * H));  /* x as fp32 (exact for bf16) */
     float *h = malloc(sizeof *h * (size_t)(A * I));    /* silu(gate) * up, rows in expert-sorted order */
     float *ys = malloc(sizeof *ys * (size_t)(A * H));  /* expert outputs, rows in assignment order t*k+j */
+    uint16_t *hb = dot ? malloc(sizeof *hb * (size_t)(A * I)) : NULL; /* h in bf16 for the dot tiles */
     int rc = 0;
     float *panels = NULL;
-    if (!cnt || !pos || !sorted || !active || !xf || !h || !ys) {
+    if (!cnt || !pos || !sorted || !active || !xf || !h || !ys || (dot && !hb)) {
         rc = -1;
         goto done;
     }
@@ -528,6 +603,15 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                 const float *xr[MRP];
                 for (int m = 0; m < M; m++) xr[m] = xf + (sorted[r0 + m] / k) * H;
                 v8f g[MRP], u[MRP];
+#ifdef MOE_DOT_BF16
+                if (dot) {
+                    const uint16_t *xb[MRP];
+                    for (int m = 0; m < M; m++) xb[m] = (const uint16_t *)x + (sorted[r0 + m] / k) * x_stride;
+                    float gu[MRP][16]; /* lanes 0-7 gate, 8-15 up */
+                    DOT_TILES[M](xb, (const uint16_t *)wp, H, gu);
+                    for (int m = 0; m < M; m++) memcpy(&g[m], gu[m], sizeof(v8f)), memcpy(&u[m], gu[m] + 8, sizeof(v8f));
+                } else
+#endif
 #ifdef MX_X86
                 if (mx_fast) MX_TILES[M](xr, (const uint8_t *)wp, sp, H, g, u);
                 else
@@ -539,6 +623,7 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                         const float gv = rnd(g[m][c], bf), uv = rnd(u[m][c], bf);
                         const float sv = rnd(gv / (1.f + expf(-gv)), bf);
                         h[(r0 + m) * I + p * P13 + c] = rnd(sv * uv, bf);
+                        if (dot) hb[(r0 + m) * I + p * P13 + c] = f32_to_bf16(h[(r0 + m) * I + p * P13 + c]); /* exact */
                     }
             }
         }
@@ -561,6 +646,15 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                     const float *hr[MRP];
                     for (int m = 0; m < M; m++) hr[m] = h + (r0 + m) * I;
                     v8f a0[MRP], a1[MRP];
+#ifdef MOE_DOT_BF16
+                    if (dot) {
+                        const uint16_t *hbr[MRP];
+                        for (int m = 0; m < M; m++) hbr[m] = hb + (r0 + m) * I;
+                        float o[MRP][16];
+                        DOT_TILES[M](hbr, (const uint16_t *)wp, I, o);
+                        for (int m = 0; m < M; m++) memcpy(&a0[m], o[m], sizeof(v8f)), memcpy(&a1[m], o[m] + 8, sizeof(v8f));
+                    } else
+#endif
 #ifdef MX_X86
                     if (mx_fast) MX_TILES[M](hr, (const uint8_t *)wp, sp, I, a0, a1);
                     else
@@ -588,6 +682,6 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     }
 done:
     free(panels);
-    free(cnt), free(pos), free(sorted), free(active), free(xf), free(h), free(ys);
+    free(cnt), free(pos), free(sorted), free(active), free(xf), free(h), free(ys), free(hb);
     return rc;
 }

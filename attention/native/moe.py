@@ -41,6 +41,7 @@ _SIGNATURES: dict[str, tuple[list, type]] = {
     "moe_pack_mx_w2": ([_vp, _vp, _i64, _i64, _i64, _vp, _vp], _int),
     "moe_route": ([_vp, _int, _i64, _i64, _i64, _int, _int, _i64, _i64, _float, _vp, _vp, _vp, _vp], _i64),
     "moe_experts": ([_vp, _int, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _vp, _i64, _i64, _vp, _int], _int),
+    "moe_set_bf16_dot": ([_int], _int),
 }
 _declared: set[int] = set()
 MAX_EXPERTS = 4096  # moe_route keeps one token's scores on the stack
@@ -83,6 +84,13 @@ def _lib(record: bool = True) -> ctypes.CDLL:
 def available() -> bool:
     """Whether routed experts take the native kernels in this process (`KernelSet.moe_experts`)."""
     return kernels().moe_experts
+
+
+def set_bf16_dot(on: bool) -> bool:
+    """bf16 experts on bf16 activations take the AVX512-BF16 dot tiles (`on`, the default where the
+    library was built with them) or the widening fp32 tiles (tests, A/B timing); returns whether
+    the dot tiles are now in use (False on CPUs without AVX512-BF16)."""
+    return bool(_lib(record=False).moe_set_bf16_dot(int(on)))
 
 
 def _cached(make, *tensors: torch.Tensor):

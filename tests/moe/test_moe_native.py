@@ -135,8 +135,19 @@ def test_layer_native_equals_torch_fp32(family: str, T: int, native_only: None) 
     torch.testing.assert_close(layer(x), _torch_path(layer, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=["bf16_dot", "widening"])
+def bf16_tiles(request):
+    """The bf16 expert tiles: the AVX512-BF16 dot tiles (where the library has them) or the
+    widening fp32 tiles."""
+    dot = request.param == "bf16_dot"
+    if native_moe.set_bf16_dot(dot) != dot:
+        pytest.skip("library built without AVX512-BF16 (this CPU lacks it)")
+    yield request.param
+    native_moe.set_bf16_dot(True)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_layer_native_equals_torch_bf16(family: str, native_only: None) -> None:
+def test_layer_native_equals_torch_bf16(family: str, native_only: None, bf16_tiles: str) -> None:
     layer = _layer(family, 96, 48, torch.bfloat16)
     x = torch.randn(29, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
     out, ref = layer(x), _torch_path(layer, x)
@@ -159,7 +170,7 @@ def test_shared_expert_qwen2_moe(native_only: None) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_with_no_one_and_every_token(dtype: torch.dtype) -> None:
+def test_experts_with_no_one_and_every_token(dtype: torch.dtype, bf16_tiles: str) -> None:
     T, H, I, E, k = 9, 64, 24, 6, 2
     g = torch.Generator().manual_seed(5)
     x = torch.randn(T, H, generator=g).to(dtype)
@@ -255,3 +266,17 @@ def test_switched_off_takes_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> N
     assert native_moe.available()
     layer(x)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("T", [1, 2, 7])
+def test_bf16_experts_with_odd_sizes(T: int, bf16_tiles: str) -> None:
+    """H and I odd: the dot tiles take k in pairs and the last k alone (its weights beside zeros)."""
+    H, I, E, k = 33, 17, 4, 2
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.3).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * 0.3).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    out, ref = native_moe.experts(x, w13, w2, weights, ids), fused_experts_torch(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=2 ** -7 * float(ref.abs().max()))
