@@ -42,6 +42,7 @@
 
 #include "dtypes.h"
 #include "mxfp8.h"
+#include "vec_exp.h"
 
 enum { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_MXFP8 = 2 };
 
@@ -84,6 +85,31 @@ static inline __attribute__((always_inline)) v8f load8(const void *p, const int 
 static inline size_t elsize(int fmt) { return fmt == MOE_W_BF16 ? 2 : fmt == MOE_W_MXFP8 ? 1 : 4; }
 
 static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define MOE_VEC_EPILOGUE 1
+/* rnd on 8 lanes: f32_to_bf16's rounding (nearest even, NaN kept quiet) and back */
+static inline __attribute__((always_inline)) __m256 rnd8(__m256 v, int bf16) {
+    if (!bf16) return v;
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)),
+                                       _mm256_set1_epi32((int)0xFFFF0000u));
+    const __m256i qnan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), _mm256_set1_epi32((int)0xFFFF0000u));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qnan), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* h = rnd(rnd(silu(rnd(g))) * rnd(u)) on 8 lanes, silu(g) = g / (1 + e^-g) with the vector exp
+ * (vec_exp.h, within an ulp or two of libm's; e^-g clamped at e^88, where g / (1 + e^-g) is
+ * below 1e-36 either way) -- the scalar epilogue's roundings, as torch rounds its bf16 path */
+static inline __attribute__((always_inline)) __m256 swiglu8(__m256 g, __m256 u, int bf16) {
+    g = rnd8(g, bf16);
+    u = rnd8(u, bf16);
+    const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.f)));
+    const __m256 sv = rnd8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), bf16);
+    return rnd8(_mm256_mul_ps(sv, u), bf16);
+}
+#endif
 
 int64_t moe_packed_w13_numel(int64_t E, int64_t I, int64_t H) { return E * ((I + P13 - 1) / P13) * H * 2 * P13; }
 int64_t moe_packed_w2_numel(int64_t E, int64_t H, int64_t I) { return E * ((H + P2 - 1) / P2) * I * P2; }
@@ -618,13 +644,26 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
 #endif
                 if (mx) GATEUP[0][M](xr, (const char *)panel, H, g, u);
                 else GATEUP[fi][M](xr, wp, H, g, u);
-                for (int m = 0; m < M; m++)
-                    for (int c = 0; c < P13 && p * P13 + c < I; c++) {
+                const int nc = I - p * P13 < P13 ? (int)(I - p * P13) : P13; /* features of this panel */
+                for (int m = 0; m < M; m++) {
+                    float *hm = h + (r0 + m) * I + p * P13;
+#ifdef MOE_VEC_EPILOGUE
+                    float hv[P13];
+                    __m256 gv, uv;
+                    memcpy(&gv, &g[m], sizeof gv);
+                    memcpy(&uv, &u[m], sizeof uv);
+                    _mm256_storeu_ps(hv, swiglu8(gv, uv, bf));
+                    memcpy(hm, hv, sizeof(float) * (size_t)nc);
+#else
+                    for (int c = 0; c < nc; c++) {
                         const float gv = rnd(g[m][c], bf), uv = rnd(u[m][c], bf);
                         const float sv = rnd(gv / (1.f + expf(-gv)), bf);
-                        h[(r0 + m) * I + p * P13 + c] = rnd(sv * uv, bf);
-                        if (dot) hb[(r0 + m) * I + p * P13 + c] = f32_to_bf16(h[(r0 + m) * I + p * P13 + c]); /* exact */
+                        hm[c] = rnd(sv * uv, bf);
                     }
+#endif
+                    if (dot)
+                        for (int c = 0; c < nc; c++) hb[(r0 + m) * I + p * P13 + c] = f32_to_bf16(hm[c]); /* exact */
+                }
             }
         }
 #pragma omp barrier
