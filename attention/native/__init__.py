@@ -79,11 +79,7 @@ def kernels() -> KernelSet:
     rec = _recording
     if rec is not None and rec[0] == threading.get_ident():
         return rec[1]
-    ks = _current
-    if ks is None:
-        with _select_lock:
-            ks = _current if _current is not None else _select()
-    return ks
+    return unrecorded()
 
 
 def unrecorded() -> KernelSet:

@@ -10,7 +10,6 @@ read from `kernels()`, decided once per process; nothing here looks at the envir
 """
 from __future__ import annotations
 
-
 import torch
 
 from cuttle.attention.native import hugepages, kernels, unrecorded
