@@ -551,13 +551,13 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     const int64_t np = (I + P13 - 1) / P13, nq = (H + P2 - 1) / P2;
     int64_t *cnt = calloc((size_t)E + 1, sizeof *cnt), *pos = malloc(sizeof *pos * (size_t)E);
     int64_t *sorted = malloc(sizeof *sorted * (size_t)A), *active = malloc(sizeof *active * (size_t)E);
-    float *xf = malloc(sizeof *xf * (size_t)(T * H));  /* x as fp32 (exact for bf16) */
+    float *xf = dot ? NULL : malloc(sizeof *xf * (size_t)(T * H)); /* x as fp32 (exact for bf16); the dot tiles read x */
     float *h = malloc(sizeof *h * (size_t)(A * I));    /* silu(gate) * up, rows in expert-sorted order */
     float *ys = malloc(sizeof *ys * (size_t)(A * H));  /* expert outputs, rows in assignment order t*k+j */
     uint16_t *hb = dot ? malloc(sizeof *hb * (size_t)(A * I)) : NULL; /* h in bf16 for the dot tiles */
     int rc = 0;
     float *panels = NULL;
-    if (!cnt || !pos || !sorted || !active || !xf || !h || !ys || (dot && !hb)) {
+    if (!cnt || !pos || !sorted || !active || (!dot && !xf) || !h || !ys || (dot && !hb)) {
         rc = -1;
         goto done;
     }
@@ -579,7 +579,7 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
 
     /* x as fp32 once (exact for bf16); in parallel only when it is big enough to pay a fork */
 #pragma omp parallel for schedule(static) if (T * H >= (1 << 18))
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t t = 0; t < (dot ? 0 : T); t++)
         for (int64_t c = 0; c < H; c++)
             xf[t * H + c] = bf ? bf16_to_f32(((const uint16_t *)x)[t * x_stride + c]) : ((const float *)x)[t * x_stride + c];
     /* the scalar MXFP8 route's fp32 panels, one per thread, allocated before the parallel region so
@@ -627,7 +627,7 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
             for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += mr) {
                 const int M = cnt[e + 1] - r0 < mr ? (int)(cnt[e + 1] - r0) : mr;
                 const float *xr[MRP];
-                for (int m = 0; m < M; m++) xr[m] = xf + (sorted[r0 + m] / k) * H;
+                for (int m = 0; m < M && !dot; m++) xr[m] = xf + (sorted[r0 + m] / k) * H;
                 v8f g[MRP], u[MRP];
 #ifdef MOE_DOT_BF16
                 if (dot) {

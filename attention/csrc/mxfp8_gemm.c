@@ -110,9 +110,11 @@ int mxfp8_dequantize(const uint8_t *data, const uint8_t *scales, int64_t rows, i
 
 #define PREFETCH_BYTES 2048
 #define DECODE_MAX_M 8 /* rows the decode loop takes (in passes of 4); more go to the tile loop */
-/* rows the bf16-dot decode loop takes (passes of 8): up to here it beats the bf16 tile loop, whose
- * per-call panel dequantization dominates at few rows (Zen4, 2 threads, [151936, 512]: 16 rows
- * 13.4 vs 20.5 ms; at 24 rows the two were even) */
+/* rows the bf16-dot decode loop takes (passes of 8). Chosen against the first bf16 tile loop, whose
+ * per-row scatter made its panel dequantization dominate at few rows (Zen4, 2 threads, [151936,
+ * 512]: 16 rows 13.4 vs 20.5 ms; at 24 rows the two were even). Since the tile transposes in
+ * registers it took 15.5 ms at 17 rows against this loop's 16.4-23.5 at 16 on a noisy run, so the
+ * crossover is probably lower now; not re-tuned. */
 #define DECODE_BF16_MAX_M 16
 
 #ifdef MX_X86
@@ -228,20 +230,37 @@ static void permute_x_bf16(const uint16_t *x, int64_t K, uint16_t *xp) {
         }
 }
 
+/* The byte tables as the lookups take them (the caller loads them once, outside its loop). */
+typedef struct {
+    __m512i lo0, lo1, hi0, hi1;
+} bf16_tabs;
+
+static inline __attribute__((always_inline)) MX_AVX512 bf16_tabs load_bf16_tabs(void) {
+    return (bf16_tabs){_mm512_loadu_si512(bf16_lo_tab), _mm512_loadu_si512(bf16_lo_tab + 64),
+                       _mm512_loadu_si512(bf16_hi_tab), _mm512_loadu_si512(bf16_hi_tab + 64)};
+}
+
+/* 64 E4M3 bytes -> their exact bf16 words (unscaled), in the unpacks' order: *wl holds elements
+ * 0-7, 16-23, 32-39, 48-55 (k-pairs 0-3, 8-11, 16-19, 24-27), *wh the others. */
+static inline __attribute__((always_inline)) MX_AVX512 void decode64_bf16(__m512i raw, const bf16_tabs *t, __m512i *wl,
+                                                                           __m512i *wh) {
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, raw, t->lo1); /* index bits 0..6 */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, raw, t->hi1), raw,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (raw & 0x80) */
+    *wl = _mm512_unpacklo_epi8(lo, hi);
+    *wh = _mm512_unpackhi_epi8(lo, hi);
+}
+
 static inline __attribute__((always_inline)) MX_AVX512 void dot_row_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s,
                                                                           int64_t K, const int M, float *out) {
-    const __m512i tlo0 = _mm512_loadu_si512(bf16_lo_tab), tlo1 = _mm512_loadu_si512(bf16_lo_tab + 64);
-    const __m512i thi0 = _mm512_loadu_si512(bf16_hi_tab), thi1 = _mm512_loadu_si512(bf16_hi_tab + 64);
-    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    const bf16_tabs tabs = load_bf16_tabs();
     __m512 tot[8];
     for (int m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
     for (int64_t c = 0; c < K; c += 64) {
         _mm_prefetch((const char *)(w + c + PREFETCH_BYTES), _MM_HINT_T0);
-        const __m512i raw = _mm512_loadu_si512(w + c);
-        const __m512i lo = _mm512_permutex2var_epi8(tlo0, raw, tlo1); /* index bits 0..6 */
-        __m512i hi = _mm512_permutex2var_epi8(thi0, raw, thi1);
-        hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
-        const __m512bh wl = (__m512bh)_mm512_unpacklo_epi8(lo, hi), wh = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+        __m512i l, h;
+        decode64_bf16(_mm512_loadu_si512(w + c), &tabs, &l, &h);
+        const __m512bh wl = (__m512bh)l, wh = (__m512bh)h;
         const uint8_t *sb = s + c / MX_BLOCK;
         const __m512 f = _mm512_insertf32x8(_mm512_set1_ps(factor_tab[sb[0]]), _mm256_set1_ps(factor_tab[sb[1]]), 1);
         for (int m = 0; m < M; m++) {
@@ -313,20 +332,15 @@ static int scales_bf16_safe(const uint8_t *s, int64_t n) {
 #define BF16_PANEL 64 /* packed_gemm.c's PANEL: features per panel */
 
 /* 64 weights of one row (bytes wr[ch..ch+64), scales sr[ch/32], sr[ch/32 + 1]) -> their scaled
- * bf16 words in the unpacks' order: *wl holds k-pairs 0-3, 8-11, 16-19, 24-27 of the chunk (one
- * pair a dword), *wh pairs 4-7, 12-15, 20-23, 28-31; the block scale is added to the exponents of
- * the non-zero words (words 0-15 of each half are block ch/32, words 16-31 the next). */
+ * bf16 words in decode64_bf16's order (one k-pair a dword); the block scale is added to the
+ * exponents of the non-zero words (words 0-15 of each half are block ch/32, words 16-31 the next). */
 static inline __attribute__((always_inline)) MX_AVX512 void decode_chunk_bf16(const uint8_t *wr, const uint8_t *sr, int64_t ch,
-                                                                               __m512i *wl, __m512i *wh) {
-    const __m512i raw = _mm512_loadu_si512(wr + ch);
-    const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(bf16_lo_tab), raw, _mm512_loadu_si512(bf16_lo_tab + 64));
-    const __m512i hi = _mm512_ternarylogic_epi32(
-        _mm512_permutex2var_epi8(_mm512_loadu_si512(bf16_hi_tab), raw, _mm512_loadu_si512(bf16_hi_tab + 64)), raw,
-        _mm512_set1_epi8((char)0x80), 0xF8);
+                                                                               const bf16_tabs *tabs, __m512i *wl, __m512i *wh) {
     const __m512i mag = _mm512_set1_epi16(0x7FFF);
     const __m512i shift = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)((sr[ch / 32] - 127) * 128)),
                                                   _mm512_set1_epi16((short)((sr[ch / 32 + 1] - 127) * 128)));
-    __m512i l = _mm512_unpacklo_epi8(lo, hi), h = _mm512_unpackhi_epi8(lo, hi);
+    __m512i l, h;
+    decode64_bf16(_mm512_loadu_si512(wr + ch), tabs, &l, &h);
     *wl = _mm512_mask_add_epi16(l, _mm512_test_epi16_mask(l, mag), l, shift);
     *wh = _mm512_mask_add_epi16(h, _mm512_test_epi16_mask(h, mag), h, shift);
 }
@@ -363,12 +377,13 @@ static inline __attribute__((always_inline)) MX_AVX512 void transpose16_store(co
  * ms against 31.9-32.2 now, Zen4, 2 threads, alternating builds). */
 static MX_AVX512 void dequant_panel_bf16(const uint8_t *w, const uint8_t *s, int64_t nr, int64_t K, uint16_t *panel) {
     const int64_t KB = K / MX_BLOCK;
+    const bf16_tabs tabs = load_bf16_tabs();
     uint32_t *pd = (uint32_t *)panel;
     for (int64_t c0 = 0; c0 < BF16_PANEL; c0 += 16)
         for (int64_t ch = 0; ch < K; ch += 64) {
             __m512i lo[16], hi[16];
             for (int i = 0; i < 16; i++) {
-                if (c0 + i < nr) decode_chunk_bf16(w + (c0 + i) * K, s + (c0 + i) * KB, ch, &lo[i], &hi[i]);
+                if (c0 + i < nr) decode_chunk_bf16(w + (c0 + i) * K, s + (c0 + i) * KB, ch, &tabs, &lo[i], &hi[i]);
                 else lo[i] = hi[i] = _mm512_setzero_si512();
             }
             transpose16_store(lo, pd + (ch / 2) * BF16_PANEL + c0, 0);
