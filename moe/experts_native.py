@@ -46,7 +46,7 @@ def supports_packed(x: torch.Tensor, gate_weight: torch.Tensor, packed: native_m
     activations with dense rows (in the weights' dtype unless MXFP8), no autograd on x, library loaded."""
     return (
         x.device.type == "cpu" and x.dim() == 2 and x.dtype in native_moe.WEIGHT_FORMAT and x.stride(-1) == 1
-        and (packed.fmt == native_moe.W_MXFP8 or native_moe.WEIGHT_FORMAT[x.dtype] == packed.fmt)
+        and native_moe.runs_on(packed.fmt, x.dtype)
         and not (torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad))
         and native_moe.available()
     )

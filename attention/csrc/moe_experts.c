@@ -18,7 +18,9 @@
  *   w2 [E, H, I] -> per expert, panels of P2 output features: w2p[e][q][k][c] = w2 row (P2 q + c), column k.
  *   Rows past I (or H) are zero. Elements keep the weight's dtype (fp32 or bf16; bf16 widens to
  *   fp32 in registers with a shift, which is exact).
- * The weight format is a per-call code (moe_experts' w_format): MOE_W_F32, MOE_W_BF16, MOE_W_MXFP8.
+ * The weight format is a per-call code (moe_experts' w_format): MOE_W_F32, MOE_W_BF16, MOE_W_MXFP8,
+ * and MOE_W_BF16_DOT: bf16 in packed_gemm.c's k-pair order, 64 features a panel, for the AVX512-BF16
+ * dot tiles (layout and why below, at moe_pack_dot_w13; run by experts_dot).
  * MXFP8 panels (moe_pack_mx_w13 / moe_pack_mx_w2) keep the same order with one E4M3 byte per
  * weight, so one k of a panel is 16 bytes = one 16-byte load decoded in registers (mxfp8.h), and
  * the E8M0 block scales are packed alongside: per block of 32 k, the panel's 16 features' scale
@@ -44,7 +46,7 @@
 #include "mxfp8.h"
 #include "vec_exp.h"
 
-enum { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_MXFP8 = 2 };
+enum { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_MXFP8 = 2, MOE_W_BF16_DOT = 3 };
 
 #define P13 8 /* intermediate features per w13 panel (P13 gate + P13 up rows) */
 #define P2 16 /* output features per w2 panel */
@@ -442,51 +444,93 @@ typedef void (*mx_tile_fn)(const float *const *, const uint8_t *, const uint8_t 
 static const mx_tile_fn MX_TILES[MR + 1] = {0, mx_tile_1, mx_tile_2, mx_tile_3, mx_tile_4};
 #endif
 
-/* ---- bf16 tiles on the bf16 dot instruction (AVX512-BF16): bf16 weights and activations ------ */
+/* ---- bf16 tiles on the bf16 dot instruction (AVX512-BF16): the MOE_W_BF16_DOT layout ------- */
+
+/* The dot layout (moe_pack_dot_w13 / moe_pack_dot_w2) is packed_gemm.c's: panels of DP = 64
+ * features, k-pairs in order, each k-pair the 64 features' two bf16 weights side by side,
+ *     w13d[e][g][kk][c][j]: c < 32 the gate row 32 g + c, c >= 32 the up row 32 g + c - 32, k = 2 kk + j
+ *     w2d[e][q][kk][c][j]:  the w2 row 64 q + c, k = 2 kk + j
+ * (zero past I, H and K). One k-pair of a panel is 4 zmm that VDPBF16PS takes as they are, against
+ * a row's two values of that k-pair broadcast: a 6-row x 64-feature tile holds 24 accumulators and
+ * each broadcast feeds 4 dot instructions (the 16-feature panels of the widening tiles fed one,
+ * after a word permutation, and left the experts at ~40 % of the dense GEMM's rate). The gate and
+ * up of 32 features end in the same tile, so silu * up is still the stage-1 epilogue. */
+#define DP 64
+
+int64_t moe_dot_w13_numel(int64_t E, int64_t I, int64_t H) { return E * ((I + 31) / 32) * ((H + 1) / 2) * 2 * DP; }
+int64_t moe_dot_w2_numel(int64_t E, int64_t H, int64_t I) { return E * ((H + DP - 1) / DP) * ((I + 1) / 2) * 2 * DP; }
+
+/* w [E, N, K] bf16 -> np panels per expert of the dot layout; gated: w13 (N = 2I, gate/up halves) */
+static void pack_dot(const uint16_t *w, int64_t E, int64_t N, int64_t np, int64_t K, int gated, uint16_t *out) {
+    const int64_t kp = (K + 1) / 2, I = N / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t ep = 0; ep < E * np; ep++) {
+        const int64_t e = ep / np, p = ep % np;
+        uint16_t *dst = out + (size_t)ep * (size_t)kp * 2 * DP;
+        for (int64_t c = 0; c < DP; c++) {
+            int64_t row;
+            if (gated) {
+                const int64_t f = 32 * p + c % 32; /* intermediate feature */
+                row = f < I ? (c < 32 ? f : I + f) : -1;
+            } else {
+                row = DP * p + c < N ? DP * p + c : -1;
+            }
+            const uint16_t *src = row >= 0 ? w + ((size_t)e * N + row) * K : NULL;
+            for (int64_t kk = 0; kk < kp; kk++) {
+                dst[(kk * DP + c) * 2] = src ? src[2 * kk] : 0;
+                dst[(kk * DP + c) * 2 + 1] = src && 2 * kk + 1 < K ? src[2 * kk + 1] : 0;
+            }
+        }
+    }
+}
+
+/* w13 [E, 2I, H] bf16 -> moe_dot_w13_numel elements; w2 [E, H, I] bf16 -> moe_dot_w2_numel. A pure
+ * permutation: it needs no AVX512-BF16, only moe_experts on this format does. */
+int moe_pack_dot_w13(const uint16_t *w, int64_t E, int64_t I, int64_t H, uint16_t *out) {
+    pack_dot(w, E, 2 * I, (I + 31) / 32, H, 1, out);
+    return 0;
+}
+
+int moe_pack_dot_w2(const uint16_t *w, int64_t E, int64_t H, int64_t I, uint16_t *out) {
+    pack_dot(w, E, H, (H + DP - 1) / DP, I, 0, out);
+    return 0;
+}
 
 #ifdef __AVX512BF16__
 #define MOE_DOT_BF16 1
-/* Both panel kinds hold 16 features per k (gate|up or 16 outputs). Two k steps are 32 contiguous
- * words [k][16] [k+1][16]; VDPBF16PS wants each feature's two k side by side, so one vpermw puts
- * them in that order (word 2i = (k, i), 2i + 1 = (k + 1, i)) and lane i of the result is feature
- * i. Rows r[m] are bf16 (the activations as they are; h rounded to bf16 where torch rounds it),
- * broadcast a k-pair at a time. Products are exact and sums fp32, as in the widening tiles; only
- * the summation order differs (and the instruction flushes denormal inputs and products). */
-static inline __attribute__((always_inline)) void dot_panel_tile(const uint16_t *const *r, const int M, const uint16_t *wp,
-                                                                 int64_t K, float out[][16]) {
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512 a[MRP], b[MRP];
-    for (int m = 0; m < M; m++) a[m] = b[m] = _mm512_setzero_ps();
-    int64_t kk = 0;
-    for (; 2 * kk + 3 < K; kk += 2) { /* two k-pairs a step: at M <= 2, four or more dot chains */
-        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(wp + 2 * kk * 16));
-        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(wp + (2 * kk + 2) * 16));
-        for (int m = 0; m < M; m++) {
-            int32_t p0, p1;
-            memcpy(&p0, r[m] + 2 * kk, 4);
-            memcpy(&p1, r[m] + 2 * kk + 2, 4);
-            a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_set1_epi32(p0));
-            b[m] = _mm512_dpbf16_ps(b[m], w1, (__m512bh)_mm512_set1_epi32(p1));
-        }
+/* out[m][0..63] = the 64 features of one dot-layout panel wp (ceil(K/2) k-pairs) against M bf16
+ * rows r[m] of length K. Products are exact and sums fp32, as in the widening tiles; only the
+ * summation order differs (and the instruction flushes denormal inputs and products). */
+static inline __attribute__((always_inline)) void dot64_step(const uint16_t *const *r, const int M, const uint16_t *w,
+                                                             int64_t kk, int last_alone, __m512 acc[][4]) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    for (int m = 0; m < M; m++) {
+        int32_t pr;
+        if (last_alone) pr = (int32_t)r[m][2 * kk]; /* an odd K's last k beside a zero (its weights' pair is zero too) */
+        else memcpy(&pr, r[m] + 2 * kk, 4);
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(pr);
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, b);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, b);
+        acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, b);
+        acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, b);
     }
-    for (; 2 * kk + 1 < K; kk++) {
-        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(wp + 2 * kk * 16));
-        for (int m = 0; m < M; m++) {
-            int32_t p0;
-            memcpy(&p0, r[m] + 2 * kk, 4);
-            a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_set1_epi32(p0));
-        }
-    }
-    if (K & 1) { /* the last k alone: its 16 weights beside zeros, x[K-1] beside a zero */
-        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(wp + (K - 1) * 16))));
-        for (int m = 0; m < M; m++) a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_set1_epi32((int32_t)r[m][K - 1]));
-    }
-    for (int m = 0; m < M; m++) _mm512_storeu_ps(out[m], _mm512_add_ps(a[m], b[m]));
 }
-#define DOT_TILE(M_)                                                                                         \
-    static void dot_tile_##M_(const uint16_t *const *r, const uint16_t *wp, int64_t K, float out[][16]) {  \
-        dot_panel_tile(r, M_, wp, K, out);                                                                  \
+
+static inline __attribute__((always_inline)) void dot64_tile(const uint16_t *const *r, const int M, const uint16_t *wp,
+                                                             int64_t K, float out[][DP]) {
+    __m512 acc[MRP][4];
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < 4; v++) acc[m][v] = _mm512_setzero_ps();
+    int64_t kk = 0;
+    for (; kk < K / 2; kk++) dot64_step(r, M, wp + kk * 2 * DP, kk, 0, acc);
+    if (K & 1) dot64_step(r, M, wp + kk * 2 * DP, kk, 1, acc);
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(out[m] + 16 * v, acc[m][v]);
+}
+#define DOT_TILE(M_)                                                                                        \
+    static void dot_tile_##M_(const uint16_t *const *r, const uint16_t *wp, int64_t K, float out[][DP]) { \
+        dot64_tile(r, M_, wp, K, out);                                                                     \
     }
 DOT_TILE(1)
 DOT_TILE(2)
@@ -494,18 +538,27 @@ DOT_TILE(3)
 DOT_TILE(4)
 DOT_TILE(5)
 DOT_TILE(6)
-typedef void (*dot_tile_fn)(const uint16_t *const *, const uint16_t *, int64_t, float[][16]);
+typedef void (*dot_tile_fn)(const uint16_t *const *, const uint16_t *, int64_t, float[][DP]);
 static const dot_tile_fn DOT_TILES[MRP + 1] = {0, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4, dot_tile_5, dot_tile_6};
+
+/* f32_to_bf16 on 16 lanes (nearest even; NaN kept, made quiet) */
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 #endif
 
-static int bf16_dot_on = 1;
-
-/* Let bf16 experts with bf16 activations take the dot tiles where the library has them (1, the
- * default) or the widening tiles (0: tests, A/B timing); returns whether the dot tiles are in use. */
-int moe_set_bf16_dot(int on) {
-    bf16_dot_on = on != 0;
+/* Whether moe_experts runs MOE_W_BF16_DOT weights in this build (it was compiled for a CPU with
+ * AVX512-BF16); the caller packs bf16 experts in that layout only then. */
+int moe_dot_available(void) {
 #ifdef MOE_DOT_BF16
-    return bf16_dot_on;
+    return 1;
 #else
     return 0;
 #endif
@@ -522,6 +575,140 @@ static void mx_panel_dequant(const uint8_t *wp, const uint8_t *sp, int64_t K, fl
         }
 }
 
+/* Counting sort of the A = T * k assignments by expert, token order kept inside an expert: expert
+ * e's assignments are sorted[cnt[e] .. cnt[e + 1]) (cnt: E + 1 zeros on entry), active[0 .. *nact)
+ * the experts that have any. -3 when an id lies outside [0, E). */
+static int group_by_expert(const int64_t *ids, int64_t A, int64_t E, int64_t *cnt, int64_t *pos, int64_t *sorted,
+                           int64_t *active, int64_t *nact) {
+    for (int64_t a = 0; a < A; a++) {
+        if (ids[a] < 0 || ids[a] >= E) return -3;
+        cnt[ids[a] + 1]++;
+    }
+    *nact = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (cnt[e + 1]) active[(*nact)++] = e;
+        cnt[e + 1] += cnt[e];
+        pos[e] = cnt[e];
+    }
+    for (int64_t a = 0; a < A; a++) sorted[pos[ids[a]]++] = a;
+    return 0;
+}
+
+/* whether every active expert holds at most one register tile of rows (decode): then stage-1
+ * items cost the same and go out statically */
+static int at_most_rows(const int64_t *cnt, const int64_t *active, int64_t nact, int rows) {
+    int yes = 1;
+    for (int64_t ai = 0; ai < nact; ai++) yes &= cnt[active[ai] + 1] - cnt[active[ai]] <= rows;
+    return yes;
+}
+
+/* Stage-1 work distribution of both expert loops: a thread's next item of n, or -1 when done.
+ * When the items cost the same (uniform) each thread takes a contiguous range [next, end): it
+ * reads long sequential stretches of the packed weights (one expert's panels are adjacent), which
+ * the hardware prefetchers stream far better than pieces handed out alternately; otherwise items
+ * go out dynamically from *claim. */
+static inline int64_t next_item(int uniform, int64_t *next, int64_t end, int64_t *claim, int64_t n) {
+    int64_t it;
+    if (uniform) return *next < end ? (*next)++ : -1;
+#pragma omp atomic capture
+    it = (*claim)++;
+    return it < n ? it : -1;
+}
+
+#ifdef MOE_DOT_BF16
+/* moe_experts on MOE_W_BF16_DOT weights (bf16 activations): stage 1 writes h = silu(gate) * up in
+ * bf16 (exactly the rounded values the widening tiles keep in fp32), stage 2 the expert outputs
+ * rounded to bf16 (as torch rounds them), and the combine sums each token's k rows in slot order
+ * in fp32, 16 columns at a time -- the same operations, in the same order per element, as the
+ * widening path's scalar epilogues. */
+static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
+                       const float *weights, int64_t k, const uint16_t *w13d, const uint16_t *w2d, int64_t E,
+                       int64_t I, void *out, int out_dtype) {
+    const int64_t A = T * k;
+    const int64_t ng = (I + 31) / 32, nq = (H + DP - 1) / DP, kp13 = (H + 1) / 2, kp2 = (I + 1) / 2;
+    int64_t *cnt = calloc((size_t)E + 1, sizeof *cnt), *pos = malloc(sizeof *pos * (size_t)E);
+    int64_t *sorted = malloc(sizeof *sorted * (size_t)A), *active = malloc(sizeof *active * (size_t)E);
+    uint16_t *hb = malloc(sizeof *hb * (size_t)(A * I)); /* h rows in expert-sorted order */
+    uint16_t *ys = malloc(sizeof *ys * (size_t)(A * H)); /* expert outputs, rows in assignment order t*k+j */
+    int rc = 0;
+    int64_t nact = 0;
+    if (!cnt || !pos || !sorted || !active || !hb || !ys) {
+        rc = -1;
+        goto done;
+    }
+    if ((rc = group_by_expert(ids, A, E, cnt, pos, sorted, active, &nact))) goto done;
+    const int uniform = at_most_rows(cnt, active, nact, MRP);
+    int64_t claim = 0;
+    /* one parallel region, one barrier: see moe_experts */
+#pragma omp parallel num_threads(omp_get_max_threads())
+    {
+        const int nth = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t n1 = nact * ng;
+        int64_t next = uniform ? n1 * me / nth : 0, it;
+        const int64_t end1 = uniform ? n1 * (me + 1) / nth : n1;
+        float o[MRP][DP];
+        /* stage 1: one item per (active expert, panel of 32 gate + 32 up features) */
+        while ((it = next_item(uniform, &next, end1, &claim, n1)) >= 0) {
+            const int64_t e = active[it / ng], g = it % ng;
+            const uint16_t *wp = w13d + (size_t)(e * ng + g) * (size_t)kp13 * 2 * DP;
+            const int nc = I - 32 * g < 32 ? (int)(I - 32 * g) : 32;
+            for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MRP) {
+                const int M = cnt[e + 1] - r0 < MRP ? (int)(cnt[e + 1] - r0) : MRP;
+                const uint16_t *xb[MRP];
+                for (int m = 0; m < M; m++) xb[m] = x + (sorted[r0 + m] / k) * x_stride;
+                DOT_TILES[M](xb, wp, H, o);
+                for (int m = 0; m < M; m++) {
+                    uint16_t hv[32];
+                    for (int v = 0; v < 4; v++) {
+                        const __m256 h8 = swiglu8(_mm256_loadu_ps(o[m] + 8 * v), _mm256_loadu_ps(o[m] + 32 + 8 * v), 1);
+                        /* h8 is a bf16 value already (swiglu8 rounds last): its high halves are exact */
+                        _mm_storeu_si128((__m128i *)(hv + 8 * v), _mm256_cvtepi32_epi16(_mm256_srli_epi32(_mm256_castps_si256(h8), 16)));
+                    }
+                    memcpy(hb + (r0 + m) * I + 32 * g, hv, sizeof *hv * (size_t)nc);
+                }
+            }
+        }
+#pragma omp barrier
+        /* stage 2 + combine: each thread owns a contiguous range of 64-column panels [q0, q1) for
+         * every token (so the combine needs no barrier), expert by expert */
+        const int64_t q0 = nq * me / nth, q1 = nq * (me + 1) / nth;
+        for (int64_t ai = 0; ai < nact; ai++) {
+            const int64_t e = active[ai];
+            for (int64_t q = q0; q < q1; q++) {
+                const uint16_t *wp = w2d + (size_t)(e * nq + q) * (size_t)kp2 * 2 * DP;
+                const int nc = H - DP * q < DP ? (int)(H - DP * q) : DP;
+                for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MRP) {
+                    const int M = cnt[e + 1] - r0 < MRP ? (int)(cnt[e + 1] - r0) : MRP;
+                    const uint16_t *hr[MRP];
+                    for (int m = 0; m < M; m++) hr[m] = hb + (r0 + m) * I;
+                    DOT_TILES[M](hr, wp, I, o);
+                    for (int m = 0; m < M; m++) {
+                        uint16_t yv[DP];
+                        for (int v = 0; v < 4; v++) _mm256_storeu_si256((__m256i *)(yv + 16 * v), bf16x16(_mm512_loadu_ps(o[m] + 16 * v)));
+                        memcpy(ys + sorted[r0 + m] * H + DP * q, yv, sizeof *yv * (size_t)nc);
+                    }
+                }
+            }
+        }
+        const int64_t c0 = q0 * DP, c1 = q1 * DP < H ? q1 * DP : H;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = c0; c < c1; c += 16) {
+                const __mmask16 lanes = c1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c1 - c)) - 1);
+                __m512 s = _mm512_setzero_ps();
+                for (int64_t j = 0; j < k; j++) {
+                    const __m512 y = widen16(_mm256_maskz_loadu_epi16(lanes, ys + (t * k + j) * H + c));
+                    s = _mm512_add_ps(s, _mm512_mul_ps(y, _mm512_set1_ps(weights[t * k + j])));
+                }
+                if (out_dtype == DT_BF16) _mm256_mask_storeu_epi16((uint16_t *)out + t * H + c, lanes, bf16x16(s));
+                else _mm512_mask_storeu_ps((float *)out + t * H + c, lanes, s);
+            }
+    }
+done:
+    free(cnt), free(pos), free(sorted), free(active), free(hb), free(ys);
+    return rc;
+}
+#endif
+
 /* out[t] = sum_j weights[t, j] * W2[ids[t, j]] (silu(G x[t]) * (U x[t])), G/U/W2 of that expert.
  *
  * x: [T, H] rows x_stride apart, dtype x_dtype (fp32/bf16; the computation follows it: bf16 rounds
@@ -532,6 +719,15 @@ static void mx_panel_dequant(const uint8_t *wp, const uint8_t *sp, int64_t K, fl
 int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
                 const float *weights, int64_t k, const void *w13p, const void *w2p, int w_format,
                 const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype) {
+    if (w_format == MOE_W_BF16_DOT) {
+#ifdef MOE_DOT_BF16
+        if (x_dtype != DT_BF16) return -2;
+        return experts_dot((const uint16_t *)x, x_stride, T, H, ids, weights, k, (const uint16_t *)w13p,
+                           (const uint16_t *)w2p, E, I, out, out_dtype);
+#else
+        return -2;
+#endif
+    }
     if (w_format != MOE_W_F32 && w_format != MOE_W_BF16 && w_format != MOE_W_MXFP8) return -2;
     const int mx = w_format == MOE_W_MXFP8;
     if (mx && (H % MX_BLOCK || I % MX_BLOCK || !w13_scale || !w2_scale)) return -2;
@@ -540,46 +736,27 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     const int bf = x_dtype == DT_BF16, fi = w_format == MOE_W_BF16;
     const int mx_fast = mx && mxfp8_use_fast();
     const int mr = mx ? MR : MRP; /* rows per register tile */
-#ifdef MOE_DOT_BF16
-    const int dot = bf16_dot_on && bf && fi;
-#else
-    const int dot = 0;
-#endif
     /* the scalar MXFP8 route's per-thread fp32 panel: [max(H, I)][16] */
     const int64_t panel_k = H > I ? H : I;
     const size_t es = elsize(w_format);
     const int64_t np = (I + P13 - 1) / P13, nq = (H + P2 - 1) / P2;
     int64_t *cnt = calloc((size_t)E + 1, sizeof *cnt), *pos = malloc(sizeof *pos * (size_t)E);
     int64_t *sorted = malloc(sizeof *sorted * (size_t)A), *active = malloc(sizeof *active * (size_t)E);
-    float *xf = dot ? NULL : malloc(sizeof *xf * (size_t)(T * H)); /* x as fp32 (exact for bf16); the dot tiles read x */
+    float *xf = malloc(sizeof *xf * (size_t)(T * H)); /* x as fp32 (exact for bf16) */
     float *h = malloc(sizeof *h * (size_t)(A * I));    /* silu(gate) * up, rows in expert-sorted order */
     float *ys = malloc(sizeof *ys * (size_t)(A * H));  /* expert outputs, rows in assignment order t*k+j */
-    uint16_t *hb = dot ? malloc(sizeof *hb * (size_t)(A * I)) : NULL; /* h in bf16 for the dot tiles */
     int rc = 0;
     float *panels = NULL;
-    if (!cnt || !pos || !sorted || !active || (!dot && !xf) || !h || !ys || (dot && !hb)) {
+    if (!cnt || !pos || !sorted || !active || !xf || !h || !ys) {
         rc = -1;
         goto done;
     }
-    /* counting sort of the assignments by expert, token order kept inside an expert */
-    for (int64_t a = 0; a < A; a++) {
-        if (ids[a] < 0 || ids[a] >= E) {
-            rc = -3;
-            goto done;
-        }
-        cnt[ids[a] + 1]++;
-    }
-    int64_t nact = 0;
-    for (int64_t e = 0; e < E; e++) {
-        if (cnt[e + 1]) active[nact++] = e;
-        cnt[e + 1] += cnt[e];
-        pos[e] = cnt[e];
-    }
-    for (int64_t a = 0; a < A; a++) sorted[pos[ids[a]]++] = a;
+    int64_t nact;
+    if ((rc = group_by_expert(ids, A, E, cnt, pos, sorted, active, &nact))) goto done;
 
     /* x as fp32 once (exact for bf16); in parallel only when it is big enough to pay a fork */
 #pragma omp parallel for schedule(static) if (T * H >= (1 << 18))
-    for (int64_t t = 0; t < (dot ? 0 : T); t++)
+    for (int64_t t = 0; t < T; t++)
         for (int64_t c = 0; c < H; c++)
             xf[t * H + c] = bf ? bf16_to_f32(((const uint16_t *)x)[t * x_stride + c]) : ((const float *)x)[t * x_stride + c];
     /* the scalar MXFP8 route's fp32 panels, one per thread, allocated before the parallel region so
@@ -593,33 +770,17 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     /* One parallel region with one barrier (between the two stages): on a machine shared with
      * other busy processes every barrier can wait a whole scheduler slice for a descheduled
      * thread, so the stages are arranged to need no more. */
-    /* every active expert holds at most one register tile of rows (decode): stage-1 items cost the same */
-    int uniform = 1;
-    for (int64_t ai = 0; ai < nact; ai++) uniform &= cnt[active[ai] + 1] - cnt[active[ai]] <= mr;
+    const int uniform = at_most_rows(cnt, active, nact, mr);
     int64_t claim = 0; /* stage 1's next item when items go out dynamically */
 #pragma omp parallel num_threads(nthreads)
     {
         float *panel = panels ? panels + (size_t)omp_get_thread_num() * (size_t)(panel_k * 16) : NULL;
-        /* stage 1: h = silu(x G^T) * (x U^T), one item per (active expert, panel) */
-        /* a thread's items: when every active expert has at most one register tile of rows
-         * (decode) the items cost the same, and a static split into contiguous ranges makes each
-         * thread read long sequential stretches of the packed weights (one expert's panels are
-         * adjacent), which the hardware prefetchers stream far better than 16 KB pieces handed
-         * out alternately; otherwise items go out dynamically */
+        /* stage 1: h = silu(x G^T) * (x U^T), one item per (active expert, panel), see next_item */
         const int nth = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t n1 = nact * np;
-        int64_t next = uniform ? n1 * me / nth : 0;
+        int64_t next = uniform ? n1 * me / nth : 0, it;
         const int64_t end1 = uniform ? n1 * (me + 1) / nth : n1;
-        for (;;) {
-            int64_t it;
-            if (uniform) {
-                if (next >= end1) break;
-                it = next++;
-            } else {
-#pragma omp atomic capture
-                it = claim++;
-                if (it >= n1) break;
-            }
+        while ((it = next_item(uniform, &next, end1, &claim, n1)) >= 0) {
             const int64_t e = active[it / np], p = it % np;
             const char *wp = (const char *)w13p + (size_t)((e * np + p) * H * 2 * P13) * es;
             const uint8_t *sp = mx ? (const uint8_t *)w13_scale + (size_t)((e * np + p) * (H / MX_BLOCK) * 2 * P13) : NULL;
@@ -627,17 +788,8 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
             for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += mr) {
                 const int M = cnt[e + 1] - r0 < mr ? (int)(cnt[e + 1] - r0) : mr;
                 const float *xr[MRP];
-                for (int m = 0; m < M && !dot; m++) xr[m] = xf + (sorted[r0 + m] / k) * H;
+                for (int m = 0; m < M; m++) xr[m] = xf + (sorted[r0 + m] / k) * H;
                 v8f g[MRP], u[MRP];
-#ifdef MOE_DOT_BF16
-                if (dot) {
-                    const uint16_t *xb[MRP];
-                    for (int m = 0; m < M; m++) xb[m] = (const uint16_t *)x + (sorted[r0 + m] / k) * x_stride;
-                    float gu[MRP][16]; /* lanes 0-7 gate, 8-15 up */
-                    DOT_TILES[M](xb, (const uint16_t *)wp, H, gu);
-                    for (int m = 0; m < M; m++) memcpy(&g[m], gu[m], sizeof(v8f)), memcpy(&u[m], gu[m] + 8, sizeof(v8f));
-                } else
-#endif
 #ifdef MX_X86
                 if (mx_fast) MX_TILES[M](xr, (const uint8_t *)wp, sp, H, g, u);
                 else
@@ -661,8 +813,6 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                         hm[c] = rnd(sv * uv, bf);
                     }
 #endif
-                    if (dot)
-                        for (int c = 0; c < nc; c++) hb[(r0 + m) * I + p * P13 + c] = f32_to_bf16(hm[c]); /* exact */
                 }
             }
         }
@@ -685,15 +835,6 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                     const float *hr[MRP];
                     for (int m = 0; m < M; m++) hr[m] = h + (r0 + m) * I;
                     v8f a0[MRP], a1[MRP];
-#ifdef MOE_DOT_BF16
-                    if (dot) {
-                        const uint16_t *hbr[MRP];
-                        for (int m = 0; m < M; m++) hbr[m] = hb + (r0 + m) * I;
-                        float o[MRP][16];
-                        DOT_TILES[M](hbr, (const uint16_t *)wp, I, o);
-                        for (int m = 0; m < M; m++) memcpy(&a0[m], o[m], sizeof(v8f)), memcpy(&a1[m], o[m] + 8, sizeof(v8f));
-                    } else
-#endif
 #ifdef MX_X86
                     if (mx_fast) MX_TILES[M](hr, (const uint8_t *)wp, sp, I, a0, a1);
                     else
@@ -721,6 +862,6 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     }
 done:
     free(panels);
-    free(cnt), free(pos), free(sorted), free(active), free(xf), free(h), free(ys), free(hb);
+    free(cnt), free(pos), free(sorted), free(active), free(xf), free(h), free(ys);
     return rc;
 }

@@ -10,7 +10,10 @@ hold plain tensors. Also the argument checks of the native calls. It knows nothi
 callers pass plain numbers. Whether experts take these kernels is `kernels()`'s to say (library
 loaded, `CUTTLE_MOE_NATIVE` not "0").
 
-Weight formats (the C side's per-call code): `W_F32`, `W_BF16`, and `W_MXFP8`: E4M3 bytes with
+Weight formats (the C side's per-call code): `W_F32`, `W_BF16` (panels of 8 gate + 8 up features,
+read by the widening fp32 tiles), `W_BF16_DOT` (bf16 in the dense packed GEMM's k-pair order, 64
+features a panel, for the AVX512-BF16 dot tiles: what `pack` / `experts` choose for bf16 experts
+where the library has them, unless `set_bf16_dot(False)`), and `W_MXFP8`: E4M3 bytes with
 E8M0 block scales (the (data, scale) pairs `cuttle.moe.mxfp8` writes), packed into the same panel
 order with their scales beside them (`packed_mx_w13` / `packed_mx_w2`) and decoded in registers by
 the shared MXFP8 inner loop (`csrc/mxfp8.h`); `experts_mxfp8` runs them.
@@ -28,8 +31,8 @@ from cuttle.attention.native.build import DTYPE_CODE
 from cuttle.attention.native.gemm import _PACKED_ATTR
 from cuttle.attention.native.mxfp8 import check_nan_elements
 
-W_F32, W_BF16, W_MXFP8 = 0, 1, 2
-WEIGHT_FORMAT = {torch.float32: W_F32, torch.bfloat16: W_BF16}
+W_F32, W_BF16, W_MXFP8, W_BF16_DOT = 0, 1, 2, 3
+WEIGHT_FORMAT = {torch.float32: W_F32, torch.bfloat16: W_BF16}  # the plain formats of each dtype
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES: dict[str, tuple[list, type]] = {
@@ -41,18 +44,26 @@ _SIGNATURES: dict[str, tuple[list, type]] = {
     "moe_pack_mx_w2": ([_vp, _vp, _i64, _i64, _i64, _vp, _vp], _int),
     "moe_route": ([_vp, _int, _i64, _i64, _i64, _int, _int, _i64, _i64, _float, _vp, _vp, _vp, _vp], _i64),
     "moe_experts": ([_vp, _int, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _vp, _i64, _i64, _vp, _int], _int),
-    "moe_set_bf16_dot": ([_int], _int),
+    "moe_dot_available": ([], _int),
+    "moe_dot_w13_numel": ([_i64, _i64, _i64], _i64),
+    "moe_dot_w2_numel": ([_i64, _i64, _i64], _i64),
+    "moe_pack_dot_w13": ([_vp, _i64, _i64, _i64, _vp], _int),
+    "moe_pack_dot_w2": ([_vp, _i64, _i64, _i64, _vp], _int),
 }
 _declared: set[int] = set()
 MAX_EXPERTS = 4096  # moe_route keeps one token's scores on the stack
 P13, P2 = 8, 16  # features per w13 / w2 panel (csrc/moe_experts.c); `unpack` reads the layout with them
+DOT_PANEL = 64  # features per panel of the W_BF16_DOT layout (32 gate + 32 up for w13)
+_dot_wanted = True  # set_bf16_dot's switch
 
 
 @dataclass(slots=True)
 class PackedExperts:
     """One layer's routed experts in the kernel's panel layout: w13 [E][ceil(I/P13)][H][2*P13] and w2
     [E][ceil(H/P2)][I][P2] (rows past I or H are zero), in the weights' dtype, or as E4M3 bytes
-    with the E8M0 scale panels `s13` / `s2` beside them (`fmt` W_MXFP8)."""
+    with the E8M0 scale panels `s13` / `s2` beside them (`fmt` W_MXFP8), or for W_BF16_DOT
+    w13 [E][ceil(I/32)][ceil(H/2)][64][2] (32 gate then the same 32 up rows, k-pairs side by side)
+    and w2 [E][ceil(H/64)][ceil(I/2)][64][2]."""
 
     fmt: int
     E: int
@@ -86,18 +97,42 @@ def available() -> bool:
     return kernels().moe_experts
 
 
+def dot_in_use() -> bool:
+    """Whether bf16 experts packed from now on take the AVX512-BF16 dot tiles (W_BF16_DOT)."""
+    return _dot_wanted and bool(_lib(record=False).moe_dot_available())
+
+
 def set_bf16_dot(on: bool) -> bool:
-    """bf16 experts on bf16 activations take the AVX512-BF16 dot tiles (`on`, the default where the
-    library was built with them) or the widening fp32 tiles (tests, A/B timing); returns whether
-    the dot tiles are now in use (False on CPUs without AVX512-BF16)."""
-    return bool(_lib(record=False).moe_set_bf16_dot(int(on)))
+    """bf16 experts packed from now on take the AVX512-BF16 dot tiles (`on`, the default where the
+    library was built with them) or the widening fp32 tiles (tests, A/B timing); weights packed
+    before keep their layout and tiles. Returns whether the dot tiles are now in use (False on CPUs
+    without AVX512-BF16)."""
+    global _dot_wanted
+    _dot_wanted = bool(on)
+    return dot_in_use()
 
 
-def _cached(make, *tensors: torch.Tensor):
+def plain_format(dtype: torch.dtype) -> int:
+    """The format fp32/bf16 experts of `dtype` are packed in now (W_BF16_DOT for bf16 where it runs)."""
+    fmt = WEIGHT_FORMAT[dtype]
+    return W_BF16_DOT if fmt == W_BF16 and dot_in_use() else fmt
+
+
+def runs_on(fmt: int, x_dtype: torch.dtype) -> bool:
+    """Whether packed experts of format `fmt` run on activations of `x_dtype`: MXFP8 on either, a plain
+    format on its own dtype, the dot layout on bf16 (it is only ever made where the library runs it)."""
+    if fmt == W_MXFP8:
+        return x_dtype in WEIGHT_FORMAT
+    if fmt == W_BF16_DOT:
+        return x_dtype == torch.bfloat16
+    return WEIGHT_FORMAT.get(x_dtype) == fmt
+
+
+def _cached(make, *tensors: torch.Tensor, layout: int = -1):
     """`make()`, kept on `tensors[0]` and made again once any of `tensors` was written: keyed like
     the dense packed weights, by version counter (an in-place write, also on a slice, bumps it) and
-    storage."""
-    key = tuple((t._version, t.data_ptr()) for t in tensors)
+    storage, and by the `layout` it was packed in."""
+    key = (layout, *((t._version, t.data_ptr()) for t in tensors))
     hit = getattr(tensors[0], _PACKED_ATTR, None)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -121,36 +156,46 @@ def _sizes(w13: torch.Tensor, w2: torch.Tensor, H: int | None = None) -> tuple[i
     return E, two_i // 2, H13
 
 
-def _pack_w13(w13: torch.Tensor) -> torch.Tensor:
+def _pack_w13(w13: torch.Tensor, fmt: int) -> torch.Tensor:
     _check_weight(w13, "w13")
     E, two_i, H = w13.shape
     if two_i % 2:
         raise ValueError(f"w13: row count {two_i} is not 2 * intermediate_size")
     lib = _lib(record=False)
-    out = hugepages.empty(lib.moe_packed_w13_numel(E, two_i // 2, H), w13.dtype)
-    if lib.moe_pack_w13(w13.data_ptr(), WEIGHT_FORMAT[w13.dtype], E, two_i // 2, H, out.data_ptr()) != 0:
+    if fmt == W_BF16_DOT:
+        out = hugepages.empty(lib.moe_dot_w13_numel(E, two_i // 2, H), w13.dtype)
+        rc = lib.moe_pack_dot_w13(w13.data_ptr(), E, two_i // 2, H, out.data_ptr())
+    else:
+        out = hugepages.empty(lib.moe_packed_w13_numel(E, two_i // 2, H), w13.dtype)
+        rc = lib.moe_pack_w13(w13.data_ptr(), fmt, E, two_i // 2, H, out.data_ptr())
+    if rc != 0:
         raise RuntimeError("moe_pack_w13 failed")
     return out
 
 
-def _pack_w2(w2: torch.Tensor) -> torch.Tensor:
+def _pack_w2(w2: torch.Tensor, fmt: int) -> torch.Tensor:
     _check_weight(w2, "w2")
     E, H, I = w2.shape
     lib = _lib(record=False)
-    out = hugepages.empty(lib.moe_packed_w2_numel(E, H, I), w2.dtype)
-    if lib.moe_pack_w2(w2.data_ptr(), WEIGHT_FORMAT[w2.dtype], E, H, I, out.data_ptr()) != 0:
+    if fmt == W_BF16_DOT:
+        out = hugepages.empty(lib.moe_dot_w2_numel(E, H, I), w2.dtype)
+        rc = lib.moe_pack_dot_w2(w2.data_ptr(), E, H, I, out.data_ptr())
+    else:
+        out = hugepages.empty(lib.moe_packed_w2_numel(E, H, I), w2.dtype)
+        rc = lib.moe_pack_w2(w2.data_ptr(), fmt, E, H, I, out.data_ptr())
+    if rc != 0:
         raise RuntimeError("moe_pack_w2 failed")
     return out
 
 
-def packed_w13(w13: torch.Tensor) -> torch.Tensor:
-    """The packed form of w13 [E, 2I, H] (gate rows, then up rows), made on first use and after a write."""
-    return _cached(lambda: _pack_w13(w13), w13)
+def packed_w13(w13: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The packed form (format `fmt`) of w13 [E, 2I, H] (gate rows, then up rows), made on first use and after a write."""
+    return _cached(lambda: _pack_w13(w13, fmt), w13, layout=fmt)
 
 
-def packed_w2(w2: torch.Tensor) -> torch.Tensor:
-    """The packed form of w2 [E, H, I], made on first use and after a write."""
-    return _cached(lambda: _pack_w2(w2), w2)
+def packed_w2(w2: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The packed form (format `fmt`) of w2 [E, H, I], made on first use and after a write."""
+    return _cached(lambda: _pack_w2(w2, fmt), w2, layout=fmt)
 
 
 def _check_mx(data: torch.Tensor, scale: torch.Tensor, name: str) -> None:
@@ -184,20 +229,23 @@ def _pack_mx(data: torch.Tensor, scale: torch.Tensor, which: str) -> tuple[torch
 
 def packed_mx_w13(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Panel-packed MXFP8 w13 (bytes, scale bytes) of data [E, 2I, H] / scale [E, 2I, H/32]."""
-    return _cached(lambda: _pack_mx(data, scale, "w13"), data, scale)
+    return _cached(lambda: _pack_mx(data, scale, "w13"), data, scale, layout=W_MXFP8)
 
 
 def packed_mx_w2(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Panel-packed MXFP8 w2 (bytes, scale bytes) of data [E, H, I] / scale [E, H, I/32]."""
-    return _cached(lambda: _pack_mx(data, scale, "w2"), data, scale)
+    return _cached(lambda: _pack_mx(data, scale, "w2"), data, scale, layout=W_MXFP8)
 
 
 def pack(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
-    """Plain fp32/bf16 experts w13 [E, 2I, H], w2 [E, H, I] (one dtype) -> their panels."""
+    """Plain fp32/bf16 experts w13 [E, 2I, H], w2 [E, H, I] (one dtype) -> their panels, in
+    `plain_format`'s layout."""
     E, I, H = _sizes(w13, w2)
     if w2.dtype != w13.dtype:
         raise ValueError(f"expert weights w13 {w13.dtype}, w2 {w2.dtype}: one dtype expected")
-    return PackedExperts(WEIGHT_FORMAT[w13.dtype], E, I, H, _pack_w13(w13), _pack_w2(w2))
+    _check_weight(w13, "w13")
+    fmt = plain_format(w13.dtype)
+    return PackedExperts(fmt, E, I, H, _pack_w13(w13, fmt), _pack_w2(w2, fmt))
 
 
 def pack_mxfp8(w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]) -> PackedExperts:
@@ -217,10 +265,24 @@ def _unpanel(panels: torch.Tensor, E: int, rows: int, K: int, width: int, halves
     return v[:, :, :rows].reshape(E, halves * rows, K).contiguous()
 
 
+def _unpanel_dot(panels: torch.Tensor, E: int, rows: int, K: int, gated: bool) -> torch.Tensor:
+    """The W_BF16_DOT panels -> [E, 2 * rows, K] (gated: w13, rows = I) or [E, rows, K] (w2)."""
+    kp = (K + 1) // 2
+    if gated:
+        n = -(-rows // 32)
+        v = panels.view(E, n, kp, 2, 32, 2).permute(0, 3, 1, 4, 2, 5).reshape(E, 2, n * 32, 2 * kp)
+        return v[:, :, :rows, :K].reshape(E, 2 * rows, K).contiguous()
+    n = -(-rows // DOT_PANEL)
+    v = panels.view(E, n, kp, DOT_PANEL, 2).permute(0, 1, 3, 2, 4).reshape(E, n * DOT_PANEL, 2 * kp)
+    return v[:, :rows, :K].contiguous()
+
+
 def unpack(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor] | tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """The exact plain tensors a `PackedExperts` was made from (fresh copies): (w13, w2), or for
     MXFP8 ((w13 data, w13 scale), (w2 data, w2 scale)). Pure torch: a permutation of the bytes."""
     E, I, H = p.E, p.I, p.H
+    if p.fmt == W_BF16_DOT:
+        return _unpanel_dot(p.w13, E, I, H, True), _unpanel_dot(p.w2, E, H, I, False)
     w13 = _unpanel(p.w13, E, I, H, P13, 2)
     w2 = _unpanel(p.w2, E, H, I, P2, 1)
     if p.fmt != W_MXFP8:
@@ -310,7 +372,8 @@ def experts(
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"expert weights {w13.dtype}/{w2.dtype} differ from the activations' {x.dtype}")
     E, I, _ = _sizes(w13, w2, x.shape[1])
-    return _run(x, weights, ids, k, packed_w13(w13), packed_w2(w2), WEIGHT_FORMAT[w13.dtype], None, None, E, I)
+    fmt = plain_format(w13.dtype)
+    return _run(x, weights, ids, k, packed_w13(w13, fmt), packed_w2(w2, fmt), fmt, None, None, E, I)
 
 
 def experts_mxfp8(
@@ -331,6 +394,6 @@ def experts_packed(x: torch.Tensor, p: PackedExperts, weights: torch.Tensor, ids
     weights, ids, k = _routing_args(x, weights, ids)
     if x.shape[1] != p.H:
         raise ValueError(f"packed experts have hidden size {p.H}, x has {x.shape[1]}")
-    if p.fmt != W_MXFP8 and WEIGHT_FORMAT[x.dtype] != p.fmt:
+    if not runs_on(p.fmt, x.dtype):
         raise ValueError(f"packed expert weights (format {p.fmt}) differ from the activations' {x.dtype}")
     return _run(x, weights, ids, k, p.w13, p.w2, p.fmt, p.s13, p.s2, p.E, p.I)

@@ -55,10 +55,10 @@ def test_weights_packed_on_first_use_inside_a_capture_are_not_repacked_by_its_re
     with torch.inference_mode():
         with graph.capture() as kg:
             y = linear(x, w)
-            p13 = moe.packed_w13(w13)
+            p13 = moe.packed_w13(w13, moe.plain_format(w13.dtype))
         packing = [n for n in kg.names if "pack" in n and n != "packed_gemm_bf16"]  # the GEMM itself is a step's work
         assert not packing and len(kg) >= 1, kg.names
-        assert moe.packed_w13(w13) is p13  # cached on the weight by the capture's run
+        assert moe.packed_w13(w13, moe.plain_format(w13.dtype)) is p13  # cached on the weight by the capture's run
         want = y.clone()
         y.zero_()
         assert kg.replay() and torch.equal(y, want)
