@@ -6,6 +6,10 @@ llama.cpp on the same weights and the same token-id prompts.
     python benchmarks/throughput.py --model-preset qwen3-moe-small --json out.json
     python benchmarks/throughput.py --peers none    # cuttle and transformers only
 
+cuttle's engines of one run (bf16 and each MXFP8 option) are all kept after their offline runs,
+and their batch-1 decode is the median of --decode-rounds rounds that visit each engine in turn,
+so same-run ratios between them do not ride on the drift of a shared machine's rate.
+
 Reports output tokens/s, the ratio to transformers, and batch-1 decode as a fraction of the
 memory-bandwidth limit (bytes of the weights one token reads / copy bandwidth measured in this run),
 plus the offline figure as a fraction of the matmul FLOP limit measured in this run (the --dtype
@@ -19,6 +23,7 @@ Q8_0 GGUF (8.5 bits per weight; run whatever --dtype, its bandwidth fraction use
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -44,8 +49,8 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
 
 
-def bench_cuttle(path: str, dtype: str, reqs: list[list[int]], out_len: int, max_num_seqs: int, **engine_kw) -> tuple[float, float]:
-    """Returns (offline output tok/s, batch-1 decode tok/s). `engine_kw`: e.g. quantization="mxfp8"."""
+def offline_cuttle(path: str, dtype: str, reqs: list[list[int]], out_len: int, max_num_seqs: int, **engine_kw):
+    """(the LLM, kept for the batch-1 rounds; offline output tok/s). `engine_kw`: e.g. quantization="mxfp8"."""
     from cuttle.engine import LLM, SamplingParams
 
     llm = LLM(path, dtype=dtype, max_model_len=len(reqs[0]) + out_len + 16, max_num_seqs=max_num_seqs,
@@ -54,17 +59,39 @@ def bench_cuttle(path: str, dtype: str, reqs: list[list[int]], out_len: int, max
     llm.generate(reqs[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     t = time.perf_counter()
     outs = llm.generate(reqs, sp, use_tqdm=False)
-    offline = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+    return llm, sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def decode_b1(llm, prompt: list[int], out_len: int) -> float:
+    """Batch-1 decode tok/s of one request (prefill and first token not counted)."""
+    from cuttle.engine import SamplingParams
+
     engine = llm.engine
-    engine.add_request("b1", reqs[0], sp)
+    engine.add_request(f"b1-{time.perf_counter_ns()}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     engine.step()  # prefill + first token
     t = time.perf_counter()
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-    decode = steps / (time.perf_counter() - t)
-    return offline, decode
+    return steps / (time.perf_counter() - t)
+
+
+def interleaved_b1(llms: dict[str, object], prompt: list[int], out_len: int, rounds: int) -> dict[str, float]:
+    """Median batch-1 decode tok/s of each engine over `rounds` rounds that visit every engine in
+    turn: the rate of a shared VM drifts by tens of percent over minutes, so engines measured one
+    after another would be compared across that drift; interleaved, each round sees the same."""
+    rates: dict[str, list[float]] = {name: [] for name in llms}
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            rates[name].append(decode_b1(llm, prompt, out_len))
+    return {name: sorted(r)[len(r) // 2] for name, r in rates.items()}
+
+
+def bench_cuttle(path: str, dtype: str, reqs: list[list[int]], out_len: int, max_num_seqs: int, **engine_kw) -> tuple[float, float]:
+    """(offline output tok/s, batch-1 decode tok/s) of one engine on its own."""
+    llm, offline = offline_cuttle(path, dtype, reqs, out_len, max_num_seqs, **engine_kw)
+    return offline, decode_b1(llm, reqs[0], out_len)
 
 
 def bench_transformers(path: str, dtype: torch.dtype, reqs: list[list[int]], out_len: int, batch: int) -> tuple[float, float]:
@@ -190,6 +217,8 @@ def main() -> None:
     ap.add_argument("--quantize-lm-head", action="store_true",
                     help="also run cuttle with every linear, the routed experts and the lm_head in MXFP8, in this run")
     ap.add_argument("--vllm-enforce-eager", action="store_true", help="run vLLM without its torch.compile step")
+    ap.add_argument("--decode-rounds", type=int, default=3,
+                    help="batch-1 decode: rounds over every cuttle engine of the run, in turn; the median is reported (default 3)")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
     args = ap.parse_args()
     if args.quick:
@@ -224,8 +253,26 @@ def main() -> None:
 
     reqs = prompts(args.num_requests, args.prompt_len, mc.vocab_size)
     print(f"limits: copy {bw:.1f} GB/s, {flops_src} {flops:.0f} GFLOP/s", flush=True)
-    c_off, c_dec = bench_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs)
-    print(f"cuttle: offline {c_off:.1f} out tok/s, batch-1 decode {c_dec:.2f} tok/s", flush=True)
+    if args.decode_rounds < 1:
+        ap.error("--decode-rounds must be >= 1")
+    llms: dict[str, object] = {}  # kept for the interleaved batch-1 rounds
+    llms["cuttle"], c_off = offline_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs)
+    print(f"cuttle: offline {c_off:.1f} out tok/s", flush=True)
+    mx_offline: dict[str, tuple[str, float, tuple]] = {}  # results key -> (label, offline, mxfp8_params options)
+    for opt, (key, label, kw, n_opts) in MXFP8_VARIANTS.items():
+        if getattr(args, opt):
+            llms[key], off = offline_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs, **kw)
+            mx_offline[key] = (label, off, n_opts)
+            print(f"{label} ({kw}): offline {off:.1f} out tok/s", flush=True)
+    b1 = interleaved_b1(llms, reqs[0], args.output_len, args.decode_rounds)
+    llms.clear()
+    gc.collect()  # the engines hold reference cycles: free their memory before the next ones start
+    c_dec = b1["cuttle"]
+    print(f"cuttle: batch-1 decode {c_dec:.2f} tok/s (median of {args.decode_rounds} interleaved rounds)", flush=True)
+    mx_runs: dict[str, tuple[str, tuple[float, float], tuple]] = {}  # results key -> (label, figures, mxfp8_params options)
+    for key, (label, off, n_opts) in mx_offline.items():
+        mx_runs[key] = (label, (off, b1[key]), n_opts)
+        print(f"{label}: batch-1 decode {b1[key]:.2f} tok/s", flush=True)
     moe_ab: tuple[float, float] | None = None
     if args.moe_ab:
         from cuttle.attention import native
@@ -236,12 +283,6 @@ def main() -> None:
         del os.environ["CUTTLE_MOE_NATIVE"]
         native.select()
         print(f"cuttle, torch expert path: offline {moe_ab[0]:.1f} out tok/s, batch-1 decode {moe_ab[1]:.2f} tok/s", flush=True)
-    mx_runs: dict[str, tuple[str, tuple[float, float], tuple]] = {}  # results key -> (label, figures, mxfp8_params options)
-    for opt, (key, label, kw, n_opts) in MXFP8_VARIANTS.items():
-        if getattr(args, opt):
-            fig = bench_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs, **kw)
-            mx_runs[key] = (label, fig, n_opts)
-            print(f"{label} ({kw}): offline {fig[0]:.1f} out tok/s, batch-1 decode {fig[1]:.2f} tok/s", flush=True)
     rows = []
     if args.skip_transformers:
         t_off = t_dec = float("nan")
@@ -303,7 +344,8 @@ def main() -> None:
         r.update(offline_vs_transformers=ratio(off, t_off), offline_of_flop_limit=ratio(off, flop_limit),
                  decode_vs_transformers=ratio(dec, t_dec), decode_of_bandwidth_limit=ratio(dec, own_bw_limit))
         label = {**{k: v[0] for k, v in mx_runs.items()},
-                 "cuttle-torch-experts": "cuttle, torch experts (CUTTLE_MOE_NATIVE=0)", "vllm": "vLLM (CPU)", "llamacpp": "llama.cpp (bf16 GGUF)", "llamacpp-q8_0": "llama.cpp (Q8_0 GGUF)"}.get(name, name)
+                 "cuttle-torch-experts": "cuttle, torch experts (CUTTLE_MOE_NATIVE=0)", "vllm": "vLLM (CPU)",
+                 "llamacpp": "llama.cpp (bf16 GGUF)", "llamacpp-q8_0": "llama.cpp (Q8_0 GGUF)"}.get(name, name)
         rows.append([label, str(r["batch"]), cell(off), cell(r["offline_vs_transformers"]), cell(r["offline_of_flop_limit"]),
                      dec, cell(r["decode_vs_transformers"]), cell(r["decode_of_bandwidth_limit"])])
     print(f"\nmachine: {info}")
@@ -323,8 +365,9 @@ def main() -> None:
         doc = {"machine": info, "model": path, "model_preset": None if args.model else args.model_preset, "dtype": args.dtype,
                "params": n_params, "params_read_per_decode_token": read_params,
                "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                            "max_num_seqs": args.max_num_seqs, "hf_batch": args.hf_batch},
-               "limits": {"copy_gb_s": bw, "matmul_gflop_s": flops, "matmul_limit_source": flops_src, f"{args.dtype}_matmul_gflop_s": flops_dtype, "batch1_bound_tok_s": bw_limit, "offline_bound_tok_s": flop_limit},
+                            "max_num_seqs": args.max_num_seqs, "hf_batch": args.hf_batch, "decode_rounds": args.decode_rounds},
+               "limits": {"copy_gb_s": bw, "matmul_gflop_s": flops, "matmul_limit_source": flops_src,
+                          f"{args.dtype}_matmul_gflop_s": flops_dtype, "batch1_bound_tok_s": bw_limit, "offline_bound_tok_s": flop_limit},
                "engines": results, "skipped": skipped}
         with open(args.json, "w") as out:
             json.dump(_finite(doc), out, indent=1)
