@@ -7,8 +7,9 @@ llama.cpp on the same weights and the same token-id prompts.
     python benchmarks/throughput.py --peers none    # cuttle and transformers only
 
 cuttle's engines of one run (bf16 and each MXFP8 option) are all kept after their offline runs,
-and their batch-1 decode is the median of --decode-rounds rounds that visit each engine in turn,
-so same-run ratios between them do not ride on the drift of a shared machine's rate.
+and the batch-1 decode of each of them and of the llama.cpp peers is the median of --decode-rounds
+rounds that visit every one in turn (a llama.cpp round is one process run), so the batch-1 ratios
+do not ride on the drift of a shared machine's rate (tens of percent over minutes).
 
 Reports output tokens/s, the ratio to transformers, and batch-1 decode as a fraction of the
 memory-bandwidth limit (bytes of the weights one token reads / copy bandwidth measured in this run),
@@ -23,6 +24,7 @@ Q8_0 GGUF (8.5 bits per weight; run whatever --dtype, its bandwidth fraction use
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
 import math
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import torch
 
@@ -77,15 +80,24 @@ def decode_b1(llm, prompt: list[int], out_len: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
-def interleaved_b1(llms: dict[str, object], prompt: list[int], out_len: int, rounds: int) -> dict[str, float]:
-    """Median batch-1 decode tok/s of each engine over `rounds` rounds that visit every engine in
-    turn: the rate of a shared VM drifts by tens of percent over minutes, so engines measured one
-    after another would be compared across that drift; interleaved, each round sees the same."""
-    rates: dict[str, list[float]] = {name: [] for name in llms}
+def interleaved_b1(runners: dict[str, Callable[[], float]], rounds: int,
+                   skipped: dict[str, str]) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Median batch-1 decode tok/s of each runner (a cuttle engine kept alive, or a llama.cpp peer
+    process) over `rounds` rounds that visit every runner in turn: the rate of a shared VM drifts by
+    tens of percent over minutes, so engines measured one after another would be compared across
+    that drift; interleaved, each round sees the same. A runner that raises a peer error is dropped
+    and recorded in `skipped`. Returns (medians, every round's figures)."""
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    live = dict(runners)
     for _ in range(rounds):
-        for name, llm in llms.items():
-            rates[name].append(decode_b1(llm, prompt, out_len))
-    return {name: sorted(r)[len(r) // 2] for name, r in rates.items()}
+        for name, run in list(live.items()):
+            try:
+                rates[name].append(run())
+            except (PeerUnavailable, RuntimeError, subprocess.TimeoutExpired) as e:
+                skipped[name] = str(e)
+                print(f"{name}: skipped: {e}", flush=True)
+                del live[name], rates[name]
+    return {name: sorted(r)[len(r) // 2] for name, r in rates.items()}, rates
 
 
 def bench_cuttle(path: str, dtype: str, reqs: list[list[int]], out_len: int, max_num_seqs: int, **engine_kw) -> tuple[float, float]:
@@ -264,8 +276,25 @@ def main() -> None:
             llms[key], off = offline_cuttle(path, args.dtype, reqs, args.output_len, args.max_num_seqs, **kw)
             mx_offline[key] = (label, off, n_opts)
             print(f"{label} ({kw}): offline {off:.1f} out tok/s", flush=True)
-    b1 = interleaved_b1(llms, reqs[0], args.output_len, args.decode_rounds)
+    skipped: dict[str, str] = {}
+    with tempfile.NamedTemporaryFile("w", prefix="cuttle-bench-prompts-", suffix=".json", delete=False) as f:
+        json.dump(reqs, f)
+    atexit.register(os.unlink, f.name)  # the peers read it until the end of the run
+    peer_runs: dict[str, dict] = {}  # llama.cpp peer -> its last run's JSON
+
+    def llamacpp_b1(peer: str) -> Callable[[], float]:
+        def run() -> float:
+            peer_runs[peer] = bench_llamacpp(path, args.dtype, f.name, args.output_len, "q8_0" if peer == "llamacpp-q8_0" else "bf16")
+            return peer_runs[peer]["decode_tok_s"]
+        return run
+
+    # batch 1: cuttle's engines and the llama.cpp peers (batch-1 engines) in interleaved rounds
+    runners: dict[str, Callable[[], float]] = {
+        name: (lambda llm=llm: decode_b1(llm, reqs[0], args.output_len)) for name, llm in llms.items()}
+    runners.update({peer: llamacpp_b1(peer) for peer in peers if peer.startswith("llamacpp")})
+    b1, b1_rounds = interleaved_b1(runners, args.decode_rounds, skipped)
     llms.clear()
+    runners.clear()
     gc.collect()  # the engines hold reference cycles: free their memory before the next ones start
     c_dec = b1["cuttle"]
     print(f"cuttle: batch-1 decode {c_dec:.2f} tok/s (median of {args.decode_rounds} interleaved rounds)", flush=True)
@@ -304,30 +333,27 @@ def main() -> None:
                         "weight_bytes_per_param": (n_mx * 8.25 / 8 + (read_params - n_mx) * tdtype.itemsize) / read_params}
     if moe_ab is not None:
         results["cuttle-torch-experts"] = {"batch": args.max_num_seqs, "offline_tok_s": moe_ab[0], "decode_tok_s": moe_ab[1]}
-    skipped: dict[str, str] = {}
-    with tempfile.NamedTemporaryFile("w", prefix="cuttle-bench-prompts-", suffix=".json", delete=False) as f:
-        json.dump(reqs, f)
-    try:
-        for peer in peers:
-            try:
-                if peer == "vllm":
-                    r = bench_vllm(path, args.dtype, f.name, args.output_len, args.max_num_seqs, args.vllm_enforce_eager)
-                    r["batch"] = args.max_num_seqs
-                else:
-                    outtype = "q8_0" if peer == "llamacpp-q8_0" else "bf16"
-                    r = bench_llamacpp(path, args.dtype, f.name, args.output_len, outtype)
-                    r["batch"] = 1
-                    if outtype == "q8_0":
-                        r["weight_bytes_per_param"] = Q8_0_BYTES_PER_PARAM
-            except (PeerUnavailable, RuntimeError, subprocess.TimeoutExpired) as e:
-                skipped[peer] = str(e)
-                print(f"{peer}: skipped: {e}", flush=True)
-                continue
-            results[peer] = r
-            off = "—" if r.get("offline_tok_s") is None else f"{r['offline_tok_s']:.1f}"
-            print(f"{peer}: offline {off} out tok/s, batch-1 decode {r['decode_tok_s']:.2f} tok/s", flush=True)
-    finally:
-        os.unlink(f.name)
+    for name in results:
+        if name in b1_rounds:
+            results[name]["decode_tok_s_rounds"] = b1_rounds[name]
+    for peer in peers:
+        if peer in skipped:
+            continue
+        try:
+            if peer == "vllm":
+                r = bench_vllm(path, args.dtype, f.name, args.output_len, args.max_num_seqs, args.vllm_enforce_eager)
+                r["batch"] = args.max_num_seqs
+            else:  # llama.cpp: its rounds ran beside cuttle's batch-1 rounds
+                r = {**peer_runs[peer], "decode_tok_s": b1[peer], "decode_tok_s_rounds": b1_rounds[peer], "batch": 1}
+                if peer == "llamacpp-q8_0":
+                    r["weight_bytes_per_param"] = Q8_0_BYTES_PER_PARAM
+        except (PeerUnavailable, RuntimeError, subprocess.TimeoutExpired) as e:
+            skipped[peer] = str(e)
+            print(f"{peer}: skipped: {e}", flush=True)
+            continue
+        results[peer] = r
+        off = "—" if r.get("offline_tok_s") is None else f"{r['offline_tok_s']:.1f}"
+        print(f"{peer}: offline {off} out tok/s, batch-1 decode {r['decode_tok_s']:.2f} tok/s", flush=True)
 
     def ratio(x: float | None, y: float) -> float | None:
         return None if x is None or not math.isfinite(x) or not math.isfinite(y) or y == 0 else x / y
