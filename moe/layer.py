@@ -122,7 +122,8 @@ class FusedMoE(nn.Module):
         if isinstance(w13, MXTensor) and isinstance(w2, MXTensor):
             if w13.data.device.type != "cpu" or w2.data.device.type != "cpu":
                 return False
-            self.packed = native_moe.pack_mxfp8((w13.data, w13.scale), (w2.data, w2.scale))
+            # the layer's activations are in its router's dtype: the dot layout only for bf16 ones
+            self.packed = native_moe.pack_mxfp8((w13.data, w13.scale), (w2.data, w2.scale), act_dtype=self.gate_weight.dtype)
             for name in QUANTIZED_NAMES:
                 del self._buffers[name]
             return True

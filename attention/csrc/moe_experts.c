@@ -46,7 +46,7 @@
 #include "mxfp8.h"
 #include "vec_exp.h"
 
-enum { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_MXFP8 = 2, MOE_W_BF16_DOT = 3 };
+enum { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_MXFP8 = 2, MOE_W_BF16_DOT = 3, MOE_W_MXFP8_DOT = 4 };
 
 #define P13 8 /* intermediate features per w13 panel (P13 gate + P13 up rows) */
 #define P2 16 /* output features per w2 panel */
@@ -496,6 +496,59 @@ int moe_pack_dot_w2(const uint16_t *w, int64_t E, int64_t H, int64_t I, uint16_t
     return 0;
 }
 
+/* MOE_W_MXFP8_DOT: the same panels and k-pairs with one E4M3 byte per weight, and the E8M0
+ * scales per panel as [K/32][64] (the panel's 64 features' scale bytes of each block). Within a
+ * k-pair's 128 bytes, each half (features 0-31 / 32-63) is permuted so that mx_decode64_bf16's
+ * two unpacks (mxfp8.h) return features 0-15 and 16-31 already in the dot order: byte
+ * 16 (w / 8) + w % 8 (+ 8 for the second 16 features) holds word w = 2 f + j of its 16. Packed
+ * only where every scale byte is in mxfp8.h's safe range: then one exponent add per word makes
+ * the exact scaled bf16 weight and the panel runs on the bf16 dot tiles. */
+static inline int64_t mx_dot_pos(int64_t f, int64_t j) {
+    const int64_t w = 2 * (f % 16) + j;
+    return 16 * (w / 8) + w % 8 + (f >= 16 ? 8 : 0);
+}
+
+static void pack_mx_dot(const uint8_t *w, const uint8_t *sc, int64_t E, int64_t N, int64_t np, int64_t K, int gated,
+                        uint8_t *out, uint8_t *out_s) {
+    const int64_t kp = K / 2, KB = K / MX_BLOCK, I = N / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t ep = 0; ep < E * np; ep++) {
+        const int64_t e = ep / np, p = ep % np;
+        uint8_t *dst = out + (size_t)ep * (size_t)kp * 2 * DP, *dst_s = out_s + (size_t)ep * (size_t)KB * DP;
+        for (int64_t c = 0; c < DP; c++) {
+            int64_t row;
+            if (gated) {
+                const int64_t f = 32 * p + c % 32;
+                row = f < I ? (c < 32 ? f : I + f) : -1;
+            } else {
+                row = DP * p + c < N ? DP * p + c : -1;
+            }
+            const uint8_t *src = row >= 0 ? w + ((size_t)e * N + row) * K : NULL;
+            const int64_t half = c / 32, f = c % 32;
+            for (int64_t kk = 0; kk < kp; kk++)
+                for (int64_t j = 0; j < 2; j++) dst[kk * 2 * DP + half * DP + mx_dot_pos(f, j)] = src ? src[2 * kk + j] : 0;
+            for (int64_t kb = 0; kb < KB; kb++) /* a padding row: zeros under a unit scale */
+                dst_s[kb * DP + c] = src ? sc[((size_t)e * N + row) * KB + kb] : 127;
+        }
+    }
+}
+
+/* MXFP8 w13 (data [E, 2I, H], scale [E, 2I, H/32]) / w2 (data [E, H, I], scale [E, H, I/32]) ->
+ * moe_dot_w13_numel / moe_dot_w2_numel bytes and a 32nd of that in scale bytes. -2: K % 32. */
+int moe_pack_mx_dot_w13(const uint8_t *data, const uint8_t *scale, int64_t E, int64_t I, int64_t H, uint8_t *out,
+                        uint8_t *out_scale) {
+    if (H % MX_BLOCK) return -2;
+    pack_mx_dot(data, scale, E, 2 * I, (I + 31) / 32, H, 1, out, out_scale);
+    return 0;
+}
+
+int moe_pack_mx_dot_w2(const uint8_t *data, const uint8_t *scale, int64_t E, int64_t H, int64_t I, uint8_t *out,
+                       uint8_t *out_scale) {
+    if (I % MX_BLOCK) return -2;
+    pack_mx_dot(data, scale, E, H, (H + DP - 1) / DP, I, 0, out, out_scale);
+    return 0;
+}
+
 #ifdef __AVX512BF16__
 #define MOE_DOT_BF16 1
 /* out[m][0..63] = the 64 features of one dot-layout panel wp (ceil(K/2) k-pairs) against M bf16
@@ -541,6 +594,37 @@ DOT_TILE(6)
 typedef void (*dot_tile_fn)(const uint16_t *const *, const uint16_t *, int64_t, float[][DP]);
 static const dot_tile_fn DOT_TILES[MRP + 1] = {0, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4, dot_tile_5, dot_tile_6};
 
+#ifdef MX_DOT_BF16
+#define MOE_MX_DOT 1
+/* One MOE_W_MXFP8_DOT panel (kp = K / 2 k-pairs, scales [K/32][64]) -> the bf16 dot layout in
+ * `panel` (exact scaled weights): per block, the 64 features' exponent shifts as 4 vectors of
+ * word pairs, then per k-pair two lookups of 64 bytes and one exponent add per vector. */
+static MX_AVX512 void mx_dot_dequant(const uint8_t *wp, const uint8_t *sp, int64_t K, uint16_t *panel) {
+    const mx_bf16_tabs tabs = mx_load_bf16_tabs();
+    const __m512i pairs = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8, 7, 7, 6, 6, 5, 5,
+                                           4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    for (int64_t kb = 0; kb < K / MX_BLOCK; kb++) {
+        __m512i shift[4];
+        for (int v = 0; v < 4; v++) {
+            const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sp + kb * DP + 16 * v)));
+            const __m256i sh = _mm256_slli_epi16(_mm256_sub_epi16(b, _mm256_set1_epi16(127)), 7);
+            shift[v] = _mm512_permutexvar_epi16(pairs, _mm512_castsi256_si512(sh));
+        }
+        for (int64_t kk = kb * (MX_BLOCK / 2); kk < (kb + 1) * (MX_BLOCK / 2); kk++) {
+            const uint8_t *w = wp + kk * 2 * DP;
+            uint16_t *o = panel + kk * 2 * DP;
+            __m512i a0, a1, a2, a3;
+            mx_decode64_bf16(_mm512_loadu_si512(w), &tabs, &a0, &a1);
+            mx_decode64_bf16(_mm512_loadu_si512(w + DP), &tabs, &a2, &a3);
+            _mm512_storeu_si512(o, mx_scale_bf16(a0, shift[0]));
+            _mm512_storeu_si512(o + 32, mx_scale_bf16(a1, shift[1]));
+            _mm512_storeu_si512(o + 64, mx_scale_bf16(a2, shift[2]));
+            _mm512_storeu_si512(o + 96, mx_scale_bf16(a3, shift[3]));
+        }
+    }
+}
+#endif
+
 /* f32_to_bf16 on 16 lanes (nearest even; NaN kept, made quiet) */
 static inline __m256i bf16x16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -558,6 +642,15 @@ static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli
  * AVX512-BF16); the caller packs bf16 experts in that layout only then. */
 int moe_dot_available(void) {
 #ifdef MOE_DOT_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether moe_experts runs MOE_W_MXFP8_DOT weights in this build (AVX512-BF16 and VBMI). */
+int moe_mx_dot_available(void) {
+#ifdef MOE_MX_DOT
     return 1;
 #else
     return 0;
@@ -622,17 +715,21 @@ static inline int64_t next_item(int uniform, int64_t *next, int64_t end, int64_t
  * in fp32, 16 columns at a time -- the same operations, in the same order per element, as the
  * widening path's scalar epilogues. */
 static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
-                       const float *weights, int64_t k, const uint16_t *w13d, const uint16_t *w2d, int64_t E,
-                       int64_t I, void *out, int out_dtype) {
+                       const float *weights, int64_t k, const void *w13d, const void *w2d, const uint8_t *s13,
+                       const uint8_t *s2, int64_t E, int64_t I, void *out, int out_dtype) {
     const int64_t A = T * k;
+    const int mx = s13 != NULL; /* MOE_W_MXFP8_DOT: each panel dequantized to bf16 first, into `scratch` */
+    const int nthreads = omp_get_max_threads();
+    const size_t scratch_words = (size_t)(H > I ? H : I) * DP; /* one panel of the longer K, bf16 */
     const int64_t ng = (I + 31) / 32, nq = (H + DP - 1) / DP, kp13 = (H + 1) / 2, kp2 = (I + 1) / 2;
     int64_t *cnt = calloc((size_t)E + 1, sizeof *cnt), *pos = malloc(sizeof *pos * (size_t)E);
     int64_t *sorted = malloc(sizeof *sorted * (size_t)A), *active = malloc(sizeof *active * (size_t)E);
     uint16_t *hb = malloc(sizeof *hb * (size_t)(A * I)); /* h rows in expert-sorted order */
     uint16_t *ys = malloc(sizeof *ys * (size_t)(A * H)); /* expert outputs, rows in assignment order t*k+j */
+    uint16_t *scratch = mx ? malloc(sizeof *scratch * scratch_words * (size_t)nthreads) : NULL;
     int rc = 0;
     int64_t nact = 0;
-    if (!cnt || !pos || !sorted || !active || !hb || !ys) {
+    if (!cnt || !pos || !sorted || !active || !hb || !ys || (mx && !scratch)) {
         rc = -1;
         goto done;
     }
@@ -640,9 +737,10 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
     const int uniform = at_most_rows(cnt, active, nact, MRP);
     int64_t claim = 0;
     /* one parallel region, one barrier: see moe_experts */
-#pragma omp parallel num_threads(omp_get_max_threads())
+#pragma omp parallel num_threads(nthreads)
     {
         const int nth = omp_get_num_threads(), me = omp_get_thread_num();
+        uint16_t *panel = mx ? scratch + scratch_words * (size_t)me : NULL;
         const int64_t n1 = nact * ng;
         int64_t next = uniform ? n1 * me / nth : 0, it;
         const int64_t end1 = uniform ? n1 * (me + 1) / nth : n1;
@@ -650,7 +748,14 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
         /* stage 1: one item per (active expert, panel of 32 gate + 32 up features) */
         while ((it = next_item(uniform, &next, end1, &claim, n1)) >= 0) {
             const int64_t e = active[it / ng], g = it % ng;
-            const uint16_t *wp = w13d + (size_t)(e * ng + g) * (size_t)kp13 * 2 * DP;
+            const size_t at = (size_t)(e * ng + g) * (size_t)kp13 * 2 * DP; /* elements (bytes for MXFP8) */
+            const uint16_t *wp = (const uint16_t *)w13d + at;
+#ifdef MOE_MX_DOT
+            if (mx) {
+                mx_dot_dequant((const uint8_t *)w13d + at, s13 + at / MX_BLOCK, H, panel);
+                wp = panel;
+            }
+#endif
             const int nc = I - 32 * g < 32 ? (int)(I - 32 * g) : 32;
             for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MRP) {
                 const int M = cnt[e + 1] - r0 < MRP ? (int)(cnt[e + 1] - r0) : MRP;
@@ -675,7 +780,14 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
         for (int64_t ai = 0; ai < nact; ai++) {
             const int64_t e = active[ai];
             for (int64_t q = q0; q < q1; q++) {
-                const uint16_t *wp = w2d + (size_t)(e * nq + q) * (size_t)kp2 * 2 * DP;
+                const size_t at = (size_t)(e * nq + q) * (size_t)kp2 * 2 * DP;
+                const uint16_t *wp = (const uint16_t *)w2d + at;
+#ifdef MOE_MX_DOT
+                if (mx) {
+                    mx_dot_dequant((const uint8_t *)w2d + at, s2 + at / MX_BLOCK, I, panel);
+                    wp = panel;
+                }
+#endif
                 const int nc = H - DP * q < DP ? (int)(H - DP * q) : DP;
                 for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MRP) {
                     const int M = cnt[e + 1] - r0 < MRP ? (int)(cnt[e + 1] - r0) : MRP;
@@ -704,7 +816,7 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
             }
     }
 done:
-    free(cnt), free(pos), free(sorted), free(active), free(hb), free(ys);
+    free(cnt), free(pos), free(sorted), free(active), free(hb), free(ys), free(scratch);
     return rc;
 }
 #endif
@@ -719,12 +831,19 @@ done:
 int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
                 const float *weights, int64_t k, const void *w13p, const void *w2p, int w_format,
                 const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype) {
-    if (w_format == MOE_W_BF16_DOT) {
+    if (w_format == MOE_W_BF16_DOT || w_format == MOE_W_MXFP8_DOT) {
+        const int mxd = w_format == MOE_W_MXFP8_DOT;
 #ifdef MOE_DOT_BF16
-        if (x_dtype != DT_BF16) return -2;
-        return experts_dot((const uint16_t *)x, x_stride, T, H, ids, weights, k, (const uint16_t *)w13p,
-                           (const uint16_t *)w2p, E, I, out, out_dtype);
+#ifndef MOE_MX_DOT
+        if (mxd) return -2;
+#endif
+        if (x_dtype != DT_BF16 || (mxd && (H % MX_BLOCK || I % MX_BLOCK || !w13_scale || !w2_scale))) return -2;
+        if (T * k == 0) return 0;
+        return experts_dot((const uint16_t *)x, x_stride, T, H, ids, weights, k, w13p, w2p,
+                           mxd ? (const uint8_t *)w13_scale : NULL, mxd ? (const uint8_t *)w2_scale : NULL, E, I, out,
+                           out_dtype);
 #else
+        (void)mxd;
         return -2;
 #endif
     }

@@ -106,4 +106,51 @@ static inline int mx_cpu_has_avx2(void) {
 #else
 static inline int mx_cpu_has_avx2(void) { return 0; }
 #endif
+/* ---- E4M3 -> bf16 for the bf16 dot instruction (AVX512-BF16 + VBMI builds) ----------------- */
+
+/* Scale bytes b for which element * 2^(b - 127) is a normal bf16 for every non-zero E4M3 element
+ * (2^-9 .. 448): then the scaled weight is exact in bf16 and is the element's bf16 with b - 127
+ * added to its exponent field. That holds for 10 <= b <= 246; the lower end is 64 so that a
+ * weight (>= 2^-72) times an activation stays above the fp32 normal range the dot instruction
+ * keeps (it flushes smaller products) unless |x| < 2^-54. Outside (tiny or huge blocks, NaN) the
+ * callers take their fp32 loops; real weights have b around 100-127. */
+#define MX_BF16_SAFE_LO 64
+#define MX_BF16_SAFE_HI 246
+int mxfp8_scales_bf16_safe(const uint8_t *s, int64_t n); /* mxfp8_gemm.c */
+
+#if defined(MX_X86) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define MX_DOT_BF16 1
+#define MX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16")))
+
+/* E4M3 magnitude byte (7 bits) -> the low and high byte of the element's bf16 value (filled by
+ * mxfp8_gemm.c's constructor; see there) */
+extern uint8_t mx_bf16_lo_tab[128], mx_bf16_hi_tab[128];
+
+/* The byte tables as the lookups take them (the caller loads them once, outside its loop). */
+typedef struct {
+    __m512i lo0, lo1, hi0, hi1;
+} mx_bf16_tabs;
+
+static inline __attribute__((always_inline)) MX_AVX512 mx_bf16_tabs mx_load_bf16_tabs(void) {
+    return (mx_bf16_tabs){_mm512_loadu_si512(mx_bf16_lo_tab), _mm512_loadu_si512(mx_bf16_lo_tab + 64),
+                          _mm512_loadu_si512(mx_bf16_hi_tab), _mm512_loadu_si512(mx_bf16_hi_tab + 64)};
+}
+
+/* 64 E4M3 bytes -> their exact bf16 words (unscaled), in the unpacks' order: *wl holds elements
+ * 0-7, 16-23, 32-39, 48-55, *wh the others (bytes 16 L + i of 128-bit lane L; word 8 L + i). */
+static inline __attribute__((always_inline)) MX_AVX512 void mx_decode64_bf16(__m512i raw, const mx_bf16_tabs *t, __m512i *wl,
+                                                                              __m512i *wh) {
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, raw, t->lo1); /* index bits 0..6 */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, raw, t->hi1), raw,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (raw & 0x80) */
+    *wl = _mm512_unpacklo_epi8(lo, hi);
+    *wh = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* w with the block scale's exponent (words `shift` = (b - 127) << 7) added to its non-zero words:
+ * the exact bf16 of element * 2^(b - 127) for a safe b (zeros stay zero) */
+static inline __attribute__((always_inline)) MX_AVX512 __m512i mx_scale_bf16(__m512i w, __m512i shift) {
+    return _mm512_mask_add_epi16(w, _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF)), w, shift);
+}
+#endif
 #endif

@@ -193,17 +193,21 @@ static void linear_decode(const float *x, const uint8_t *w, const uint8_t *s, co
     (void)fast;
 }
 
+/* Whether every scale byte of s[0..n) lies in [MX_BF16_SAFE_LO, MX_BF16_SAFE_HI] (mxfp8.h): the
+ * bf16-dot loops (here and in moe_experts.c) scale weights exactly in bf16 only then. */
+int mxfp8_scales_bf16_safe(const uint8_t *s, int64_t n) {
+    uint8_t lo = 255, hi = 0;
+    for (int64_t i = 0; i < n; i++) {
+        lo = s[i] < lo ? s[i] : lo;
+        hi = s[i] > hi ? s[i] : hi;
+    }
+    return n == 0 || (lo >= MX_BF16_SAFE_LO && hi <= MX_BF16_SAFE_HI);
+}
+
 /* ---- decode loop on bf16 activations with the bf16 dot instruction (M <= 8) ------------------ */
 
 #if defined(MX_X86) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-#define MX_DOT_BF16 1
-#define MX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16")))
-
-/* E4M3 magnitude byte (7 bits) -> the low and high byte of the element's bf16 value (exact: three
- * mantissa bits; the smallest subnormal, 2^-9, is a normal bf16); the NaN byte 0x7F maps to 480
- * as in mx_decode16 (a NaN block scale makes its block NaN). Block factor of scale byte b: 2^(b -
- * 127) as an fp32 (2^-127 is the fp32 subnormal 0x00400000), NaN for 255. */
-static uint8_t bf16_lo_tab[128], bf16_hi_tab[128];
+uint8_t mx_bf16_lo_tab[128], mx_bf16_hi_tab[128];
 static float factor_tab[256];
 
 __attribute__((constructor)) static void mx_dot_tables(void) {
@@ -211,8 +215,8 @@ __attribute__((constructor)) static void mx_dot_tables(void) {
         uint32_t bits;
         const float e = (v == 0x7F ? 480.f / 256.f : mx_e4m3_scaled((uint8_t)v)) * 256.f;
         memcpy(&bits, &e, 4);
-        bf16_lo_tab[v] = (uint8_t)(bits >> 16);
-        bf16_hi_tab[v] = (uint8_t)(bits >> 24);
+        mx_bf16_lo_tab[v] = (uint8_t)(bits >> 16);
+        mx_bf16_hi_tab[v] = (uint8_t)(bits >> 24);
     }
     for (int b = 0; b < 256; b++)
         factor_tab[b] = b == 255 ? mx_bits_f32(0x7FC00000u) : b == 0 ? mx_bits_f32(0x00400000u) : mx_bits_f32((uint32_t)b << 23);
@@ -230,36 +234,15 @@ static void permute_x_bf16(const uint16_t *x, int64_t K, uint16_t *xp) {
         }
 }
 
-/* The byte tables as the lookups take them (the caller loads them once, outside its loop). */
-typedef struct {
-    __m512i lo0, lo1, hi0, hi1;
-} bf16_tabs;
-
-static inline __attribute__((always_inline)) MX_AVX512 bf16_tabs load_bf16_tabs(void) {
-    return (bf16_tabs){_mm512_loadu_si512(bf16_lo_tab), _mm512_loadu_si512(bf16_lo_tab + 64),
-                       _mm512_loadu_si512(bf16_hi_tab), _mm512_loadu_si512(bf16_hi_tab + 64)};
-}
-
-/* 64 E4M3 bytes -> their exact bf16 words (unscaled), in the unpacks' order: *wl holds elements
- * 0-7, 16-23, 32-39, 48-55 (k-pairs 0-3, 8-11, 16-19, 24-27), *wh the others. */
-static inline __attribute__((always_inline)) MX_AVX512 void decode64_bf16(__m512i raw, const bf16_tabs *t, __m512i *wl,
-                                                                           __m512i *wh) {
-    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, raw, t->lo1); /* index bits 0..6 */
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, raw, t->hi1), raw,
-                                                 _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (raw & 0x80) */
-    *wl = _mm512_unpacklo_epi8(lo, hi);
-    *wh = _mm512_unpackhi_epi8(lo, hi);
-}
-
 static inline __attribute__((always_inline)) MX_AVX512 void dot_row_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s,
                                                                           int64_t K, const int M, float *out) {
-    const bf16_tabs tabs = load_bf16_tabs();
+    const mx_bf16_tabs tabs = mx_load_bf16_tabs();
     __m512 tot[8];
     for (int m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
     for (int64_t c = 0; c < K; c += 64) {
         _mm_prefetch((const char *)(w + c + PREFETCH_BYTES), _MM_HINT_T0);
         __m512i l, h;
-        decode64_bf16(_mm512_loadu_si512(w + c), &tabs, &l, &h);
+        mx_decode64_bf16(_mm512_loadu_si512(w + c), &tabs, &l, &h);
         const __m512bh wl = (__m512bh)l, wh = (__m512bh)h;
         const uint8_t *sb = s + c / MX_BLOCK;
         const __m512 f = _mm512_insertf32x8(_mm512_set1_ps(factor_tab[sb[0]]), _mm256_set1_ps(factor_tab[sb[1]]), 1);
@@ -311,38 +294,19 @@ static void linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8
 int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias_f32, void *y,
                      int y_dtype, int64_t y_stride, int64_t M, int64_t N, int64_t K);
 
-/* Scale bytes b for which element * 2^(b - 127) is a normal bf16 for every non-zero E4M3 element
- * (2^-9 .. 448): then the scaled weight is exact in bf16 and is the element's bf16 with b - 127
- * added to its exponent field. That holds for 10 <= b <= 246; the lower end is 64 so that a
- * weight (>= 2^-72) times an activation stays above the fp32 normal range the dot instruction
- * keeps (it flushes smaller products) unless |x| < 2^-54. Outside (tiny or huge blocks, NaN) the
- * fp32 tile loop runs; real weights have b around 100-127. */
-#define BF16_SAFE_LO 64
-#define BF16_SAFE_HI 246
-
-static int scales_bf16_safe(const uint8_t *s, int64_t n) {
-    uint8_t lo = 255, hi = 0;
-    for (int64_t i = 0; i < n; i++) {
-        lo = s[i] < lo ? s[i] : lo;
-        hi = s[i] > hi ? s[i] : hi;
-    }
-    return n == 0 || (lo >= BF16_SAFE_LO && hi <= BF16_SAFE_HI);
-}
-
 #define BF16_PANEL 64 /* packed_gemm.c's PANEL: features per panel */
 
 /* 64 weights of one row (bytes wr[ch..ch+64), scales sr[ch/32], sr[ch/32 + 1]) -> their scaled
  * bf16 words in decode64_bf16's order (one k-pair a dword); the block scale is added to the
  * exponents of the non-zero words (words 0-15 of each half are block ch/32, words 16-31 the next). */
 static inline __attribute__((always_inline)) MX_AVX512 void decode_chunk_bf16(const uint8_t *wr, const uint8_t *sr, int64_t ch,
-                                                                               const bf16_tabs *tabs, __m512i *wl, __m512i *wh) {
-    const __m512i mag = _mm512_set1_epi16(0x7FFF);
+                                                                               const mx_bf16_tabs *tabs, __m512i *wl, __m512i *wh) {
     const __m512i shift = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)((sr[ch / 32] - 127) * 128)),
                                                   _mm512_set1_epi16((short)((sr[ch / 32 + 1] - 127) * 128)));
     __m512i l, h;
-    decode64_bf16(_mm512_loadu_si512(wr + ch), tabs, &l, &h);
-    *wl = _mm512_mask_add_epi16(l, _mm512_test_epi16_mask(l, mag), l, shift);
-    *wh = _mm512_mask_add_epi16(h, _mm512_test_epi16_mask(h, mag), h, shift);
+    mx_decode64_bf16(_mm512_loadu_si512(wr + ch), tabs, &l, &h);
+    *wl = mx_scale_bf16(l, shift);
+    *wh = mx_scale_bf16(h, shift);
 }
 
 /* r[i] = 16 dwords (k-pairs) of row c0 + i -> for each dword lane j, the 16 rows' dwords stored
@@ -377,7 +341,7 @@ static inline __attribute__((always_inline)) MX_AVX512 void transpose16_store(co
  * ms against 31.9-32.2 now, Zen4, 2 threads, alternating builds). */
 static MX_AVX512 void dequant_panel_bf16(const uint8_t *w, const uint8_t *s, int64_t nr, int64_t K, uint16_t *panel) {
     const int64_t KB = K / MX_BLOCK;
-    const bf16_tabs tabs = load_bf16_tabs();
+    const mx_bf16_tabs tabs = mx_load_bf16_tabs();
     uint32_t *pd = (uint32_t *)panel;
     for (int64_t c0 = 0; c0 < BF16_PANEL; c0 += 16)
         for (int64_t ch = 0; ch < K; ch += 64) {
@@ -571,7 +535,7 @@ int mxfp8_linear(const void *x, int x_dtype, int64_t x_stride, const uint8_t *da
         last_path = 2;
         return 0;
     }
-    if (fast && bf16_dot_on && x_dtype == DT_BF16 && K % 64 == 0 && scales_bf16_safe(scales, N * (K / MX_BLOCK))) {
+    if (fast && bf16_dot_on && x_dtype == DT_BF16 && K % 64 == 0 && mxfp8_scales_bf16_safe(scales, N * (K / MX_BLOCK))) {
         last_path = 4;
         return linear_tile_bf16((const uint16_t *)x, x_stride, data, scales, bias, y, y_dtype, M, N, K);
     }

@@ -13,7 +13,10 @@ loaded, `CUTTLE_MOE_NATIVE` not "0").
 Weight formats (the C side's per-call code): `W_F32`, `W_BF16` (panels of 8 gate + 8 up features,
 read by the widening fp32 tiles), `W_BF16_DOT` (bf16 in the dense packed GEMM's k-pair order, 64
 features a panel, for the AVX512-BF16 dot tiles: what `pack` / `experts` choose for bf16 experts
-where the library has them, unless `set_bf16_dot(False)`), and `W_MXFP8`: E4M3 bytes with
+where the library has them, unless `set_bf16_dot(False)`), `W_MXFP8_DOT` (E4M3 bytes in that
+order, each panel turned into exact bf16 weights per call and run on the dot tiles: chosen for
+bf16 activations where the library has AVX512-BF16 and VBMI and every scale byte is in the range
+where that is exact), and `W_MXFP8`: E4M3 bytes with
 E8M0 block scales (the (data, scale) pairs `cuttle.moe.mxfp8` writes), packed into the same panel
 order with their scales beside them (`packed_mx_w13` / `packed_mx_w2`) and decoded in registers by
 the shared MXFP8 inner loop (`csrc/mxfp8.h`); `experts_mxfp8` runs them.
@@ -31,7 +34,7 @@ from cuttle.attention.native.build import DTYPE_CODE
 from cuttle.attention.native.gemm import _PACKED_ATTR
 from cuttle.attention.native.mxfp8 import check_nan_elements
 
-W_F32, W_BF16, W_MXFP8, W_BF16_DOT = 0, 1, 2, 3
+W_F32, W_BF16, W_MXFP8, W_BF16_DOT, W_MXFP8_DOT = 0, 1, 2, 3, 4
 WEIGHT_FORMAT = {torch.float32: W_F32, torch.bfloat16: W_BF16}  # the plain formats of each dtype
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -45,6 +48,10 @@ _SIGNATURES: dict[str, tuple[list, type]] = {
     "moe_route": ([_vp, _int, _i64, _i64, _i64, _int, _int, _i64, _i64, _float, _vp, _vp, _vp, _vp], _i64),
     "moe_experts": ([_vp, _int, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _vp, _i64, _i64, _vp, _int], _int),
     "moe_dot_available": ([], _int),
+    "moe_mx_dot_available": ([], _int),
+    "mxfp8_scales_bf16_safe": ([_vp, _i64], _int),
+    "moe_pack_mx_dot_w13": ([_vp, _vp, _i64, _i64, _i64, _vp, _vp], _int),
+    "moe_pack_mx_dot_w2": ([_vp, _vp, _i64, _i64, _i64, _vp, _vp], _int),
     "moe_dot_w13_numel": ([_i64, _i64, _i64], _i64),
     "moe_dot_w2_numel": ([_i64, _i64, _i64], _i64),
     "moe_pack_dot_w13": ([_vp, _i64, _i64, _i64, _vp], _int),
@@ -118,12 +125,25 @@ def plain_format(dtype: torch.dtype) -> int:
     return W_BF16_DOT if fmt == W_BF16 and dot_in_use() else fmt
 
 
+def mx_format(x_dtype: torch.dtype, *scales: torch.Tensor) -> int:
+    """The format MXFP8 experts with these E8M0 `scales` are packed in for activations of `x_dtype`:
+    W_MXFP8_DOT for bf16 where the library runs it and every scale byte keeps the scaled weights
+    exact in bf16 (mxfp8.h's safe range: real weights' are), W_MXFP8 otherwise."""
+    if x_dtype != torch.bfloat16 or not dot_in_use():
+        return W_MXFP8
+    lib = _lib(record=False)
+    if not lib.moe_mx_dot_available():
+        return W_MXFP8
+    safe = all(lib.mxfp8_scales_bf16_safe(s.data_ptr(), s.numel()) for s in (sc.contiguous() for sc in scales))
+    return W_MXFP8_DOT if safe else W_MXFP8
+
+
 def runs_on(fmt: int, x_dtype: torch.dtype) -> bool:
     """Whether packed experts of format `fmt` run on activations of `x_dtype`: MXFP8 on either, a plain
     format on its own dtype, the dot layout on bf16 (it is only ever made where the library runs it)."""
     if fmt == W_MXFP8:
         return x_dtype in WEIGHT_FORMAT
-    if fmt == W_BF16_DOT:
+    if fmt in (W_BF16_DOT, W_MXFP8_DOT):
         return x_dtype == torch.bfloat16
     return WEIGHT_FORMAT.get(x_dtype) == fmt
 
@@ -210,31 +230,36 @@ def _check_mx(data: torch.Tensor, scale: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: scale has shape {tuple(scale.shape)}, expected {(E, N, K // 32)}")
 
 
-def _pack_mx(data: torch.Tensor, scale: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack_mx(data: torch.Tensor, scale: torch.Tensor, which: str, fmt: int = W_MXFP8) -> tuple[torch.Tensor, torch.Tensor]:
     """Panel-packed MXFP8 `which` ("w13": data [E, 2I, H] / scale [E, 2I, H/32]; "w2": [E, H, I] /
-    [E, H, I/32]) as (bytes, scale bytes)."""
+    [E, H, I/32]) as (bytes, scale bytes), in format `fmt` (W_MXFP8 or W_MXFP8_DOT)."""
     _check_mx(data, scale, which)
     check_nan_elements(data, scale)  # once per weight version: the tiles decode NaN only via the scale
     lib = _lib(record=False)
     E, N, K = data.shape
     # moe_pack_mx_w13 takes (E, I, H), moe_pack_mx_w2 (E, H, I): the panel count comes from I or H
     sizes = (E, N // 2, K) if which == "w13" else (E, N, K)
-    n = (lib.moe_packed_w13_numel if which == "w13" else lib.moe_packed_w2_numel)(*sizes)
+    dot = fmt == W_MXFP8_DOT
+    if which == "w13":
+        n = (lib.moe_dot_w13_numel if dot else lib.moe_packed_w13_numel)(*sizes)
+        pack = lib.moe_pack_mx_dot_w13 if dot else lib.moe_pack_mx_w13
+    else:
+        n = (lib.moe_dot_w2_numel if dot else lib.moe_packed_w2_numel)(*sizes)
+        pack = lib.moe_pack_mx_dot_w2 if dot else lib.moe_pack_mx_w2
     out, out_s = hugepages.empty(n, torch.uint8), hugepages.empty(n // 32, torch.uint8)
-    pack = lib.moe_pack_mx_w13 if which == "w13" else lib.moe_pack_mx_w2
     if pack(data.data_ptr(), scale.data_ptr(), *sizes, out.data_ptr(), out_s.data_ptr()) != 0:
         raise RuntimeError(f"moe_pack_mx_{which} failed")
     return out, out_s
 
 
-def packed_mx_w13(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Panel-packed MXFP8 w13 (bytes, scale bytes) of data [E, 2I, H] / scale [E, 2I, H/32]."""
-    return _cached(lambda: _pack_mx(data, scale, "w13"), data, scale, layout=W_MXFP8)
+def packed_mx_w13(data: torch.Tensor, scale: torch.Tensor, fmt: int = W_MXFP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Panel-packed MXFP8 w13 (bytes, scale bytes) of data [E, 2I, H] / scale [E, 2I, H/32], format `fmt`."""
+    return _cached(lambda: _pack_mx(data, scale, "w13", fmt), data, scale, layout=fmt)
 
 
-def packed_mx_w2(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Panel-packed MXFP8 w2 (bytes, scale bytes) of data [E, H, I] / scale [E, H, I/32]."""
-    return _cached(lambda: _pack_mx(data, scale, "w2"), data, scale, layout=W_MXFP8)
+def packed_mx_w2(data: torch.Tensor, scale: torch.Tensor, fmt: int = W_MXFP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Panel-packed MXFP8 w2 (bytes, scale bytes) of data [E, H, I] / scale [E, H, I/32], format `fmt`."""
+    return _cached(lambda: _pack_mx(data, scale, "w2", fmt), data, scale, layout=fmt)
 
 
 def pack(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
@@ -248,13 +273,16 @@ def pack(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
     return PackedExperts(fmt, E, I, H, _pack_w13(w13, fmt), _pack_w2(w2, fmt))
 
 
-def pack_mxfp8(w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]) -> PackedExperts:
+def pack_mxfp8(w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor],
+               act_dtype: torch.dtype | None = None) -> PackedExperts:
     """MXFP8 experts, w13 = (data [E, 2I, H], scale [E, 2I, H/32]), w2 = (data [E, H, I], scale
-    [E, H, I/32]) -> their panels (bytes and scale bytes)."""
+    [E, H, I/32]) -> their panels (bytes and scale bytes): in `mx_format`'s layout for activations
+    of `act_dtype` (the dot layout runs on bf16 only), the W_MXFP8 panels when it is None."""
     E, I, H = _sizes(w13[0], w2[0])
-    p13, s13 = _pack_mx(*w13, "w13")
-    p2, s2 = _pack_mx(*w2, "w2")
-    return PackedExperts(W_MXFP8, E, I, H, p13, p2, s13, s2)
+    fmt = W_MXFP8 if act_dtype is None else mx_format(act_dtype, w13[1].view(torch.uint8), w2[1].view(torch.uint8))
+    p13, s13 = _pack_mx(*w13, "w13", fmt)
+    p2, s2 = _pack_mx(*w2, "w2", fmt)
+    return PackedExperts(fmt, E, I, H, p13, p2, s13, s2)
 
 
 def _unpanel(panels: torch.Tensor, E: int, rows: int, K: int, width: int, halves: int) -> torch.Tensor:
@@ -265,16 +293,28 @@ def _unpanel(panels: torch.Tensor, E: int, rows: int, K: int, width: int, halves
     return v[:, :, :rows].reshape(E, halves * rows, K).contiguous()
 
 
-def _unpanel_dot(panels: torch.Tensor, E: int, rows: int, K: int, gated: bool) -> torch.Tensor:
-    """The W_BF16_DOT panels -> [E, 2 * rows, K] (gated: w13, rows = I) or [E, rows, K] (w2)."""
-    kp = (K + 1) // 2
+def _unpanel_dot(panels: torch.Tensor, E: int, rows: int, K: int, gated: bool, width: int = 2) -> torch.Tensor:
+    """Panels of the dot layouts, [E][n][ceil(K/width)][64][width] -> [E, 2 * rows, K] (gated: w13,
+    rows = I; 32 gate then 32 up rows a panel) or [E, rows, K] (w2). width 2: weights in k-pairs;
+    width 1: the MXFP8 scale panels (K = blocks)."""
+    kp = -(-K // width)
     if gated:
         n = -(-rows // 32)
-        v = panels.view(E, n, kp, 2, 32, 2).permute(0, 3, 1, 4, 2, 5).reshape(E, 2, n * 32, 2 * kp)
+        v = panels.view(E, n, kp, 2, 32, width).permute(0, 3, 1, 4, 2, 5).reshape(E, 2, n * 32, width * kp)
         return v[:, :, :rows, :K].reshape(E, 2 * rows, K).contiguous()
     n = -(-rows // DOT_PANEL)
-    v = panels.view(E, n, kp, DOT_PANEL, 2).permute(0, 1, 3, 2, 4).reshape(E, n * DOT_PANEL, 2 * kp)
+    v = panels.view(E, n, kp, DOT_PANEL, width).permute(0, 1, 3, 2, 4).reshape(E, n * DOT_PANEL, width * kp)
     return v[:, :rows, :K].contiguous()
+
+
+def _mx_dot_pos(f: int, j: int) -> int:
+    """Byte of (feature f of a 32-feature half, k j of the pair) within its 64 bytes (moe_experts.c's mx_dot_pos)."""
+    w = 2 * (f % 16) + j
+    return 16 * (w // 8) + w % 8 + (8 if f >= 16 else 0)
+
+
+# gathers a packed half's 64 bytes back into [32 features][2 k] order
+_MX_DOT_UNPERMUTE = torch.tensor([_mx_dot_pos(f, j) for f in range(32) for j in range(2)])
 
 
 def unpack(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor] | tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
@@ -283,6 +323,12 @@ def unpack(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor] | tuple[tuple[
     E, I, H = p.E, p.I, p.H
     if p.fmt == W_BF16_DOT:
         return _unpanel_dot(p.w13, E, I, H, True), _unpanel_dot(p.w2, E, H, I, False)
+    if p.fmt == W_MXFP8_DOT:
+        d13, d2 = (d.view(-1, 64)[:, _MX_DOT_UNPERMUTE].reshape(-1) for d in (p.w13, p.w2))
+        return ((_unpanel_dot(d13, E, I, H, True).view(torch.float8_e4m3fn),
+                 _unpanel_dot(p.s13, E, I, H // 32, True, width=1).view(torch.float8_e8m0fnu)),
+                (_unpanel_dot(d2, E, H, I, False).view(torch.float8_e4m3fn),
+                 _unpanel_dot(p.s2, E, H, I // 32, False, width=1).view(torch.float8_e8m0fnu)))
     w13 = _unpanel(p.w13, E, I, H, P13, 2)
     w2 = _unpanel(p.w2, E, H, I, P2, 1)
     if p.fmt != W_MXFP8:
@@ -384,9 +430,12 @@ def experts_mxfp8(
     [E, H, I], scale [E, H, I/32]) as `quantize_mxfp8` writes them; H and I multiples of 32."""
     weights, ids, k = _routing_args(x, weights, ids)
     E, I, _ = _sizes(w13[0], w2[0], x.shape[1])
-    p13, s13 = packed_mx_w13(*w13)
-    p2, s2 = packed_mx_w2(*w2)
-    return _run(x, weights, ids, k, p13, p2, W_MXFP8, s13, s2, E, I)
+    _check_mx(*w13, "w13")
+    _check_mx(*w2, "w2")
+    fmt = mx_format(x.dtype, w13[1].view(torch.uint8), w2[1].view(torch.uint8))
+    p13, s13 = packed_mx_w13(*w13, fmt)
+    p2, s2 = packed_mx_w2(*w2, fmt)
+    return _run(x, weights, ids, k, p13, p2, fmt, s13, s2, E, I)
 
 
 def experts_packed(x: torch.Tensor, p: PackedExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

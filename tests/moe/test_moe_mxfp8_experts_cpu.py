@@ -101,3 +101,62 @@ def test_nan_bytes_in_finite_blocks_refused_once_written() -> None:
     layer.w2_mx.view(torch.uint8)[0, 0, 0] = 0x7F  # an in-place write bumps the version: checked again
     with pytest.raises(ValueError, match="NaN bytes in blocks with a finite scale"):
         _native(x, *layer.expert_weights(), torch.ones(2, 2) / 2, torch.zeros(2, 2, dtype=torch.int64))
+
+
+@pytest.fixture(params=["dot", "panels"])
+def bf16_layout(request):
+    """MXFP8 experts on bf16 activations in the bf16-dot layout (W_MXFP8_DOT, where the library
+    has AVX512-BF16 + VBMI) or the MXFP8 panels of the fp32 tiles (W_MXFP8)."""
+    dot = request.param == "dot"
+    native_moe.set_bf16_dot(dot)
+    if dot and not native_moe._lib(record=False).moe_mx_dot_available():
+        native_moe.set_bf16_dot(True)
+        pytest.skip("library built without AVX512-BF16 + VBMI (this CPU lacks them)")
+    yield request.param
+    native_moe.set_bf16_dot(True)
+
+
+def _expect_layout(layer: FusedMoE, layout: str) -> None:
+    w13, w2 = layer.expert_weights()
+    fmt = native_moe.mx_format(torch.bfloat16, w13.scale.view(torch.uint8), w2.scale.view(torch.uint8))
+    assert fmt == (native_moe.W_MXFP8_DOT if layout == "dot" else native_moe.W_MXFP8)
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_bf16_layouts_within_bf16_rounding(bf16_layout: str, T: int) -> None:
+    # H = 96: the second 64-output w2 panel is half padding; 40 tokens over 8 experts: several row tiles
+    layer = _layer(torch.bfloat16, H=96, I=64)
+    _expect_layout(layer, bf16_layout)
+    x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T)).bfloat16()
+    got, ref = _both(layer, x)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 * 2.0**-8, atol=2e-3)
+    assert (got != ref).float().mean() < 0.05  # the same roundings: only summation order differs
+
+
+def test_bf16_layouts_no_token_one_token_every_token(bf16_layout: str) -> None:
+    layer = _layer(torch.bfloat16, E=4)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ids = torch.tensor([[0, 1]] + [[0, 0]] * 5, dtype=torch.int64)
+    got, ref = _both(layer, x, ids)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 * 2.0**-8, atol=2e-3)
+
+
+@pytest.mark.parametrize("scale_byte", [63, 247, 255])
+def test_bf16_scales_outside_the_exact_range_keep_the_fp32_panels(scale_byte: int) -> None:
+    """One block scale outside mxfp8.h's safe range (the scaled weights would not all be exact
+    bf16, or NaN): the experts are packed for the fp32 tiles and still equal the torch path."""
+    if not native_moe._lib(record=False).moe_mx_dot_available():
+        pytest.skip("library built without AVX512-BF16 + VBMI (this CPU lacks them)")
+    layer = _layer(torch.bfloat16, E=4)
+    _expect_layout(layer, "dot")
+    layer.w2_scale.view(torch.uint8)[1, 3, 0] = scale_byte
+    if scale_byte == 247:  # a huge block, kept finite: one element 2^-6 (x 2^120), the rest zero
+        layer.w2_mx.view(torch.uint8)[1, 3, :32] = 0
+        layer.w2_mx.view(torch.uint8)[1, 3, 5] = 0x08
+    _expect_layout(layer, "panels")
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ids = torch.tensor([[1, 0]] * 7, dtype=torch.int64)
+    got, ref = _both(layer, x, ids)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 * 2.0**-8, atol=2e-3, equal_nan=True)
+    if scale_byte == 255:  # output 3 of expert 1 is NaN in every row (its block's scale is)
+        assert got[:, 3].isnan().all() and not got[:, 4].isnan().any()

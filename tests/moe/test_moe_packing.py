@@ -33,7 +33,7 @@ def _layer(dtype: torch.dtype, H: int, I: int, E: int = 6, seed: int = 0) -> Fus
 
 def _padded_elements(fmt: int, E: int, H: int, I: int) -> int:
     """Elements of a layer's panels in format `fmt`, zero padding included (csrc/moe_experts.c)."""
-    if fmt == native_moe.W_BF16_DOT:  # 32 gate + 32 up rows / 64 rows a panel, K in pairs
+    if fmt in (native_moe.W_BF16_DOT, native_moe.W_MXFP8_DOT):  # 32 gate + 32 up rows / 64 rows a panel, K in pairs
         return E * (-(-I // 32) * 64 * -(-H // 2) * 2 + -(-H // 64) * 64 * -(-I // 2) * 2)
     return E * (-(-I // native_moe.P13) * native_moe.P13 * 2 * H + -(-H // native_moe.P2) * native_moe.P2 * I)
 
@@ -49,13 +49,14 @@ def bf16_dot(request):
 
 @pytest.mark.parametrize("dtype,H,I,bf16_dot", [
     (torch.float32, 40, 20, True), (torch.bfloat16, 64, 32, False), (torch.bfloat16, 64, 32, True),
-    (torch.bfloat16, 33, 17, True), ("mxfp8", 64, 96, True),
+    (torch.bfloat16, 33, 17, True), ("mxfp8", 64, 96, True), ("mxfp8-bf16", 96, 64, True), ("mxfp8-bf16", 96, 64, False),
 ], indirect=["bf16_dot"])
 def test_pack_unpack_is_exact_and_forward_unchanged(dtype, H: int, I: int, bf16_dot: bool) -> None:
     # (40, 20): neither H a multiple of the w2 panel (16) nor I of the w13 panel (8): padding rows;
     # (33, 17) in the dot layout: odd K on both GEMMs (a zero half of the last k-pair) and part panels
-    layer = _layer(torch.float32 if dtype == "mxfp8" else dtype, H, I)
-    if dtype == "mxfp8":
+    mx = dtype in ("mxfp8", "mxfp8-bf16")  # MXFP8 experts in an fp32 / a bf16 layer
+    layer = _layer({"mxfp8": torch.float32, "mxfp8-bf16": torch.bfloat16}.get(dtype, dtype), H, I)
+    if mx:
         layer.quantize_("mxfp8")
     x = torch.randn(7, H, generator=torch.Generator().manual_seed(1)).to(layer.gate_weight.dtype)
     before = [t.clone() for t in (layer.state_dict().values())]
@@ -66,19 +67,20 @@ def test_pack_unpack_is_exact_and_forward_unchanged(dtype, H: int, I: int, bf16_
     assert not any(n in dict(layer.named_parameters()) or n in dict(layer.named_buffers())
                    for n in ("w13", "w2", "w13_mx", "w13_scale", "w2_mx", "w2_scale"))
     fmt = layer.packed.fmt
-    assert fmt == {torch.float32: native_moe.W_F32, "mxfp8": native_moe.W_MXFP8}.get(
-        dtype, native_moe.W_BF16_DOT if bf16_dot else native_moe.W_BF16)
+    assert fmt == {torch.float32: native_moe.W_F32, "mxfp8": native_moe.W_MXFP8,
+                   "mxfp8-bf16": native_moe.W_MXFP8_DOT if bf16_dot and native_moe._lib().moe_mx_dot_available() else native_moe.W_MXFP8,
+                   }.get(dtype, native_moe.W_BF16_DOT if bf16_dot else native_moe.W_BF16)
     # only the panels are resident now: the same bytes, plus zero rows where H or I is not a panel multiple
     padded = _padded_elements(fmt, layer.routing.num_experts, H, I)
-    per = 1 if dtype == "mxfp8" else layer.gate_weight.element_size()
-    assert layer.expert_weight_bytes() == padded * per + (padded // 32 if dtype == "mxfp8" else 0)
+    per = 1 if mx else layer.gate_weight.element_size()
+    assert layer.expert_weight_bytes() == padded * per + (padded // 32 if mx else 0)
     if (H, I) != (33, 17):  # that one is mostly padding by design
         assert layer.expert_weight_bytes() <= bytes_plain * 1.25
     assert torch.equal(layer(x), out)
     # state_dict round trip through packed and unpacked layers: same names, same bytes
     assert list(layer.state_dict()) == names
     twin = _layer(layer.gate_weight.dtype, H, I, seed=9)
-    if dtype == "mxfp8":
+    if mx:
         twin.quantize_("mxfp8")
     assert twin.pack_()
     twin.load_state_dict(layer.state_dict())
