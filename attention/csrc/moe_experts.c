@@ -596,33 +596,87 @@ static const dot_tile_fn DOT_TILES[MRP + 1] = {0, dot_tile_1, dot_tile_2, dot_ti
 
 #ifdef MX_DOT_BF16
 #define MOE_MX_DOT 1
-/* One MOE_W_MXFP8_DOT panel (kp = K / 2 k-pairs, scales [K/32][64]) -> the bf16 dot layout in
- * `panel` (exact scaled weights): per block, the 64 features' exponent shifts as 4 vectors of
- * word pairs, then per k-pair two lookups of 64 bytes and one exponent add per vector. */
-static MX_AVX512 void mx_dot_dequant(const uint8_t *wp, const uint8_t *sp, int64_t K, uint16_t *panel) {
-    const mx_bf16_tabs tabs = mx_load_bf16_tabs();
+/* The exponent shifts of one block of a MOE_W_MXFP8_DOT panel: its 64 features' scale bytes b as
+ * words (b - 127) << 7, each twice (a feature's two k of a pair), 16 features a vector. */
+static inline __attribute__((always_inline)) MX_AVX512 void mx_dot_shifts(const uint8_t *sb, __m512i shift[4]) {
     const __m512i pairs = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8, 7, 7, 6, 6, 5, 5,
                                            4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    for (int v = 0; v < 4; v++) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sb + 16 * v)));
+        const __m256i sh = _mm256_slli_epi16(_mm256_sub_epi16(b, _mm256_set1_epi16(127)), 7);
+        shift[v] = _mm512_permutexvar_epi16(pairs, _mm512_castsi256_si512(sh));
+    }
+}
+
+/* One k-pair of a MOE_W_MXFP8_DOT panel (128 bytes at w) -> its 64 features' exact scaled bf16
+ * weights in the dot order, 16 features a vector: two lookups of 64 bytes, one exponent add each. */
+static inline __attribute__((always_inline)) MX_AVX512 void mx_dot_kpair(const uint8_t *w, const mx_bf16_tabs *tabs,
+                                                                          const __m512i shift[4], __m512i a[4]) {
+    mx_decode64_bf16(_mm512_loadu_si512(w), tabs, &a[0], &a[1]);
+    mx_decode64_bf16(_mm512_loadu_si512(w + DP), tabs, &a[2], &a[3]);
+    for (int v = 0; v < 4; v++) a[v] = mx_scale_bf16(a[v], shift[v]);
+}
+
+/* One MOE_W_MXFP8_DOT panel (K / 2 k-pairs, scales [K/32][64]) -> the bf16 dot layout in `panel`
+ * (exact scaled weights), for experts with more rows than one register tile. */
+static MX_AVX512 void mx_dot_dequant(const uint8_t *wp, const uint8_t *sp, int64_t K, uint16_t *panel) {
+    const mx_bf16_tabs tabs = mx_load_bf16_tabs();
     for (int64_t kb = 0; kb < K / MX_BLOCK; kb++) {
         __m512i shift[4];
-        for (int v = 0; v < 4; v++) {
-            const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sp + kb * DP + 16 * v)));
-            const __m256i sh = _mm256_slli_epi16(_mm256_sub_epi16(b, _mm256_set1_epi16(127)), 7);
-            shift[v] = _mm512_permutexvar_epi16(pairs, _mm512_castsi256_si512(sh));
-        }
+        mx_dot_shifts(sp + kb * DP, shift);
         for (int64_t kk = kb * (MX_BLOCK / 2); kk < (kb + 1) * (MX_BLOCK / 2); kk++) {
-            const uint8_t *w = wp + kk * 2 * DP;
-            uint16_t *o = panel + kk * 2 * DP;
-            __m512i a0, a1, a2, a3;
-            mx_decode64_bf16(_mm512_loadu_si512(w), &tabs, &a0, &a1);
-            mx_decode64_bf16(_mm512_loadu_si512(w + DP), &tabs, &a2, &a3);
-            _mm512_storeu_si512(o, mx_scale_bf16(a0, shift[0]));
-            _mm512_storeu_si512(o + 32, mx_scale_bf16(a1, shift[1]));
-            _mm512_storeu_si512(o + 64, mx_scale_bf16(a2, shift[2]));
-            _mm512_storeu_si512(o + 96, mx_scale_bf16(a3, shift[3]));
+            __m512i a[4];
+            mx_dot_kpair(wp + kk * 2 * DP, &tabs, shift, a);
+            for (int v = 0; v < 4; v++) _mm512_storeu_si512(panel + kk * 2 * DP + 32 * v, a[v]);
         }
     }
 }
+
+#define MX_DOT_MR 4 /* rows of the in-register tile: 16 accumulators beside the lookup tables and shifts */
+
+/* dot64_tile on a MOE_W_MXFP8_DOT panel, decoding each k-pair in registers (M <= MX_DOT_MR): for
+ * an expert with one tile of rows (decode) the weights are decoded once either way, and this
+ * skips the buffer's store and reload. */
+static inline __attribute__((always_inline)) MX_AVX512 void mx_dot64_tile(const uint16_t *const *r, const int M,
+                                                                           const uint8_t *wp, const uint8_t *sp,
+                                                                           int64_t K, float out[][DP]) {
+    const mx_bf16_tabs tabs = mx_load_bf16_tabs();
+    __m512 acc[MX_DOT_MR][4];
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < 4; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < K / MX_BLOCK; kb++) {
+        __m512i shift[4];
+        mx_dot_shifts(sp + kb * DP, shift);
+        for (int64_t kk = kb * (MX_BLOCK / 2); kk < (kb + 1) * (MX_BLOCK / 2); kk++) {
+            __m512i a[4];
+            mx_dot_kpair(wp + kk * 2 * DP, &tabs, shift, a);
+            for (int m = 0; m < M; m++) {
+                int32_t pr;
+                memcpy(&pr, r[m] + 2 * kk, 4);
+                const __m512bh b = (__m512bh)_mm512_set1_epi32(pr);
+                for (int v = 0; v < 4; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], (__m512bh)a[v], b);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(out[m] + 16 * v, acc[m][v]);
+}
+#define MX_DOT_TILE(M_)                                                                                       \
+    static MX_AVX512 void mx_dot_tile_##M_(const uint16_t *const *r, const uint8_t *wp, const uint8_t *sp,   \
+                                           int64_t K, float out[][DP]) {                                     \
+        mx_dot64_tile(r, M_, wp, sp, K, out);                                                                \
+    }
+MX_DOT_TILE(1)
+MX_DOT_TILE(2)
+MX_DOT_TILE(3)
+MX_DOT_TILE(4)
+#define MX_DOT_MR_OR_0 MX_DOT_MR
+typedef void (*mx_dot_tile_fn)(const uint16_t *const *, const uint8_t *, const uint8_t *, int64_t, float[][DP]);
+static const mx_dot_tile_fn MX_DOT_TILES[MX_DOT_MR + 1] = {0, mx_dot_tile_1, mx_dot_tile_2, mx_dot_tile_3, mx_dot_tile_4};
+#endif
+
+#ifndef MOE_MX_DOT
+#define MX_DOT_MR_OR_0 0 /* no MXFP8 dot tiles in this build (experts_dot never sees MXFP8 then) */
 #endif
 
 /* f32_to_bf16 on 16 lanes (nearest even; NaN kept, made quiet) */
@@ -750,8 +804,10 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
             const int64_t e = active[it / ng], g = it % ng;
             const size_t at = (size_t)(e * ng + g) * (size_t)kp13 * 2 * DP; /* elements (bytes for MXFP8) */
             const uint16_t *wp = (const uint16_t *)w13d + at;
+            /* MXFP8: one register tile of rows decodes in the tile, more go through the buffer */
+            const int inreg = mx && cnt[e + 1] - cnt[e] <= MX_DOT_MR_OR_0;
 #ifdef MOE_MX_DOT
-            if (mx) {
+            if (mx && !inreg) {
                 mx_dot_dequant((const uint8_t *)w13d + at, s13 + at / MX_BLOCK, H, panel);
                 wp = panel;
             }
@@ -761,7 +817,11 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
                 const int M = cnt[e + 1] - r0 < MRP ? (int)(cnt[e + 1] - r0) : MRP;
                 const uint16_t *xb[MRP];
                 for (int m = 0; m < M; m++) xb[m] = x + (sorted[r0 + m] / k) * x_stride;
-                DOT_TILES[M](xb, wp, H, o);
+#ifdef MOE_MX_DOT
+                if (inreg) MX_DOT_TILES[M](xb, (const uint8_t *)w13d + at, s13 + at / MX_BLOCK, H, o);
+                else
+#endif
+                    DOT_TILES[M](xb, wp, H, o);
                 for (int m = 0; m < M; m++) {
                     uint16_t hv[32];
                     for (int v = 0; v < 4; v++) {
@@ -782,8 +842,9 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
             for (int64_t q = q0; q < q1; q++) {
                 const size_t at = (size_t)(e * nq + q) * (size_t)kp2 * 2 * DP;
                 const uint16_t *wp = (const uint16_t *)w2d + at;
+                const int inreg = mx && cnt[e + 1] - cnt[e] <= MX_DOT_MR_OR_0;
 #ifdef MOE_MX_DOT
-                if (mx) {
+                if (mx && !inreg) {
                     mx_dot_dequant((const uint8_t *)w2d + at, s2 + at / MX_BLOCK, I, panel);
                     wp = panel;
                 }
@@ -793,7 +854,11 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
                     const int M = cnt[e + 1] - r0 < MRP ? (int)(cnt[e + 1] - r0) : MRP;
                     const uint16_t *hr[MRP];
                     for (int m = 0; m < M; m++) hr[m] = hb + (r0 + m) * I;
-                    DOT_TILES[M](hr, wp, I, o);
+#ifdef MOE_MX_DOT
+                    if (inreg) MX_DOT_TILES[M](hr, (const uint8_t *)w2d + at, s2 + at / MX_BLOCK, I, o);
+                    else
+#endif
+                        DOT_TILES[M](hr, wp, I, o);
                     for (int m = 0; m < M; m++) {
                         uint16_t yv[DP];
                         for (int v = 0; v < 4; v++) _mm256_storeu_si256((__m256i *)(yv + 16 * v), bf16x16(_mm512_loadu_ps(o[m] + 16 * v)));
