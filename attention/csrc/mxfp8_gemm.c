@@ -110,12 +110,14 @@ int mxfp8_dequantize(const uint8_t *data, const uint8_t *scales, int64_t rows, i
 
 #define PREFETCH_BYTES 2048
 #define DECODE_MAX_M 8 /* rows the decode loop takes (in passes of 4); more go to the tile loop */
-/* rows the bf16-dot decode loop takes (passes of 8). Chosen against the first bf16 tile loop, whose
- * per-row scatter made its panel dequantization dominate at few rows (Zen4, 2 threads, [151936,
- * 512]: 16 rows 13.4 vs 20.5 ms; at 24 rows the two were even). Since the tile transposes in
- * registers it took 15.5 ms at 17 rows against this loop's 16.4-23.5 at 16 on a noisy run, so the
- * crossover is probably lower now; not re-tuned. */
-#define DECODE_BF16_MAX_M 16
+/* rows the bf16-dot decode loop takes (passes of 8); more go to the bf16 tile loop. Re-tuned
+ * against the transposing tile (Zen4, 2 threads, one process alternating the two, medians):
+ * weights streamed from memory favour this loop up to ~12 rows ([151936, 512]: tile / decode
+ * 1.65 at 8, 0.86-1.17 at 12, 0.86 at 16; [151936, 1024]: 1.62 at 8, 1.06-1.25 at 12, 0.81 at
+ * 16), weights that stay in cache favour the tile from ~8 ([3072, 1024] 0.92 at 8, 0.86 at 12,
+ * 0.55 at 16; [1024, 512] 0.95 / 0.62 / 0.58). The lm_head-sized weights, where the time is,
+ * decide: 12 (it was 16, set against the first, scattering tile). */
+#define DECODE_BF16_MAX_M 12
 
 #ifdef MX_X86
 /* One weight row (w, s) dotted with M fp32 x rows (stride K): out[m]. M is a constant at every

@@ -26,6 +26,7 @@ __all__ = ["available", "fast_path_available", "bf16_dot_available", "set_bf16_d
            "last_linear_path", "check_weight", "check_nan_elements"]
 
 BLOCK = 32
+DECODE_BF16_MAX_ROWS = 12  # csrc/mxfp8_gemm.c's DECODE_BF16_MAX_M: bf16 x rows the bf16-dot decode loop takes
 _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "mxfp8_fast_path_available": ([], _int),
