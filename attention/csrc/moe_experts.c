@@ -772,7 +772,9 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
                        const float *weights, int64_t k, const void *w13d, const void *w2d, const uint8_t *s13,
                        const uint8_t *s2, int64_t E, int64_t I, void *out, int out_dtype) {
     const int64_t A = T * k;
-    const int mx = s13 != NULL; /* MOE_W_MXFP8_DOT: each panel dequantized to bf16 first, into `scratch` */
+    /* MOE_W_MXFP8_DOT: an expert with one register tile of rows decodes each panel in the tile,
+     * one with more dequantizes it to bf16 first, into this thread's part of `scratch` */
+    const int mx = s13 != NULL;
     const int nthreads = omp_get_max_threads();
     const size_t scratch_words = (size_t)(H > I ? H : I) * DP; /* one panel of the longer K, bf16 */
     const int64_t ng = (I + 31) / 32, nq = (H + DP - 1) / DP, kp13 = (H + 1) / 2, kp2 = (I + 1) / 2;
@@ -835,7 +837,8 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
         }
 #pragma omp barrier
         /* stage 2 + combine: each thread owns a contiguous range of 64-column panels [q0, q1) for
-         * every token (so the combine needs no barrier), expert by expert */
+         * every token (so the combine needs no barrier), expert by expert; with more threads than
+         * H / 64 panels the rest wait at the end (H 512: 8 panels, fine on this 2-core target) */
         const int64_t q0 = nq * me / nth, q1 = nq * (me + 1) / nth;
         for (int64_t ai = 0; ai < nact; ai++) {
             const int64_t e = active[ai];
