@@ -125,6 +125,9 @@ def plain_format(dtype: torch.dtype) -> int:
     return W_BF16_DOT if fmt == W_BF16 and dot_in_use() else fmt
 
 
+_SCALES_SAFE = -2  # `_cached` key of mx_format's scan (on the scale tensors, which hold no panels)
+
+
 def mx_format(x_dtype: torch.dtype, *scales: torch.Tensor) -> int:
     """The format MXFP8 experts with these E8M0 `scales` are packed in for activations of `x_dtype`:
     W_MXFP8_DOT for bf16 where the library runs it and every scale byte keeps the scaled weights
@@ -134,8 +137,12 @@ def mx_format(x_dtype: torch.dtype, *scales: torch.Tensor) -> int:
     lib = _lib(record=False)
     if not lib.moe_mx_dot_available():
         return W_MXFP8
-    safe = all(lib.mxfp8_scales_bf16_safe(s.data_ptr(), s.numel()) for s in (sc.contiguous() for sc in scales))
-    return W_MXFP8_DOT if safe else W_MXFP8
+
+    def safe(sc: torch.Tensor) -> bool:  # a scan of every scale byte: kept on the tensor per version
+        b = sc.contiguous().view(torch.uint8)
+        return bool(lib.mxfp8_scales_bf16_safe(b.data_ptr(), b.numel()))
+
+    return W_MXFP8_DOT if all(_cached(lambda sc=sc: safe(sc), sc, layout=_SCALES_SAFE) for sc in scales) else W_MXFP8
 
 
 def runs_on(fmt: int, x_dtype: torch.dtype) -> bool:
@@ -279,7 +286,7 @@ def pack_mxfp8(w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, t
     [E, H, I/32]) -> their panels (bytes and scale bytes): in `mx_format`'s layout for activations
     of `act_dtype` (the dot layout runs on bf16 only), the W_MXFP8 panels when it is None."""
     E, I, H = _sizes(w13[0], w2[0])
-    fmt = W_MXFP8 if act_dtype is None else mx_format(act_dtype, w13[1].view(torch.uint8), w2[1].view(torch.uint8))
+    fmt = W_MXFP8 if act_dtype is None else mx_format(act_dtype, w13[1], w2[1])
     p13, s13 = _pack_mx(*w13, "w13", fmt)
     p2, s2 = _pack_mx(*w2, "w2", fmt)
     return PackedExperts(fmt, E, I, H, p13, p2, s13, s2)
@@ -432,7 +439,7 @@ def experts_mxfp8(
     E, I, _ = _sizes(w13[0], w2[0], x.shape[1])
     _check_mx(*w13, "w13")
     _check_mx(*w2, "w2")
-    fmt = mx_format(x.dtype, w13[1].view(torch.uint8), w2[1].view(torch.uint8))
+    fmt = mx_format(x.dtype, w13[1], w2[1])
     p13, s13 = packed_mx_w13(*w13, fmt)
     p2, s2 = packed_mx_w2(*w2, fmt)
     return _run(x, weights, ids, k, p13, p2, fmt, s13, s2, E, I)
