@@ -39,11 +39,11 @@ from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from cuttle.attention import native
 
-__all__ = ["GraphBreak", "KernelGraph", "capture", "on_result"]
+__all__ = ["GraphBreak", "KernelGraph", "capture", "on_result", "settle_at_capture"]
 
 _aten = torch.ops.aten
 # allocation: the buffers the kernels write (uninitialized, so nothing is computed)
@@ -183,6 +183,26 @@ def on_result(handler: Callable[[Any], bool]) -> None:
     if not graph._calls:
         raise RuntimeError("on_result: no kernel call has been recorded yet")
     graph._handlers[len(graph._calls) - 1] = handler
+
+
+def settle_at_capture(fix: Callable[[], None], result: Any) -> bool:
+    """Inside a capture, on its thread: run `fix()` unguarded (its torch ops compute, and are not
+    recorded) and count the kernel call just recorded as having returned `result`. For a call with
+    an `on_result` handler whose capture-time result needs settling: the capture settles its own
+    case with `fix`, and every replay whose call returns other than `result` runs the handler (the
+    MoE router: a capture that met a near-tie settles it now and records "no tie", so a replay
+    with ties settles them, one without goes on). Returns False, doing nothing, outside a capture."""
+    active = _active
+    if active is None or active[0] != threading.get_ident():
+        return False
+    graph = active[1]
+    if not graph._calls:
+        raise RuntimeError("settle_at_capture: no kernel call has been recorded yet")
+    with _disable_current_modes():  # the capture's _Guard
+        fix()
+    fn, args, _ = graph._calls[-1]
+    graph._calls[-1] = (fn, args, result)
+    return True
 
 
 @contextmanager

@@ -384,6 +384,10 @@ def route(
             return True
 
         graph.on_result(on_tie)
+        # a capture that meets a tie settles it now, unrecorded, and records "no tie": a replay
+        # then settles whatever ties it meets through on_tie (nonzero would break the capture)
+        if n_tied > 0 and graph.settle_at_capture(lambda: on_tie(n_tied), 0):
+            return weights, ids, None
     return weights, ids, (tie.nonzero().view(-1) if n_tied else None)
 
 

@@ -127,6 +127,31 @@ def test_a_replayed_step_meeting_a_tie_settles_it_with_torch_and_goes_on() -> No
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
 
 
+def test_a_capture_meeting_a_tie_settles_it_and_its_replays_follow_their_own_ties() -> None:
+    """A capture whose router meets a near-tie (frequent at large decode batches: bf16 logits over
+    many experts) settles it with torch unrecorded and records "no tie", instead of breaking the
+    capture; its replays then equal the eager router with ties in other rows and with none."""
+    from cuttle.attention.native import graph
+    from cuttle.moe.experts_native import route_native
+
+    cfg = RoutingConfig.from_hf(FAMILIES["qwen3_moe"])
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, cfg.num_experts, generator=g).mul(0.05).bfloat16()
+    logits[3] = 0.25  # a whole row tied at capture
+    with torch.inference_mode():
+        with graph.capture() as kg:
+            weights, ids = route_native(logits, cfg, None)
+        ref_w, ref_ids = route_native(logits.clone(), cfg, None)  # eager
+        assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)  # the capture's own result
+        for tied_row in (0, None):  # a tie elsewhere, then none
+            logits.copy_(torch.randn(6, cfg.num_experts, generator=g).mul(0.05).bfloat16())
+            if tied_row is not None:
+                logits[tied_row] = 0.25
+            assert kg.replay()
+            ref_w, ref_ids = route_native(logits.clone(), cfg, None)
+            assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("T", [1, 3, 37])
 def test_layer_native_equals_torch_fp32(family: str, T: int, native_only: None) -> None:
