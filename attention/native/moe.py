@@ -105,15 +105,16 @@ def available() -> bool:
 
 
 def dot_in_use() -> bool:
-    """Whether bf16 experts packed from now on take the AVX512-BF16 dot tiles (W_BF16_DOT)."""
+    """Whether experts packed from now on take the AVX512-BF16 dot layouts (W_BF16_DOT, and
+    W_MXFP8_DOT where `mx_format` allows it)."""
     return _dot_wanted and bool(_lib(record=False).moe_dot_available())
 
 
 def set_bf16_dot(on: bool) -> bool:
-    """bf16 experts packed from now on take the AVX512-BF16 dot tiles (`on`, the default where the
-    library was built with them) or the widening fp32 tiles (tests, A/B timing); weights packed
-    before keep their layout and tiles. Returns whether the dot tiles are now in use (False on CPUs
-    without AVX512-BF16)."""
+    """bf16 experts (and MXFP8 experts on bf16 activations) packed from now on take the AVX512-BF16
+    dot tiles (`on`, the default where the library was built with them) or the widening fp32 /
+    MXFP8 panel tiles (tests, A/B timing); weights packed before keep their layout and tiles.
+    Returns whether the dot tiles are now in use (False on CPUs without AVX512-BF16)."""
     global _dot_wanted
     _dot_wanted = bool(on)
     return dot_in_use()
