@@ -50,8 +50,9 @@ def _offline(path: str, repo, sessions) -> list[list[list[int]]]:
     return out
 
 
-# read in place (the CPU default) leaves host hits where they are, so the device pool is never
-# pressed hard enough to evict a document; copy-in ("never") is the run that sends documents down
+# read in place (the CPU default) leaves host hits where they are, so the device pool is rarely
+# pressed hard enough to evict a document (it depends on how the sessions interleave); copy-in
+# ("never") is the run that always sends documents down
 @pytest.mark.parametrize("read_in_place", ["never", "auto"])
 def test_agent_sessions_through_a_small_pool_and_host_tier_stay_correct_and_free_everything(qwen3_path, read_in_place):
     repo, sessions = _workload()
@@ -85,7 +86,14 @@ def test_agent_sessions_through_a_small_pool_and_host_tier_stay_correct_and_free
         if read_in_place == "never":
             assert s["kv_offloaded_documents"] > 0 and s["kv_host_document_hits"] > 0 and s["kv_bytes_host_to_device"] > 0
         else:
-            assert s["kv_read_in_place_blocks"] > 0 and s["kv_bytes_host_to_device"] == 0
+            # host hits are read where they lie: no run of them is copied in. What may still come
+            # down is a preempted sequence's partial block swapped back in, or a document pushed
+            # out and loaded again: whether the small pool preempts depends on how the sessions'
+            # requests interleave (a CI run saw 8192 bytes come down; under a competing CPU load
+            # here, one run in six loaded a document back, 6144 bytes)
+            assert s["kv_read_in_place_blocks"] > 0 and s["kv_copy_in_runs"] == 0, s
+            if s["kv_bytes_host_to_device"]:
+                assert s["kv_swap_ins"] > 0 or s["kv_host_document_hits"] > 0, s
 
         def drained() -> dict:  # copies still finishing release their host blocks
             engine.tiers.drain()
