@@ -440,16 +440,25 @@ static MX_AVX2 void micro_mx_1(const float *xa, const float *wt, int64_t K, floa
 }
 #endif
 
+#ifdef MX_X86
+/* one weight row (KB blocks) to fp32 on the AVX2 decode, for the tile: its own function so that the
+ * AVX intrinsics sit under MX_AVX2 (a build for a CPU without AVX then still compiles and takes
+ * the scalar loop at run time) */
+static MX_AVX2 void tile_row_avx2(const uint8_t *w, const uint8_t *s, int64_t KB, float *out) {
+    for (int64_t kb = 0; kb < KB; kb++) {
+        __m256 v[4];
+        mx_dequant_block(w + kb * MX_BLOCK, s[kb], v);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + kb * MX_BLOCK + 8 * i, v[i]);
+    }
+}
+#endif
+
 static void dequant_tile(const uint8_t *w, const uint8_t *s, int64_t rows, int64_t K, float *wt, int fast) {
     const int64_t KB = K / MX_BLOCK;
     for (int64_t r = 0; r < rows; r++) {
 #ifdef MX_X86
         if (fast) {
-            for (int64_t kb = 0; kb < KB; kb++) {
-                __m256 v[4];
-                mx_dequant_block(w + r * K + kb * MX_BLOCK, s[r * KB + kb], v);
-                for (int i = 0; i < 4; i++) _mm256_storeu_ps(wt + r * K + kb * MX_BLOCK + 8 * i, v[i]);
-            }
+            tile_row_avx2(w + r * K, s + r * KB, KB, wt + r * K);
             continue;
         }
 #endif
