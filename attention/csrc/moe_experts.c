@@ -42,6 +42,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dot_bf16.h"
 #include "dtypes.h"
 #include "mxfp8.h"
 #include "vec_exp.h"
@@ -455,26 +456,30 @@ static const mx_tile_fn MX_TILES[MR + 1] = {0, mx_tile_1, mx_tile_2, mx_tile_3, 
  * each broadcast feeds 4 dot instructions (the 16-feature panels of the widening tiles fed one,
  * after a word permutation, and left the experts at ~40 % of the dense GEMM's rate). The gate and
  * up of 32 features end in the same tile, so silu * up is still the stage-1 epilogue. */
-#define DP 64
+#define DP DOT_PANEL
 
 int64_t moe_dot_w13_numel(int64_t E, int64_t I, int64_t H) { return E * ((I + 31) / 32) * ((H + 1) / 2) * 2 * DP; }
 int64_t moe_dot_w2_numel(int64_t E, int64_t H, int64_t I) { return E * ((H + DP - 1) / DP) * ((I + 1) / 2) * 2 * DP; }
 
+/* The weight row (of N rows of one expert) at feature c of dot panel p, or -1 for padding; gated:
+ * w13 (N = 2I: 32 gate rows of the panel's 32 intermediate features, then their up rows). */
+static inline int64_t dot_row(int gated, int64_t N, int64_t p, int64_t c) {
+    if (gated) {
+        const int64_t I = N / 2, f = 32 * p + c % 32; /* intermediate feature */
+        return f < I ? (c < 32 ? f : I + f) : -1;
+    }
+    return DP * p + c < N ? DP * p + c : -1;
+}
+
 /* w [E, N, K] bf16 -> np panels per expert of the dot layout; gated: w13 (N = 2I, gate/up halves) */
 static void pack_dot(const uint16_t *w, int64_t E, int64_t N, int64_t np, int64_t K, int gated, uint16_t *out) {
-    const int64_t kp = (K + 1) / 2, I = N / 2;
+    const int64_t kp = (K + 1) / 2;
 #pragma omp parallel for schedule(static)
     for (int64_t ep = 0; ep < E * np; ep++) {
         const int64_t e = ep / np, p = ep % np;
         uint16_t *dst = out + (size_t)ep * (size_t)kp * 2 * DP;
         for (int64_t c = 0; c < DP; c++) {
-            int64_t row;
-            if (gated) {
-                const int64_t f = 32 * p + c % 32; /* intermediate feature */
-                row = f < I ? (c < 32 ? f : I + f) : -1;
-            } else {
-                row = DP * p + c < N ? DP * p + c : -1;
-            }
+            const int64_t row = dot_row(gated, N, p, c);
             const uint16_t *src = row >= 0 ? w + ((size_t)e * N + row) * K : NULL;
             for (int64_t kk = 0; kk < kp; kk++) {
                 dst[(kk * DP + c) * 2] = src ? src[2 * kk] : 0;
@@ -510,19 +515,13 @@ static inline int64_t mx_dot_pos(int64_t f, int64_t j) {
 
 static void pack_mx_dot(const uint8_t *w, const uint8_t *sc, int64_t E, int64_t N, int64_t np, int64_t K, int gated,
                         uint8_t *out, uint8_t *out_s) {
-    const int64_t kp = K / 2, KB = K / MX_BLOCK, I = N / 2;
+    const int64_t kp = K / 2, KB = K / MX_BLOCK;
 #pragma omp parallel for schedule(static)
     for (int64_t ep = 0; ep < E * np; ep++) {
         const int64_t e = ep / np, p = ep % np;
         uint8_t *dst = out + (size_t)ep * (size_t)kp * 2 * DP, *dst_s = out_s + (size_t)ep * (size_t)KB * DP;
         for (int64_t c = 0; c < DP; c++) {
-            int64_t row;
-            if (gated) {
-                const int64_t f = 32 * p + c % 32;
-                row = f < I ? (c < 32 ? f : I + f) : -1;
-            } else {
-                row = DP * p + c < N ? DP * p + c : -1;
-            }
+            const int64_t row = dot_row(gated, N, p, c);
             const uint8_t *src = row >= 0 ? w + ((size_t)e * N + row) * K : NULL;
             const int64_t half = c / 32, f = c % 32;
             for (int64_t kk = 0; kk < kp; kk++)
@@ -551,33 +550,12 @@ int moe_pack_mx_dot_w2(const uint8_t *data, const uint8_t *scale, int64_t E, int
 
 #ifdef __AVX512BF16__
 #define MOE_DOT_BF16 1
-/* out[m][0..63] = the 64 features of one dot-layout panel wp (ceil(K/2) k-pairs) against M bf16
- * rows r[m] of length K. Products are exact and sums fp32, as in the widening tiles; only the
- * summation order differs (and the instruction flushes denormal inputs and products). */
-static inline __attribute__((always_inline)) void dot64_step(const uint16_t *const *r, const int M, const uint16_t *w,
-                                                             int64_t kk, int last_alone, __m512 acc[][4]) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
-    for (int m = 0; m < M; m++) {
-        int32_t pr;
-        if (last_alone) pr = (int32_t)r[m][2 * kk]; /* an odd K's last k beside a zero (its weights' pair is zero too) */
-        else memcpy(&pr, r[m] + 2 * kk, 4);
-        const __m512bh b = (__m512bh)_mm512_set1_epi32(pr);
-        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, b);
-        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, b);
-        acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, b);
-        acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, b);
-    }
-}
-
+/* out[m][0..63] = the 64 features of one dot-layout panel wp against M bf16 rows r[m] of length K:
+ * the dense packed GEMM's tile (dot_bf16.h), stored for the epilogues */
 static inline __attribute__((always_inline)) void dot64_tile(const uint16_t *const *r, const int M, const uint16_t *wp,
                                                              int64_t K, float out[][DP]) {
-    __m512 acc[MRP][4];
-    for (int m = 0; m < M; m++)
-        for (int v = 0; v < 4; v++) acc[m][v] = _mm512_setzero_ps();
-    int64_t kk = 0;
-    for (; kk < K / 2; kk++) dot64_step(r, M, wp + kk * 2 * DP, kk, 0, acc);
-    if (K & 1) dot64_step(r, M, wp + kk * 2 * DP, kk, 1, acc);
+    __m512 acc[DOT_MAX_M][4];
+    dot_bf16_tile(r, M, wp, K, acc);
     for (int m = 0; m < M; m++)
         for (int v = 0; v < 4; v++) _mm512_storeu_ps(out[m] + 16 * v, acc[m][v]);
 }
@@ -763,6 +741,36 @@ static inline int64_t next_item(int uniform, int64_t *next, int64_t end, int64_t
 }
 
 #ifdef MOE_DOT_BF16
+_Static_assert(MRP == DOT_MAX_M, "experts_dot runs DOT_TILES over MRP-row tiles");
+
+/* The panel at element offset `at` of dot-layout weights w (bytes for MXFP8, scales s) as the
+ * bf16 tiles read it: bf16 as stored; MXFP8 dequantized into `buf`, unless its expert's rows fit
+ * the register tile (inreg), which decodes it itself (the return value is then unused). */
+static inline const uint16_t *dot_panel(const void *w, const uint8_t *s, size_t at, int64_t K, int mx, int inreg,
+                                        uint16_t *buf) {
+#ifdef MOE_MX_DOT
+    if (mx && !inreg) {
+        mx_dot_dequant((const uint8_t *)w + at, s + at / MX_BLOCK, K, buf);
+        return buf;
+    }
+#endif
+    (void)s, (void)K, (void)mx, (void)inreg, (void)buf;
+    return (const uint16_t *)w + at;
+}
+
+/* M rows r against that panel: the MXFP8 register tile or the bf16 tile on wp (dot_panel's) */
+static inline void dot_panel_tile(const uint16_t *const *r, int M, const uint16_t *wp, const void *w, const uint8_t *s,
+                                  size_t at, int64_t K, int inreg, float o[][DP]) {
+#ifdef MOE_MX_DOT
+    if (inreg) {
+        MX_DOT_TILES[M](r, (const uint8_t *)w + at, s + at / MX_BLOCK, K, o);
+        return;
+    }
+#endif
+    (void)w, (void)s, (void)at, (void)inreg;
+    DOT_TILES[M](r, wp, K, o);
+}
+
 /* moe_experts on MOE_W_BF16_DOT weights (bf16 activations): stage 1 writes h = silu(gate) * up in
  * bf16 (exactly the rounded values the widening tiles keep in fp32), stage 2 the expert outputs
  * rounded to bf16 (as torch rounds them), and the combine sums each token's k rows in slot order
@@ -805,25 +813,14 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
         while ((it = next_item(uniform, &next, end1, &claim, n1)) >= 0) {
             const int64_t e = active[it / ng], g = it % ng;
             const size_t at = (size_t)(e * ng + g) * (size_t)kp13 * 2 * DP; /* elements (bytes for MXFP8) */
-            const uint16_t *wp = (const uint16_t *)w13d + at;
-            /* MXFP8: one register tile of rows decodes in the tile, more go through the buffer */
             const int inreg = mx && cnt[e + 1] - cnt[e] <= MX_DOT_MR_OR_0;
-#ifdef MOE_MX_DOT
-            if (mx && !inreg) {
-                mx_dot_dequant((const uint8_t *)w13d + at, s13 + at / MX_BLOCK, H, panel);
-                wp = panel;
-            }
-#endif
+            const uint16_t *wp = dot_panel(w13d, s13, at, H, mx, inreg, panel);
             const int nc = I - 32 * g < 32 ? (int)(I - 32 * g) : 32;
             for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MRP) {
                 const int M = cnt[e + 1] - r0 < MRP ? (int)(cnt[e + 1] - r0) : MRP;
                 const uint16_t *xb[MRP];
                 for (int m = 0; m < M; m++) xb[m] = x + (sorted[r0 + m] / k) * x_stride;
-#ifdef MOE_MX_DOT
-                if (inreg) MX_DOT_TILES[M](xb, (const uint8_t *)w13d + at, s13 + at / MX_BLOCK, H, o);
-                else
-#endif
-                    DOT_TILES[M](xb, wp, H, o);
+                dot_panel_tile(xb, M, wp, w13d, s13, at, H, inreg, o);
                 for (int m = 0; m < M; m++) {
                     uint16_t hv[32];
                     for (int v = 0; v < 4; v++) {
@@ -844,24 +841,14 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
             const int64_t e = active[ai];
             for (int64_t q = q0; q < q1; q++) {
                 const size_t at = (size_t)(e * nq + q) * (size_t)kp2 * 2 * DP;
-                const uint16_t *wp = (const uint16_t *)w2d + at;
                 const int inreg = mx && cnt[e + 1] - cnt[e] <= MX_DOT_MR_OR_0;
-#ifdef MOE_MX_DOT
-                if (mx && !inreg) {
-                    mx_dot_dequant((const uint8_t *)w2d + at, s2 + at / MX_BLOCK, I, panel);
-                    wp = panel;
-                }
-#endif
+                const uint16_t *wp = dot_panel(w2d, s2, at, I, mx, inreg, panel);
                 const int nc = H - DP * q < DP ? (int)(H - DP * q) : DP;
                 for (int64_t r0 = cnt[e]; r0 < cnt[e + 1]; r0 += MRP) {
                     const int M = cnt[e + 1] - r0 < MRP ? (int)(cnt[e + 1] - r0) : MRP;
                     const uint16_t *hr[MRP];
                     for (int m = 0; m < M; m++) hr[m] = hb + (r0 + m) * I;
-#ifdef MOE_MX_DOT
-                    if (inreg) MX_DOT_TILES[M](hr, (const uint8_t *)w2d + at, s2 + at / MX_BLOCK, I, o);
-                    else
-#endif
-                        DOT_TILES[M](hr, wp, I, o);
+                    dot_panel_tile(hr, M, wp, w2d, s2, at, I, inreg, o);
                     for (int m = 0; m < M; m++) {
                         uint16_t yv[DP];
                         for (int v = 0; v < 4; v++) _mm256_storeu_si256((__m256i *)(yv + 16 * v), bf16x16(_mm512_loadu_ps(o[m] + 16 * v)));

@@ -26,8 +26,9 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "dot_bf16.h"
 
-#define PANEL 64
+#define PANEL DOT_PANEL
 
 int packed_gemm_available(void) {
 #ifdef __AVX512BF16__
@@ -62,47 +63,25 @@ void pack_weight_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
-/* One MR x 64 tile: rows x[0..MR) against panel wp; writes y columns [n0, n0 + ncols). */
+/* One MR x 64 tile: rows x[0..MR) against panel wp (dot_bf16.h); writes y columns [n0, n0 + ncols). */
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t x_stride, const uint16_t *wp,
                                                        int64_t K, const int MR, const float *bias, void *y,
                                                        int y_dtype, int64_t y_stride, int64_t ncols) {
-    __m512 acc[6][4];
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < 4; v++) acc[m][v] = _mm512_setzero_ps();
-    const int64_t kfull = K / 2;
-    for (int64_t kk = 0; kk < kfull; kk++) {
-        const uint16_t *b = wp + kk * PANEL * 2;
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32);
-        const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64), b3 = (__m512bh)_mm512_loadu_si512(b + 96);
-        for (int m = 0; m < MR; m++) {
-            int32_t pair;
-            memcpy(&pair, x + m * x_stride + 2 * kk, 4);
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
-            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
-            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, b2);
-            acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, b3);
-        }
-    }
-    if (K & 1) { /* odd K: the last pair holds x[K-1] and a zero (never read past the row) */
-        const uint16_t *b = wp + kfull * PANEL * 2;
-        for (int m = 0; m < MR; m++) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int32_t)x[m * x_stride + K - 1]);
-            for (int v = 0; v < 4; v++)
-                acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, (__m512bh)_mm512_loadu_si512(b + 32 * v));
-        }
-    }
+    const uint16_t *r[DOT_MAX_M];
+    for (int m = 0; m < MR; m++) r[m] = x + m * x_stride;
+    __m512 acc[DOT_MAX_M][4];
+    dot_bf16_tile(r, MR, wp, K, acc);
     for (int v = 0; v < 4; v++) {
         const int64_t c0 = 16 * v;
         if (c0 >= ncols) break;
         const __mmask16 mask = ncols - c0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ncols - c0)) - 1);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
         for (int m = 0; m < MR; m++) {
-            const __m512 r = _mm512_add_ps(acc[m][v], bv);
+            const __m512 res = _mm512_add_ps(acc[m][v], bv);
             if (y_dtype == DT_BF16)
-                _mm256_mask_storeu_epi16((uint16_t *)y + m * y_stride + c0, mask, (__m256i)_mm512_cvtneps_pbh(r));
+                _mm256_mask_storeu_epi16((uint16_t *)y + m * y_stride + c0, mask, (__m256i)_mm512_cvtneps_pbh(res));
             else
-                _mm512_mask_storeu_ps((float *)y + m * y_stride + c0, mask, r);
+                _mm512_mask_storeu_ps((float *)y + m * y_stride + c0, mask, res);
         }
     }
 }
