@@ -85,13 +85,14 @@ def decode_b1(llm, prompt: list[int], out_len: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
-def interleaved_b1(runners: dict[str, Callable[[], float]], rounds: int,
-                   skipped: dict[str, str]) -> tuple[dict[str, float], dict[str, list[float]]]:
+def interleaved_b1(runners: dict[str, Callable[[], float]], rounds: int, skipped: dict[str, str],
+                   peers: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Median batch-1 decode tok/s of each runner (a cuttle engine kept alive, or a llama.cpp peer
     process) over `rounds` rounds that visit every runner in turn: the rate of a shared VM drifts by
     tens of percent over minutes, so engines measured one after another would be compared across
-    that drift; interleaved, each round sees the same. A runner that raises a peer error is dropped
-    and recorded in `skipped`. Returns (medians, every round's figures)."""
+    that drift; interleaved, each round sees the same. A runner named in `peers` that raises a peer
+    error is dropped and recorded in `skipped` (a cuttle engine's error propagates). Returns
+    (medians, every round's figures)."""
     rates: dict[str, list[float]] = {name: [] for name in runners}
     live = dict(runners)
     for _ in range(rounds):
@@ -99,6 +100,8 @@ def interleaved_b1(runners: dict[str, Callable[[], float]], rounds: int,
             try:
                 rates[name].append(run())
             except (PeerUnavailable, RuntimeError, subprocess.TimeoutExpired) as e:
+                if name not in peers:
+                    raise
                 skipped[name] = str(e)
                 print(f"{name}: skipped: {e}", flush=True)
                 del live[name], rates[name]
@@ -297,7 +300,7 @@ def main() -> None:
     runners: dict[str, Callable[[], float]] = {
         name: (lambda llm=llm: decode_b1(llm, reqs[0], args.output_len)) for name, llm in llms.items()}
     runners.update({peer: llamacpp_b1(peer) for peer in peers if peer.startswith("llamacpp")})
-    b1, b1_rounds = interleaved_b1(runners, args.decode_rounds, skipped)
+    b1, b1_rounds = interleaved_b1(runners, args.decode_rounds, skipped, frozenset(peers))
     llms.clear()
     runners.clear()
     gc.collect()  # the engines hold reference cycles: free their memory before the next ones start
