@@ -44,6 +44,7 @@ class StepInputs:
     logit_rows: torch.Tensor  # rows to compute logits for: prompt-logprob rows, then sample rows
     sample_seqs: list[Sequence]  # sequences that reach their end this step (one logits row each)
     prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first prompt position, count) with logits
+    graph: Any = None  # the decode graph whose tensors these are (`DecodeGraphs.stage`), or None
 
 
 class ModelRunner:
@@ -155,6 +156,10 @@ class ModelRunner:
         return [(k, v, self.nsa_cache[i, 0], self.nsa_cache[i, 1]) for i, (k, v) in enumerate(self.kv.layers)]
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
+        if self.graphs is not None:
+            staged = self.graphs.stage(scheduled, self.host_kv is not None)
+            if staged is not None:
+                return staged
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []

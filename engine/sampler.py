@@ -122,6 +122,10 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
 def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str = "processed",
            mask: TokenMask | None = None) -> list[SampleResult]:
     """logits [N, V] float32 (modified in place). Rows whose params ask for no logprobs get 0.0."""
+    if mask is None and logprobs_mode == "processed" and all(map(_plain_greedy, rows)):
+        # the common greedy batch: the argmax is the whole answer (what the general path below
+        # returns for these rows too), without its per-step tensors
+        return [SampleResult(t, 0.0, None) for t in argmax(logits).tolist()]
     n = len(rows)
     raw_lp = torch.log_softmax(logits, dim=-1) if logprobs_mode == "raw" else None
     if mask is not None:
@@ -168,6 +172,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str =
             top = _top_logprobs(out_lp[i], tok_list[i], chosen[i], k)
         results.append(SampleResult(tok_list[i], chosen[i], top))
     return results
+
+
+def _plain_greedy(r: SampleRequest) -> bool:
+    """A greedy row with nothing to apply before the argmax and no logprobs to report."""
+    p = r.params
+    return (p.temperature == 0.0 and p.logprobs is None and not p.has_penalties
+            and not (p.min_tokens and r.step < p.min_tokens and r.stop_ids))
 
 
 def _top_logprobs(row: torch.Tensor, token: int, token_lp: float, k: int) -> dict[int, Logprob]:

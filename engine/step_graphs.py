@@ -27,14 +27,16 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from cuttle.attention import native
-from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata
 from cuttle.attention.native.graph import GraphBreak, KernelGraph, capture
 
 if TYPE_CHECKING:
     from cuttle.engine.model_runner import StepInputs
+    from cuttle.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,13 @@ class _Graph:
     graph: KernelGraph | None = None
     logits: torch.Tensor | None = None  # [B, vocab] fp32, written by every replay
     validated: bool = False
+    rows: torch.Tensor | None = None  # arange(B): the logits rows of a staged step
+    # numpy views of the input tensors above: `stage` writes a step's inputs through them
+    np_ids: np.ndarray | None = None
+    np_positions: np.ndarray | None = None
+    np_lens: np.ndarray | None = None
+    np_slots: np.ndarray | None = None
+    np_tables: np.ndarray | None = None
 
 
 class DecodeGraphs:
@@ -88,8 +97,54 @@ class DecodeGraphs:
             and m.block_tables.dim() == 2 and m.block_tables.shape[1] <= self.table_width
         )
 
+    def stage(self, scheduled: list[tuple[Sequence, int]], host_tier: bool) -> StepInputs | None:
+        """The inputs of a decode step whose batch size has a trusted graph, written straight
+        into that graph's tensors (no tensors are built for the step), or None: prepare the step
+        the usual way. The step qualifies as in `qualifies`: every sequence decodes its last token
+        in one causal segment of the device pool (`host_tier`: a host pool exists, so tables are
+        checked for its blocks), asks for no prompt logprobs and is not a document job. The
+        returned inputs' tensors are the graph's own, so `run` replays without copying them."""
+        from cuttle.engine.model_runner import StepInputs
+
+        B = len(scheduled)
+        if B > self.max_batch:
+            return None
+        g = self._graphs.get((B, torch.get_num_threads(), id(native.kernels())))
+        if g is None or not g.validated:
+            return None
+        assert g.np_ids is not None and g.np_positions is not None and g.np_lens is not None
+        assert g.np_slots is not None and g.np_tables is not None
+        bs, width = self.block_size, self.table_width
+        lens: list[int] = []
+        for i, (seq, n) in enumerate(scheduled):
+            p = seq.num_computed_tokens
+            table = seq.block_table
+            req = seq.request
+            if (n != 1 or p + 1 != len(seq.token_ids) or seq.shared or req.job is not None or len(table) > width
+                    or (req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens)
+                    or (host_tier and any(b >= HOST_BLOCK for b in table))):
+                return None  # what this wrote so far is overwritten by the next step's inputs
+            g.np_ids[i] = seq.token_ids[p]
+            g.np_positions[i] = seq.pos_base + p
+            g.np_lens[i] = p + 1
+            g.np_slots[i] = table[p // bs] * bs + p % bs
+            g.np_tables[i, : len(table)] = table
+            lens.append(p + 1)
+        m = g.meta
+        meta = AttentionMetadata(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
+                                 slot_mapping=m.slot_mapping, block_size=bs, max_query_len=1, max_seq_len=max(lens),
+                                 query_lens_cpu=[1] * B, seq_lens_cpu=lens)
+        return StepInputs(input_ids=g.input_ids, positions=g.positions, meta=meta, logit_rows=g.rows,
+                          sample_seqs=[seq for seq, _ in scheduled], prompt_rows=[], graph=g)
+
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The step's logits [B, vocab] fp32 from a graph, or None: run the step eagerly."""
+        staged = inputs.graph
+        if staged is not None:  # inputs already in place (`stage`), the graph trusted
+            if not staged.graph.replay():
+                return None
+            self.counters["graph_steps"] += 1
+            return staged.logits
         if not self.qualifies(inputs):
             return None
         key = (inputs.meta.num_seqs, torch.get_num_threads(), id(native.kernels()))
@@ -152,6 +207,9 @@ class DecodeGraphs:
                 logger.info("decode batch %d runs eagerly: its step cannot be replayed from a kernel graph (%s)", B, e)
             return None
         g.graph, g.logits = graph, logits
+        g.rows = torch.arange(B)
+        g.np_ids, g.np_positions = g.input_ids.numpy(), g.positions.numpy()
+        g.np_lens, g.np_slots, g.np_tables = meta.seq_lens.numpy(), meta.slot_mapping.numpy(), meta.block_tables.numpy()
         self._graphs[key] = g
         self.counters["graph_captures"] += 1
         return logits

@@ -129,3 +129,28 @@ def test_chat_template_errors_are_value_errors(qwen3_path, bad):
     out = llm.chat([{"role": "user", "content": "a b c"}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     tok = llm.get_tokenizer()
     assert out[0].prompt_token_ids == tok.encode("<|im_start|>user\na b c<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+
+def test_greedy_rows_with_something_to_apply_leave_the_plain_argmax():
+    """Plain greedy rows are answered by the argmax alone; a greedy row with penalties, logprobs,
+    an active min_tokens, a token mask or raw logprobs must still get them (in any batch)."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    logits[:, 7] = 9.0  # the argmax of every row
+    plain = SampleRequest(SamplingParams(temperature=0), 0, 0, 1, [], [], stop_ids=[7])
+    assert [(r.token, r.logprob, r.top) for r in sample(logits.clone(), [plain] * 5)] == [(7, 0.0, None)] * 5
+    raw = sample(logits.clone(), [plain] * 5, "raw")
+    assert [r.token for r in raw] == [7] * 5
+    want = torch.log_softmax(logits, dim=-1)[:, 7]
+    assert torch.allclose(torch.tensor([r.logprob for r in raw]), want) and all(r.logprob != 0.0 for r in raw)
+    penalized = SampleRequest(SamplingParams(temperature=0, repetition_penalty=10.0), 0, 0, 1, [7], [], stop_ids=[])
+    with_lp = SampleRequest(SamplingParams(temperature=0, logprobs=1), 0, 0, 1, [], [], stop_ids=[])
+    min_tok = SampleRequest(SamplingParams(temperature=0, min_tokens=3), 0, 0, 1, [], [], stop_ids=[7])
+    out = sample(logits.clone(), [plain, penalized, with_lp, min_tok, plain])
+    assert out[0].token == 7 and out[4].token == 7
+    assert out[1].token != 7 and out[3].token != 7
+    assert out[2].token == 7 and math.isclose(out[2].logprob, want[2].item(), rel_tol=1e-6) and 7 in out[2].top
+    # each beside plain rows only (the batch the argmax alone would otherwise answer)
+    assert [r.token for r in sample(logits[:2].clone(), [plain, penalized])] == [7, out[1].token]
+    assert [r.token for r in sample(logits[:4].clone(), [plain, plain, plain, min_tok])] == [7, 7, 7, out[3].token]
+    assert sample(logits[2:3].clone(), [with_lp])[0].top == out[2].top

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from cuttle.attention import native
+from cuttle.attention.metadata import HOST_BLOCK
 from cuttle.attention.native.graph import KernelGraph
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.step_graphs import DecodeGraphs
@@ -128,3 +129,67 @@ def test_shared_prefix_and_prompt_logprob_steps_run_eagerly(checkpoints) -> None
         o = llm.generate([PROMPTS[2] * 3, PROMPTS[2] * 3 + [8]], p, use_tqdm=False)
         outs.append([[(c.token_ids, c.logprobs) for c in r.outputs] + [r.prompt_logprobs] for r in o])
     assert outs[0] == outs[1]
+
+
+def test_staged_decode_inputs_equal_the_prepared_ones(checkpoints) -> None:
+    """Once a batch size's graph is trusted, a decode step's inputs are written straight into the
+    graph's tensors (`DecodeGraphs.stage`): they must be exactly what `prepare` builds, step after
+    step, across block boundaries and a batch whose size changes."""
+    path = checkpoints["qwen3"]["path"]
+    llm = LLM(path, block_size=4, max_num_seqs=3, enable_prefix_caching=False)
+    engine, runner = llm.engine, llm.engine.runner
+    graphs = runner.graphs
+    for i, m in enumerate(MAX_TOKENS[:3]):
+        engine.add_request(f"r{i}", PROMPTS[i], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    staged_steps = 0
+    while engine.has_unfinished_requests():
+        sched = engine.scheduler.schedule()
+        runner.graphs = None
+        ref = runner.prepare(sched.scheduled)  # the usual inputs
+        runner.graphs = graphs
+        staged = graphs.stage(sched.scheduled, host_tier=False)
+        if staged is not None:
+            staged_steps += 1
+            B, width = ref.meta.num_seqs, ref.meta.block_tables.shape[1]
+            assert staged.input_ids.tolist() == ref.input_ids.tolist()
+            assert staged.positions.tolist() == ref.positions.tolist()
+            assert staged.meta.seq_lens.tolist() == ref.meta.seq_lens.tolist()
+            assert staged.meta.slot_mapping.tolist() == ref.meta.slot_mapping.tolist()
+            assert staged.meta.block_tables[:, :width].tolist() == ref.meta.block_tables.tolist()
+            assert staged.meta.seq_lens_cpu == ref.meta.seq_lens_cpu and staged.meta.max_seq_len == ref.meta.max_seq_len
+            assert staged.logit_rows.tolist() == list(range(B)) and staged.sample_seqs == ref.sample_seqs
+        # run the step as the engine does (it prepares, stages, captures or replays itself)
+        engine.scheduler.schedule = lambda s=sched: s
+        try:
+            engine.step()
+        finally:
+            del engine.scheduler.schedule
+    assert staged_steps > 20 and graphs.counters["graph_steps"] >= staged_steps
+
+
+def test_steps_a_graph_does_not_take_are_not_staged(checkpoints) -> None:
+    """A prefill, a sequence with a host-tier block in its table, or a table wider than the
+    graph's: `stage` declines and the step is prepared the usual way."""
+    path = checkpoints["qwen3"]["path"]
+    llm = LLM(path, block_size=4, max_num_seqs=1, enable_prefix_caching=False)
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    engine.add_request("r", PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    sched = engine.scheduler.schedule()
+    assert graphs.stage(sched.scheduled, host_tier=False) is None  # the prefill
+    for _ in range(4):
+        engine.step()
+    sched = engine.scheduler.schedule()
+    assert graphs.stage(sched.scheduled, host_tier=False) is not None
+    seq = sched.scheduled[0][0]
+    table = list(seq.block_table)
+    seq.block_table[0] = table[0] | HOST_BLOCK
+    try:
+        assert graphs.stage(sched.scheduled, host_tier=True) is None
+    finally:
+        seq.block_table[0] = table[0]
+    seq.block_table.extend([table[0]] * graphs.table_width)
+    try:
+        assert graphs.stage(sched.scheduled, host_tier=False) is None
+    finally:
+        del seq.block_table[len(table):]
+    assert graphs.stage(sched.scheduled, host_tier=False) is not None
