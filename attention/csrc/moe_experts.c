@@ -587,12 +587,27 @@ static inline __attribute__((always_inline)) MX_AVX512 void mx_dot_shifts(const 
 }
 
 /* One k-pair of a MOE_W_MXFP8_DOT panel (128 bytes at w) -> its 64 features' exact scaled bf16
- * weights in the dot order, 16 features a vector: two lookups of 64 bytes, one exponent add each. */
+ * weights in the dot order, 16 features a vector: per 64 bytes, two lookups and one exponent add
+ * each, or (GFNI, no zero or subnormal element among them) the affine decode at element * 256 and
+ * the exponent add less 8: the same words. */
 static inline __attribute__((always_inline)) MX_AVX512 void mx_dot_kpair(const uint8_t *w, const mx_bf16_tabs *tabs,
                                                                           const __m512i shift[4], __m512i a[4]) {
-    mx_decode64_bf16(_mm512_loadu_si512(w), tabs, &a[0], &a[1]);
-    mx_decode64_bf16(_mm512_loadu_si512(w + DP), tabs, &a[2], &a[3]);
-    for (int v = 0; v < 4; v++) a[v] = mx_scale_bf16(a[v], shift[v]);
+    for (int half = 0; half < 2; half++) {
+        const __m512i raw = _mm512_loadu_si512(w + half * DP);
+        __m512i *out = a + 2 * half;
+        const __m512i *sh = shift + 2 * half;
+#ifdef MX_GFNI
+        if (mx_gfni_on && __builtin_expect(mx_decode64_bf16_x256(raw, &out[0], &out[1]), 1)) {
+            const __m512i less8 = _mm512_set1_epi16(8 << 7); /* no zero word here: every word takes the shift */
+            out[0] = _mm512_add_epi16(out[0], _mm512_sub_epi16(sh[0], less8));
+            out[1] = _mm512_add_epi16(out[1], _mm512_sub_epi16(sh[1], less8));
+            continue;
+        }
+#endif
+        mx_decode64_bf16(raw, tabs, &out[0], &out[1]);
+        out[0] = mx_scale_bf16(out[0], sh[0]);
+        out[1] = mx_scale_bf16(out[1], sh[1]);
+    }
 }
 
 /* One MOE_W_MXFP8_DOT panel (K / 2 k-pairs, scales [K/32][64]) -> the bf16 dot layout in `panel`

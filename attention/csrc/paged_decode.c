@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "reduce16.h"
 #include "vec_exp.h"
 
 #define HOST_BLOCK 0x40000000 /* block-table flag: the block is in the host pool */
@@ -72,18 +73,6 @@ static inline __attribute__((always_inline)) void axpy_f32(float *acc, float p, 
 #include <immintrin.h>
 #define HAVE_FAST_BF16 1
 
-/* lane j of the result = horizontal sum of a[j], for 16 vectors (45 shuffles/adds) */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *a) {
-    __m512 s[8], t[4], x[2];
-    for (int i = 0; i < 8; i++)
-        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44), _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; i++)
-        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-}
-
 /* One work item on the fast path: query rows [0, nrows) of the item (heads h0.. with `group`
  * query heads each) against one sequence. scores: [len][rp] fp32 (token-major, rp = nrows
  * rounded up to 16); acc: [nrows][D] fp32. D is a compile-time constant at every call. */
@@ -115,7 +104,7 @@ static inline __attribute__((always_inline)) void item_bf16(
                                                     (__m512bh)_mm512_loadu_si512(kh + 32 * c));
                     }
                 }
-                _mm512_storeu_ps(scores + (t0 + tt) * rp + r0, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
+                _mm512_storeu_ps(scores + (t0 + tt) * rp + r0, _mm512_mul_ps(reduce16_ps(a), _mm512_set1_ps(scale)));
             }
         }
     }

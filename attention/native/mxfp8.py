@@ -36,6 +36,7 @@ _SIGNATURES = {
     "mxfp8_bf16_dot_available": ([], _int),
     "mxfp8_last_linear_path": ([], _int),
     "mxfp8_set_bf16_dot": ([_int], _int),
+    "mxfp8_set_gfni_decode": ([_int], _int),
 }
 _declared: ctypes.CDLL | None = None
 
@@ -109,6 +110,13 @@ def set_bf16_dot(on: bool) -> bool:
     """Let bf16 activations take the bf16-dot decode loop (the default where it is built) or the
     AVX2 one (tests, A/B timing); returns whether the bf16-dot loop is now in use."""
     return bool(_lib().mxfp8_set_bf16_dot(int(on)))
+
+
+def set_gfni_decode(on: bool) -> bool:
+    """Let the bf16-dot decode loop decode E4M3 bytes with GF2P8AFFINEQB where the library is built
+    for a CPU with GFNI (the default) or with the table lookups only (tests: both give the same
+    bits); returns whether the GFNI decode is now in use (False where it is not built)."""
+    return bool(_lib().mxfp8_set_gfni_decode(int(on)))
 
 
 # `last_linear_path()` values

@@ -154,6 +154,61 @@ def test_bf16_dot_every_element_byte(path: str) -> None:
             assert torch.equal(y.double(), x.double() @ dequantize_mxfp8(data, scale, 32, F64).T)
 
 
+@pytest.fixture
+def gfni():
+    """The bf16-dot loop with its GFNI decode on (yielded: a function to switch it)."""
+    if not mx.bf16_dot_available() or not mx.set_gfni_decode(True):
+        pytest.skip("library not built for AVX512-BF16 + VBMI + GFNI (this CPU lacks them)")
+    mx.set_fast_path(True)
+    mx.set_bf16_dot(True)
+    yield mx.set_gfni_decode
+    mx.set_gfni_decode(True)
+
+
+def test_gfni_decode_every_normal_byte(gfni) -> None:
+    """Chunks whose bytes all have a non-zero exponent field are decoded by bit arithmetic at
+    element * 256 (mxfp8.h, mx_decode64_bf16_x256) with factors 2^(b - 135): each such byte at
+    several lanes, under scale bytes that make the factor a denormal (0 .. 8) or not, must give the
+    exact single product, as the table path does."""
+    data = torch.arange(256, dtype=torch.uint8)
+    data = data[((data & 0x78) != 0) & ((data & 0x7F) != 0x7F)]  # 238 normal bytes
+    K = 256
+    row = torch.cat([data, data[: K - data.numel()]])
+    data = torch.stack([row, row.roll(1), row.roll(37), row.roll(64)])
+    scale = torch.tensor([[127, 0, 8, 9, 1, 200, 246, 130]], dtype=torch.uint8).repeat(4, 1)
+    data, scale = data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
+    ref = dequantize_mxfp8(data, scale, 32, F64)
+    for lane in (0, 5, 31, 32, 63, 64, 100, 191, 255):
+        x = torch.zeros(1, K, dtype=torch.bfloat16)
+        x[0, lane] = 1.0
+        y = mx.linear(x, data, scale, out=torch.empty(1, 4))
+        assert mx.last_linear_path() == "bf16_dot"
+        assert torch.equal(y.double(), x.double() @ ref.T), lane
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 12])
+def test_gfni_and_table_decode_give_the_same_bits(gfni, M: int) -> None:
+    """Quantized weights (some chunks holding a zero or subnormal element, which fall back to the
+    table, most not), ragged N (the batch-1 loop's groups of 16 rows): the GFNI decode and the
+    table lookups give bit-identical outputs, both within fp32 accumulation error."""
+    g = torch.Generator().manual_seed(M)
+    N, K = 45, 512
+    w = torch.randn(N, K, generator=g) * 0.05
+    w[3, 70] = 0.0
+    w[7, 200] = w[7, 192:224].abs().max() * 2.0**-12  # a subnormal element
+    data, scale = quantize_mxfp8(w)
+    assert ((data.view(torch.uint8) & 0x78) == 0).any()
+    x = torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g)
+    outs = []
+    for on in (True, False):
+        assert gfni(on) == on
+        outs.append(mx.linear(x, data, scale, b, out=torch.empty(M, N)))
+        assert mx.last_linear_path() == "bf16_dot"
+        _check_gemm(x, data, scale, b, outs[-1])
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_gemm_strided_x_and_out_buffer(path: str) -> None:
     x, data, scale, b = _gemm_case(3, 40, 128, torch.float32, True, seed=3)
     wide = torch.zeros(3, 200)

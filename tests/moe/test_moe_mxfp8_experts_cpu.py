@@ -160,3 +160,29 @@ def test_bf16_scales_outside_the_exact_range_keep_the_fp32_panels(scale_byte: in
     torch.testing.assert_close(got.float(), ref.float(), rtol=2 * 2.0**-8, atol=2e-3, equal_nan=True)
     if scale_byte == 255:  # output 3 of expert 1 is NaN in every row (its block's scale is)
         assert got[:, 3].isnan().all() and not got[:, 4].isnan().any()
+
+
+@pytest.mark.parametrize("T", [1, 3, 40])  # the in-register tile (<= 4 rows an expert) and the dequantized panel
+def test_dot_layout_gfni_and_table_decode_give_the_same_bits(T: int) -> None:
+    """In the W_MXFP8_DOT layout, 64 bytes without a zero or subnormal element are decoded by the
+    affine ops at element * 256 and take the exponent add less 8 (mxfp8.h); the others the table:
+    both give the same words, so the outputs are bit-identical, and equal the torch path."""
+    if not native_moe._lib(record=False).moe_mx_dot_available() or not native_mx.set_gfni_decode(True):
+        pytest.skip("library built without AVX512-BF16 + VBMI + GFNI (this CPU lacks them)")
+    layer = _layer(torch.bfloat16, E=4, H=128, I=64)
+    _expect_layout(layer, "dot")
+    w13 = layer.w13_mx.view(torch.uint8)
+    w13[0, :5, :7] = 0x00  # zeros and subnormals in some chunks (those take the table)
+    w13[1, 3:9, 40:44] = 0x03
+    x = torch.randn(T, 128, generator=torch.Generator().manual_seed(T)).bfloat16()
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]] * T, dtype=torch.int64)[:T]
+    try:
+        outs = []
+        for on in (True, False):
+            assert native_mx.set_gfni_decode(on) == on
+            got, ref = _both(layer, x, ids)
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2 * 2.0**-8, atol=2e-3)
+            outs.append(got)
+    finally:
+        native_mx.set_gfni_decode(True)
+    assert torch.equal(outs[0], outs[1])
