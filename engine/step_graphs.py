@@ -12,9 +12,10 @@ the graph's own input tensors (token ids, positions, and the metadata's lengths,
 tables, the latter sized for `max_model_len`), recording every kernel call. The next step of that
 size replays the graph and is then also run eagerly; the graph is kept only if the two logits
 agree bit for bit (a graph that holds a value of its capture step where the step's own should be
-fails here), else that batch size stays eager. From then on a step is: copy its inputs into the
-graph's tensors, replay, and return the graph's logits tensor, which stays valid until the next
-step (the sampler reads it in place). A replay that diverges (a kernel answers differently than at
+fails here), else that batch size stays eager. From then on a step is: write its inputs into the
+graph's tensors (`stage`, called by the runner's `prepare` straight from the scheduled sequences,
+so no per-step tensor or metadata is built), replay, and return the graph's logits tensor, which
+stays valid until the next step (the sampler reads it in place). A replay that diverges (a kernel answers differently than at
 capture and no handler settles it, e.g. an out-of-range token id) returns None, and the eager rerun
 writes the same KV slots again (and raises what it raises).
 
