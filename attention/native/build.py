@@ -35,6 +35,8 @@ _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.
 # name -> (argument types, result type) of the library's functions, declared at load
 # (`paged_attention_rows` is declared by its binding, `cuttle.attention.native_attention`)
 SIGNATURES: dict[str, tuple[list, type | None]] = {
+    "graph_replay_available": ([], _int),
+    "graph_replay": ([_vp, _i64, _i64, _vp], _i64),
     "paged_decode_set_fast_path": ([_int], None),
     "paged_decode_last_call_fast": ([], _int),
     "small_m_linear": ([_vp, _int, _i64, _vp, _int, _vp, _vp, _int, _i64, _i64, _i64], _int),

@@ -19,7 +19,9 @@ through `kernels().lib`, and refuses (`GraphBreak`) anything a replay would not 
   no address it recorded is freed or reused while it lives.
 
 A replay calls the recorded functions in order and checks each one returns what it returned at
-capture; on any difference it stops and answers False (a kernel refused its input, e.g. an index
+capture (from C, `csrc/graph_replay.c`, one ctypes call for the whole graph where the platform's
+calling convention allows it and every recorded signature fits; else from Python, one ctypes call
+per kernel); on any difference it stops and answers False (a kernel refused its input, e.g. an index
 out of range, or failed an allocation), and the caller runs the step eagerly, which raises or
 takes the other path as usual. A wrapper whose kernel may legitimately answer otherwise registers
 a handler for that call (`on_result`): the MoE router's kernel reports near-tied rows, which the
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import struct
 import threading
 from contextlib import contextmanager
 from dataclasses import replace
@@ -56,6 +59,47 @@ class GraphBreak(RuntimeError):
     """The captured code did something a replay would not reproduce (the message says what)."""
 
 
+class _ReplayCall(ctypes.Structure):
+    """One recorded call as csrc/graph_replay.c runs it (`replay_call` there)."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("ret", ctypes.c_int32), ("pad", ctypes.c_int32), ("expect", ctypes.c_int64),
+                ("ints", ctypes.c_int64 * 32), ("floats", ctypes.c_uint64 * 8)]
+
+
+# Whether replays may run from C (graph_replay.c); tests and A/B timing turn it off to compare.
+C_REPLAY = True
+
+# argument and result types the C replay passes (graph_replay.c: integer-class values and floats)
+_INT_ARGS = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
+_RESULTS = {None: 0, ctypes.c_int: 1, ctypes.c_int64: 2}
+
+
+def _c_calls(calls: list[tuple[Any, tuple[Any, ...], Any]]) -> ctypes.Array | None:
+    """The calls as graph_replay.c's array, or None when one of them does not fit it."""
+    out = (_ReplayCall * len(calls))()
+    for c, (fn, args, result) in zip(out, calls):
+        ret = _RESULTS.get(fn.restype, -1)
+        if ret < 0:
+            return None
+        ints: list[int] = []
+        floats: list[int] = []
+        for t, a in zip(fn.argtypes, args):
+            if t is ctypes.c_float:
+                floats.append(int.from_bytes(struct.pack("<f", a.value), "little"))
+            elif t in _INT_ARGS or (isinstance(t, type) and issubclass(t, ctypes._Pointer)):
+                ints.append(0 if a is None else (a.value or 0) if not isinstance(a, ctypes._Pointer)
+                            else ctypes.cast(a, ctypes.c_void_p).value or 0)
+            else:
+                return None
+        if len(ints) > len(c.ints) or len(floats) > len(c.floats):
+            return None
+        c.fn = ctypes.cast(fn, ctypes.c_void_p).value
+        c.ret, c.expect = ret, 0 if result is None else int(result)
+        c.ints[: len(ints)] = ints
+        c.floats[: len(floats)] = floats
+    return out
+
+
 class KernelGraph:
     """The native calls of one captured run, with everything they point at kept alive."""
 
@@ -65,13 +109,39 @@ class KernelGraph:
         self._pointers: list[tuple[str, int, int]] = []  # (kernel, argument, address), checked once captured
         self.names: list[str] = []  # the kernels, in call order
         self._handlers: dict[int, Callable[[Any], bool]] = {}  # call index -> what settles another result
+        # the calls as graph_replay.c's array, made at the first replay for the list it was made from
+        self._c: tuple[list, ctypes.Array | None] | None = None
 
     def __len__(self) -> int:
         return len(self._calls)
 
+    @property
+    def replays_in_c(self) -> bool:
+        """Whether `replay` runs the calls from C (graph_replay.c) rather than one ctypes call each."""
+        return self._c_array() is not None
+
+    def _c_array(self) -> ctypes.Array | None:
+        if not C_REPLAY:
+            return None
+        if self._c is None or self._c[0] is not self._calls:
+            lib = native.unrecorded().lib
+            ok = lib is not None and bool(lib.graph_replay_available()) and bool(self._calls)
+            self._c = (self._calls, _c_calls(self._calls) if ok else None)
+        return self._c[1]
+
     def replay(self) -> bool:
         """Run the recorded calls in order; False as soon as one returns other than at capture
         (the rest are not run: the caller reruns the step eagerly)."""
+        calls = self._c_array()
+        if calls is not None:
+            run, n, got = native.unrecorded().lib.graph_replay, len(self._calls), ctypes.c_int64()
+            i = run(calls, 0, n, ctypes.byref(got))
+            while i < n:  # call i answered otherwise: its handler may settle it and go on
+                handler = self._handlers.get(i)
+                if handler is None or not handler(got.value):
+                    return False
+                i = run(calls, i + 1, n, ctypes.byref(got))
+            return True
         for i, (fn, args, result) in enumerate(self._calls):
             r = fn(*args)
             if r != result:

@@ -2,6 +2,8 @@
 a capture refuses everything a replay would not reproduce."""
 from __future__ import annotations
 
+import platform
+import sys
 import threading
 
 import numpy as np
@@ -16,8 +18,23 @@ from cuttle.attention.native.gemm import linear
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernel library not built (no C compiler)")
 
 
+C_REPLAY_HERE = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
+
+
+@pytest.fixture(params=["c", "python"])
+def replay_mode(request, monkeypatch):
+    """Replays from C (csrc/graph_replay.c, where the platform's calling convention allows it) or
+    one ctypes call per kernel."""
+    monkeypatch.setattr(graph, "C_REPLAY", request.param == "c")
+    return request.param
+
+
+def _check_mode(kg: graph.KernelGraph, mode: str) -> None:
+    assert kg.replays_in_c == (mode == "c" and C_REPLAY_HERE)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_replay_on_new_inputs_equals_a_fresh_eager_run(dtype: torch.dtype) -> None:
+def test_replay_on_new_inputs_equals_a_fresh_eager_run(dtype: torch.dtype, replay_mode: str) -> None:
     g = torch.Generator().manual_seed(0)
     emb = torch.randn(50, 32, generator=g).to(dtype)
     w13 = torch.randn(128, 32, generator=g).to(dtype)
@@ -35,6 +52,7 @@ def test_replay_on_new_inputs_equals_a_fresh_eager_run(dtype: torch.dtype) -> No
             out = step()
         assert kg.names[:2] == ["gather_rows", "fused_rms_norm"] and kg.names[3] == "fused_silu_mul"
         assert kg.names[-1] == ("widen_bf16_rows" if dtype == torch.bfloat16 else kg.names[4]) and len(kg) >= 5
+        _check_mode(kg, replay_mode)
         for seed in (1, 2):
             x.copy_(torch.randn(3, 32, generator=torch.Generator().manual_seed(seed)))
             ids.copy_(torch.tensor([seed, 2 * seed, 3 * seed]))
@@ -64,16 +82,67 @@ def test_weights_packed_on_first_use_inside_a_capture_are_not_repacked_by_its_re
         assert kg.replay() and torch.equal(y, want)
 
 
-def test_a_kernel_answering_differently_stops_the_replay() -> None:
+def test_a_kernel_answering_differently_stops_the_replay(replay_mode: str) -> None:
     emb = torch.randn(10, 4)
     ids = torch.tensor([1, 2])
+    ids2 = torch.tensor([3])
     with torch.inference_mode():
         with graph.capture() as kg:
             out = rows.gather(emb, ids)
-        before = out.clone()
+            out2 = rows.gather(emb, ids2)
+        _check_mode(kg, replay_mode)
+        before, before2 = out.clone(), out2.clone()
         ids[1] = 10  # out of range: the kernel refuses (-3) where it returned 0 at capture
+        ids2[0] = 5
         assert not kg.replay()
-        assert torch.equal(out, before)  # and wrote nothing
+        assert torch.equal(out, before) and torch.equal(out2, before2)  # wrote nothing, ran nothing after
+
+
+def test_a_handler_settles_a_call_and_the_replay_goes_on(replay_mode: str) -> None:
+    """A call with an `on_result` handler that answers otherwise: the handler gets that call's
+    result, and when it settles the case the replay runs the calls after it (from C, the replay
+    resumes at the next call)."""
+    emb = torch.randn(10, 4)
+    ids, ids2, ids3 = torch.tensor([1]), torch.tensor([2]), torch.tensor([3])
+    seen: list[int] = []
+
+    def settle(result: int) -> bool:
+        seen.append(result)
+        return True
+
+    with torch.inference_mode():
+        with graph.capture() as kg:
+            rows.gather(emb, ids)
+            out2 = rows.gather(emb, ids2)
+            graph.on_result(settle)  # the handler of the call just recorded: the second gather
+            out3 = rows.gather(emb, ids3)
+        _check_mode(kg, replay_mode)
+        ids[0], ids2[0], ids3[0] = 11, 12, 7  # the first refuses (no handler): nothing after it runs
+        assert not kg.replay() and seen == []
+        ids[0] = 4
+        assert kg.replay() and seen == [-3]  # the second settled (its result handed over), the third ran
+        assert torch.equal(out3, emb[7:8])
+        ids2[0], ids3[0] = 6, 13  # the second answers as at capture, the third refuses (no handler)
+        assert not kg.replay() and seen == [-3]
+        assert torch.equal(out2, emb[6:7])
+
+
+def test_float_and_int_arguments_reach_the_kernel(replay_mode: str) -> None:
+    """A kernel taking a float beside integers (the norm's eps), at a value that moves the result:
+    the replay (from C: passed in a vector register, the integers in theirs and on the stack)
+    equals the eager call on new inputs."""
+    g = torch.Generator().manual_seed(4)
+    x, r, w = (torch.randn(2, 8, generator=g) * 0.1 for _ in range(3))
+    w = w[0]
+    with torch.inference_mode():
+        with graph.capture() as kg:
+            res, n = add_rms_norm(x, r, w, 0.75)
+        _check_mode(kg, replay_mode)
+        x.copy_(torch.randn(2, 8, generator=g) * 0.1)
+        assert kg.replay()
+        want_res, want_n = add_rms_norm(x, r, w, 0.75)
+        assert torch.equal(res, want_res) and torch.equal(n, want_n)
+        assert not torch.equal(want_n, add_rms_norm(x, r, w, 1e-6)[1])  # eps matters here
 
 
 ZERO = torch.zeros(1, dtype=torch.int64)
