@@ -182,3 +182,36 @@ def test_native_prefill_rows_beside_sdpa_chunks(dtype: torch.dtype, monkeypatch:
     tol = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
     err = ((out - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
     assert err <= tol, err
+
+
+# Items of at most 8 query rows (a KV head or two of GQA: batch-1 and small-batch decode) lay their
+# scores out row-major; the token-major layout must give the same bits. Block sizes 4 / 16 / 32,
+# lengths of one token, under 16, a multiple of 16 and ragged, groups of 1, 2 and 4.
+ROW_MAJOR_CASES = (
+    Case("b1_group2_d64_bs16", ((200, 1),), 8, 4, 64, 16),
+    Case("b1_group2_d128_bs4", ((37, 1),), 16, 8, 128, 4),
+    Case("b2_group4_d64_bs32", ((63, 1), (64, 1)), 8, 2, 64, 32),
+    Case("b3_group1_d256", ((0, 1), (15, 1), (16, 1)), 4, 4, 256, 16),
+    Case("b1_prefill_rows_d128", ((40, 5),), 8, 4, 128, 16),
+)
+
+
+@pytest.mark.parametrize("case", ROW_MAJOR_CASES + FAST_CASES, ids=lambda c: c.name)
+def test_row_major_items_give_the_token_major_bits(case: Case, kernel_calls: list[int]) -> None:
+    lib = native.kernels().lib
+    flags = set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
+    if "avx512_bf16" not in flags:
+        pytest.skip("the row-major items are on the AVX512-BF16 path")
+    ref = naive_attention(_bf16_batch(case))
+    outs = {}
+    try:
+        for rm in (1, 0):
+            lib.paged_decode_set_row_major(rm)
+            outs[rm] = _run(TorchAttentionBackend(native=True), _bf16_batch(case))
+            assert lib.paged_decode_last_call_fast() == 1
+    finally:
+        lib.paged_decode_set_row_major(1)
+    assert torch.equal(outs[1], outs[0])
+    rows = torch.ones(sum(new for _, new in case.seqs), dtype=torch.bool)
+    err = ((outs[1].double() - ref).abs() / ref.abs().clamp_min(1.0))[rows].max().item()
+    assert err <= 2 ** -8, err
