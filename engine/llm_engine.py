@@ -332,8 +332,11 @@ class LLMEngine:
                 picked = logits[rows[0] : rows[0] + len(rows)]
             else:
                 picked = logits[torch.tensor(rows)]
+            # a replayed plain-greedy step picked its argmax already (for its rows as they are: not
+            # after a fork repeated one)
+            greedy = inputs.greedy if len(targets) == len(inputs.sample_seqs) else None
             with torch.inference_mode():  # the logits are inference tensors, updated in place
-                results = sample(picked, reqs, self.config.logprobs_mode, mask)
+                results = sample(picked, reqs, self.config.logprobs_mode, mask, greedy)
             now = time.monotonic()
             post = self.post
             for s, res in zip(targets, results):

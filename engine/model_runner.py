@@ -45,6 +45,7 @@ class StepInputs:
     sample_seqs: list[Sequence]  # sequences that reach their end this step (one logits row each)
     prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first prompt position, count) with logits
     graph: Any = None  # the decode graph whose tensors these are (`DecodeGraphs.stage`), or None
+    greedy: torch.Tensor | None = None  # argmax of every logits row, from that graph's replay (plain-greedy steps)
 
 
 class ModelRunner:
@@ -89,7 +90,7 @@ class ModelRunner:
                 and isinstance(backend, TorchAttentionBackend) and backend.native):
             max_len = min(config.max_model_len or mc.max_position_embeddings, num_blocks * self.block_size)
             self.graphs = DecodeGraphs(config.cpu_graph_max_batch, -(-max_len // self.block_size) + 1, self.block_size,
-                                       backend.begin_step, self._all_logits)
+                                       backend.begin_step, self._all_logits, greedy_pick=config.logprobs_mode == "processed")
 
     def _check_sparse(self, sparse: TopKConfig, mc: ModelConfig) -> None:
         """Refuse the combinations top-k does not handle (instead of computing something else)."""

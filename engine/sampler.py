@@ -120,12 +120,15 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str = "processed",
-           mask: TokenMask | None = None) -> list[SampleResult]:
-    """logits [N, V] float32 (modified in place). Rows whose params ask for no logprobs get 0.0."""
+           mask: TokenMask | None = None, greedy: torch.Tensor | None = None) -> list[SampleResult]:
+    """logits [N, V] float32 (modified in place). Rows whose params ask for no logprobs get 0.0.
+    `greedy`: argmax(logits) already computed (a decode graph's, [N] int64), used when the batch
+    is plain greedy."""
     if mask is None and logprobs_mode == "processed" and all(map(_plain_greedy, rows)):
         # the common greedy batch: the argmax is the whole answer (what the general path below
         # returns for these rows too), without its per-step tensors
-        return [SampleResult(t, 0.0, None) for t in argmax(logits).tolist()]
+        tokens = greedy if greedy is not None else argmax(logits)
+        return [SampleResult(t, 0.0, None) for t in tokens.tolist()]
     n = len(rows)
     raw_lp = torch.log_softmax(logits, dim=-1) if logprobs_mode == "raw" else None
     if mask is not None:
@@ -179,6 +182,14 @@ def _plain_greedy(r: SampleRequest) -> bool:
     p = r.params
     return (p.temperature == 0.0 and p.logprobs is None and not p.has_penalties
             and not (p.min_tokens and r.step < p.min_tokens and r.stop_ids))
+
+
+def plain_greedy(p: SamplingParams, step: int) -> bool:
+    """Whether a row with these params at output position `step` is answered by the argmax of its
+    logits alone, token mask aside (what `sample` decides per row, taking an active min_tokens as
+    not plain whatever the stop ids): a decode graph asks this before its replay."""
+    return (p.temperature == 0.0 and p.logprobs is None and not p.has_penalties and not p.has_controls
+            and not (p.min_tokens and step < p.min_tokens))
 
 
 def _top_logprobs(row: torch.Tensor, token: int, token_lp: float, k: int) -> dict[int, Logprob]:

@@ -33,7 +33,9 @@ import torch
 
 from cuttle.attention import native
 from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata
+from cuttle.attention.native.argmax import argmax_into_if
 from cuttle.attention.native.graph import GraphBreak, KernelGraph, capture
+from cuttle.engine.sampler import plain_greedy
 
 if TYPE_CHECKING:
     from cuttle.engine.model_runner import StepInputs
@@ -57,6 +59,11 @@ class _Graph:
     logits: torch.Tensor | None = None  # [B, vocab] fp32, written by every replay
     validated: bool = False
     rows: torch.Tensor | None = None  # arange(B): the logits rows of a staged step
+    # the greedy pick, recorded after the logits: computed by a replay when want[0] is 1 (staged
+    # steps whose every row is plain greedy), so the sampler need not scan the logits again
+    want: torch.Tensor | None = None  # int32 [1]
+    greedy: torch.Tensor | None = None  # int64 [B]
+    np_want: np.ndarray | None = None
     # numpy views of the input tensors above: `stage` writes a step's inputs through them
     np_ids: np.ndarray | None = None
     np_positions: np.ndarray | None = None
@@ -67,10 +74,14 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, max_batch: int, table_width: int, block_size: int, begin_step: Callable[[AttentionMetadata], None],
-                 forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]) -> None:
+                 forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 greedy_pick: bool = True) -> None:
         """`begin_step(meta)`: the attention backend's per-step planning (run before a capture, not
         recorded); `forward(input_ids, positions, meta)`: the model and the logits of every row
-        (what a capture records)."""
+        (what a capture records); `greedy_pick`: whether a replay may also pick the argmax of
+        plain-greedy steps (the engine's logprobs_mode is "processed", where those rows need
+        nothing else)."""
+        self.greedy_pick = greedy_pick
         self.max_batch = max_batch
         self.table_width = table_width
         self.block_size = block_size
@@ -117,6 +128,7 @@ class DecodeGraphs:
         assert g.np_slots is not None and g.np_tables is not None
         bs, width = self.block_size, self.table_width
         lens: list[int] = []
+        greedy = self.greedy_pick
         for i, (seq, n) in enumerate(scheduled):
             p = seq.num_computed_tokens
             table = seq.block_table
@@ -131,18 +143,23 @@ class DecodeGraphs:
             g.np_slots[i] = table[p // bs] * bs + p % bs
             g.np_tables[i, : len(table)] = table
             lens.append(p + 1)
+            greedy = greedy and plain_greedy(req.sampling_params, seq.num_output_tokens)
+        assert g.np_want is not None
+        g.np_want[0] = int(greedy)
         m = g.meta
         meta = AttentionMetadata(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
                                  slot_mapping=m.slot_mapping, block_size=bs, max_query_len=1, max_seq_len=max(lens),
                                  query_lens_cpu=[1] * B, seq_lens_cpu=lens)
         return StepInputs(input_ids=g.input_ids, positions=g.positions, meta=meta, logit_rows=g.rows,
-                          sample_seqs=[seq for seq, _ in scheduled], prompt_rows=[], graph=g)
+                          sample_seqs=[seq for seq, _ in scheduled], prompt_rows=[], graph=g,
+                          greedy=g.greedy if greedy else None)
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The step's logits [B, vocab] fp32 from a graph, or None: run the step eagerly."""
         staged = inputs.graph
         if staged is not None:  # inputs already in place (`stage`), the graph trusted
             if not staged.graph.replay():
+                inputs.greedy = None  # the eager rerun's logits are not the pick's
                 return None
             self.counters["graph_steps"] += 1
             return staged.logits
@@ -196,11 +213,13 @@ class DecodeGraphs:
             seq_lens_cpu=list(m.seq_lens_cpu),
         )
         g = _Graph(torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64), meta)
+        g.want, g.greedy = torch.zeros(1, dtype=torch.int32), torch.zeros(B, dtype=torch.int64)
         self._fill(g, inputs)
         self._begin_step(meta)
         try:
             with capture() as graph:
                 logits = self._forward(g.input_ids, g.positions, g.meta)
+                argmax_into_if(g.want, logits, g.greedy)  # want is 0 now: recorded, not run
         except GraphBreak as e:
             n = self._breaks[key] = self._breaks.get(key, 0) + 1
             if n >= MAX_CAPTURE_TRIES:
@@ -211,6 +230,7 @@ class DecodeGraphs:
         g.rows = torch.arange(B)
         g.np_ids, g.np_positions = g.input_ids.numpy(), g.positions.numpy()
         g.np_lens, g.np_slots, g.np_tables = meta.seq_lens.numpy(), meta.slot_mapping.numpy(), meta.block_tables.numpy()
+        g.np_want = g.want.numpy()
         self._graphs[key] = g
         self.counters["graph_captures"] += 1
         return logits

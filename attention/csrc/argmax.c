@@ -56,3 +56,10 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, in
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, n);
 }
+
+/* argmax_rows_f32 when *want is non-zero, else nothing: a decode graph records it after its logits,
+ * and each step says through *want whether its sampler takes the argmax alone (every row plain
+ * greedy), so the pick runs inside the replay, right after the lm_head, with no Python around it. */
+void argmax_rows_f32_if(const int32_t *want, const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out) {
+    if (*want) argmax_rows_f32(x, rows, n, stride, out);
+}

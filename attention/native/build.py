@@ -48,6 +48,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pack_weight_bf16": ([_vp, _i64, _i64, _vp], None),
     "packed_gemm_bf16": ([_vp, _i64, _vp, _vp, _vp, _int, _i64, _i64, _i64, _i64], _int),
     "argmax_rows_f32": ([_vp, _i64, _i64, _i64, _vp], None),
+    "argmax_rows_f32_if": ([_vp, _vp, _i64, _i64, _i64, _vp], None),
     "apply_token_bitmask_f32": ([_vp, _i64, _i64, _vp, _i64, _vp, _i64], None),
     "fused_rms_norm": ([_vp, _i64, _vp, _i64, _vp, _vp, _vp, _int, _i64, _i64, _float, _int], _int),
     "fused_qk_norm_rope": ([_vp, _int, _i64, _i64, _i64, _i64, _i64, _vp, _vp, _float, _vp, _vp, _i64, _int], _int),

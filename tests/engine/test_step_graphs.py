@@ -193,3 +193,84 @@ def test_steps_a_graph_does_not_take_are_not_staged(checkpoints) -> None:
     finally:
         del seq.block_table[len(table):]
     assert graphs.stage(sched.scheduled, host_tier=False) is not None
+
+
+def _greedy_runs(path: str, eager: bool, params: list[SamplingParams], monkeypatch=None) -> tuple[list, int]:
+    """Tokens of PROMPTS under `params`, and how many sample() calls got a replay's greedy pick."""
+    import cuttle.engine.llm_engine as llm_engine
+
+    picks = []
+    real = llm_engine.sample
+
+    def counting(logits, rows, mode="processed", mask=None, greedy=None):
+        picks.append(greedy is not None)
+        return real(logits, rows, mode, mask, greedy)
+
+    llm = LLM(path, block_size=4, max_num_seqs=3, enable_prefix_caching=False, enforce_eager=eager)
+    if monkeypatch is not None:
+        monkeypatch.setattr(llm_engine, "sample", counting)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], sum(picks)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_plain_greedy_steps_take_the_replays_pick(checkpoints, monkeypatch, arch: str) -> None:
+    """Plain-greedy decode steps get their argmax from the replay (recorded after the logits,
+    run when the step asks): the same tokens as the eager engine; a batch with a sampled row or
+    logprobs does not ask, and its tokens are right too."""
+    path = checkpoints[arch]["path"]
+    plain = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    eager, _ = _greedy_runs(path, True, plain)
+    graphed, picks = _greedy_runs(path, False, plain, monkeypatch)
+    assert graphed == eager and picks > 20
+    mixed = list(plain)
+    mixed[1] = SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS[1], ignore_eos=True)
+    mixed[2] = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[2], ignore_eos=True, logprobs=1)
+    assert _greedy_runs(path, False, mixed)[0] == _greedy_runs(path, True, mixed)[0]
+
+
+def test_a_diverging_replay_drops_its_greedy_pick(checkpoints, monkeypatch) -> None:
+    """A replay that stops halfway never reaches the recorded argmax: the step reruns eagerly and
+    the sampler picks from the eager logits, not from the previous step's pick."""
+    path = checkpoints["qwen3"]["path"]
+    plain = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    eager, _ = _greedy_runs(path, True, plain)
+    replays: list[int] = []
+    real = KernelGraph.replay
+
+    def diverging(self) -> bool:
+        replays.append(1)
+        if len(replays) % 3 == 0:
+            calls = self._calls
+            self._calls = calls[: len(calls) // 2]
+            try:
+                real(self)
+            finally:
+                self._calls = calls
+            return False
+        return real(self)
+
+    monkeypatch.setattr(KernelGraph, "replay", diverging)
+    graphed, picks = _greedy_runs(path, False, plain, monkeypatch)
+    assert graphed == eager and len(replays) > 20 and picks > 10
+
+
+@pytest.mark.parametrize("params, pick", [
+    (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), True),
+    (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0), False),
+    (SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True), False),
+    (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.2), False),
+    (SamplingParams(temperature=0, max_tokens=12, min_tokens=10), False),  # still below min_tokens at step 4
+    (SamplingParams(temperature=0, max_tokens=12, min_tokens=2), True),
+    (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=list(range(50))), False),
+])
+def test_a_staged_step_asks_for_the_pick_only_when_every_row_is_plain_greedy(checkpoints, params, pick) -> None:
+    path = checkpoints["qwen3"]["path"]
+    llm = LLM(path, block_size=4, max_num_seqs=1, enable_prefix_caching=False)
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    engine.add_request("r", PROMPTS[1], params)
+    for _ in range(5):
+        engine.step()
+    staged = graphs.stage(engine.scheduler.schedule().scheduled, host_tier=False)
+    assert staged is not None
+    assert (staged.greedy is not None) == pick and staged.graph.np_want[0] == int(pick)
