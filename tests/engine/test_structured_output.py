@@ -127,9 +127,9 @@ def _capture(monkeypatch):
     seen: list[torch.Tensor] = []
     real = le.sample
 
-    def spy(logits, rows, mode="processed", mask=None):
+    def spy(logits, rows, mode="processed", mask=None, greedy=None):
         seen.append(logits.clone())
-        return real(logits, rows, mode, mask)
+        return real(logits, rows, mode, mask, greedy)
 
     monkeypatch.setattr(le, "sample", spy)
     return seen
