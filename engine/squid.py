@@ -266,8 +266,7 @@ class Squid:
         A parked query comes back through `complete`."""
         req = seq.request
         if req.job is not None:
-            self._attach_prefix(seq, req.job)
-            return True, []
+            return self._admit_job(seq, req.job)
         if req.layout is None or seq.shared:
             return True, []
         docs = self.bm.document_index
@@ -319,14 +318,35 @@ class Squid:
         jreq.job = job
         return job
 
-    def _attach_prefix(self, jseq: Sequence, job: DocumentJob) -> None:
+    def _admit_job(self, jseq: Sequence, job: DocumentJob) -> tuple[bool, list[Sequence]]:
         """A document job sees the prefix (full visibility) and is encoded right after it; set up
-        at every admission, since preemption lets the job's pins go."""
+        at every admission, since preemption (or the scheduler unpinning what waits) lets the
+        job's pins go. By then the prefix may have been evicted and its blocks reused: it is looked
+        up again (`job.prefix` follows a recomputed entry), and when it is gone the job parks like
+        a query on a job that computes the prefix again (before, it pinned and attended to the
+        old blocks: another document's, partly pinned, or free ones with stale KV)."""
         if job.prefix is None or jseq.shared:
-            return
-        jseq.handles.append(KVHandle(self.bm.pool, job.prefix.blocks))
-        jseq.shared.append(Segment(job.prefix.blocks, job.prefix.length, pos_base=0, rope_base=0))
-        jseq.pos_base = job.prefix.length
+            return True, []
+        old = job.prefix
+        prefix = self.bm.document_index.lookup(old.key, old.token_ids)
+        if prefix is None:
+            self.pins.setdefault(jseq, {})
+            pjob = self.jobs.get(old.key)
+            new_jobs = []
+            if pjob is None:
+                pjob = self.jobs[old.key] = self._new_job(jseq.request, old.key, list(old.token_ids), None)
+                new_jobs.append(pjob.seq)
+            if jseq not in pjob.waiters:
+                pjob.waiters.append(jseq)
+            return False, new_jobs
+        # the prefix job's completion pinned it for this job (if it parked): that pin is the job's
+        handle = self.pins.pop(jseq, {}).pop(old.key, None)
+        self.reused.pop(jseq, None)
+        job.prefix = prefix
+        jseq.handles.append(handle if handle is not None else KVHandle(self.bm.pool, prefix.blocks))
+        jseq.shared.append(Segment(prefix.blocks, prefix.length, pos_base=0, rope_base=0))
+        jseq.pos_base = prefix.length
+        return True, []
 
     # ---- completion (after each step) ------------------------------------------------------
     def complete(self, jseq: Sequence) -> list[Sequence]:

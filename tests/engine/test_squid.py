@@ -143,6 +143,49 @@ def test_preemption_and_small_pools_keep_squid_exact(models):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_a_document_job_whose_prefix_was_evicted_waits_for_it_to_be_computed_again(models):
+    """A document job is preempted and the query's pins are given back (what a full pool does);
+    the prefix then leaves the cache and its blocks are reused (here: taken, filled with junk KV,
+    freed). Readmitted, the job must not attend to those blocks: it parks on a new prefix job and
+    the answer equals the oracle. (It used to pin the prefix's old blocks -- another document's,
+    found partly pinned by the tier fuzzing -- and cache a document computed on junk.)"""
+    from cuttle.engine.scheduler import SchedulerOutput
+
+    path, model = models["qwen3"]
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=32, max_num_batched_tokens=4, squid_positions="shared",
+              logprobs_mode="raw")
+    engine = llm.engine
+    prefix, docs, query = [7, 8, 9, 10, 11, 12], _docs(8, [9]), [40, 41, 42]
+    engine.add_request("r", {"prefix": prefix, "documents": docs, "prompt": query}, GREEDY)
+    job = None
+    while job is None or job.seq not in engine.scheduler.running or not job.seq.num_computed_tokens:
+        engine.step()
+        job = next(iter(engine.squid.jobs.values()), None)
+        if job is not None and job.prefix is None:
+            job = None  # the prefix's own job
+    old_blocks = list(job.prefix.blocks)
+    engine.scheduler.running.remove(job.seq)
+    engine.scheduler._preempt(job.seq, SchedulerOutput())
+    assert engine.squid.unpin_parked()
+    pool = engine.block_manager.pool
+    taken = [pool.take() for _ in range(pool.num_free)]  # evicts every cached block, the prefix's too
+    assert set(old_blocks) <= set(taken) and not engine.block_manager.document_index.entries
+    for k, v in engine.runner.kv.layers:
+        k[old_blocks] = 1e3
+        v[old_blocks] = -1e3
+    for bid in taken:
+        pool.unref(bid)
+    computed = llm.stats()["document_tokens_computed"]
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    _check_against_oracle(outs["r"], model, prefix, docs, query, "shared")
+    assert llm.stats()["document_tokens_computed"] == computed + len(prefix) + len(docs[0])  # the prefix again, then the document
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not engine.squid.jobs and not engine.squid.pins
+
+
 @pytest.mark.parametrize("prompt,match", [
     ({"documents": [[]], "prompt": [5]}, r"documents\[0\] is empty"),
     ({"documents": [[5, 6]], "prompt": []}, "prompt must not be empty"),
