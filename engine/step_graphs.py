@@ -15,7 +15,10 @@ agree bit for bit (a graph that holds a value of its capture step where the step
 fails here), else that batch size stays eager. From then on a step is: write its inputs into the
 graph's tensors (`stage`, called by the runner's `prepare` straight from the scheduled sequences,
 so no per-step tensor or metadata is built), replay, and return the graph's logits tensor, which
-stays valid until the next step (the sampler reads it in place). A replay that diverges (a kernel answers differently than at
+stays valid until the next step (the sampler reads it in place). Each graph also records the
+argmax of its logits rows after them, run only when the staged step's rows are all plain greedy
+(`sampler.plain_greedy`; a flag the replay reads): the sampler then takes that pick
+(`StepInputs.greedy`) instead of scanning the logits itself. A replay that diverges (a kernel answers differently than at
 capture and no handler settles it, e.g. an out-of-range token id) returns None, and the eager rerun
 writes the same KV slots again (and raises what it raises).
 
