@@ -85,15 +85,15 @@ def test_a_graph_holding_a_stale_input_is_caught_and_the_size_stays_eager(checkp
     assert llm.engine.runner.graphs.counters["graph_steps"] == 0
 
 
-def test_a_diverging_replay_reruns_the_step_eagerly(checkpoints, monkeypatch) -> None:
-    path = checkpoints["qwen3_moe"]["path"]
-    eager, _ = _generate(path, True)
+def _diverge_every(monkeypatch, k: int) -> list[int]:
+    """Every k-th replay "diverges" halfway (as a kernel answering differently would): it runs the
+    first half of its calls and answers False. Returns the list that counts replays."""
     replays: list[int] = []
     real = KernelGraph.replay
 
-    def diverging(self) -> bool:  # every other replay "diverges" halfway (a kernel answering differently)
+    def diverging(self) -> bool:
         replays.append(1)
-        if len(replays) % 2:
+        if len(replays) % k:
             return real(self)
         calls = self._calls
         self._calls = calls[: len(calls) // 2]
@@ -104,6 +104,13 @@ def test_a_diverging_replay_reruns_the_step_eagerly(checkpoints, monkeypatch) ->
         return False
 
     monkeypatch.setattr(KernelGraph, "replay", diverging)
+    return replays
+
+
+def test_a_diverging_replay_reruns_the_step_eagerly(checkpoints, monkeypatch) -> None:
+    path = checkpoints["qwen3_moe"]["path"]
+    eager, _ = _generate(path, True)
+    replays = _diverge_every(monkeypatch, 2)
     graphed, llm = _generate(path, False)
     assert graphed == eager and len(replays) > 20
 
@@ -235,22 +242,7 @@ def test_a_diverging_replay_drops_its_greedy_pick(checkpoints, monkeypatch) -> N
     path = checkpoints["qwen3"]["path"]
     plain = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     eager, _ = _greedy_runs(path, True, plain)
-    replays: list[int] = []
-    real = KernelGraph.replay
-
-    def diverging(self) -> bool:
-        replays.append(1)
-        if len(replays) % 3 == 0:
-            calls = self._calls
-            self._calls = calls[: len(calls) // 2]
-            try:
-                real(self)
-            finally:
-                self._calls = calls
-            return False
-        return real(self)
-
-    monkeypatch.setattr(KernelGraph, "replay", diverging)
+    replays = _diverge_every(monkeypatch, 3)
     graphed, picks = _greedy_runs(path, False, plain, monkeypatch)
     assert graphed == eager and len(replays) > 20 and picks > 10
 
