@@ -232,19 +232,6 @@ __attribute__((constructor)) static void mx_dot_tables(void) {
 int mx_gfni_on = 1;
 #endif
 
-/* Let the bf16-dot loops (this decode loop, the experts' MXFP8 dot layout) take the GF2P8AFFINEQB
- * decode where it is built (1, the default) or only the table lookups (0: tests compare the two,
- * which give the same bits); returns whether it is on. */
-int mxfp8_set_gfni_decode(int on) {
-#ifdef MX_GFNI
-    mx_gfni_on = on != 0;
-    return mx_gfni_on;
-#else
-    (void)on;
-    return 0;
-#endif
-}
-
 /* x row [K] bf16 -> the word order the decoded weights come in: within each 64-element chunk,
  * unpacklo/unpackhi of the byte lookups give elements 16L+0..7 and 16L+8..15 of 128-bit lane L,
  * so the first 32 words of a chunk hold elements {0-7, 16-23, 32-39, 48-55}, the next 32 the rest.
@@ -472,6 +459,19 @@ static int bf16_dot_on = 1;
 int mxfp8_set_bf16_dot(int on) {
     bf16_dot_on = on != 0;
     return bf16_dot_on && mxfp8_bf16_dot_available();
+}
+
+/* Let the bf16-dot loops (this decode loop, the experts' MXFP8 dot layout) take the GF2P8AFFINEQB
+ * decode where it is built (1, the default) or only the table lookups (0: tests compare the two,
+ * which give the same bits); returns whether it is on. */
+int mxfp8_set_gfni_decode(int on) {
+#ifdef MX_GFNI
+    mx_gfni_on = on != 0;
+    return mx_gfni_on;
+#else
+    (void)on;
+    return 0;
+#endif
 }
 
 /* ---- tile loop (M > 8) ---------------------------------------------------------------------- */
