@@ -15,9 +15,10 @@
  * (AArch64) integers in registers, the rest in stack slots, unused trailing arguments ignored (the
  * caller pops them). An int argument is read from the low 32 bits of its register or slot; a float
  * from the low 32 bits of its vector register, so each float is passed as a double whose low 32
- * bits are the float's. An int result is the low 32 bits of the return register. Any other
- * platform, or a signature outside these limits, is refused by graph.py, which then replays from
- * Python. */
+ * bits are the float's. An int result is the low 32 bits of the return register. Built for x86-64
+ * Linux only, where it is tested; AArch64 Linux follows the same rules (x0-x7, v0-v7, 8-byte stack
+ * slots) but stays on the Python loop until it runs on such a machine. Any other platform, or a
+ * signature outside these limits, is refused by graph.py, which then replays from Python. */
 #include <stdint.h>
 
 #define REPLAY_INTS 32 /* 8 in the generic prototype's registers + 24 stack slots */
@@ -32,7 +33,7 @@ typedef struct {
     uint64_t floats[REPLAY_FLOATS]; /* the float's bits in the low 32 */
 } replay_call;
 
-#if (defined(__x86_64__) || defined(__aarch64__)) && defined(__linux__)
+#if defined(__x86_64__) && defined(__linux__)
 typedef int64_t (*generic_fn)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double,
                               double, double, double, double, double, double, int64_t, int64_t, int64_t, int64_t,
                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,

@@ -20,7 +20,7 @@ through `kernels().lib`, and refuses (`GraphBreak`) anything a replay would not 
 
 A replay calls the recorded functions in order and checks each one returns what it returned at
 capture (from C, `csrc/graph_replay.c`, one ctypes call for the whole graph where the platform's
-calling convention allows it and every recorded signature fits; else from Python, one ctypes call
+calling convention allows it (x86-64 Linux) and every recorded signature fits; else from Python, one ctypes call
 per kernel); on any difference it stops and answers False (a kernel refused its input, e.g. an index
 out of range, or failed an allocation), and the caller runs the step eagerly, which raises or
 takes the other path as usual. A wrapper whose kernel may legitimately answer otherwise registers
