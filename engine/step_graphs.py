@@ -18,9 +18,9 @@ so no per-step tensor or metadata is built), replay, and return the graph's logi
 stays valid until the next step (the sampler reads it in place). Each graph also records the
 argmax of its logits rows after them, run only when the staged step's rows are all plain greedy
 (`sampler.plain_greedy`; a flag the replay reads): the sampler then takes that pick
-(`StepInputs.greedy`) instead of scanning the logits itself. A replay that diverges (a kernel answers differently than at
-capture and no handler settles it, e.g. an out-of-range token id) returns None, and the eager rerun
-writes the same KV slots again (and raises what it raises).
+(`StepInputs.greedy`) instead of scanning the logits itself. A replay that diverges (a kernel
+answers differently than at capture and no handler settles it, e.g. an out-of-range token id)
+returns None, and the eager rerun writes the same KV slots again (and raises what it raises).
 
 Graphs hold addresses of weights, packed weights and caches: `clear()` drops them all; the
 runner calls it whenever weights are loaded, moved or repacked (`ModelRunner.prepack`).

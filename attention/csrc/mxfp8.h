@@ -159,7 +159,8 @@ static inline __attribute__((always_inline)) MX_AVX512 void mx_decode64_bf16(__m
  * mantissa m, element * 256 = 2^(e + 1) * 1.m has the bf16 exponent field e + 128 (binary
  * 1000eeee), so its high byte is sign | 0x40 | e >> 1 and its low byte (e & 1) << 7 | m << 4: each
  * an affine map of the element's bits, one GF2P8AFFINEQB each (matrix row 7 - i feeds bit i). On a
- * Zen4 EPYC the affine ops leave the shuffle unit to the unpacks: the decode loop ran ~15 % faster.
+ * Zen4 EPYC the affine ops leave the shuffle unit to the unpacks: ~15 % off the M = 1 decode loop
+ * in cache (a standalone harness, the two decodes alternating).
  * The 0x7F byte (E4M3 NaN) gives 480 * 256 here and 480 in the table, as the callers expect (NaN
  * comes from the block scale). */
 extern int mx_gfni_on; /* mxfp8_gemm.c: mxfp8_set_gfni_decode switches it (tests) */

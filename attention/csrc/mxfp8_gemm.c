@@ -26,7 +26,9 @@
  * (bf16 times bf16 is exact in fp32) -- ~12 instructions for 64 weights against ~30 for the AVX2
  * decode through fp16. Products and sums are fp32 as on the other paths, except that the dot
  * instruction treats bf16 denormal inputs and fp32 denormal results as zero (products below
- * 2^-126, as torch's bf16 GEMM on the same instruction does).
+ * 2^-126, as torch's bf16 GEMM on the same instruction does). Where the CPU also has GFNI, 64
+ * bytes without a zero or subnormal element skip the lookups (mxfp8.h, mx_decode64_bf16_x256:
+ * the same bits), and at M = 1 the loop sums 16 weight rows' lane vectors with one tree.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -300,7 +302,8 @@ typedef void (*row_bf16_fn)(const uint16_t *, const uint8_t *, const uint8_t *, 
 
 /* One x row against weight rows n0 .. n0 + nr - 1 (nr <= 16): out[i] for row n0 + i. The 16 rows'
  * lane vectors are summed together by one transpose-and-add tree (reduce16_ps) instead of a
- * horizontal sum each: ~10 % of the M = 1 loop's time at K = 512 (a Zen4 EPYC, in cache). */
+ * horizontal sum each: ~10 % of the M = 1 loop's time at K = 512 (a Zen4 EPYC, in cache, a
+ * standalone harness alternating the two). */
 static MX_AVX512 void rows16_bf16(const uint16_t *x, const uint8_t *w, const uint8_t *s, int64_t K, int64_t nr, float *out) {
     const mx_bf16_tabs tabs = mx_load_bf16_tabs();
     const int64_t KB = K / MX_BLOCK;

@@ -98,8 +98,9 @@ extern int paged_decode_row_major; /* paged_decode_set_row_major (tests) */
  * tokens a vector instead of mostly padding). Both give the same bits: each score is the same
  * dot-instruction sum reduced by the same tree (its lane order does not depend on the slot), the
  * maximum and the exponentials are exact per element, and each row's sum runs over its tokens in
- * order either way. At 2 rows an item (batch-1 decode, 4 KV heads of 2 query heads, 2 threads)
- * the row-major item was ~2.5x faster. */
+ * order either way. At 2 rows an item (batch-1 decode of the MoE preset: 4 KV heads of 2 query
+ * heads, 2 threads) the 8 layers' attention took 0.086 -> 0.059 ms at 200 tokens and 0.394 ->
+ * 0.247 ms at 1000 (both layouts alternating in one process). */
 static inline __attribute__((always_inline)) void item_bf16(
     const uint16_t *q, const uint16_t *k_dev, const uint16_t *v_dev, const uint16_t *k_host, const uint16_t *v_host,
     void *out, int out_dtype, const int32_t *table, int64_t len, int64_t block_size, int64_t token_stride, int64_t h0, int64_t nrows,
@@ -445,8 +446,8 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
 #endif
 #pragma omp parallel
     {
-        /* token-major scores for the fast path pad rows to 16 */
-        /* token-major [len][rows rounded to 16], or row-major [rows][len rounded to 16] */
+        /* the fast path's scores: token-major [len][rows rounded to 16], or row-major [rows][len
+         * rounded to 16] (items of up to ROW_MAJOR_MAX_ROWS rows) */
         const int64_t score_tm = ((rows_per_item + 15) & ~(int64_t)15) * score_len;
         const int64_t score_rm = rows_per_item * ((score_len + 15) & ~(int64_t)15);
         float *scores = (float *)malloc(sizeof(float) * (size_t)(score_tm > score_rm ? score_tm : score_rm));

@@ -19,9 +19,8 @@ through `kernels().lib`, and refuses (`GraphBreak`) anything a replay would not 
   no address it recorded is freed or reused while it lives.
 
 A replay calls the recorded functions in order and checks each one returns what it returned at
-capture (from C, `csrc/graph_replay.c`, one ctypes call for the whole graph where the platform's
-calling convention allows it (x86-64 Linux) and every recorded signature fits; else from Python, one ctypes call
-per kernel); on any difference it stops and answers False (a kernel refused its input, e.g. an index
+capture (from C, `csrc/graph_replay.c`, one ctypes call for the whole graph, on x86-64 Linux
+when every recorded signature fits; else from Python, one ctypes call per kernel); on any difference it stops and answers False (a kernel refused its input, e.g. an index
 out of range, or failed an allocation), and the caller runs the step eagerly, which raises or
 takes the other path as usual. A wrapper whose kernel may legitimately answer otherwise registers
 a handler for that call (`on_result`): the MoE router's kernel reports near-tied rows, which the
@@ -86,9 +85,8 @@ def _c_calls(calls: list[tuple[Any, tuple[Any, ...], Any]]) -> ctypes.Array | No
         for t, a in zip(fn.argtypes, args):
             if t is ctypes.c_float:
                 floats.append(int.from_bytes(struct.pack("<f", a.value), "little"))
-            elif t in _INT_ARGS or (isinstance(t, type) and issubclass(t, ctypes._Pointer)):
-                ints.append(0 if a is None else (a.value or 0) if not isinstance(a, ctypes._Pointer)
-                            else ctypes.cast(a, ctypes.c_void_p).value or 0)
+            elif t in _INT_ARGS:
+                ints.append(0 if a is None else a.value or 0)  # a NULL pointer's value is None
             else:
                 return None
         if len(ints) > len(c.ints) or len(floats) > len(c.floats):
