@@ -186,13 +186,14 @@ def test_gfni_decode_every_normal_byte(gfni) -> None:
         assert torch.equal(y.double(), x.double() @ ref.T), lane
 
 
-@pytest.mark.parametrize("M", [1, 2, 5, 8, 12])
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 12, 13, 40])
 def test_gfni_and_table_decode_give_the_same_bits(gfni, M: int) -> None:
     """Quantized weights (some chunks holding a zero or subnormal element, which fall back to the
-    table, most not), ragged N (the batch-1 loop's groups of 16 rows): the GFNI decode and the
-    table lookups give bit-identical outputs, both within fp32 accumulation error."""
+    table, most not), ragged N (the batch-1 loop's groups of 16 rows, the tile loop's panels of
+    64): the GFNI decode and the table lookups give bit-identical outputs, both within fp32
+    accumulation error, on the decode loop (M <= 12) and the bf16 tile loop (more rows)."""
     g = torch.Generator().manual_seed(M)
-    N, K = 45, 512
+    N, K = 150, 512
     w = torch.randn(N, K, generator=g) * 0.05
     w[3, 70] = 0.0
     w[7, 200] = w[7, 192:224].abs().max() * 2.0**-12  # a subnormal element
@@ -204,7 +205,7 @@ def test_gfni_and_table_decode_give_the_same_bits(gfni, M: int) -> None:
     for on in (True, False):
         assert gfni(on) == on
         outs.append(mx.linear(x, data, scale, b, out=torch.empty(M, N)))
-        assert mx.last_linear_path() == "bf16_dot"
+        assert mx.last_linear_path() == ("bf16_dot" if M <= 12 else "bf16_tile")
         _check_gemm(x, data, scale, b, outs[-1])
     assert torch.equal(outs[0], outs[1])
 
