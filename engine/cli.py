@@ -54,6 +54,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly (no replayed kernel graphs for CPU decode steps)")
     g.add_argument("--cpu-graph-max-batch", type=int,
                    help="CPU decode steps of up to this many sequences replay recorded kernel calls (default 8; 0: never)")
+    g.add_argument("--cpu-graph-hot-batches", type=int,
+                   help="besides those, this many larger decode batch sizes get a kernel graph once they recur "
+                        "(least recently used dropped; default 4; 0: none)")
     g.add_argument("--generation-config", help="'auto' (default): sampling defaults from the model's generation_config.json; "
                                                "'vllm': ignore it; or a directory holding one")
     g.add_argument("--kv-read-in-place", choices=["auto", "never", "always"],
@@ -64,7 +67,8 @@ _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                    "max_model_len", "enable_prefix_caching", "attention_backend", "seed", "moe_quant", "quantization", "quantize_lm_head", "squid_positions",
                    "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb", "kv_read_in_place",
                    "sparse_attention")
-_ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "cpu_graph_max_batch", "generation_config")
+_ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "cpu_graph_max_batch", "cpu_graph_hot_batches",
+                   "generation_config")
 
 
 def _build_llm(args: argparse.Namespace):

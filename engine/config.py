@@ -368,6 +368,10 @@ class EngineConfig:
     # 0: never). No CUDA graphs, no torch.compile.
     enforce_eager: bool = False
     cpu_graph_max_batch: int = 8
+    # besides those, up to this many larger decode batch sizes keep a graph once a size has run
+    # step_graphs.HOT_STEPS decode steps (the least recently replayed is dropped to make room;
+    # each holds its own buffers, about 1 MB a row on a 152k vocabulary); 0: none
+    cpu_graph_hot_batches: int = 4
     # sampling defaults: "auto" from the model's generation_config.json (a request's own values
     # win), "vllm" ignores that file, or a directory holding another generation_config.json
     generation_config: str = "auto"
@@ -390,6 +394,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if isinstance(self.cpu_graph_max_batch, bool) or not isinstance(self.cpu_graph_max_batch, int) or self.cpu_graph_max_batch < 0:
             raise ValueError(f"cpu_graph_max_batch must be an integer >= 0 (0: no kernel graphs), got {self.cpu_graph_max_batch!r}")
+        if isinstance(self.cpu_graph_hot_batches, bool) or not isinstance(self.cpu_graph_hot_batches, int) or self.cpu_graph_hot_batches < 0:
+            raise ValueError(f"cpu_graph_hot_batches must be an integer >= 0 (0: no graphs above cpu_graph_max_batch), "
+                             f"got {self.cpu_graph_hot_batches!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -479,7 +479,7 @@ class LLMEngine:
             "num_requests_waiting": len(self.scheduler.waiting),
             "weight_version": self.weight_version,
             # decode steps replayed from kernel graphs (engine/step_graphs.py; 0 with them off)
-            **(self.runner.graphs.counters if self.runner.graphs is not None else {"graph_steps": 0, "graph_captures": 0}),
+            **(self.runner.graphs.counters if self.runner.graphs is not None else {"graph_steps": 0, "graph_captures": 0, "graph_evictions": 0}),
             **self.squid.counters,
             **self.sessions.stats(),
             **(self.tiers.stats() if self.tiers is not None else {}),

@@ -90,7 +90,8 @@ class ModelRunner:
                 and isinstance(backend, TorchAttentionBackend) and backend.native):
             max_len = min(config.max_model_len or mc.max_position_embeddings, num_blocks * self.block_size)
             self.graphs = DecodeGraphs(config.cpu_graph_max_batch, -(-max_len // self.block_size) + 1, self.block_size,
-                                       backend.begin_step, self._all_logits, greedy_pick=config.logprobs_mode == "processed")
+                                       backend.begin_step, self._all_logits, greedy_pick=config.logprobs_mode == "processed",
+                                       hot_batches=config.cpu_graph_hot_batches)
 
     def _check_sparse(self, sparse: TopKConfig, mc: ModelConfig) -> None:
         """Refuse the combinations top-k does not handle (instead of computing something else)."""

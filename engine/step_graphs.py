@@ -4,6 +4,14 @@ Owns one graph per decode batch size (up to `EngineConfig.cpu_graph_max_batch`; 
 turns them off), the static tensors each graph reads and writes, and when a graph may be trusted.
 The runner asks `run(inputs)` first and runs the step eagerly whenever it answers None.
 
+Larger batch sizes (up to `max_num_seqs`) get a graph only once they recur: a size is captured
+after HOT_STEPS qualifying decode steps of it within a window of HOT_WINDOW such steps, and at
+most `cpu_graph_hot_batches` of them are kept, the least recently replayed dropped to make room.
+Every batch size's graph keeps its own buffers (about 1 MB a row at a 152k vocabulary, the fp32
+logits 0.6 MB of it), and a capture costs about two eager steps (the capture and the validating
+rerun), so a size that only passes through (a batch shrinking as requests finish) stays eager,
+while a steady batch (an offline wave, a server at steady concurrency) replays.
+
 A step qualifies when every scheduled sequence decodes one token in one causal segment of the
 device pool (no shared prefix or squid documents, no host-tier blocks), its logits are exactly
 its rows, and the model runs on CPU through the plain torch attention backend with the native
@@ -49,6 +57,10 @@ logger = logging.getLogger(__name__)
 # Captures of one batch size that may break (a transient cause, e.g. a routing tie routed by the
 # torch router during the capture step) before that size stays eager.
 MAX_CAPTURE_TRIES = 3
+# A batch size above cpu_graph_max_batch is captured once it has run this many qualifying decode
+# steps within a window of HOT_WINDOW such steps (the counts restart with each window).
+HOT_STEPS = 16
+HOT_WINDOW = 64
 
 
 @dataclass(slots=True)
@@ -61,6 +73,7 @@ class _Graph:
     graph: KernelGraph | None = None
     logits: torch.Tensor | None = None  # [B, vocab] fp32, written by every replay
     validated: bool = False
+    last_used: int = 0  # DecodeGraphs._clock at its last step: the least recently used hot graph goes first
     rows: torch.Tensor | None = None  # arange(B): the logits rows of a staged step
     # the greedy pick, recorded after the logits: computed by a replay when want[0] is 1 (staged
     # steps whose every row is plain greedy), so the sampler need not scan the logits again
@@ -78,14 +91,19 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, max_batch: int, table_width: int, block_size: int, begin_step: Callable[[AttentionMetadata], None],
                  forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 greedy_pick: bool = True) -> None:
+                 greedy_pick: bool = True, hot_batches: int = 0) -> None:
         """`begin_step(meta)`: the attention backend's per-step planning (run before a capture, not
         recorded); `forward(input_ids, positions, meta)`: the model and the logits of every row
         (what a capture records); `greedy_pick`: whether a replay may also pick the argmax of
         plain-greedy steps (the engine's logprobs_mode is "processed", where those rows need
-        nothing else)."""
+        nothing else); `hot_batches`: how many graphs of sizes above `max_batch` may be kept
+        (captured once they recur, see the module docstring)."""
         self.greedy_pick = greedy_pick
         self.max_batch = max_batch
+        self.hot_batches = hot_batches
+        self._seen: dict[tuple[int, int, int], int] = {}  # qualifying steps of each larger size in this window
+        self._window = 0
+        self._clock = 0  # qualifying steps so far: the hot graphs' recency
         self.table_width = table_width
         self.block_size = block_size
         self._begin_step = begin_step
@@ -93,7 +111,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._breaks: dict[tuple[int, int, int], int] = {}
         self._eager: set[tuple[int, int, int]] = set()
-        self.counters = {"graph_steps": 0, "graph_captures": 0}
+        self.counters = {"graph_steps": 0, "graph_captures": 0, "graph_evictions": 0}
         # The capture's dispatch mode imports torch._dynamo on its first use (~1.3 s here): pay it at
         # load, not in the middle of the first decode step a user waits on.
         import torch._dynamo  # noqa: F401
@@ -103,11 +121,14 @@ class DecodeGraphs:
         self._graphs.clear()
         self._breaks.clear()
         self._eager.clear()
+        self._seen.clear()
+        self._window = 0
 
     def qualifies(self, inputs: StepInputs) -> bool:
         m = inputs.meta
         return (
-            m.segments is None and m.host_kv is None and m.max_query_len == 1 and 1 <= m.num_seqs <= self.max_batch
+            m.segments is None and m.host_kv is None and m.max_query_len == 1 and 1 <= m.num_seqs
+            and (m.num_seqs <= self.max_batch or self.hot_batches > 0)
             and inputs.logit_rows.numel() == m.num_seqs and not inputs.prompt_rows
             and m.block_tables.dim() == 2 and m.block_tables.shape[1] <= self.table_width
         )
@@ -122,7 +143,7 @@ class DecodeGraphs:
         from cuttle.engine.model_runner import StepInputs
 
         B = len(scheduled)
-        if B > self.max_batch:
+        if B > self.max_batch and not self.hot_batches:
             return None
         g = self._graphs.get((B, torch.get_num_threads(), id(native.kernels())))
         if g is None or not g.validated:
@@ -149,6 +170,8 @@ class DecodeGraphs:
             greedy = greedy and plain_greedy(req.sampling_params, seq.num_output_tokens)
         assert g.np_want is not None
         g.np_want[0] = int(greedy)
+        self._clock += 1
+        g.last_used = self._clock
         m = g.meta
         meta = AttentionMetadata(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
                                  slot_mapping=m.slot_mapping, block_size=bs, max_query_len=1, max_seq_len=max(lens),
@@ -172,8 +195,12 @@ class DecodeGraphs:
         if key in self._eager:
             return None
         g = self._graphs.get(key)
+        self._clock += 1
         if g is None:
+            if key[0] > self.max_batch and not self._hot(key):
+                return None
             return self._capture(key, inputs)
+        g.last_used = self._clock
         self._fill(g, inputs)
         assert g.graph is not None and g.logits is not None
         if not g.graph.replay():
@@ -192,6 +219,26 @@ class DecodeGraphs:
             return eager
         self.counters["graph_steps"] += 1
         return g.logits
+
+    def _hot(self, key: tuple[int, int, int]) -> bool:
+        """Count one qualifying step of a batch size above max_batch that has no graph; True
+        when it is now to be captured (room made for it: the least recently used hot graph is
+        dropped if `hot_batches` are held)."""
+        self._window += 1
+        if self._window > HOT_WINDOW:
+            self._seen.clear()
+            self._window = 1
+        n = self._seen[key] = self._seen.get(key, 0) + 1
+        if n < HOT_STEPS:
+            return False
+        del self._seen[key]
+        held = [k for k in self._graphs if k[0] > self.max_batch]
+        while held and len(held) >= self.hot_batches:
+            oldest = min(held, key=lambda k: self._graphs[k].last_used)
+            del self._graphs[oldest]
+            held.remove(oldest)
+            self.counters["graph_evictions"] += 1
+        return True
 
     def _fill(self, g: _Graph, inputs: StepInputs) -> None:
         m, gm = inputs.meta, g.meta
@@ -215,7 +262,7 @@ class DecodeGraphs:
             query_lens_cpu=[1] * B,
             seq_lens_cpu=list(m.seq_lens_cpu),
         )
-        g = _Graph(torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64), meta)
+        g = _Graph(torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64), meta, last_used=self._clock)
         g.want, g.greedy = torch.zeros(1, dtype=torch.int32), torch.zeros(B, dtype=torch.int64)
         self._fill(g, inputs)
         self._begin_step(meta)

@@ -120,9 +120,47 @@ def test_switches_and_bad_values(checkpoints) -> None:
     assert LLM(path, cpu_graph_max_batch=0).engine.runner.graphs is None
     assert LLM(path, enforce_eager=True).engine.runner.graphs is None
     assert LLM(path, cpu_graph_max_batch=2).engine.runner.graphs.max_batch == 2
+    assert LLM(path, cpu_graph_hot_batches=0).engine.runner.graphs.hot_batches == 0
     for bad in (-1, True, "8", 2.5):
         with pytest.raises(ValueError, match="cpu_graph_max_batch"):
             LLM(path, cpu_graph_max_batch=bad)
+        with pytest.raises(ValueError, match="cpu_graph_hot_batches"):
+            LLM(path, cpu_graph_hot_batches=bad)
+
+
+# six requests: the decode batch is 6 for ~27 steps, 5 for 3 (fewer than HOT_STEPS below), 4 for
+# ~20, 3 for ~20
+HOT_TOKENS = [70, 70, 70, 50, 30, 27]
+
+
+def _generate_hot(path: str, eager: bool, **kw) -> tuple[list, LLM]:
+    llm = LLM(path, block_size=4, max_num_seqs=6, enable_prefix_caching=False, enforce_eager=eager,
+              cpu_graph_max_batch=2, cpu_graph_hot_batches=2, **kw)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in HOT_TOKENS]
+    params[1] = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=HOT_TOKENS[1], ignore_eos=True, logprobs=2)
+    outs = llm.generate(PROMPTS[:6], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm
+
+
+@pytest.mark.parametrize("arch, kw", [("qwen3", {}), ("qwen3_moe", {"quantization": "mxfp8", "moe_quant": "mxfp8"})],
+                         ids=["qwen3", "qwen3_moe-mxfp8"])
+def test_recurring_batch_sizes_above_the_bound_get_graphs(checkpoints, monkeypatch, arch: str, kw: dict) -> None:
+    """Above cpu_graph_max_batch, a batch size is captured once it has recurred HOT_STEPS times
+    (6, 4 and 3 here; 5 passes through in 3 steps and stays eager), at most cpu_graph_hot_batches
+    are held (capturing 3 drops 6, the least recently replayed), and the outputs are the eager
+    engine's bit for bit."""
+    from cuttle.engine import step_graphs
+
+    monkeypatch.setattr(step_graphs, "HOT_STEPS", 4)
+    path = checkpoints[arch]["path"]
+    eager, _ = _generate_hot(path, True, **kw)
+    graphed, llm = _generate_hot(path, False, **kw)
+    assert graphed == eager
+    graphs = llm.engine.runner.graphs
+    held = sorted(k[0] for k in graphs._graphs if k[0] > 2)
+    assert held == [3, 4], held
+    assert graphs.counters["graph_evictions"] == 1
+    assert graphs.counters["graph_steps"] > 40, graphs.counters
 
 
 def test_shared_prefix_and_prompt_logprob_steps_run_eagerly(checkpoints) -> None:
