@@ -206,12 +206,16 @@ def test_row_major_items_give_the_token_major_bits(case: Case, kernel_calls: lis
     outs = {}
     try:
         for rm in (1, 0):
-            lib.paged_decode_set_row_major(rm)
-            outs[rm] = _run(TorchAttentionBackend(native=True), _bf16_batch(case))
-            assert lib.paged_decode_last_call_fast() == 1
+            for pf in (1, 0):  # the walks' block prefetches (on by default) change nothing either
+                lib.paged_decode_set_row_major(rm)
+                lib.paged_decode_set_prefetch(pf)
+                outs[rm, pf] = _run(TorchAttentionBackend(native=True), _bf16_batch(case))
+                assert lib.paged_decode_last_call_fast() == 1
     finally:
         lib.paged_decode_set_row_major(1)
-    assert torch.equal(outs[1], outs[0])
+        lib.paged_decode_set_prefetch(1)
+    assert torch.equal(outs[1, 1], outs[0, 1]) and torch.equal(outs[1, 1], outs[1, 0]) and torch.equal(outs[0, 1], outs[0, 0])
+    outs = {rm: outs[rm, 1] for rm in (1, 0)}
     rows = torch.ones(sum(new for _, new in case.seqs), dtype=torch.bool)
     err = ((outs[1].double() - ref).abs() / ref.abs().clamp_min(1.0))[rows].max().item()
     assert err <= 2 ** -8, err
