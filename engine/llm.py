@@ -211,15 +211,11 @@ class LLM:
                         bar.update(1)
                 if not engine.has_unfinished_requests() and len(results) < len(ids):
                     raise RuntimeError("engine went idle with requests unfinished")
-                sched = engine.scheduler
-                idle = engine.counters["steps"] == steps and not sched.running and not sched.loading
-                stuck = stuck + 1 if idle and sched.waiting else 0
+                stuck = stuck + 1 if engine.stalled(steps) else 0
                 if stuck > 1:  # twice no step with nothing running: no block will come free
                     for rid in ids:
                         engine.abort_request(rid)
-                    raise RuntimeError(f"a request cannot get KV blocks: sessions pin {engine.sessions.pinned_block_count()} of "
-                                       f"{engine.block_manager.num_blocks} (max_session_kv_blocks "
-                                       f"{engine.sessions.max_session_kv_blocks}); close sessions first")
+                    raise RuntimeError(engine.stall_message())
         finally:
             bar.close()
         failed = [out for out in results.values() if out.error is not None]

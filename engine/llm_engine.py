@@ -410,6 +410,18 @@ class LLMEngine:
             req.prompt_logprobs.append(d)
 
     # ---- weight sync (RL) ------------------------------------------------------------------
+    def stalled(self, steps_before: int) -> bool:
+        """Whether the step(s) since `counters["steps"]` was `steps_before` ran nothing while
+        requests wait and nothing runs or loads: then no block will come free by stepping (what
+        remains is held by session pins), so a caller stepping until done would spin forever."""
+        sched = self.scheduler
+        return self.counters["steps"] == steps_before and not sched.running and not sched.loading and bool(sched.waiting)
+
+    def stall_message(self) -> str:
+        return (f"a request cannot get KV blocks: sessions pin {self.sessions.pinned_block_count()} of "
+                f"{self.block_manager.num_blocks} (max_session_kv_blocks {self.sessions.max_session_kv_blocks}); "
+                "close sessions first")
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> list[RequestOutput]:
         """Replace weights in place and bump `weight_version`; returns the outputs of the requests
         that ended during the call.
@@ -425,8 +437,13 @@ class LLMEngine:
             raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
         ended: list[RequestOutput] = []
         if in_flight == "finish":
+            stalls = 0
             while self.has_unfinished_requests():
+                steps = self.counters["steps"]
                 ended.extend(out for out in self.step() if out.finished)
+                stalls = stalls + 1 if self.stalled(steps) else 0
+                if stalls > 1:
+                    raise RuntimeError(f"{self.stall_message()}; the weights were not updated")
         else:
             for rid in list(self.requests):
                 out = self.abort_request(rid)

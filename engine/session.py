@@ -176,8 +176,14 @@ class Sessions:
     def owns(self, seq: Sequence) -> bool:
         return seq.request in self.turns
 
+    def _session_of(self, seq: Sequence) -> Session:
+        """The session a turn's sequence continues: its own sample's. Siblings share pins at the
+        turn's start, but a sibling that ended first has already pinned its own stream on its
+        session, so a preempted sibling coming back must not read session 0's."""
+        return self.turns[seq.request][seq.index]
+
     def can_allocate(self, seq: Sequence) -> bool:
-        s = self.turns[seq.request][0]
+        s = self._session_of(seq)
         if not self._usable(s, seq.request):
             return self.bm.can_allocate(seq)
         bm = self.bm
@@ -188,13 +194,14 @@ class Sessions:
         """The turn's blocks: the pinned full blocks shared, the pinned partial block copied (a
         pinned block is never written), new blocks for the rest. Without usable pins (first turn,
         new weights) the block manager allocates as for any request, prefix cache included."""
-        s = self.turns[seq.request][0]
+        s = self._session_of(seq)
         bm = self.bm
         if not self._usable(s, seq.request):
             bm.allocate(seq, read_in_place=False)  # the turn's table becomes a device-pool pin (KVHandle)
             return
         assert not seq.block_table, "sequence already holds blocks"
         pool = bm.pool
+        assert s.computed < len(seq.token_ids), "a turn always has a token past its session's pinned KV"
         full, partial = divmod(s.computed, bm.block_size)
         table = list(s.handle.blocks[:full])
         for bid in table:

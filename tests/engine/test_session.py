@@ -315,3 +315,80 @@ def test_a_preempted_turn_comes_back_from_its_pins(ckpt):
     assert_matches_full_forward(model, stream, [(len(prompt), t1, l1), (len(prompt) + len(t1) + len(tail), t2, l2)])
     llm.close_session(sid)
     assert_all_free(llm)
+
+
+def test_forked_siblings_preempted_after_sibling_0_ended_come_back_from_their_own_pins(ckpt):
+    """A group turn (forked siblings, one request with n = 3) whose siblings 1 and 2 are preempted
+    and come back only after sibling 0 has finished, i.e. after session 0 pinned sibling 0's own
+    stream: each comes back from its own session's pins (the pre-turn stream), not session 0's.
+    (They took session 0's: sibling 0's sampled KV under their tokens, or a step of 0 tokens.)
+    Every sibling's logprobs equal a full forward over its stream, and its tokens those of the
+    same turn run without preemption."""
+    path, model = ckpt
+
+    def group_turn(preempt: bool) -> tuple[list, list[list[int]], LLM]:
+        llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
+        eng = llm.engine
+        root = llm.open_session(ids(10, 40))
+        llm.generate_session(root, turn_params(41, 3))
+        group = llm.fork_session(root, 3)
+        llm.close_session(root)
+        streams = [llm.session_token_ids(sid) for sid in group]
+        eng.add_session_turn("turn", group, turn_params(42, 12))
+        outs = []
+        while not outs:
+            outs = [o for o in eng.step() if o.finished]
+            seqs = eng.requests["turn"].seqs if "turn" in eng.requests else []
+            if preempt and len(seqs) == 3 and all(s.num_output_tokens == 4 for s in seqs):
+                sched = eng.scheduler
+                for s in seqs[1:]:
+                    sched.running.remove(s)
+                    sched._preempt(s, type("Out", (), {"preempted": []})())
+                assert [s.status.value for s in seqs[1:]] == ["waiting", "waiting"]
+                seats, sched.max_num_seqs = sched.max_num_seqs, 1  # sibling 0 alone, to its end
+                while seqs[0].num_output_tokens < 12:
+                    eng.step()
+                assert eng.sessions.get(group[0]).request is None  # session 0 now pins sibling 0's stream
+                sched.max_num_seqs = seats
+                preempt = False
+        assert "turn" not in eng.requests or not eng.has_unfinished_requests()
+        return outs[0].outputs, streams, llm
+
+    plain, streams, _ = group_turn(False)
+    outs, streams2, llm = group_turn(True)
+    assert streams == streams2 and llm.engine.scheduler.num_preemptions == 2
+    for c_plain, c, stream in zip(plain, outs, streams):
+        toks, lps = list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+        assert toks == list(c_plain.token_ids)
+        assert_matches_full_forward(model, stream + toks, [(len(stream), toks, lps)])
+    for sid in llm.engine.sessions.table.copy():
+        llm.close_session(sid)
+    assert_all_free(llm)
+
+
+def test_a_request_that_cannot_fit_beside_the_pins_raises_instead_of_spinning(ckpt):
+    """A request accepted by add_request (it fits max_model_len) can need more blocks than the
+    pool less the blocks sessions pin: stepping can never free them. `generate` and
+    `update_weights(in_flight="finish")` say so, naming the pins, instead of stepping forever;
+    the failed update leaves the weights as they were, and closing the session lets it finish."""
+    path, _ = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, block_size=4)
+    eng = llm.engine
+    sid = llm.open_session(ids(26, 60))
+    llm.generate_session(sid, turn_params(61, 1))
+    assert eng.sessions.pinned_block_count() == 7
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=r"cannot get KV blocks: sessions pin 7 of 32"):
+        llm.generate([ids(10, 62)], long)
+    assert not eng.has_unfinished_requests()
+    eng.add_request("long", ids(10, 62), long)
+    name, w = next(iter(eng.runner.model.named_parameters()))
+    before = w.detach().clone()
+    with pytest.raises(RuntimeError, match=r"sessions pin 7 of 32.*weights were not updated"):
+        llm.update_weights([(name, before + 1.0)], in_flight="finish")
+    assert torch.equal(w.detach(), before) and eng.weight_version == 0
+    llm.close_session(sid)
+    outs = llm.engine.update_weights([(name, before + 1.0)], in_flight="finish")
+    assert [o.request_id for o in outs] == ["long"] and len(outs[0].outputs[0].token_ids) == 100
+    assert eng.weight_version == 1
+    assert_all_free(llm)
