@@ -241,7 +241,10 @@ class _NativeRows:
     def __init__(self, plan: _StepPlan, max_qlen: int) -> None:
         meta = plan.meta
         self.max_qlen = max_qlen
-        if (meta.segments is None and meta.max_query_len == 1 and meta.block_tables.dtype == torch.int32
+        # one query row per sequence (a 0-token row would make the shared arange name q / out rows
+        # past the step's tokens: the general path below takes such a step row by row)
+        if (meta.segments is None and meta.max_query_len == 1 and min(meta.query_lens_cpu, default=0) == 1
+                and meta.block_tables.dtype == torch.int32
                 and meta.block_tables.stride(1) == 1 and meta.seq_lens.dtype == torch.int32 and meta.seq_lens.is_contiguous()
                 and meta.block_tables.is_cpu):
             n = meta.num_seqs

@@ -219,3 +219,16 @@ def test_row_major_items_give_the_token_major_bits(case: Case, kernel_calls: lis
     rows = torch.ones(sum(new for _, new in case.seqs), dtype=torch.bool)
     err = ((outs[1].double() - ref).abs() / ref.abs().clamp_min(1.0))[rows].max().item()
     assert err <= 2 ** -8, err
+
+
+def test_a_sequence_with_no_new_token_among_decodes_stays_in_bounds(kernel_calls: list[int]) -> None:
+    """A decode step in which one sequence brings no token (max query length 1, but fewer query
+    rows than sequences) must not take the one-row-per-sequence path (its rows would name q / out
+    rows past the step's tokens): each real row still matches the float64 oracle."""
+    case = Case("decode_with_empty_row", ((20, 1), (9, 0), (33, 1), (4, 1)), 8, 4, 64, 16)
+    batch = build_batch(case, junk=None)
+    assert batch.q.shape[0] == 3 and batch.meta.num_seqs == 4
+    out = _run(TorchAttentionBackend(native=True), batch).double()
+    ref = naive_attention(batch)
+    assert len(kernel_calls) == 1
+    assert ((out - ref).abs() / ref.abs().clamp_min(1.0)).max().item() <= 1e-5
