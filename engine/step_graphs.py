@@ -8,9 +8,10 @@ Larger batch sizes (up to `max_num_seqs`) get a graph only once they recur: a si
 after HOT_STEPS qualifying decode steps of it within a window of HOT_WINDOW such steps, and at
 most `cpu_graph_hot_batches` of them are kept, the least recently replayed dropped to make room.
 Every batch size's graph keeps its own buffers (about 1 MB a row at a 152k vocabulary, the fp32
-logits 0.6 MB of it), and a capture costs about two eager steps (the capture and the validating
-rerun), so a size that only passes through (a batch shrinking as requests finish) stays eager,
-while a steady batch (an offline wave, a server at steady concurrency) replays.
+logits 0.6 MB of it), and a new graph costs steps: the capture runs the step eagerly while
+recording it, and the next step of that size runs the replay and the eager step both (the
+validation). So a size that only passes through (a batch shrinking as requests finish) stays
+eager, while a steady batch (an offline wave, a server at steady concurrency) replays.
 
 A step qualifies when every scheduled sequence decodes one token in one causal segment of the
 device pool (no shared prefix or squid documents, no host-tier blocks), its logits are exactly
