@@ -130,7 +130,7 @@ class DecodeGraphs:
         return (
             m.segments is None and m.host_kv is None and m.max_query_len == 1 and 1 <= m.num_seqs
             and (m.num_seqs <= self.max_batch or self.hot_batches > 0)
-            and inputs.logit_rows.numel() == m.num_seqs and not inputs.prompt_rows
+            and inputs.logit_rows.numel() == m.num_seqs and inputs.input_ids.numel() == m.num_seqs and not inputs.prompt_rows
             and m.block_tables.dim() == 2 and m.block_tables.shape[1] <= self.table_width
         )
 
