@@ -7,8 +7,8 @@ The runner asks `run(inputs)` first and runs the step eagerly whenever it answer
 Larger batch sizes (up to `max_num_seqs`) get a graph only once they recur: a size is captured
 after HOT_STEPS qualifying decode steps of it within a window of HOT_WINDOW such steps, and at
 most `cpu_graph_hot_batches` of them are kept, the least recently replayed dropped to make room.
-Every batch size's graph keeps its own buffers (about 1 MB a row at a 152k vocabulary, the fp32
-logits 0.6 MB of it), and a new graph costs steps: the capture runs the step eagerly while
+Every batch size's graph keeps its own buffers (~1 MB a row on the 8-layer MoE preset, the fp32
+logits 0.6 MB of it; ~2 MB on the 28-layer Qwen3-0.6B shape), and a new graph costs steps: the capture runs the step eagerly while
 recording it, and the next step of that size runs the replay and the eager step both (the
 validation). So a size that only passes through (a batch shrinking as requests finish) stays
 eager, while a steady batch (an offline wave, a server at steady concurrency) replays.
