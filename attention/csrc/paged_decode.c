@@ -79,16 +79,11 @@ static inline __attribute__((always_inline)) const uint16_t *block_start(const u
     return (host ? host_pool : dev) + base;
 }
 
-/* tokens of block b of a row of len tokens */
-static inline int64_t block_tokens(int64_t len, int64_t b, int64_t block_size) {
-    return len - b * block_size < block_size ? len - b * block_size : block_size;
-}
-
 /* Blocks lie scattered through the pool, so the hardware prefetchers cannot run ahead of a walk
  * from one block to the next: the fast paths' walks ask for the block two ahead themselves, into
  * L2 (locality 1: prefetcht2 on x86; t1 / t0 and one block ahead were slower on a Zen4 EPYC).
- * This asks for the item's part of block b: its tokens' `lines` cache lines from element `off`
- * (the item's first head). In a decode step the KV comes from memory (the weights' stream has
+ * This asks for the item's part of block b of a bf16 cache (the fast paths'): its tokens' `lines`
+ * cache lines from element `off` (the item's first head). In a decode step the KV comes from memory (the weights' stream has
  * just emptied the caches): there, with the row-major pass's chunk order below, one layer's call
  * on a pool of scattered blocks went, cache flushed before each call, 2 threads, Zen4: 1 row x
  * 1000 tokens (4 KV heads x 64) 0.099 -> 0.078 ms, 1 x 8000 (8 x 128) 2.58 -> 1.33 ms, 64 x 200
@@ -102,7 +97,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const uint16_t 
                                                                  int64_t token_stride, int64_t off, int64_t lines) {
     if (!prefetch_on || b * block_size >= len) return;
     const char *p = (const char *)(block_start(dev, host_pool, table, b, block_size, token_stride) + off);
-    const int64_t n = block_tokens(len, b, block_size);
+    const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
     for (int64_t t = 0; t < n; t++)
         for (int64_t l = 0; l < lines; l++) __builtin_prefetch(p + t * token_stride * 2 + 64 * l, 0, 1);
 }

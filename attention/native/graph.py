@@ -20,8 +20,9 @@ through `kernels().lib`, and refuses (`GraphBreak`) anything a replay would not 
 
 A replay calls the recorded functions in order and checks each one returns what it returned at
 capture (from C, `csrc/graph_replay.c`, one ctypes call for the whole graph, on x86-64 Linux
-when every recorded signature fits; else from Python, one ctypes call per kernel); on any difference it stops and answers False (a kernel refused its input, e.g. an index
-out of range, or failed an allocation), and the caller runs the step eagerly, which raises or
+when every recorded signature fits; else from Python, one ctypes call per kernel); on any
+difference it stops and answers False (a kernel refused its input, e.g. an index out of range,
+or failed an allocation), and the caller runs the step eagerly, which raises or
 takes the other path as usual. A wrapper whose kernel may legitimately answer otherwise registers
 a handler for that call (`on_result`): the MoE router's kernel reports near-tied rows, which the
 torch router then settles on the graph's own tensors, and the replay goes on. What no check here can see

@@ -16,6 +16,7 @@ from helpers import make_checkpoint
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.async_engine import AsyncEngine
 from cuttle.engine.sampling_params import RequestOutputKind
+from cuttle.engine.scheduler import SchedulerOutput
 
 BS = 16
 
@@ -343,7 +344,7 @@ def test_forked_siblings_preempted_after_sibling_0_ended_come_back_from_their_ow
                 sched = eng.scheduler
                 for s in seqs[1:]:
                     sched.running.remove(s)
-                    sched._preempt(s, type("Out", (), {"preempted": []})())
+                    sched._preempt(s, SchedulerOutput())
                 assert [s.status.value for s in seqs[1:]] == ["waiting", "waiting"]
                 seats, sched.max_num_seqs = sched.max_num_seqs, 1  # sibling 0 alone, to its end
                 while seqs[0].num_output_tokens < 12:
