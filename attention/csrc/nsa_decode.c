@@ -10,8 +10,10 @@
  * caches, those strided reads missed on every entry and made the kernel memory-latency bound).
  * The binding picks the range so that every thread has items (few rows: a few heads per item).
  * Per item:
- *   1. compression branch: scores of the nc = (L - l) / d + 1 complete compressed entries (entry i
- *      sits in raw block table[e / B] at slot (e % B) / d, e = i*d + l - 1), softmax, p . cV;
+ *   1. compression branch: attention over the nc = (L - l) / d + 1 complete compressed entries
+ *      (entry i sits in raw block table[e / B] at slot (e % B) / d, e = i*d + l - 1), read as
+ *      keys by sparse_attend through a table of their rows, so it shares the selected and window
+ *      branches' loops (the bf16 dot loop included); its probabilities also score the blocks;
  *   2. block scores: each entry's probability, summed over the group, added to every selection
  *      block it shares a stride-d unit with, once per unit (Eq. 9 read per entry: weights
  *      1, 2, 2, 2, 1 for l=32, d=16, l'=64);
@@ -19,8 +21,9 @@
  *      the best-scored others (ties to the lower block) up to top_n;
  *   4. selected and window branches: one softmax each over the selected blocks' keys (the query's
  *      own block only up to the query) and over the last `window` keys, in two passes (scores,
- *      then exp and p.V: sparse_attend.c, 8 lanes wide with AVX2, where the scalar per-key online
- *      softmax this kernel had spent most of its time in expf and rescales);
+ *      then exp and p.V: sparse_attend.c, on the bf16 dot instruction or 8 lanes wide with AVX2,
+ *      where the scalar per-key online softmax this kernel had spent most of its time in expf and
+ *      rescales);
  *   5. o = g_cmp o_cmp + g_slc o_slc + g_win o_win (gates fp32 [row, head, 3]).
  * The rules are those of cuttle/attention/nsa.py (the reference this kernel is tested against);
  * all math is fp32 whatever the storage dtype. `touched` (optional) receives, per (row, KV head), the KV
@@ -52,7 +55,7 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
     const int64_t sel_keys = (top_n < max_blocks ? top_n : max_blocks) * sel_block;
     const int64_t heads_per_item = (num_kv_heads + head_chunks - 1) / head_chunks;
     const int64_t R = heads_per_item * group; /* query rows of an item */
-    const int64_t max_keys = sel_keys > window ? sel_keys : window;
+    const int64_t max_keys = sel_keys > window ? (sel_keys > max_nc ? sel_keys : max_nc) : (window > max_nc ? window : max_nc);
 #pragma omp parallel
     {
         float *qf = (float *)malloc(sizeof(float) * (size_t)(R * D));
@@ -64,7 +67,8 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
         float *m = (float *)malloc(sizeof(float) * (size_t)(6 * R)), *s = m + 3 * R;
         float *sc = (float *)malloc(sizeof(float) * (size_t)(R * (max_keys > 0 ? max_keys : 1)));
         int64_t *sel_count = (int64_t *)malloc(sizeof(int64_t) * (size_t)heads_per_item);
-        if (!qf || !acc || !pc || !bsc || !taken || !pick || !m || !sc || !sel_count) {
+        int32_t *ctab = (int32_t *)malloc(sizeof(int32_t) * (size_t)(max_nc > 0 ? max_nc : 1));
+        if (!qf || !acc || !pc || !bsc || !taken || !pick || !m || !sc || !sel_count || !ctab) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -77,30 +81,24 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
             const int64_t L = lens[r], t = L - 1;
             const int32_t *table = tables + r * table_stride;
             sparse_load_q(qf, q, q_dtype, rows[r] * q_row_stride + h0 * group * D, nr * D, scale);
+            const uint16_t *qb = q_dtype == DT_BF16 ? (const uint16_t *)q + rows[r] * q_row_stride + h0 * group * D : NULL;
             float *mc = m, *s0 = s, *a0 = acc;
-            for (int64_t i = 0; i < nr; i++) { mc[i] = -INFINITY; s0[i] = 0.f; }
-            memset(a0, 0, sizeof(float) * (size_t)(nr * D));
-            /* 1. compression branch for all the item's heads: an entry's heads are one contiguous run
-             * (two passes: the probabilities also score the blocks) */
+            /* 1. compression branch for all the item's heads: entry i (e = i*d + l - 1) is slot
+             * (e % B) / d of raw block table[e / B], i.e. row ctab[i] = table[e / B] * cslots + slot of
+             * the compressed cache seen as blocks of one entry, so sparse_attend reads the entries
+             * as keys (one contiguous run of the item's heads each). Its numerators, normalised,
+             * also score the blocks (pc). */
             const int64_t nc = L >= cmp_block ? (L - cmp_block) / cmp_stride + 1 : 0;
             for (int64_t i = 0; i < nc; i++) {
                 const int64_t e = i * cmp_stride + cmp_block - 1;
-                const int64_t off = ((int64_t)table[e / block_size] * cslots + (e % block_size) / cmp_stride) * token_stride + h0 * D;
-                for (int64_t j = 0; j < nr; j++) {
-                    const float x = sparse_dot(qf + j * D, ck_cache, kv_dtype, off + (j / group) * D, D);
-                    pc[j * max_nc + i] = x;
-                    if (x > mc[j]) mc[j] = x;
-                }
+                ctab[i] = (int32_t)((int64_t)table[e / block_size] * cslots + (e % block_size) / cmp_stride);
             }
+            const int64_t zero = 0;
+            sparse_attend(qf, qb, scale, ck_cache, cv_cache, kv_dtype, ctab, &zero, &nc, 1, 1, token_stride, h0, nh, group, D,
+                          sc, a0, mc, s0);
             for (int64_t j = 0; j < nr && nc > 0; j++) {
-                s0[j] = sparse_exp_sum(pc + j * max_nc, nc, mc[j]);
                 const float inv = 1.f / s0[j];
-                for (int64_t i = 0; i < nc; i++) pc[j * max_nc + i] *= inv;
-            }
-            for (int64_t i = 0; i < nc; i++) {
-                const int64_t e = i * cmp_stride + cmp_block - 1;
-                const int64_t off = ((int64_t)table[e / block_size] * cslots + (e % block_size) / cmp_stride) * token_stride + h0 * D;
-                for (int64_t j = 0; j < nr; j++) sparse_axpy(a0 + j * D, pc[j * max_nc + i], cv_cache, kv_dtype, off + (j / group) * D, D);
+                for (int64_t i = 0; i < nc; i++) pc[j * max_nc + i] = sc[j * nc + i] * inv;
             }
             /* 2-4 per KV head: block scores (Eq. 9 per entry, Eq. 10 over the group), selection
              * (forced blocks ascending, then the best others, ties to the lower) and the selected
@@ -121,28 +119,28 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
                 const int64_t npick = sparse_pick_blocks(bsc, taken, pick, cur, nb, want, init_blocks, local_blocks);
                 int64_t *t1 = pick + top_n;
                 const int64_t count = sparse_block_ranges(pick, t1, npick, sel_block, L, selected, r * num_kv_heads + h0 + hh, top_n);
-                sparse_attend(qf + hh * group * D, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
+                sparse_attend(qf + hh * group * D, qb ? qb + hh * group * D : NULL, scale, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
                               h0 + hh, 1, group, D, sc, a1 + hh * group * D, m1 + hh * group, s1 + hh * group);
                 sel_count[hh] = count;
             }
             /* 5. the window, all the item's heads together (contiguous runs of each key row) */
             float *m2 = m + 2 * nr, *s2 = s + 2 * nr, *a2 = acc + 2 * nr * D;
             const int64_t w0 = L - window > 0 ? L - window : 0;
-            sparse_attend(qf, k_cache, v_cache, kv_dtype, table, &w0, &L, 1, block_size, token_stride, h0, nh, group, D, sc, a2, m2, s2);
+            sparse_attend(qf, qb, scale, k_cache, v_cache, kv_dtype, table, &w0, &L, 1, block_size, token_stride, h0, nh, group, D, sc, a2, m2, s2);
             if (touched)
                 for (int64_t hh = 0; hh < nh; hh++) touched[r * num_kv_heads + h0 + hh] = nc + sel_count[hh] + L - w0;
             /* 6. gated sum; an empty branch (no key) contributes 0 */
             for (int64_t j = 0; j < nr; j++) {
                 const int64_t head = h0 * group + j;
                 const float *gt = gates + rows[r] * gate_row_stride + head * 3;
-                const float w_c = nc > 0 ? gt[0] : 0.f;
+                const float w_c = s0[j] > 0.f ? gt[0] / s0[j] : 0.f;
                 const float w_s = s1[j] > 0.f ? gt[1] / s1[j] : 0.f, w_w = s2[j] > 0.f ? gt[2] / s2[j] : 0.f;
                 const int64_t ooff = rows[r] * out_row_stride + head * D;
                 for (int64_t i = 0; i < D; i++)
                     sparse_store(out, out_dtype, ooff + i, w_c * a0[j * D + i] + w_s * a1[j * D + i] + w_w * a2[j * D + i]);
             }
         }
-        free(qf); free(acc); free(pc); free(bsc); free(taken); free(pick); free(m); free(sc); free(sel_count);
+        free(qf); free(acc); free(pc); free(bsc); free(taken); free(pick); free(m); free(sc); free(sel_count); free(ctab);
     }
     return failed ? -1 : 0;
 }

@@ -16,10 +16,14 @@
  * passes over the keys: scores, then exp(score - max) and p.V. Writes, per query row r: m[r] = the
  * max score, s[r] = the sum of exp(score - m[r]) and acc[r][D] = sum exp(score - m[r]) v (not
  * normalised; an empty key set gives m = -inf, s = 0, acc = 0). sc: scratch of heads * group *
- * (number of keys) floats. */
-void sparse_attend(const float *qf, const void *k_cache, const void *v_cache, int kv_dtype, const int32_t *table,
-                   const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t block_size, int64_t token_stride,
-                   int64_t h, int64_t heads, int64_t group, int64_t D, float *sc, float *acc, float *m, float *s);
+ * (number of keys) floats; afterwards row r's numerators exp(score - m[r]) lie at sc[r * n ..
+ * r * n + n), n the number of keys, in range order. qb (or NULL): the same rows as bf16, unscaled,
+ * and `scale`: with bf16 K/V and head_dim 64, 128 or 256 on a CPU with AVX512-BF16 the scores
+ * are then scale * (qb . k) on the bf16 dot instruction (exact products, fp32 sums). */
+void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache, int kv_dtype,
+                   const int32_t *table, const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t block_size,
+                   int64_t token_stride, int64_t h, int64_t heads, int64_t group, int64_t D, float *sc, float *acc, float *m,
+                   float *s);
 
 /* x[0..n) = exp(x - mx) in place, returning their sum (vectorised like sparse_attend). */
 float sparse_exp_sum(float *x, int64_t n, float mx);
@@ -29,9 +33,15 @@ float sparse_exp_sum(float *x, int64_t n, float mx);
 void sparse_attend_set_fast_path(int enabled);
 int sparse_attend_fast_available(void);
 extern int sparse_fast_enabled;
+/* The bf16-dot loop (AVX512-BF16 builds) on or off for bf16 rows (tests, A/B timing); returns
+ * whether it is now in use. */
+int sparse_attend_set_dot_path(int enabled);
+int sparse_attend_dot_available(void);
+/* The dot loop's key prefetch on (1, the default) or off (A/B timing; the same results). */
+void sparse_attend_set_prefetch(int on);
 
-/* The loops' pieces, inline for the kernels' other branches: q . k over D of fp32 q and a cached
- * row (fp32 or bf16) at element offset off (sparse_dot); acc += p * v (sparse_axpy). */
+/* The loops' pieces, inline for the kernels' other loops: q . k over D of fp32 q and a cached row
+ * (fp32 or bf16) at element offset off (sparse_dot); acc += p * v (axpy_scalar). */
 static inline float dot_scalar(const float *q, const void *k, int kv_dtype, int64_t off, int64_t n) {
     float acc = 0.f;
     if (kv_dtype == DT_BF16) {
@@ -159,17 +169,5 @@ static inline float sparse_dot(const float *q, const void *k, int kv_dtype, int6
     if (sparse_fast_enabled && D % 8 == 0) return dot_avx2(q, k, kv_dtype, off, D);
 #endif
     return dot_scalar(q, k, kv_dtype, off, D);
-}
-
-static inline void sparse_axpy(float *acc, float p, const void *v, int kv_dtype, int64_t off, int64_t D) {
-#if HAVE_AVX2
-    if (sparse_fast_enabled && D % 8 == 0) {
-        const __m256 p8 = _mm256_set1_ps(p);
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p8, load8(v, kv_dtype, off + d), _mm256_loadu_ps(acc + d)));
-        return;
-    }
-#endif
-    axpy_scalar(acc, p, v, kv_dtype, off, D);
 }
 #endif

@@ -65,12 +65,13 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
             const int64_t L = lens[r], t = L - 1;
             const int32_t *table = tables + r * table_stride;
             sparse_load_q(qf, q, q_dtype, rows[r] * q_row_stride + h0 * group * D, nr * D, scale);
+            const uint16_t *qb = q_dtype == DT_BF16 ? (const uint16_t *)q + rows[r] * q_row_stride + h0 * group * D : NULL;
             const int64_t cur = t / P, nb = cur + 1, nfull = L / P;
             if (nb <= nsel) {
                 /* 1. every block: plain causal attention, all the item's heads reading each key row
                  * as one contiguous run */
                 const int64_t zero = 0;
-                sparse_attend(qf, k_cache, v_cache, kv_dtype, table, &zero, &L, 1, block_size, token_stride, h0, nh, group, D, sc, acc, m, s);
+                sparse_attend(qf, qb, scale, k_cache, v_cache, kv_dtype, table, &zero, &L, 1, block_size, token_stride, h0, nh, group, D, sc, acc, m, s);
                 for (int64_t hh = 0; hh < nh; hh++) {
                     count[hh] = L;
                     if (selected)
@@ -90,12 +91,14 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                             x = 0.f;
                             if (kv_dtype == DT_BF16) {
                                 const uint16_t *mn = (const uint16_t *)summ + off, *mx = mn + token_stride;
+#pragma omp simd reduction(+ : x)
                                 for (int64_t d = 0; d < D; d++) {
                                     const float a = qg[d] * bf16_to_f32(mn[d]), b = qg[d] * bf16_to_f32(mx[d]);
                                     x += a > b ? a : b;
                                 }
                             } else {
                                 const float *mn = (const float *)summ + off, *mx = mn + token_stride;
+#pragma omp simd reduction(+ : x)
                                 for (int64_t d = 0; d < D; d++) {
                                     const float a = qg[d] * mn[d], b = qg[d] * mx[d];
                                     x += a > b ? a : b;
@@ -121,7 +124,7 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                         for (int64_t j = 0; j < nfull; j++) bsc[j] += ps[(hh * group + g) * max_blocks + j];
                     const int64_t npick = sparse_pick_blocks(bsc, taken, pick, cur, nfull, nsel, init_blocks, local_blocks);
                     count[hh] = sparse_block_ranges(pick, t1, npick, P, L, selected, r * num_kv_heads + h0 + hh, nsel);
-                    sparse_attend(qf + hh * group * D, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
+                    sparse_attend(qf + hh * group * D, qb ? qb + hh * group * D : NULL, scale, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
                                   h0 + hh, 1, group, D, sc, acc + hh * group * D, m + hh * group, s + hh * group);
                 }
             }

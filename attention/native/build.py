@@ -41,6 +41,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "paged_decode_set_row_major": ([_int], None),
     "paged_decode_set_prefetch": ([_int], None),
     "paged_decode_last_call_fast": ([], _int),
+    "sparse_attend_set_prefetch": ([_int], None),
     "small_m_linear": ([_vp, _int, _i64, _vp, _int, _vp, _vp, _int, _i64, _i64, _i64], _int),
     "packed_gemm_available": ([], _int),
     "w16_gemm_available": ([], _int),

@@ -70,6 +70,8 @@ def nsa_decode(
     _, block_size, hkv, dim = k_cache.shape
     n = rows.shape[0]
     assert ck_cache.shape[2:] == k_cache.shape[2:] and ck_cache.dtype == k_cache.dtype and ck_cache.is_contiguous()
+    # the kernel names a compressed entry by its int32 row in [blocks * slots, Hkv, D]
+    assert ck_cache.shape[0] * ck_cache.shape[1] < 2**31, "compressed cache rows must fit int32"
     assert rows.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32 and tables.stride(1) == 1
     assert tables.shape[0] == lens.shape[0] == n and bool((lens >= 1).all())
     g = gates.float().contiguous()

@@ -23,7 +23,7 @@ from cuttle.attention.native.build import DTYPE_CODE
 if TYPE_CHECKING:  # the config is only an annotation here: the kernel library stays free of the backends
     from cuttle.attention.topk import TopKConfig
 
-__all__ = ["available", "supports", "topk_decode", "set_fast_path"]
+__all__ = ["available", "supports", "topk_decode", "set_fast_path", "set_dot_path"]
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [
@@ -44,6 +44,7 @@ def _fn(lib: ctypes.CDLL):
         fn.argtypes, fn.restype = _ARGTYPES, _int
         lib.sparse_attend_set_fast_path.argtypes, lib.sparse_attend_set_fast_path.restype = [_int], None
         lib.sparse_attend_fast_available.argtypes, lib.sparse_attend_fast_available.restype = [], _int
+        lib.sparse_attend_set_dot_path.argtypes, lib.sparse_attend_set_dot_path.restype = [_int], _int
         _declared = lib
     return fn
 
@@ -59,6 +60,16 @@ def set_fast_path(enabled: bool) -> bool:
     _fn(lib)
     lib.sparse_attend_set_fast_path(int(enabled))
     return bool(lib.sparse_attend_fast_available())
+
+
+def set_dot_path(enabled: bool) -> bool:
+    """Switch the sparse kernels' bf16-dot loop (AVX512-BF16 builds: bf16 rows and caches, head_dim
+    64/128/256) on or off, so that tests and timings can compare it with the AVX2 loop; returns
+    whether it is now in use (False where this build has none)."""
+    lib = kernels().lib
+    assert lib is not None
+    _fn(lib)
+    return bool(lib.sparse_attend_set_dot_path(int(enabled)))
 
 
 supports = supports_rows  # the same tensor rules for every native attention kernel

@@ -48,6 +48,9 @@ CASES = [
     Case("mqa8-decode-block8", 8, 1, B, 8, (15, 16, 100, 257), (1, 1, 1, 1)),  # B < d: one slot per block
     Case("gqa2-window0-mean", 4, 2, C, 32, (5, 48, 99), (1, 1, 1)),
     Case("gqa2-mixed", 4, 2, A, 16, (7, 60, 90, 140), (1, 5, 1, 33)),  # decode rows beside prefill chunks
+    # head dims the bf16-dot loop of csrc/sparse_attend.c takes (64 / 128 / 256)
+    Case("gqa2-dim64", 4, 2, A, 16, (20, 130), (1, 1), 64),
+    Case("gqa4-dim128-block8", 8, 2, B, 8, (70, 161), (1, 1), 128),
 ]
 
 
@@ -125,17 +128,66 @@ def test_native_decode_equals_reference():
 
     from cuttle.attention.native import topk as native_topk
 
-    # the AVX2 path (where the CPU has it) and the scalar loops (csrc/sparse_attend.c)
-    for fast in (True, False):
-        native_topk.set_fast_path(fast)
+    # the bf16-dot loop (AVX512-BF16 builds; bf16 rows at head_dim 64-256), the AVX2 loop (where the
+    # CPU has it) and the scalar loops (csrc/sparse_attend.c)
+    for mode in ("dot", "avx2", "scalar"):
+        native_topk.set_fast_path(mode != "scalar")
+        native_topk.set_dot_path(mode == "dot")
         try:
             for case in CASES:
                 for dtype in (torch.float32, torch.bfloat16):
                     err = run_kernel(case, "torch", dtype)
                     if not err <= TOL[dtype]:
-                        pytest.fail(f"{case.name} {dtype} fast={fast}: max error {err}")
+                        pytest.fail(f"{case.name} {dtype} {mode}: max error {err}")
         finally:
             native_topk.set_fast_path(True)
+            native_topk.set_dot_path(True)
+
+
+def test_bf16_dot_loop_equals_the_fp32_loops():
+    """bf16 q and caches at the head dims the dot loop takes, fp32 output: the same blocks chosen
+    and the same output as the scalar loops within fp32 rounding (the dot loop sums q . k exactly
+    multiplied, then scales; the others scale q first), for raw blocks larger and smaller than
+    the compression stride."""
+    import pytest
+
+    from cuttle.attention.native import nsa as native_nsa
+    from cuttle.attention.native import topk as native_topk
+
+    if not native_topk.set_dot_path(True):
+        pytest.skip("this kernel build has no AVX512-BF16 (the dot loop is not compiled in)")
+    cfg = NSAConfig(compress_block=32, compress_stride=16, select_block=64, top_n=4, init_blocks=1, local_blocks=2,
+                    window=100)
+    g = torch.Generator().manual_seed(3)
+    for dim, kv_heads, group, bs in ((64, 4, 4, 16), (128, 2, 2, 64), (256, 2, 1, 8), (128, 1, 8, 32)):
+        lens = [900, 77, 1, 129]
+        nbs = [-(-n // bs) for n in lens]
+        total = sum(nbs) + 1
+        slots = compressed_slots_per_block(cfg, bs)
+        k, v = (torch.randn(total, bs, kv_heads, dim, generator=g).bfloat16() for _ in range(2))
+        ck, cv = (torch.randn(total, slots, kv_heads, dim, generator=g).bfloat16() for _ in range(2))
+        q = (torch.randn(len(lens), kv_heads * group, dim, generator=g) * 2).bfloat16()
+        gates = torch.rand(len(lens), kv_heads * group, 3, generator=g)
+        perm = torch.randperm(total, generator=g).to(torch.int32)
+        tables = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
+        at = 0
+        for i, nb in enumerate(nbs):
+            tables[i, :nb] = perm[at : at + nb]
+            at += nb
+        lens_t, rows = torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens))
+        outs = {}
+        for mode in ("dot", "scalar"):
+            native_topk.set_fast_path(mode == "dot")
+            try:
+                out = torch.empty(q.shape)
+                sel = torch.empty(len(lens), kv_heads, cfg.top_n, dtype=torch.int32)
+                native_nsa.nsa_decode(q, k, v, ck, cv, gates, out, rows, tables, lens_t, cfg, dim**-0.5, selected=sel)
+                outs[mode] = out, sel
+            finally:
+                native_topk.set_fast_path(True)
+        assert torch.equal(outs["dot"][1], outs["scalar"][1]), dim
+        err = (outs["dot"][0] - outs["scalar"][0]).abs().max().item()
+        assert err <= 1e-5, (dim, bs, err)
 
 
 def test_native_selection_equals_reference():

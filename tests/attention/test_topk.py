@@ -25,9 +25,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout  # noqa: E402
+from cuttle.attention.native import kernels  # noqa: E402
 from cuttle.attention.native import topk as native_topk  # noqa: E402
 from cuttle.attention.topk import (  # noqa: E402
-    TopKConfig, block_scores, parse_sparse_attention, select_blocks, summarize_sequence, topk_attend,
+    TopKConfig, block_scores, parse_sparse_attention, select_blocks, summarize, summarize_sequence, topk_attend,
 )
 from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block  # noqa: E402
 from cuttle.attention.torch_backend import TorchAttentionBackend  # noqa: E402
@@ -179,16 +180,18 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0):
     return meta, x, (k_cache, v_cache, summ), want
 
 
-def run_case(case: Case, dtype: torch.dtype, fast: bool) -> float:
+def run_case(case: Case, dtype: torch.dtype, mode: str) -> float:
     meta, x, (k_cache, v_cache, summ), want = build(case, dtype)
     backend = TopKBackend(case.cfg, TorchAttentionBackend(native=False), case.block_size, [summ])
     assert backend.native, "the native library did not build"
-    native_topk.set_fast_path(fast)
+    native_topk.set_fast_path(mode != "scalar")
+    native_topk.set_dot_path(mode == "dot")
     try:
         backend.begin_step(meta)
         out, lse = backend.forward(0, x["q"], x["k"], x["v"], k_cache, v_cache, meta, case.dim**-0.5)
     finally:
         native_topk.set_fast_path(True)
+        native_topk.set_dot_path(True)
     o_ref, lse_ref = torch.cat([o for o, _ in want]), torch.cat([l for _, l in want])
     if dtype == torch.float32:
         return max((out - o_ref).abs().max().item(), (lse - lse_ref).abs().max().item())
@@ -198,12 +201,56 @@ def run_case(case: Case, dtype: torch.dtype, fast: bool) -> float:
     return max((out.float() - o2.float()).abs().max().item(), (lse - l2).abs().max().item())
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["avx2", "scalar"])
-def test_native_decode_equals_reference(fast):
+@pytest.mark.parametrize("mode", ["dot", "avx2", "scalar"])
+def test_native_decode_equals_reference(mode):
+    """dot: the bf16-dot loop where the build has it (bf16 rows at head_dim 64-256; the others take
+    the AVX2 loop), avx2: that loop off, scalar: every vector loop off (csrc/sparse_attend.c)."""
     for case in CASES:
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-            err = run_case(case, dtype, fast)
+            err = run_case(case, dtype, mode)
             assert err <= tol, (case.name, dtype, err)
+
+
+def test_bf16_dot_loop_equals_the_fp32_loops():
+    """bf16 q and caches at the head dims the dot loop takes, fp32 output: the same blocks and the
+    same o and log-sum-exp as the scalar loops within fp32 rounding, dense rows (context within
+    the budget) and sparse ones."""
+    if not native_topk.set_dot_path(True):
+        pytest.skip("this kernel build has no AVX512-BF16 (the dot loop is not compiled in)")
+    g = torch.Generator().manual_seed(5)
+    for dim, kv_heads, group, bs, summary in ((64, 4, 4, 16, "quest"), (128, 2, 2, 32, "mean"), (256, 2, 1, 16, "quest")):
+        cfg = TopKConfig(budget=128, block=bs, init_blocks=1, local_blocks=1, summary=summary)
+        lens = [700, 100, 1, 129]
+        nbs = [-(-n // bs) for n in lens]
+        total = sum(nbs) + 1
+        k, v = (torch.randn(total, bs, kv_heads, dim, generator=g).bfloat16() for _ in range(2))
+        summ = summarize(k.transpose(1, 2), cfg)[:, None]  # one summary per raw block (block == bs)
+        q = (torch.randn(len(lens), kv_heads * group, dim, generator=g) * 2).bfloat16()
+        perm = torch.randperm(total, generator=g).to(torch.int32)
+        tables = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
+        at = 0
+        for i, nb in enumerate(nbs):
+            tables[i, :nb] = perm[at : at + nb]
+            at += nb
+        lens_t, rows = torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens))
+        outs = {}
+        lib = kernels().lib
+        for mode in ("dot", "dot-no-prefetch", "scalar"):
+            native_topk.set_fast_path(mode != "scalar")
+            lib.sparse_attend_set_prefetch(int(mode == "dot"))
+            try:
+                out, lse = torch.empty(q.shape), torch.empty(q.shape[:2])
+                sel = torch.empty(len(lens), kv_heads, cfg.num_blocks, dtype=torch.int32)
+                native_topk.topk_decode(q, k, v, summ.contiguous(), out, lse, rows, tables, lens_t, cfg, dim**-0.5, selected=sel)
+                outs[mode] = out, lse, sel
+            finally:
+                native_topk.set_fast_path(True)
+                lib.sparse_attend_set_prefetch(1)
+        assert all(torch.equal(a, b) for a, b in zip(outs["dot"], outs["dot-no-prefetch"])), dim  # the same bits
+        assert torch.equal(outs["dot"][2], outs["scalar"][2]), dim
+        for i in range(2):
+            err = (outs["dot"][i] - outs["scalar"][i]).abs().max().item()
+            assert err <= 1e-5, (dim, bs, i, err)
 
 
 def test_native_selection_and_counter():
