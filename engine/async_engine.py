@@ -199,8 +199,9 @@ class AsyncEngine:
         try:
             await self._call(add)
         except asyncio.CancelledError:
-            # the caller left while the add was queued: it still runs, so abort right behind it
-            # (on the same queue: the abort queue may be drained before the add runs)
+            # the caller left while the add was queued: it is skipped if it had not started, else
+            # it runs, so abort right behind it (on the same queue: the abort queue may be drained
+            # before the add runs)
             self._streams.pop(request_id, None)
             self._cmds.put(lambda: self.engine.abort_request(request_id))
             raise
@@ -264,6 +265,11 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
+            # a caller that left (timeout, disconnect) cancelled the future while this waited:
+            # skip the command (an add's queued abort then finds nothing). Once running, the
+            # future can no longer be cancelled, so setting its result cannot fail.
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -282,7 +288,10 @@ class AsyncEngine:
             except queue.Empty:
                 cmd = None
             while cmd is not None:
-                cmd()
+                try:
+                    cmd()
+                except Exception:  # noqa: BLE001 - a failed command must not end the thread every caller waits on
+                    log.exception("engine command failed")
                 try:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:

@@ -151,3 +151,45 @@ def test_offline_generate_raises_when_a_request_failed(ckpt):
     post.attach_detokenizer = real_attach
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+# ---- a caller that leaves while its command waits for the engine thread ---------------------------
+def test_callers_leaving_while_their_commands_wait_do_not_stop_the_engine_thread(ckpt):
+    """A client that times out or disconnects while its add (or any engine-thread call) is queued
+    cancels the future the command answers on. The command used to run anyway and then fail to set
+    its result on the cancelled future, and that exception ended the engine thread: every later
+    request hung (seen as ReadTimeouts in the server soak test). Now a command whose caller left
+    does not run, the thread serves on, and the left request holds no blocks."""
+    import asyncio
+    import threading
+
+    from cuttle.engine.async_engine import AsyncEngine
+
+    llm = LLM(ckpt, dtype="float32", num_kv_blocks=32, block_size=16)
+    aeng = AsyncEngine(llm.engine)
+    aeng.start()
+    ran = []
+
+    async def main():
+        gate = threading.Event()
+        aeng._cmds.put(lambda: gate.wait(10))  # hold the engine thread while the callers come and go
+        left = [asyncio.ensure_future(aeng.call(lambda: ran.append("call"))),
+                asyncio.ensure_future(aeng.add("gone", [5, 6, 7], SamplingParams(max_tokens=4)))]
+        await asyncio.sleep(0.05)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        gate.set()
+        assert await asyncio.wait_for(aeng.call(lambda: 42), 10) == 42  # the thread still answers
+        stream = await asyncio.wait_for(aeng.add("after", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)), 10)
+        outs = [o async for o in stream]
+        return outs[-1]
+
+    try:
+        last = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert last.finished and len(last.outputs[0].token_ids) == 4
+    assert ran == []  # the left call did not run
+    assert "gone" not in llm.engine.requests
+    assert llm.engine.scheduler.block_manager.num_free_blocks == 32
