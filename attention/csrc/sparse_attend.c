@@ -3,16 +3,19 @@
  *
  * Two passes instead of a per-key online softmax: the scores of every chosen key go to a scratch
  * row per query head (head-major, so the max, the exp and the sum run over contiguous floats), then
- * one pass of p.V. On a CPU with AVX2 and FMA (the library is built with -march=native) the dots,
- * the exp and the p.V run 8 fp32 lanes wide, bf16 keys widened in registers (a bf16 is the top
- * half of an fp32: zero-extend and shift); the scalar loops serve other CPUs, head dims that are
- * not a multiple of 8, and the tests, which switch the vector path off to compare the two.
- * Where the library is built for AVX512-BF16 (Zen4, Sapphire Rapids), bf16 rows and caches at head
- * dims 64 / 128 / 256 take attend_dot below instead: q . k on the bf16 dot instruction, 16 keys a
- * reduction tree, p.V in registers, the next keys prefetched. On a Zen4 EPYC (one layer at the
- * Qwen3-0.6B shape, cache flushed, 2 threads) the AVX2 loop had left NSA no faster than dense
- * attention at 8k (1.49 vs 1.50 ms); the dot loop, the prefetch and NSA's compressed entries
- * read through it: see docs/nsa.md for the figures.
+ * one pass of p.V. Both walk the keys 16 at a time (key_walk: the block table read once a block),
+ * every query row of the item over a chunk before the next, with the next chunk's rows prefetched
+ * (the blocks are scattered, so the hardware prefetchers do not run ahead). Three loops:
+ *   - attend_dot (the library built for AVX512-BF16: Zen4, Sapphire Rapids; bf16 rows and caches,
+ *     head dim 64 / 128 / 256): q . k on the bf16 dot instruction from the unscaled bf16 q, 16
+ *     keys reduced to 16 scores by one tree, the exponentials 16 wide, p.V in registers;
+ *   - attend_avx2 (AVX2 + FMA, fp32 or bf16 caches, head dim a multiple of 8): the same walk with
+ *     8 fp32 lanes, bf16 widened in registers (a bf16 is the top half of an fp32), 8 keys a tree;
+ *   - the scalar loops: other CPUs, other head dims, and the reference the tests compare the
+ *     vector loops with (sparse_attend_set_fast_path(0); set_dot_path(0) leaves AVX2 alone).
+ * On a Zen4 EPYC (one layer at the Qwen3-0.6B shape, cache flushed, 2 threads) the AVX2 loops of
+ * before had left NSA no faster than dense attention at 8k (1.49 vs 1.50 ms); docs/nsa.md has the
+ * figures of these loops against them.
  * All math is fp32 whatever the storage dtype.
  */
 #include "sparse_attend.h"
@@ -55,21 +58,17 @@ float sparse_exp_sum(float *x, int64_t n, float mx) {
     return sum;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include "reduce16.h"
-#define HAVE_DOT_BF16 1
-int sparse_dot_enabled = 1;
-
-/* The keys of the ranges in order, as row pointers into a cache (at column `col`), 16 at a time;
- * the block is looked up once per block, not divided out per key. */
+/* The keys of the ranges in order, as pointers to their rows in a cache (at byte column `col` of
+ * a token; rows token_stride bytes apart), 16 at a time: the block table is read once per block
+ * instead of a division per key. */
 typedef struct {
     const int32_t *table;
     const int64_t *t0, *t1;
     int64_t nranges, block_size, token_stride, i, t, off;
-    const uint16_t *base; /* first element of the current block's token `0` at col */
+    const char *base; /* token 0 of the current block, at col */
 } key_walk;
 
-static inline void walk_seek(key_walk *w, const uint16_t *cache, int64_t col) {
+static inline void walk_seek(key_walk *w, const char *cache, int64_t col) {
     while (w->i < w->nranges && w->t >= w->t1[w->i])
         if (++w->i < w->nranges) w->t = w->t0[w->i];
     if (w->i < w->nranges) {
@@ -80,12 +79,12 @@ static inline void walk_seek(key_walk *w, const uint16_t *cache, int64_t col) {
 }
 
 static inline void walk_start(key_walk *w, const int32_t *table, const int64_t *t0, const int64_t *t1, int64_t nranges,
-                              int64_t block_size, int64_t token_stride, const uint16_t *cache, int64_t col) {
+                              int64_t block_size, int64_t token_stride, const char *cache, int64_t col) {
     *w = (key_walk){table, t0, t1, nranges, block_size, token_stride, 0, nranges > 0 ? t0[0] : 0, 0, NULL};
     walk_seek(w, cache, col);
 }
 
-static inline __attribute__((always_inline)) int walk_next16(key_walk *w, const uint16_t *cache, int64_t col, const uint16_t *kp[16]) {
+static inline __attribute__((always_inline)) int walk_next16(key_walk *w, const char *cache, int64_t col, const char *kp[16]) {
     int n = 0;
     while (n < 16 && w->i < w->nranges) {
         kp[n++] = w->base + w->off * w->token_stride;
@@ -106,21 +105,26 @@ static inline __attribute__((always_inline)) int walk_next16(key_walk *w, const 
 static int prefetch_on = 1;
 void sparse_attend_set_prefetch(int on) { prefetch_on = on != 0; }
 
-static inline __attribute__((always_inline)) void prefetch_next16(key_walk *ahead, const uint16_t *cache, int64_t col,
-                                                                  int lines) {
+static inline __attribute__((always_inline)) void prefetch_next16(key_walk *ahead, const char *cache, int64_t col,
+                                                                  int64_t lines) {
     if (!prefetch_on) return;
-    const uint16_t *pp[16];
+    const char *pp[16];
     const int np = walk_next16(ahead, cache, col, pp);
     for (int i = 0; i < np; i++)
-        for (int l = 0; l < lines; l++) __builtin_prefetch((const char *)pp[i] + 64 * l, 0, 1);
+        for (int64_t l = 0; l < lines; l++) __builtin_prefetch(pp[i] + 64 * l, 0, 1);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include "reduce16.h"
+#define HAVE_DOT_BF16 1
+int sparse_dot_enabled = 1;
 
 /* sparse_attend for bf16 q (qb: the rows unscaled) and bf16 K/V on the bf16 dot instruction, D a
  * constant (64, 128, 256): 16 keys of one query row are 16 dot vectors reduced to 16 scores by one
- * shuffle tree (reduce16.h; the AVX2 loop summed each key's 8 lanes alone), times the scale after
+ * shuffle tree (reduce16.h), times the scale after
  * the sum (q . k has exact products in fp32, so scale * sum is what the fp32 path computes up to
  * the rounding of sums); the exponentials 16 a vector; p.V with each query row's D accumulators in
- * registers over every key (the AVX2 loop loaded and stored them for every key). A bf16 pair splits
+ * registers over every key. A bf16 pair splits
  * into its even element (<< 16) and its odd one (& 0xffff0000), so the accumulators hold each 32
  * dims as [16 even | 16 odd], undone once at the end (as paged_decode.c's p.V). */
 static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb, float scale, const uint16_t *k_cache,
@@ -132,17 +136,19 @@ static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb,
     const int64_t nr = heads * group;
     const __mmask16 tail = n % 16 ? (__mmask16)((1u << (n % 16)) - 1) : (__mmask16)0xFFFF;
     key_walk w;
-    const uint16_t *kp[16];
+    const char *kp[16];
+    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
+    const int64_t ts = 2 * token_stride; /* bytes */
     /* pass 1: scores, 16 keys of a row at a time; every row over a chunk of keys before the next
      * chunk, so the chunk's K rows come from memory once */
     key_walk ahead;
-    walk_start(&w, table, t0, t1, nranges, block_size, token_stride, k_cache, h * D);
-    walk_start(&ahead, table, t0, t1, nranges, block_size, token_stride, k_cache, h * D);
-    const int k_lines = (int)(heads * D / 32); /* the item's heads of one key row: bf16, 64-byte lines */
-    prefetch_next16(&ahead, k_cache, h * D, k_lines);
+    walk_start(&w, table, t0, t1, nranges, block_size, ts, kc, 2 * h * D);
+    walk_start(&ahead, table, t0, t1, nranges, block_size, ts, kc, 2 * h * D);
+    const int64_t k_lines = heads * D / 32; /* the item's heads of one key row: bf16, 64-byte lines */
+    prefetch_next16(&ahead, kc, 2 * h * D, k_lines);
     for (int64_t at = 0; at < n; at += 16) {
-        const int nk = walk_next16(&w, k_cache, h * D, kp);
-        prefetch_next16(&ahead, k_cache, h * D, k_lines);
+        const int nk = walk_next16(&w, kc, 2 * h * D, kp);
+        prefetch_next16(&ahead, kc, 2 * h * D, k_lines);
         for (int64_t r = 0; r < nr; r++) {
             const uint16_t *qr = qb + r * D;
             const int64_t koff = (r / group) * D;
@@ -153,7 +159,7 @@ static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb,
                 if (i < nk) {
 #pragma GCC unroll 8
                     for (int c = 0; c < C; c++)
-                        a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qr + 32 * c), (__m512bh)_mm512_loadu_si512(kp[i] + koff + 32 * c));
+                        a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qr + 32 * c), (__m512bh)_mm512_loadu_si512((const uint16_t *)kp[i] + koff + 32 * c));
                 }
             }
             _mm512_mask_storeu_ps(sc + r * n + at, at + 16 <= n ? (__mmask16)0xFFFF : tail,
@@ -186,17 +192,17 @@ static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb,
             __m512 va[16];
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) va[i] = _mm512_setzero_ps();
-            const int64_t col = (h + hh) * D;
-            walk_start(&w, table, t0, t1, nranges, block_size, token_stride, v_cache, col);
-            walk_start(&ahead, table, t0, t1, nranges, block_size, token_stride, v_cache, col);
-            prefetch_next16(&ahead, v_cache, col, D / 32);
+            const int64_t col = 2 * (h + hh) * D;
+            walk_start(&w, table, t0, t1, nranges, block_size, ts, vc, col);
+            walk_start(&ahead, table, t0, t1, nranges, block_size, ts, vc, col);
+            prefetch_next16(&ahead, vc, col, D / 32);
             for (int64_t at = 0; at < n; at += 16) {
-                const int nk = walk_next16(&w, v_cache, col, kp);
-                prefetch_next16(&ahead, v_cache, col, D / 32);
+                const int nk = walk_next16(&w, vc, col, kp);
+                prefetch_next16(&ahead, vc, col, D / 32);
                 for (int i = 0; i < nk; i++) {
 #pragma GCC unroll 8
                     for (int c = 0; c < C; c++) {
-                        const __m512i v = _mm512_loadu_si512(kp[i] + 32 * c);
+                        const __m512i v = _mm512_loadu_si512((const uint16_t *)kp[i] + 32 * c);
                         const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
                         const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
 #pragma GCC unroll 4
@@ -232,7 +238,102 @@ int sparse_attend_dot_available(void) { return 1; }
 #else
 int sparse_dot_enabled = 0;
 int sparse_attend_dot_available(void) { return 0; }
-void sparse_attend_set_prefetch(int on) { (void)on; }
+#endif
+
+#if HAVE_AVX2
+/* lane j of the result = the horizontal sum of a[j], for 8 vectors */
+static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* The AVX2 + FMA loop (fp32 or bf16 caches, D a multiple of 8): the same walk of the keys as
+ * attend_dot, 16 keys a chunk with the next chunk prefetched; q . k in fp32 from the scaled fp32 q,
+ * 8 keys of a row reduced to 8 scores by one tree (the loop before took a horizontal sum per key);
+ * p.V with up to 3 rows x 32 dims of accumulators in registers over every key (before: loaded and
+ * stored per key), the keys walked once per 32 dims and 3 rows of a head, the first walk of a
+ * head prefetching for the rest. The AVX2 build (-march=znver3) timed on a Zen4 EPYC, one layer
+ * at the Qwen3-0.6B shape, cache flushed, 2 threads, the loop before vs this one alternating in
+ * one process: NSA 8k batch 1 2.27 -> 0.80 ms, 64k 5.84 -> 2.90, 32k batch 8 16.8 -> 10.2; top-k
+ * 2.97 -> 1.22, 3.49 -> 1.52, 21.4 -> 7.3 (not timed on an AVX2-only CPU). */
+static void attend_avx2(const float *qf, const void *k_cache, const void *v_cache, int kv_dtype, const int32_t *table,
+                        const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t block_size, int64_t token_stride,
+                        int64_t h, int64_t heads, int64_t group, int64_t D, int64_t n, float *sc, float *acc, float *m,
+                        float *s) {
+    const int64_t nr = heads * group, es = kv_dtype == DT_BF16 ? 2 : 4, ts = es * token_stride;
+    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
+    key_walk w, ahead;
+    const char *kp[16];
+    const int64_t k_lines = (heads * D * es + 63) / 64;
+    /* pass 1: scores, every row over a chunk of keys before the next chunk */
+    walk_start(&w, table, t0, t1, nranges, block_size, ts, kc, es * h * D);
+    walk_start(&ahead, table, t0, t1, nranges, block_size, ts, kc, es * h * D);
+    prefetch_next16(&ahead, kc, es * h * D, k_lines);
+    for (int64_t at = 0; at < n; at += 16) {
+        const int nk = walk_next16(&w, kc, es * h * D, kp);
+        prefetch_next16(&ahead, kc, es * h * D, k_lines);
+        for (int64_t r = 0; r < nr; r++) {
+            const float *qr = qf + r * D;
+            const int64_t koff = (r / group) * D;
+            for (int i0 = 0; i0 < nk; i0 += 8) {
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) {
+                    a[i] = _mm256_setzero_ps();
+                    if (i0 + i < nk)
+                        for (int64_t d = 0; d < D; d += 8)
+                            a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), load8(kp[i0 + i], kv_dtype, koff + d), a[i]);
+                }
+                float x[8];
+                _mm256_storeu_ps(x, reduce8(a));
+                for (int i = 0; i < 8 && i0 + i < nk; i++) sc[r * n + at + i0 + i] = x[i];
+            }
+        }
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        const float *row = sc + r * n;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + i));
+        float x[8], mx = -INFINITY;
+        _mm256_storeu_ps(x, mv);
+        for (int j = 0; j < 8; j++) mx = x[j] > mx ? x[j] : mx;
+        for (; i < n; i++) mx = row[i] > mx ? row[i] : mx;
+        m[r] = mx;
+        s[r] = exp_sum_avx2(sc + r * n, n, mx);
+    }
+    /* pass 2 */
+    for (int64_t hh = 0; hh < heads; hh++) {
+        const int64_t col = es * (h + hh) * D;
+        int first = 1;
+        for (int64_t g0 = 0; g0 < group; g0 += 3)
+            for (int64_t c0 = 0; c0 < D; c0 += 32) {
+                const int rg = group - g0 < 3 ? (int)(group - g0) : 3, cv = D - c0 < 32 ? (int)(D - c0) / 8 : 4;
+                const int64_t r0 = hh * group + g0;
+                __m256 va[12];
+                for (int i = 0; i < 12; i++) va[i] = _mm256_setzero_ps();
+                walk_start(&w, table, t0, t1, nranges, block_size, ts, vc, col);
+                if (first) { /* the first walk of a head brings its V rows in for the others */
+                    walk_start(&ahead, table, t0, t1, nranges, block_size, ts, vc, col);
+                    prefetch_next16(&ahead, vc, col, (D * es + 63) / 64);
+                }
+                for (int64_t at = 0; at < n; at += 16) {
+                    const int nk = walk_next16(&w, vc, col, kp);
+                    if (first) prefetch_next16(&ahead, vc, col, (D * es + 63) / 64);
+                    for (int i = 0; i < nk; i++)
+                        for (int c = 0; c < cv; c++) {
+                            const __m256 v = load8(kp[i], kv_dtype, c0 + 8 * c);
+                            for (int j = 0; j < rg; j++)
+                                va[4 * j + c] = _mm256_fmadd_ps(_mm256_set1_ps(sc[(r0 + j) * n + at + i]), v, va[4 * j + c]);
+                        }
+                }
+                first = 0;
+                for (int j = 0; j < rg; j++)
+                    for (int c = 0; c < cv; c++) _mm256_storeu_ps(acc + (r0 + j) * D + c0 + 8 * c, va[4 * j + c]);
+            }
+    }
+}
 #endif
 
 /* Let bf16 rows take the bf16-dot loop where it is built (1, the default) or the AVX2 loop (0:
@@ -264,31 +365,26 @@ void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void 
     (void)qb;
     (void)scale;
 #if HAVE_AVX2
-    const int fast = sparse_fast_enabled && D % 8 == 0;
+    if (sparse_fast_enabled && D % 8 == 0) {
+        attend_avx2(qf, k_cache, v_cache, kv_dtype, table, t0, t1, nranges, block_size, token_stride, h, heads, group, D, n, sc,
+                    acc, m, s);
+        return;
+    }
 #endif
-    /* pass 1: scores, row-major: sc[r * n + key] */
+    /* the scalar loops. pass 1: scores, row-major: sc[r * n + key] */
     int64_t at = 0;
     for (int64_t i = 0; i < nranges; i++)
         for (int64_t t = t0[i]; t < t1[i]; t++, at++) {
             const int64_t off = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + h * D;
             for (int64_t r = 0; r < nr; r++) {
-                const int64_t koff = off + (r / group) * D;
-#if HAVE_AVX2
-                const float x = fast ? dot_avx2(qf + r * D, k_cache, kv_dtype, koff, D) : dot_scalar(qf + r * D, k_cache, kv_dtype, koff, D);
-#else
-                const float x = dot_scalar(qf + r * D, k_cache, kv_dtype, koff, D);
-#endif
+                const float x = dot_scalar(qf + r * D, k_cache, kv_dtype, off + (r / group) * D, D);
                 sc[r * n + at] = x;
                 if (x > m[r]) m[r] = x;
             }
         }
     /* exp(score - max) in place and the sums */
     for (int64_t r = 0; r < nr; r++) {
-        float *row = sc + r * n;
-#if HAVE_AVX2
-        if (fast) { s[r] = exp_sum_avx2(row, n, m[r]); continue; }
-#endif
-        float sum = 0.f;
+        float *row = sc + r * n, sum = 0.f;
         for (int64_t i = 0; i < n; i++) { row[i] = expf(row[i] - m[r]); sum += row[i]; }
         s[r] = sum;
     }
@@ -297,31 +393,8 @@ void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void 
     for (int64_t i = 0; i < nranges; i++)
         for (int64_t t = t0[i]; t < t1[i]; t++, at++) {
             const int64_t off = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + h * D;
-            for (int64_t hh = 0; hh < heads; hh++) {
-                const int64_t voff = off + hh * D;
-                float *a = acc + hh * group * D;
-                const float *p = sc + hh * group * n + at;
-#if HAVE_AVX2
-                if (fast) {
-                    if (group <= 4) { /* the group's accumulators for 8 dims stay in registers across its rows */
-                        __m256 pv[4];
-                        for (int64_t g = 0; g < group; g++) pv[g] = _mm256_set1_ps(p[g * n]);
-                        for (int64_t d = 0; d < D; d += 8) {
-                            const __m256 v = load8(v_cache, kv_dtype, voff + d);
-                            for (int64_t g = 0; g < group; g++)
-                                _mm256_storeu_ps(a + g * D + d, _mm256_fmadd_ps(pv[g], v, _mm256_loadu_ps(a + g * D + d)));
-                        }
-                    } else {
-                        for (int64_t g = 0; g < group; g++) {
-                            const __m256 pg = _mm256_set1_ps(p[g * n]);
-                            for (int64_t d = 0; d < D; d += 8)
-                                _mm256_storeu_ps(a + g * D + d, _mm256_fmadd_ps(pg, load8(v_cache, kv_dtype, voff + d), _mm256_loadu_ps(a + g * D + d)));
-                        }
-                    }
-                    continue;
-                }
-#endif
-                for (int64_t g = 0; g < group; g++) axpy_scalar(a + g * D, p[g * n], v_cache, kv_dtype, voff, D);
-            }
+            for (int64_t hh = 0; hh < heads; hh++)
+                for (int64_t g = 0; g < group; g++)
+                    axpy_scalar(acc + (hh * group + g) * D, sc[(hh * group + g) * n + at], v_cache, kv_dtype, off + hh * D, D);
         }
 }
