@@ -20,4 +20,10 @@ static inline uint16_t f32_to_bf16(float f) {
     v.u += 0x7fffu + ((v.u >> 16) & 1u);
     return (uint16_t)(v.u >> 16);
 }
+
+/* y[i] = v stored as dtype dt (the linear kernels' scalar output store) */
+static inline void store_as(void *y, int dt, int64_t i, float v) {
+    if (dt == DT_BF16) ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else ((float *)y)[i] = v;
+}
 #endif

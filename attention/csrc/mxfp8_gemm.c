@@ -55,10 +55,6 @@ int mxfp8_set_fast_path(int on) {
 
 /* ---- dequantization ----------------------------------------------------------------------- */
 
-static inline void store_out(void *y, int dt, int64_t i, float v) {
-    if (dt == DT_BF16) ((uint16_t *)y)[i] = f32_to_bf16(v);
-    else ((float *)y)[i] = v;
-}
 
 static inline float dequant_one(uint8_t v, uint8_t b) {
     if ((v & 0x7F) == 0x7F) return mx_bits_f32(0x7FC00000u); /* the E4M3 NaN byte */
@@ -81,7 +77,7 @@ static MX_AVX2 void dequant_row_avx2(const uint8_t *d, const uint8_t *s, int64_t
         }
     }
     for (int64_t k = 0; k < K; k++) /* NaN element bytes (rare; the quantizer writes none outside NaN blocks) */
-        if ((d[k] & 0x7F) == 0x7F) store_out(out, dt, k, mx_bits_f32(0x7FC00000u));
+        if ((d[k] & 0x7F) == 0x7F) store_as(out, dt, k, mx_bits_f32(0x7FC00000u));
 }
 #endif
 
@@ -103,7 +99,7 @@ int mxfp8_dequantize(const uint8_t *data, const uint8_t *scales, int64_t rows, i
             continue;
         }
 #endif
-        for (int64_t k = 0; k < K; k++) store_out(o, out_dtype, k, dequant_one(d[k], s[k / MX_BLOCK]));
+        for (int64_t k = 0; k < K; k++) store_as(o, out_dtype, k, dequant_one(d[k], s[k / MX_BLOCK]));
     }
     (void)fast;
     return 0;
@@ -192,7 +188,7 @@ static void linear_decode(const float *x, const uint8_t *w, const uint8_t *s, co
             else
 #endif
                 dot_rows_scalar(x + m0 * K, w + n * K, s + n * KB, K, (int)mc, acc);
-            for (int64_t m = 0; m < mc; m++) store_out(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
+            for (int64_t m = 0; m < mc; m++) store_as(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
         }
     }
     (void)fast;
@@ -325,7 +321,7 @@ static void linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8
             const int64_t nr = N - n0 < 16 ? N - n0 : 16;
             float acc[16];
             rows16_bf16(xp, w + n0 * K, s + n0 * KB, K, nr, acc);
-            for (int64_t i = 0; i < nr; i++) store_out(y, y_dtype, n0 + i, acc[i] + (bias ? bias[n0 + i] : 0.f));
+            for (int64_t i = 0; i < nr; i++) store_as(y, y_dtype, n0 + i, acc[i] + (bias ? bias[n0 + i] : 0.f));
         }
         return;
     }
@@ -339,7 +335,7 @@ static void linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8
             static const row_bf16_fn rows[DECODE_MAX_M + 1] = {0, row_bf16_1, row_bf16_2, row_bf16_3, row_bf16_4,
                                                                row_bf16_5, row_bf16_6, row_bf16_7, row_bf16_8};
             rows[mc](xp + m0 * K, w + n * K, s + n * KB, K, acc);
-            for (int64_t m = 0; m < mc; m++) store_out(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
+            for (int64_t m = 0; m < mc; m++) store_as(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
         }
     }
 }
@@ -601,7 +597,7 @@ static int linear_tile(const float *x, const uint8_t *w, const uint8_t *s, const
                             }
                             for (int i = 0; i < (two ? 8 : 4); i++) {
                                 const int64_t n = n0 + j0 + i % 4;
-                                if (n < n0 + nr) store_out(y, y_dtype, (m + i / 4) * N + n, out[i] + (bias ? bias[n] : 0.f));
+                                if (n < n0 + nr) store_as(y, y_dtype, (m + i / 4) * N + n, out[i] + (bias ? bias[n] : 0.f));
                             }
                         }
                     }

@@ -23,10 +23,6 @@
 
 #include "dtypes.h"
 
-static inline void store(void *y, int dt, int64_t i, float v) {
-    if (dt == DT_BF16) ((uint16_t *)y)[i] = f32_to_bf16(v);
-    else ((float *)y)[i] = v;
-}
 
 /* y[m, n0 + r] = acc[r * M + m] + bias[n0 + r] for the rows of one group that exist (< N) */
 static inline void store_group(void *y, int y_dtype, const uint16_t *bias, const float *acc, int64_t n0, int64_t R,
@@ -34,7 +30,7 @@ static inline void store_group(void *y, int y_dtype, const uint16_t *bias, const
     for (int64_t r = 0; r < R && n0 + r < N; r++)
         for (int64_t m = 0; m < M; m++) {
             const float b = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
-            store(y, y_dtype, m * N + n0 + r, acc[r * M + m] + b);
+            store_as(y, y_dtype, m * N + n0 + r, acc[r * M + m] + b);
         }
 }
 
@@ -154,7 +150,7 @@ int small_m_linear(const void *x, int x_dtype, int64_t x_stride, const void *w, 
                 if (bias) b = w_dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n0 + r]) : ((const float *)bias)[n0 + r];
                 /* torch adds the bias after rounding the product to the weight dtype in bf16 mm;
                  * we add it in fp32 and round once */
-                store(y, y_dtype, m * N + n0 + r, acc[r] + b);
+                store_as(y, y_dtype, m * N + n0 + r, acc[r] + b);
             }
         }
     }

@@ -52,10 +52,6 @@ static inline __m256 odd8(__m256i v) {
     return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-static inline void store(void *y, int dt, int64_t i, float v) {
-    if (dt == DT_BF16) ((uint16_t *)y)[i] = f32_to_bf16(v);
-    else ((float *)y)[i] = v;
-}
 
 /* The scalar part of row n's dot with x row m: the columns past the last full block of 16 (xs
  * keeps those unsplit). */
@@ -148,7 +144,7 @@ static void store_tile(void *y, int y_dtype, const uint16_t *bias, const float *
                        int NR, int64_t N) {
     for (int m = 0; m < MR; m++)
         for (int n = 0; n < NR; n++)
-            store(y, y_dtype, (m0 + m) * N + n0 + n, acc[m * NR + n] + (bias ? bf16_to_f32(bias[n0 + n]) : 0.f));
+            store_as(y, y_dtype, (m0 + m) * N + n0 + n, acc[m * NR + n] + (bias ? bf16_to_f32(bias[n0 + n]) : 0.f));
 }
 #endif
 
