@@ -1,7 +1,7 @@
 """NSA over the paged caches: the attention backend of an NSA model.
 
 Owns the per-step NSA plan (which compressed entries this step completes, where each sequence's
-compressed entries live, which rows the native decode kernel takes) and `forward_nsa`, which
+compressed entries live, which rows the native kernel takes) and `forward_nsa`, which
 writes a layer's raw K/V, builds and stores the compressed entries completed by this step's
 tokens, and runs the three gated branches. Dense layers (and `forward`) go to the wrapped dense
 backend untouched. Never allocates cache memory (the runner does) and never decides a selection
@@ -17,8 +17,8 @@ block), preemption and freeing need no bookkeeping of their own, and a full bloc
 entries are a deterministic function of the hashed prefix.
 
 Selection (top-n per KV head from Eq. 9 scores) runs per query row: in the native decode kernel
-(`native/nsa.py`, decode rows on CPU), in torch (`nsa.py`'s reference, every other row on the
-torch path, and the index lists the Triton kernel takes).
+(`native/nsa.py`, every query row on CPU: decode rows and prefill rows alike), in torch (`nsa.py`'s
+reference: rows the native kernel does not take, and the index lists the Triton kernel takes).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class NSAStepPlan:
     __slots__ = ("meta", "cfg", "new_src", "new_dst", "seqs", "native_rows", "native_cslots", "native_tables",
                  "native_lens", "native_seqs", "torch_seqs")
 
-    def __init__(self, meta: AttentionMetadata, cfg: NSAConfig, slots_per_block: int, native_decode: bool) -> None:
+    def __init__(self, meta: AttentionMetadata, cfg: NSAConfig, slots_per_block: int, native_rows: bool) -> None:
         if meta.segments is not None:
             raise NotImplementedError(
                 "NSA models do not take segmented steps (squid documents or other shared segments) yet"
@@ -77,15 +77,26 @@ class NSAStepPlan:
             self.seqs.append((starts[b], qlen, num_keys, slots, cslots))
         self.new_src = torch.tensor(src, dtype=torch.int64, device=device) if src else None
         self.new_dst = torch.tensor(dst, dtype=torch.int64, device=device) if dst else None
-        decode = [b for b, s in enumerate(self.seqs) if s[1] == 1] if native_decode else []
-        self.native_seqs = decode
-        self.torch_seqs = [b for b in range(len(self.seqs)) if b not in set(decode)]
+        # the native kernel takes every query row on CPU, each with its own key count (row j of a
+        # chunk sees ctx + j + 1 keys): the rule is per position and the entries this step
+        # completes are stored before any row attends, so a prefill row is a decode row
+        native = list(range(len(self.seqs))) if native_rows else []
+        self.native_seqs = native
+        self.torch_seqs = [b for b in range(len(self.seqs)) if b not in set(native)]
         self.native_rows = self.native_tables = self.native_lens = None
-        if decode:
-            self.native_rows = torch.tensor([self.seqs[b][0] for b in decode], dtype=torch.int64)
-            nblocks = -(-max(self.seqs[b][2] for b in decode) // bs)
-            self.native_tables = meta.block_tables[torch.tensor(decode), :nblocks].to(torch.int32).contiguous()
-            self.native_lens = torch.tensor([self.seqs[b][2] for b in decode], dtype=torch.int32)
+        if native:
+            rows: list[int] = []
+            seq_of_row: list[int] = []
+            lens: list[int] = []
+            for b in native:
+                start, qlen, num_keys = self.seqs[b][:3]
+                rows.extend(range(start, start + qlen))
+                seq_of_row.extend([b] * qlen)
+                lens.extend(range(num_keys - qlen + 1, num_keys + 1))
+            nblocks = -(-max(lens) // bs)
+            self.native_rows = torch.tensor(rows, dtype=torch.int64)
+            self.native_tables = meta.block_tables[torch.tensor(seq_of_row), :nblocks].to(torch.int32).contiguous()
+            self.native_lens = torch.tensor(lens, dtype=torch.int32)
 
 
 def _cslot(table: list[int], i: int, cfg: NSAConfig, bs: int, slots_per_block: int) -> int:
@@ -96,9 +107,9 @@ def _cslot(table: list[int], i: int, cfg: NSAConfig, bs: int, slots_per_block: i
 class NSABackend:
     """NSA layers' attention over the paged raw and compressed caches; dense calls pass through.
 
-    kernel: "torch" (the reference per sequence; on CPU, decode rows take the native kernel when
-    it builds: native=False keeps them on the reference) or "triton" (selection in torch, the three
-    branches in one Triton kernel)."""
+    kernel: "torch" (on CPU every query row, decode and prefill, takes the native kernel when it
+    builds; native=False, or tensors it does not take, keep them on the reference per sequence) or
+    "triton" (selection in torch, the three branches in one Triton kernel)."""
 
     def __init__(self, cfg: NSAConfig, dense: AttentionBackend, block_size: int, kernel: str = "torch",
                  native: bool = True) -> None:

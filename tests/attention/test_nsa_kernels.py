@@ -144,6 +144,23 @@ def test_native_decode_equals_reference():
             native_topk.set_dot_path(True)
 
 
+def test_prefill_rows_take_the_native_kernel():
+    """Every row of a step mixing decode rows and prefill chunks is planned onto the native kernel,
+    each with its own key count (the reference path is only for what the kernel does not take);
+    test_native_decode_equals_reference checks those rows against the reference."""
+    case = next(c for c in CASES if c.name == "gqa2-mixed")
+    meta, x, caches, compressor, want = build(case, torch.float32)
+    backend = NSABackend(case.cfg, TorchAttentionBackend(native=False), case.block_size)
+    assert backend.native, "the native library did not build"
+    backend.begin_step(meta)
+    plan = backend.plan(meta, x["q"], caches[0])
+    assert plan.torch_seqs == [] and plan.native_rows.tolist() == list(range(x["q"].shape[0]))
+    lens = [n - s + j + 1 for n, s in zip(case.lengths, case.step) for j in range(s)]
+    assert plan.native_lens.tolist() == lens
+    reference = NSABackend(case.cfg, TorchAttentionBackend(native=False), case.block_size, native=False)
+    assert reference.plan(meta, x["q"], caches[0]).native_rows is None
+
+
 def test_bf16_dot_loop_equals_the_fp32_loops():
     """bf16 q and caches at the head dims the dot loop takes, fp32 output: the same blocks chosen
     and the same output as the scalar loops within fp32 rounding (the dot loop sums q . k exactly
