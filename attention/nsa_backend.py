@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from cuttle.attention.backend import AttentionBackend, write_kv
+from cuttle.attention.backend import AttentionBackend, rows_as_decode_rows, write_kv
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.nsa import NSAConfig, compressed_probs, nsa_attend, select_blocks, selection_scores
 
@@ -85,18 +85,8 @@ class NSAStepPlan:
         self.torch_seqs = [b for b in range(len(self.seqs)) if b not in set(native)]
         self.native_rows = self.native_tables = self.native_lens = None
         if native:
-            rows: list[int] = []
-            seq_of_row: list[int] = []
-            lens: list[int] = []
-            for b in native:
-                start, qlen, num_keys = self.seqs[b][:3]
-                rows.extend(range(start, start + qlen))
-                seq_of_row.extend([b] * qlen)
-                lens.extend(range(num_keys - qlen + 1, num_keys + 1))
-            nblocks = -(-max(lens) // bs)
-            self.native_rows = torch.tensor(rows, dtype=torch.int64)
-            self.native_tables = meta.block_tables[torch.tensor(seq_of_row), :nblocks].to(torch.int32).contiguous()
-            self.native_lens = torch.tensor(lens, dtype=torch.int32)
+            self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
+                meta, [(b, *self.seqs[b][:3]) for b in native])
 
 
 def _cslot(table: list[int], i: int, cfg: NSAConfig, bs: int, slots_per_block: int) -> int:

@@ -1,8 +1,8 @@
 """What the NSA and training-free top-k tests share (tests/engine/test_nsa_engine.py,
 test_sparse_engine.py, test_nsa_recipe.py; tests/attention/test_nsa_kernels.py, test_topk.py):
 tiny random checkpoints with peaked attention, the one-full-forward oracle the engine's
-log-probabilities are checked against, and the run of a kernel test file's Triton cases in a
-subprocess under the Triton interpreter."""
+log-probabilities are checked against, the run of a kernel test file's Triton cases in a
+subprocess under the Triton interpreter, and shuffled block tables for the kernels' own tests."""
 from __future__ import annotations
 
 import json
@@ -94,3 +94,17 @@ def check_triton_subprocess(test_file: str, case_names: set[str], tol: float = T
     assert {r["case"] for r in rows} == case_names
     for r in rows:
         assert r["err"] <= tol, r
+
+
+def shuffled_block_tables(lens: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Block tables int32 [len(lens), max blocks] for sequences of `lens` keys over one pool of
+    shuffled blocks (one spare), and the pool's block count."""
+    nbs = [-(-n // block_size) for n in lens]
+    total = sum(nbs) + 1
+    perm = torch.randperm(total, generator=g).to(torch.int32)
+    tables = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(nbs):
+        tables[i, :nb] = perm[at : at + nb]
+        at += nb
+    return tables, total

@@ -156,22 +156,8 @@ static inline __attribute__((always_inline)) void item_bf16(
                     prefetch_block(k_dev, k_host, table, b + 2, len, block_size, token_stride, h0 * D, lines);
                 }
             }
-            for (int64_t r = 0; r < nrows; r++) {
-                const uint16_t *qr = q + r * D;
-                const int64_t koff = (r / group) * D;
-                __m512 a[16];
-#pragma GCC unroll 16
-                for (int i = 0; i < 16; i++) {
-                    a[i] = _mm512_setzero_ps();
-                    if (i < nt) {
-#pragma GCC unroll 8
-                        for (int c = 0; c < C; c++)
-                            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qr + 32 * c),
-                                                    (__m512bh)_mm512_loadu_si512(kp[i] + koff + 32 * c));
-                    }
-                }
-                _mm512_storeu_ps(scores + r * lp + t0, _mm512_mul_ps(reduce16_ps(a), _mm512_set1_ps(scale)));
-            }
+            for (int64_t r = 0; r < nrows; r++)
+                _mm512_storeu_ps(scores + r * lp + t0, _mm512_mul_ps(dot16_bf16(q + r * D, kp, nt, (r / group) * D, C), _mm512_set1_ps(scale)));
         }
         for (int64_t r = 0; r < nrows; r++) {
             float *sc = scores + r * lp;

@@ -1,12 +1,13 @@
 /* Sixteen fp32 vectors summed lane-wise into one: lane j of the result is the horizontal sum of
  * a[j]. One transpose-and-add tree (45 shuffles / adds) instead of sixteen horizontal sums; used
- * where a kernel holds one accumulator vector per output (paged_decode.c's scores, the MXFP8
- * batch-1 decode loop's weight rows). */
+ * where a kernel holds one accumulator vector per output (the decode attention kernels' scores,
+ * through dot16_bf16 below; the MXFP8 batch-1 decode loop's weight rows). */
 #ifndef CUTTLE_REDUCE16_H
 #define CUTTLE_REDUCE16_H
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <stdint.h>
 
 static inline __attribute__((always_inline)) __m512 reduce16_ps(const __m512 *a) {
     __m512 s[8], t[4], x[2];
@@ -18,5 +19,25 @@ static inline __attribute__((always_inline)) __m512 reduce16_ps(const __m512 *a)
         x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
 }
+
+#if defined(__AVX512BF16__)
+/* One bf16 query row q (C chunks of 32) dotted with the key rows kp[i] + off, i < nk (<= 16; the
+ * other lanes are 0), on the bf16 dot instruction: the 16 sums through one tree (the decode
+ * kernels' scores: paged_decode.c, sparse_attend.c). */
+static inline __attribute__((always_inline)) __m512 dot16_bf16(const uint16_t *q, const uint16_t *const *kp, int nk, int64_t off,
+                                                                 const int C) {
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) {
+        a[i] = _mm512_setzero_ps();
+        if (i < nk) {
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++)
+                a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(q + 32 * c), (__m512bh)_mm512_loadu_si512(kp[i] + off + 32 * c));
+        }
+    }
+    return reduce16_ps(a);
+}
+#endif
 #endif
 #endif

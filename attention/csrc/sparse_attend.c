@@ -121,7 +121,7 @@ int sparse_dot_enabled = 1;
 
 /* sparse_attend for bf16 q (qb: the rows unscaled) and bf16 K/V on the bf16 dot instruction, D a
  * constant (64, 128, 256): 16 keys of one query row are 16 dot vectors reduced to 16 scores by one
- * shuffle tree (reduce16.h), times the scale after
+ * shuffle tree (reduce16.h's dot16_bf16), times the scale after
  * the sum (q . k has exact products in fp32, so scale * sum is what the fp32 path computes up to
  * the rounding of sums); the exponentials 16 a vector; p.V with each query row's D accumulators in
  * registers over every key. A bf16 pair splits
@@ -149,22 +149,11 @@ static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb,
     for (int64_t at = 0; at < n; at += 16) {
         const int nk = walk_next16(&w, kc, 2 * h * D, kp);
         prefetch_next16(&ahead, kc, 2 * h * D, k_lines);
-        for (int64_t r = 0; r < nr; r++) {
-            const uint16_t *qr = qb + r * D;
-            const int64_t koff = (r / group) * D;
-            __m512 a[16];
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) {
-                a[i] = _mm512_setzero_ps();
-                if (i < nk) {
-#pragma GCC unroll 8
-                    for (int c = 0; c < C; c++)
-                        a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qr + 32 * c), (__m512bh)_mm512_loadu_si512((const uint16_t *)kp[i] + koff + 32 * c));
-                }
-            }
+        const uint16_t *kr[16];
+        for (int i = 0; i < nk; i++) kr[i] = (const uint16_t *)kp[i];
+        for (int64_t r = 0; r < nr; r++)
             _mm512_mask_storeu_ps(sc + r * n + at, at + 16 <= n ? (__mmask16)0xFFFF : tail,
-                                  _mm512_mul_ps(reduce16_ps(a), _mm512_set1_ps(scale)));
-        }
+                                  _mm512_mul_ps(dot16_bf16(qb + r * D, kr, nk, (r / group) * D, C), _mm512_set1_ps(scale)));
     }
     /* the row maxima, the numerators in place and their sums */
     for (int64_t r = 0; r < nr; r++) {

@@ -170,6 +170,7 @@ def test_bf16_dot_loop_equals_the_fp32_loops():
 
     from cuttle.attention.native import nsa as native_nsa
     from cuttle.attention.native import topk as native_topk
+    from sparse_helpers import shuffled_block_tables
 
     if not native_topk.set_dot_path(True):
         pytest.skip("this kernel build has no AVX512-BF16 (the dot loop is not compiled in)")
@@ -178,19 +179,12 @@ def test_bf16_dot_loop_equals_the_fp32_loops():
     g = torch.Generator().manual_seed(3)
     for dim, kv_heads, group, bs in ((64, 4, 4, 16), (128, 2, 2, 64), (256, 2, 1, 8), (128, 1, 8, 32)):
         lens = [900, 77, 1, 129]
-        nbs = [-(-n // bs) for n in lens]
-        total = sum(nbs) + 1
+        tables, total = shuffled_block_tables(lens, bs, g)
         slots = compressed_slots_per_block(cfg, bs)
         k, v = (torch.randn(total, bs, kv_heads, dim, generator=g).bfloat16() for _ in range(2))
         ck, cv = (torch.randn(total, slots, kv_heads, dim, generator=g).bfloat16() for _ in range(2))
         q = (torch.randn(len(lens), kv_heads * group, dim, generator=g) * 2).bfloat16()
         gates = torch.rand(len(lens), kv_heads * group, 3, generator=g)
-        perm = torch.randperm(total, generator=g).to(torch.int32)
-        tables = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
-        at = 0
-        for i, nb in enumerate(nbs):
-            tables[i, :nb] = perm[at : at + nb]
-            at += nb
         lens_t, rows = torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens))
         outs = {}
         for mode in ("dot", "scalar"):

@@ -215,23 +215,18 @@ def test_bf16_dot_loop_equals_the_fp32_loops():
     """bf16 q and caches at the head dims the dot loop takes, fp32 output: the same blocks and the
     same o and log-sum-exp as the scalar loops within fp32 rounding, dense rows (context within
     the budget) and sparse ones."""
+    from sparse_helpers import shuffled_block_tables
+
     if not native_topk.set_dot_path(True):
         pytest.skip("this kernel build has no AVX512-BF16 (the dot loop is not compiled in)")
     g = torch.Generator().manual_seed(5)
     for dim, kv_heads, group, bs, summary in ((64, 4, 4, 16, "quest"), (128, 2, 2, 32, "mean"), (256, 2, 1, 16, "quest")):
         cfg = TopKConfig(budget=128, block=bs, init_blocks=1, local_blocks=1, summary=summary)
         lens = [700, 100, 1, 129]
-        nbs = [-(-n // bs) for n in lens]
-        total = sum(nbs) + 1
+        tables, total = shuffled_block_tables(lens, bs, g)
         k, v = (torch.randn(total, bs, kv_heads, dim, generator=g).bfloat16() for _ in range(2))
         summ = summarize(k.transpose(1, 2), cfg)[:, None]  # one summary per raw block (block == bs)
         q = (torch.randn(len(lens), kv_heads * group, dim, generator=g) * 2).bfloat16()
-        perm = torch.randperm(total, generator=g).to(torch.int32)
-        tables = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
-        at = 0
-        for i, nb in enumerate(nbs):
-            tables[i, :nb] = perm[at : at + nb]
-            at += nb
         lens_t, rows = torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens))
         outs = {}
         lib = kernels().lib
