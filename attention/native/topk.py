@@ -53,8 +53,9 @@ available = native_available
 
 
 def set_fast_path(enabled: bool) -> bool:
-    """Switch the sparse kernels' AVX2 path (tests compare it with the scalar loops); returns
-    whether this build has it at all."""
+    """Switch the sparse kernels' vector loops (AVX2, and the bf16 dot loop where built) off for
+    the scalar loops, or back on (tests compare them); returns whether this build has the AVX2
+    loop at all."""
     lib = kernels().lib
     assert lib is not None
     _fn(lib)
