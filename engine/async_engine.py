@@ -28,6 +28,10 @@ from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("cuttle.engine")
 
+# how often a stalled loop (requests waiting on blocks that sessions pin) re-tries a step when no
+# command arrives: it used to step flat out, a core busy for nothing beside the agents' tools
+STALL_POLL_S = 0.05
+
 
 class QueueFullError(RuntimeError):
     """Admission refused: too many requests in flight."""
@@ -104,6 +108,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.stats_snapshot: dict[str, Any] = engine.stats()
         self._lock = threading.Lock()
+        # the last step ran nothing while requests wait on blocks that only a command (a session
+        # closed, an abort) can free: the loop then waits for commands instead of stepping flat out
+        self._stalled = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -254,8 +261,8 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._aborts.put(request_id)
-        if self._paused.is_set():
-            self._cmds.put(lambda: None)  # a paused loop sleeps on the command queue
+        if self._paused.is_set() or self._stalled:
+            self._cmds.put(lambda: None)  # a paused or stalled loop sleeps on the command queue
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps (stats, weight updates, cache resets)."""
@@ -283,8 +290,13 @@ class AsyncEngine:
         engine = self.engine
         while not self._stop.is_set():
             idle = self._paused.is_set() or not engine.has_unfinished_requests()
-            try:  # block for work only when there is nothing to step
-                cmd = self._cmds.get(timeout=0.5) if idle else self._cmds.get_nowait()
+            try:  # block for work only when there is nothing to step (or nothing a step can do)
+                if idle:
+                    cmd = self._cmds.get(timeout=0.5)
+                elif self._stalled:  # a command wakes it at once; the timeout re-checks the pins
+                    cmd = self._cmds.get(timeout=STALL_POLL_S)
+                else:
+                    cmd = self._cmds.get_nowait()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -315,9 +327,12 @@ class AsyncEngine:
         """One engine step, outputs routed to their callers. A failed step fails the requests in
         flight (their blocks are freed) and returns False; the engine itself keeps serving."""
         engine = self.engine
+        steps = engine.counters["steps"]
         try:
             outputs = engine.step()
+            self._stalled = engine.stalled(steps)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the server down
+            self._stalled = False
             log.exception("engine step failed; failing the requests in flight")
             for rid in list(engine.requests):
                 engine.abort_request(rid)
@@ -362,9 +377,16 @@ class AsyncEngine:
         return await self._call(run)
 
     def _drain(self) -> None:
-        """Engine thread only: step until every request in flight has finished, delivering outputs."""
+        """Engine thread only: step until every request in flight has finished, delivering outputs.
+        A request that cannot get blocks beside the session pins would keep it stepping forever,
+        and the command that could close a session waits behind it: that raises instead (the
+        update is refused, as LLMEngine.update_weights refuses it)."""
         engine = self.engine
+        stalls = 0
         while engine.has_unfinished_requests():
             self._run_aborts()  # callers that leave during the drain still free their KV at once
             if not engine.has_unfinished_requests() or not self._step_and_deliver():
                 return
+            stalls = stalls + 1 if self._stalled else 0
+            if stalls > 1:
+                raise RuntimeError(f"{engine.stall_message()}; the weights were not updated")

@@ -393,3 +393,43 @@ def test_a_request_that_cannot_fit_beside_the_pins_raises_instead_of_spinning(ck
     assert [o.request_id for o in outs] == ["long"] and len(outs[0].outputs[0].token_ids) == 100
     assert eng.weight_version == 1
     assert_all_free(llm)
+
+
+def test_async_engine_waits_instead_of_spinning_on_pins_and_refuses_a_finish_update(ckpt):
+    """Behind the server: a request that cannot fit beside the session pins waits without the
+    engine thread stepping flat out (it used to keep a core busy for nothing, beside the agents'
+    tools), a finish-mode weight update raises naming the pins instead of draining forever (its
+    drain used to block the thread, and with it the close_session that would have freed the
+    blocks), and closing the session lets the request finish."""
+    import time
+
+    path, _ = ckpt
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, block_size=4)
+    aeng = AsyncEngine(llm.engine)
+    aeng.start()
+
+    async def main():
+        sid = await aeng.open_session(ids(26, 60))
+        async for _ in await aeng.session_turn("t", sid, turn_params(61, 1)):
+            pass
+        assert aeng.engine.sessions.pinned_block_count() == 7
+        stream = await aeng.add("long", ids(10, 62), SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+        await asyncio.sleep(0.3)  # the loop finds the request stalled
+        cpu = time.process_time()
+        await asyncio.sleep(1.0)
+        busy = time.process_time() - cpu  # measured: 1.01 CPU s stepping flat out, 0.005 now
+        name, w = next(iter(aeng.engine.runner.model.named_parameters()))
+        with pytest.raises(RuntimeError, match=r"sessions pin 7 of 32.*weights were not updated"):
+            await asyncio.wait_for(aeng.update_weights([(name, w.detach() + 1.0)], in_flight="finish"), 30)
+        await asyncio.wait_for(aeng.close_session(sid), 10)
+        outs = [o async for o in stream]
+        return busy, outs[-1]
+
+    try:
+        busy, last = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert busy < 0.5, busy  # CPU seconds of the whole process over that second
+    assert last.finished and len(last.outputs[0].token_ids) == 100
+    assert llm.engine.weight_version == 0
+    assert_all_free(llm)
