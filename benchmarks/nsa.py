@@ -7,6 +7,12 @@ take at the copy bandwidth measured in the same run; prints a markdown table and
 plot. NSA uses the paper's defaults (l=32, d=16, l'=64, n=16, w=512); top-k the engine's default
 spec (budget 2048, block 64).
 
+`--prefill CONTEXT` times the prefill of a CONTEXT-token prompt through `LLM.generate` on a random
+4-layer NSA checkpoint (Qwen3-0.6B's attention shape, hidden 1024, the paper's NSA defaults; built
+here once under ~/.cache/cuttle-bench, no download): every query row on the native NSA kernel
+(the engine's path) vs the torch reference per sequence (the path prefill rows took before), the
+two engines alternating in one process.
+
 `--e2e CONTEXT` instead times whole decode steps of a random Qwen3-0.6B-shaped model (28 layers,
 bf16, batch 1) through the engine's model runner, dense vs `sparse_attention` top-k, with a
 CONTEXT-token KV cache filled with random keys and values (a real 32k prefill would take far longer
@@ -15,6 +21,7 @@ values are, only on how many there are).
 
     .venv/bin/python benchmarks/nsa.py [--contexts 8192,16384,32768,65536] [--batches 1,8] [--plot out.png]
     .venv/bin/python benchmarks/nsa.py --e2e 32768
+    .venv/bin/python benchmarks/nsa.py --prefill 4096
 """
 from __future__ import annotations
 
@@ -102,6 +109,8 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--topk", default="topk", help="the top-k spec (block must be 64)")
     ap.add_argument("--e2e", type=int, default=None, metavar="CONTEXT", help="time whole decode steps of the 0.6B shape instead")
+    ap.add_argument("--prefill", type=int, default=None, metavar="CONTEXT",
+                    help="time an NSA model's prefill of a CONTEXT-token prompt instead (native kernel vs torch reference)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: one thread, timed in process CPU seconds (a machine shared with other jobs makes wall time "
                          "mostly a measure of the scheduler; CPU time still counts cache and memory contention)")
@@ -118,6 +127,8 @@ def main() -> None:
     info = machine_info()
     if args.e2e:
         return end_to_end(args.e2e, topk, args.repeats, info)
+    if args.prefill:
+        return nsa_prefill(args.prefill, args.repeats, info)
     cfg = NSAConfig()
     bw = copy_bandwidth_gbs()
     results = [run(c, b, cfg, topk, args.repeats) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
@@ -200,6 +211,78 @@ def end_to_end(context: int, topk: TopKConfig, repeats: int, info: dict) -> None
     print(markdown_table(["context", "dense ms/step", "top-k ms/step", "speedup"],
                          [[context, f"{times['dense'] * 1e3:.1f}", f"{times['top-k'] * 1e3:.1f}",
                            f"{times['dense'] / times['top-k']:.2f}x"]]))
+
+
+NSA_PREFILL_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 1024, "hidden_size": 1024, "intermediate_size": 1024,
+    "num_hidden_layers": 4, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+    "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 1,
+    "rope_theta": 1000000.0, "hidden_act": "silu", "torch_dtype": "bfloat16", "nsa": {},
+}
+
+
+def nsa_checkpoint(path: str) -> str:
+    """A random NSA checkpoint (NSA_PREFILL_CONFIG) under its HF names, built once with cuttle's own
+    model class (transformers has no NSA layer)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from cuttle.engine.config import ModelConfig
+    from cuttle.engine.models.loader import hf_state_dict
+    from cuttle.engine.models.transformer import CausalLM
+
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    from common import _write_byte_tokenizer
+
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.from_hf(NSA_PREFILL_CONFIG), torch.bfloat16, torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02)
+    save_file({k: v.contiguous().clone() for k, v in hf_state_dict(model).items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(NSA_PREFILL_CONFIG, f)
+    _write_byte_tokenizer(path, NSA_PREFILL_CONFIG["vocab_size"], NSA_PREFILL_CONFIG["eos_token_id"])
+    return path
+
+
+def nsa_prefill(context: int, repeats: int, info: dict) -> None:
+    """Prefill of a `context`-token prompt, one token generated, native NSA kernel vs the torch
+    reference (the engine built with the native kernel reported unavailable), alternating."""
+    from unittest import mock
+
+    from common import DEFAULT_CACHE_DIR
+
+    from cuttle.engine import LLM, SamplingParams
+
+    path = nsa_checkpoint(os.path.join(DEFAULT_CACHE_DIR, "nsa-4layer-random"))
+    kw = dict(dtype="bfloat16", block_size=BLOCK, max_model_len=context + 64, max_num_batched_tokens=2048,
+              enable_prefix_caching=False)
+    engines = {"native": LLM(path, **kw)}
+    with mock.patch.object(native_nsa, "available", lambda: False):
+        engines["reference"] = LLM(path, **kw)
+    ids = torch.randint(5, 1000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    first: dict[str, list[int]] = {}
+    for name, llm in engines.items():  # warm-up: kernel build, packing, first allocations
+        llm.generate([{"prompt_token_ids": ids[:256]}], params, use_tqdm=False)
+    for _ in range(repeats):
+        for name, llm in engines.items():
+            t0 = CLOCK()
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            times[name].append(CLOCK() - t0)
+            first[name] = out[0].outputs[0].token_ids
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"machine: {info}\nrandom NSA checkpoint: {NSA_PREFILL_CONFIG['num_hidden_layers']} layers, hidden "
+          f"{NSA_PREFILL_CONFIG['hidden_size']}, {HEADS} / {KV_HEADS} heads of {HEAD_DIM}, bf16, NSA {NSAConfig()}; "
+          f"block size {BLOCK}, chunks of 2048 tokens; {torch.get_num_threads()} threads, median of {repeats}\n")
+    print(markdown_table(["prompt tokens", "native kernel s", "torch reference s", "speedup", "same first token"],
+                         [[context, f"{med['native']:.2f}", f"{med['reference']:.2f}", f"{med['reference'] / med['native']:.1f}x",
+                           first["native"] == first["reference"]]]))
 
 
 if __name__ == "__main__":
