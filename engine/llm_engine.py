@@ -115,10 +115,14 @@ class LLMEngine:
                         pin_memory=self.device.type == "cuda")
         tiers.cost = CostModel.measure(transfer, self.runner.kv, tiers.host_kv, self.model_config, per_block)
         # read in place needs kernels that address the host tier: the CPU ones (a GPU would need
-        # the host tensors mapped into its address space, which cuttle does not do yet)
-        if self.device.type != "cpu" and config.kv_read_in_place == "always":
-            raise ValueError("kv_read_in_place='always' needs the CPU attention kernels; on a GPU use 'auto' or 'never'")
-        tiers.read_in_place = config.kv_read_in_place if self.device.type == "cpu" else "never"
+        # the host tensors mapped into its address space, which cuttle does not do yet), and not
+        # the NSA / top-k kernels, which read their companions (compressed entries, summaries) and
+        # K/V from the device pool only: those blocks are copied in
+        in_place = self.device.type == "cpu" and not self.runner.kv.companions
+        if not in_place and config.kv_read_in_place == "always":
+            why = "the NSA / top-k kernels read the device pool only" if self.runner.kv.companions else "it needs the CPU attention kernels"
+            raise ValueError(f"kv_read_in_place='always': {why}; use 'auto' or 'never' (host blocks are then copied in)")
+        tiers.read_in_place = config.kv_read_in_place if in_place else "never"
         self.runner.host_kv = tiers.host_kv.layers
         self.block_manager.attach_tiers(tiers)
         return tiers
@@ -126,7 +130,7 @@ class LLMEngine:
     def _disk_namespace(self) -> int:
         """What a disk entry's bytes depend on beyond its tokens and the chain's extra key."""
         mc = self.model_config
-        geometry = f"{mc.num_layers}x{self.config.block_size}x{mc.num_kv_heads}x{mc.head_dim}"
+        geometry = f"{mc.num_layers}x{self.config.block_size}x{mc.num_kv_heads}x{mc.head_dim}{self.runner.kv.layout_tag()}"
         return namespace_key(self._weights_tag, str(self.dtype).encode(), geometry.encode())
 
     # ---- requests --------------------------------------------------------------------------

@@ -60,27 +60,33 @@ class ModelRunner:
         self.prepack()
         self.backend = get_backend(config.attention_backend, device)
         mc = model_config
-        self.kv = KVStorage(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
+        nsa = self.model.nsa
+        sparse = parse_sparse_attention(config.sparse_attention)
+        if sparse is not None:
+            self._check_sparse(sparse, mc)
+        # what hangs on a block id beside its K/V (KVStorage companions: copies, KV tiers and disk
+        # entries move it with the block): an NSA model's compressed entries, the top-k summaries
+        companions = []
+        if nsa is not None:
+            slots = compressed_slots_per_block(nsa, self.block_size)
+            companions.append(("nsa", (mc.num_layers, 2), (slots, mc.num_kv_heads, mc.head_dim)))
+        if sparse is not None:
+            slots = summary_slots_per_block(sparse, self.block_size)
+            companions.append(("topk", (mc.num_layers - sparse.dense_layers, 1),
+                               (slots, sparse.summary_rows, mc.num_kv_heads, mc.head_dim)))
+        self.kv = KVStorage(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype, device,
+                            companions=companions)
         # the KV host tier's per-layer caches, for tables that name host blocks (read in place)
         self.host_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.nsa_cache: torch.Tensor | None = None  # [layers, 2, blocks, S_c, kv_heads, head_dim]
-        nsa = self.model.nsa
         if nsa is not None:
-            if getattr(config, "has_host_tier", False):
-                raise ValueError("KV tiers do not move an NSA model's compressed cache yet: run NSA models without a host tier")
-            slots = compressed_slots_per_block(nsa, self.block_size)
-            self.nsa_cache = torch.zeros(mc.num_layers, 2, num_blocks, slots, mc.num_kv_heads, mc.head_dim, dtype=dtype,
-                                         device=device)
+            self.nsa_cache = self.kv.companions["nsa"]
             kernel = "torch" if self.backend.name == "torch" else "triton"
             self.backend = NSABackend(nsa, self.backend, self.block_size, kernel=kernel)
         # [sparse layers, blocks, S, R, kv_heads, head_dim]: the top-k block summaries
         self.topk_cache: torch.Tensor | None = None
-        sparse = parse_sparse_attention(config.sparse_attention)
         if sparse is not None:
-            self._check_sparse(sparse, mc)
-            slots = summary_slots_per_block(sparse, self.block_size)
-            self.topk_cache = torch.zeros(mc.num_layers - sparse.dense_layers, num_blocks, slots, sparse.summary_rows,
-                                          mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
+            self.topk_cache = self.kv.companions["topk"][:, 0]
             summaries = [None] * sparse.dense_layers + list(self.topk_cache.unbind(0))
             self.backend = TopKBackend(sparse, self.backend, self.block_size, summaries)
         # decode steps replayed from kernel graphs: CPU, the plain torch backend on native kernels
@@ -99,8 +105,6 @@ class ModelRunner:
             raise ValueError("sparse_attention is for dense checkpoints; this model is natively sparse (config.json's nsa)")
         if mc.mla is not None:
             raise ValueError("sparse_attention with multi-head latent attention (kv_lora_rank) is not supported")
-        if getattr(self.config, "has_host_tier", False):
-            raise ValueError("KV tiers do not move the top-k block summaries yet: run sparse_attention without a host tier")
         if sparse.dense_layers >= mc.num_layers:
             raise ValueError(f"sparse_attention.dense_layers = {sparse.dense_layers}: the model has {mc.num_layers} layers, "
                              "so none would be sparse")
@@ -139,17 +143,7 @@ class ModelRunner:
         return raw
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        self.kv.copy_blocks(copies)
-        if self.nsa_cache is not None and copies:
-            # a copied (copy-on-write) block takes its compressed entries along
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
-            self.nsa_cache[:, :, dst] = self.nsa_cache[:, :, src]
-        if self.topk_cache is not None and copies:
-            # and its block summaries
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
-            self.topk_cache[:, dst] = self.topk_cache[:, src]
+        self.kv.copy_blocks(copies)  # a copied (copy-on-write) block takes its companions along
 
     def layer_caches(self) -> list[tuple[torch.Tensor, ...]]:
         """Each layer's cache views: (k, v), or (k, v, compressed k, compressed v) for NSA."""

@@ -2,7 +2,8 @@
 test_sparse_engine.py, test_nsa_recipe.py; tests/attention/test_nsa_kernels.py, test_topk.py):
 tiny random checkpoints with peaked attention, the one-full-forward oracle the engine's
 log-probabilities are checked against, the run of a kernel test file's Triton cases in a
-subprocess under the Triton interpreter, and shuffled block tables for the kernels' own tests."""
+subprocess under the Triton interpreter, shuffled block tables for the kernels' own tests, and
+tiny random NSA checkpoints."""
 from __future__ import annotations
 
 import json
@@ -108,3 +109,37 @@ def shuffled_block_tables(lens: list[int], block_size: int, g: torch.Generator) 
         tables[i, :nb] = perm[at : at + nb]
         at += nb
     return tables, total
+
+
+# ---- tiny NSA checkpoints (tests/engine/test_nsa_engine.py, test_kv_tiers_sparse.py) ----------
+NSA_SMALL = {"compress_block": 8, "compress_stride": 4, "select_block": 16, "top_n": 3, "init_blocks": 1,
+             "local_blocks": 1, "window": 24}
+
+
+def nsa_hf_config(nsa: dict[str, Any] | None = None, **over: Any) -> dict[str, Any]:
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 1,
+        "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "float32",
+        "nsa": dict(NSA_SMALL if nsa is None else nsa),
+    }
+    cfg.update(over)
+    return cfg
+
+
+def random_nsa_model(hf: dict[str, Any], seed: int = 0):
+    from cuttle.engine.config import ModelConfig
+    from cuttle.engine.models.transformer import CausalLM
+
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig.from_hf(hf), torch.float32, torch.device("cpu"))
+    peaked_init_(model)
+    return model
+
+
+def make_nsa_checkpoint(path: str, nsa: dict[str, Any] | None = None, seed: int = 0, **over: Any):
+    hf = nsa_hf_config(nsa, **over)
+    model = random_nsa_model(hf, seed)
+    save_checkpoint(path, hf, model)
+    return model

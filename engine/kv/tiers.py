@@ -48,7 +48,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import xxhash
 
@@ -59,7 +58,7 @@ from cuttle.engine.kv.document_index import Document, DocumentIndex
 from cuttle.engine.kv.pool import NO_HASH, Block, BlockPool
 from cuttle.engine.kv.prefix_index import PrefixIndex, hash_block
 from cuttle.engine.kv.storage import KVStorage
-from cuttle.engine.kv.transfer import Ticket, TransferEngine, byte_view
+from cuttle.engine.kv.transfer import Ticket, TransferEngine, block_payload, byte_views, set_block_payload
 from cuttle.engine.sequence import Sequence
 
 
@@ -109,7 +108,8 @@ class KVTiers:
         self.disk = disk
         L, _, _, bs, heads, dim = device_kv.tensor.shape
         self.host_pool = BlockPool(host_blocks, pool_id=1)
-        self.host_kv = KVStorage(L, host_blocks, bs, heads, dim, device_kv.tensor.dtype, torch.device("cpu"), pin_memory)
+        self.host_kv = KVStorage(L, host_blocks, bs, heads, dim, device_kv.tensor.dtype, torch.device("cpu"), pin_memory,
+                                 companions=device_kv.companion_specs)
         self.host_index = PrefixIndex(self.host_pool, block_size)
         self.host_docs = DocumentIndex(self.host_pool, block_size)
         self.device_docs: DocumentIndex | None = None  # the block manager's, for offloading documents
@@ -205,10 +205,10 @@ class KVTiers:
             self.counters["kv_bytes_device_to_host"] += len(dev) * bpb
         if self._to_disk:
             entries, self._to_disk = self._to_disk, []
-            disk, ns, view = self.disk, self.disk.namespace, byte_view(self.host_kv)
+            disk, ns, views = self.disk, self.disk.namespace, byte_views(self.host_kv)
 
             def write() -> int:
-                return sum(disk.write(key, ns, tokens, view[:, :, hid], victims) for key, tokens, hid, victims in entries)
+                return sum(disk.write(key, ns, tokens, block_payload(views, hid), victims) for key, tokens, hid, victims in entries)
 
             self._disk_jobs.append((self.transfer.submit(write), [e[2] for e in entries], [e[0] for e in entries]))
         for load in self._queued:
@@ -356,14 +356,13 @@ class KVTiers:
 
         def run() -> int:
             """Returns how many disk hits were read intact; loads the blocks up to the first bad one."""
-            view = byte_view(host_kv)
+            views = byte_views(host_kv)
             good = 0
             for key, tokens, hid in load.disk:
                 payload = disk.read(key, ns, tokens)
                 if payload is None:
                     break
-                dst = view[:, :, hid]
-                dst[...] = np.frombuffer(payload, dtype=np.uint8).reshape(dst.shape)
+                set_block_payload(views, hid, payload)
                 good += 1
             src = load.host_ids + [hid for _, _, hid in load.disk[:good]]
             if good == len(load.disk) and load.swap is not None:

@@ -22,10 +22,25 @@ import torch
 from cuttle.engine.kv.storage import KVStorage
 
 
-def byte_view(storage: KVStorage) -> np.ndarray:
-    """[layers, 2, blocks, block_size, kv_heads, head_dim * itemsize] uint8 over the pool's memory
-    (numpy has no bf16; bytes are all a copy needs). CPU tensors only."""
-    return storage.tensor.view(torch.uint8).numpy()
+def byte_views(storage: KVStorage) -> list[np.ndarray]:
+    """uint8 views over the pool's memory, the KV tensor's ([layers, 2, blocks, block_size,
+    kv_heads, head_dim * itemsize]) then each companion's, blocks on dimension 2 of each (numpy has
+    no bf16; bytes are all a copy needs). CPU tensors only."""
+    return [t.view(torch.uint8).numpy() for t in storage.tensors]
+
+
+def block_payload(views: list[np.ndarray], block: int) -> np.ndarray:
+    """One block's bytes, KV then companions, as one flat array (a disk entry's payload)."""
+    return np.concatenate([np.ascontiguousarray(v[:, :, block]).reshape(-1) for v in views])
+
+
+def set_block_payload(views: list[np.ndarray], block: int, payload: bytes) -> None:
+    """The inverse of block_payload: `payload` (as it wrote it) into block `block` of each view."""
+    flat, at = np.frombuffer(payload, dtype=np.uint8), 0
+    for v in views:
+        dst = v[:, :, block]
+        dst[...] = flat[at : at + dst.size].reshape(dst.shape)
+        at += dst.size
 
 
 def copy_runs(dst: np.ndarray, dst_ids: list[int], src: np.ndarray, src_ids: list[int]) -> None:
@@ -105,26 +120,34 @@ class TransferEngine:
     # ---- the copies (run on the worker) ----------------------------------------------------
     def device_to_host(self, src: KVStorage, src_ids: list[int], dst: KVStorage, dst_ids: list[int]) -> None:
         if not self.cuda:
-            copy_runs(byte_view(dst), dst_ids, byte_view(src), src_ids)
+            for d, s in zip(byte_views(dst), byte_views(src)):
+                copy_runs(d, dst_ids, s, src_ids)
             return
         # gather on the device, one DMA into pinned staging, then scatter on the host: the
         # scatter needs the DMA finished, which this worker waits for (the step does not)
-        staged = src.tensor[:, :, torch.tensor(src_ids, device=src.device)]
-        pinned = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
-        pinned.copy_(staged, non_blocking=True)
+        index = torch.tensor(src_ids, device=src.device)
+        pinned = []
+        for t in src.tensors:
+            staged = t[:, :, index]
+            pinned.append(torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True))
+            pinned[-1].copy_(staged, non_blocking=True)
         torch.cuda.current_stream().synchronize()
-        copy_runs(byte_view(dst), dst_ids, pinned.view(torch.uint8).numpy(), list(range(len(dst_ids))))
+        for d, p in zip(byte_views(dst), pinned):
+            copy_runs(d, dst_ids, p.view(torch.uint8).numpy(), list(range(len(dst_ids))))
 
     def host_to_device(self, src: KVStorage, src_ids: list[int], dst: KVStorage, dst_ids: list[int]) -> None:
         if not self.cuda:
-            copy_runs(byte_view(dst), dst_ids, byte_view(src), src_ids)
+            for d, s in zip(byte_views(dst), byte_views(src)):
+                copy_runs(d, dst_ids, s, src_ids)
             return
-        shape = list(src.tensor.shape)
-        shape[2] = len(src_ids)
-        pinned = torch.empty(shape, dtype=src.tensor.dtype, pin_memory=True)
-        copy_runs(pinned.view(torch.uint8).numpy(), list(range(len(src_ids))), byte_view(src), src_ids)
-        staged = pinned.to(dst.device, non_blocking=True)
-        dst.tensor[:, :, torch.tensor(dst_ids, device=dst.device)] = staged
+        index = torch.tensor(dst_ids, device=dst.device)
+        pinned = []
+        for s_view, s_tensor, d_tensor in zip(byte_views(src), src.tensors, dst.tensors):
+            shape = list(s_tensor.shape)
+            shape[2] = len(src_ids)
+            pinned.append(torch.empty(shape, dtype=s_tensor.dtype, pin_memory=True))
+            copy_runs(pinned[-1].view(torch.uint8).numpy(), list(range(len(src_ids))), s_view, src_ids)
+            d_tensor[:, :, index] = pinned[-1].to(dst.device, non_blocking=True)
         # `pinned` is freed when this returns: the DMA must have read it by then
         torch.cuda.current_stream().synchronize()
 

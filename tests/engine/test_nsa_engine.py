@@ -7,7 +7,6 @@ with every KV block free afterwards. Checkpoints are tiny random ones built here
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 import torch
@@ -19,37 +18,7 @@ from cuttle.engine.models.loader import hf_state_dict, load_model, load_weights
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.models.transformer import CausalLM, NSAAttention
 
-from sparse_helpers import check_against_reference, peaked_init_, save_checkpoint
-
-NSA_SMALL = {"compress_block": 8, "compress_stride": 4, "select_block": 16, "top_n": 3, "init_blocks": 1,
-             "local_blocks": 1, "window": 24}
-
-
-def nsa_hf_config(nsa: dict[str, Any] | None = None, **over: Any) -> dict[str, Any]:
-    cfg = {
-        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 1,
-        "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "float32",
-        "nsa": dict(NSA_SMALL if nsa is None else nsa),
-    }
-    cfg.update(over)
-    return cfg
-
-
-def random_nsa_model(hf: dict[str, Any], seed: int = 0) -> CausalLM:
-    torch.manual_seed(seed)
-    model = CausalLM(ModelConfig.from_hf(hf), torch.float32, torch.device("cpu"))
-    peaked_init_(model)
-    return model
-
-
-def make_nsa_checkpoint(path: str, nsa: dict[str, Any] | None = None, seed: int = 0, **over: Any) -> CausalLM:
-    hf = nsa_hf_config(nsa, **over)
-    model = random_nsa_model(hf, seed)
-    save_checkpoint(path, hf, model)
-    return model
-
+from sparse_helpers import NSA_SMALL, check_against_reference, make_nsa_checkpoint, nsa_hf_config, random_nsa_model
 
 def test_config_fields_and_fla_names():
     cfg = nsa_config(nsa_hf_config({"block_size": 32, "block_counts": 4, "window_size": 64, "compress_block": 16,
