@@ -65,7 +65,8 @@ class KVStorage:
             t[:, :, dst] = t[:, :, src]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[layers, 2, n, block_size, kv_heads, head_dim]: a copy of these blocks' KV."""
+        """[layers, 2, n, block_size, kv_heads, head_dim]: a copy of these blocks' KV (the KV
+        tensor only; the tiers move whole blocks through `tensors`)."""
         return self.tensor[:, :, torch.tensor(block_ids, device=self.device)]
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
