@@ -148,6 +148,19 @@ def test_storage_moves_blocks_for_every_layer_at_once():
     assert kv.layers[1][0].data_ptr() == kv.tensor[1, 0].data_ptr()  # per-layer views alias the pool
 
 
+def test_companions_move_with_their_block():
+    """Per-block data beside the KV (an NSA model's compressed entries, top-k summaries) is copied
+    with its block, counted in its bytes and named in the layout."""
+    kv = KVStorage(3, 6, 4, 2, 8, torch.float32, torch.device("cpu"), companions=[("side", (3, 2), (1, 2, 8))])
+    side = kv.companions["side"]
+    assert side.shape == (3, 2, 6, 1, 2, 8) and kv.tensors == [kv.tensor, side]
+    side.copy_(torch.randn_like(side))
+    kv.copy_blocks([(2, 3)])
+    assert torch.equal(side[:, :, 3], side[:, :, 2])
+    assert kv.block_bytes == (3 * 2 * 4 * 2 * 8 + 3 * 2 * 2 * 8) * 4
+    assert kv.layout_tag() == "side:(3, 2):(1, 2, 8)" and KVStorage(1, 2, 4, 1, 8, torch.float32, torch.device("cpu")).layout_tag() == ""
+
+
 OPS = st.lists(
     st.tuples(st.sampled_from(["seq", "free_seq", "doc", "use_doc", "drop_pin", "reset"]), st.integers(0, 10**6)),
     min_size=1, max_size=60,
