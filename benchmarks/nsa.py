@@ -241,7 +241,10 @@ def nsa_checkpoint(path: str) -> str:
     model = CausalLM(ModelConfig.from_hf(NSA_PREFILL_CONFIG), torch.bfloat16, torch.device("cpu"))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
     save_file({k: v.contiguous().clone() for k, v in hf_state_dict(model).items()}, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(NSA_PREFILL_CONFIG, f)

@@ -297,14 +297,6 @@ ITEM_BF16(256)
 #include <immintrin.h>
 #define HAVE_FAST_BF16 1
 
-/* lane j of the result = horizontal sum of a[j], for 8 vectors */
-static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *a) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
-    /* t0 = [a0 a1 a2 a3 (low halves) | a0 a1 a2 a3 (high halves)], t1 likewise for a4..a7 */
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
 
 
 /* The AVX2 + FMA twin of the item above, for CPUs without the bf16 dot instruction (AMD Zen 2/3):
@@ -353,7 +345,7 @@ static inline __attribute__((always_inline)) void item_bf16(
                         a[i] = _mm256_add_ps(a[i], b);
                     }
                 }
-                _mm256_storeu_ps(scores + (t0 + tt) * rp + r0, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
+                _mm256_storeu_ps(scores + (t0 + tt) * rp + r0, _mm256_mul_ps(reduce8_ps(a), _mm256_set1_ps(scale)));
             }
         }
     }

@@ -1,7 +1,8 @@
 /* Sixteen fp32 vectors summed lane-wise into one: lane j of the result is the horizontal sum of
  * a[j]. One transpose-and-add tree (45 shuffles / adds) instead of sixteen horizontal sums; used
  * where a kernel holds one accumulator vector per output (the decode attention kernels' scores,
- * through dot16_bf16 below; the MXFP8 batch-1 decode loop's weight rows). */
+ * through dot16_bf16 below; the MXFP8 batch-1 decode loop's weight rows). reduce8_ps: the same
+ * for eight 8-lane vectors, in the AVX2 builds. */
 #ifndef CUTTLE_REDUCE16_H
 #define CUTTLE_REDUCE16_H
 
@@ -39,5 +40,18 @@ static inline __attribute__((always_inline)) __m512 dot16_bf16(const uint16_t *q
     return reduce16_ps(a);
 }
 #endif
+#endif
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* The AVX2 twin for 8 vectors: lane j of the result is the horizontal sum of a[j] (the AVX2
+ * decode kernels' scores: paged_decode.c, sparse_attend.c). */
+static inline __attribute__((always_inline)) __m256 reduce8_ps(const __m256 *a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
+    /* t0 = [a0 a1 a2 a3 (low halves) | a0 a1 a2 a3 (high halves)], t1 likewise for a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
 #endif
 #endif

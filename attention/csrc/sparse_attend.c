@@ -14,11 +14,12 @@
  *   - the scalar loops: other CPUs, other head dims, and the reference the tests compare the
  *     vector loops with (sparse_attend_set_fast_path(0); set_dot_path(0) leaves AVX2 alone).
  * On a Zen4 EPYC (one layer at the Qwen3-0.6B shape, cache flushed, 2 threads) the AVX2 loops of
- * before had left NSA no faster than dense attention at 8k (1.49 vs 1.50 ms); docs/nsa.md has the
+ * before had left NSA no faster than dense attention at 8k (1.64 vs 1.50 ms); docs/nsa.md has the
  * figures of these loops against them.
  * All math is fp32 whatever the storage dtype.
  */
 #include "sparse_attend.h"
+#include "reduce16.h"
 #include "vec_exp.h"
 
 #include <math.h>
@@ -115,7 +116,6 @@ static inline __attribute__((always_inline)) void prefetch_next16(key_walk *ahea
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include "reduce16.h"
 #define HAVE_DOT_BF16 1
 int sparse_dot_enabled = 1;
 
@@ -230,14 +230,6 @@ int sparse_attend_dot_available(void) { return 0; }
 #endif
 
 #if HAVE_AVX2
-/* lane j of the result = the horizontal sum of a[j], for 8 vectors */
-static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *a) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
 /* The AVX2 + FMA loop (fp32 or bf16 caches, D a multiple of 8): the same walk of the keys as
  * attend_dot, 16 keys a chunk with the next chunk prefetched; q . k in fp32 from the scaled fp32 q,
  * 8 keys of a row reduced to 8 scores by one tree (the loop before took a horizontal sum per key);
@@ -275,7 +267,7 @@ static void attend_avx2(const float *qf, const void *k_cache, const void *v_cach
                             a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), load8(kp[i0 + i], kv_dtype, koff + d), a[i]);
                 }
                 float x[8];
-                _mm256_storeu_ps(x, reduce8(a));
+                _mm256_storeu_ps(x, reduce8_ps(a));
                 for (int i = 0; i < 8 && i0 + i < nk; i++) sc[r * n + at + i0 + i] = x[i];
             }
         }

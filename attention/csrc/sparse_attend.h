@@ -28,8 +28,9 @@ void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void 
 /* x[0..n) = exp(x - mx) in place, returning their sum (vectorised like sparse_attend). */
 float sparse_exp_sum(float *x, int64_t n, float mx);
 
-/* Tests turn the vector (AVX2) path off to compare it with the scalar loops on the same inputs;
- * fast_available says whether this build has the vector path (0 on a CPU without AVX2 + FMA). */
+/* Tests turn the vector loops (AVX2, and the bf16 dot loop where built) off to compare them with
+ * the scalar loops on the same inputs; fast_available says whether this build has the AVX2 loop
+ * (0 on a CPU without AVX2 + FMA). */
 void sparse_attend_set_fast_path(int enabled);
 int sparse_attend_fast_available(void);
 extern int sparse_fast_enabled;
@@ -37,7 +38,7 @@ extern int sparse_fast_enabled;
  * whether it is now in use. */
 int sparse_attend_set_dot_path(int enabled);
 int sparse_attend_dot_available(void);
-/* The dot loop's key prefetch on (1, the default) or off (A/B timing; the same results). */
+/* The vector loops' key prefetch on (1, the default) or off (A/B timing; the same results). */
 void sparse_attend_set_prefetch(int on);
 
 /* The loops' pieces, inline for the kernels' other loops: q . k over D of fp32 q and a cached row

@@ -1,5 +1,6 @@
 """NSA decode on CPU: the Python binding of `csrc/nsa_decode.c` (`nsa_decode_rows`), called by the
-NSA backend for decode rows; tested against the torch reference (`cuttle.attention.nsa`).
+NSA backend for every query row on CPU (a prefill row is a query token with its own key count,
+like a decode row); tested against the torch reference (`cuttle.attention.nsa`).
 
 One call attends one query token per row against its sequence's paged raw and compressed caches,
 choosing the row's blocks itself, and can report the blocks it chose and how many KV tokens it
