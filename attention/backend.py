@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata
 from cuttle.attention.native import rows
 
 
@@ -46,6 +46,39 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Scatter this step's K/V rows into their cache slots (natively on CPU: `native.rows`)."""
     rows.scatter_(k_cache.view(-1, *k_cache.shape[2:]), slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
     rows.scatter_(v_cache.view(-1, *v_cache.shape[2:]), slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+
+
+def gather_pools(dev: torch.Tensor, host: torch.Tensor | None, idx: torch.Tensor, host_base: int) -> torch.Tensor:
+    """dev[idx] where rows at or above `host_base` come from host[idx - host_base]: the torch paths'
+    gather over both pools when a table names host blocks (read in place). A row index computed
+    from a `HOST_BLOCK` id as from any other (id * rows_per_block + row) lands at or above
+    host_base = HOST_BLOCK * rows_per_block, so callers need no pool logic of their own. With no
+    such row (host None) this is dev[idx]."""
+    if host is None:
+        return dev[idx]
+    on_host = idx >= host_base
+    out = dev[idx.masked_fill(on_host, 0)]
+    if bool(on_host.any()):
+        out[on_host] = host[idx[on_host] - host_base].to(out.device)
+    return out
+
+
+class PoolRows:
+    """One layer's caches of both pools as flat row tensors, gathered by row index: `rows(name,
+    idx)` is `gather_pools(dev[name], host[name], idx, HOST_BLOCK * rows_per_block[name])`. The
+    sparse backends' torch paths (compression windows, summaries, the reference) read through it,
+    so a table naming host blocks needs no branch of theirs. dev / host: name -> tensor whose first
+    dims are (blocks, rows a block) (host None: no host block this step); the rest is a row."""
+
+    __slots__ = ("dev", "host", "base")
+
+    def __init__(self, dev: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None) -> None:
+        self.dev = {n: t.flatten(0, 1) for n, t in dev.items()}
+        self.host = None if host is None else {n: t.flatten(0, 1) for n, t in host.items()}
+        self.base = {n: HOST_BLOCK * t.shape[1] for n, t in dev.items()}
+
+    def __call__(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        return gather_pools(self.dev[name], None if self.host is None else self.host[name], idx, self.base[name])
 
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer")

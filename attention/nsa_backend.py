@@ -16,6 +16,13 @@ block: prefix-cache hits, forked prompts (copy-on-write copies the compressed sl
 block), preemption and freeing need no bookkeeping of their own, and a full block's compressed
 entries are a deterministic function of the hashed prefix.
 
+Read in place: a table entry flagged `HOST_BLOCK` names a block of the KV host tier, whose
+compressed entries lie in the host tier's companion of the same layout (`host_compressed`, given
+by the runner with the tier); the native kernel reads both pools, the torch paths gather from both
+(`backend.PoolRows`: a slot computed from a flagged id lies at or above HOST_BLOCK * rows a block).
+Only full, hashed blocks before everything a step writes are read in place, so the entries a
+step stores always go to the device pool.
+
 Selection (top-n per KV head from Eq. 9 scores) runs per query row: in the native decode kernel
 (`native/nsa.py`, every query row on CPU: decode rows and prefill rows alike), in torch (`nsa.py`'s
 reference: rows the native kernel does not take, and the index lists the Triton kernel takes).
@@ -26,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from cuttle.attention.backend import AttentionBackend, rows_as_decode_rows, write_kv
+from cuttle.attention.backend import AttentionBackend, PoolRows, rows_as_decode_rows, write_kv
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.nsa import NSAConfig, compressed_probs, nsa_attend, select_blocks, selection_scores
 
@@ -116,6 +123,8 @@ class NSABackend:
 
             self.native = native_nsa.available()
         self._plan: NSAStepPlan | None = None
+        # per layer (ck, cv) of the KV host tier's compressed caches: blocks read in place
+        self.host_compressed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.dense.begin_step(meta)
@@ -147,11 +156,16 @@ class NSABackend:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = self.plan(meta, q, k_cache)
         hkv, dim = k_cache.shape[2], k_cache.shape[3]
-        kf, vf = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
         ckf, cvf = ck_cache.view(-1, hkv, dim), cv_cache.view(-1, hkv, dim)
+        host = None  # the host tier's (k, v, ck, cv) of this layer, when a table names a host block
+        if meta.host_kv is not None:
+            if self.host_compressed is None:
+                raise ValueError("a block table names a host block but the NSA backend has no host compressed cache")
+            host = (*meta.host_kv[layer], *self.host_compressed[layer])
+        pools = PoolRows(dict(zip("k v ck cv".split(), caches)), None if host is None else dict(zip("k v ck cv".split(), host)))
         if plan.new_src is not None:
-            wk = kf[plan.new_src].transpose(1, 2)  # [E, l, Hkv, D] -> [E, Hkv, l, D]
-            wv = vf[plan.new_src].transpose(1, 2)
+            wk = pools("k", plan.new_src).transpose(1, 2)  # [E, l, Hkv, D] -> [E, Hkv, l, D]
+            wv = pools("v", plan.new_src).transpose(1, 2)
             ck, cv = compressor(wk, wv)
             ckf.index_copy_(0, plan.new_dst, ck.to(ckf.dtype))
             cvf.index_copy_(0, plan.new_dst, cv.to(cvf.dtype))
@@ -159,6 +173,8 @@ class NSABackend:
         if self.kernel == "triton":
             from cuttle.attention.triton_nsa import nsa_paged_attention
 
+            if host is not None:
+                raise NotImplementedError("the Triton NSA kernel reads the device pool only: host blocks are copied in")
             idx, row_seq, row_pos = self.select(plan, q, ckf, scale)
             nsa_paged_attention(q, k_cache, v_cache, ck_cache, cv_cache, gates, out, idx, row_seq, row_pos,
                                 meta.block_tables, self.cfg, scale)
@@ -168,22 +184,23 @@ class NSABackend:
 
             if native_nsa.supports(q, k_cache, out):
                 native_nsa.nsa_decode(q, k_cache, v_cache, ck_cache, cv_cache, gates, out, plan.native_rows,
-                                      plan.native_tables, plan.native_lens, self.cfg, scale)
+                                      plan.native_tables, plan.native_lens, self.cfg, scale, host=host)
             else:
                 for b in plan.native_seqs:
-                    self._torch_seq(plan, b, q, kf, vf, ckf, cvf, gates, out, scale)
+                    self._torch_seq(plan, b, q, pools, gates, out, scale)
         for b in plan.torch_seqs:
-            self._torch_seq(plan, b, q, kf, vf, ckf, cvf, gates, out, scale)
+            self._torch_seq(plan, b, q, pools, gates, out, scale)
         return out
 
-    def _torch_seq(self, plan: NSAStepPlan, b: int, q, kf, vf, ckf, cvf, gates, out, scale: float) -> None:
+    def _torch_seq(self, plan: NSAStepPlan, b: int, q, pools: PoolRows, gates, out, scale: float) -> None:
         """Sequence b's rows through the torch reference (gathering all its keys: the oracle path)."""
         start, qlen, num_keys, slots, cslots = plan.seqs[b]
         sl = torch.tensor(slots, device=q.device)
         cs = torch.tensor(cslots, dtype=torch.int64, device=q.device)
         pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
-        o, _ = nsa_attend(q[start : start + qlen].float(), kf[sl].float(), vf[sl].float(), ckf[cs].float(),
-                          cvf[cs].float(), gates[start : start + qlen].float(), pos, self.cfg, scale)
+        o, _ = nsa_attend(q[start : start + qlen].float(), pools("k", sl).float(), pools("v", sl).float(),
+                          pools("ck", cs).float(), pools("cv", cs).float(), gates[start : start + qlen].float(), pos,
+                          self.cfg, scale)
         out[start : start + qlen] = o.to(out.dtype)
 
     def select(self, plan: NSAStepPlan, q: torch.Tensor, ckf: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:

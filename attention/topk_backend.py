@@ -16,12 +16,17 @@ powers of two). A raw block therefore carries the summaries of the blocks that e
 which depend only on keys at or before it: prefix-cache hits, forked prompts (copy-on-write copies
 the summary slots with the raw block), preemption and freeing need no bookkeeping of their own,
 exactly as NSA's compressed cache (`nsa_backend.py`).
+
+Read in place: a table entry flagged `HOST_BLOCK` names a block of the KV host tier, whose
+summaries lie in the host tier's companion (`host_summaries`, given by the runner with the tier);
+the native kernel reads both pools and the torch paths gather from both (`backend.PoolRows`), as in
+`nsa_backend.py`. The summaries a step stores end in blocks it writes: always the device pool.
 """
 from __future__ import annotations
 
 import torch
 
-from cuttle.attention.backend import AttentionBackend, rows_as_decode_rows, write_kv
+from cuttle.attention.backend import AttentionBackend, PoolRows, rows_as_decode_rows, write_kv
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.topk import TopKConfig, block_scores, select_blocks, summarize, topk_attend_chunked
 
@@ -105,6 +110,8 @@ class TopKBackend:
 
             self.native = native_topk.available()
         self._plan: TopKStepPlan | None = None
+        # per layer the KV host tier's summary cache (None for a dense layer): blocks read in place
+        self.host_summaries: list[torch.Tensor | None] | None = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.dense.begin_step(meta)
@@ -123,16 +130,24 @@ class TopKBackend:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = self.plan(meta, q, k_cache)
         hkv, dim = k_cache.shape[2], k_cache.shape[3]
-        kf, vf = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
         sf = summ.view(-1, summ.shape[2], hkv, dim)  # [blocks * S, R, Hkv, D]
+        host = None  # the host tier's (k, v, summaries) of this layer, when a table names a host block
+        if meta.host_kv is not None:
+            if self.host_summaries is None:
+                raise ValueError("a block table names a host block but the top-k backend has no host summary cache")
+            host = (*meta.host_kv[layer], self.host_summaries[layer])
+        pools = PoolRows({"k": k_cache, "v": v_cache, "s": summ},
+                         None if host is None else dict(zip("k v s".split(), host)))
         if plan.new_src is not None:
-            windows = kf[plan.new_src].transpose(1, 2)  # [E, P, Hkv, D] -> [E, Hkv, P, D]
+            windows = pools("k", plan.new_src).transpose(1, 2)  # [E, P, Hkv, D] -> [E, Hkv, P, D]
             sf.index_copy_(0, plan.new_dst, summarize(windows, self.cfg).to(sf.dtype))
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if self.kernel == "triton":
             from cuttle.attention.triton_topk import topk_paged_attention
 
+            if host is not None:
+                raise NotImplementedError("the Triton top-k kernel reads the device pool only: host blocks are copied in")
             idx, row_seq, row_pos = self.select(plan, q, sf, scale)
             topk_paged_attention(q, k_cache, v_cache, out, lse, idx, row_seq, row_pos, meta.block_tables, self.cfg, scale)
             return out, lse
@@ -142,11 +157,11 @@ class TopKBackend:
 
             if native_topk.supports(q, k_cache, out):
                 native_topk.topk_decode(q, k_cache, v_cache, summ, out, lse, plan.native_rows, plan.native_tables,
-                                        plan.native_lens, self.cfg, scale)
+                                        plan.native_lens, self.cfg, scale, host=host)
             else:
                 seqs = plan.native_seqs + seqs
         for b in seqs:
-            self._torch_seq(plan, b, q, kf, vf, sf, out, lse, scale)
+            self._torch_seq(plan, b, q, pools, out, lse, scale)
         return out, lse
 
     def select(self, plan: TopKStepPlan, q: torch.Tensor, sf: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
@@ -172,15 +187,15 @@ class TopKBackend:
             idx[start : start + qlen, :, : ids.shape[-1]] = torch.where(ids == nb, -1, ids).to(torch.int32)
         return idx, row_seq.to(q.device), row_pos.to(q.device)
 
-    def _torch_seq(self, plan: TopKStepPlan, b: int, q, kf, vf, sf, out, lse, scale: float) -> None:
+    def _torch_seq(self, plan: TopKStepPlan, b: int, q, pools: PoolRows, out, lse, scale: float) -> None:
         """Sequence b's rows through the reference (gathering all its keys: the oracle path)."""
         start, qlen, num_keys, table = plan.seqs[b]
         bs, P = plan.meta.block_size, self.cfg.block
         keys = torch.arange(num_keys, device=q.device)
         slots = table[keys // bs] * bs + keys % bs
-        summ = sf[_summary_slot(table, torch.arange(num_keys // P, device=q.device), P, bs, self.slots_per_block)]
+        summ = pools("s", _summary_slot(table, torch.arange(num_keys // P, device=q.device), P, bs, self.slots_per_block))
         pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
-        o, l = topk_attend_chunked(q[start : start + qlen].float(), kf[slots].float(), vf[slots].float(), pos, self.cfg,
-                                   scale, summ.float())
+        o, l = topk_attend_chunked(q[start : start + qlen].float(), pools("k", slots).float(), pools("v", slots).float(), pos,
+                                   self.cfg, scale, summ.float())
         out[start : start + qlen] = o.to(out.dtype)
         lse[start : start + qlen] = l

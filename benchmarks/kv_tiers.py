@@ -95,7 +95,8 @@ def run_workload(path: str, mode: str, args, work) -> dict:
     read = MODES[mode]
     kw = dict(num_host_kv_blocks=args.host_blocks, kv_read_in_place=read) if read is not None else {}
     llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.device_blocks, max_num_seqs=args.max_num_seqs, num_threads=args.threads,
-              max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.device_blocks * BLOCK, **kw)
+              max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.device_blocks * BLOCK,
+              sparse_attention=args.sparse_attention, **kw)
     llm.generate([[7] * 8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
     before = kv_stats(llm)
     t0 = CLOCK()
@@ -132,7 +133,7 @@ def run_probe(path: str, args) -> dict:
 
     llm = LLM(path, dtype=args.dtype, num_kv_blocks=args.probe_blocks, num_host_kv_blocks=2 * args.probe_blocks + 16, num_threads=args.threads,
               max_num_seqs=1, max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.probe_len + RESUME_NEW + 16,
-              kv_read_in_place="never")
+              kv_read_in_place="never", sparse_attention=args.sparse_attention)
     tiers = llm.engine.tiers
     rng = random.Random(args.seed + 1)
 
@@ -208,6 +209,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=1)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sparse-attention", default=None,
+                    help="top-k sparse attention spec (engine option sparse_attention, e.g. topk:budget=1024,block=64): "
+                         "its summaries move and are read in place with the blocks")
     ap.add_argument("--skip-probe", action="store_true")
     ap.add_argument("--skip-workload", action="store_true")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",

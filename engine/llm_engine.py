@@ -114,16 +114,14 @@ class LLMEngine:
         tiers = KVTiers(self.block_manager.pool, self.runner.kv, config.block_size, host_blocks, transfer, per_block, disk,
                         pin_memory=self.device.type == "cuda")
         tiers.cost = CostModel.measure(transfer, self.runner.kv, tiers.host_kv, self.model_config, per_block)
-        # read in place needs kernels that address the host tier: the CPU ones (a GPU would need
-        # the host tensors mapped into its address space, which cuttle does not do yet), and not
-        # the NSA / top-k kernels, which read their companions (compressed entries, summaries) and
-        # K/V from the device pool only: those blocks are copied in
-        in_place = self.device.type == "cpu" and not self.runner.kv.companions
-        if not in_place and config.kv_read_in_place == "always":
-            why = "the NSA / top-k kernels read the device pool only" if self.runner.kv.companions else "it needs the CPU attention kernels"
+        # read in place needs kernels that address the host tier: the CPU ones, dense and sparse
+        # (a GPU would need the host tensors mapped into its address space, which cuttle does not
+        # do yet; the Triton NSA / top-k kernels read the device pool only): otherwise copy-in
+        why = self.runner.reads_host_in_place
+        if why is not None and config.kv_read_in_place == "always":
             raise ValueError(f"kv_read_in_place='always': {why}; use 'auto' or 'never' (host blocks are then copied in)")
-        tiers.read_in_place = config.kv_read_in_place if in_place else "never"
-        self.runner.host_kv = tiers.host_kv.layers
+        tiers.read_in_place = config.kv_read_in_place if why is None else "never"
+        self.runner.attach_host_tier(tiers.host_kv)
         self.block_manager.attach_tiers(tiers)
         return tiers
 

@@ -142,6 +142,29 @@ class ModelRunner:
             raw += sparse_layers * summary_slots_per_block(sparse, block_size) * sparse.summary_rows * per_vector
         return raw
 
+    @property
+    def reads_host_in_place(self) -> str | None:
+        """Why this runner's attention cannot read host-tier blocks where they lie, or None when it
+        can: the CPU kernels (dense, NSA, top-k) and the torch paths take both pools; the Triton
+        NSA / top-k kernels read the device pool only."""
+        if self.device.type != "cpu":
+            return "it needs the CPU attention kernels"
+        if self.kv.companions and getattr(self.backend, "kernel", "torch") != "torch":
+            return f"the {self.backend.name} kernel reads the device pool only"
+        return None
+
+    def attach_host_tier(self, host: KVStorage) -> None:
+        """The KV host tier's caches (KV and companions, the device pool's layout), for steps whose
+        tables name host blocks: `host_kv` goes into those steps' metadata, the companions to the
+        sparse backend (NSA's compressed entries, the top-k summaries)."""
+        self.host_kv = host.layers
+        if self.nsa_cache is not None:
+            hc = host.companions["nsa"]
+            self.backend.host_compressed = [(hc[i, 0], hc[i, 1]) for i in range(hc.shape[0])]
+        if self.topk_cache is not None:
+            hs = host.companions["topk"][:, 0]
+            self.backend.host_summaries = [None] * (len(self.kv.layers) - hs.shape[0]) + list(hs.unbind(0))
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv.copy_blocks(copies)  # a copied (copy-on-write) block takes its companions along
 

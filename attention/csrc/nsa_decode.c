@@ -29,7 +29,10 @@
  * all math is fp32 whatever the storage dtype. `touched` (optional) receives, per (row, KV head), the KV
  * tokens this kernel actually read (compressed entries + selected keys + window keys): the
  * counter of issue 16's acceptance 4. `selected` (optional) receives the chosen blocks in rank
- * order, -1 padded. Python binding: cuttle/attention/native/nsa.py.
+ * order, -1 padded. Read in place: a HOST_BLOCK table entry names a block of the host pool (k_host,
+ * v_host, and its compressed entries ck_host, cv_host; the same layouts; host_pool.h); with no host
+ * pool such a table fails the call (-2) before anything is read.
+ * Python binding: cuttle/attention/native/nsa.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,7 +43,8 @@
 #include "sparse_attend.h"
 
 int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                    const void *ck_cache, const void *cv_cache, int kv_dtype, const float *gates,
+                    const void *ck_cache, const void *cv_cache, const void *k_host, const void *v_host,
+                    const void *ck_host, const void *cv_host, int kv_dtype, const float *gates,
                     int64_t gate_row_stride, void *out, int out_dtype, int64_t out_row_stride, const int64_t *rows,
                     const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t num_rows,
                     int64_t num_kv_heads, int64_t group, int64_t D, int64_t block_size, int64_t cslots,
@@ -80,6 +84,11 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
             if (nh == 0) continue;
             const int64_t L = lens[r], t = L - 1;
             const int32_t *table = tables + r * table_stride;
+            if (!k_host && names_host_block(table, (L + block_size - 1) / block_size)) {
+#pragma omp atomic write
+                failed = 2;
+                continue;
+            }
             sparse_load_q(qf, q, q_dtype, rows[r] * q_row_stride + h0 * group * D, nr * D, scale);
             const uint16_t *qb = q_dtype == DT_BF16 ? (const uint16_t *)q + rows[r] * q_row_stride + h0 * group * D : NULL;
             float *mc = m, *s0 = s, *a0 = acc;
@@ -91,10 +100,11 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
             const int64_t nc = L >= cmp_block ? (L - cmp_block) / cmp_stride + 1 : 0;
             for (int64_t i = 0; i < nc; i++) {
                 const int64_t e = i * cmp_stride + cmp_block - 1;
-                ctab[i] = (int32_t)((int64_t)table[e / block_size] * cslots + (e % block_size) / cmp_stride);
+                const int32_t id = table[e / block_size]; /* a host block's entries are host rows */
+                ctab[i] = (int32_t)((int64_t)(id & ~HOST_BLOCK) * cslots + (e % block_size) / cmp_stride) | (id & HOST_BLOCK);
             }
             const int64_t zero = 0;
-            sparse_attend(qf, qb, scale, ck_cache, cv_cache, kv_dtype, ctab, &zero, &nc, 1, 1, token_stride, h0, nh, group, D,
+            sparse_attend(qf, qb, scale, ck_cache, cv_cache, ck_host, cv_host, kv_dtype, ctab, &zero, &nc, 1, 1, token_stride, h0, nh, group, D,
                           sc, a0, mc, s0);
             for (int64_t j = 0; j < nr && nc > 0; j++) {
                 const float inv = 1.f / s0[j];
@@ -119,14 +129,14 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
                 const int64_t npick = sparse_pick_blocks(bsc, taken, pick, cur, nb, want, init_blocks, local_blocks);
                 int64_t *t1 = pick + top_n;
                 const int64_t count = sparse_block_ranges(pick, t1, npick, sel_block, L, selected, r * num_kv_heads + h0 + hh, top_n);
-                sparse_attend(qf + hh * group * D, qb ? qb + hh * group * D : NULL, scale, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
+                sparse_attend(qf + hh * group * D, qb ? qb + hh * group * D : NULL, scale, k_cache, v_cache, k_host, v_host, kv_dtype, table, pick, t1, npick, block_size, token_stride,
                               h0 + hh, 1, group, D, sc, a1 + hh * group * D, m1 + hh * group, s1 + hh * group);
                 sel_count[hh] = count;
             }
             /* 5. the window, all the item's heads together (contiguous runs of each key row) */
             float *m2 = m + 2 * nr, *s2 = s + 2 * nr, *a2 = acc + 2 * nr * D;
             const int64_t w0 = L - window > 0 ? L - window : 0;
-            sparse_attend(qf, qb, scale, k_cache, v_cache, kv_dtype, table, &w0, &L, 1, block_size, token_stride, h0, nh, group, D, sc, a2, m2, s2);
+            sparse_attend(qf, qb, scale, k_cache, v_cache, k_host, v_host, kv_dtype, table, &w0, &L, 1, block_size, token_stride, h0, nh, group, D, sc, a2, m2, s2);
             if (touched)
                 for (int64_t hh = 0; hh < nh; hh++) touched[r * num_kv_heads + h0 + hh] = nc + sel_count[hh] + L - w0;
             /* 6. gated sum; an empty branch (no key) contributes 0 */
@@ -142,5 +152,5 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
         }
         free(qf); free(acc); free(pc); free(bsc); free(taken); free(pick); free(m); free(sc); free(sel_count); free(ctab);
     }
-    return failed ? -1 : 0;
+    return failed == 2 ? -2 : failed ? -1 : 0;
 }

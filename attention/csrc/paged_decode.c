@@ -19,10 +19,8 @@
  * takes its 8-lane twin (bf16 widened exactly by a shift or a mask, fp32 FMAs). The scalar-loop
  * path serves every other combination and is the reference the fast path is tested against.
  *
- * Read in place: a block-table entry with bit 30 set (HOST_BLOCK) names a block of a second pool
- * with the same layout (the KV host tier, `k_host` / `v_host`), so a sequence's cold blocks are
- * read where they lie instead of being copied into the first pool first. The pool is chosen per
- * block, so one row may mix both; the arithmetic does not depend on where a block lies.
+ * Read in place (host_pool.h): a block-table entry with bit 30 set (HOST_BLOCK) names a block of
+ * `k_host` / `v_host` (the KV host tier), chosen per block, so one row may mix both pools.
  *
  * Built at first use by cuttle/attention/native/build.py with the host compiler; plain C so it
  * compiles in about a second and needs no torch headers. Python binding:
@@ -34,17 +32,9 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "host_pool.h"
 #include "reduce16.h"
 #include "vec_exp.h"
-
-#define HOST_BLOCK 0x40000000 /* block-table flag: the block is in the host pool */
-
-/* element offset of block `id` and the pool it lies in (k/v chosen by the caller) */
-static inline __attribute__((always_inline)) int64_t block_base(int32_t id, int64_t block_size, int64_t token_stride,
-                                                                int *on_host) {
-    *on_host = (id & HOST_BLOCK) != 0;
-    return (int64_t)(id & ~HOST_BLOCK) * block_size * token_stride;
-}
 
 static inline __attribute__((always_inline)) float dot_bf16(const float *q, const uint16_t *k, int64_t n) {
     float acc = 0.f;

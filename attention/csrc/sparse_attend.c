@@ -60,37 +60,40 @@ float sparse_exp_sum(float *x, int64_t n, float mx) {
 }
 
 /* The keys of the ranges in order, as pointers to their rows in a cache (at byte column `col` of
- * a token; rows token_stride bytes apart), 16 at a time: the block table is read once per block
- * instead of a division per key. */
+ * a token; rows token_stride bytes apart; a HOST_BLOCK table entry names a block of `host`, the
+ * same layout: host_pool.h), 16 at a time: the block table is read once per block instead of a
+ * division per key. */
 typedef struct {
     const int32_t *table;
     const int64_t *t0, *t1;
     int64_t nranges, block_size, token_stride, i, t, off;
     const char *base; /* token 0 of the current block, at col */
+    const char *cache, *host;
+    int64_t col;
 } key_walk;
 
-static inline void walk_seek(key_walk *w, const char *cache, int64_t col) {
+static inline void walk_seek(key_walk *w) {
     while (w->i < w->nranges && w->t >= w->t1[w->i])
         if (++w->i < w->nranges) w->t = w->t0[w->i];
     if (w->i < w->nranges) {
         w->off = w->t % w->block_size;
         const int64_t b = w->block_size == 1 ? w->t : w->t / w->block_size; /* 1: NSA's compressed entries */
-        w->base = cache + (int64_t)w->table[b] * w->block_size * w->token_stride + col;
+        w->base = pool_block(w->cache, w->host, w->table[b], w->block_size * w->token_stride) + w->col;
     }
 }
 
 static inline void walk_start(key_walk *w, const int32_t *table, const int64_t *t0, const int64_t *t1, int64_t nranges,
-                              int64_t block_size, int64_t token_stride, const char *cache, int64_t col) {
-    *w = (key_walk){table, t0, t1, nranges, block_size, token_stride, 0, nranges > 0 ? t0[0] : 0, 0, NULL};
-    walk_seek(w, cache, col);
+                              int64_t block_size, int64_t token_stride, const char *cache, const char *host, int64_t col) {
+    *w = (key_walk){table, t0, t1, nranges, block_size, token_stride, 0, nranges > 0 ? t0[0] : 0, 0, NULL, cache, host, col};
+    walk_seek(w);
 }
 
-static inline __attribute__((always_inline)) int walk_next16(key_walk *w, const char *cache, int64_t col, const char *kp[16]) {
+static inline __attribute__((always_inline)) int walk_next16(key_walk *w, const char *kp[16]) {
     int n = 0;
     while (n < 16 && w->i < w->nranges) {
         kp[n++] = w->base + w->off * w->token_stride;
         w->t++;
-        if (++w->off == w->block_size || w->t >= w->t1[w->i]) walk_seek(w, cache, col);
+        if (++w->off == w->block_size || w->t >= w->t1[w->i]) walk_seek(w);
     }
     return n;
 }
@@ -106,11 +109,10 @@ static inline __attribute__((always_inline)) int walk_next16(key_walk *w, const 
 static int prefetch_on = 1;
 void sparse_attend_set_prefetch(int on) { prefetch_on = on != 0; }
 
-static inline __attribute__((always_inline)) void prefetch_next16(key_walk *ahead, const char *cache, int64_t col,
-                                                                  int64_t lines) {
+static inline __attribute__((always_inline)) void prefetch_next16(key_walk *ahead, int64_t lines) {
     if (!prefetch_on) return;
     const char *pp[16];
-    const int np = walk_next16(ahead, cache, col, pp);
+    const int np = walk_next16(ahead, pp);
     for (int i = 0; i < np; i++)
         for (int64_t l = 0; l < lines; l++) __builtin_prefetch(pp[i] + 64 * l, 0, 1);
 }
@@ -128,7 +130,8 @@ int sparse_dot_enabled = 1;
  * into its even element (<< 16) and its odd one (& 0xffff0000), so the accumulators hold each 32
  * dims as [16 even | 16 odd], undone once at the end (as paged_decode.c's p.V). */
 static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb, float scale, const uint16_t *k_cache,
-                                                             const uint16_t *v_cache, const int32_t *table, const int64_t *t0,
+                                                             const uint16_t *v_cache, const uint16_t *k_host,
+                                                             const uint16_t *v_host, const int32_t *table, const int64_t *t0,
                                                              const int64_t *t1, int64_t nranges, int64_t block_size,
                                                              int64_t token_stride, int64_t h, int64_t heads, int64_t group,
                                                              const int D, int64_t n, float *sc, float *acc, float *m, float *s) {
@@ -138,17 +141,18 @@ static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb,
     key_walk w;
     const char *kp[16];
     const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
+    const char *kh = (const char *)k_host, *vh = (const char *)v_host;
     const int64_t ts = 2 * token_stride; /* bytes */
     /* pass 1: scores, 16 keys of a row at a time; every row over a chunk of keys before the next
      * chunk, so the chunk's K rows come from memory once */
     key_walk ahead;
-    walk_start(&w, table, t0, t1, nranges, block_size, ts, kc, 2 * h * D);
-    walk_start(&ahead, table, t0, t1, nranges, block_size, ts, kc, 2 * h * D);
+    walk_start(&w, table, t0, t1, nranges, block_size, ts, kc, kh, 2 * h * D);
+    walk_start(&ahead, table, t0, t1, nranges, block_size, ts, kc, kh, 2 * h * D);
     const int64_t k_lines = heads * D / 32; /* the item's heads of one key row: bf16, 64-byte lines */
-    prefetch_next16(&ahead, kc, 2 * h * D, k_lines);
+    prefetch_next16(&ahead, k_lines);
     for (int64_t at = 0; at < n; at += 16) {
-        const int nk = walk_next16(&w, kc, 2 * h * D, kp);
-        prefetch_next16(&ahead, kc, 2 * h * D, k_lines);
+        const int nk = walk_next16(&w, kp);
+        prefetch_next16(&ahead, k_lines);
         const uint16_t *kr[16];
         for (int i = 0; i < nk; i++) kr[i] = (const uint16_t *)kp[i];
         for (int64_t r = 0; r < nr; r++)
@@ -182,12 +186,12 @@ static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb,
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) va[i] = _mm512_setzero_ps();
             const int64_t col = 2 * (h + hh) * D;
-            walk_start(&w, table, t0, t1, nranges, block_size, ts, vc, col);
-            walk_start(&ahead, table, t0, t1, nranges, block_size, ts, vc, col);
-            prefetch_next16(&ahead, vc, col, D / 32);
+            walk_start(&w, table, t0, t1, nranges, block_size, ts, vc, vh, col);
+            walk_start(&ahead, table, t0, t1, nranges, block_size, ts, vc, vh, col);
+            prefetch_next16(&ahead, D / 32);
             for (int64_t at = 0; at < n; at += 16) {
-                const int nk = walk_next16(&w, vc, col, kp);
-                prefetch_next16(&ahead, vc, col, D / 32);
+                const int nk = walk_next16(&w, kp);
+                prefetch_next16(&ahead, D / 32);
                 for (int i = 0; i < nk; i++) {
 #pragma GCC unroll 8
                     for (int c = 0; c < C; c++) {
@@ -215,10 +219,11 @@ static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb,
 }
 
 #define ATTEND_DOT(D_)                                                                                                  \
-    static void attend_dot_##D_(const uint16_t *qb, float scale, const uint16_t *k, const uint16_t *v, const int32_t *table, \
-                                const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t bs, int64_t ts, int64_t h,   \
-                                int64_t heads, int64_t group, int64_t n, float *sc, float *acc, float *m, float *s) {       \
-        attend_dot(qb, scale, k, v, table, t0, t1, nranges, bs, ts, h, heads, group, D_, n, sc, acc, m, s);               \
+    static void attend_dot_##D_(const uint16_t *qb, float scale, const uint16_t *k, const uint16_t *v, const uint16_t *kh,  \
+                                const uint16_t *vh, const int32_t *table, const int64_t *t0, const int64_t *t1,             \
+                                int64_t nranges, int64_t bs, int64_t ts, int64_t h, int64_t heads, int64_t group, int64_t n, \
+                                float *sc, float *acc, float *m, float *s) {                                                \
+        attend_dot(qb, scale, k, v, kh, vh, table, t0, t1, nranges, bs, ts, h, heads, group, D_, n, sc, acc, m, s);       \
     }
 ATTEND_DOT(64)
 ATTEND_DOT(128)
@@ -239,22 +244,24 @@ int sparse_attend_dot_available(void) { return 0; }
  * at the Qwen3-0.6B shape, cache flushed, 2 threads, the loop before vs this one alternating in
  * one process: NSA 8k batch 1 2.27 -> 0.80 ms, 64k 5.84 -> 2.90, 32k batch 8 16.8 -> 10.2; top-k
  * 2.97 -> 1.22, 3.49 -> 1.52, 21.4 -> 7.3 (not timed on an AVX2-only CPU). */
-static void attend_avx2(const float *qf, const void *k_cache, const void *v_cache, int kv_dtype, const int32_t *table,
+static void attend_avx2(const float *qf, const void *k_cache, const void *v_cache, const void *k_host, const void *v_host,
+                        int kv_dtype, const int32_t *table,
                         const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t block_size, int64_t token_stride,
                         int64_t h, int64_t heads, int64_t group, int64_t D, int64_t n, float *sc, float *acc, float *m,
                         float *s) {
     const int64_t nr = heads * group, es = kv_dtype == DT_BF16 ? 2 : 4, ts = es * token_stride;
     const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
+    const char *kh = (const char *)k_host, *vh = (const char *)v_host;
     key_walk w, ahead;
     const char *kp[16];
     const int64_t k_lines = (heads * D * es + 63) / 64;
     /* pass 1: scores, every row over a chunk of keys before the next chunk */
-    walk_start(&w, table, t0, t1, nranges, block_size, ts, kc, es * h * D);
-    walk_start(&ahead, table, t0, t1, nranges, block_size, ts, kc, es * h * D);
-    prefetch_next16(&ahead, kc, es * h * D, k_lines);
+    walk_start(&w, table, t0, t1, nranges, block_size, ts, kc, kh, es * h * D);
+    walk_start(&ahead, table, t0, t1, nranges, block_size, ts, kc, kh, es * h * D);
+    prefetch_next16(&ahead, k_lines);
     for (int64_t at = 0; at < n; at += 16) {
-        const int nk = walk_next16(&w, kc, es * h * D, kp);
-        prefetch_next16(&ahead, kc, es * h * D, k_lines);
+        const int nk = walk_next16(&w, kp);
+        prefetch_next16(&ahead, k_lines);
         for (int64_t r = 0; r < nr; r++) {
             const float *qr = qf + r * D;
             const int64_t koff = (r / group) * D;
@@ -294,14 +301,14 @@ static void attend_avx2(const float *qf, const void *k_cache, const void *v_cach
                 const int64_t r0 = hh * group + g0;
                 __m256 va[12];
                 for (int i = 0; i < 12; i++) va[i] = _mm256_setzero_ps();
-                walk_start(&w, table, t0, t1, nranges, block_size, ts, vc, col);
+                walk_start(&w, table, t0, t1, nranges, block_size, ts, vc, vh, col);
                 if (first) { /* the first walk of a head brings its V rows in for the others */
-                    walk_start(&ahead, table, t0, t1, nranges, block_size, ts, vc, col);
-                    prefetch_next16(&ahead, vc, col, (D * es + 63) / 64);
+                    walk_start(&ahead, table, t0, t1, nranges, block_size, ts, vc, vh, col);
+                    prefetch_next16(&ahead, (D * es + 63) / 64);
                 }
                 for (int64_t at = 0; at < n; at += 16) {
-                    const int nk = walk_next16(&w, vc, col, kp);
-                    if (first) prefetch_next16(&ahead, vc, col, (D * es + 63) / 64);
+                    const int nk = walk_next16(&w, kp);
+                    if (first) prefetch_next16(&ahead, (D * es + 63) / 64);
                     for (int i = 0; i < nk; i++)
                         for (int c = 0; c < cv; c++) {
                             const __m256 v = load8(kp[i], kv_dtype, c0 + 8 * c);
@@ -324,8 +331,8 @@ int sparse_attend_set_dot_path(int enabled) {
     return sparse_dot_enabled;
 }
 
-void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache, int kv_dtype,
-                   const int32_t *table, const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t block_size,
+void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache,
+                   const void *k_host, const void *v_host, int kv_dtype, const int32_t *table, const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t block_size,
                    int64_t token_stride, int64_t h, int64_t heads, int64_t group, int64_t D, float *sc, float *acc, float *m,
                    float *s) {
     const int64_t nr = heads * group; /* query rows */
@@ -337,9 +344,10 @@ void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void 
 #ifdef HAVE_DOT_BF16
     if (qb && kv_dtype == DT_BF16 && sparse_fast_enabled && sparse_dot_enabled && (D == 64 || D == 128 || D == 256)) {
         const uint16_t *k = (const uint16_t *)k_cache, *v = (const uint16_t *)v_cache;
-        if (D == 64) attend_dot_64(qb, scale, k, v, table, t0, t1, nranges, block_size, token_stride, h, heads, group, n, sc, acc, m, s);
-        else if (D == 128) attend_dot_128(qb, scale, k, v, table, t0, t1, nranges, block_size, token_stride, h, heads, group, n, sc, acc, m, s);
-        else attend_dot_256(qb, scale, k, v, table, t0, t1, nranges, block_size, token_stride, h, heads, group, n, sc, acc, m, s);
+        const uint16_t *kh = (const uint16_t *)k_host, *vh = (const uint16_t *)v_host;
+        if (D == 64) attend_dot_64(qb, scale, k, v, kh, vh, table, t0, t1, nranges, block_size, token_stride, h, heads, group, n, sc, acc, m, s);
+        else if (D == 128) attend_dot_128(qb, scale, k, v, kh, vh, table, t0, t1, nranges, block_size, token_stride, h, heads, group, n, sc, acc, m, s);
+        else attend_dot_256(qb, scale, k, v, kh, vh, table, t0, t1, nranges, block_size, token_stride, h, heads, group, n, sc, acc, m, s);
         return;
     }
 #endif
@@ -347,18 +355,20 @@ void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void 
     (void)scale;
 #if HAVE_AVX2
     if (sparse_fast_enabled && D % 8 == 0) {
-        attend_avx2(qf, k_cache, v_cache, kv_dtype, table, t0, t1, nranges, block_size, token_stride, h, heads, group, D, n, sc,
+        attend_avx2(qf, k_cache, v_cache, k_host, v_host, kv_dtype, table, t0, t1, nranges, block_size, token_stride, h, heads, group, D, n, sc,
                     acc, m, s);
         return;
     }
 #endif
     /* the scalar loops. pass 1: scores, row-major: sc[r * n + key] */
     int64_t at = 0;
+    int host;
     for (int64_t i = 0; i < nranges; i++)
         for (int64_t t = t0[i]; t < t1[i]; t++, at++) {
-            const int64_t off = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + h * D;
+            const int64_t off = block_base(table[t / block_size], block_size, token_stride, &host) + (t % block_size) * token_stride + h * D;
+            const void *kc = host ? k_host : k_cache;
             for (int64_t r = 0; r < nr; r++) {
-                const float x = dot_scalar(qf + r * D, k_cache, kv_dtype, off + (r / group) * D, D);
+                const float x = dot_scalar(qf + r * D, kc, kv_dtype, off + (r / group) * D, D);
                 sc[r * n + at] = x;
                 if (x > m[r]) m[r] = x;
             }
@@ -373,9 +383,10 @@ void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void 
     at = 0;
     for (int64_t i = 0; i < nranges; i++)
         for (int64_t t = t0[i]; t < t1[i]; t++, at++) {
-            const int64_t off = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + h * D;
+            const int64_t off = block_base(table[t / block_size], block_size, token_stride, &host) + (t % block_size) * token_stride + h * D;
+            const void *vc = host ? v_host : v_cache;
             for (int64_t hh = 0; hh < heads; hh++)
                 for (int64_t g = 0; g < group; g++)
-                    axpy_scalar(acc + (hh * group + g) * D, sc[(hh * group + g) * n + at], v_cache, kv_dtype, off + hh * D, D);
+                    axpy_scalar(acc + (hh * group + g) * D, sc[(hh * group + g) * n + at], vc, kv_dtype, off + hh * D, D);
         }
 }

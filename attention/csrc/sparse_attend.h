@@ -7,11 +7,13 @@
 #include <stdint.h>
 
 #include "dtypes.h"
+#include "host_pool.h"
 
 /* heads * group query rows qf [heads * group][D] (fp32, already multiplied by the softmax scale;
  * row r belongs to KV head h + r / group) against the keys of the ranges [t0[i], t1[i]) of one
  * sequence (block table `table`, KV heads h .. h + heads - 1 of a [blocks, block_size, kv_heads, D]
- * cache; kv_dtype DT_F32 or DT_BF16). Several consecutive heads read one contiguous run of each key
+ * cache; kv_dtype DT_F32 or DT_BF16; a HOST_BLOCK entry names a block of k_host / v_host, the same
+ * layout, read in place: host_pool.h). Several consecutive heads read one contiguous run of each key
  * row, which streams where one head alone reads a short piece every token_stride elements. Two
  * passes over the keys: scores, then exp(score - max) and p.V. Writes, per query row r: m[r] = the
  * max score, s[r] = the sum of exp(score - m[r]) and acc[r][D] = sum exp(score - m[r]) v (not
@@ -20,8 +22,8 @@
  * r * n + n), n the number of keys, in range order. qb (or NULL): the same rows as bf16, unscaled,
  * and `scale`: with bf16 K/V and head_dim 64, 128 or 256 on a CPU with AVX512-BF16 the scores
  * are then scale * (qb . k) on the bf16 dot instruction (exact products, fp32 sums). */
-void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache, int kv_dtype,
-                   const int32_t *table, const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t block_size,
+void sparse_attend(const float *qf, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache,
+                   const void *k_host, const void *v_host, int kv_dtype, const int32_t *table, const int64_t *t0, const int64_t *t1, int64_t nranges, int64_t block_size,
                    int64_t token_stride, int64_t h, int64_t heads, int64_t group, int64_t D, float *sc, float *acc, float *m,
                    float *s);
 

@@ -17,6 +17,9 @@
  * The rules are those of cuttle/attention/topk.py (the reference this kernel is tested against);
  * all math is fp32. `touched` (optional) receives per (row, KV head) the K/V tokens read, `selected`
  * (optional) the chosen blocks in rank order (forced ascending, then by score), -1 padded.
+ * Read in place: a HOST_BLOCK table entry names a block of the host pool (k_host, v_host and its
+ * summaries summ_host, the same layouts; host_pool.h); with no host pool such a table fails the
+ * call (-2) before anything is read.
  * Python binding: cuttle/attention/native/topk.py.
  */
 #include <math.h>
@@ -28,7 +31,7 @@
 #include "sparse_attend.h"
 
 int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                     const void *summ, int kv_dtype, void *out, int out_dtype, int64_t out_row_stride, float *lse,
+                     const void *summ, const void *k_host, const void *v_host, const void *summ_host, int kv_dtype, void *out, int out_dtype, int64_t out_row_stride, float *lse,
                      int64_t lse_row_stride, const int64_t *rows, const int32_t *tables, int64_t table_stride,
                      const int32_t *lens, int64_t num_rows, int64_t num_kv_heads, int64_t group, int64_t D,
                      int64_t block_size, int64_t sslots, int64_t summary_rows, int64_t P, int64_t nsel,
@@ -64,6 +67,11 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
             if (nh == 0) continue;
             const int64_t L = lens[r], t = L - 1;
             const int32_t *table = tables + r * table_stride;
+            if (!k_host && names_host_block(table, (L + block_size - 1) / block_size)) {
+#pragma omp atomic write
+                failed = 2;
+                continue;
+            }
             sparse_load_q(qf, q, q_dtype, rows[r] * q_row_stride + h0 * group * D, nr * D, scale);
             const uint16_t *qb = q_dtype == DT_BF16 ? (const uint16_t *)q + rows[r] * q_row_stride + h0 * group * D : NULL;
             const int64_t cur = t / P, nb = cur + 1, nfull = L / P;
@@ -71,7 +79,7 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                 /* 1. every block: plain causal attention, all the item's heads reading each key row
                  * as one contiguous run */
                 const int64_t zero = 0;
-                sparse_attend(qf, qb, scale, k_cache, v_cache, kv_dtype, table, &zero, &L, 1, block_size, token_stride, h0, nh, group, D, sc, acc, m, s);
+                sparse_attend(qf, qb, scale, k_cache, v_cache, k_host, v_host, kv_dtype, table, &zero, &L, 1, block_size, token_stride, h0, nh, group, D, sc, acc, m, s);
                 for (int64_t hh = 0; hh < nh; hh++) {
                     count[hh] = L;
                     if (selected)
@@ -82,7 +90,10 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                  * per query head a softmax over the complete blocks */
                 for (int64_t j = 0; j < nfull; j++) {
                     const int64_t e = j * P + P - 1;
-                    const int64_t base = (((int64_t)table[e / block_size] * sslots + (e % block_size) / P) * summary_rows) * token_stride + h0 * D;
+                    int host;
+                    const int64_t base = block_base(table[e / block_size], sslots * summary_rows, token_stride, &host) +
+                                         ((e % block_size) / P) * summary_rows * token_stride + h0 * D;
+                    const void *sm = host ? summ_host : summ;
                     for (int64_t i = 0; i < nr; i++) {
                         const float *qg = qf + i * D;
                         const int64_t off = base + (i / group) * D;
@@ -90,14 +101,14 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                         if (summary_rows == 2) { /* sum_d max(q m, q M) */
                             x = 0.f;
                             if (kv_dtype == DT_BF16) {
-                                const uint16_t *mn = (const uint16_t *)summ + off, *mx = mn + token_stride;
+                                const uint16_t *mn = (const uint16_t *)sm + off, *mx = mn + token_stride;
 #pragma omp simd reduction(+ : x)
                                 for (int64_t d = 0; d < D; d++) {
                                     const float a = qg[d] * bf16_to_f32(mn[d]), b = qg[d] * bf16_to_f32(mx[d]);
                                     x += a > b ? a : b;
                                 }
                             } else {
-                                const float *mn = (const float *)summ + off, *mx = mn + token_stride;
+                                const float *mn = (const float *)sm + off, *mx = mn + token_stride;
 #pragma omp simd reduction(+ : x)
                                 for (int64_t d = 0; d < D; d++) {
                                     const float a = qg[d] * mn[d], b = qg[d] * mx[d];
@@ -105,7 +116,7 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                                 }
                             }
                         } else {
-                            x = sparse_dot(qg, summ, kv_dtype, off, D);
+                            x = sparse_dot(qg, sm, kv_dtype, off, D);
                         }
                         ps[i * max_blocks + j] = x;
                     }
@@ -124,7 +135,7 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
                         for (int64_t j = 0; j < nfull; j++) bsc[j] += ps[(hh * group + g) * max_blocks + j];
                     const int64_t npick = sparse_pick_blocks(bsc, taken, pick, cur, nfull, nsel, init_blocks, local_blocks);
                     count[hh] = sparse_block_ranges(pick, t1, npick, P, L, selected, r * num_kv_heads + h0 + hh, nsel);
-                    sparse_attend(qf + hh * group * D, qb ? qb + hh * group * D : NULL, scale, k_cache, v_cache, kv_dtype, table, pick, t1, npick, block_size, token_stride,
+                    sparse_attend(qf + hh * group * D, qb ? qb + hh * group * D : NULL, scale, k_cache, v_cache, k_host, v_host, kv_dtype, table, pick, t1, npick, block_size, token_stride,
                                   h0 + hh, 1, group, D, sc, acc + hh * group * D, m + hh * group, s + hh * group);
                 }
             }
@@ -140,5 +151,5 @@ int topk_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const voi
         }
         free(qf); free(acc); free(ps); free(bsc); free(taken); free(pick); free(sc); free(m); free(count);
     }
-    return failed ? -1 : 0;
+    return failed == 2 ? -2 : failed ? -1 : 0;
 }

@@ -4,7 +4,9 @@ like a decode row); tested against the torch reference (`cuttle.attention.nsa`).
 
 One call attends one query token per row against its sequence's paged raw and compressed caches,
 choosing the row's blocks itself, and can report the blocks it chose and how many KV tokens it
-read per (row, KV head). Which library runs is the process's `KernelSet`
+read per (row, KV head). Block-table entries flagged `HOST_BLOCK` name blocks of the host pool
+(the KV host tier's raw and compressed caches, passed beside the device ones), read in place.
+Which library runs is the process's `KernelSet`
 (`cuttle.attention.native.kernels()`); this module declares the C signature and packs arguments.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from cuttle.attention.native import available as native_available
 from cuttle.attention.native import kernels, supports_rows
 from cuttle.attention.native.build import DTYPE_CODE
+from cuttle.attention.metadata import HOST_BLOCK  # the table flag of csrc/host_pool.h
 
 if TYPE_CHECKING:  # the config is only an annotation here: the kernel library stays free of the backends
     from cuttle.attention.nsa import NSAConfig
@@ -25,7 +28,8 @@ __all__ = ["available", "supports", "nsa_decode"]
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [
-    _vp, _int, _i64, _vp, _vp, _vp, _vp, _int,  # q, q dtype, q row stride, k, v, ck, cv, kv dtype
+    _vp, _int, _i64, _vp, _vp, _vp, _vp,  # q, q dtype, q row stride, k, v, ck, cv
+    _vp, _vp, _vp, _vp, _int,  # the host pool's k, v, ck, cv (read in place; NULL: none), kv dtype
     _vp, _i64, _vp, _int, _i64,  # gates, gate row stride, out, out dtype, out row stride
     _vp, _vp, _i64, _vp, _i64,  # rows, tables, table stride, lens, num rows
     _i64, _i64, _i64, _i64, _i64,  # kv heads, group, head_dim, block_size, compressed slots per block
@@ -65,14 +69,21 @@ def nsa_decode(
     scale: float,
     selected: torch.Tensor | None = None,  # [N, Hkv, top_n] int32 out: chosen blocks, rank order, -1 padded
     touched: torch.Tensor | None = None,  # [N, Hkv] int64 out: KV tokens read
+    host: tuple[torch.Tensor, ...] | None = None,  # the host pool's (k, v, ck, cv), same layouts: HOST_BLOCK ids
 ) -> None:
     lib = kernels().lib
     assert lib is not None, "the native library is not loaded (check available())"
     _, block_size, hkv, dim = k_cache.shape
     n = rows.shape[0]
     assert ck_cache.shape[2:] == k_cache.shape[2:] and ck_cache.dtype == k_cache.dtype and ck_cache.is_contiguous()
-    # the kernel names a compressed entry by its int32 row in [blocks * slots, Hkv, D]
-    assert ck_cache.shape[0] * ck_cache.shape[1] < 2**31, "compressed cache rows must fit int32"
+    # the kernel names a compressed entry by its int32 row in [blocks * slots, Hkv, D], HOST_BLOCK-flagged
+    assert ck_cache.shape[0] * ck_cache.shape[1] < HOST_BLOCK, "compressed cache rows must fit below HOST_BLOCK"
+    hp = [None] * 4
+    if host is not None:
+        for h, d in zip(host, (k_cache, v_cache, ck_cache, cv_cache)):
+            assert h.dtype == d.dtype and h.shape[1:] == d.shape[1:] and h.is_contiguous() and h.device.type == "cpu"
+        assert host[2].shape[0] * host[2].shape[1] < HOST_BLOCK, "host compressed cache rows must fit below HOST_BLOCK"
+        hp = [h.data_ptr() for h in host]
     assert rows.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32 and tables.stride(1) == 1
     assert tables.shape[0] == lens.shape[0] == n and bool((lens >= 1).all())
     g = gates.float().contiguous()
@@ -86,11 +97,13 @@ def nsa_decode(
     head_chunks = min(hkv, max(1, -(-2 * threads // max(n, 1))))
     rc = _fn(lib)(
         q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ck_cache.data_ptr(),
-        cv_cache.data_ptr(), DTYPE_CODE[k_cache.dtype], g.data_ptr(), g.stride(0), out.data_ptr(),
+        cv_cache.data_ptr(), *hp, DTYPE_CODE[k_cache.dtype], g.data_ptr(), g.stride(0), out.data_ptr(),
         DTYPE_CODE[out.dtype], out.stride(0), rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
         hkv, q.shape[1] // hkv, dim, block_size, ck_cache.shape[1], cfg.compress_block, cfg.compress_stride,
         cfg.select_block, cfg.top_n, cfg.init_blocks, cfg.local_blocks, cfg.window, int(lens.max()), scale, head_chunks,
         selected.data_ptr() if selected is not None else None, touched.data_ptr() if touched is not None else None,
     )
+    if rc == -2:
+        raise ValueError("nsa_decode: a block table names a host block (HOST_BLOCK) but no host pool was given")
     if rc != 0:
         raise MemoryError("nsa_decode_rows: scratch allocation failed")

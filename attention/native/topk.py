@@ -5,7 +5,9 @@ reference (`cuttle.attention.topk`).
 
 One call attends one query token per row against its sequence's paged K/V, choosing the row's
 blocks itself from the block summaries, writes o and the log-sum-exp, and can report the blocks it
-chose and how many K/V tokens it read per (row, KV head). Which library runs is the process's
+chose and how many K/V tokens it read per (row, KV head). Block-table entries flagged `HOST_BLOCK`
+name blocks of the host pool (the KV host tier's caches and summaries, passed beside the device
+ones), read in place. Which library runs is the process's
 `KernelSet` (`cuttle.attention.native.kernels()`); this module declares the C signature and packs
 arguments.
 """
@@ -27,7 +29,8 @@ __all__ = ["available", "supports", "topk_decode", "set_fast_path", "set_dot_pat
 
 _vp, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [
-    _vp, _int, _i64, _vp, _vp, _vp, _int,  # q, q dtype, q row stride, k, v, summaries, kv dtype
+    _vp, _int, _i64, _vp, _vp, _vp,  # q, q dtype, q row stride, k, v, summaries
+    _vp, _vp, _vp, _int,  # the host pool's k, v, summaries (read in place; NULL: none), kv dtype
     _vp, _int, _i64, _vp, _i64,  # out, out dtype, out row stride, lse, lse row stride
     _vp, _vp, _i64, _vp, _i64,  # rows, tables, table stride, lens, num rows
     _i64, _i64, _i64, _i64, _i64, _i64,  # kv heads, group, head_dim, block_size, summary slots per block, summary rows
@@ -90,6 +93,7 @@ def topk_decode(
     scale: float,
     selected: torch.Tensor | None = None,  # [N, Hkv, n] int32 out: chosen blocks, rank order, -1 padded
     touched: torch.Tensor | None = None,  # [N, Hkv] int64 out: K/V tokens read
+    host: tuple[torch.Tensor, ...] | None = None,  # the host pool's (k, v, summaries), same layouts: HOST_BLOCK ids
 ) -> None:
     lib = kernels().lib
     assert lib is not None, "the native library is not loaded (check available())"
@@ -97,6 +101,11 @@ def topk_decode(
     n = rows.shape[0]
     assert summ.shape[2] == cfg.summary_rows and summ.shape[3:] == k_cache.shape[2:] and summ.dtype == k_cache.dtype
     assert summ.is_contiguous() and v_cache.is_contiguous()
+    hp = [None] * 3
+    if host is not None:
+        for h, d in zip(host, (k_cache, v_cache, summ)):
+            assert h.dtype == d.dtype and h.shape[1:] == d.shape[1:] and h.is_contiguous() and h.device.type == "cpu"
+        hp = [h.data_ptr() for h in host]
     assert rows.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32 and tables.stride(1) == 1
     assert tables.shape[0] == lens.shape[0] == n and bool((lens >= 1).all())
     if lse is not None:
@@ -110,7 +119,7 @@ def topk_decode(
     threads = torch.get_num_threads()
     head_chunks = min(hkv, max(1, -(-2 * threads // max(n, 1))))
     rc = _fn(lib)(
-        q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), summ.data_ptr(),
+        q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), summ.data_ptr(), *hp,
         DTYPE_CODE[k_cache.dtype], out.data_ptr(), DTYPE_CODE[out.dtype], out.stride(0),
         lse.data_ptr() if lse is not None else None, lse.stride(0) if lse is not None else 0,
         rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
@@ -118,5 +127,7 @@ def topk_decode(
         cfg.init_blocks, cfg.local_blocks, int(lens.max()), scale, head_chunks,
         selected.data_ptr() if selected is not None else None, touched.data_ptr() if touched is not None else None,
     )
+    if rc == -2:
+        raise ValueError("topk_decode: a block table names a host block (HOST_BLOCK) but no host pool was given")
     if rc != 0:
         raise MemoryError("topk_decode_rows: scratch allocation failed")

@@ -4,10 +4,11 @@ travels with the block through the host tier, swap preemption and the disk tier.
 
 Exactness as in test_kv_tiers.py: a small device pool that offloads and reloads (copy-in) gives
 the tokens and logprobs of a run with a large pool bit for bit, and recomputes nothing; swap
-preemption recomputes nothing either. Host
-blocks are never read in place for these models (their kernels read the device pool only): the
-engine copies them in, and kv_read_in_place='always' is refused naming why. A disk entry carries
-the companions and is not read back by an engine whose blocks have none (another layout).
+preemption recomputes nothing either. Host blocks read in place (their tables name HOST_BLOCK
+ids; the CPU kernels and the torch paths read K/V and companions from the host tier) give the
+same bits with nothing copied in, on the native kernels and on the torch paths; a Triton sparse
+kernel (device pool only) refuses kv_read_in_place='always' naming why. A disk entry carries the
+companions and is not read back by an engine whose blocks have none (another layout).
 """
 from __future__ import annotations
 
@@ -46,9 +47,8 @@ def test_resumed_sessions_reload_from_host_bit_identical(sparse_model):
     sessions = _sessions(4, 3, seed=3)
     ref_llm = _small(path, num_kv_blocks=256, max_num_seqs=1, **kw)
     ref = _run_sessions(ref_llm, sessions)
-    # "auto" (the default) would read host blocks in place for a dense model on CPU
-    tiered = _small(path, num_kv_blocks=24, num_host_kv_blocks=128, max_num_seqs=1, **kw)
-    assert tiered.engine.tiers.read_in_place == "never"
+    # "auto" (the default) would read host blocks in place on CPU: copy-in asked for here
+    tiered = _small(path, num_kv_blocks=24, num_host_kv_blocks=128, max_num_seqs=1, kv_read_in_place="never", **kw)
     assert _run_sessions(tiered, sessions) == ref
     st_ = tiered.stats()
     assert st_["kv_offloaded_blocks"] > 0 and st_["kv_host_hit_blocks"] > 0 and st_["kv_read_in_place_blocks"] == 0
@@ -83,10 +83,36 @@ def test_swap_preemption_recomputes_nothing(sparse_model):
     _all_free(swap)
 
 
-def test_read_in_place_always_is_refused_naming_the_kernels(sparse_model):
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_sessions_read_host_tier_in_place_bit_identical(sparse_model, kernels):
+    """Every host hit read where it lies (the sequence's table names the host blocks): the large
+    pool's bits, nothing copied in, nothing recomputed, every block free afterwards. `torch`: the
+    backends' torch paths (native kernels off in both engines), which gather from both pools."""
     path, kw = sparse_model
-    with pytest.raises(ValueError, match=r"kv_read_in_place='always': the NSA / top-k kernels read the device pool only"):
-        _small(path, num_host_kv_blocks=16, kv_read_in_place="always", **kw)
+    sessions = _sessions(4, 3, seed=4)
+
+    def engine(**over):
+        llm = _small(path, max_num_seqs=1, **kw, **over)
+        if kernels == "torch":
+            llm.engine.runner.backend.native = False
+        return llm
+
+    ref_llm = engine(num_kv_blocks=256)
+    ref = _run_sessions(ref_llm, sessions)
+    llm = engine(num_kv_blocks=24, num_host_kv_blocks=128, kv_read_in_place="always")
+    assert _run_sessions(llm, sessions) == ref
+    st_ = llm.stats()
+    assert st_["kv_offloaded_blocks"] > 0 and st_["kv_read_in_place_blocks"] > 0
+    assert st_["kv_read_in_place_blocks"] == st_["kv_host_hit_blocks"] and st_["kv_copy_in_runs"] == 0
+    assert st_["kv_bytes_host_to_device"] == 0  # nothing was copied in
+    assert st_["prefill_tokens_computed"] == ref_llm.stats()["prefill_tokens_computed"]
+    _all_free(llm)
+
+
+def test_read_in_place_always_is_refused_by_the_triton_sparse_kernels(sparse_model):
+    path, kw = sparse_model
+    with pytest.raises(ValueError, match=r"kv_read_in_place='always': the (nsa|topk)-triton kernel reads the device pool only"):
+        _small(path, num_host_kv_blocks=16, kv_read_in_place="always", attention_backend="triton", **kw)
 
 
 def test_disk_tier_round_trip_and_layouts_do_not_mix(dense_path, tmp_path):
