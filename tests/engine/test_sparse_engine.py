@@ -122,6 +122,30 @@ def test_refusals(dense_model, tmp_path):
         LLM(str(tmp_path / "nsa"), dtype="float32", num_kv_blocks=16, sparse_attention="topk")
 
 
+def test_documents_are_refused_before_queueing_and_the_engine_keeps_serving(dense_model, tmp_path):
+    """A squid prompt (documents) to a top-k or NSA engine is refused at admission naming why (its
+    segmented steps have no sparse selection rule yet); it used to fail inside the step, which in
+    the server fails every request in flight, and stayed queued. The batch it came in is not
+    queued either (all or nothing), and the engine serves the next request with every block free."""
+    path, _, prompts = dense_model
+    nsa_path = str(tmp_path / "nsa")
+    nsa_hf = {**HF, "nsa": {"compress_block": 8, "compress_stride": 4, "select_block": 16, "top_n": 3, "window": 16}}
+    model = CausalLM(ModelConfig.from_hf(nsa_hf), torch.float32, torch.device("cpu"))
+    peaked_init_(model)
+    save_checkpoint(nsa_path, nsa_hf, model)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    docs = {"documents": [[5, 6, 7, 8, 9], [10, 11, 12]], "prompt": [13, 14]}
+    for llm, match in ((LLM(path, dtype="float32", num_kv_blocks=32, sparse_attention=QUEST), "sparse_attention"),
+                       (LLM(nsa_path, dtype="float32", num_kv_blocks=32), "NSA attention")):
+        with pytest.raises(ValueError, match=f"documents are not supported .*{match}"):
+            llm.generate([prompts[0], docs], greedy, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+        out = llm.generate([prompts[1]], greedy, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+        st = llm.stats()
+        assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
 def test_cli_flag_reaches_the_engine(monkeypatch):
     from cuttle.engine import cli
 
