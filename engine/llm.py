@@ -216,6 +216,12 @@ class LLM:
                     for rid in ids:
                         engine.abort_request(rid)
                     raise RuntimeError(engine.stall_message())
+        except BaseException:
+            # a failed step or an interrupt (Ctrl-C) leaves none of this call's requests behind to
+            # run, or fail again, inside the next call: their blocks are freed here
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
         finally:
             bar.close()
         failed = [out for out in results.values() if out.error is not None]

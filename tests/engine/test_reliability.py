@@ -153,6 +153,34 @@ def test_offline_generate_raises_when_a_request_failed(ckpt):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("fault", [RuntimeError("injected step fault"), KeyboardInterrupt()])
+def test_failed_or_interrupted_generate_leaves_nothing_queued(ckpt, fault):
+    """A step that raises (or Ctrl-C) inside `LLM.generate`: the call raises, and none of its
+    requests stays behind to run (or fail again) in the next call; every block is free and the next
+    call generates what a fresh engine does."""
+    llm = LLM(ckpt, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate([[5, 9, 13]], params, use_tqdm=False)[0].outputs[0].token_ids
+    runner = llm.engine.runner
+    real_run, calls = runner.run, []
+
+    def run(inputs):
+        calls.append(1)
+        if len(calls) == 3:  # mid-decode
+            raise fault
+        return real_run(inputs)
+
+    runner.run = run
+    with pytest.raises(type(fault)):
+        llm.generate([[5, 9, 13], [7, 8, 9, 10]], params, use_tqdm=False)
+    runner.run = real_run
+    assert not llm.engine.has_unfinished_requests()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants([])
+    assert llm.generate([[5, 9, 13]], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 # ---- a caller that leaves while its command waits for the engine thread ---------------------------
 def test_callers_leaving_while_their_commands_wait_do_not_stop_the_engine_thread(ckpt):
     """A client that times out or disconnects while its add (or any engine-thread call) is queued
