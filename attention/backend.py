@@ -84,20 +84,24 @@ class PoolRows:
 BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
-def rows_as_decode_rows(meta: AttentionMetadata, seqs: list[tuple[int, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rows_as_decode_rows(meta: AttentionMetadata, seqs: list[tuple[int, int, int, int]], tables: torch.Tensor | None = None,
+                        full: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every query row of the given sequences as a decode row of its own, for the native sparse
     kernels (NSA, top-k), whose rule is per position: seqs holds (sequence index, first row,
     rows, keys after the step); row j of a sequence with c cached keys sees c + j + 1 keys.
-    Returns the rows (int64), each row's block table (int32 [rows, blocks]) and key count (int32)."""
+    Returns the rows (int64), each row's block table (int32 [rows, blocks]) and key count (int32).
+    `tables` (default: meta.block_tables) is indexed by the first field; `full[i]` (a squid part
+    whose keys are all visible: a prefix or a document) gives every row of seqs[i] all its keys."""
     rows: list[int] = []
     seq_of_row: list[int] = []
     lens: list[int] = []
-    for b, start, qlen, num_keys in seqs:
+    for i, (b, start, qlen, num_keys) in enumerate(seqs):
         rows.extend(range(start, start + qlen))
         seq_of_row.extend([b] * qlen)
-        lens.extend(range(num_keys - qlen + 1, num_keys + 1))
+        lens.extend([num_keys] * qlen if full is not None and full[i] else range(num_keys - qlen + 1, num_keys + 1))
     nblocks = -(-max(lens) // meta.block_size)
-    tables = meta.block_tables[torch.tensor(seq_of_row), :nblocks].to(torch.int32).contiguous()
+    source = meta.block_tables if tables is None else tables
+    tables = source[torch.tensor(seq_of_row), :nblocks].to(torch.int32).contiguous()
     return torch.tensor(rows, dtype=torch.int64), tables, torch.tensor(lens, dtype=torch.int32)
 
 

@@ -40,11 +40,9 @@ class TopKStepPlan:
     """Host-side plan of one step, shared by every sparse layer."""
 
     __slots__ = ("meta", "new_src", "new_dst", "seqs", "native_rows", "native_tables", "native_lens", "native_seqs",
-                 "torch_seqs")
+                 "torch_seqs", "parts")
 
     def __init__(self, meta: AttentionMetadata, cfg: TopKConfig, slots_per_block: int, native_rows: bool) -> None:
-        if meta.segments is not None:
-            raise NotImplementedError("sparse_attention does not take segmented steps (squid documents or other shared segments) yet")
         self.meta = meta
         bs, P = meta.block_size, cfg.block
         device = meta.block_tables.device
@@ -66,16 +64,34 @@ class TopKStepPlan:
             self.seqs.append((starts[b], qlen, num_keys, table))
         self.new_src = torch.cat(src) if src else None
         self.new_dst = torch.cat(dst) if dst else None
+        # a segmented step (squid: a prefix, documents, the own tokens) attends part by part
+        # (`SegmentBatch`: one per sequence and segment, virtual query rows, merged by the
+        # log-sum-exp), each part under the rule on its own keys: the attended units are the
+        # parts, `seqs` / the rows below describe them instead of the sequences
+        self.parts: list[tuple[int, int, int, bool]] | None = None  # (first virtual row, rows, keys, full)
+        sb = meta.segments
+        if sb is not None:
+            starts_v = sb.query_start_loc.tolist()
+            self.parts = [(starts_v[p], qlen, kv_len, not causal)
+                          for p, (qlen, kv_len, causal) in enumerate(zip(sb.query_lens_cpu, sb.kv_lens_cpu, sb.causal_cpu))]
+            self.seqs = [(s, qlen, n, sb.block_tables[p, : -(-n // bs)].long())
+                         for p, (s, qlen, n, _) in enumerate(self.parts)]
         # the native kernel takes every query row on CPU, each with its own key count (row j of a
-        # chunk sees ctx + j + 1 keys): its rule is per position, so prefill rows are decode rows
-        native = list(range(len(self.seqs))) if native_rows else []
+        # chunk sees ctx + j + 1 keys; a full part's rows see all of its keys): its rule is per
+        # position, so prefill rows are decode rows
+        attended = [b for b in range(len(self.seqs)) if self.seqs[b][2] > 0]  # an empty part attends nothing
+        native = attended if native_rows else []
         self.native_seqs = native
         taken = set(native)
-        self.torch_seqs = [b for b in range(len(self.seqs)) if b not in taken]
+        self.torch_seqs = [b for b in attended if b not in taken]
         self.native_rows = self.native_tables = self.native_lens = None
         if native:
-            self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
-                meta, [(b, *self.seqs[b][:3]) for b in native])
+            if sb is None:
+                self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
+                    meta, [(b, *self.seqs[b][:3]) for b in native])
+            else:
+                self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
+                    meta, [(b, *self.seqs[b][:3]) for b in native], sb.block_tables, [self.parts[b][3] for b in native])
 
 
 def _summary_slot(table: torch.Tensor, j: torch.Tensor, P: int, bs: int, slots_per_block: int) -> torch.Tensor:
@@ -141,13 +157,21 @@ class TopKBackend:
         if plan.new_src is not None:
             windows = pools("k", plan.new_src).transpose(1, 2)  # [E, P, Hkv, D] -> [E, Hkv, P, D]
             sf.index_copy_(0, plan.new_dst, summarize(windows, self.cfg).to(sf.dtype))
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        sb = meta.segments
+        if sb is not None:  # squid parts: virtual query rows (rotated where a part's keys moved), merged below
+            rows_q = sb.virtual_queries(q)
+            out = torch.zeros(rows_q.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full(rows_q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)  # empty parts
+        else:
+            rows_q, out = q, torch.empty_like(q)
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if self.kernel == "triton":
             from cuttle.attention.triton_topk import topk_paged_attention
 
             if host is not None:
                 raise NotImplementedError("the Triton top-k kernel reads the device pool only: host blocks are copied in")
+            if sb is not None:
+                raise NotImplementedError("the Triton top-k kernel does not take squid segments yet")
             idx, row_seq, row_pos = self.select(plan, q, sf, scale)
             topk_paged_attention(q, k_cache, v_cache, out, lse, idx, row_seq, row_pos, meta.block_tables, self.cfg, scale)
             return out, lse
@@ -155,14 +179,14 @@ class TopKBackend:
         if plan.native_rows is not None:
             from cuttle.attention.native import topk as native_topk
 
-            if native_topk.supports(q, k_cache, out):
-                native_topk.topk_decode(q, k_cache, v_cache, summ, out, lse, plan.native_rows, plan.native_tables,
+            if native_topk.supports(rows_q, k_cache, out):
+                native_topk.topk_decode(rows_q, k_cache, v_cache, summ, out, lse, plan.native_rows, plan.native_tables,
                                         plan.native_lens, self.cfg, scale, host=host)
             else:
                 seqs = plan.native_seqs + seqs
         for b in seqs:
-            self._torch_seq(plan, b, q, pools, out, lse, scale)
-        return out, lse
+            self._torch_seq(plan, b, rows_q, pools, out, lse, scale)
+        return (out, lse) if sb is None else sb.merge(out, lse, q)
 
     def select(self, plan: TopKStepPlan, q: torch.Tensor, sf: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
         """Every row's chosen blocks [T, Hkv, n] int32 (ascending, -1 padded), by the reference's
@@ -188,13 +212,17 @@ class TopKBackend:
         return idx, row_seq.to(q.device), row_pos.to(q.device)
 
     def _torch_seq(self, plan: TopKStepPlan, b: int, q, pools: PoolRows, out, lse, scale: float) -> None:
-        """Sequence b's rows through the reference (gathering all its keys: the oracle path)."""
+        """Sequence (or squid part) b's rows through the reference (gathering all its keys: the oracle
+        path); a full part's rows all sit at its last key."""
         start, qlen, num_keys, table = plan.seqs[b]
         bs, P = plan.meta.block_size, self.cfg.block
         keys = torch.arange(num_keys, device=q.device)
         slots = table[keys // bs] * bs + keys % bs
         summ = pools("s", _summary_slot(table, torch.arange(num_keys // P, device=q.device), P, bs, self.slots_per_block))
-        pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
+        if plan.parts is not None and plan.parts[b][3]:
+            pos = torch.full((qlen,), num_keys - 1, device=q.device)
+        else:
+            pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
         o, l = topk_attend_chunked(q[start : start + qlen].float(), pools("k", slots).float(), pools("v", slots).float(), pos,
                                    self.cfg, scale, summ.float())
         out[start : start + qlen] = o.to(out.dtype)

@@ -206,13 +206,16 @@ def test_documents_on_an_mla_model_are_refused(tmp_path):
         assert post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}).status_code == 200
 
 
-def test_sparse_attention_server_refuses_documents_and_serves_on(qwen3_path):
-    """Documents to a top-k engine: a 400 naming why, at admission (inside a step it would fail
+def test_nsa_server_refuses_documents_and_serves_on(tmp_path):
+    """Documents to an NSA engine: a 400 naming why, at admission (inside a step it would fail
     every request in flight), then the next request is served."""
-    with LiveServer(qwen3_path, dtype="float32", num_kv_blocks=64, max_model_len=256,
-                    sparse_attention="topk:budget=32,block=8,dense_layers=0") as srv:
+    from sparse_helpers import make_nsa_checkpoint
+
+    path = str(tmp_path / "nsa")
+    make_nsa_checkpoint(path, seed=5, max_position_embeddings=256)
+    with LiveServer(path, dtype="float32", num_kv_blocks=64, max_model_len=256) as srv:
         body = {"model": "test-model", "prompt": [40, 41, 42], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         r = post(srv, "/v1/completions", {**body, "documents": [[5, 6, 7, 8]]})
-        assert r.status_code == 400 and "documents are not supported with sparse_attention" in r.text, r.text
+        assert r.status_code == 400 and "documents are not supported for NSA attention models" in r.text, r.text
         r = post(srv, "/v1/completions", body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -122,28 +122,72 @@ def test_refusals(dense_model, tmp_path):
         LLM(str(tmp_path / "nsa"), dtype="float32", num_kv_blocks=16, sparse_attention="topk")
 
 
-def test_documents_are_refused_before_queueing_and_the_engine_keeps_serving(dense_model, tmp_path):
-    """A squid prompt (documents) to a top-k or NSA engine is refused at admission naming why (its
-    segmented steps have no sparse selection rule yet); it used to fail inside the step, which in
-    the server fails every request in flight, and stayed queued. The batch it came in is not
-    queued either (all or nothing), and the engine serves the next request with every block free."""
-    path, _, prompts = dense_model
+def test_documents_to_an_nsa_engine_are_refused_before_queueing(tmp_path):
+    """A squid prompt (documents) to an NSA engine is refused at admission naming why (NSA has no
+    rule for segmented steps yet); it used to fail inside the step, which in the server fails
+    every request in flight, and stayed queued. The batch it came in is not queued either (all or
+    nothing), and the engine serves the next request with every block free. The same for top-k
+    beside the Triton kernel, which takes no segments."""
     nsa_path = str(tmp_path / "nsa")
     nsa_hf = {**HF, "nsa": {"compress_block": 8, "compress_stride": 4, "select_block": 16, "top_n": 3, "window": 16}}
     model = CausalLM(ModelConfig.from_hf(nsa_hf), torch.float32, torch.device("cpu"))
     peaked_init_(model)
     save_checkpoint(nsa_path, nsa_hf, model)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    docs = {"documents": [[5, 6, 7, 8, 9], [10, 11, 12]], "prompt": [13, 14]}
-    for llm, match in ((LLM(path, dtype="float32", num_kv_blocks=32, sparse_attention=QUEST), "sparse_attention"),
-                       (LLM(nsa_path, dtype="float32", num_kv_blocks=32), "NSA attention")):
-        with pytest.raises(ValueError, match=f"documents are not supported .*{match}"):
-            llm.generate([prompts[0], docs], greedy, use_tqdm=False)
-        assert not llm.engine.has_unfinished_requests()
-        out = llm.generate([prompts[1]], greedy, use_tqdm=False)[0]
-        assert len(out.outputs[0].token_ids) == 4
-        st = llm.stats()
-        assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    llm = LLM(nsa_path, dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="documents are not supported for NSA attention models"):
+        llm.generate([[5, 6, 7], {"documents": [[5, 6, 7, 8, 9], [10, 11, 12]], "prompt": [13, 14]}], greedy, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+SQUID_DOCS = [[3 + (7 * i + 3) % 250 for i in range(29)], [3 + (11 * i + 5) % 250 for i in range(22)],
+              [3 + (13 * i + 1) % 250 for i in range(37)]]
+
+
+def _squid_run(path: str, sparse: str | None, positions: str, requests: list[dict], native: bool = True):
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=160, max_model_len=256, squid_positions=positions,
+              **({"sparse_attention": sparse} if sparse else {}))
+    if not native:
+        llm.engine.runner.backend.native = False
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = []
+    for r in requests:  # one at a time: later requests find the earlier ones' documents cached
+        c = llm.generate([r], greedy, use_tqdm=False)[0].outputs[0]
+        outs.append((list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]))
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    return outs, st
+
+
+@pytest.mark.parametrize("positions", ["concat", "shared"])
+def test_topk_over_squid_documents(dense_model, positions):
+    """Documents under top-k: each segment (prefix, document, the query's own tokens) under the
+    rule on its own keys, merged by the log-sum-exp (tests/attention/test_topk_segments.py checks
+    that rule per step). Here, end to end: a budget covering every segment gives dense squid's
+    outputs; a small one gives the same on the native kernel and the torch path; documents found
+    in the cache in another order (no recompute of theirs, their summaries with their blocks)
+    give what an engine computing that request fresh gives."""
+    path, _, _ = dense_model
+    a, b, c = SQUID_DOCS
+    first = {"prefix": [5, 6, 7], "documents": [a, b], "prompt": [40, 41, 42, 43]}
+    second = {"prefix": [5, 6, 7], "documents": [c, b, a], "prompt": [50, 51]}
+    wide = "topk:budget=64,block=4,dense_layers=0,summary=quest,init_blocks=1,local_blocks=1"
+    narrow = "topk:budget=12,block=4,dense_layers=0,summary=quest,init_blocks=1,local_blocks=1"
+    dense, _ = _squid_run(path, None, positions, [first, second])
+    got, _ = _squid_run(path, wide, positions, [first, second])
+    for (ta, la), (tb, lb) in zip(got, dense):
+        assert ta == tb and max(abs(x - y) for x, y in zip(la, lb)) <= 1e-5
+    native, st = _squid_run(path, narrow, positions, [first, second])
+    assert st["documents_hit"] >= 2  # a and b came from the cache for the second request
+    torch_path, _ = _squid_run(path, narrow, positions, [first, second], native=False)
+    fresh, _ = _squid_run(path, narrow, positions, [second])
+    assert native != dense  # the small budget is sparse here
+    for (ta, la), (tb, lb) in zip(native, torch_path):
+        assert ta == tb and max(abs(x - y) for x, y in zip(la, lb)) <= 1e-5
+    assert native[1][0] == fresh[0][0] and max(abs(x - y) for x, y in zip(native[1][1], fresh[0][1])) <= 1e-5
 
 
 def test_cli_flag_reaches_the_engine(monkeypatch):
