@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from cuttle.attention import native_attention
-from cuttle.attention.backend import write_kv
+from cuttle.attention.backend import gather_pools, write_kv
 from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata
 
 
@@ -133,13 +133,7 @@ class TorchAttentionBackend:
 
 def _take_blocks(cache: torch.Tensor, host: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
     """cache[blocks], except that HOST_BLOCK ids come from the host pool (a copy either way)."""
-    if host is None:
-        return cache[blocks]
-    on_host = blocks >= HOST_BLOCK
-    out = cache[blocks.masked_fill(on_host, 0)]
-    if bool(on_host.any()):
-        out[on_host] = host[blocks[on_host] - HOST_BLOCK]
-    return out
+    return gather_pools(cache, host, blocks, HOST_BLOCK)
 
 
 def _take_slots(
