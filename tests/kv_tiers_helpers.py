@@ -63,3 +63,14 @@ def _concurrent(llm: LLM, params=None):
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (22, 25, 19)]
     params = params or SamplingParams(temperature=0, max_tokens=36, ignore_eos=True, logprobs=0)
     return [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _check_all_read_in_place(llm: LLM, ref_llm: LLM) -> None:
+    """Every host hit of `llm` was read in place (nothing copied in), and it computed no more
+    prefill than `ref_llm` (the large pool); every block of both tiers is free afterwards."""
+    st_ = llm.stats()
+    assert st_["kv_offloaded_blocks"] > 0 and st_["kv_read_in_place_blocks"] > 0
+    assert st_["kv_read_in_place_blocks"] == st_["kv_host_hit_blocks"] and st_["kv_copy_in_runs"] == 0
+    assert st_["kv_bytes_host_to_device"] == 0  # nothing was copied in
+    assert st_["prefill_tokens_computed"] == ref_llm.stats()["prefill_tokens_computed"]
+    _all_free(llm)

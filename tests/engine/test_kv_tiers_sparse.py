@@ -16,7 +16,7 @@ import pytest
 
 from cuttle.engine import SamplingParams
 from helpers import make_checkpoint
-from kv_tiers_helpers import _all_free, _concurrent, _favor_copy, _result, _run_sessions, _sessions, _small
+from kv_tiers_helpers import _all_free, _check_all_read_in_place, _concurrent, _favor_copy, _result, _run_sessions, _sessions, _small
 from sparse_helpers import make_nsa_checkpoint
 
 # budget 16 keys: the sessions' histories (up to ~90 tokens) are attended sparsely
@@ -101,12 +101,7 @@ def test_sessions_read_host_tier_in_place_bit_identical(sparse_model, kernels):
     ref = _run_sessions(ref_llm, sessions)
     llm = engine(num_kv_blocks=24, num_host_kv_blocks=128, kv_read_in_place="always")
     assert _run_sessions(llm, sessions) == ref
-    st_ = llm.stats()
-    assert st_["kv_offloaded_blocks"] > 0 and st_["kv_read_in_place_blocks"] > 0
-    assert st_["kv_read_in_place_blocks"] == st_["kv_host_hit_blocks"] and st_["kv_copy_in_runs"] == 0
-    assert st_["kv_bytes_host_to_device"] == 0  # nothing was copied in
-    assert st_["prefill_tokens_computed"] == ref_llm.stats()["prefill_tokens_computed"]
-    _all_free(llm)
+    _check_all_read_in_place(llm, ref_llm)
 
 
 def test_read_in_place_always_is_refused_by_the_triton_sparse_kernels(sparse_model):
