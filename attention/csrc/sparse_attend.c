@@ -186,12 +186,16 @@ static inline __attribute__((always_inline)) void attend_dot(const uint16_t *qb,
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) va[i] = _mm512_setzero_ps();
             const int64_t col = 2 * (h + hh) * D;
+            /* the first walk of a head brings its V rows in for the others (group > RG) */
+            const int first = g0 == 0;
             walk_start(&w, table, t0, t1, nranges, block_size, ts, vc, vh, col);
-            walk_start(&ahead, table, t0, t1, nranges, block_size, ts, vc, vh, col);
-            prefetch_next16(&ahead, D / 32);
+            if (first) {
+                walk_start(&ahead, table, t0, t1, nranges, block_size, ts, vc, vh, col);
+                prefetch_next16(&ahead, D / 32);
+            }
             for (int64_t at = 0; at < n; at += 16) {
                 const int nk = walk_next16(&w, kp);
-                prefetch_next16(&ahead, D / 32);
+                if (first) prefetch_next16(&ahead, D / 32);
                 for (int i = 0; i < nk; i++) {
 #pragma GCC unroll 8
                     for (int c = 0; c < C; c++) {
