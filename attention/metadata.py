@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cuttle.attention import native
 from cuttle.attention.merge import merge_lse_rows
 from cuttle.attention.rope import rotate_partial
 
@@ -50,8 +51,8 @@ if TYPE_CHECKING:
     from cuttle.attention.rope import RotaryEmbedding
 
 
-# Block-table flag of a host-pool block; block ids of either pool stay below it.
-HOST_BLOCK = 1 << 30
+# Block-table flag of a host-pool block; block ids of either pool stay below it (csrc/host_pool.h)
+HOST_BLOCK = native.HOST_BLOCK
 
 
 def has_host_blocks(ids: list[int]) -> bool:

@@ -27,6 +27,11 @@ from cuttle.attention.native import build
 
 logger = logging.getLogger(__name__)
 
+# Block-table flag of a host-pool block (read in place; csrc/host_pool.h): block ids of either pool
+# stay below it. Defined here so that the kernels' bindings need nothing outside this package;
+# `cuttle.attention.metadata` re-exports it.
+HOST_BLOCK = 1 << 30
+
 
 @dataclass(frozen=True, slots=True)
 class KernelSet:

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from cuttle.attention.native import available as native_available
-from cuttle.attention.native import kernels, supports_rows
+from cuttle.attention.native import HOST_BLOCK, kernels, supports_rows
 from cuttle.attention.native.build import DTYPE_CODE
-from cuttle.attention.metadata import HOST_BLOCK  # the table flag of csrc/host_pool.h
 
 if TYPE_CHECKING:  # the config is only an annotation here: the kernel library stays free of the backends
     from cuttle.attention.nsa import NSAConfig
