@@ -22,6 +22,7 @@ from cuttle.attention.native.gemm import drop_packed
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.cost_model import CostModel
+from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespace_key
 from cuttle.engine.kv.tiers import KVTiers
 from cuttle.engine.kv.transfer import TransferEngine
@@ -126,10 +127,15 @@ class LLMEngine:
         return tiers
 
     def _disk_namespace(self) -> int:
-        """What a disk entry's bytes depend on beyond its tokens and the chain's extra key."""
-        mc = self.model_config
-        geometry = f"{mc.num_layers}x{self.config.block_size}x{mc.num_kv_heads}x{mc.head_dim}{self.runner.kv.layout_tag()}"
-        return namespace_key(self._weights_tag, str(self.dtype).encode(), geometry.encode())
+        """What a disk entry's bytes depend on beyond its tokens and the chain's extra key: the
+        weights, dtype and block geometry, and every engine option that changes the forward before
+        the lm_head (weight quantization, top-k sparse attention; `quantize_lm_head` changes only
+        logits, so entries stay shared across it)."""
+        mc, config = self.model_config, self.config
+        geometry = f"{mc.num_layers}x{config.block_size}x{mc.num_kv_heads}x{mc.head_dim}{self.runner.kv.layout_tag()}"
+        forward = f"quantization={config.quantization};moe_quant={config.moe_quant};" \
+                  f"sparse_attention={parse_sparse_attention(config.sparse_attention)!r}"
+        return namespace_key(self._weights_tag, str(self.dtype).encode(), geometry.encode(), forward.encode())
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(

@@ -212,11 +212,11 @@ def _disk_llm(path: str, cache_dir: str, **kw) -> LLM:
                   max_num_seqs=1, kv_cache_dir=cache_dir, **kw)
 
 
-def _fill_disk(path: str, cache_dir: str):
+def _fill_disk(path: str, cache_dir: str, **kw):
     """One engine's life: sessions that push their KV through the host tier to disk. Session 0's
     history up to its third turn ends up there whole (the later turns of the others evict it)."""
     sessions = _sessions(4, 3, seed=9)
-    llm = _disk_llm(path, cache_dir)
+    llm = _disk_llm(path, cache_dir, **kw)
     results = _run_sessions(llm, sessions)
     llm.engine.tiers.drain()
     assert llm.stats()["kv_disk_entries"] > 0 and llm.stats()["kv_bytes_host_to_disk"] > 0
@@ -267,6 +267,29 @@ def test_disk_tier_is_not_reused_across_weights_or_checkpoints(model_path, other
     again = _disk_llm(model_path, cache)  # the original weights' entries are still there
     _resume(again, sessions, results)
     assert again.stats()["kv_disk_hit_blocks"] > 0
+
+
+def test_disk_tier_is_not_reused_across_forward_options(model_path, tmp_path):
+    """Options that change the forward before the lm_head (weight quantization, top-k sparse
+    attention and its fields) change every KV value: an engine with another of them never reads
+    the entries (they used to be read, silently giving another engine's KV); `quantize_lm_head`
+    changes only the logits and shares them."""
+    cache = str(tmp_path / "kv")
+    topk = "topk:budget=16,block=4,dense_layers=0"
+    sessions, results = _fill_disk(model_path, cache)
+    for kw in (dict(quantization="mxfp8"), dict(sparse_attention=topk), dict(sparse_attention=topk.replace("16", "32"))):
+        other = _disk_llm(model_path, cache, **kw)
+        fresh = _resume(_small(model_path, num_kv_blocks=256, max_num_seqs=1, **kw), sessions, results)
+        assert _resume(other, sessions, results) == fresh, kw
+        assert other.stats()["kv_disk_hit_blocks"] == 0, kw
+    plain = _disk_llm(model_path, cache)
+    _resume(plain, sessions, results)
+    assert plain.stats()["kv_disk_hit_blocks"] > 0
+    mx_cache = str(tmp_path / "kv-mxfp8")
+    sessions, results = _fill_disk(model_path, mx_cache, quantization="mxfp8")
+    lm_head_too = _disk_llm(model_path, mx_cache, quantization="mxfp8", quantize_lm_head=True)
+    _resume(lm_head_too, sessions, results)
+    assert lm_head_too.stats()["kv_disk_hit_blocks"] > 0
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
