@@ -481,6 +481,9 @@ class LLMEngine:
         return ended
 
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """All or nothing: every name and shape is checked before any tensor is written, so a bad
+        update (a foreign name, a wrong shape) leaves the old weights whole (the iterable is held
+        in full for that: references to the caller's tensors)."""
         model = self.runner.model
         params = dict(model.named_parameters(remove_duplicate=False))
         native: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -493,12 +496,13 @@ class LLMEngine:
             if tuple(p.shape) != tuple(t.shape):
                 raise ValueError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, the engine has {tuple(p.shape)}")
             native.append((p, t))
+        unknown = load_weights(model, hf, strict=False, source="update_weights", check_only=True)
+        if unknown:
+            raise ValueError(f"update_weights: tensors with no place in this model: {unknown[:8]}; nothing was written")
         with torch.no_grad():
             for p, t in native:
                 p.copy_(t)
-        unknown = load_weights(model, hf, strict=False, source="update_weights")
-        if unknown:  # the others are already copied: an update naming foreign tensors is a caller bug
-            raise ValueError(f"update_weights: tensors with no place in this model: {unknown[:8]}")
+        load_weights(model, hf, strict=False, source="update_weights")
 
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager

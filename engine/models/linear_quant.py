@@ -168,12 +168,15 @@ def quantized_linears(model: CausalLM) -> dict[str, MXLinearWeight]:
     return out
 
 
-def write_quantized_linear(weight: MXLinearWeight, src: torch.Tensor, rows: slice | None = None) -> int:
+def write_quantized_linear(weight: MXLinearWeight, src: torch.Tensor, rows: slice | None = None,
+                           check_only: bool = False) -> int:
     """Quantize a high-precision `src` (all rows, or `rows` of the fused weight) into `weight`;
-    returns the number of elements written. Raises on a shape mismatch."""
+    returns the number of elements written. Raises on a shape mismatch; `check_only`: only that."""
     data, scale = (weight.data, weight.scale) if rows is None else (weight.data[rows], weight.scale[rows])
     if tuple(data.shape) != tuple(src.shape):
         raise ValueError(f"tensor has shape {tuple(src.shape)}, the MXFP8 weight expects {tuple(data.shape)}")
+    if check_only:
+        return src.numel()
     with torch.no_grad():
         q, q_scale = quantize_mxfp8(src.to(device=data.device, dtype=weight.dtype), 32, _SCALE_MODE)
         data.copy_(q)

@@ -98,9 +98,11 @@ def checkpoint_is_quantized(path: str) -> bool:
 
 
 class _Filler:
-    """Copies checkpoint tensors into (slices of) model tensors and records what was covered."""
+    """Copies checkpoint tensors into (slices of) model tensors and records what was covered;
+    `check_only`: checks the shapes and records, writing nothing (a weight update's first pass)."""
 
-    def __init__(self) -> None:
+    def __init__(self, check_only: bool = False) -> None:
+        self.check_only = check_only
         self.filled: dict[str, int] = {}  # model tensor name -> number of elements filled
 
     def put(self, name: str, dst: torch.Tensor, src: torch.Tensor, ckpt_name: str, rows: slice | None = None, index: int | None = None) -> None:
@@ -110,8 +112,9 @@ class _Filler:
             dst = dst[rows]
         if tuple(dst.shape) != tuple(src.shape):
             raise ValueError(f"shape mismatch for {ckpt_name!r}: checkpoint has {tuple(src.shape)}, model expects {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(src)
+        if not self.check_only:
+            with torch.no_grad():
+                dst.copy_(src)
         self.count(name, src.numel())
 
     def count(self, name: str, numel: int) -> None:
@@ -142,11 +145,16 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     return model
 
 
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False, source: str = "weights") -> list[str]:
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False, source: str = "weights",
+                 check_only: bool = False) -> list[str]:
     """Copy HF-named tensors into the model's (fused) parameters, in place.
 
     `strict`: every parameter must be covered (loading a checkpoint); otherwise any subset may be
-    given (a weight update). Expert tensors for an MXFP8 layer are quantized as they are written
+    given (a weight update). `check_only`: every name mapped and every shape checked, nothing
+    written (a weight update checks all of its tensors before writing any). On a tied model,
+    `lm_head.weight` is the embedding: a checkpoint's copy is skipped (HF ties it to the
+    embedding), an update's is written to the embedding unless the update also names
+    `model.embed_tokens.weight`, which it must then equal. Expert tensors for an MXFP8 layer are quantized as they are written
     (MXFP8 ones are copied). Returns the names that have no place in this model and were skipped
     (e.g. `rotary_emb.inv_freq` buffers of old checkpoints, DeepSeek's multi-token-prediction
     layers); a name that maps to a parameter but has the wrong shape is an error.
@@ -168,26 +176,31 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     extra_layers = int(cfg.hf_config.get("num_nextn_predict_layers", 0)) if cfg.mla is not None else 0
     if cfg.hf_config.get(FLA_MARK):  # an fla-org NSA checkpoint: its names, renamed to Llama's
         tensors = fla_tensors(tensors)
-    filler = _Filler()
+    filler = _Filler(check_only)
     unused: list[str] = []
+    tied_head: tuple[torch.Tensor, str] | None = None  # an update's lm_head.weight on a tied model
+    embed_given: torch.Tensor | None = None
     for name, t in tensors:
         if name == "model.embed_tokens.weight":
             filler.put("embed", targets["embed"], t, name)
+            embed_given = t
         elif name == "lm_head.weight":
             if "lm_head" in mx_linears:
-                filler.count("lm_head", _write_linear(mx_linears["lm_head"], t, name))
+                filler.count("lm_head", _write_linear(mx_linears["lm_head"], t, name, check_only=check_only))
             elif not cfg.tie_word_embeddings:
                 filler.put("lm_head", targets["lm_head"], t, name)
+            elif not strict:
+                tied_head = (t, name)
         elif name == "lm_head" and cfg.tie_word_embeddings and "lm_head" not in targets:
             # the engine's name for a tied lm_head whose own entry became an MXFP8 copy: it is the embedding
             filler.put("embed", targets["embed"], t, name)
         elif name == "model.norm.weight":
             filler.put("norm.weight", targets["norm.weight"], t, name)
         elif name in mx_linears:  # the engine's own name (a trainer on this model code)
-            filler.count(name, _write_linear(mx_linears[name], t, name))
+            filler.count(name, _write_linear(mx_linears[name], t, name, check_only=check_only))
         elif (n := _NATIVE_EXPERTS.match(name)) is not None and int(n.group(1)) in quantized:
             i, which = int(n.group(1)), n.group(2)
-            data, scale = _write_quantized(quantized[i], which, t, name)
+            data, scale = _write_quantized(quantized[i], which, t, name, check_only=check_only)
             filler.count(f"layers.{i}.mlp.{which}_mx", data.numel())
             filler.count(f"layers.{i}.mlp.{which}_scale", scale.numel())
         elif name in targets and _NATIVE_EXPERTS.match(name) is not None:
@@ -207,13 +220,20 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
                 if pname not in targets:
                     raise ValueError(f"tensor {name!r} has no place in layer {i} of this {cfg.architecture} model")
                 if pname in mx_linears:
-                    filler.count(pname, _write_linear(mx_linears[pname], t, name, rows))
+                    filler.count(pname, _write_linear(mx_linears[pname], t, name, rows, check_only=check_only))
                 else:
                     filler.put(pname, targets[pname], t, name, rows=rows)
             else:
                 unused.append(name)
         else:
             unused.append(name)
+    if tied_head is not None:
+        t, name = tied_head
+        if embed_given is None:
+            filler.put("embed", targets["embed"], t, name)
+        elif tuple(t.shape) != tuple(embed_given.shape) or not torch.equal(t, embed_given):
+            raise ValueError(f"{name!r} differs from 'model.embed_tokens.weight' in this update, but this model ties "
+                             "them (tie_word_embeddings): give one, or both equal")
     if strict:
         foreign = [n for n in unused if not any(r.match(n) for r in IGNORED_TENSORS) and not _is_mtp_layer(n, cfg)]
         if foreign:
@@ -260,7 +280,7 @@ def _load_expert_tensor(
     if not isinstance(model.layers[i].mlp, FusedMoE):
         raise ValueError(f"tensor {name!r} is an expert weight but layer {i} is not a MoE layer here")
     if quantized is not None:
-        data, scale = _write_quantized(quantized, which, t, name, index=index, rows=rows)
+        data, scale = _write_quantized(quantized, which, t, name, index=index, rows=rows, check_only=filler.check_only)
         filler.count(p + which + "_mx", data.numel())
         filler.count(p + which + "_scale", scale.numel())
     else:
@@ -269,17 +289,19 @@ def _load_expert_tensor(
 
 
 def _write_quantized(
-    layer: FusedMoE, which: str, t: torch.Tensor, name: str, index: int | None = None, rows: slice | None = None
+    layer: FusedMoE, which: str, t: torch.Tensor, name: str, index: int | None = None, rows: slice | None = None,
+    check_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     try:
-        return write_quantized(layer, which, t, index=index, rows=rows)
+        return write_quantized(layer, which, t, index=index, rows=rows, check_only=check_only)
     except ValueError as err:
         raise ValueError(f"shape mismatch for {name!r}: {err}") from None
 
 
-def _write_linear(weight: MXLinearWeight, t: torch.Tensor, name: str, rows: slice | None = None) -> int:
+def _write_linear(weight: MXLinearWeight, t: torch.Tensor, name: str, rows: slice | None = None,
+                  check_only: bool = False) -> int:
     try:
-        return write_quantized_linear(weight, t, rows)
+        return write_quantized_linear(weight, t, rows, check_only)
     except ValueError as err:
         raise ValueError(f"shape mismatch for {name!r}: {err}") from None
 

@@ -57,11 +57,12 @@ def prepare_quantized_experts(model: CausalLM, mode: str = "mxfp8") -> None:
 
 
 def write_quantized(
-    layer: FusedMoE, which: str, src: torch.Tensor, index: int | None = None, rows: slice | None = None
+    layer: FusedMoE, which: str, src: torch.Tensor, index: int | None = None, rows: slice | None = None,
+    check_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write a high-precision `src` (one expert's rows, one expert, or all experts of `which`,
     "w13" or "w2") into the layer's MXFP8 buffers. Returns the (data, scale) views written, for
-    coverage accounting. Raises on a shape mismatch."""
+    coverage accounting. Raises on a shape mismatch; `check_only`: only that, nothing written."""
     data, scale = getattr(layer, which + "_mx"), getattr(layer, which + "_scale")
     if index is not None:
         data, scale = data[index], scale[index]
@@ -69,6 +70,8 @@ def write_quantized(
         data, scale = data[rows], scale[rows]
     if tuple(data.shape) != tuple(src.shape):
         raise ValueError(f"expert tensor has shape {tuple(src.shape)}, the layer expects {tuple(data.shape)}")
+    if check_only:
+        return data, scale
     dtype = layer.gate_weight.dtype  # quantize what quantize_ would see: the model-dtype weight
     stacked = (data, scale, src) if src.dim() == 3 else (data[None], scale[None], src[None])
     with torch.no_grad():

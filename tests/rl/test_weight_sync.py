@@ -113,6 +113,51 @@ def test_engine_parameter_names_and_bad_updates(moe_path):
         llm.update_weights([], in_flight="later")
 
 
+@pytest.mark.parametrize("bad", ["foreign-name", "hf-shape"])
+def test_a_refused_update_writes_nothing(moe_path, perturbed, random_prompts, bad):
+    """Every name and shape is checked before any tensor is written: a whole new checkpoint plus
+    one foreign name (or one HF-named tensor of the wrong shape, last) is refused and leaves the
+    old weights, version and cache as they were (it used to write every tensor before the bad one:
+    outputs of neither model, under the old version's cache)."""
+    _, tensors = perturbed
+    prompts = random_prompts(2, 40, seed=6)
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=128)
+    before, before_lps, _ = run(llm, prompts)
+    update = list(tensors.items())
+    if bad == "foreign-name":
+        update.append(("model.layers.0.self_attn.bogus.weight", torch.zeros(3)))
+    else:
+        name, t = next((n, t) for n, t in update if n.endswith("o_proj.weight"))
+        update.append((name, torch.zeros(t.shape[0] + 1, t.shape[1])))
+    with pytest.raises(ValueError, match="no place in this model|shape mismatch"):
+        llm.update_weights(update)
+    assert llm.weight_version == 0
+    after, after_lps, outs = run(llm, prompts)
+    assert after == before  # logprobs in the last bits only: the rerun starts from the cached prefix
+    assert max(abs(a - b) for x, y in zip(after_lps, before_lps) for a, b in zip(x, y)) < 1e-5
+    assert all(o.num_cached_tokens > 0 for o in outs)  # the old version's cache still serves
+    assert llm.update_weights(tensors.items()) == 1  # the good update still applies
+
+
+def test_tied_lm_head_update_writes_the_embedding(tmp_path):
+    """On a tied checkpoint `lm_head.weight` is the embedding: an update naming it alone writes
+    the embedding (it used to be dropped silently), with the embedding too they must be equal."""
+    from helpers import make_checkpoint
+
+    path = str(tmp_path / "tied")
+    make_checkpoint(path, "qwen3", tie_word_embeddings=True)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    embed = llm.engine.runner.model.embed
+    w = torch.randn(embed.shape, generator=torch.Generator().manual_seed(3))
+    llm.update_weights([("lm_head.weight", w)])
+    assert torch.equal(embed, w)
+    llm.update_weights([("model.embed_tokens.weight", w * 2), ("lm_head.weight", w * 2)])
+    assert torch.equal(embed, w * 2)
+    with pytest.raises(ValueError, match="ties them"):
+        llm.update_weights([("model.embed_tokens.weight", w), ("lm_head.weight", w * 3)])
+    assert torch.equal(embed, w * 2)  # refused before anything was written
+
+
 async def _in_flight(moe_path: str, tensors: dict[str, torch.Tensor], mode: str) -> tuple[list, int]:
     llm = LLM(moe_path, dtype="float32", num_kv_blocks=128)
     engine = AsyncEngine(llm.engine)
