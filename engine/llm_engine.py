@@ -268,6 +268,9 @@ class LLMEngine:
             raise ValueError(f"n ({params.n}) must be 1 or the number of sessions ({len(sessions)}): a turn samples once per session")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for session turns (the history's KV is reused, not recomputed)")
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens is not supported for session turns (a turn's prompt is the session's "
+                             "whole stream, whose KV the session keeps; close it and open one on the tokens to keep)")
         params = dataclasses.replace(params, n=len(sessions))
         req = self.add_request(request_id, list(sessions[0].token_ids), params, stream)
         try:

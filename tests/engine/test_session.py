@@ -236,6 +236,10 @@ def test_limits_are_refused_by_name_and_the_engine_serves_on(ckpt):
         llm.generate_session("session-nope", turn_params(1, 2))
     with pytest.raises(ValueError, match=r"n \(3\) must be 1 or the number of sessions"):
         llm.engine.add_session_turn("r", [a], SamplingParams(n=3, max_tokens=2))
+    # a truncated prompt would drop the history the session keeps (and disagree with its pins)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens is not supported for session turns"):
+        llm.generate_session(a, SamplingParams(max_tokens=2, truncate_prompt_tokens=5))
+    assert len(llm.session_token_ids(a)) == 20 + 4 and not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="token ids must be integers"):
         llm.append_to_session(a, [10**9])
     with pytest.raises(ValueError, match="max_session_kv_blocks"):
