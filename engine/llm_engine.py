@@ -184,6 +184,21 @@ class LLMEngine:
             raise ValueError(
                 f"{what} ({used} positions) + max_tokens ({max_tokens}) = {used + max_tokens} exceeds max_model_len ({self.max_model_len})"
             )
+        if layout is not None:
+            # the prefix and every document sit in blocks of their own, all held while the query
+            # runs: block rounding can ask more of the pool than max_model_len suggests, and such a
+            # request would wait for blocks forever, holding up the queue behind it
+            bs, pool = self.config.block_size, self.block_manager.num_blocks
+            shared = -(-layout.prefix_len // bs) + sum(-(-len(d) // bs) for d in layout.documents)
+            if params.max_tokens is None:  # the default: as many as max_model_len and the pool allow
+                max_tokens = max(1, min(max_tokens, (pool - shared) * bs - len(ids)))
+            need = shared + -(-(len(ids) + max_tokens) // bs)
+            if need > pool:
+                raise ValueError(
+                    f"prefix + documents + prompt + max_tokens need {need} KV blocks of {bs} tokens (the prefix and each "
+                    f"document take blocks of their own), more than the pool's {pool} (num_kv_blocks): send fewer or "
+                    "shorter documents, or a smaller max_tokens"
+                )
         controls = self.controls.prepare(params)  # compiles its grammar; a bad spec is refused here
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         extra = self.weight_version.to_bytes(8, "little") + (cache_salt or "").encode()

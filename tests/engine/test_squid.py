@@ -207,6 +207,31 @@ def test_bad_document_input_is_refused_naming_the_field(models, prompt, match):
     assert len(ok[0].outputs[0].token_ids) == 2
 
 
+def test_documents_that_cannot_fit_the_pool_are_refused_and_the_queue_moves(models):
+    """Each document starts blocks of its own, so documents within max_model_len can still need
+    more blocks than the pool has: such a request is refused at admission, naming the blocks, the
+    pool and what to change (it used to wait for blocks forever, holding up every request queued
+    behind it); the default max_tokens is capped to what the pool leaves."""
+    path, _ = models["qwen3"]
+    # "shared": the documents share positions, so max_model_len is far from binding
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=20, max_model_len=80, squid_positions="shared")
+    docs = _docs(40, [22, 22, 22])  # 31 positions with the rest, but 1 + 3 x 6 + 3 = 22 blocks
+    big = {"prefix": [3, 4, 5, 6], "documents": docs, "prompt": [7, 8, 9, 10, 11]}
+    with pytest.raises(ValueError, match=r"need 22 KV blocks of 4 tokens .* the pool's 20 \(num_kv_blocks\)"):
+        llm.generate([[5, 6, 7], big], SamplingParams(max_tokens=4), use_tqdm=False)
+    fits = {"prefix": [3, 4, 5, 6], "documents": _docs(41, [20, 20, 20]), "prompt": [7, 8, 9, 10, 11]}  # 16 blocks + own
+    with pytest.raises(ValueError, match=r"need 21 KV blocks"):  # decode growth past the pool: refused too
+        llm.generate(fits, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate([[5, 6, 7], fits], [SamplingParams(max_tokens=3, ignore_eos=True),
+                                            SamplingParams(max_tokens=None, ignore_eos=True)], use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 3
+    assert len(outs[1].outputs[0].token_ids) == 11  # max_tokens=None: 4 blocks of 4 beside the documents, less the prompt's 5
+    # (max_model_len alone would have allowed 80 - 29 = 51)
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
 def test_prompt_logprobs_with_documents_is_refused(models):
     path, _ = models["qwen3"]
     llm = LLM(path, dtype="float32", num_kv_blocks=64)
