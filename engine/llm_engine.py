@@ -452,9 +452,12 @@ class LLMEngine:
         return self.counters["steps"] == steps_before and not sched.running and not sched.loading and bool(sched.waiting)
 
     def stall_message(self) -> str:
-        return (f"a request cannot get KV blocks: sessions pin {self.sessions.pinned_block_count()} of "
-                f"{self.block_manager.num_blocks} (max_session_kv_blocks {self.sessions.max_session_kv_blocks}); "
-                "close sessions first")
+        pinned, total = self.sessions.pinned_block_count(), self.block_manager.num_blocks
+        if pinned:
+            return (f"a request cannot get KV blocks: sessions pin {pinned} of {total} "
+                    f"(max_session_kv_blocks {self.sessions.max_session_kv_blocks}); close sessions first")
+        return (f"a request cannot get KV blocks: no session pins any, {self.block_manager.num_free_blocks} of {total} "
+                "are free, and the waiting request needs more than that at once")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> list[RequestOutput]:
         """Replace weights in place and bump `weight_version`; returns the outputs of the requests
