@@ -281,6 +281,9 @@ class LLMEngine:
         sessions = self.sessions.turn_sessions(list(session_ids))
         if params.n not in (1, len(sessions)):
             raise ValueError(f"n ({params.n}) must be 1 or the number of sessions ({len(sessions)}): a turn samples once per session")
+        if len(sessions) > self.config.max_num_seqs:
+            raise ValueError(f"a turn of {len(sessions)} sessions (forked siblings run together) exceeds max_num_seqs "
+                             f"({self.config.max_num_seqs})")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for session turns (the history's KV is reused, not recomputed)")
         if params.truncate_prompt_tokens is not None:

@@ -236,6 +236,11 @@ def test_limits_are_refused_by_name_and_the_engine_serves_on(ckpt):
         llm.generate_session("session-nope", turn_params(1, 2))
     with pytest.raises(ValueError, match=r"n \(3\) must be 1 or the number of sessions"):
         llm.engine.add_session_turn("r", [a], SamplingParams(n=3, max_tokens=2))
+    small = LLM(path, dtype="float32", num_kv_blocks=32, block_size=BS, max_num_seqs=2)
+    group = [small.open_session(ids(8, 75))]
+    group += small.fork_session(group[0], 2)
+    with pytest.raises(ValueError, match=r"a turn of 3 sessions \(forked siblings run together\) exceeds max_num_seqs \(2\)"):
+        small.generate_session(group, turn_params(1, 2))
     # a truncated prompt would drop the history the session keeps (and disagree with its pins)
     with pytest.raises(ValueError, match="truncate_prompt_tokens is not supported for session turns"):
         llm.generate_session(a, SamplingParams(max_tokens=2, truncate_prompt_tokens=5))
