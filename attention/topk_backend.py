@@ -4,8 +4,10 @@
 Owns the per-step plan (which block summaries this step completes, each sequence's key slots and
 summary slots, the rows the native kernel takes) and `forward`: for a sparse layer it
 writes the raw K/V, stores the summaries of the blocks this step completes, and attends each query
-row to the blocks its selection picks. The first `dense_layers` layers (and every layer without a
-summary cache) go to the wrapped dense backend untouched. Never allocates cache memory (the runner
+row to the blocks its selection picks; a segmented step (squid: a prefix and documents beside the
+own tokens) attends part by part, each under the rule on its own keys, merged by the log-sum-exp
+(docs/nsa.md, "Squid documents under top-k"). The first `dense_layers` layers (and every layer
+without a summary cache) go to the wrapped dense backend untouched. Never allocates cache memory (the runner
 does) and never selects differently from the reference: the native kernel implements the same rule.
 
 Summary cache layout (per sparse layer): `[num_blocks, S, R, kv_heads, head_dim]` indexed by the
