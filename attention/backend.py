@@ -9,8 +9,8 @@ stateless apart from per-step planning; they never own cache memory.
 Every backend returns `(o, lse)`: `o` [T, num_heads, head_dim] in q's dtype and `lse`
 [T, num_heads] float32, the natural-log log-sum-exp of the scaled scores of the keys each row
 attended to (-inf for a row that saw no key), so results over disjoint key sets merge exactly
-(`merge.py`). `layer` names the model layer the call serves (per-layer caches beside the paged
-KV will hang on it); the backends so far use it for nothing else.
+(`merge.py`). `layer` names the model layer the call serves: the host tier's caches
+(`meta.host_kv[layer]`) and the sparse backends' per-layer side caches hang on it.
 """
 from __future__ import annotations
 
