@@ -218,6 +218,12 @@ class LLMEngine:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer, and this engine runs with skip_tokenizer_init: pass token ids")
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text holds a lone UTF-16 surrogate at {e.start}: not valid text") from None
         return self.tokenizer.encode(text, add_special_tokens)
 
     def _check_ids(self, ids: list[int], field: str) -> None:

@@ -311,7 +311,7 @@ def get_logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
         return None
     out: dict[int, float] = {}
     for k, v in lb.items():
-        if not (isinstance(k, str) and k.isdigit()):
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()):  # "²".isdigit() is True, int("²") fails
             raise OpenAIError(f"logit_bias keys must be token ids (decimal strings), got {show(k)}", param="logit_bias")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise OpenAIError(f"logit_bias[{k}] must be a number in [-100, 100], got {show(v)}", param="logit_bias")
@@ -371,6 +371,15 @@ class Usage:
                                           "cached_document_tokens": self.cached_document_tokens}}
 
 
+# JSON has no infinity: a logprob of -inf (a token the processed distribution excludes: top_k,
+# top_p, min_p, allowed_token_ids, a grammar) goes on the wire as vLLM sends it
+WIRE_MIN_LOGPROB = -9999.0
+
+
+def wire_logprob(x: float) -> float:
+    return WIRE_MIN_LOGPROB if x < WIRE_MIN_LOGPROB else x
+
+
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], text_offset0: int = 0) -> dict[str, Any]:
     """Legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -384,8 +393,8 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int
             token_lps.append(None)
             tops.append(None)
             continue
-        token_lps.append(lps[tok].logprob if tok in lps else None)
-        tops.append({tokenizer.token_text(t): lp.logprob for t, lp in lps.items()})
+        token_lps.append(wire_logprob(lps[tok].logprob) if tok in lps else None)
+        tops.append({tokenizer.token_text(t): wire_logprob(lp.logprob) for t, lp in lps.items()})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -395,8 +404,8 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logp
         piece = tokenizer.token_text(tok)
         ranked = sorted(lps.items(), key=lambda kv: kv[1].rank)[:top_n]
         out.append({
-            "token": piece, "logprob": lps[tok].logprob, "bytes": list(piece.encode()),
-            "top_logprobs": [{"token": (p := tokenizer.token_text(t)), "logprob": lp.logprob,
+            "token": piece, "logprob": wire_logprob(lps[tok].logprob), "bytes": list(piece.encode()),
+            "top_logprobs": [{"token": (p := tokenizer.token_text(t)), "logprob": wire_logprob(lp.logprob),
                               "bytes": list(p.encode())} for t, lp in ranked],
         })
     return out

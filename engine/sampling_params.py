@@ -71,10 +71,14 @@ class StructuredOutputsParams:
         return self.kind, v if isinstance(v, str) else json.dumps(v)  # key order matters: properties come out in it
 
 
+# temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by less overflows
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0
@@ -108,6 +112,8 @@ class SamplingParams:
             self.top_k = -1
         _check_int("n", self.n, lo=1, hi=1024)
         _check_float("temperature", self.temperature, lo=0.0, hi=100.0)
+        if self.temperature < GREEDY_BELOW:  # logits / 1e-39 overflow to inf and sample garbage: greedy, as vLLM
+            self.temperature = 0.0
         _check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=-1, hi=2**31 - 1)
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
@@ -144,7 +150,8 @@ class SamplingParams:
             # JSON object keys are strings: "50256" is token 50256 (OpenAI's wire form)
             bias: dict[int, float] = {}
             for k, v in self.logit_bias.items():
-                tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+                ds = k.strip().lstrip("-") if isinstance(k, str) else ""
+                tid = int(k) if ds.isascii() and ds.isdigit() else k
                 _check_int("logit_bias key", tid, lo=0, hi=2**31 - 1)
                 _check_float(f"logit_bias[{tid}]", v, lo=-100.0, hi=100.0)
                 bias[tid] = float(v)

@@ -44,7 +44,7 @@ async def json_body(request: Request, limit: int) -> dict[str, Any]:
     MAX_JSON_DEPTH deep, no NaN / Infinity / overflowing numbers (400 naming the field)."""
     size = request.headers.get("content-length")
     too_large = OpenAIError(f"request body is larger than {limit} bytes", 413, "invalid_request_error", code="request_too_large")
-    if size is not None and size.isdigit() and int(size) > limit:
+    if size is not None and size.isascii() and size.isdigit() and int(size) > limit:
         raise too_large
     chunks, n = [], 0
     async for chunk in request.stream():
@@ -80,7 +80,8 @@ async def json_body(request: Request, limit: int) -> dict[str, Any]:
         raise OpenAIError(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise OpenAIError("request body must be a JSON object")
-    if odd or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # rare: walk the values
+    # rare: walk the values (a \uD800-\uDFFF escape may leave a lone surrogate, which no tokenizer takes)
+    if odd or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH or _SURROGATE_ESCAPE.search(raw):
         _check_values(body)
     return body
 
@@ -98,10 +99,26 @@ def _check_values(body: dict[str, Any]) -> None:
         name, v, depth = todo.pop()
         if isinstance(v, float) and not math.isfinite(v):
             raise OpenAIError(f"{name} holds a non-finite number ({v}); NaN and Infinity are not JSON", param=name)
+        if isinstance(v, str) and not _is_utf8(v):
+            raise OpenAIError(f"{name} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape): not text",
+                              param=name)
+        if isinstance(v, dict) and not all(_is_utf8(k) for k in v):
+            raise OpenAIError(f"{name} has a key with a lone UTF-16 surrogate: not text", param=name)
         if isinstance(v, (list, dict)):
             if depth > MAX_JSON_DEPTH:
                 raise OpenAIError(f"{name} is nested deeper than the limit of {MAX_JSON_DEPTH} levels", param=name)
             todo.extend((name, x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _deep_field(raw: bytes) -> str | None:

@@ -383,11 +383,34 @@ def test_malformed_field_is_a_4xx_naming_it(srv, path, body, param):
     ("/v1/chat/completions", json.dumps({"messages": CHAT, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": json.loads('{"a": ' * 80 + "1" + "}" * 80)}}]}), "tools"),
     ("/v1/rl/generate", '{"prompts": ' + "[" * 3000 + "]" * 3000 + "}", "prompts"),
+    # an unpaired \uD800-\uDFFF escape is valid JSON but no text: it used to reach the tokenizer (a 500)
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 2, "stop": ["\\udfff"]}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "messages"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 2, "logit_bias": {"\u00b2": 1}}', "logit_bias"),  # "²".isdigit()
 ])
 def test_bad_json_and_deep_nesting(srv, path, text, param):
     r = post(srv, path, text)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert_serving(srv)
+
+
+def test_excluded_top_logprobs_and_tiny_temperatures_stay_valid_json(srv):
+    """More top logprobs than the processed distribution has tokens (top_k 2, 5 asked): the
+    others are -inf, sent as -9999.0 (JSON has no infinity: it was a 500, or a bare -Infinity in a
+    stream); a temperature of 1e-39 is greedy (it overflowed the logits: NaN logprobs, a 500)."""
+    body = {"prompt": "a b c", "max_tokens": 3, "logprobs": 5, "top_k": 2, "temperature": 1.0}
+    r = post(srv, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(min(t.values()) == -9999.0 for t in tops)
+    r = post(srv, "/v1/completions", {**body, "stream": True})
+    assert r.status_code == 200 and "Infinity" not in r.text and "NaN" not in r.text
+    greedy = post(srv, "/v1/completions", {"prompt": "a b c", "max_tokens": 4, "temperature": 0, "logprobs": 1}).json()
+    tiny = post(srv, "/v1/completions", {"prompt": "a b c", "max_tokens": 4, "temperature": 1e-39, "logprobs": 1}).json()
+    assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]
+    assert tiny["choices"][0]["logprobs"] == greedy["choices"][0]["logprobs"]
     assert_serving(srv)
 
 
