@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,8 @@ _REFUSED_WHY = {
     "return_token_ids": "return_token_ids is supported on /v1/completions only",
 }
 
+
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 def check_fields(body: dict[str, Any], allowed: frozenset[str] | set[str], n: Any = 1) -> None:
     """Refuse (400, param = the field) every field that is neither implemented nor harmless to ignore."""
@@ -329,8 +332,10 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
         f = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(f, dict):
             raise OpenAIError(f"tools[{i}] must be {{type: function, function: {{name, description, parameters}}}}", param="tools")
-        if not isinstance(f.get("name"), str) or not f["name"]:
-            raise OpenAIError(f"tools[{i}].function.name must be a non-empty string", param="tools")
+        if not isinstance(f.get("name"), str) or not _TOOL_NAME.fullmatch(f["name"]):
+            # OpenAI's rule; it also keeps a name from breaking out of the JSON or tag a forced tool call opens with
+            raise OpenAIError(f"tools[{i}].function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {show(f.get('name'))}",
+                              param="tools")
         if f.get("description") is not None and not isinstance(f["description"], str):
             raise OpenAIError(f"tools[{i}].function.description must be a string", param="tools")
         params = f.get("parameters")

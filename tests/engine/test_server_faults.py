@@ -308,7 +308,9 @@ CHAT_BAD = {
     "max_tokens": MAX_BAD,
     "tools": ["x", 5, [5], [{"type": "function"}], [{"type": "function", "function": {"name": 5}}],
               [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": 5}}}}],
-              [{"type": "function", "function": {"name": "f", "strict": "yes"}}], [{"type": "web_search"}]],
+              [{"type": "function", "function": {"name": "f", "strict": "yes"}}], [{"type": "web_search"}],
+              # a quote would break out of the JSON a forced call opens with (it was a 500)
+              [{"type": "function", "function": {"name": 'a"b'}}], [{"type": "function", "function": {"name": "x" * 65}}]],
     "tool_choice": ["maybe", 5, {"type": "function"}, {"type": "function", "function": "f"}, {"type": "function", "function": {"name": "nope"}},
                     "required"],
     "parallel_tool_calls": [False, "x"],
