@@ -152,6 +152,13 @@ class LLMEngine:
             raise ValueError("sampling_params must be a SamplingParams")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): the samples of one request run together")
+        if params.min_tokens and params.allowed_token_ids is not None:
+            # below min_tokens the stop ids (EOS unless ignore_eos, stop_token_ids) are masked: with
+            # nothing else allowed, every logit would be -inf and the sample garbage
+            blocked = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            if set(params.allowed_token_ids) <= blocked:
+                raise ValueError(f"allowed_token_ids {sorted(set(params.allowed_token_ids))[:8]} are all stop or EOS tokens, "
+                                 f"which min_tokens ({params.min_tokens}) forbids: nothing could be sampled")
         layout = None
         if isinstance(prompt, dict):
             layout, ids, text = self._squid_prompt(prompt, params)

@@ -55,6 +55,20 @@ def test_bad_requests_leave_others_running(qwen3_path):
     assert all(g.request_id in done for g in good)
 
 
+def test_min_tokens_with_only_stop_tokens_allowed_is_refused(qwen3_path):
+    """allowed_token_ids holding only stop / EOS ids beside min_tokens leaves nothing to sample
+    below min_tokens (every logit -inf: it sampled garbage, or a 500 with logprobs)."""
+    llm = LLM(qwen3_path, dtype="float32", num_kv_blocks=64, max_model_len=128)
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    with pytest.raises(ValueError, match=r"allowed_token_ids .* are all stop or EOS tokens, which min_tokens \(3\)"):
+        llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[eos], min_tokens=3, max_tokens=5), use_tqdm=False)
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2, max_tokens=5), use_tqdm=False)
+    out = llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[7, eos], min_tokens=2, max_tokens=3, temperature=0),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert out[:2] == [7, 7]
+
+
 def test_generate_with_one_bad_prompt_adds_nothing(qwen3_path):
     llm = LLM(qwen3_path, dtype="float32", num_kv_blocks=64, max_model_len=64)
     with pytest.raises(ValueError):
