@@ -60,6 +60,17 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         # echo repeats the `prompt` field as sent (with documents: the query, not the documents)
         echoed = [(p if isinstance(p, str) else tok.decode(p, False)) if echo else "" for p in prompts]
 
+        def echo_of(i: int, out: RequestOutput) -> str:
+            # a truncated prompt (truncate_prompt_tokens) echoes what was kept, as its tokens say
+            if echo and params.truncate_prompt_tokens is not None:
+                return tok.decode(out.prompt_token_ids, False)
+            return echoed[i]
+
+        def with_prompt(out: RequestOutput, ids: list[int], lps: list) -> tuple[list[int], list]:
+            """echo + logprobs: the prompt's tokens and logprobs ahead of the sample's"""
+            return (list(out.prompt_token_ids) + ids,
+                    list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps)
+
         def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name,
                     "choices": choices, **extra}
@@ -70,8 +81,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                     return None
                 ids, lps = list(c.token_ids), list(c.logprobs or [])
                 if echo:
-                    ids = out.prompt_token_ids + ids
-                    lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
+                    ids, lps = with_prompt(out, ids, lps)
                 return completion_logprobs(tok, ids, lps)
 
             def respond(finals: list[RequestOutput]) -> dict[str, Any]:
@@ -81,7 +91,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                     usage.add_prompt(out)
                     usage.add_completion(out)
                     for c in out.outputs:
-                        ch = {"index": i * params.n + c.index, "text": echoed[i] + c.text, "logprobs": choice_logprobs(out, c),
+                        ch = {"index": i * params.n + c.index, "text": echo_of(i, out) + c.text, "logprobs": choice_logprobs(out, c),
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                         if want_ids:
                             ch["prompt_token_ids"], ch["token_ids"] = out.prompt_token_ids, c.token_ids
@@ -94,13 +104,16 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
 
         def choice(d: Delta) -> dict[str, Any] | None:
             c = d.sample
-            text = echoed[d.prompt] + c.text if d.first else c.text
+            text = echo_of(d.prompt, d.out) + c.text if d.first else c.text
             if not text and c.finish_reason is None and not c.token_ids:
                 return None
             ch = {"index": d.prompt * params.n + c.index, "text": text, "logprobs": None,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if lp is not None:
-                ch["logprobs"] = completion_logprobs(tok, c.token_ids, c.logprobs or [])
+                ids, lps = list(c.token_ids), list(c.logprobs or [])
+                if echo and d.first:  # the prompt's logprobs go with its echo, in the first chunk
+                    ids, lps = with_prompt(d.out, ids, lps)
+                ch["logprobs"] = completion_logprobs(tok, ids, lps)
             if want_ids:
                 ch["token_ids"] = c.token_ids
             return ch

@@ -62,6 +62,15 @@ def test_completion_logprobs_echo_n_and_seed(client):
     assert [c.text for c in again.choices] == [c.text for c in r3.choices]
     multi = client.completions.create(model="test-model", prompt=["a b", "c d e"], max_tokens=3, temperature=0)
     assert sorted(c.index for c in multi.choices) == [0, 1]
+    # streamed echo + logprobs: the prompt's tokens and logprobs come in the first chunk (they were dropped)
+    chunks = list(client.completions.create(model="test-model", prompt="a b c d", max_tokens=5, temperature=0, logprobs=2,
+                                            echo=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    # a truncated prompt echoes what was kept (the whole prompt was echoed beside one prompt token)
+    t = client.completions.create(model="test-model", prompt="a b c d", max_tokens=2, temperature=0, logprobs=0, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 1, "ignore_eos": True})
+    assert t.usage.prompt_tokens == 1 and t.choices[0].text.startswith("d") and t.choices[0].logprobs.tokens[0] == "d"
 
 
 def test_streaming_completion_equals_non_streaming(client):
