@@ -23,14 +23,25 @@ import httpx
 import torch
 from safetensors.torch import save as save_safetensors
 
+from cuttle.engine.openai_protocol import RL_SAMPLING_FIELDS
 from cuttle.engine.sampling_params import SamplingParams
 from cuttle.rl.rollout import sample_groups
 from cuttle.rl.types import Group, Sample
 
 # Fields the server's sampling-params parser reads; logprobs are always returned by the route.
-_WIRE_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-                "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                "skip_special_tokens", "include_stop_str_in_output")
+_WIRE_FIELDS = RL_SAMPLING_FIELDS  # what /v1/rl/generate takes (logit_bias, allowed_token_ids, bad_words included)
+
+
+def _wire_params(params: SamplingParams) -> dict[str, Any]:
+    """The request's sampling fields for /v1/rl/generate; a field the route cannot honour is refused
+    by name rather than dropped (a sampler that silently differs from the in-process one)."""
+    fields = dataclasses.asdict(params)
+    if params.logprobs not in (None, 0):
+        raise ValueError(f"logprobs={params.logprobs}: /v1/rl/generate returns the sampled tokens' logprobs only")
+    for name in ("prompt_logprobs", "structured_outputs"):
+        if fields[name] is not None:
+            raise ValueError(f"{name} is not supported by RolloutClient (/v1/rl/generate does not take it)")
+    return {k: v for k, v in fields.items() if k in _WIRE_FIELDS}
 
 
 class RolloutClient:
@@ -87,7 +98,7 @@ class RolloutClient:
         return set(next(iter(seen.values())))
 
     def generate_tokens(self, prompts: list[list[int] | dict[str, Any]], params: SamplingParams) -> list[list[Sample]]:
-        wire = {k: v for k, v in dataclasses.asdict(params).items() if k in _WIRE_FIELDS}
+        wire = _wire_params(params)
         k = len(self.base_urls)
         shards = [list(range(i, len(prompts), k)) for i in range(k)]
 

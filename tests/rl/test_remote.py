@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from cuttle.engine import LLM, SamplingParams
+from cuttle.engine.sampling_params import StructuredOutputsParams
 from cuttle.rl import sample_groups
 from cuttle.rl.client import RolloutClient
 from cuttle.rl.trainer import Trainer
@@ -35,6 +36,13 @@ def test_remote_groups_equal_local_and_weights_update(moe_path, random_prompts):
         assert all(s.weight_version == 1 for g in updated for s in g.samples)
         assert [s.token_ids for s in updated[0].samples] != [s.token_ids for s in remote[0].samples]
 
+        # every sampling field the route takes travels (allowed_token_ids, logit_bias, bad_words and
+        # truncate_prompt_tokens used to be dropped: another sampler than the in-process one)
+        masked = SamplingParams(temperature=1.0, seed=3, max_tokens=6, allowed_token_ids=[5, 6, 9], logit_bias={9: -100},
+                                truncate_prompt_tokens=4, ignore_eos=True)
+        assert all(set(s.token_ids) <= {5, 6} for g in client.sample_groups(prompts, 2, masked) for s in g.samples)
+        with pytest.raises(ValueError, match="structured_outputs is not supported by RolloutClient"):
+            client.sample_groups(prompts, 2, SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a"])))
         bad = httpx.post(srv.url + "/v1/rl/generate", json={"prompts": [[]]})
         assert bad.status_code == 400
         too_big = httpx.post(srv.url + "/v1/rl/generate", json={"prompts": [[999999]]})
