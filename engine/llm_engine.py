@@ -524,6 +524,7 @@ class LLMEngine:
         model = self.runner.model
         params = dict(model.named_parameters(remove_duplicate=False))
         native: list[tuple[torch.Tensor, torch.Tensor]] = []
+        named_ids: list[tuple[str, torch.Tensor]] = []  # the engine-named ones, by name
         hf: list[tuple[str, torch.Tensor]] = []
         for name, t in named_tensors:
             p = params.get(name)
@@ -533,6 +534,10 @@ class LLMEngine:
             if tuple(p.shape) != tuple(t.shape):
                 raise ValueError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, the engine has {tuple(p.shape)}")
             native.append((p, t))
+            named_ids.append((name, t))
+        for name, t in [*named_ids, *hf]:  # a NaN weight would make every later output NaN
+            if t.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"update_weights: {name!r} holds a NaN or infinite value; nothing was written")
         unknown = load_weights(model, hf, strict=False, source="update_weights", check_only=True)
         if unknown:
             raise ValueError(f"update_weights: tensors with no place in this model: {unknown[:8]}; nothing was written")

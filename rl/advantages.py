@@ -5,6 +5,8 @@ logprobs: an advantage here is a function of the group's rewards only.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cuttle.rl.types import Group
@@ -15,6 +17,7 @@ def group_advantages(rewards: list[float], scale_by_std: bool, eps: float = 1e-6
 
     std is the unbiased sample std, as in DeepSeekMath / TRL; a one-sample group has A = 0.
     """
+    _check_finite(rewards)
     r = torch.tensor(rewards, dtype=torch.float64)
     if r.numel() < 2:
         return [0.0] * r.numel()
@@ -24,14 +27,25 @@ def group_advantages(rewards: list[float], scale_by_std: bool, eps: float = 1e-6
     return a.tolist()
 
 
+def _check_finite(rewards: list[float], where: str = "rewards") -> None:
+    """A NaN or infinite reward would make every advantage of its group NaN, then the loss, then
+    every trained weight (and the engine's after a sync): refused, naming the sample."""
+    for i, r in enumerate(rewards):
+        if not math.isfinite(r):
+            raise ValueError(f"{where}[{i}] is {r}: rewards must be finite numbers")
+
+
 def compute_advantages(groups: list[Group], scale_by_std: bool) -> list[list[float]]:
+    for gi, g in enumerate(groups):
+        _check_finite(g.rewards, f"group {gi} rewards")
     return [group_advantages(g.rewards, scale_by_std) for g in groups]
 
 
 def has_signal(group: Group) -> bool:
     """False when every sample got the same reward: the group's advantages are all zero."""
     rs = group.rewards
-    return max(rs) > min(rs)
+    _check_finite(rs)
+    return bool(rs) and max(rs) > min(rs)
 
 
 def drop_zero_variance(groups: list[Group]) -> list[Group]:

@@ -27,6 +27,7 @@ clip could never bind.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -163,6 +164,10 @@ class Trainer:
         since they were sampled, which the behaviour-policy ratio corrects)."""
         t0 = time.perf_counter()
         packed = batch.packed() if isinstance(batch, TrainBatch) else batch
+        for name in ("advantages", "rollout_logprobs"):  # a NaN here would reach every weight
+            t = getattr(packed, name)
+            if not bool(torch.isfinite(t[packed.loss_mask > 0] if t.shape == packed.loss_mask.shape else t).all()):
+                raise ValueError(f"the batch's {name} hold a non-finite value (a NaN or infinite reward?); nothing was trained")
         cfg = self.config.loss
         trained_per_seq = [int(packed.loss_mask[s:e].sum().item()) for s, e in zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist())]
         rollout_all = packed.rollout_logprobs[packed.loss_mask > 0]
@@ -191,6 +196,10 @@ class Trainer:
                 clip_fracs.append(stats["clip_frac"])
                 scored.append(lp.detach().cpu())
             grad_norms.append(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip or float("inf")).item())
+            if not math.isfinite(grad_norms[-1]):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"non-finite gradient norm ({grad_norms[-1]}) in minibatch {m0}..{m1}: this "
+                                         "optimizer step was skipped (earlier minibatches of the call were applied)")
             self.optimizer.step()
         self.num_steps += 1
         trainer_lp = start_lp if start_lp is not None else torch.cat(scored)  # k == 1: scored before the update

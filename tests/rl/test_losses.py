@@ -30,6 +30,19 @@ def test_drop_zero_variance_and_compute():
     assert compute_advantages(kept, scale_by_std=False) == [[-0.5, 0.5]]
 
 
+def test_non_finite_rewards_are_refused_naming_the_sample():
+    """A NaN reward used to make its group's advantages NaN, then the loss and every trained weight
+    (and DAPO's filter kept [1, nan, 2] but dropped [nan, 1], by element order)."""
+    with pytest.raises(ValueError, match=r"rewards\[1\] is nan"):
+        group_advantages([1.0, float("nan"), 2.0], scale_by_std=True)
+    with pytest.raises(ValueError, match=r"group 1 rewards\[0\] is inf"):
+        compute_advantages([group([0, 1]), group([float("inf"), 1])], scale_by_std=False)
+    for rs in ([1.0, float("nan"), 2.0], [float("nan"), 1.0]):
+        with pytest.raises(ValueError, match="finite"):
+            drop_zero_variance([group(rs)])
+    assert drop_zero_variance([group([])]) == []  # an empty group has no signal (it raised)
+
+
 def grads(name: str, lp_values: list[float], old: list[float], seq: list[int], adv: list[float], **over) -> tuple[torch.Tensor, float]:
     cfg = loss_config(name, **over)
     lp = torch.tensor(lp_values, requires_grad=True)

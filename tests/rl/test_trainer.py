@@ -138,3 +138,15 @@ def test_minibatches_take_one_optimizer_step_each(moe_path, rollout):
     assert stats["mismatch_max_abs"] <= 1e-5 and stats["mismatch_num_tokens"] == batch.packed().num_trained_tokens
     with pytest.raises(ValueError, match="old_policy"):
         TrainerConfig(old_policy="current")
+
+
+def test_a_non_finite_batch_trains_nothing(moe_path, rollout):
+    """NaN advantages (a batch built around the reward check) are refused before any step: the
+    weights stay as they were (they all became NaN, and a push then made the engine sample garbage)."""
+    _, groups = rollout
+    batch = TrainBatch.from_groups(groups[:2], [[float("nan")] * len(g.samples) for g in groups[:2]])
+    trainer = Trainer(moe_path)
+    before = [p.detach().clone() for p in trainer.params]
+    with pytest.raises(ValueError, match="advantages hold a non-finite value"):
+        trainer.step(batch)
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))

@@ -113,7 +113,7 @@ def test_engine_parameter_names_and_bad_updates(moe_path):
         llm.update_weights([], in_flight="later")
 
 
-@pytest.mark.parametrize("bad", ["foreign-name", "hf-shape"])
+@pytest.mark.parametrize("bad", ["foreign-name", "hf-shape", "nan"])
 def test_a_refused_update_writes_nothing(moe_path, perturbed, random_prompts, bad):
     """Every name and shape is checked before any tensor is written: a whole new checkpoint plus
     one foreign name (or one HF-named tensor of the wrong shape, last) is refused and leaves the
@@ -126,10 +126,13 @@ def test_a_refused_update_writes_nothing(moe_path, perturbed, random_prompts, ba
     update = list(tensors.items())
     if bad == "foreign-name":
         update.append(("model.layers.0.self_attn.bogus.weight", torch.zeros(3)))
-    else:
+    elif bad == "hf-shape":
         name, t = next((n, t) for n, t in update if n.endswith("o_proj.weight"))
         update.append((name, torch.zeros(t.shape[0] + 1, t.shape[1])))
-    with pytest.raises(ValueError, match="no place in this model|shape mismatch"):
+    else:  # a trainer whose loss went NaN: every later output would be NaN
+        name, t = update[-1]
+        update[-1] = (name, torch.full_like(t, float("nan")))
+    with pytest.raises(ValueError, match="no place in this model|shape mismatch|NaN or infinite"):
         llm.update_weights(update)
     assert llm.weight_version == 0
     after, after_lps, outs = run(llm, prompts)
