@@ -59,6 +59,31 @@ def xgrammar() -> Any:
     return xgr
 
 
+# JSON-schema keywords xgrammar compiles without enforcing (measured on xgrammar 0.2.8: a schema
+# with each accepted an instance it forbids); a schema using one is refused rather than half-kept
+_UNENFORCED = ("if", "then", "else", "not", "dependentRequired", "dependentSchemas", "dependencies", "contains",
+               "minContains", "maxContains")
+
+
+def unenforced_keywords(schema: Any, path: str = "$") -> list[str]:
+    """Where `schema` uses a keyword the grammar would not enforce (uniqueItems counts when true)."""
+    found: list[str] = []
+    todo = [(schema, path)]
+    while todo:
+        node, at = todo.pop()
+        if isinstance(node, dict):
+            found += [f"{at}.{k}" for k in _UNENFORCED if k in node]
+            if node.get("uniqueItems") is True:
+                found.append(f"{at}.uniqueItems")
+            for k, v in node.items():
+                if k in ("const", "enum", "default", "examples"):  # values, not schemas
+                    continue
+                todo.append((v, f"{at}.{k}"))
+        elif isinstance(node, list):
+            todo += [(v, f"{at}[{i}]") for i, v in enumerate(node)]
+    return sorted(found)
+
+
 def build_grammar(spec: StructuredOutputsParams) -> Any:
     """The spec as an (uncompiled, tokenizer-free) xgrammar Grammar; a ValueError naming the field
     when the schema / regex / grammar does not parse."""
@@ -66,6 +91,11 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
     kind = spec.kind
     try:
         if kind == "json":
+            parsed = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            bad = unenforced_keywords(parsed)
+            if bad:
+                raise _Unenforced(f"structured_outputs.json uses {', '.join(bad[:4])}: a keyword the grammar does not "
+                                  "enforce (if/then/else, not, dependent*, contains, uniqueItems), so the output could break it")
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
             return xgr.Grammar.from_json_schema(schema, strict_mode=True, **_JSON_LAYOUT)
         if kind == "json_object":
@@ -78,8 +108,14 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.grammar)
         return xgr.Grammar.from_structural_tag(spec.structural_tag)
+    except _Unenforced as e:
+        raise ValueError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for a bad spec
         raise ValueError(f"structured_outputs.{kind} does not compile: {str(e).strip()[:300]}") from None
+
+
+class _Unenforced(ValueError):
+    """A schema refused before xgrammar sees it (kept apart from xgrammar's own errors above)."""
 
 
 _tokenizer_verdicts: weakref.WeakKeyDictionary[Tokenizer, str] = weakref.WeakKeyDictionary()

@@ -190,6 +190,13 @@ def test_controls_apply_per_row_in_a_mixed_batch(embedded):
     (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": 5})), "structured_outputs.json"),
     (dict(structured_outputs=StructuredOutputsParams(regex="(unclosed")), "structured_outputs.regex"),
     (dict(structured_outputs=StructuredOutputsParams(grammar="root ::= undefined_rule")), "structured_outputs.grammar"),
+    # keywords xgrammar compiles without enforcing (an output breaking them was returned as valid)
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True})),
+     "structured_outputs.json uses $.uniqueItems"),
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {
+        "type": "object", "if": {"required": ["x"]}, "then": {"required": ["y"]}}}})), "structured_outputs.json uses $.properties.a.if"),
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "dependentRequired": {"a": ["b"]}})),
+     "dependentRequired"),
     (dict(logit_bias={10**6: 1.0}), "logit_bias"),
     (dict(allowed_token_ids=[5, 10**6]), "allowed_token_ids"),
 ])
