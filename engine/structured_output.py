@@ -251,6 +251,7 @@ class StructuredOutput:
             if self._compiler is None:
                 self._compiler = self._build_compiler()
             compiled = self._compiler.compile_grammar(grammar)
+            _check_admits_output(compiled, spec)
             self._compiled[key] = compiled
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -355,6 +356,18 @@ class StructuredOutput:
         entry[1] = done
         matcher.fill_next_token_bitmask(bitmask, k)
         return None
+
+
+def _check_admits_output(compiled: Any, spec: StructuredOutputsParams) -> None:
+    """A grammar whose first step allows no token (`root ::= root`: no finite string) would fail
+    its request at the first sample: refused at compile time instead, naming the field."""
+    xgr = xgrammar()
+    matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=0)
+    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask, 0)
+    if not bool(mask.any()):
+        raise ValueError(f"structured_outputs.{spec.kind} admits no output: its first token can be none "
+                         "(a rule with no finite expansion?)")
 
 
 def _set_bits(row: np.ndarray, ids: np.ndarray) -> None:

@@ -190,6 +190,8 @@ def test_controls_apply_per_row_in_a_mixed_batch(embedded):
     (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": 5})), "structured_outputs.json"),
     (dict(structured_outputs=StructuredOutputsParams(regex="(unclosed")), "structured_outputs.regex"),
     (dict(structured_outputs=StructuredOutputsParams(grammar="root ::= undefined_rule")), "structured_outputs.grammar"),
+    # no finite string: it failed its request at the first sample (a 500 on the server)
+    (dict(structured_outputs=StructuredOutputsParams(grammar="root ::= root")), "structured_outputs.grammar admits no output"),
     # keywords xgrammar compiles without enforcing (an output breaking them was returned as valid)
     (dict(structured_outputs=StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True})),
      "structured_outputs.json uses $.uniqueItems"),
