@@ -71,6 +71,8 @@ class StructuredOutputsParams:
         return self.kind, v if isinstance(v, str) else json.dumps(v)  # key order matters: properties come out in it
 
 
+MAX_STOP_STRINGS = 1024  # OpenAI takes 4; vLLM has no limit
+
 # temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by less overflows
 GREEDY_BELOW = 1e-5
 
@@ -131,6 +133,9 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=20)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            # each is scanned for on the engine thread at every token: a huge list slows every request
+            raise ValueError(f"stop holds {len(self.stop)} strings; the limit is {MAX_STOP_STRINGS}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")

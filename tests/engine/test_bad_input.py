@@ -13,7 +13,7 @@ INVALID = [
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("max_tokens", 0), ("min_tokens", -1), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("logprobs", 21), ("prompt_logprobs", -1), ("temperature", float("nan")),
-    ("n", 1.5), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("n", 1.5), ("stop", [""]), ("stop_token_ids", [-1]), ("stop", ["x"] * 1025),
 ]
 
 
