@@ -67,6 +67,15 @@ class Trajectory:
     finish_reason: str | None = None
     layout: SquidLayout | None = None
 
+    def __post_init__(self) -> None:
+        # one entry per token in each per-token field; a mask is 0 or 1 (a 2 would weigh a token twice)
+        n = len(self.token_ids)
+        for name in ("loss_mask", "logprobs", "weight_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Trajectory.{name} has {len(getattr(self, name))} entries for {n} tokens")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("Trajectory.loss_mask entries must be 0 or 1")
+
     @classmethod
     def start(cls, prompt_token_ids: list[int], layout: SquidLayout | None = None) -> Trajectory:
         n = len(prompt_token_ids)

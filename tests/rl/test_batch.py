@@ -59,3 +59,12 @@ def test_bad_batches():
         TrainBatch.from_trajectories([Trajectory.start([1])], [], [])
     with pytest.raises(ValueError, match="one logprob per token"):
         Trajectory.start([1]).append_sample(Sample([2, 3], [], "stop", 0))
+
+
+def test_trajectory_fields_are_checked():
+    """Per-token fields of another length (a raw torch error later) and a mask other than 0/1 (a
+    token weighed twice) are refused when the trajectory is made."""
+    with pytest.raises(ValueError, match=r"Trajectory.logprobs has 1 entries for 2 tokens"):
+        Trajectory([5, 6], [0, 1], [0.0], [-1, 0])
+    with pytest.raises(ValueError, match="loss_mask entries must be 0 or 1"):
+        Trajectory([5, 6], [0, 2], [0.0, -0.1], [-1, 0])
