@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from cuttle.attention.native.gemm import drop_packed
+from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.cost_model import CostModel
-from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespace_key
 from cuttle.engine.kv.tiers import KVTiers
 from cuttle.engine.kv.transfer import TransferEngine
