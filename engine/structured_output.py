@@ -65,10 +65,15 @@ _UNENFORCED = ("if", "then", "else", "not", "dependentRequired", "dependentSchem
                "minContains", "maxContains")
 
 
-def unenforced_keywords(schema: Any, path: str = "$") -> list[str]:
-    """Where `schema` uses a keyword the grammar would not enforce (uniqueItems counts when true)."""
+# keywords whose value maps names (a property's, a definition's) to schemas: the names are data
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def unenforced_keywords(schema: Any) -> list[str]:
+    """Where `schema` uses a keyword the grammar would not enforce (uniqueItems counts when true);
+    a property merely named like one ("not", "if") is not one."""
     found: list[str] = []
-    todo = [(schema, path)]
+    todo = [(schema, "$")]
     while todo:
         node, at = todo.pop()
         if isinstance(node, dict):
@@ -78,7 +83,10 @@ def unenforced_keywords(schema: Any, path: str = "$") -> list[str]:
             for k, v in node.items():
                 if k in ("const", "enum", "default", "examples"):  # values, not schemas
                     continue
-                todo.append((v, f"{at}.{k}"))
+                if k in _NAMED_SCHEMAS and isinstance(v, dict):
+                    todo += [(sub, f"{at}.{k}.{name}") for name, sub in v.items()]
+                else:
+                    todo.append((v, f"{at}.{k}"))
         elif isinstance(node, list):
             todo += [(v, f"{at}[{i}]") for i, v in enumerate(node)]
     return sorted(found)

@@ -208,6 +208,16 @@ def test_bad_controls_are_refused_at_admission(embedded, kw, field):
     assert not embedded.engine.has_unfinished_requests()
 
 
+def test_properties_named_like_unenforced_keywords_are_kept():
+    """A property called "not" or "if" is data, not the keyword: the schema compiles."""
+    from cuttle.engine.structured_output import unenforced_keywords
+
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "object", "properties": {
+        "contains": {"type": "integer"}}}}, "$defs": {"else": {"type": "integer"}}, "required": ["not"]}
+    assert unenforced_keywords(schema) == []
+    assert unenforced_keywords({"properties": {"a": {"not": {"type": "string"}}}}) == ["$.properties.a.not"]
+
+
 @pytest.mark.parametrize("kw,field", [
     (dict(logit_bias={5: 101}), "logit_bias[5]"),
     (dict(logit_bias={-1: 1}), "logit_bias key"),
