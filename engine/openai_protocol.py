@@ -83,7 +83,8 @@ _REFUSED_WHY = {
 }
 
 
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function name
+
 
 def check_fields(body: dict[str, Any], allowed: frozenset[str] | set[str], n: Any = 1) -> None:
     """Refuse (400, param = the field) every field that is neither implemented nor harmless to ignore."""

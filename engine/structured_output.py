@@ -97,13 +97,17 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
     when the schema / regex / grammar does not parse."""
     xgr = xgrammar()
     kind = spec.kind
+    if kind == "json":
+        try:
+            parsed = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        except ValueError:
+            parsed = None  # not JSON: xgrammar's error below names it
+        bad = unenforced_keywords(parsed)
+        if bad:
+            raise ValueError(f"structured_outputs.json uses {', '.join(bad[:4])}: a keyword the grammar does not enforce "
+                             "(if/then/else, not, dependent*, contains, uniqueItems), so the output could break it")
     try:
         if kind == "json":
-            parsed = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            bad = unenforced_keywords(parsed)
-            if bad:
-                raise _Unenforced(f"structured_outputs.json uses {', '.join(bad[:4])}: a keyword the grammar does not "
-                                  "enforce (if/then/else, not, dependent*, contains, uniqueItems), so the output could break it")
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
             return xgr.Grammar.from_json_schema(schema, strict_mode=True, **_JSON_LAYOUT)
         if kind == "json_object":
@@ -116,14 +120,8 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.grammar)
         return xgr.Grammar.from_structural_tag(spec.structural_tag)
-    except _Unenforced as e:
-        raise ValueError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for a bad spec
         raise ValueError(f"structured_outputs.{kind} does not compile: {str(e).strip()[:300]}") from None
-
-
-class _Unenforced(ValueError):
-    """A schema refused before xgrammar sees it (kept apart from xgrammar's own errors above)."""
 
 
 _tokenizer_verdicts: weakref.WeakKeyDictionary[Tokenizer, str] = weakref.WeakKeyDictionary()

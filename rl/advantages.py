@@ -12,12 +12,13 @@ import torch
 from cuttle.rl.types import Group
 
 
-def group_advantages(rewards: list[float], scale_by_std: bool, eps: float = 1e-6) -> list[float]:
+def group_advantages(rewards: list[float], scale_by_std: bool, eps: float = 1e-6, where: str = "rewards") -> list[float]:
     """A_i = R_i - mean(R), divided by std(R) + eps when `scale_by_std` (GRPO; Dr. GRPO skips it).
 
     std is the unbiased sample std, as in DeepSeekMath / TRL; a one-sample group has A = 0.
+    A non-finite reward is refused; `where` names the rewards in that error.
     """
-    _check_finite(rewards)
+    _check_finite(rewards, where)
     r = torch.tensor(rewards, dtype=torch.float64)
     if r.numel() < 2:
         return [0.0] * r.numel()
@@ -36,9 +37,7 @@ def _check_finite(rewards: list[float], where: str = "rewards") -> None:
 
 
 def compute_advantages(groups: list[Group], scale_by_std: bool) -> list[list[float]]:
-    for gi, g in enumerate(groups):
-        _check_finite(g.rewards, f"group {gi} rewards")
-    return [group_advantages(g.rewards, scale_by_std) for g in groups]
+    return [group_advantages(g.rewards, scale_by_std, where=f"group {gi} rewards") for gi, g in enumerate(groups)]
 
 
 def has_signal(group: Group) -> bool:

@@ -28,9 +28,6 @@ from cuttle.engine.sampling_params import SamplingParams
 from cuttle.rl.rollout import sample_groups
 from cuttle.rl.types import Group, Sample
 
-# Fields the server's sampling-params parser reads; logprobs are always returned by the route.
-_WIRE_FIELDS = RL_SAMPLING_FIELDS  # what /v1/rl/generate takes (logit_bias, allowed_token_ids, bad_words included)
-
 
 def _wire_params(params: SamplingParams) -> dict[str, Any]:
     """The request's sampling fields for /v1/rl/generate; a field the route cannot honour is refused
@@ -41,7 +38,7 @@ def _wire_params(params: SamplingParams) -> dict[str, Any]:
     for name in ("prompt_logprobs", "structured_outputs"):
         if fields[name] is not None:
             raise ValueError(f"{name} is not supported by RolloutClient (/v1/rl/generate does not take it)")
-    return {k: v for k, v in fields.items() if k in _WIRE_FIELDS}
+    return {k: v for k, v in fields.items() if k in RL_SAMPLING_FIELDS}  # what /v1/rl/generate reads
 
 
 class RolloutClient:

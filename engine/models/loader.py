@@ -154,8 +154,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     written (a weight update checks all of its tensors before writing any). On a tied model,
     `lm_head.weight` is the embedding: a checkpoint's copy is skipped (HF ties it to the
     embedding), an update's is written to the embedding unless the update also names
-    `model.embed_tokens.weight`, which it must then equal. Expert tensors for an MXFP8 layer are quantized as they are written
-    (MXFP8 ones are copied). Returns the names that have no place in this model and were skipped
+    `model.embed_tokens.weight`, which it must then equal. Expert tensors for an MXFP8 layer are
+    quantized as they are written (MXFP8 ones are copied). Returns the names that have no place in this model and were skipped
     (e.g. `rotary_emb.inv_freq` buffers of old checkpoints, DeepSeek's multi-token-prediction
     layers); a name that maps to a parameter but has the wrong shape is an error.
     """
