@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cuttle.engine.async_engine import AsyncEngine
 from cuttle.engine.metrics import ServerMetrics
@@ -80,6 +81,15 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if e.status == 503 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # unknown routes (404) and wrong methods (405) in the OpenAI error shape, as OpenAI's API
+        # answers them, instead of FastAPI's {"detail": ...}; the Allow header is kept
+        msg = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else \
+            f"{e.detail}: {request.method} {request.url.path}" if e.status_code == 405 else str(e.detail)
+        return JSONResponse(OpenAIError(msg, e.status_code, "invalid_request_error").body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:

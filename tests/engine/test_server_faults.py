@@ -416,6 +416,18 @@ def test_excluded_top_logprobs_and_tiny_temperatures_stay_valid_json(srv):
     assert_serving(srv)
 
 
+def test_unknown_route_and_wrong_method_use_the_openai_error_shape(srv):
+    """404 and 405 come in the OpenAI error shape (they were FastAPI's {"detail": ...}), naming the
+    method and path; a 405 keeps its Allow header."""
+    r = post(srv, "/v1/no-such-route", {"a": 1})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "POST /v1/no-such-route" in r.json()["error"]["message"]
+    r = srv.http.get("/v1/chat/completions")
+    assert r.status_code == 405 and "GET /v1/chat/completions" in r.json()["error"]["message"], r.text
+    assert "POST" in r.headers.get("allow", "")
+    assert_serving(srv)
+
+
 def test_body_size_limit_is_413(srv):
     from cuttle.engine.server import MAX_BODY_BYTES
 
