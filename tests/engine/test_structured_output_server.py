@@ -187,6 +187,28 @@ def xml_client():
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
 
 
+def test_strict_tool_using_an_unenforced_keyword_is_refused(client):
+    """A strict tool whose parameters use a keyword the grammar compiles without enforcing ("not",
+    uniqueItems true) is a 400 naming where (strict promises adherence; it was served and the call
+    could break the keyword); without strict, or with a property merely named "not", it is served."""
+    params = {"type": "object", "properties": {"verbose": {"type": "boolean", "not": {"const": False}},
+                                               "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+              "required": ["verbose"]}
+    tool = {"type": "function", "function": {"name": "run_tests", "parameters": params}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="test-model", messages=MSGS, tools=[TOOLS[0], {**tool, "function": {**tool["function"], "strict": True}}],
+                                       tool_choice="auto", max_tokens=4)
+    assert e.value.body["param"] == "tools"
+    assert "tools[1].function.parameters" in e.value.body["message"] and "$.properties.verbose.not" in e.value.body["message"]
+    assert "uniqueItems" in e.value.body["message"]
+    r = client.chat.completions.create(model="test-model", messages=MSGS, tools=[tool], tool_choice="required", max_tokens=4)
+    assert r.choices[0].finish_reason in ("length", "tool_calls", "stop")
+    named = {"type": "object", "properties": {"not": {"type": "boolean"}}, "required": ["not"], "additionalProperties": False}
+    r = client.chat.completions.create(model="test-model", messages=MSGS, tool_choice="required", max_tokens=40, temperature=1.0, seed=3,
+                                       tools=[{"type": "function", "function": {"name": "flag", "parameters": named, "strict": True}}])
+    assert r.choices[0].finish_reason in ("length", "tool_calls")
+
+
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
 def test_forced_qwen3_coder_tool_call_always_parses_and_validates(xml_client, tool_choice):
     """Every forced XML call parses, names a tool, has its required parameters, each of its type
