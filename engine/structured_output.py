@@ -256,7 +256,11 @@ class StructuredOutput:
             grammar = build_grammar(spec)
             if self._compiler is None:
                 self._compiler = self._build_compiler()
-            compiled = self._compiler.compile_grammar(grammar)
+            try:
+                compiled = self._compiler.compile_grammar(grammar)
+            except RuntimeError as e:  # xgrammar's own checks failing on a spec it parsed (seen on some patterns)
+                raise ValueError(f"structured_outputs.{spec.kind} does not compile (xgrammar: "
+                                 f"{str(e).strip()[:300]})") from None
             _check_admits_output(compiled, spec)
             self._compiled[key] = compiled
             if len(self._compiled) > _CACHE_SIZE:

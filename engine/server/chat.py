@@ -130,7 +130,8 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             # templates already spell out BOS and role markers, so no special tokens are added again
             prompt = tok.encode(text, add_special_tokens=False) + forced_ids
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        fields = Fields("messages", max_field, documents="documents" if field_docs else "messages", prefix="messages")
+        fields = Fields("messages", max_field, documents="documents" if field_docs else "messages", prefix="messages",
+                        structured="tools" if tool_structure is not None else structured_field or "structured_outputs")
         # vLLM's response role: a new assistant turn, or the role of the message being continued
         role = "assistant" if tmpl.add_generation_prompt else messages[-1]["role"]
         # echo: the final message's text comes first when the reply continues it (vLLM's rule)

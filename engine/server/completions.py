@@ -48,7 +48,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
             raise OpenAIError("echo with logprobs needs the prompt's logprobs, which are not computed for prompts with documents",
                               param="documents")
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        structured, _ = structured_outputs_of(body, tok)
+        structured, structured_field = structured_outputs_of(body, tok)
         defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
         params = sampling_params(with_defaults(body, defaults), logprobs=lp, prompt_logprobs=lp if echo and lp is not None else None, output_kind=kind,
                                  structured_outputs=structured)
@@ -56,7 +56,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         # every prompt of the request is a query over the same prefix and documents (computed once)
         items: list[tuple[str, Prompt]] = [
             (f"{rid}-{i}", _squid_prompt(p, prefix, documents) if squid else p) for i, p in enumerate(prompts)]
-        fields = Fields("prompt")
+        fields = Fields("prompt", structured=structured_field or "structured_outputs")
         # echo repeats the `prompt` field as sent (with documents: the query, not the documents)
         echoed = [(p if isinstance(p, str) else tok.decode(p, False)) if echo else "" for p in prompts]
 

@@ -50,6 +50,7 @@ class Fields:
     n: str = "n"
     documents: str = "documents"
     prefix: str = "prefix"
+    structured: str = "structured_outputs"  # the field the grammar came from (guided_json, response_format, tools, ...)
 
     def of(self, msg: str) -> str:
         """The field a `ValueError` from `LLMEngine.add_request` names (its messages start with it)."""
@@ -61,7 +62,9 @@ class Fields:
             return self.documents
         if msg.startswith("prefix"):
             return self.prefix
-        for name in ("logit_bias", "allowed_token_ids", "structured_outputs"):  # token ids past the vocabulary
+        if msg.startswith("structured_outputs"):  # its grammar failed to compile (on the worker thread)
+            return self.structured
+        for name in ("logit_bias", "allowed_token_ids"):  # token ids past the vocabulary
             if msg.startswith(name):
                 return name
         return self.prompt

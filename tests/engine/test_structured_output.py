@@ -201,6 +201,10 @@ def test_controls_apply_per_row_in_a_mixed_batch(embedded):
      "dependentRequired"),
     (dict(logit_bias={10**6: 1.0}), "logit_bias"),
     (dict(allowed_token_ids=[5, 10**6]), "allowed_token_ids"),
+    # a pattern xgrammar 0.2.8 parses but whose compile fails one of its own checks (a RuntimeError,
+    # a 500 on the server)
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "string", "pattern": "(a|b)*" + "x" * 200 + "[a-z]{1,200}"})),
+     "structured_outputs.json does not compile"),
 ])
 def test_bad_controls_are_refused_at_admission(embedded, kw, field):
     with pytest.raises(ValueError, match=re.escape(field)):

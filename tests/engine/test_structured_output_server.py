@@ -160,6 +160,12 @@ def _post(live, path, body):
     ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
     ("/v1/completions", {"guided_choice": []}, "guided_choice"),
     ("/v1/completions", {"guided_grammar": "root ::= nothing"}, "guided_grammar"),
+    # parses, then fails one of xgrammar's own checks while compiling (a 500 before)
+    ("/v1/completions", {"guided_json": {"type": "string", "pattern": "(a|b)*" + "x" * 200 + "[a-z]{1,200}"}}, "guided_json"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "(a|b)*" + "x" * 200 + "[a-z]{1,200}"}}}}}}, "response_format"),
+    ("/v1/chat/completions", {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "(a|b)*" + "x" * 200 + "[a-z]{1,200}"}}}}}]}, "tools"),
     ("/v1/completions", {"structured_outputs": "a"}, "structured_outputs"),
     ("/v1/completions", {"guided_json": {"type": "object"}, "ignore_eos": True}, "ignore_eos"),
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
