@@ -19,6 +19,7 @@ from cuttle.engine.generation_config import default_sampling_params
 from cuttle.engine.llm_engine import LLMEngine
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import SamplingParams
+from cuttle.engine.tokenizer import validate_messages
 
 # text, token ids, vLLM's {"prompt": text} / {"prompt_token_ids": ids}, or a squid prompt
 # {"prefix"?, "documents", "prompt"} (each text or token ids; engine/squid.py)
@@ -133,11 +134,16 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat needs the tokenizer's chat template, and this LLM runs with skip_tokenizer_init")
-        prompts: list[Prompt] = [
-            tok.encode_chat(conv, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
-            for conv in conversations  # type: ignore[union-attr]
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        texts = []
+        for conv in conversations:
+            validate_messages(conv)  # type: ignore[arg-type]
+            texts.append(tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs))
+        # templates spell out BOS and the role markers: no special tokens added again
+        prompts: list[Prompt] = [tok.encode(t, add_special_tokens=False) for t in texts]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text  # the rendered conversation, as vLLM's LLM.chat reports it
+        return outs
 
     # ---- agent sessions (engine/session.py) --------------------------------------------------
     def open_session(self, prompt: str | list[int]) -> str:
@@ -194,8 +200,10 @@ class LLM:
             for rid, add in adds:
                 add()
                 added.append(rid)
-        except ValueError:
-            for rid in added:  # all-or-nothing: a bad prompt leaves the engine as it was
+        except BaseException:
+            # all-or-nothing: a bad prompt (or any error, or Ctrl-C, while adding) leaves the engine
+            # as it was; a TypeError here used to leave the earlier prompts queued to run unseen
+            for rid in added:
                 engine.abort_request(rid)
             raise
         results: dict[str, RequestOutput] = {}

@@ -152,23 +152,21 @@ class LLMEngine:
             raise ValueError("sampling_params must be a SamplingParams")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): the samples of one request run together")
-        if params.min_tokens and params.allowed_token_ids is not None:
-            # below min_tokens the stop ids (EOS unless ignore_eos, stop_token_ids) are masked: with
-            # nothing else allowed, every logit would be -inf and the sample garbage
-            blocked = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-            if set(params.allowed_token_ids) <= blocked:
-                raise ValueError(f"allowed_token_ids {sorted(set(params.allowed_token_ids))[:8]} are all stop or EOS tokens, "
-                                 f"which min_tokens ({params.min_tokens}) forbids: nothing could be sampled")
+        # the sampler indexes the logits with them (under min_tokens): one past the vocabulary
+        # failed the whole step, every request in it
+        self._check_ids(params.stop_token_ids, "stop_token_ids")
         layout = None
         if isinstance(prompt, dict):
             layout, ids, text = self._squid_prompt(prompt, params)
         elif isinstance(prompt, str):
             text = prompt
             ids = self.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             text = None
             ids = list(prompt)
             self._check_ids(ids, "prompt")
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt must not be empty")
         if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
@@ -206,7 +204,8 @@ class LLMEngine:
                     f"document take blocks of their own), more than the pool's {pool} (num_kv_blocks): send fewer or "
                     "shorter documents, or a smaller max_tokens"
                 )
-        controls = self.controls.prepare(params)  # compiles its grammar; a bad spec is refused here
+        # compiles its grammar; a bad spec, or controls that leave no token to sample, refused here
+        controls = self.controls.prepare(params, stop_ids=self._stop_ids(params) if params.min_tokens else ())
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         extra = self.weight_version.to_bytes(8, "little") + (cache_salt or "").encode()
         req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed, max_tokens=max_tokens,
@@ -394,6 +393,8 @@ class LLMEngine:
                 if req.error is not None:
                     continue  # an earlier sample of this request already failed it this step
                 try:
+                    if res.failed is not None:
+                        raise ValueError(res.failed)
                     post.append(s, res.token, res.logprob, res.top)
                 except Exception as e:  # noqa: BLE001 - one request's fault must not end the batch
                     post.fail(req, e)
@@ -428,18 +429,22 @@ class LLMEngine:
         req.forked = True
         self.scheduler.insert_running_after(parent, children)
 
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        """The ids min_tokens masks: stop_token_ids, and EOS unless ignore_eos."""
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         req = seq.request
         p = req.sampling_params
-        stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         return SampleRequest(
             params=p,
             seed=req.seed,
             index=seq.index,
             step=seq.num_output_tokens,
-            prompt_ids=req.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+            # the whole prompt a squid query reads (prefix + documents + query), as vLLM's prompt
+            prompt_ids=(req.full_prompt_token_ids or req.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
             output_ids=seq.output_token_ids if p.has_penalties else [],
-            stop_ids=stop_ids,
+            stop_ids=self._stop_ids(p),
         )
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:

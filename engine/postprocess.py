@@ -56,10 +56,15 @@ class Postprocessor:
                 finish, seq.stop_reason = "stop", token
             elif not p.ignore_eos and token in self.eos_token_ids:
                 finish = "stop"
-        if seq.detok is not None:
+        # the text of the token that stopped the sequence is left out unless
+        # include_stop_str_in_output (vLLM's rule; its id stays in token_ids)
+        seq.stop_token_hidden = finish is not None and not p.include_stop_str_in_output
+        if seq.detok is not None and not seq.stop_token_hidden:
             scanned = len(seq.output_text)
             seq.output_text += seq.detok.step(seq.token_ids)
-            if finish is None and p.stop and n_out >= p.min_tokens:
+            # text of the first min_tokens tokens never ends the sequence (vLLM's rule); a stop
+            # string may still begin in it and end in a later token's text
+            if finish is None and p.stop and n_out > p.min_tokens:
                 finish = _check_stop_strings(seq, p, scanned)
         if finish is None and (n_out >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):
             finish = "length"
@@ -147,8 +152,11 @@ class Postprocessor:
             return seq.output_text
         if self.tokenizer is None:  # skip_tokenizer_init: vLLM's outputs carry text None then
             return None
+        out_ids = seq.output_token_ids
+        if seq.stop_token_hidden:
+            out_ids = out_ids[:-1]
         try:
-            return self.tokenizer.decode_continuation(req.prompt_token_ids, seq.output_token_ids, req.sampling_params.skip_special_tokens)
+            return self.tokenizer.decode_continuation(req.prompt_token_ids, out_ids, req.sampling_params.skip_special_tokens)
         except Exception:
             if req.error is None:
                 raise

@@ -81,6 +81,7 @@ class SampleResult:
     token: int
     logprob: float
     top: dict[int, Logprob] | None
+    failed: str | None = None  # why nothing could be sampled (token is then -1): the engine fails the request
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
@@ -135,9 +136,18 @@ def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str =
         apply_token_mask(logits, mask)
     if any(r.params.has_penalties for r in rows):
         apply_penalties(logits, rows)
+    min_masked = False
     for i, r in enumerate(rows):
         if r.params.min_tokens and r.step < r.params.min_tokens and r.stop_ids:
             logits[i, torch.tensor(r.stop_ids, dtype=torch.long)] = float("-inf")
+            min_masked = True
+    dead: list[int] = []
+    if mask is not None or min_masked:
+        # a row the controls left without any token (a grammar's allowed tokens all bad words, say;
+        # what admission can see is refused there): it would sample token 0 or NaN logprobs
+        dead = torch.isneginf(logits.amax(dim=-1)).nonzero().flatten().tolist()
+        if dead:
+            logits[dead] = 0.0  # keeps the batch's math finite; these rows' picks are replaced below
 
     temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows], dtype=logits.dtype)
     x = logits.div_(temps[:, None]) if any(t != 1.0 for t in temps.tolist()) else logits
@@ -165,15 +175,19 @@ def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str =
     out_lp = raw_lp if raw_lp is not None else lp
     tok_list = tokens.tolist()
     if out_lp is None:
-        return [SampleResult(t, 0.0, None) for t in tok_list]
-    chosen = out_lp.gather(1, tokens[:, None]).squeeze(1).tolist()
-    results: list[SampleResult] = []
-    for i in range(n):
-        k = rows[i].params.logprobs
-        top = None
-        if k is not None:
-            top = _top_logprobs(out_lp[i], tok_list[i], chosen[i], k)
-        results.append(SampleResult(tok_list[i], chosen[i], top))
+        results = [SampleResult(t, 0.0, None) for t in tok_list]
+    else:
+        chosen = out_lp.gather(1, tokens[:, None]).squeeze(1).tolist()
+        results = []
+        for i in range(n):
+            k = rows[i].params.logprobs
+            top = None
+            if k is not None:
+                top = _top_logprobs(out_lp[i], tok_list[i], chosen[i], k)
+            results.append(SampleResult(tok_list[i], chosen[i], top))
+    for i in dead:
+        results[i] = SampleResult(-1, 0.0, None, failed="no token may be sampled: the request's controls (allowed_token_ids, "
+                                  "bad_words, logit_bias, structured output, min_tokens) exclude every token at this step")
     return results
 
 

@@ -108,8 +108,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # a list (or tuple) as vLLM takes; anything else (an int, a dict whose keys would pass as
+        # strings) is refused by name, not iterated
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):  # "false" is truthy: it would mean the opposite
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.top_k == 0:
             self.top_k = -1
         _check_int("n", self.n, lo=1, hi=1024)

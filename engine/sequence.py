@@ -38,7 +38,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "block_table",
         "num_computed_tokens", "num_cached_tokens", "status", "logprobs", "cumulative_logprob",
         "finish_reason", "output_text", "detok", "stop_reason", "shared", "handles", "pos_base",
-        "sent_tokens", "sent_chars", "num_reused_tokens",
+        "sent_tokens", "sent_chars", "num_reused_tokens", "stop_token_hidden",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
@@ -62,6 +62,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.stop_token_hidden = False  # ended by a stop token / EOS whose text the output leaves out
         self.output_text = ""
         self.detok: IncrementalDetokenizer | None = None  # set by the engine when text is needed per step
         self.sent_tokens = 0  # output tokens and text already handed out (delta outputs)

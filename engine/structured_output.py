@@ -26,6 +26,7 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -208,9 +209,10 @@ class StructuredOutput:
         self._pool: ThreadPoolExecutor | None = None
 
     # ---- admission -------------------------------------------------------------------------
-    def prepare(self, params: SamplingParams) -> Controls | None:
+    def prepare(self, params: SamplingParams, stop_ids: Collection[int] = ()) -> Controls | None:
         """The compiled controls of `params` (None if it sets none); a ValueError naming the field
-        for a token id out of the vocabulary or a spec that does not compile."""
+        for a token id out of the vocabulary, a spec that does not compile, or allowed_token_ids
+        that bad_words (and, under min_tokens, the stop ids `stop_ids`) leave empty."""
         if not params.has_controls:
             return None
         ctl = Controls()
@@ -227,10 +229,20 @@ class StructuredOutput:
                 raise ValueError(f"allowed_token_ids must be in [0, {v - 1}], got {bad}")
             ctl.allowed = np.zeros(self.width, dtype=np.uint32)
             _set_bits(ctl.allowed, np.array(params.allowed_token_ids, dtype=np.int64))
+        single: set[int] = set()
         if params.bad_words is not None:
             single, ctl.bad_seqs = self._bad_word_ids(params.bad_words)
             if single:
                 ctl.banned = np.array(sorted(single), dtype=np.int64)
+        if params.allowed_token_ids is not None:
+            # every logit -inf: the sample would be garbage (token 0, NaN logprobs)
+            left = set(params.allowed_token_ids) - single
+            if not left:
+                raise ValueError(f"allowed_token_ids {sorted(set(params.allowed_token_ids))[:8]} are all banned by bad_words: "
+                                 "nothing could be sampled")
+            if stop_ids and left <= set(stop_ids):
+                raise ValueError(f"allowed_token_ids {sorted(left)[:8]} left by bad_words are all stop or EOS tokens, which "
+                                 f"min_tokens ({params.min_tokens}) forbids: nothing could be sampled")
         so = params.structured_outputs
         if so is not None:
             ctl.grammar = self.compile(so)
