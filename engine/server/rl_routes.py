@@ -75,7 +75,7 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
             return {"results": results}
 
         items = [(f"rl-{base}-{i}", p) for i, p in enumerate(prompts)]
-        fields = Fields("prompts", "sampling_params.max_tokens", "sampling_params.n")
+        fields = Fields("prompts", "sampling_params.max_tokens", "sampling_params.n", sampling="sampling_params.")
         return await serving.complete(request, items, params, None, fields, respond, t0, observe=False)
 
     @app.post("/v1/rl/update_weights")

@@ -51,6 +51,7 @@ class Fields:
     documents: str = "documents"
     prefix: str = "prefix"
     structured: str = "structured_outputs"  # the field the grammar came from (guided_json, response_format, tools, ...)
+    sampling: str = ""  # the sampling fields' prefix (/v1/rl/generate: "sampling_params.")
 
     def of(self, msg: str) -> str:
         """The field a `ValueError` from `LLMEngine.add_request` names (its messages start with it)."""
@@ -64,9 +65,9 @@ class Fields:
             return self.prefix
         if msg.startswith("structured_outputs"):  # its grammar failed to compile (on the worker thread)
             return self.structured
-        for name in ("logit_bias", "allowed_token_ids"):  # token ids past the vocabulary
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):  # token ids past the vocabulary
             if msg.startswith(name):
-                return name
+                return self.sampling + name
         return self.prompt
 
 

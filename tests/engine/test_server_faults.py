@@ -266,7 +266,7 @@ SAMPLING_BAD = {
     "seed": [1.5, "7", 2**64, -(2**64), NAN, (RAW, "1" * 5000)],
     "min_tokens": [-1, "x", 1.5, NAN, 100],  # 100 > max_tokens (4)
     "stop": [5, [5], [""], {"a": 1}, NAN],
-    "stop_token_ids": [5, ["a"], [-1], [1.5], [NAN]],
+    "stop_token_ids": [5, ["a"], [-1], [1.5], [NAN], [10**6]],  # past the vocabulary: a failed step for everyone before
     "ignore_eos": ["yes", 1, NAN],
     "presence_penalty": [3, -3, NAN, "x", INF],
     "frequency_penalty": [3, -3, NAN, []],
@@ -329,7 +329,8 @@ CHAT_BAD = {
 }
 RL_BAD = {
     "prompts": [5, [], [[]], [[-1]], [[10**6]], [["a"]], [[1.5]], [NAN]],
-    "sampling_params": [5, "x", {"temperature": NAN}, {"n": 0}, {"max_tokens": 10**9}, {"logit_bias": {"1": 101}}, {"bogus": 1}],
+    "sampling_params": [5, "x", {"temperature": NAN}, {"n": 0}, {"max_tokens": 10**9}, {"logit_bias": {"1": 101}}, {"bogus": 1},
+                        {"stop_token_ids": [10**6]}, {"allowed_token_ids": [10**6]}],
     "bogus_field": [1],
 }
 # a malformed prompt's shape is named down to the prompt (values out of range are the engine's
