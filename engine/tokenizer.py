@@ -77,7 +77,11 @@ class Tokenizer:
         ctx = prompt_ids[-5:]
         prefix = self.decode(ctx, skip_special_tokens)
         full = self.decode(ctx + output_ids, skip_special_tokens)
-        return full[len(prefix) :] if full.startswith(prefix) else self.decode(output_ids, skip_special_tokens)
+        # a prompt ending inside a UTF-8 character decodes with a trailing U+FFFD that the output
+        # completes: the character counts as the prompt's, as the incremental detokenizer has it
+        if full.startswith(prefix.rstrip("\ufffd")) and len(full) >= len(prefix):
+            return full[len(prefix) :]
+        return self.decode(output_ids, skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text with special tokens kept (`Logprob.decoded_token`, logprob pieces);

@@ -185,3 +185,23 @@ def test_chat_reports_the_rendered_prompt(llm):
     tok = llm.get_tokenizer()
     assert out.prompt == tok.apply_chat_template(msgs, add_generation_prompt=True)
     assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
+
+
+def test_text_decoded_at_the_end_equals_the_incremental_text():
+    """The two text paths (step by step for stop strings and streams, once at the end otherwise)
+    must agree; with a prompt ending inside a UTF-8 character they did not (U+FFFD at the end, ''
+    step by step). Every split of a text with 2- and 3-byte characters, on the embedded model's
+    byte-level BPE."""
+    from cuttle.engine.default_model import default_model_path
+    from cuttle.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_path())
+    ids = tok.encode("x = 'é日本' # ünï", add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        prompt, out = ids[:cut], ids[cut:]
+        detok = IncrementalDetokenizer(tok, prompt, True)
+        step, text = list(prompt), ""
+        for t in out:
+            step.append(t)
+            text += detok.step(step)
+        assert tok.decode_continuation(prompt, out) == text, cut
