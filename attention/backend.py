@@ -105,8 +105,10 @@ def rows_as_decode_rows(meta: AttentionMetadata, seqs: list[tuple[int, int, int,
     return torch.tensor(rows, dtype=torch.int64), tables, torch.tensor(lens, dtype=torch.int32)
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Resolve a backend name; 'auto' means flashinfer on CUDA when installed, else triton on CUDA, else torch."""
+def get_backend(name: str, device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Resolve a backend name; 'auto' means flashinfer on CUDA when installed, else triton on CUDA, else torch.
+    A backend that cannot run on `device` / `dtype` is refused here, before any step (an engine
+    built on it used to start, report healthy, and fail every request)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
@@ -126,6 +128,7 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "triton":
         from cuttle.attention.triton_backend import TritonAttentionBackend
 
+        TritonAttentionBackend.check_runs_on(device, dtype)
         return TritonAttentionBackend()
     from cuttle.attention.flashinfer_backend import FlashInferAttentionBackend
 

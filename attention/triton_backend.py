@@ -53,6 +53,17 @@ class TritonAttentionBackend:
         plan.full = 1 - sb.causal
         return plan
 
+    @staticmethod
+    def check_runs_on(device: torch.device, dtype: torch.dtype | None) -> None:
+        """ValueError where the kernels cannot run: on CPU without the interpreter, or in the
+        interpreter with bf16 (forward checks the same per call)."""
+        if device.type == "cpu" and not INTERPRETED:
+            raise ValueError("attention_backend='triton' on CPU needs the Triton interpreter (TRITON_INTERPRET=1 set before "
+                             "triton is first imported; a test tool, slow): use attention_backend='torch' (the native CPU kernels)")
+        if INTERPRETED and dtype == torch.bfloat16:
+            raise ValueError("attention_backend='triton' under the Triton interpreter computes bf16 tl.dot wrongly: use "
+                             "dtype float32 or float16, or attention_backend='torch'")
+
     def forward(
         self,
         layer: int,

@@ -9,9 +9,11 @@ the sandbox's own command, `cuttle-env-server`: the engine never imports `cuttle
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 DEFAULT_MODEL_NAME = "cuttle-tiny-coder"
 
@@ -78,6 +80,33 @@ def _build_llm(args: argparse.Namespace):
     return LLM(model=args.model, **given)
 
 
+# the fields whose errors start with their name, as the flags that set them
+_ENGINE_FLAGS = {name: "--" + name.replace("_", "-") for name in _ENGINE_OPTIONS}
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                   "seed": "--sample-seed"}
+
+
+def _refuse(cmd: str, e: BaseException, flags: dict[str, str] | None = None) -> NoReturn:
+    """Exit 2 with one line, as argparse does for its own checks (a bad engine option used to end
+    in a traceback through the engine's constructors); a message that starts with a field's name
+    (EngineConfig's and SamplingParams' do) names its flag instead (block_size -> --block-size)."""
+    msg = str(e).strip()
+    m = re.match(r"[a-z_]+(?![\w.\[])", msg)
+    if m and flags and m.group(0) in flags:
+        msg = flags[m.group(0)] + msg[m.end():]
+    sys.stderr.write(f"cuttle {cmd}: {msg}\n")
+    sys.exit(2)
+
+
+def _built(cmd: str, build: Callable[[], Any], flags: dict[str, str] = _ENGINE_FLAGS) -> Any:
+    """`build()` (the engine, or the sampling parameters, from the flags), with the errors a flag
+    causes refused as one line."""
+    try:
+        return build()
+    except (ValueError, FileNotFoundError, NotImplementedError, OverflowError) as e:
+        _refuse(cmd, e, flags)
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -105,17 +134,25 @@ def cmd_serve(args: argparse.Namespace) -> None:
         chat_template = load_chat_template(args.chat_template)
     except ValueError as e:
         sys.exit(f"cuttle serve: {e}")
+    if not 0 <= args.port <= 65535:  # checked before the model loads (bind() failed after it)
+        _refuse("serve", ValueError(f"--port must be in [0, 65535], got {args.port}"))
+    if args.max_pending < 1:  # 0 served /health and answered every request 503, forever
+        _refuse("serve", ValueError(f"--max-pending must be >= 1 (requests in flight before a 503), got {args.max_pending}"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # built on the engine thread, which then steps it: one thread does all the OpenMP work
-    aeng = AsyncEngine.launch(lambda: _build_llm(args).engine, max_pending=args.max_pending)
+    aeng = _built("serve", lambda: AsyncEngine.launch(lambda: _build_llm(args).engine, max_pending=args.max_pending))
     from cuttle.engine.hf_cache import is_repo_id
 
     # a repo id is served under its own name, as vLLM does; a directory under its folder's name
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else
                                       args.model if is_repo_id(args.model) else os.path.basename(os.path.normpath(args.model)))
-    app = create_app(aeng, name, args.api_key, args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                     chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                     enable_auto_tool_choice=args.enable_auto_tool_choice)
+    try:
+        app = create_app(aeng, name, args.api_key, args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                         chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice)
+    except ValueError as e:
+        aeng.shutdown()
+        _refuse("serve", e)
     print(f"cuttle: serving {name!r} on http://{args.host}:{args.port}/v1 (max_model_len {aeng.engine.max_model_len})", flush=True)
     # uvicorn drains connections and runs the shutdown hooks on SIGTERM, then re-raises the signal
     # under the handler that was installed before it; this one turns that into a clean exit 0.
@@ -146,14 +183,16 @@ def _stream(llm: Any, prompt: str | list[int], params: Any) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    llm = _build_llm(args)
+    params = _built("generate", lambda: _params(args), _SAMPLING_FLAGS)  # before the model loads
+    llm = _built("generate", lambda: _build_llm(args))
     sys.stdout.write(args.prompt)
-    _stream(llm, args.prompt, _params(args))
+    _stream(llm, args.prompt, params)
     sys.stdout.write("\n")
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    llm = _build_llm(args)
+    _built("chat", lambda: _params(args), _SAMPLING_FLAGS)
+    llm = _built("chat", lambda: _build_llm(args))
     tok = llm.get_tokenizer()
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("cuttle chat: empty line or Ctrl-D to quit", file=sys.stderr)

@@ -409,6 +409,13 @@ class EngineConfig:
             raise ValueError(f"squid_positions must be None, 'shared' or 'concat'; got {self.squid_positions!r}")
         if self.max_documents < 0:
             raise ValueError(f"max_documents must be >= 0, got {self.max_documents}")
+        if isinstance(self.kv_cache_memory_gb, bool) or not isinstance(self.kv_cache_memory_gb, (int, float)) or not (
+                math.isfinite(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0):
+            # <= 0 started an engine of one block (max_model_len 16), nan / inf failed deep inside
+            raise ValueError(f"kv_cache_memory_gb must be a finite number of GiB > 0, got {self.kv_cache_memory_gb!r}")
+        if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool) or not isinstance(self.num_kv_blocks, int)
+                                               or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
         if not (math.isfinite(self.kv_offloading_size) and self.kv_offloading_size >= 0):
             raise ValueError(f"kv_offloading_size must be a finite number of GiB >= 0 (0: no host tier), got {self.kv_offloading_size}")
         if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 1:

@@ -27,7 +27,7 @@ from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespa
 from cuttle.engine.kv.tiers import KVTiers
 from cuttle.engine.kv.transfer import TransferEngine
 from cuttle.engine.generation_config import generation_defaults
-from cuttle.engine.memory_budget import kv_pool_bytes
+from cuttle.engine.memory_budget import free_memory_bytes, kv_pool_bytes
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
 from cuttle.engine.outputs import RequestOutput
@@ -76,6 +76,11 @@ class LLMEngine:
             pool_bytes = (int(config.kv_cache_memory_gb * 2**30) if config.gpu_memory_utilization is None
                           else kv_pool_bytes(config.gpu_memory_utilization, self.device, config.model, self.dtype))
             num_blocks = max(1, min(wanted, pool_bytes // per_block))
+        _check_fits("num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_memory_gb", num_blocks * per_block, self.device)
+        if config.max_model_len is not None and num_blocks * bs < max_len:
+            # an explicit length the pool cannot hold was cut down silently (vLLM refuses it)
+            raise ValueError(f"max_model_len ({max_len}) needs {-(-max_len // bs)} KV blocks of {bs} tokens, and the pool has "
+                             f"{num_blocks} (num_kv_blocks / kv_cache_memory_gb): give it more, or a smaller max_model_len")
         self.max_model_len = min(max_len, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.squid = Squid(self.block_manager, str(self.dtype))
@@ -106,6 +111,8 @@ class LLMEngine:
             host_blocks = int(config.kv_offloading_size * 2**30) // per_block
             if host_blocks < 1:
                 raise ValueError(f"kv_offloading_size ({config.kv_offloading_size} GiB) holds not even one KV block ({per_block} bytes)")
+        _check_fits("num_host_kv_blocks" if config.num_host_kv_blocks is not None else "kv_offloading_size", host_blocks * per_block,
+                    torch.device("cpu"))
         transfer = TransferEngine(self.device)
         disk = None
         if config.kv_cache_dir is not None:
@@ -595,3 +602,12 @@ def _generation_eos(path: str) -> set[int]:
     if eos is None:
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _check_fits(field: str, nbytes: int, device: torch.device) -> None:
+    """Refuse a KV pool larger than the memory free on its device before anything is built (1e10
+    blocks spent minutes building per-block bookkeeping on the way to running out of memory)."""
+    free = free_memory_bytes(device)
+    if nbytes > free:
+        raise ValueError(f"{field} asks for {nbytes / 2**30:.2f} GiB of KV cache, more than the {free / 2**30:.2f} GiB free on "
+                         f"{device.type}")

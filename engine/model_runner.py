@@ -55,10 +55,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        self.backend = get_backend(config.attention_backend, device, dtype)  # before the weights: a backend that cannot run fails fast
         self.model = load_model(config.model, model_config, dtype, device, moe_quant=config.moe_quant,
                                 quantization=config.quantization, quantize_lm_head=config.quantize_lm_head).eval()
         self.prepack()
-        self.backend = get_backend(config.attention_backend, device)
         mc = model_config
         nsa = self.model.nsa
         sparse = parse_sparse_attention(config.sparse_attention)

@@ -173,6 +173,8 @@ def get_stream_options(body: dict[str, Any]) -> bool:
         return False
     if not isinstance(so, dict):
         raise OpenAIError("stream_options must be an object", param="stream_options")
+    if body.get("stream") is not True:  # vLLM's and OpenAI's rule: it would be silently dropped
+        raise OpenAIError("stream_options can only be given with stream: true", param="stream_options")
     for k, v in so.items():
         if k == "include_usage" and (v is None or isinstance(v, bool)):
             continue

@@ -37,8 +37,9 @@ def _run_sessions(llm: LLM, sessions, params=GREEDY) -> list:
 
 
 def _small(path: str, dtype: str = "float32", **kw) -> LLM:
-    return LLM(path, dtype=dtype, block_size=4, num_kv_blocks=kw.pop("num_kv_blocks", 24),
-               max_model_len=kw.pop("max_model_len", 96), **kw)
+    blocks = kw.pop("num_kv_blocks", 24)
+    # 96 positions, or what a smaller pool holds (an explicit max_model_len the pool cannot hold is refused)
+    return LLM(path, dtype=dtype, block_size=4, num_kv_blocks=blocks, max_model_len=kw.pop("max_model_len", min(96, 4 * blocks)), **kw)
 
 
 def _all_free(llm: LLM) -> None:

@@ -199,6 +199,9 @@ async def admit(engine: AsyncEngine, prompts: list[tuple[str, Prompt]], params: 
                 fields: Fields) -> list[RequestStream]:
     """Admit every prompt (one engine round trip for all), or none: errors (400 / 503) come
     back before any byte is sent, and the requests already admitted are aborted."""
+    if len(prompts) > engine.max_pending:  # each prompt is a request in flight: a 503 could never pass, retried or not
+        raise OpenAIError(f"{fields.prompt} holds {len(prompts)} prompts, more than the {engine.max_pending} requests this server "
+                          "takes in flight at once (--max-pending): send them in smaller batches", param=fields.prompt)
     got = await asyncio.gather(*(engine.add(rid, p, params, salt) for rid, p in prompts), return_exceptions=True)
     err = next((e for e in got if isinstance(e, BaseException)), None)
     if err is None:

@@ -117,3 +117,15 @@ def test_bad_engine_options(qwen3_path):
         LLM(qwen3_path, attention_backend="xformers")
     with pytest.raises(ValueError, match="dtype"):
         LLM(qwen3_path, dtype="int4")
+    # these started engines that could serve nothing (every step failed, or max_model_len 16)
+    with pytest.raises(ValueError, match="attention_backend='triton' on CPU needs the Triton interpreter"):
+        LLM(qwen3_path, attention_backend="triton")
+    for gb in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kv_cache_memory_gb must be a finite number"):
+            LLM(qwen3_path, kv_cache_memory_gb=gb)
+    with pytest.raises(ValueError, match=r"max_model_len \(128\) needs 8 KV blocks of 16 tokens, and the pool has 4"):
+        LLM(qwen3_path, max_model_len=128, num_kv_blocks=4)
+    with pytest.raises(ValueError, match="num_kv_blocks asks for"):
+        LLM(qwen3_path, num_kv_blocks=10**10)
+    with pytest.raises(ValueError, match="num_host_kv_blocks asks for"):
+        LLM(qwen3_path, num_kv_blocks=16, num_host_kv_blocks=10**10)

@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from server_fixture import free_port
 
@@ -67,3 +68,33 @@ def test_env_server_is_its_own_command():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: cuttle-env-server") and "--allow-unisolated" in r.stdout
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--block-size", "0"], "--block-size must be"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-pending", "0"], "--max-pending must be >= 1"),
+    (["--kv-cache-memory-gb", "-1"], "--kv-cache-memory-gb must be a finite number"),
+    (["--kv-cache-memory-gb", "nan"], "--kv-cache-memory-gb must be a finite number"),
+    (["--num-kv-blocks", "10000000000"], "--num-kv-blocks asks for"),
+    (["--max-model-len", "64", "--num-kv-blocks", "1"], "--max-model-len (64) needs"),
+    (["--attention-backend", "triton"], "needs the Triton interpreter"),
+    (["--model", "/nonexistent-model-dir"], "has no config.json"),
+])
+def test_serve_refuses_a_bad_flag_in_one_line(qwen3_path, flags, says):
+    """A bad engine flag ended in a traceback through the engine's constructors (or, for
+    --kv-cache-memory-gb 0 / --max-pending 0 / --attention-backend triton on CPU, in a server that
+    started and could serve nothing); --num-kv-blocks 1e10 ran for minutes towards out of memory."""
+    args = ["serve", *flags] if "--model" in flags else ["serve", "--model", qwen3_path, *flags]
+    t = time.time()
+    r = run(args + ["--port", "0"] if "--port" not in flags else args)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("cuttle serve: ") and says in last, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and time.time() - t < 60
+
+
+def test_generate_checks_sampling_flags_before_loading():
+    r = run(["generate", "x", "--model", "/nonexistent-model-dir", "--temperature", "-1"])
+    assert r.returncode == 2 and r.stderr.strip() == "cuttle generate: --temperature must be in [0.0, 100.0], got -1.0", r.stderr

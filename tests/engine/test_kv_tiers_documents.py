@@ -51,7 +51,7 @@ def _run(llm: LLM, ks=range(len(PLAN)), query: int = 200) -> list:
 
 
 def _llm(path: str, num_kv_blocks: int, **kw) -> LLM:
-    return LLM(path, dtype="float32", block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=96, max_num_seqs=1,
+    return LLM(path, dtype="float32", block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=min(96, 4 * num_kv_blocks), max_num_seqs=1,
                squid_positions="shared", **kw)
 
 

@@ -274,7 +274,8 @@ SAMPLING_BAD = {
     "skip_special_tokens": ["no", 0],
     "include_stop_str_in_output": ["x", 1],
     "stream": ["false", 1, NAN],
-    "stream_options": ["x", 5, {"include_usage": "yes"}, {"bogus": 1}, {"continuous_usage_stats": True}],
+    # the last: valid, but without stream: true it would be dropped silently (vLLM's 400)
+    "stream_options": ["x", 5, {"include_usage": "yes"}, {"bogus": 1}, {"continuous_usage_stats": True}, {"include_usage": True}],
     "cache_salt": [5, [], NAN],
     "logit_bias": [{"5": 101}, "x", {"x": 1}, {"999999": 1}],
     "best_of": [3, "x"],
@@ -426,6 +427,16 @@ def test_unknown_route_and_wrong_method_use_the_openai_error_shape(srv):
     r = srv.http.get("/v1/chat/completions")
     assert r.status_code == 405 and "GET /v1/chat/completions" in r.json()["error"]["message"], r.text
     assert "POST" in r.headers.get("allow", "")
+    assert_serving(srv)
+
+
+def test_more_prompts_than_max_pending_is_a_400(srv):
+    """A request of more prompts than the server takes in flight (1024 here) was a 503 on an idle
+    server, which clients retry forever."""
+    for path, body, param in (("/v1/completions", {"prompt": [[5, 6]] * 1025, "max_tokens": 1}, "prompt"),
+                              ("/v1/rl/generate", {"prompts": [[5, 6]] * 1025, "sampling_params": {"max_tokens": 1}}, "prompts")):
+        r = post(srv, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and "--max-pending" in r.text, r.text
     assert_serving(srv)
 
 

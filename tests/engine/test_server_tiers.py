@@ -59,7 +59,7 @@ def test_agent_sessions_through_a_small_pool_and_host_tier_stay_correct_and_free
     ref = _offline(qwen3_path, repo, sessions)
     # 6 sessions of ~70-100 tokens each (block size 4) over a 40-block device pool: the histories
     # and documents of the idle sessions are pushed to the host tier between their turns
-    with LiveServer(qwen3_path, dtype="float32", block_size=4, num_kv_blocks=40, num_host_kv_blocks=256, max_model_len=192,
+    with LiveServer(qwen3_path, dtype="float32", block_size=4, num_kv_blocks=40, num_host_kv_blocks=256, max_model_len=160,
                     max_num_seqs=3, kv_read_in_place=read_in_place) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=60)
 
