@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -53,6 +54,8 @@ from cuttle.rl.environment import AgentEnvironment, EnvFactory
 from cuttle.rl.rollout import TokenSampler, generate_tokens, samples_of
 from cuttle.rl.types import Sample, Trajectory
 from cuttle.sandbox.tools import SUBMIT, agent_tool_schemas
+
+log = logging.getLogger("cuttle.rl")
 
 SYSTEM_PROMPT = ("You are a coding agent working in a Python repository mounted at /workspace. Use the tools to read, "
                  "search, edit and test the code. When the task is done, call submit.")
@@ -260,6 +263,7 @@ class AgentRollout:
         self.pool = ThreadPoolExecutor(self.config.max_parallel_calls, thread_name_prefix="cuttle-agent")
         self.llm = sampler if isinstance(sampler, LLM) and self.config.use_sessions else None
         self.carried: list[AgentGroup] = []  # unfinished groups kept for the next `step` (partial rollouts)
+        self.env_close_errors = 0  # environments whose close() raised (logged; the episodes keep their results)
 
     def close(self) -> None:
         self.drop_carried()
@@ -345,9 +349,15 @@ class AgentRollout:
         for g in groups:
             for e in g.episodes:
                 self._end_session(e)
-                if e.env is not None:
-                    e.env.close()
-                    e.env = None
+                env, e.env = e.env, None
+                if env is None:
+                    continue
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001 - one cleanup failing (rmtree under a still-running process) lost the
+                    # whole batch and left the later environments open; the episode was graded already
+                    self.env_close_errors += 1
+                    log.exception("closing the environment of task %r failed", e.spec)
 
     def _end_session(self, e: Episode) -> None:
         if e.session is not None:

@@ -102,9 +102,11 @@ class _CountedEnv:
         return self.env.reward()
 
     def close(self) -> None:
-        self.env.close()
-        with self.worker._lock:
-            self.worker.open_envs -= 1
+        try:
+            self.env.close()
+        finally:  # counted closed either way: AgentRollout logs and counts a failed close
+            with self.worker._lock:
+                self.worker.open_envs -= 1
 
 
 class RolloutWorker:
@@ -167,7 +169,8 @@ class RolloutWorker:
             return self.sampler.update_weights(iter(tensors.items()))
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"open_envs": self.open_envs, "running_groups": len(self.running), "niceness": self.niceness}
+        out: dict[str, Any] = {"open_envs": self.open_envs, "running_groups": len(self.running), "niceness": self.niceness,
+                               "env_close_errors": self.rollout.env_close_errors}
         if callable(getattr(self.sampler, "stats", None)):
             out.update(self.sampler.stats())
         return out

@@ -165,6 +165,35 @@ def test_environment_that_cannot_start_fails_its_episode_only(tok):
     assert batch.group_ids.tolist() == [0, 0, 2, 2] and batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_an_environment_whose_close_raises_loses_nothing(tok):
+    """A close() that raises (the sandbox's rmtree under a still-running process) failed the whole
+    call (on Ray: the step, every group lost) and left the later environments open. Now it is
+    logged and counted; every episode keeps its result and every other environment is closed."""
+    made = []
+
+    class BadClose(FakeEnvironment):
+        def close(self) -> None:
+            super().close()
+            if self.spec["seed"] == 13:
+                raise OSError("Directory not empty")
+
+    def factory(spec):
+        made.append(BadClose(spec))
+        return made[-1]
+
+    specs = [{"seed": 12, "reward": 1.0}, {"seed": 13, "reward": 0.5}, {"seed": 14, "reward": 0.0}]
+    scripts = {f"Task fake/{s}": [call("look"), "done"] for s in (12, 13, 14)}
+    sampler = ScriptedSampler(tok, scripts)
+    runner = AgentRollout(sampler, factory, None, tokenizer=tok, eos_token_ids=sampler.eos_token_ids)
+    try:
+        groups = runner.run(specs, 2, PARAMS)
+    finally:
+        runner.close()
+    assert [e.reward for g in groups for e in g.episodes] == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0]
+    assert all(e.finish == "answered" for g in groups for e in g.episodes)
+    assert runner.env_close_errors == 2 and len(made) == 6 and all(env.closed for env in made)
+
+
 def test_limits_cut_episodes_and_compact_filtering_drops_them(tok):
     forever = [call("look", i=i) for i in range(50)]
     cfg = AgentConfig(max_turns=3)
