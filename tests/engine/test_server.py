@@ -32,6 +32,14 @@ def test_models_health_metrics(live, client):
                  "cuttle_time_to_first_token_seconds", "cuttle_inter_token_latency_seconds", "cuttle_e2e_request_latency_seconds",
                  "cuttle_graph_steps_total"):
         assert name in text
+    # running totals are counters (they were gauges, so rate() misread them), named as vLLM's
+    from prometheus_client.parser import text_string_to_metric_families
+
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    for name in ("cuttle_prompt_tokens", "cuttle_generation_tokens", "cuttle_num_preemptions", "cuttle_graph_steps",
+                 "cuttle_squid_documents", "cuttle_squid_document_tokens", "cuttle_requests", "cuttle_client_disconnects"):
+        assert types.get(name) == "counter", (name, types.get(name))
+    assert types["cuttle_num_requests_running"] == "gauge" and "cuttle_prompt_tokens_total" in text
 
 
 def test_completion_matches_offline_engine(live, client, qwen3_path):
