@@ -111,6 +111,7 @@ class AsyncEngine:
         # the last step ran nothing while requests wait on blocks that only a command (a session
         # closed, an abort) can free: the loop then waits for commands instead of stepping flat out
         self._stalled = False
+        self._closing = False  # begin_shutdown: new requests are refused
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -156,6 +157,30 @@ class AsyncEngine:
             self._thread.join(timeout)
             self._thread = None
 
+    def begin_shutdown(self, grace: float) -> None:
+        """The server's first shutdown signal: refuse new requests from now on (503) and give the
+        ones in flight `grace` seconds to finish; then each still running ends with an error
+        saying so (an SSE error event, or a 503), its KV freed. Without this the engine went on
+        decoding for the server's whole drain and the connections were then cut mid-body."""
+        self._closing = True
+
+        def cut() -> None:
+            self._cmds.put(self._end_all_for_shutdown)
+
+        if grace <= 0:
+            cut()
+        else:
+            timer = threading.Timer(grace, cut)
+            timer.daemon = True
+            timer.start()
+
+    def _end_all_for_shutdown(self) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+            self._deliver(rid, EngineDeadError("the server is shutting down: the request was ended after the shutdown grace "
+                                               "period (--shutdown-timeout)"))
+        self.stats_snapshot = self.engine.stats()
+
     def pause(self) -> None:
         """Stop stepping (commands such as aborts and weight updates still run); requests wait."""
         self._paused.set()
@@ -195,6 +220,8 @@ class AsyncEngine:
     async def _admit(self, request_id: str, add: Callable[[], Any]) -> RequestStream:
         if self._thread is None:
             raise EngineDeadError("engine loop is not running")
+        if self._closing:
+            raise EngineDeadError("the server is shutting down")
         with self._lock:
             if len(self._streams) >= self.max_pending:
                 raise QueueFullError(f"{len(self._streams)} requests in flight (limit {self.max_pending})")

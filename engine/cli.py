@@ -136,6 +136,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         sys.exit(f"cuttle serve: {e}")
     if not 0 <= args.port <= 65535:  # checked before the model loads (bind() failed after it)
         _refuse("serve", ValueError(f"--port must be in [0, 65535], got {args.port}"))
+    if not (args.shutdown_timeout >= 0 and args.shutdown_timeout < float("inf")):
+        _refuse("serve", ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}"))
     if args.max_pending < 1:  # 0 served /health and answered every request 503, forever
         _refuse("serve", ValueError(f"--max-pending must be >= 1 (requests in flight before a 503), got {args.max_pending}"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -157,7 +159,31 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # uvicorn drains connections and runs the shutdown hooks on SIGTERM, then re-raises the signal
     # under the handler that was installed before it; this one turns that into a clean exit 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    grace = args.shutdown_timeout
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=grace + 10)  # a backstop: the engine ends its requests at `grace`
+    try:
+        _server(config, lambda: aeng.begin_shutdown(grace)).run()
+    except KeyboardInterrupt:  # Ctrl-C, re-raised by uvicorn once it has shut down
+        sys.exit(130)
+
+
+def _server(config: Any, on_first_signal: Callable[[], None]) -> Any:
+    """uvicorn's server with the shutdown cuttle wants: the first SIGTERM / SIGINT stops new
+    requests and starts the grace period for the ones in flight (`AsyncEngine.begin_shutdown`);
+    a second signal of either kind exits at once (uvicorn forces its exit only on a second SIGINT).
+    Defined here because uvicorn is imported only by `serve`."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            else:
+                on_first_signal()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def _params(args: argparse.Namespace):
@@ -232,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests carry their own chat_template (refused otherwise)")
     s.add_argument("--max-pending", type=int, default=256, help="requests in flight before new ones get 503")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds requests in flight get to finish after SIGTERM / SIGINT (new ones get 503); then they end "
+                        "with an error saying why (0: at once). A second signal exits at once")
 
     g = sub.add_parser("generate", help="stream one completion to the terminal", description="Complete PROMPT and stream the text")
     g.add_argument("prompt")
