@@ -93,13 +93,15 @@ def test_cli_serve_serves_the_repo_id(clean_env, tmp_path, checkpoint):
     clean_env.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     seen = {}
 
-    def fake_run(app, **kw):  # stands in for uvicorn: ask the app what it serves, then return
-        from fastapi.testclient import TestClient
+    class FakeServer:  # stands in for uvicorn's: ask the app what it serves, then return
+        def __init__(self, config, on_first_signal):
+            self.app = config.app
 
-        seen["models"] = TestClient(app).get("/v1/models").json()
+        def run(self):
+            from fastapi.testclient import TestClient
 
-    import uvicorn
+            seen["models"] = TestClient(self.app).get("/v1/models").json()
 
-    clean_env.setattr(uvicorn, "run", fake_run)
+    clean_env.setattr(cli, "_server", FakeServer)
     cli.main(["serve", REPO, "--dtype", "float32", "--num-kv-blocks", "16"])
     assert [m["id"] for m in seen["models"]["data"]] == [REPO]
