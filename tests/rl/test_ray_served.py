@@ -64,7 +64,7 @@ def test_a_worker_fronting_cuttle_serve_samples_through_its_rl_routes(cluster):
             assert stats["prefill_tokens_computed"] + stats["cached_tokens"] == stats["prompt_tokens"]
             assert stats["num_requests_running"] == 0
             # the worker runs at the driver's priority, not at Ray's background niceness (15)
-            assert rollout.stats() == [{"open_envs": 0, "running_groups": 0, "niceness": os.getpriority(os.PRIO_PROCESS, 0)}]
+            assert rollout.stats() == [{"open_envs": 0, "running_groups": 0, "niceness": os.getpriority(os.PRIO_PROCESS, 0), "env_close_errors": 0}]
 
             weights = [(n, p.detach() * 1.01) for n, p in local.engine.runner.model.named_parameters()]
             assert rollout.update_weights(weights) == 1 and srv.llm.weight_version == 1
