@@ -164,20 +164,26 @@ class LLM:
     def close_session(self, session_id: str) -> None:
         self.engine.close_session(session_id)
 
-    def generate_session(self, session_ids: str | Seq[str], sampling_params: SamplingParams | None = None,
+    def generate_session(self, session_ids: str | Seq[str], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                          use_tqdm: bool = False) -> list[RequestOutput]:
         """One turn of each session (its whole stream is the prompt; only what is not in its
         pinned KV is computed); the sampled ids join the session. One `RequestOutput` per session,
         in order, each with one output. Sessions forked together and not diverged since share one
-        request (n = their number)."""
+        request (n = their number), under the parameters of the first of them. `sampling_params`:
+        one for all, or one per session (per-episode seeds)."""
         sids = [session_ids] if isinstance(session_ids, str) else list(session_ids)
-        params = sampling_params or SamplingParams()
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            per = {sid: sampling_params or SamplingParams() for sid in sids}
+        else:
+            if len(sampling_params) != len(sids):
+                raise ValueError(f"got {len(sids)} sessions but {len(sampling_params)} sampling_params")
+            per = dict(zip(sids, sampling_params))
         engine = self.engine
         groups: dict[int, list[str]] = {}  # siblings by origin, in first-seen order
         for sid in sids:
             groups.setdefault(engine.sessions.get(sid).origin, []).append(sid)
         turns = [(f"offline-{next(self._ids)}", members) for members in groups.values()]
-        outs = self._drive([(rid, lambda rid=rid, m=members: engine.add_session_turn(rid, m, params)) for rid, members in turns],
+        outs = self._drive([(rid, lambda rid=rid, m=members: engine.add_session_turn(rid, m, per[m[0]])) for rid, members in turns],
                            use_tqdm)
         by_session: dict[str, RequestOutput] = {}
         for (_, members), out in zip(turns, outs):

@@ -37,6 +37,7 @@ import dataclasses
 import json
 import logging
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -51,7 +52,7 @@ from cuttle.rl.advantages import group_advantages
 from cuttle.rl.batch import TrainBatch
 from cuttle.rl.chat import ChatState, ChatTokens, TemplateNotAppendOnly
 from cuttle.rl.environment import AgentEnvironment, EnvFactory
-from cuttle.rl.rollout import TokenSampler, generate_tokens, samples_of
+from cuttle.rl.rollout import TokenSampler, episode_seed, generate_tokens, samples_of
 from cuttle.rl.types import Sample, Trajectory
 from cuttle.sandbox.tools import SUBMIT, agent_tool_schemas
 
@@ -207,6 +208,19 @@ class AgentStep:
     seconds: float
 
 
+def _check_agent_params(params: SamplingParams) -> None:
+    if params.truncate_prompt_tokens is not None:  # a turn reads the episode's whole stream, which the trainer scores
+        raise ValueError("truncate_prompt_tokens cannot be used in agent rollouts: each turn reads the whole episode")
+
+
+def turn_seed(seed: int | None, turn: int, spec: dict[str, Any], group: int, member: int) -> int | None:
+    """The engine seed of one episode's turn (`member` of group `group` of the call, on task
+    `spec`; a group's first turn is one request under member 0's), from the rollout's `seed`: the
+    same in every process (the spec enters through its JSON's CRC32; str hashes are salted per
+    process). None stays None."""
+    return episode_seed(seed, turn, zlib.crc32(json.dumps(spec, sort_keys=True, default=str).encode()), group, member)
+
+
 def clip_output(text: str, limit: int) -> str:
     """At most about `limit` characters: the head and the tail, the middle replaced by a count."""
     if len(text) <= limit:
@@ -283,6 +297,7 @@ class AgentRollout:
         """`group_size` episodes per task spec, all advanced together; returns one group per spec.
         `should_stop()` is asked between turns and while tool calls run: True aborts every
         unfinished episode."""
+        _check_agent_params(params)
         groups = self._new_groups(specs, group_size)
         try:
             self._start([e for g in groups for e in g.episodes])
@@ -301,6 +316,7 @@ class AgentRollout:
         and returned (every group that completed by then, so possibly more than needed); the others
         are aborted (over-sampling), or with `partial` kept running into the next step."""
         t0 = time.monotonic()
+        _check_agent_params(params)
         needed = len(self.carried) + len(specs) if groups_needed is None else groups_needed
         if not 0 < needed <= len(self.carried) + len(specs):
             raise ValueError(f"groups_needed must be in 1..{len(self.carried) + len(specs)}, got {needed}")
@@ -424,10 +440,13 @@ class AgentRollout:
             else:
                 by_shape.setdefault((len(members), room, len(members[0].turns)), []).append(members)
         sampled: list[tuple[Episode, Sample]] = []
+        member = {id(e): i for g in groups for i, e in enumerate(g.episodes)}
         for (n, room, turn), reqs in by_shape.items():
-            p = dataclasses.replace(params, n=n, max_tokens=room, logprobs=0,
-                                    seed=None if params.seed is None else params.seed + 1_000_003 * turn)
-            outs = self._generate(reqs, p)
+            p = dataclasses.replace(params, n=n, max_tokens=room, logprobs=0)
+            # a seed per request (a group's first turn; then each episode's turns): with one per
+            # turn, every episode of the batch drew the same uniforms after the first turn
+            each = [dataclasses.replace(p, seed=turn_seed(params.seed, turn, m[0].spec, m[0].group, member[id(m[0])])) for m in reqs]
+            outs = self._generate(reqs, each)
             for members, samples in zip(reqs, outs):
                 sampled += list(zip(members, samples))
         for e, s in sampled:
@@ -459,12 +478,13 @@ class AgentRollout:
             if finish is None or jobs:
                 e.pending = PendingTurn(s, t, jobs, continues=finish is None)
 
-    def _generate(self, reqs: list[list[Episode]], p: SamplingParams) -> list[list[Sample]]:
-        """One turn for each request (a group's first turn: its members together). With sessions,
-        each episode's session is opened at its first turn (members forked from one) and the turn
-        runs on it; if the engine refuses a session (its limits), the batch goes without."""
+    def _generate(self, reqs: list[list[Episode]], each: list[SamplingParams]) -> list[list[Sample]]:
+        """One turn for each request (a group's first turn: its members together), `each[i]` the
+        parameters of request i. With sessions, each episode's session is opened at its first turn
+        (members forked from one) and the turn runs on it; if the engine refuses a session (its
+        limits), the batch goes without."""
         if self.llm is None:
-            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], p)
+            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], each)
         llm = self.llm
         try:
             for members in reqs:
@@ -474,12 +494,12 @@ class AgentRollout:
                     for e, fork in zip(members[1:], llm.fork_session(sid, len(members) - 1) if len(members) > 1 else []):
                         e.session = fork
             sids = [e.session for members in reqs for e in members]
-            outs = iter(llm.generate_session(sids, dataclasses.replace(p, n=1)))
+            outs = iter(llm.generate_session(sids, [dataclasses.replace(p, n=1) for members, p in zip(reqs, each) for _ in members]))
         except ValueError:
             for members in reqs:
                 for e in members:
                     self._end_session(e)
-            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], p)
+            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], each)
         return [[samples_of(next(outs))[0] for _ in members] for members in reqs]
 
     def _call_tool(self, env: AgentEnvironment, call: ToolCall) -> ToolResult:

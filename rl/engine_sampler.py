@@ -32,6 +32,7 @@ class EngineSampler:
     """A thread-safe `TokenSampler` over `llm`'s engine (which from now on only this steps)."""
 
     thread_safe = True  # callers may share it without a lock (RolloutWorker reads this)
+    accepts_param_lists = True  # generate_tokens takes one SamplingParams per prompt
 
     def __init__(self, llm: LLM, max_pending: int = 4096):
         self.llm, self.engine = llm, llm.engine

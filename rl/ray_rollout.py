@@ -80,6 +80,8 @@ class ServedSampler:
 class _LockedSampler:
     """A sampler that is not thread-safe, called by one group thread at a time."""
 
+    accepts_param_lists = True  # rollout.generate_tokens splits a list for the sampler below
+
     def __init__(self, sampler: TokenSampler):
         self.sampler, self.lock = sampler, threading.Lock()
 

@@ -53,10 +53,43 @@ def samples_of(out: RequestOutput) -> list[Sample]:
     return samples
 
 
-def generate_tokens(sampler: LLM | TokenSampler, prompts: list[list[int] | dict[str, Any]], params: SamplingParams) -> list[list[Sample]]:
+def generate_tokens(sampler: LLM | TokenSampler, prompts: list[list[int] | dict[str, Any]],
+                    params: SamplingParams | list[SamplingParams]) -> list[list[Sample]]:
+    """`params`: one for every prompt, or a list of one per prompt (per-episode seeds). A sampler
+    that does not declare `accepts_param_lists` gets one call per distinct parameters."""
     if isinstance(sampler, LLM):
         return [samples_of(o) for o in sampler.generate(prompts, params, use_tqdm=False)]
-    return sampler.generate_tokens(prompts, params)
+    if isinstance(params, SamplingParams):
+        return sampler.generate_tokens(prompts, params)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+    if getattr(sampler, "accepts_param_lists", False):
+        return sampler.generate_tokens(prompts, params)
+    out: list[list[Sample]] = [[] for _ in prompts]
+    by_params: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        by_params.setdefault(next((j for j in by_params if params[j] == p), i), []).append(i)
+    for first, idx in by_params.items():
+        for i, samples in zip(idx, sampler.generate_tokens([prompts[i] for i in idx], params[first])):
+            out[i] = samples
+    return out
+
+
+def episode_seed(seed: int | None, *keys: int) -> int | None:
+    """A seed of its own for one member of a batch (a turn of one episode, one trajectory): with one
+    seed for every request of a batch, each request's sampler draws the same uniforms (the
+    engine's per-request seed, as vLLM's), so members in the same state wrote the same turn and the
+    others were perfectly correlated. None stays None (unseeded)."""
+    if seed is None:
+        return None
+    mask = 2**64 - 1
+    h = seed & mask
+    for k in keys:  # splitmix64 steps: every bit of every key reaches every bit of the result
+        h = (h + 0x9E3779B97F4A7C15 + (k & mask)) & mask
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & mask
+        h ^= h >> 31
+    return h >> 1  # within SamplingParams' signed 64-bit range
 
 
 def squid_positions(sampler: LLM | TokenSampler) -> str:
@@ -121,6 +154,15 @@ def sample_groups(
     if metadata is not None and len(metadata) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(metadata)} metadata entries")
     resolved = [resolve_prompt(sampler, p) for p in prompts]
+    keep = sampling_params.truncate_prompt_tokens
+    if keep is not None:
+        # applied here, so the group records the prompt the engine samples from: the trainer scores
+        # exactly those ids (the engine used to cut the prompt while the group kept all of it)
+        if keep == -1 or any(lay is not None for _, lay in resolved):
+            raise ValueError("truncate_prompt_tokens in a rollout must be a count >= 1, and prompts with documents "
+                             "cannot be truncated")
+        resolved = [(q[-keep:], lay) for q, lay in resolved]
+        sampling_params = dataclasses.replace(sampling_params, truncate_prompt_tokens=None)
     params = rollout_params(sampling_params, group_size)
     per_prompt = generate_tokens(sampler, [_engine_prompt(q, lay) for q, lay in resolved], params)
     meta = metadata or [{} for _ in prompts]
@@ -138,8 +180,13 @@ def extend_trajectories(sampler: LLM | TokenSampler, trajectories: list[Trajecto
         if t.layout is not None and t.layout.convention != squid_positions(sampler):
             raise ValueError(f"trajectories[{i}].layout was sampled with {t.layout.convention!r} positions; "
                              f"this sampler uses {squid_positions(sampler)!r}")
+    if sampling_params.truncate_prompt_tokens is not None:
+        raise ValueError("truncate_prompt_tokens cannot be used to extend trajectories: the turn must read the whole stream")
     params = rollout_params(sampling_params, 1)
-    per = generate_tokens(sampler, [_engine_prompt(t.token_ids, t.layout) for t in trajectories], params)
+    # one seed per trajectory (with one, every trajectory drew the same uniforms: G copies of a
+    # prompt came out identical)
+    each = [dataclasses.replace(params, seed=episode_seed(params.seed, i)) for i in range(len(trajectories))]
+    per = generate_tokens(sampler, [_engine_prompt(t.token_ids, t.layout) for t in trajectories], each)
     turns = [s[0] for s in per]
     for traj, sample in zip(trajectories, turns):
         traj.append_sample(sample)

@@ -119,3 +119,46 @@ def test_engine_turn_after_a_tool_result_matches_the_trainer(llm, namespaces):
     assert engine_tokens.sum() > 0
     m = mismatch(trainer_lp[engine_tokens], rollout_lp[engine_tokens])
     assert m.max_abs <= 1e-5, m
+
+
+@pytest.mark.parametrize("use_sessions", [True, False])
+def test_seeded_episodes_draw_their_own_turns(llm, use_sessions, monkeypatch):
+    """After the first turn each episode's turn is its own request (n = 1); with one seed per turn
+    every episode of the call drew the same uniforms, so members in the same state wrote the same
+    turn. Every turn-2 request now has its own seed (turn 1 forced to the same tool call in all 8
+    episodes, then a free turn): 8 distinct seeds, and the members' turns differ."""
+    import cuttle.engine.llm_engine as llm_engine
+    from agent_scripts import FakeEnvironment
+    from cuttle.engine.sampler import Logprob, SampleResult
+
+    tok = llm.get_tokenizer()
+    cfg = AgentConfig(max_turns=2, max_tokens_per_turn=48, max_total_tokens=3000, use_sessions=use_sessions)
+    runner = AgentRollout(llm, lambda spec: FakeEnvironment(spec), cfg)
+    script = tok.encode(call("ls"), add_special_tokens=False) + [runner.chat.end_of_turn_id]
+    real, turn, seeds = llm_engine.sample, [0], set()
+    count = runner._sample
+
+    def counted(*a, **k):
+        turn[0] += 1
+        return count(*a, **k)
+
+    def sample(logits, rows, *rest):
+        out = real(logits, rows, *rest)
+        for i, r in enumerate(rows):
+            if turn[0] == 1:
+                t = script[min(r.step, len(script) - 1)]
+                out[i] = SampleResult(t, -0.5, {t: Logprob(-0.5, 1)})
+            else:
+                seeds.add(r.seed)
+        return out
+
+    monkeypatch.setattr(runner, "_sample", counted)
+    monkeypatch.setattr(llm_engine, "sample", sample)
+    try:
+        groups = runner.run([{"seed": 1, "prompt": "fix it"}, {"seed": 2, "prompt": "fix it"}], 4, SamplingParams(temperature=1.0, seed=7))
+    finally:
+        runner.close()
+    assert len(seeds) == 8
+    for g in groups:
+        assert len({e.turns[0].text for e in g.episodes}) == 1
+        assert len({e.turns[1].text for e in g.episodes}) > 1

@@ -18,7 +18,7 @@ from server_fixture import LiveServer  # noqa: E402
 
 from cuttle.engine import LLM, SamplingParams  # noqa: E402
 from cuttle.engine.default_model import default_model_path  # noqa: E402
-from cuttle.rl.agent import AgentConfig  # noqa: E402
+from cuttle.rl.agent import AgentConfig, turn_seed  # noqa: E402
 from cuttle.rl.ray_rollout import RayRollout, ServedSampler  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,9 @@ def test_a_worker_fronting_cuttle_serve_samples_through_its_rl_routes(cluster):
             local = LLM(model, dtype="float32", num_kv_blocks=256, max_model_len=2048)
             for g in res.groups:
                 prompt = g.episodes[0].trajectory.token_ids[:g.episodes[0].trajectory.prompt_length]
-                [want] = local.generate([prompt], SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=tokens,
+                # each worker runs its group as group 0 of its call; the seed is the group's first turn's
+                seed = turn_seed(5, 0, g.spec, 0, 0)
+                [want] = local.generate([prompt], SamplingParams(temperature=1.0, seed=seed, n=2, max_tokens=tokens,
                                                                  logprobs=0), use_tqdm=False)
                 for e, c in zip(g.episodes, want.outputs):
                     t = e.trajectory

@@ -59,3 +59,38 @@ def test_metadata_must_match_prompts(moe_path, random_prompts):
     llm = LLM(moe_path, dtype="float32", num_kv_blocks=64)
     with pytest.raises(ValueError, match="metadata"):
         sample_groups(llm, random_prompts(2, 8), 2, SamplingParams(max_tokens=2), metadata=[{}])
+
+
+def test_truncated_prompts_are_recorded_as_sampled_and_the_trainer_agrees(moe_path, random_prompts):
+    """truncate_prompt_tokens: the engine sampled from the last k prompt ids while the group
+    recorded all of them, so the trainer scored the completion under context the engine never saw
+    (|delta logprob| up to 4). The group now records the kept ids; the trainer's logprobs equal the
+    engine's."""
+    from cuttle.rl import TrainBatch, mismatch
+    from cuttle.rl.trainer import Trainer
+
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=128)
+    prompts = random_prompts(2, 20, seed=1)
+    sp = SamplingParams(temperature=1.0, seed=2, max_tokens=8, ignore_eos=True, truncate_prompt_tokens=4)
+    groups = sample_groups(llm, prompts, 3, sp)
+    assert [g.prompt_token_ids for g in groups] == [p[-4:] for p in prompts]
+    batch = TrainBatch.from_groups(groups, [[0.0] * 3] * 2)
+    packed = batch.packed()
+    gap = mismatch(Trainer(moe_path).score(batch), packed.rollout_logprobs[packed.loss_mask > 0])
+    assert gap.max_abs < 1e-4, gap
+    for bad in (-1,):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            sample_groups(llm, prompts, 2, SamplingParams(max_tokens=2, truncate_prompt_tokens=bad))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        extend_trajectories(llm, [Trajectory.start(prompts[0])], SamplingParams(max_tokens=2, truncate_prompt_tokens=4))
+
+
+def test_seeded_trajectories_each_get_their_own_draws(moe_path, random_prompts):
+    """With one seed, every trajectory of extend_trajectories drew the same uniforms: copies of one
+    prompt came out identical. Each has its own seed now, the same on a rerun."""
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=128)
+    [p] = random_prompts(1, 12, seed=3)
+    sp = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+    first = [t.token_ids for t in extend_trajectories(llm, [Trajectory.start(p) for _ in range(6)], sp)]
+    again = [t.token_ids for t in extend_trajectories(llm, [Trajectory.start(p) for _ in range(6)], sp)]
+    assert first == again and len({tuple(t) for t in first}) == 6
