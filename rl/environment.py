@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ class SandboxEnvironment:
     def __init__(self, spec: dict[str, Any] | Task, limits: Limits | None = None, allow_unisolated: bool = False):
         self.task = spec if isinstance(spec, Task) else make_task(spec)
         self.task_id, self.prompt = self.task.task_id, self.task.prompt
+        self._lock = threading.Lock()
         self.root = tempfile.mkdtemp(prefix="cuttle-agent-")
         try:
             os.chmod(self.root, 0o755)
@@ -53,18 +55,28 @@ class SandboxEnvironment:
             remove_tree(self.root)
             raise
 
+    # One call at a time per environment (the agent loop runs a turn's tool calls concurrently):
+    # the host-side file tools, grading and the final rmtree run as root on paths in the
+    # workspace, so a sandboxed `run` changing the workspace at the same moment (swapping a
+    # directory for a symlink) made them read, create or delete outside it. A `run`'s processes
+    # are all dead when it returns, so under the lock nothing inside changes the workspace.
+    # close() waits for a running command (bounded by its timeout).
+
     def call(self, name: str, arguments: dict[str, Any]) -> tuple[bool, str]:
-        try:
-            return True, self.sandbox.call_tool(name, **arguments)
-        except ToolError as err:
-            return False, str(err)
+        with self._lock:
+            try:
+                return True, self.sandbox.call_tool(name, **arguments)
+            except ToolError as err:
+                return False, str(err)
 
     def reward(self) -> tuple[float, dict[str, Any]]:
-        r = grade(self.task, self.sandbox.workspace, Limits(timeout=self.task.timeout))
+        with self._lock:
+            r = grade(self.task, self.sandbox.workspace, Limits(timeout=self.task.timeout))
         return r.reward, r.to_dict()
 
     def close(self) -> None:
-        remove_tree(self.root)
+        with self._lock:
+            remove_tree(self.root)
 
 
 def sandbox_factory(limits: Limits | None = None, allow_unisolated: bool = False) -> EnvFactory:

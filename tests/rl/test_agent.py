@@ -243,3 +243,39 @@ def test_chat_tokens_refuse_a_template_without_an_eos_closing_turns(tok):
     with pytest.raises(ValueError, match="closes an assistant turn"):
         ChatTokens(tok, None, {0})  # <|endoftext|> is not what the template writes after a turn
 
+
+
+def test_an_environment_runs_one_call_at_a_time(namespaces):
+    """A turn's tool calls run concurrently, and the host-side file tools, grading and cleanup act
+    as root on workspace paths: a `run` swapping a directory for a symlink meanwhile made them
+    read, create or delete outside the workspace (a probe deleted a host file through close()'s
+    rmtree and read a root-only file through search). One environment now takes one call at a
+    time: a list_dir issued while a command runs waits for it, and close() waits for it too."""
+    import threading
+    import time
+
+    env = sandbox_factory()({"kind": "synthetic", "seed": 1})
+    ends: dict[str, float] = {}
+
+    def run():
+        ok, out = env.call("run", {"command": "sleep 1; echo done"})
+        ends["run"] = time.monotonic()
+        assert ok and "done" in out
+
+    def listing():
+        ok, _ = env.call("list_dir", {"path": "."})
+        ends["list"] = time.monotonic()
+        assert ok
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    listing()
+    assert ends["list"] >= ends["run"]
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    env.close()
+    closed = time.monotonic()
+    t.join()
+    assert closed >= ends["run"]
