@@ -92,7 +92,10 @@ class Sandbox:
     def run_tests(self, selection: str | None = None, timeout: float | None = None,
                   nonce: str | None = None) -> TestReport:
         """pytest on the workspace (or on `selection`: paths / node ids, never options)."""
-        args = shlex.split(selection or "")
+        try:
+            args = shlex.split(selection or "")
+        except ValueError as e:  # an unbalanced quote: the model's mistake, a tool error (was a host exception)
+            raise ToolError(f"run_tests: selection does not parse as shell words: {e}") from None
         for arg in args:
             if arg.startswith("-"):
                 raise ToolError(f"run_tests: {arg!r} looks like an option; selection holds test paths or node ids")

@@ -5,6 +5,7 @@ schemas, and the three tools that execute inside the sandbox (lint, run, run_tes
 schemas serve training rollouts and the product. Must never call a tool function with arguments
 the schema does not allow, and never let anything but a ToolError reach the agent as a message.
 """
+import math
 import os
 import shlex
 import shutil
@@ -131,6 +132,17 @@ def check_arguments(tool: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
         spec = props[name]
         if isinstance(value, bool) or not isinstance(value, _TYPES[spec["type"]]):
             raise ToolError(f"{tool.name}: argument {name} must be of type {spec['type']}")
+        # the model writes these: NaN (Python's JSON reads it), 1e400-sized integers and lone UTF-16
+        # surrogates raised inside the host call (a 500 on the env server) instead of a tool error
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ToolError(f"{tool.name}: argument {name} must be a finite number")
+        if isinstance(value, int) and abs(value) > 2**53:
+            raise ToolError(f"{tool.name}: argument {name} is out of range")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ToolError(f"{tool.name}: argument {name} holds a lone UTF-16 surrogate (not valid text)") from None
         if "minimum" in spec and value < spec["minimum"]:
             raise ToolError(f"{tool.name}: argument {name} must be >= {spec['minimum']}")
         out[name] = value

@@ -52,6 +52,16 @@ def test_arguments_are_checked_against_the_schema(repo: Sandbox) -> None:
     with pytest.raises(ToolError, match="depth must be >= 1"):
         repo.call_tool("list_dir", depth=0)
     assert repo.call_tool("read_file", path="notes.md", start_line=2, end_line=None).startswith("     2\tline 2")
+    # what a model can write that used to raise inside the host call (a 500 on the env server):
+    # NaN (Python's JSON reads it), huge integers, lone UTF-16 surrogates, an unbalanced quote
+    bad = [("run", {"command": "true", "timeout": float("nan")}, "finite"), ("run", {"command": "true", "timeout": 10**400}, "out of range"),
+           ("read_file", {"path": "notes.md", "start_line": 10**400}, "out of range"),
+           ("write_file", {"path": "a\udcff.py", "content": "x"}, "surrogate"), ("write_file", {"path": "ok.py", "content": "\ud800"}, "surrogate"),
+           ("search", {"pattern": "a", "glob": "\ud800"}, "surrogate"), ("run", {"command": "echo \ud800"}, "surrogate"),
+           ("run_tests", {"selection": "tests/test_a.py 'unbalanced"}, "does not parse")]
+    for name, args, says in bad:
+        with pytest.raises(ToolError, match=says):
+            repo.call_tool(name, **args)
 
 
 def test_read_file_numbers_lines_and_pages(repo: Sandbox) -> None:
