@@ -10,6 +10,9 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
+import tempfile
+import threading
 
 from .errors import ToolError
 from .paths import Workspace
@@ -128,6 +131,17 @@ def _search_python(ws: Workspace, regex: re.Pattern[str], top: str, glob: str | 
     return hits
 
 
+def ripgrep() -> str | None:
+    """The ripgrep binary: on PATH, else beside the running interpreter (the `ripgrep` package
+    installs it into the venv's bin, which is not on PATH when a console script runs without
+    the venv activated: the search then fell back to Python's `re`, which has no time limit)."""
+    found = shutil.which("rg")
+    if found is None:
+        beside = os.path.join(os.path.dirname(sys.executable), "rg")
+        found = beside if os.access(beside, os.X_OK) else None
+    return found
+
+
 def _search_ripgrep(rg: str, ws: Workspace, pattern: str, top: str, glob: str | None) -> list[str]:
     rel = ws.relative(top)
     argv = [rg, "--no-config", "--no-heading", "--with-filename", "--line-number", "--color=never",
@@ -136,12 +150,31 @@ def _search_ripgrep(rg: str, ws: Workspace, pattern: str, top: str, glob: str | 
     if glob:
         argv.append(f"--glob={glob}")
     argv += ["--", rel]
-    proc = subprocess.run(argv, cwd=ws.root, capture_output=True, stdin=subprocess.DEVNULL, timeout=30, check=False,
-                          env={"PATH": "/usr/bin:/bin"})
-    if proc.returncode == 2:
-        raise ToolError(f"search failed: {proc.stderr.decode(errors='replace').strip()[:500]}")
-    lines = proc.stdout.decode(errors="replace").splitlines()
-    return [line.removeprefix("./") for line in lines[: MAX_MATCHES + 1]]
+    # read as it comes and stop at MAX_MATCHES + 1 lines: the whole output used to be buffered in
+    # the host (40 MB of one-character lines took ~8 GB before the cap was applied)
+    lines: list[str] = []
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, cwd=ws.root, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                env={"PATH": "/usr/bin:/bin"})
+        timer = threading.Timer(30, proc.kill)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                lines.append(raw.decode(errors="replace").rstrip("\n").removeprefix("./"))
+                if len(lines) > MAX_MATCHES:
+                    proc.kill()
+                    break
+        finally:
+            timer.cancel()
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if proc.returncode == 2 and len(lines) <= MAX_MATCHES:
+            err.seek(0)
+            raise ToolError(f"search failed: {err.read(2000).decode(errors='replace').strip()[:500]}")
+    return lines
 
 
 def search(ws: Workspace, pattern: str, path: str = ".", glob: str | None = None,
@@ -154,7 +187,7 @@ def search(ws: Workspace, pattern: str, path: str = ".", glob: str | None = None
         raise ToolError(f"{path}: no such file or directory")
     if not (os.path.isdir(top) or os.path.isfile(top)):
         raise ToolError(f"{path}: not a file or directory")
-    rg = shutil.which("rg") if backend in (None, "ripgrep") else None
+    rg = ripgrep() if backend in (None, "ripgrep") else None
     if backend == "ripgrep" and rg is None:
         raise ToolError("ripgrep is not installed")
     if rg:

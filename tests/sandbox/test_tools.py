@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cuttle.sandbox import TOOLS, Sandbox, ToolError, tool_schemas
-from cuttle.sandbox.file_tools import search
+from cuttle.sandbox.file_tools import ripgrep, search
 
 from .conftest import needs_namespaces
 
@@ -96,8 +96,8 @@ def test_list_dir_depth_and_skips(repo: Sandbox, ws: Path) -> None:
 
 @pytest.mark.parametrize("backend", ["python", "ripgrep"])
 def test_search_regex_glob_and_errors(repo: Sandbox, backend: str) -> None:
-    if backend == "ripgrep" and shutil.which("rg") is None:
-        pytest.skip("ripgrep not installed")
+    if backend == "ripgrep" and ripgrep() is None:
+        pytest.skip("ripgrep not installed (neither on PATH nor beside the interpreter)")
     ws = repo.workspace
     assert search(ws, r"def \w+\(a, b\)", backend=backend).splitlines() == [
         "pkg/core.py:1:def add(a, b):", "pkg/core.py:5:def mul(a, b):"]
@@ -174,3 +174,31 @@ def test_run_tests_selection_is_paths_only(repo: Sandbox) -> None:
         repo.call_tool("run_tests", selection="--rootdir=/ tests")
     with pytest.raises(ToolError, match=r"'\.\.' is not allowed"):
         repo.call_tool("run_tests", selection="../elsewhere/test_x.py")
+
+
+def test_search_reads_ripgrep_output_only_up_to_the_cap(tmp_path: Path) -> None:
+    """ripgrep's whole output was buffered in the host before the 200-match cap: 40 MB of
+    one-character lines took ~8 GB. Now it is read line by line and stopped at the cap (peak RSS
+    of a fresh interpreter doing one such search, 8 MB of matching lines). ripgrep is found beside
+    the interpreter when it is not on PATH (a console script run without the venv activated fell
+    back to Python's re, which has no time limit)."""
+    import subprocess
+    import sys
+
+    assert ripgrep() is not None
+    for i in range(8):
+        (tmp_path / f"f{i}.txt").write_text("a\n" * 500_000)
+    code = (
+        "import os, resource, sys\n"
+        "from cuttle.sandbox.paths import Workspace\n"
+        "from cuttle.sandbox.file_tools import search\n"
+        f"ws = Workspace({str(tmp_path)!r}, os.getuid(), os.getgid())\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "out = search(ws, 'a', backend='ripgrep')\n"
+        "assert 'more than 200 matches' in out, out[-200:]\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PATH"} | {"PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.strip()) < 100, f"search grew the host by {r.stdout.strip()} MiB"
