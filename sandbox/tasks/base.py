@@ -24,6 +24,8 @@ from ..testing import TestReport, parse_report
 from ..workspace import remove_tree, write_files
 
 MAX_SOLUTION_FILE_BYTES = 1 << 20
+MAX_SOLUTION_FILES = 1000  # files carried into grading, at most
+MAX_SOLUTION_TOTAL_BYTES = 16 << 20  # and bytes in all
 
 
 @dataclass(slots=True)
@@ -50,15 +52,27 @@ class Reward:
                 "outcomes": r.outcomes}
 
 
+def glob_matches(rel: str, glob: str) -> bool:
+    """`glob` against a workspace path segment by segment: `*` never crosses a `/` (fnmatch's
+    does, so `pkg/*.py` took `pkg/junk/x.py` and `pkg/mod.py/x.py` too: grading read any number
+    of such files, and one under a task file's name turned into a directory crashed it)."""
+    parts, pats = rel.split("/"), glob.split("/")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(p, g) for p, g in zip(parts, pats))
+
+
 def solution_files(task: Task, workspace: Workspace) -> dict[str, str]:
-    """The agent's versions of the files the task lets it change."""
+    """The agent's versions of the files the task lets it change (in path order, at most
+    MAX_SOLUTION_FILES of them and MAX_SOLUTION_TOTAL_BYTES in all: grading holds them in memory)."""
     out: dict[str, str] = {}
+    total = 0
     for dirpath, dirnames, filenames in os.walk(workspace.root):  # never follows symlinked dirs
-        dirnames[:] = [d for d in dirnames if d not in (".git", "__pycache__")]
-        for name in filenames:
+        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
+        for name in sorted(filenames):
             rel = workspace.relative(os.path.join(dirpath, name))
-            if not any(fnmatch.fnmatch(rel, g) for g in task.solution_globs):
+            if not any(glob_matches(rel, g) for g in task.solution_globs):
                 continue
+            if len(out) >= MAX_SOLUTION_FILES or total >= MAX_SOLUTION_TOTAL_BYTES:
+                return out
             try:
                 fd = workspace.open_read(rel)
             except ToolError:  # symlink out, special file, hard link: not a solution file
@@ -67,6 +81,7 @@ def solution_files(task: Task, workspace: Workspace) -> dict[str, str]:
                 data = f.read(MAX_SOLUTION_FILE_BYTES + 1)
             if len(data) <= MAX_SOLUTION_FILE_BYTES:
                 out[rel] = data.decode(errors="replace")
+                total += len(data)
     return out
 
 

@@ -132,6 +132,24 @@ def test_solution_symlinked_outside_the_workspace_is_not_graded(ws: Path) -> Non
     assert grade(task, Sandbox(ws).workspace).reward == 0.0
 
 
+def test_grading_takes_solution_files_segment_by_segment(ws: Path) -> None:
+    """fnmatch's `*` crossed `/`: `pkg/*.py` carried `pkg/junk/*.py` into grading (any number of
+    files, all held in memory) and `pkg/mod.py/x.py` after the agent turned a task file into a
+    directory, which crashed grading (FileExistsError: an env_error, a 500 on the server)."""
+    from cuttle.sandbox.tasks.base import glob_matches, solution_files
+
+    assert glob_matches("pkg/a.py", "pkg/*.py") and not glob_matches("pkg/junk/x.py", "pkg/*.py")
+    task = synthetic_task(4)
+    write_files(str(ws), task.files)
+    sb = Sandbox(ws)
+    [module] = [p for p in task.files if p.endswith(".py") and not p.startswith(("tests/", "_hidden"))
+                and any(glob_matches(p, g) for g in task.solution_globs)][:1]
+    sb.run(f"rm {module} && mkdir -p {module}/deeper && echo 'x = 1' > {module}/x.py && echo 'y = 2' > {module}/deeper/y.py")
+    got = solution_files(task, sb.workspace)
+    assert module not in got and not any(k.startswith(module + "/") for k in got)
+    assert grade(task, sb.workspace).reward == 0.0  # graded (on the task's own file), not crashed
+
+
 def test_make_task_rejects_unknown_specs() -> None:
     with pytest.raises(ValueError, match="unknown task kind"):
         make_task({"kind": "swebench"})
