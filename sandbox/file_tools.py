@@ -62,9 +62,14 @@ def read_file(ws: Workspace, path: str, start_line: int = 1, end_line: int | Non
     return "\n".join([body] + notes) if notes else body
 
 
+MAX_LIST_DEPTH = 64  # levels list_dir descends (it recurses per level: 5,000 was a RecursionError)
+
+
 def list_dir(ws: Workspace, path: str = ".", depth: int = 2) -> str:
     if depth < 1:
         raise ToolError("depth must be >= 1")
+    if depth > MAX_LIST_DEPTH:
+        raise ToolError(f"depth must be <= {MAX_LIST_DEPTH}")
     out: list[str] = []
 
     def walk(dir_fd: int, prefix: str, level: int) -> None:

@@ -65,8 +65,12 @@ def solution_files(task: Task, workspace: Workspace) -> dict[str, str]:
     MAX_SOLUTION_FILES of them and MAX_SOLUTION_TOTAL_BYTES in all: grading holds them in memory)."""
     out: dict[str, str] = {}
     total = 0
+    # no glob reaches below this many levels: the walk stops there (os.walk recurses per level on
+    # 3.11, and a 1,500-level tree made grading fail)
+    levels = max((len(g.split("/")) for g in task.solution_globs), default=0)
     for dirpath, dirnames, filenames in os.walk(workspace.root):  # never follows symlinked dirs
-        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
+        depth = 0 if dirpath == workspace.root else os.path.relpath(dirpath, workspace.root).count(os.sep) + 1
+        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__")) if depth + 1 < levels else []
         for name in sorted(filenames):
             rel = workspace.relative(os.path.join(dirpath, name))
             if not any(glob_matches(rel, g) for g in task.solution_globs):

@@ -202,3 +202,35 @@ def test_search_reads_ripgrep_output_only_up_to_the_cap(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.strip()) < 100, f"search grew the host by {r.stdout.strip()} MiB"
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_listed_graded_and_removed(tmp_path: Path) -> None:
+    """1,500 nested directories (what a sandboxed `mkdir -p` makes in a moment): list_dir(depth=5000)
+    was a RecursionError instead of a tool error, grading's walk and remove_tree raised one too
+    (the env server then forgot the environment and left its directory on disk)."""
+    from cuttle.sandbox.paths import Workspace
+    from cuttle.sandbox.file_tools import list_dir
+    from cuttle.sandbox.tasks import synthetic_task
+    from cuttle.sandbox.tasks.base import solution_files
+    from cuttle.sandbox.workspace import remove_tree, write_files
+
+    root = tmp_path / "ws"
+    root.mkdir()
+    task = synthetic_task(4)
+    write_files(str(root), task.files)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1500):
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+    ws = Workspace(str(root), os.getuid(), os.getgid())
+    with pytest.raises(ToolError, match="depth must be <= 64"):
+        list_dir(ws, depth=5000)
+    assert "d/" in list_dir(ws, depth=64)
+    assert set(solution_files(task, ws)) == {p for p in task.files if any(p.startswith(g.split("*")[0]) for g in task.solution_globs)}
+    remove_tree(str(root))
+    assert not root.exists()
