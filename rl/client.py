@@ -25,7 +25,7 @@ from safetensors.torch import save as save_safetensors
 
 from cuttle.engine.openai_protocol import RL_SAMPLING_FIELDS
 from cuttle.engine.sampling_params import SamplingParams
-from cuttle.rl.rollout import sample_groups
+from cuttle.rl.rollout import by_params, sample_groups
 from cuttle.rl.types import Group, Sample
 
 
@@ -94,7 +94,27 @@ class RolloutClient:
             raise ValueError(f"RolloutClient: servers end turns with different eos ids: {seen}")
         return set(next(iter(seen.values())))
 
-    def generate_tokens(self, prompts: list[list[int] | dict[str, Any]], params: SamplingParams) -> list[list[Sample]]:
+    accepts_param_lists = True  # generate_tokens takes one SamplingParams per prompt
+
+    def generate_tokens(self, prompts: list[list[int] | dict[str, Any]],
+                        params: SamplingParams | list[SamplingParams]) -> list[list[Sample]]:
+        """One list of samples per prompt; `params` one for all, or one per prompt (per-episode
+        seeds): the prompts of each distinct parameters go as their own requests, all at once
+        (the servers batch them)."""
+        if isinstance(params, SamplingParams):
+            return self._generate(prompts, params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        groups = by_params(params)
+        out: list[list[Sample]] = [[] for _ in prompts]
+        with ThreadPoolExecutor(max_workers=min(32, len(groups))) as pool:
+            futures = {first: pool.submit(self._generate, [prompts[i] for i in idx], params[first]) for first, idx in groups.items()}
+            for first, idx in groups.items():
+                for i, samples in zip(idx, futures[first].result()):
+                    out[i] = samples
+        return out
+
+    def _generate(self, prompts: list[list[int] | dict[str, Any]], params: SamplingParams) -> list[list[Sample]]:
         wire = _wire_params(params)
         k = len(self.base_urls)
         shards = [list(range(i, len(prompts), k)) for i in range(k)]

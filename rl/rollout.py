@@ -66,13 +66,18 @@ def generate_tokens(sampler: LLM | TokenSampler, prompts: list[list[int] | dict[
     if getattr(sampler, "accepts_param_lists", False):
         return sampler.generate_tokens(prompts, params)
     out: list[list[Sample]] = [[] for _ in prompts]
-    by_params: dict[int, list[int]] = {}
-    for i, p in enumerate(params):
-        by_params.setdefault(next((j for j in by_params if params[j] == p), i), []).append(i)
-    for first, idx in by_params.items():
+    for first, idx in by_params(params).items():
         for i, samples in zip(idx, sampler.generate_tokens([prompts[i] for i in idx], params[first])):
             out[i] = samples
     return out
+
+
+def by_params(params: list[SamplingParams]) -> dict[int, list[int]]:
+    """The positions of `params` grouped by equal parameters: {first position: positions}, in order."""
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(next((j for j in groups if params[j] == p), i), []).append(i)
+    return groups
 
 
 def episode_seed(seed: int | None, *keys: int) -> int | None:

@@ -94,3 +94,17 @@ def test_remote_groups_with_documents_equal_local(moe_path):
             err = r.json()["error"]
             assert field in (err.get("param") or "") + err["message"], (bad, err)
         assert srv.stats()["kv_blocks_free"] == srv.stats()["kv_blocks_total"]
+
+
+def test_client_takes_one_sampling_params_per_prompt(moe_path, random_prompts):
+    """Per-episode seeds reach RolloutClient as a list: each prompt is sampled under its own
+    parameters (the same tokens as the in-process engine with that list), the distinct ones sent
+    as concurrent requests."""
+    from cuttle.rl.rollout import generate_tokens
+
+    prompts = random_prompts(4, 12, seed=4)
+    each = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, ignore_eos=True, logprobs=0) for s in (1, 2, 1, 3)]
+    local = generate_tokens(LLM(moe_path, dtype="float32", num_kv_blocks=128), prompts, each)
+    with LiveServer(moe_path, dtype="float32", num_kv_blocks=128) as srv, RolloutClient(srv.url) as client:
+        remote = generate_tokens(client, prompts, each)
+    assert [[s.token_ids for s in ss] for ss in remote] == [[s.token_ids for s in ss] for ss in local]

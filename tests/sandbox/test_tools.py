@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -227,10 +228,13 @@ def test_a_tree_deeper_than_the_recursion_limit_is_listed_graded_and_removed(tmp
             fd = nxt
     finally:
         os.close(fd)
-    ws = Workspace(str(root), os.getuid(), os.getgid())
-    with pytest.raises(ToolError, match="depth must be <= 64"):
-        list_dir(ws, depth=5000)
-    assert "d/" in list_dir(ws, depth=64)
-    assert set(solution_files(task, ws)) == {p for p in task.files if any(p.startswith(g.split("*")[0]) for g in task.solution_globs)}
-    remove_tree(str(root))
-    assert not root.exists()
+    try:
+        ws = Workspace(str(root), os.getuid(), os.getgid())
+        with pytest.raises(ToolError, match="depth must be <= 64"):
+            list_dir(ws, depth=5000)
+        assert "d/" in list_dir(ws, depth=64)
+        assert set(solution_files(task, ws)) == {p for p in task.files if any(p.startswith(g.split("*")[0]) for g in task.solution_globs)}
+        remove_tree(str(root))
+        assert not root.exists()
+    finally:  # pytest's own cleanup of old temp dirs recurses per level too: never leave the tree behind
+        subprocess.run(["rm", "-rf", "--", str(root)], check=False)
