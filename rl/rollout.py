@@ -39,6 +39,9 @@ class TokenSampler(Protocol):
     def generate_tokens(self, prompts: list[list[int] | dict[str, Any]], params: SamplingParams) -> list[list[Sample]]: ...
 
 
+MAX_ABORTED_RETRIES = 3  # times sample_groups samples a group again after a weight update aborted it
+
+
 def rollout_params(params: SamplingParams, n: int) -> SamplingParams:
     """`params` with `n` samples and the sampled token's logprob always returned."""
     return dataclasses.replace(params, n=n, logprobs=0 if params.logprobs is None else params.logprobs)
@@ -169,7 +172,20 @@ def sample_groups(
         resolved = [(q[-keep:], lay) for q, lay in resolved]
         sampling_params = dataclasses.replace(sampling_params, truncate_prompt_tokens=None)
     params = rollout_params(sampling_params, group_size)
-    per_prompt = generate_tokens(sampler, [_engine_prompt(q, lay) for q, lay in resolved], params)
+    engine_prompts = [_engine_prompt(q, lay) for q, lay in resolved]
+    per_prompt = generate_tokens(sampler, engine_prompts, params)
+    # a weight update with in_flight="abort" (a trainer pushing while a served engine samples) ends
+    # requests with finish_reason "abort": such a group was returned half sampled and trained on.
+    # It is sampled again, whole, under the new weights (a group never mixes versions)
+    for _ in range(MAX_ABORTED_RETRIES):
+        redo = [i for i, ss in enumerate(per_prompt) if any(s.finish_reason == "abort" for s in ss)]
+        if not redo:
+            break
+        for i, ss in zip(redo, generate_tokens(sampler, [engine_prompts[i] for i in redo], params)):
+            per_prompt[i] = ss
+    else:
+        if any(s.finish_reason == "abort" for ss in per_prompt for s in ss):
+            raise RuntimeError(f"groups were aborted (by weight updates) {MAX_ABORTED_RETRIES + 1} times in a row")
     meta = metadata or [{} for _ in prompts]
     return [Group(q, s, dict(m), lay) for (q, lay), s, m in zip(resolved, per_prompt, meta)]
 

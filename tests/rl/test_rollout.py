@@ -94,3 +94,31 @@ def test_seeded_trajectories_each_get_their_own_draws(moe_path, random_prompts):
     first = [t.token_ids for t in extend_trajectories(llm, [Trajectory.start(p) for _ in range(6)], sp)]
     again = [t.token_ids for t in extend_trajectories(llm, [Trajectory.start(p) for _ in range(6)], sp)]
     assert first == again and len({tuple(t) for t in first}) == 6
+
+
+def test_groups_aborted_by_a_weight_update_are_sampled_again():
+    """A weight update with in_flight="abort" while a served engine samples (a trainer pushing
+    during rollouts) ended requests with finish_reason "abort", and sample_groups returned those
+    half-sampled groups to be rewarded and trained. They are sampled again, whole, under the new
+    weights; a group aborted every time is an error."""
+    from cuttle.rl.types import Sample
+
+    class Sampler:  # the first call aborts prompt 1's group half way (weights 0 -> 1 meanwhile)
+        def __init__(self, aborts: int):
+            self.calls, self.aborts = [], aborts
+
+        def generate_tokens(self, prompts, params):
+            self.calls.append([list(p) for p in prompts])
+            out = []
+            for p in prompts:
+                cut = p == [7, 8] and len(self.calls) <= self.aborts
+                out.append([Sample([1] if cut else [1, 2], [-0.1] if cut else [-0.1, -0.2], "abort" if cut else "length",
+                                   0 if cut else 1) for _ in range(params.n)])
+            return out
+
+    s = Sampler(aborts=1)
+    groups = sample_groups(s, [[5, 6], [7, 8]], 3, SamplingParams(max_tokens=2))
+    assert s.calls == [[[5, 6], [7, 8]], [[7, 8]]]
+    assert all(x.finish_reason == "length" and x.token_ids == [1, 2] for g in groups for x in g.samples)
+    with pytest.raises(RuntimeError, match="aborted"):
+        sample_groups(Sampler(aborts=10), [[7, 8]], 2, SamplingParams(max_tokens=2))
