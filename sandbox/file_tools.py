@@ -5,6 +5,7 @@ start-up) and so must never touch a path except through `Workspace` (see paths.p
 a symlink while walking, and never return unbounded text.
 """
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -136,6 +137,35 @@ def _search_python(ws: Workspace, regex: re.Pattern[str], top: str, glob: str | 
     return hits
 
 
+PYTHON_SEARCH_TIMEOUT_S = 10.0  # Python's re has no time limit of its own
+
+# the child of _search_python_bounded: the same search, its hits as JSON on stdout
+_CHILD = (
+    "import json, re, sys\n"
+    "from cuttle.sandbox.file_tools import _search_python\n"
+    "from cuttle.sandbox.paths import Workspace\n"
+    "root, uid, gid, pattern, top, glob = json.loads(sys.argv[1])\n"
+    "print(json.dumps(_search_python(Workspace(root, uid, gid), re.compile(pattern), top, glob)))\n"
+)
+
+
+def _search_python_bounded(ws: Workspace, pattern: str, top: str, glob: str | None) -> list[str]:
+    """`_search_python` in a child process killed after PYTHON_SEARCH_TIMEOUT_S: a catastrophic
+    pattern (`(a+)+$` on a line of a's) ran for seconds to hours in the host and froze every other
+    thread of the process (the env server's event loop, every environment). Used only where
+    ripgrep (linear-time regexes) is missing."""
+    arg = json.dumps([ws.root, ws.uid, ws.gid, pattern, top, glob])
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, arg], capture_output=True, timeout=PYTHON_SEARCH_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired:
+        raise ToolError(f"search timed out after {PYTHON_SEARCH_TIMEOUT_S:g} s (a pattern with nested repetition?); "
+                        "simplify the pattern") from None
+    if proc.returncode != 0:
+        raise ToolError(f"search failed: {proc.stderr.decode(errors='replace').strip()[-500:]}")
+    return json.loads(proc.stdout)
+
+
 def ripgrep() -> str | None:
     """The ripgrep binary: on PATH, else beside the running interpreter (the `ripgrep` package
     installs it into the venv's bin, which is not on PATH when a console script runs without
@@ -199,10 +229,10 @@ def search(ws: Workspace, pattern: str, path: str = ".", glob: str | None = None
         hits = _search_ripgrep(rg, ws, pattern, top, glob)
     else:
         try:
-            regex = re.compile(pattern)
+            re.compile(pattern)
         except re.error as err:
             raise ToolError(f"invalid regex {pattern!r}: {err}") from None
-        hits = _search_python(ws, regex, top, glob)
+        hits = _search_python_bounded(ws, pattern, top, glob)
     if not hits:
         return "no matches"
     if len(hits) > MAX_MATCHES:

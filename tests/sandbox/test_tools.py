@@ -238,3 +238,20 @@ def test_a_tree_deeper_than_the_recursion_limit_is_listed_graded_and_removed(tmp
         assert not root.exists()
     finally:  # pytest's own cleanup of old temp dirs recurses per level too: never leave the tree behind
         subprocess.run(["rm", "-rf", "--", str(root)], check=False)
+
+
+def test_python_search_of_a_catastrophic_pattern_times_out(repo: Sandbox, monkeypatch) -> None:
+    """Without ripgrep the search ran Python's re in the host with no time limit: `(a+)+$` on 26
+    a's took 4.7 s and froze every other thread of the process (the env server's event loop);
+    each more a doubles it. It now runs in a child process killed at the time limit."""
+    import time
+
+    from cuttle.sandbox import file_tools
+
+    monkeypatch.setattr(file_tools, "PYTHON_SEARCH_TIMEOUT_S", 1.0)
+    repo.call_tool("write_file", path="slow.txt", content="a" * 27 + "!\n")
+    t = time.monotonic()
+    with pytest.raises(ToolError, match="timed out"):
+        search(repo.workspace, "(a+)+$", path="slow.txt", backend="python")
+    assert time.monotonic() - t < 5
+    assert search(repo.workspace, "a+!", path="slow.txt", backend="python") == "slow.txt:1:" + "a" * 27 + "!"
