@@ -86,25 +86,25 @@ _SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
                    "seed": "--sample-seed"}
 
 
-def _refuse(cmd: str, e: BaseException, flags: dict[str, str] | None = None) -> NoReturn:
+def _refuse(cmd: str, msg: str) -> NoReturn:
     """Exit 2 with one line, as argparse does for its own checks (a bad engine option used to end
-    in a traceback through the engine's constructors); a message that starts with a field's name
-    (EngineConfig's and SamplingParams' do) names its flag instead (block_size -> --block-size)."""
-    msg = str(e).strip()
-    m = re.match(r"[a-z_]+(?![\w.\[])", msg)
-    if m and flags and m.group(0) in flags:
-        msg = flags[m.group(0)] + msg[m.end():]
+    in a traceback through the engine's constructors)."""
     sys.stderr.write(f"cuttle {cmd}: {msg}\n")
     sys.exit(2)
 
 
 def _built(cmd: str, build: Callable[[], Any], flags: dict[str, str] = _ENGINE_FLAGS) -> Any:
     """`build()` (the engine, or the sampling parameters, from the flags), with the errors a flag
-    causes refused as one line."""
+    causes refused as one line; a message that starts with a field's name (EngineConfig's and
+    SamplingParams' do) names its flag instead (block_size -> --block-size)."""
     try:
         return build()
     except (ValueError, FileNotFoundError, NotImplementedError, OverflowError) as e:
-        _refuse(cmd, e, flags)
+        msg = str(e).strip()
+        m = re.match(r"[a-z_]+(?![\w.\[])", msg)
+        if m and m.group(0) in flags:
+            msg = flags[m.group(0)] + msg[m.end():]
+        _refuse(cmd, msg)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -135,11 +135,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except ValueError as e:
         sys.exit(f"cuttle serve: {e}")
     if not 0 <= args.port <= 65535:  # checked before the model loads (bind() failed after it)
-        _refuse("serve", ValueError(f"--port must be in [0, 65535], got {args.port}"))
+        _refuse("serve", f"--port must be in [0, 65535], got {args.port}")
     if not (args.shutdown_timeout >= 0 and args.shutdown_timeout < float("inf")):
-        _refuse("serve", ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}"))
+        _refuse("serve", f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     if args.max_pending < 1:  # 0 served /health and answered every request 503, forever
-        _refuse("serve", ValueError(f"--max-pending must be >= 1 (requests in flight before a 503), got {args.max_pending}"))
+        _refuse("serve", f"--max-pending must be >= 1 (requests in flight before a 503), got {args.max_pending}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # built on the engine thread, which then steps it: one thread does all the OpenMP work
     aeng = _built("serve", lambda: AsyncEngine.launch(lambda: _build_llm(args).engine, max_pending=args.max_pending))
@@ -154,7 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          enable_auto_tool_choice=args.enable_auto_tool_choice)
     except ValueError as e:
         aeng.shutdown()
-        _refuse("serve", e)
+        _refuse("serve", str(e))
     print(f"cuttle: serving {name!r} on http://{args.host}:{args.port}/v1 (max_model_len {aeng.engine.max_model_len})", flush=True)
     # uvicorn drains connections and runs the shutdown hooks on SIGTERM, then re-raises the signal
     # under the handler that was installed before it; this one turns that into a clean exit 0.
@@ -217,7 +217,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    _built("chat", lambda: _params(args), _SAMPLING_FLAGS)
+    params = _built("chat", lambda: _params(args), _SAMPLING_FLAGS)  # before the model loads
     llm = _built("chat", lambda: _build_llm(args))
     tok = llm.get_tokenizer()
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
@@ -231,7 +231,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             break
         messages.append({"role": "user", "content": line})
         sys.stdout.write("assistant> ")
-        reply = _stream(llm, tok.encode_chat(messages), _params(args))
+        reply = _stream(llm, tok.encode_chat(messages), params)
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": reply})
 

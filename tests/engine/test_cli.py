@@ -34,18 +34,9 @@ def test_generate_streams(qwen3_path):
 
 
 def test_serve_sigterm_is_graceful(qwen3_path):
-    port = free_port()
-    proc = subprocess.Popen(CUTTLE + ["serve", "--model", qwen3_path, "--port", str(port), "--dtype", "float32", "--num-kv-blocks", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = _serve(qwen3_path, "--num-kv-blocks", "64")
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "a b", "max_tokens": 3}, timeout=30)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a b", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["model"] == os.path.basename(qwen3_path)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0

@@ -157,3 +157,19 @@ def test_make_task_rejects_unknown_specs() -> None:
         make_task({"kind": "humaneval", "task_id": "HumanEval/999"})
     with pytest.raises(ValueError, match="seed must be an integer"):
         make_task({"kind": "synthetic", "seed": "3"})
+
+
+def test_grading_carries_at_most_max_solution_files(ws: Path, monkeypatch) -> None:
+    """The caps on what grading reads into memory (files, then bytes), in path order."""
+    from cuttle.sandbox.tasks import base
+
+    task = Task(task_id="caps", prompt="", files={}, hidden_files={}, solution_globs=("s/*.py",), grade_command="true")
+    (ws / "s").mkdir()
+    for i in range(12):
+        (ws / "s" / f"m{i:02d}.py").write_text("x = 1\n" * 100)  # 600 bytes each
+    sbws = Sandbox(ws).workspace
+    monkeypatch.setattr(base, "MAX_SOLUTION_FILES", 5)
+    assert sorted(base.solution_files(task, sbws)) == [f"s/m{i:02d}.py" for i in range(5)]
+    monkeypatch.setattr(base, "MAX_SOLUTION_FILES", 1000)
+    monkeypatch.setattr(base, "MAX_SOLUTION_TOTAL_BYTES", 1500)
+    assert sorted(base.solution_files(task, sbws)) == [f"s/m{i:02d}.py" for i in range(3)]

@@ -178,8 +178,8 @@ def test_run_tests_selection_is_paths_only(repo: Sandbox) -> None:
 
 
 def test_search_reads_ripgrep_output_only_up_to_the_cap(tmp_path: Path) -> None:
-    """ripgrep's whole output was buffered in the host before the 200-match cap: 40 MB of
-    one-character lines took ~8 GB. Now it is read line by line and stopped at the cap (peak RSS
+    """ripgrep's whole output was buffered in the host before the 200-match cap: 40 files of 1 MB
+    of one-character lines added 2.4 GB of peak RSS. Now it is read line by line and stopped at the cap (peak RSS
     of a fresh interpreter doing one such search, 8 MB of matching lines). ripgrep is found beside
     the interpreter when it is not on PATH (a console script run without the venv activated fell
     back to Python's re, which has no time limit)."""
@@ -242,7 +242,7 @@ def test_a_tree_deeper_than_the_recursion_limit_is_listed_graded_and_removed(tmp
 
 def test_python_search_of_a_catastrophic_pattern_times_out(repo: Sandbox, monkeypatch) -> None:
     """Without ripgrep the search ran Python's re in the host with no time limit: `(a+)+$` on 26
-    a's took 4.7 s and froze every other thread of the process (the env server's event loop);
+    a's took 4.4 s and froze every other thread of the process (the env server's event loop);
     each more a doubles it. It now runs in a child process killed at the time limit."""
     import time
 
