@@ -5,7 +5,8 @@ training path differentiates through.
 Owns: `NSAConfig` (l, d, l', n with the forced initial and local blocks, w, the compression
 function phi) and its validation; phi itself (`compress`, `compress_windows`); the score
 transform of Eq. 9 (`eq9_matrix`, `selection_scores`); block selection (`select_blocks`); and one
-sequence's gated three-branch attention (`nsa_attend`). Everything here is per sequence, dense and
+sequence's gated three-branch attention (`nsa_attend`; `nsa_branches` / `nsa_attend_parts` for
+rows over several parts). Everything here is per sequence, dense and
 plain torch (masks over all keys), so it is obviously right rather than fast; it never touches
 the paged cache (`nsa_backend.py` does) and imports nothing from the engine.
 
@@ -16,12 +17,20 @@ Conventions (0-based token indices; a query at index t sees keys 0..t):
   inside its own block only keys <= t count;
 - the window is the last w keys: t - w + 1 .. t (w = 0: an empty branch);
 - a branch with no key contributes 0 (its softmax is empty, not NaN).
+
+Parts (squid documents, docs/nsa.md "Squid documents under NSA"): a row whose keys are several
+segments (a prefix, documents, its own tokens) applies every rule above to each segment on its own
+keys, indexed from the segment's first key (a segment the row sees whole: as if the row sat at its
+last key), and each branch is the log-sum-exp merge of the parts' branches (`nsa_branches`,
+`nsa_attend_parts`); then the gates.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from cuttle.attention.merge import merge_lse
 
 COMPRESS_FNS = ("linear", "mean")
 
@@ -156,39 +165,96 @@ def select_blocks(scores: torch.Tensor, q_pos: torch.Tensor, cfg: NSAConfig) -> 
     return picked
 
 
-def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [M, H, D] against k, v [L, Hkv, D] where mask [M, Hkv, L] allows; rows with no key give 0.
-    Computed in q's dtype (fp32 in the tests and the oracle); differentiable."""
+def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [M, H, D] against k, v [L, Hkv, D] where mask [M, Hkv, L] allows: (o [M, H, D], lse [M, H]
+    of the scaled scores; -inf where a row has no key, whose o is 0). Computed in q's dtype (fp32
+    in the tests and the oracle); differentiable."""
     m, h, dim = q.shape
     hkv = k.shape[1]
     g = h // hkv
     qg = q.reshape(m, hkv, g, dim)
     s = torch.einsum("mhgd,lhd->mhgl", qg, k.to(q.dtype)) * scale
-    p = _softmax_masked(s, mask[:, :, None, :])
-    return torch.einsum("mhgl,lhd->mhgd", p, v.to(q.dtype)).reshape(m, h, dim)
+    p, lse = _softmax_masked(s, mask[:, :, None, :])
+    return torch.einsum("mhgl,lhd->mhgd", p, v.to(q.dtype)).reshape(m, h, dim), lse.reshape(m, h)
 
 
-def _softmax_masked(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _softmax_masked(s: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of s over its last dim where mask allows, and its log-sum-exp (-inf, with all-zero
+    probabilities, where nothing is allowed)."""
     if s.shape[-1] == 0:  # no key at all (a sequence shorter than one compressed block)
-        return s
+        return s, s.new_full(s.shape[:-1], float("-inf"))
     s = s.masked_fill(~mask, float("-inf"))
     mx = s.amax(-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
     e = torch.exp(s - mx)
     den = e.sum(-1, keepdim=True)
-    return e / torch.where(den > 0, den, torch.ones_like(den))
+    lse = torch.where(den > 0, mx + torch.log(torch.where(den > 0, den, torch.ones_like(den))), float("-inf"))
+    return e / torch.where(den > 0, den, torch.ones_like(den)), lse.squeeze(-1)
 
 
 def compressed_probs(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, cfg: NSAConfig, scale: float) -> torch.Tensor:
     """The compression branch's attention probabilities p_cmp [M, H, Nc] of query rows q [M, H, D]
     at indices q_pos over compressed keys ck [Nc, Hkv, D] (entries a row cannot see, and every
     entry of a row that sees none, get 0). Also the input of the selection scores."""
+    return _compressed_softmax(q, ck, q_pos, cfg, scale)[0]
+
+
+def _compressed_softmax(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, cfg: NSAConfig,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     group = q.shape[1] // ck.shape[1]
     t = q_pos.to(q.device)[:, None]
     nc_vis = torch.clamp(torch.div(t + 1 - cfg.compress_block, cfg.compress_stride, rounding_mode="floor") + 1, min=0)
     cmask = torch.arange(ck.shape[0], device=q.device)[None, :] < nc_vis  # [M, Nc]
     s = torch.einsum("mhd,nhd->mhn", q, ck.to(q.dtype).repeat_interleave(group, 1)) * scale
     return _softmax_masked(s, cmask[:, None, :])
+
+
+def nsa_branches(
+    q: torch.Tensor,  # [M, H, D] query rows of one sequence (or one squid part), RoPE applied
+    k: torch.Tensor,  # [L, Hkv, D] its keys 0 .. L-1 (L > every q_pos)
+    v: torch.Tensor,
+    ck: torch.Tensor,  # [Nc, Hkv, D] compressed keys (Nc >= nc(max q_pos)); extra entries are masked
+    cv: torch.Tensor,
+    q_pos: torch.Tensor,  # [M] int64 index of each query row among the keys
+    cfg: NSAConfig,
+    scale: float,
+    block_indices: torch.Tensor | None = None,  # [M, Hkv, n] override the selection (-1 = padding)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three branches apart, before the gates: o [M, H, 3, D] (compressed, selected, window;
+    softmax-normalised, 0 for a branch with no key) in q's dtype, their log-sum-exps lse [M, H, 3]
+    (-inf for a branch with no key), and the selected blocks [M, Hkv, top_n] (-1 padded; given
+    ones are returned as they came). A row's branch over several key sets (squid parts) is these
+    results merged by the log-sum-exp (`nsa_attend_parts`)."""
+    m, h, _ = q.shape
+    num_keys, hkv = k.shape[0], k.shape[1]
+    group = h // hkv
+    lp = cfg.select_block
+    t = q_pos.to(q.device)[:, None]
+    # compression branch
+    p_cmp, lse_cmp = _compressed_softmax(q, ck, q_pos, cfg, scale)
+    o_cmp = torch.einsum("mhn,nhd->mhd", p_cmp, cv.to(q.dtype).repeat_interleave(group, 1))
+    # selection branch: Eq. 9 + 10 scores, top-n, then attention over the chosen blocks' keys
+    num_blocks = -(-num_keys // lp)
+    if block_indices is None:
+        block_indices = select_blocks(selection_scores(p_cmp.detach(), group, num_blocks, cfg), q_pos, cfg)
+    chosen = torch.zeros(m, hkv, num_blocks + 1, dtype=torch.bool, device=q.device)
+    chosen.scatter_(2, torch.where(block_indices < 0, num_blocks, block_indices).clamp(max=num_blocks), True)
+    key = torch.arange(num_keys, device=q.device)
+    causal = key[None, :] <= t  # [M, L]
+    smask = chosen[:, :, key // lp] & causal[:, None, :]
+    o_slc, lse_slc = _attend_masked(q, k, v, smask, scale)
+    # sliding window
+    wmask = (causal & (key[None, :] > t - cfg.window))[:, None, :].expand(m, hkv, num_keys)
+    o_win, lse_win = _attend_masked(q, k, v, wmask, scale)
+    lse = torch.stack([lse_cmp.reshape(m, h), lse_slc, lse_win], dim=-1)
+    return torch.stack([o_cmp, o_slc, o_win], dim=2), lse, block_indices
+
+
+def gate_branches(o: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """Eq. 5: the branches o [M, H, 3, D] weighted by the gates [M, H, 3] -> [M, H, D] in o's dtype."""
+    g = gates.to(o.dtype)
+    return g[..., 0:1] * o[:, :, 0] + g[..., 1:2] * o[:, :, 1] + g[..., 2:3] * o[:, :, 2]
 
 
 def nsa_attend(
@@ -205,27 +271,70 @@ def nsa_attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's NSA output (Eq. 5): o [M, H, D] in q's dtype, and the selected blocks
     [M, Hkv, top_n] (-1 padded; given ones are returned as they came)."""
-    m, h, _ = q.shape
-    num_keys, hkv = k.shape[0], k.shape[1]
-    group = h // hkv
-    lp = cfg.select_block
-    t = q_pos.to(q.device)[:, None]
-    # compression branch
-    p_cmp = compressed_probs(q, ck, q_pos, cfg, scale)
-    o_cmp = torch.einsum("mhn,nhd->mhd", p_cmp, cv.to(q.dtype).repeat_interleave(group, 1))
-    # selection branch: Eq. 9 + 10 scores, top-n, then attention over the chosen blocks' keys
-    num_blocks = -(-num_keys // lp)
-    if block_indices is None:
-        block_indices = select_blocks(selection_scores(p_cmp.detach(), group, num_blocks, cfg), q_pos, cfg)
-    chosen = torch.zeros(m, hkv, num_blocks + 1, dtype=torch.bool, device=q.device)
-    chosen.scatter_(2, torch.where(block_indices < 0, num_blocks, block_indices).clamp(max=num_blocks), True)
-    key = torch.arange(num_keys, device=q.device)
-    causal = key[None, :] <= t  # [M, L]
-    smask = chosen[:, :, key // lp] & causal[:, None, :]
-    o_slc = _attend_masked(q, k, v, smask, scale)
-    # sliding window
-    wmask = (causal & (key[None, :] > t - cfg.window))[:, None, :].expand(m, hkv, num_keys)
-    o_win = _attend_masked(q, k, v, wmask, scale)
-    g = gates.to(q.dtype)
-    o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
-    return o, block_indices
+    o, _, block_indices = nsa_branches(q, k, v, ck, cv, q_pos, cfg, scale, block_indices)
+    return gate_branches(o, gates), block_indices
+
+
+def nsa_attend_parts(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],  # per part: its branches (o [M, H, 3, D], lse [M, H, 3])
+    gates: torch.Tensor,  # [M, H, 3]
+) -> torch.Tensor:
+    """Rows whose keys are several parts (squid: a prefix, documents, their own tokens), each part
+    attended by the rule on its own keys (`nsa_branches`): every branch merged over the parts by
+    the log-sum-exp, then gated. o [M, H, D] fp32; differentiable."""
+    o, _ = merge_lse(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
+    return gate_branches(o, gates.float())
+
+
+def nsa_attend_segments(
+    q: torch.Tensor,  # [S, H, D] one row's queries, RoPE applied
+    k: torch.Tensor,  # [S, Hkv, D]
+    v: torch.Tensor,
+    gates: torch.Tensor,  # [S, H, 3]
+    mask: torch.Tensor,  # [S, S] bool: True where token i attends to token j
+    segment_ids: torch.Tensor,  # [S] int64: the segment of each token
+    compress_kv,  # (k, v) [n, Hkv, D] of one segment -> its compressed (ck, cv)
+    cfg: NSAConfig,
+    scale: float,
+    shifts: torch.Tensor | None = None,  # [S] int64: how far each token's segment sits from where it was encoded
+    unshift=None,  # (x [n, H, D], shift) -> x rotated by -shift (RoPE); needed where a shift is not 0
+) -> torch.Tensor:
+    """One row made of segments (squid's dense row: a prefix, documents, prefix copies, the query;
+    packed documents), each segment a part of its own (the convention above): o [S, H, D] in q's
+    dtype; differentiable. The mask must show each token, of each segment, nothing, all of it, or
+    (its own segment) exactly its keys up to itself; anything else is refused (a ValueError), since
+    NSA's rules are defined per whole segment.
+
+    A segment with a shift (squid's `concat`: a document placed `shift` positions after where it
+    was encoded, its keys rotated at the placed positions in this row) is attended in its encoded
+    frame, as the engine attends its cached copy: its keys and every query row reading it rotated
+    by -shift. Attention scores do not change (RoPE depends on differences), but the compressed
+    entries do when phi is learned ("linear"): they are what the engine cached, phi of the keys
+    where the document was encoded."""
+    S, h, dim = q.shape
+    mask = mask.bool()
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for u in torch.unique(segment_ids).tolist():
+        own = segment_ids == u
+        keys = own.nonzero().squeeze(1)
+        n = keys.numel()
+        vis = mask[:, keys]  # [S, n]
+        full = vis.all(1) & ~own
+        if not torch.equal(vis[keys], torch.ones(n, n, dtype=torch.bool, device=q.device).tril()):
+            raise ValueError(f"segment {u}: NSA needs each token to see exactly its own segment's keys up to itself")
+        if bool((vis.any(1) & ~own & ~full).any()):
+            raise ValueError(f"segment {u}: NSA needs every other token to see all of the segment or none of it")
+        rows = (own | full).nonzero().squeeze(1)
+        local = torch.cumsum(own.long(), 0) - 1
+        pos = torch.where(own[rows], local[rows], n - 1)
+        qs, ks, vs = q[rows], k[keys], v[keys]
+        shift = int(shifts[keys[0]]) if shifts is not None else 0
+        if shift:
+            if unshift is None:
+                raise ValueError(f"segment {u} is shifted by {shift} positions but no rotation was given")
+            qs, ks = unshift(qs, shift), unshift(ks, shift)
+        ck, cv = compress_kv(ks, vs)
+        o, lse, _ = nsa_branches(qs, ks, vs, ck, cv, pos, cfg, scale)
+        parts.append((q.new_zeros(S, h, 3, dim).index_put((rows,), o),
+                      lse.new_full((S, h, 3), float("-inf")).index_put((rows,), lse)))
+    return nsa_attend_parts(parts, gates).to(q.dtype)

@@ -34,8 +34,10 @@ from collections.abc import Callable
 import torch
 
 from cuttle.attention.backend import AttentionBackend, PoolRows, rows_as_decode_rows, write_kv
+from cuttle.attention.merge import merge_lse_rows
 from cuttle.attention.metadata import AttentionMetadata
-from cuttle.attention.nsa import NSAConfig, compressed_probs, nsa_attend, select_blocks, selection_scores
+from cuttle.attention.nsa import (NSAConfig, compressed_probs, gate_branches, nsa_attend, nsa_branches, select_blocks,
+                                  selection_scores)
 
 # phi of the layer: (windows of keys, of values) [E, Hkv, l, D] -> compressed ([E, Hkv, D], [E, Hkv, D])
 Compressor = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -55,14 +57,10 @@ def compressed_slots_per_block(cfg: NSAConfig, block_size: int) -> int:
 class NSAStepPlan:
     """Host-side plan of one step, shared by every NSA layer."""
 
-    __slots__ = ("meta", "cfg", "new_src", "new_dst", "seqs", "native_rows", "native_cslots", "native_tables",
-                 "native_lens", "native_seqs", "torch_seqs")
+    __slots__ = ("meta", "cfg", "new_src", "new_dst", "seqs", "native_rows", "native_tables",
+                 "native_lens", "native_seqs", "torch_seqs", "parts")
 
     def __init__(self, meta: AttentionMetadata, cfg: NSAConfig, slots_per_block: int, native_rows: bool) -> None:
-        if meta.segments is not None:
-            raise NotImplementedError(
-                "NSA models do not take segmented steps (squid documents or other shared segments) yet"
-            )
         self.meta, self.cfg = meta, cfg
         bs, l, d = meta.block_size, cfg.compress_block, cfg.compress_stride
         device = meta.block_tables.device
@@ -84,16 +82,38 @@ class NSAStepPlan:
             self.seqs.append((starts[b], qlen, num_keys, slots, cslots))
         self.new_src = torch.tensor(src, dtype=torch.int64, device=device) if src else None
         self.new_dst = torch.tensor(dst, dtype=torch.int64, device=device) if dst else None
+        # A segmented step (squid: a prefix and documents beside the own tokens) attends part by
+        # part (`SegmentBatch`: one per sequence and segment, virtual query rows), each part under
+        # the rule on its own keys, its branches merged over the parts by the log-sum-exp before
+        # the gates: the attended units are the parts, `seqs` and the rows below describe them.
+        # The entries this step completes (above) are the causal segments', as without segments.
+        self.parts: list[bool] | None = None  # per part: every key visible (a prefix or a document)
+        tables_src = None
+        sb = meta.segments
+        if sb is not None:
+            tables_src = sb.block_tables
+            starts_v = sb.query_start_loc.tolist()
+            ptables = sb.block_tables.tolist()
+            self.parts = [not c for c in sb.causal_cpu]
+            self.seqs = []
+            for p, (qlen, kv_len) in enumerate(zip(sb.query_lens_cpu, sb.kv_lens_cpu)):
+                table = ptables[p]
+                slots = [table[t // bs] * bs + t % bs for t in range(kv_len)]
+                cslots = [_cslot(table, i, cfg, bs, slots_per_block) for i in range(cfg.num_compressed(kv_len))]
+                self.seqs.append((starts_v[p], qlen, kv_len, slots, cslots))
         # the native kernel takes every query row on CPU, each with its own key count (row j of a
-        # chunk sees ctx + j + 1 keys): the rule is per position and the entries this step
-        # completes are stored before any row attends, so a prefill row is a decode row
-        native = list(range(len(self.seqs))) if native_rows else []
+        # chunk sees ctx + j + 1 keys; a whole part's rows see all its keys): the rule is per
+        # position and the entries this step completes are stored before any row attends, so a
+        # prefill row is a decode row
+        attended = [b for b in range(len(self.seqs)) if self.seqs[b][2] > 0]  # an empty part attends nothing
+        native = attended if native_rows else []
         self.native_seqs = native
-        self.torch_seqs = [b for b in range(len(self.seqs)) if b not in set(native)]
+        self.torch_seqs = [b for b in attended if b not in set(native)]
         self.native_rows = self.native_tables = self.native_lens = None
         if native:
             self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
-                meta, [(b, *self.seqs[b][:3]) for b in native])
+                meta, [(b, *self.seqs[b][:3]) for b in native], tables_src,
+                None if self.parts is None else [self.parts[b] for b in native])
 
 
 def _cslot(table: list[int], i: int, cfg: NSAConfig, bs: int, slots_per_block: int) -> int:
@@ -169,6 +189,8 @@ class NSABackend:
             ck, cv = compressor(wk, wv)
             ckf.index_copy_(0, plan.new_dst, ck.to(ckf.dtype))
             cvf.index_copy_(0, plan.new_dst, cv.to(cvf.dtype))
+        if meta.segments is not None:
+            return self._forward_parts(plan, q, gates, caches, pools, host, scale)
         out = torch.empty_like(q)
         if self.kernel == "triton":
             from cuttle.attention.triton_nsa import nsa_paged_attention
@@ -192,15 +214,55 @@ class NSABackend:
             self._torch_seq(plan, b, q, pools, gates, out, scale)
         return out
 
+    def _forward_parts(self, plan: NSAStepPlan, q: torch.Tensor, gates: torch.Tensor, caches: tuple[torch.Tensor, ...],
+                       pools: PoolRows, host: tuple[torch.Tensor, ...] | None, scale: float) -> torch.Tensor:
+        """A segmented step: every part's three branches apart (virtual rows, the query rotated by
+        -delta where a part's keys moved), merged per branch over each row's parts by the
+        log-sum-exp, then gated (nsa.py's `nsa_attend_parts`, row by row)."""
+        if self.kernel == "triton":
+            raise NotImplementedError("the Triton NSA kernel does not take squid segments yet")
+        sb = plan.meta.segments
+        rows_q = sb.virtual_queries(q)
+        v_rows, h, dim = rows_q.shape
+        bo = torch.zeros(v_rows, h, 3, dim, dtype=torch.float32, device=q.device)
+        bl = torch.full((v_rows, h, 3), float("-inf"), dtype=torch.float32, device=q.device)  # empty parts
+        seqs = plan.torch_seqs
+        if plan.native_rows is not None:
+            from cuttle.attention.native import nsa as native_nsa
+
+            if native_nsa.supports(rows_q, caches[0], bo):
+                native_nsa.nsa_decode(rows_q, *caches, None, None, plan.native_rows, plan.native_tables,
+                                      plan.native_lens, self.cfg, scale, host=host, branches=(bo, bl))
+            else:
+                seqs = plan.native_seqs + seqs
+        for b in seqs:
+            start, qlen, num_keys, slots, cslots = plan.seqs[b]
+            o, lse, _ = nsa_branches(rows_q[start : start + qlen].float(), *self._gather(pools, slots, cslots, q.device),
+                                     self._positions(plan, b, q.device), self.cfg, scale)
+            bo[start : start + qlen], bl[start : start + qlen] = o, lse
+        merged, _ = merge_lse_rows(bo.view(v_rows, h * 3, dim), bl.view(v_rows, h * 3), sb.row_index, q.shape[0])
+        return gate_branches(merged.view(q.shape[0], h, 3, dim), gates.float()).to(q.dtype)
+
+    @staticmethod
+    def _gather(pools: PoolRows, slots: list[int], cslots: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """A sequence's (or part's) keys, values, compressed keys and values, fp32, unpaged."""
+        sl = torch.tensor(slots, dtype=torch.int64, device=device)
+        cs = torch.tensor(cslots, dtype=torch.int64, device=device)
+        return pools("k", sl).float(), pools("v", sl).float(), pools("ck", cs).float(), pools("cv", cs).float()
+
+    @staticmethod
+    def _positions(plan: NSAStepPlan, b: int, device: torch.device) -> torch.Tensor:
+        """The key index of each query row of sequence (or part) b; a whole part's rows sit at its last key."""
+        _, qlen, num_keys, _, _ = plan.seqs[b]
+        if plan.parts is not None and plan.parts[b]:
+            return torch.full((qlen,), num_keys - 1, device=device)
+        return torch.arange(num_keys - qlen, num_keys, device=device)
+
     def _torch_seq(self, plan: NSAStepPlan, b: int, q, pools: PoolRows, gates, out, scale: float) -> None:
         """Sequence b's rows through the torch reference (gathering all its keys: the oracle path)."""
-        start, qlen, num_keys, slots, cslots = plan.seqs[b]
-        sl = torch.tensor(slots, device=q.device)
-        cs = torch.tensor(cslots, dtype=torch.int64, device=q.device)
-        pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
-        o, _ = nsa_attend(q[start : start + qlen].float(), pools("k", sl).float(), pools("v", sl).float(),
-                          pools("ck", cs).float(), pools("cv", cs).float(), gates[start : start + qlen].float(), pos,
-                          self.cfg, scale)
+        start, qlen, _, slots, cslots = plan.seqs[b]
+        o, _ = nsa_attend(q[start : start + qlen].float(), *self._gather(pools, slots, cslots, q.device),
+                          gates[start : start + qlen].float(), self._positions(plan, b, q.device), self.cfg, scale)
         out[start : start + qlen] = o.to(out.dtype)
 
     def select(self, plan: NSAStepPlan, q: torch.Tensor, ckf: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:

@@ -250,13 +250,13 @@ class LLMEngine:
         mc = self.model_config
         if mc.mla is not None:
             raise ValueError(f"documents are not supported for {mc.architecture} (MLA attention) models")
-        # squid's segmented steps (documents attended apart, merged by log-sum-exp): top-k runs its
-        # rule per segment (attention/topk_backend.py) on the CPU paths; NSA has no such rule yet.
-        # Refused here, before anything is queued, not inside a step
-        if self.runner.nsa_cache is not None:
-            raise ValueError("documents are not supported for NSA attention models yet (config.json's nsa)")
-        if self.runner.topk_cache is not None and self.runner.backend.kernel != "torch":
-            raise ValueError(f"documents with sparse_attention need the CPU top-k kernel; the {self.runner.backend.name} "
+        # squid's segmented steps (documents attended apart, merged by log-sum-exp): NSA and top-k
+        # run their rules per segment (attention/nsa_backend.py, topk_backend.py) on the CPU paths;
+        # their Triton kernels take no segments. Refused here, before anything is queued, not
+        # inside a step
+        if (self.runner.nsa_cache is not None or self.runner.topk_cache is not None) and self.runner.backend.kernel != "torch":
+            what = "an NSA model" if self.runner.nsa_cache is not None else "sparse_attention"
+            raise ValueError(f"documents with {what} need the CPU kernel; the {self.runner.backend.name} "
                              "kernel does not take squid segments yet")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for prompts with documents")

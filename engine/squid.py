@@ -122,6 +122,23 @@ class SquidLayout:
         after the first preceded by a copy of the prefix)."""
         return [t for _, _, toks, _ in self._dense_segments() for t in toks]
 
+    def dense_segments(self, tail_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the same row, per token: the piece it belongs to (the prefix, each copy, each
+        document, the tail; numbered in row order) and that piece's shift, how far it sits from
+        where the engine encoded it (a document placed at P + offset was encoded at P, its copy
+        of the prefix at 0: both shift by offset). [S] int64 each. NSA layers attend per piece,
+        in its encoded frame (`CausalLM.forward_masked(..., segments=, segment_shifts=)`), as the
+        engine attends a cached document; dense layers need only the mask."""
+        segs = self._dense_segments()
+        p = self.prefix_len
+        ids: list[int] = []
+        shifts: list[int] = []
+        for i, (kind, _, toks, start) in enumerate(segs):
+            ids += [i] * len(toks)
+            shifts += [start - (p if kind == "doc" else 0)] * len(toks)
+        return (torch.tensor(ids + [len(segs)] * tail_len, dtype=torch.long),
+                torch.tensor(shifts + [0] * tail_len, dtype=torch.long))
+
     def dense_mask_and_positions(self, tail_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For the row `dense_context() + tail` (tail: the query, then generated tokens; S tokens
         in all): mask [S, S] bool (True: row i may attend to column j) and positions [S] int64,

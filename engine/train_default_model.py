@@ -223,8 +223,8 @@ def pack(docs: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tenso
 def causal_rows(docs: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of `seq_len` tokens holding one document piece each (long documents split, positions
     from 0 in each piece, as `pack` does), padded at the end: under a plain causal mask a piece is
-    computed exactly as if alone, which is what NSA layers need (they refuse other masks). The
-    pieces and their targets are `pack`'s, so a dense model scores the same on both."""
+    computed exactly as if alone (the NSA recipe's default rows). The pieces and their targets are
+    `pack`'s, so a dense model scores the same on both."""
     ids, pos, grp = [], [], []
     for d in docs:
         for start in range(0, len(d), seq_len):
@@ -273,10 +273,16 @@ def target_mask(grp: torch.Tensor) -> torch.Tensor:
 
 
 def token_nll(model: CausalLM, ids: torch.Tensor, pos: torch.Tensor, grp: torch.Tensor) -> torch.Tensor:
-    """[B, S-1] negative log-likelihood of each next token under the rows' layout (plain causal
-    for an NSA model: its rows are `causal_rows`, padding only after the piece)."""
-    mask = layout_mask(grp) if model.nsa is None else torch.ones(grp.shape[-1], grp.shape[-1], dtype=torch.bool).tril().expand(grp.shape[0], -1, -1)
-    hidden = model.forward_masked(ids, pos, mask)
+    """[B, S-1] negative log-likelihood of each next token under the rows' layout. An NSA model
+    attends per group (`forward_masked(segments=grp)`: each file, document, prefix and query a
+    segment, as the engine attends squid documents); on `causal_rows` (one piece, padding after
+    it) under the plain causal mask, the path its documented recipe was trained on."""
+    if model.nsa is not None and bool(((grp == 0) | (grp == PAD)).all()):
+        hidden = model.forward_masked(ids, pos, torch.ones(grp.shape[-1], grp.shape[-1], dtype=torch.bool).tril().expand(grp.shape[0], -1, -1))
+    elif model.nsa is not None:
+        hidden = model.forward_masked(ids, pos, layout_mask(grp), segments=grp)
+    else:
+        hidden = model.forward_masked(ids, pos, layout_mask(grp))
     logits = F.linear(hidden[:, :-1], model.lm_head).float()
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
     return nll.view(ids.shape[0], -1)
@@ -583,14 +589,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--evaluate", nargs="+", default=None, metavar="DIR",
                     help="train nothing: print the held-out losses of these saved models")
     ap.add_argument("--attention", choices=["dense", "nsa"], default="dense",
-                    help="nsa: NSA layers (NSA_CONFIG) on causal rows; with --init, started from the dense weights")
+                    help="nsa: NSA layers (NSA_CONFIG), on causal rows by default; with --init, started from the dense weights")
     ap.add_argument("--rows", choices=["packed", "causal"], default=None,
-                    help="packed (dense default): files packed with document masking plus squid rows; causal (NSA's "
-                         "only choice): one file piece a row, plain causal mask, no squid rows")
+                    help="packed (dense default): files packed with document masking plus squid rows (NSA layers attend "
+                         "each file, document, prefix and query as a segment of its own); causal (NSA's default): one file "
+                         "piece a row, plain causal mask, no squid rows")
     args = ap.parse_args(argv)
     args.rows = args.rows or ("causal" if args.attention == "nsa" else "packed")
-    if args.attention == "nsa" and args.rows != "causal":
-        ap.error("--attention nsa trains on --rows causal only (NSA layers refuse packed documents and squid layouts)")
     if args.rows == "causal" and args.squid_rows is not None:
         ap.error("--squid-rows: causal rows hold no squid layouts (use --rows packed)")
     if args.rows == "packed":

@@ -15,6 +15,8 @@ positions the sampler used, and keeps its layout in `layouts`; its attention is 
 trainer must use `dense_masks()` (padded) or `row_mask(a, b)` (packed), which rebuild it with
 `SquidLayout.dense_mask_and_positions`, the engine's one definition of that attention. Plain
 sequences get the causal mask from the same methods, so a trainer can use them for every batch.
+NSA models also need each token's segment and its shift (`dense_segments()`, `row_segments(a, b)`:
+NSA's rules are per segment).
 """
 from __future__ import annotations
 
@@ -24,6 +26,25 @@ import torch
 
 from cuttle.engine.squid import SquidLayout
 from cuttle.rl.types import Group, Trajectory
+
+
+def sequence_segments(layout: SquidLayout | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[length] int64 twice: each token's piece of its sequence (one for a plain sequence; the
+    layout's prefix, documents, copies and tail for a squid one) and that piece's shift
+    (`SquidLayout.dense_segments`): what NSA layers attend by."""
+    if layout is None:
+        return torch.zeros(length, dtype=torch.long), torch.zeros(length, dtype=torch.long)
+    return layout.dense_segments(length - len(layout.dense_context()))
+
+
+def _numbered(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences' (ids, shifts) laid back to back, each sequence's ids made distinct from the others'."""
+    ids, shifts, at = [], [], 0
+    for i, sh in pieces:
+        ids.append(i + at)
+        shifts.append(sh)
+        at += int(i.max()) + 1 if i.numel() else 0
+    return torch.cat(ids), torch.cat(shifts)
 
 
 def sequence_mask(layout: SquidLayout | None, length: int) -> torch.Tensor:
@@ -83,6 +104,13 @@ class PackedBatch:
         sequences of a row never see each other and each is computed exactly as if alone."""
         layouts = self.layouts or [None] * self.num_seqs
         return torch.block_diag(*(sequence_mask(layouts[i], n) for i, n in zip(range(a, b), self.seq_lens[a:b])))
+
+    def row_segments(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] int64 twice, for the same row as `row_mask(a, b)`: each token's segment (distinct
+        across the row's sequences) and its shift; `CausalLM.forward_masked(segments=,
+        segment_shifts=)` needs them for NSA layers."""
+        layouts = self.layouts or [None] * self.num_seqs
+        return _numbered([sequence_segments(layouts[i], n) for i, n in zip(range(a, b), self.seq_lens[a:b])])
 
 
 @dataclass(slots=True)
@@ -197,6 +225,17 @@ class TrainBatch:
         for i, k in enumerate(lens):
             out[i, :k, :k] = sequence_mask(layouts[i], k)
         return out
+
+    def dense_segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, S] int64 twice, for the rows of `dense_masks()`: each token's segment (a padding
+        token one of its own) and its shift, for `forward_masked(segments=, segment_shifts=)`."""
+        n, s = self.input_ids.shape
+        ids = torch.arange(s, dtype=torch.long).repeat(n, 1) + s  # padding: a segment each, past any real one
+        shifts = torch.zeros(n, s, dtype=torch.long)
+        layouts = self.layouts or [None] * n
+        for i, k in enumerate(self.attention_mask.sum(dim=1).tolist()):
+            ids[i, :k], shifts[i, :k] = sequence_segments(layouts[i], k)
+        return ids, shifts
 
     def packed(self) -> PackedBatch:
         lens = self.attention_mask.sum(dim=1)

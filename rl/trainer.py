@@ -105,10 +105,13 @@ class Trainer:
             for name in ("w13", "w2"):
                 parametrize.register_parametrization(layer, name, _MXFP8Experts(src))
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                 segments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # cached: each expert weight is quantized once per forward, however often the layer reads it
         with parametrize.cached():
-            return self.model.forward_masked(ids, pos, mask)
+            if segments is None:
+                return self.model.forward_masked(ids, pos, mask)
+            return self.model.forward_masked(ids, pos, mask, segments=segments[0], segment_shifts=segments[1])
 
     # ---- scoring ---------------------------------------------------------------------------
     def _rows(self, batch: PackedBatch, first: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
@@ -136,7 +139,10 @@ class Trainer:
         doc = torch.repeat_interleave(torch.arange(b - a, device=self.device), lens)
         # block-diagonal: each sequence causal or under its squid layout, never seeing another
         mask = batch.row_mask(a, b).to(self.device)
-        hidden = self._forward(ids[None], pos[None], mask[None])[0]
+        segments = None
+        if self.model.nsa is not None:  # NSA layers attend per segment (each sequence's pieces)
+            segments = tuple(t.to(self.device)[None] for t in batch.row_segments(a, b))
+        hidden = self._forward(ids[None], pos[None], mask[None], segments)[0]
         targets = batch.loss_mask[span].to(self.device).nonzero().squeeze(1)
         # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
         logits = self.model.compute_logits(hidden[targets - 1])

@@ -24,7 +24,11 @@
  *      then exp and p.V: sparse_attend.c, on the bf16 dot instruction or 8 lanes wide with AVX2,
  *      where the scalar per-key online softmax this kernel had spent most of its time in expf and
  *      rescales);
- *   5. o = g_cmp o_cmp + g_slc o_slc + g_win o_win (gates fp32 [row, head, 3]).
+ *   5. o = g_cmp o_cmp + g_slc o_slc + g_win o_win (gates fp32 [row, head, 3]); or, given
+ *      `branch_out` (fp32 [row, head, 3, D], at the row's out row) and `branch_lse` (fp32 [row, head, 3]),
+ *      the three branches apart, normalised, with their log-sum-exps (-inf and 0 for a branch
+ *      with no key): a squid part's result, merged over the row's parts by the caller before the gates
+ *      (gates and out are then not read or written).
  * The rules are those of cuttle/attention/nsa.py (the reference this kernel is tested against);
  * all math is fp32 whatever the storage dtype. `touched` (optional) receives, per (row, KV head), the KV
  * tokens this kernel actually read (compressed entries + selected keys + window keys): the
@@ -50,7 +54,7 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
                     int64_t num_kv_heads, int64_t group, int64_t D, int64_t block_size, int64_t cslots,
                     int64_t cmp_block, int64_t cmp_stride, int64_t sel_block, int64_t top_n, int64_t init_blocks,
                     int64_t local_blocks, int64_t window, int64_t max_len, float scale, int64_t head_chunks,
-                    int32_t *selected, int64_t *touched) {
+                    int32_t *selected, int64_t *touched, float *branch_out, float *branch_lse) {
     int failed = 0;
     const int64_t token_stride = num_kv_heads * D;
     const int64_t max_nc = max_len >= cmp_block ? (max_len - cmp_block) / cmp_stride + 1 : 0;
@@ -139,6 +143,19 @@ int nsa_decode_rows(const void *q, int q_dtype, int64_t q_row_stride, const void
             sparse_attend(qf, qb, scale, k_cache, v_cache, k_host, v_host, kv_dtype, table, &w0, &L, 1, block_size, token_stride, h0, nh, group, D, sc, a2, m2, s2);
             if (touched)
                 for (int64_t hh = 0; hh < nh; hh++) touched[r * num_kv_heads + h0 + hh] = nc + sel_count[hh] + L - w0;
+            if (branch_out) { /* a part's branches apart (normalised) and their log-sum-exps */
+                const float *ms[3] = {m, m + nr, m + 2 * nr}, *ss[3] = {s0, s1, s2}, *as[3] = {a0, a1, a2};
+                for (int64_t j = 0; j < nr; j++) {
+                    const int64_t head = h0 * group + j;
+                    for (int b = 0; b < 3; b++) {
+                        const float sum = ss[b][j], inv = sum > 0.f ? 1.f / sum : 0.f;
+                        float *o = branch_out + ((rows[r] * (num_kv_heads * group) + head) * 3 + b) * D;
+                        for (int64_t i = 0; i < D; i++) o[i] = as[b][j * D + i] * inv;
+                        branch_lse[(rows[r] * (num_kv_heads * group) + head) * 3 + b] = sum > 0.f ? ms[b][j] + logf(sum) : -INFINITY;
+                    }
+                }
+                continue;
+            }
             /* 6. gated sum; an empty branch (no key) contributes 0 */
             for (int64_t j = 0; j < nr; j++) {
                 const int64_t head = h0 * group + j;

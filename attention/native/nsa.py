@@ -34,6 +34,7 @@ _ARGTYPES = [
     _i64, _i64, _i64, _i64, _i64,  # kv heads, group, head_dim, block_size, compressed slots per block
     _i64, _i64, _i64, _i64, _i64, _i64, _i64,  # l, d, l', top_n, init, local, window
     _i64, _float, _i64, _vp, _vp,  # max_len, scale, head chunks, selected, touched
+    _vp, _vp,  # branch_out, branch_lse (a squid part's branches apart; NULL: the gated sum)
 ]
 _declared: ctypes.CDLL | None = None
 
@@ -59,8 +60,8 @@ def nsa_decode(
     v_cache: torch.Tensor,
     ck_cache: torch.Tensor,  # [num_blocks, S_c, Hkv, D] compressed entries (nsa_backend.py's layout)
     cv_cache: torch.Tensor,
-    gates: torch.Tensor,  # [*, H, 3]
-    out: torch.Tensor,  # [*, H, D] contiguous, written at `rows`
+    gates: torch.Tensor | None,  # [*, H, 3]; None with `branches`
+    out: torch.Tensor | None,  # [*, H, D] contiguous, written at `rows`; None with `branches`
     rows: torch.Tensor,  # [N] int64 row of q / gates / out of each decode token
     tables: torch.Tensor,  # [N, nb] int32 raw block ids (also the compressed cache's)
     lens: torch.Tensor,  # [N] int32 keys of each row, the query's own included (>= 1)
@@ -69,7 +70,11 @@ def nsa_decode(
     selected: torch.Tensor | None = None,  # [N, Hkv, top_n] int32 out: chosen blocks, rank order, -1 padded
     touched: torch.Tensor | None = None,  # [N, Hkv] int64 out: KV tokens read
     host: tuple[torch.Tensor, ...] | None = None,  # the host pool's (k, v, ck, cv), same layouts: HOST_BLOCK ids
+    branches: tuple[torch.Tensor, torch.Tensor] | None = None,  # out: fp32 ([*, H, 3, D], [*, H, 3]) at `rows`
 ) -> None:
+    """Attend every row; write the gated sum to `out`, or with `branches` the three branches apart
+    (normalised) and their log-sum-exps (-inf for a branch with no key), for the caller to merge
+    over a row's squid parts before gating."""
     lib = kernels().lib
     assert lib is not None, "the native library is not loaded (check available())"
     _, block_size, hkv, dim = k_cache.shape
@@ -85,7 +90,14 @@ def nsa_decode(
         hp = [h.data_ptr() for h in host]
     assert rows.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32 and tables.stride(1) == 1
     assert tables.shape[0] == lens.shape[0] == n and bool((lens >= 1).all())
-    g = gates.float().contiguous()
+    if branches is not None:
+        bo, bl = branches
+        assert bo.dtype == bl.dtype == torch.float32 and bo.is_contiguous() and bl.is_contiguous()
+        assert bo.shape[1:] == (q.shape[1], 3, dim) and bl.shape == bo.shape[:3] and bo.shape[0] == q.shape[0]
+        g, out_ptr, out_dtype, out_stride = None, None, DTYPE_CODE[torch.float32], 0
+    else:
+        assert gates is not None and out is not None
+        g, out_ptr, out_dtype, out_stride = gates.float().contiguous(), out.data_ptr(), DTYPE_CODE[out.dtype], out.stride(0)
     if selected is not None:
         assert selected.dtype == torch.int32 and selected.is_contiguous() and selected.shape == (n, hkv, cfg.top_n)
     if touched is not None:
@@ -96,11 +108,12 @@ def nsa_decode(
     head_chunks = min(hkv, max(1, -(-2 * threads // max(n, 1))))
     rc = _fn(lib)(
         q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ck_cache.data_ptr(),
-        cv_cache.data_ptr(), *hp, DTYPE_CODE[k_cache.dtype], g.data_ptr(), g.stride(0), out.data_ptr(),
-        DTYPE_CODE[out.dtype], out.stride(0), rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
+        cv_cache.data_ptr(), *hp, DTYPE_CODE[k_cache.dtype], None if g is None else g.data_ptr(),
+        0 if g is None else g.stride(0), out_ptr, out_dtype, out_stride, rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
         hkv, q.shape[1] // hkv, dim, block_size, ck_cache.shape[1], cfg.compress_block, cfg.compress_stride,
         cfg.select_block, cfg.top_n, cfg.init_blocks, cfg.local_blocks, cfg.window, int(lens.max()), scale, head_chunks,
         selected.data_ptr() if selected is not None else None, touched.data_ptr() if touched is not None else None,
+        None if branches is None else branches[0].data_ptr(), None if branches is None else branches[1].data_ptr(),
     )
     if rc == -2:
         raise ValueError("nsa_decode: a block table names a host block (HOST_BLOCK) but no host pool was given")

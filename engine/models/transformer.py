@@ -16,6 +16,9 @@ whose training path through the same torch reference.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,8 +27,8 @@ from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native import rows
 from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
-from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend
-from cuttle.attention.rope import RotaryEmbedding, apply_rope
+from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
+from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
 from cuttle.attention.topk import TopKConfig, topk_attend_chunked
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
@@ -100,6 +103,15 @@ class Attention(nn.Module):
         return dense_linear(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight)
 
 
+class DenseSegments(NamedTuple):
+    """The training path's segments of each row (`CausalLM.forward_masked`): ids [B, S] int64,
+    shifts [B, S] int64 or None, and the rotation by -shift (`CausalLM._unshift`)."""
+
+    ids: torch.Tensor
+    shifts: torch.Tensor | None
+    unshift: Callable[[torch.Tensor, int], torch.Tensor]
+
+
 class NSAAttention(Attention):
     """Natively sparse attention (arXiv 2502.11089): the dense layer's projections plus per-head
     gates (sigmoid of a linear map of the layer input, fla-org's `g_proj` layout: row 3*h + branch)
@@ -133,21 +145,36 @@ class NSAAttention(Attention):
         o = backend.forward_nsa(self.layer_id, q, k, v, gates, kv_cache, meta, self.scale, self.compress_windows)
         return linear(o.reshape(-1, self.q_size), self.o_weight)
 
-    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Training path over causal rows: x [B, S, hidden]; `mask` must be the plain causal mask
-        (NSA's branches define their own visibility: packed documents and squid layouts are refused)."""
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                      segments: DenseSegments | None = None) -> torch.Tensor:
+        """Training path: x [B, S, hidden]. Without `segments` the rows must be plain causal (the
+        mask [B, 1, S, S] the causal one). With `segments` (each token's segment: squid's dense
+        row, packed documents) every segment is a part attended by NSA's rules on its own keys,
+        merged by the log-sum-exp, as the engine attends squid documents (`nsa_attend_segments`;
+        docs/nsa.md)."""
         B, S, _ = x.shape
-        causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-        if not bool((mask == causal).all()):
-            raise NotImplementedError("NSA layers train on plain causal rows only (no packed documents or squid layouts)")
+        if segments is None:
+            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            if not bool((mask == causal).all()):
+                raise NotImplementedError("NSA layers over anything but plain causal rows need the tokens' segments "
+                                          "(forward_masked(..., segments=...)): their rules are per segment")
         q, k, v = self._qkv_dense(x, cos, sin)
         gates = torch.sigmoid(F.linear(x, self.g_weight)).view(B, S, self.num_heads, 3)
         pos = torch.arange(S, device=x.device)
         rows = []
         for b in range(B):
-            ck, cv = compress(k[b], self.ck_weight, self.nsa), compress(v[b], self.cv_weight, self.nsa)
+            if segments is not None:
+                rows.append(nsa_attend_segments(q[b], k[b], v[b], gates[b], mask[b].reshape(S, S), segments.ids[b],
+                                                self._compress, self.nsa, self.scale,
+                                                None if segments.shifts is None else segments.shifts[b], segments.unshift))
+                continue
+            ck, cv = self._compress(k[b], v[b])
             rows.append(nsa_attend(q[b], k[b], v[b], ck, cv, gates[b], pos, self.nsa, self.scale)[0])
         return F.linear(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight)
+
+    def _compress(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every compressed entry of one sequence's (or segment's) keys and values [n, Hkv, D]."""
+        return compress(k, self.ck_weight, self.nsa), compress(v, self.cv_weight, self.nsa)
 
 
 class DenseMLP(nn.Module):
@@ -201,9 +228,13 @@ class DecoderLayer(nn.Module):
         return x, self._ffn(h)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                      sparse: TopKConfig | None = None) -> torch.Tensor:
+                      sparse: TopKConfig | None = None, segments: DenseSegments | None = None) -> torch.Tensor:
         h = self.input_norm(x)
-        x = x + (self.attn.forward_dense(h, cos, sin, mask) if sparse is None else self.attn.forward_dense(h, cos, sin, mask, sparse))
+        if isinstance(self.attn, NSAAttention):
+            a = self.attn.forward_dense(h, cos, sin, mask, segments)
+        else:
+            a = self.attn.forward_dense(h, cos, sin, mask) if sparse is None else self.attn.forward_dense(h, cos, sin, mask, sparse)
+        x = x + a
         B, S, H = x.shape
         return x + self._ffn(self.post_attn_norm(x).reshape(B * S, H)).view(B, S, H)
 
@@ -248,23 +279,43 @@ class CausalLM(nn.Module):
         """
         S = input_ids.shape[1]
         causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).tril()
-        return self.forward_masked(input_ids, positions, (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)
+        return self.forward_masked(input_ids, positions, (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal,
+                                   segments=doc_ids)
 
     def forward_masked(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                       sparse: TopKConfig | None = None) -> torch.Tensor:
+                       sparse: TopKConfig | None = None, segments: torch.Tensor | None = None,
+                       segment_shifts: torch.Tensor | None = None) -> torch.Tensor:
         """Training / scoring path with autograd under any attention layout: rows [B, S], their
         positions [B, S], and mask [B, S, S] (True: token i may attend to token j; every token must
         see at least one). Squid layouts (documents beside each other, a query seeing them all) are
         trained and scored through it. `sparse`: the layers from `sparse.dense_layers` on run
         training-free top-k attention (causal rows only), as the engine does under the same
-        `sparse_attention`. Returns hidden states [B, S, hidden]."""
+        `sparse_attention`. `segments` [B, S] int64 (each token's segment: `SquidLayout.
+        dense_segments`, packed documents' ids): NSA layers need it for any row that is not
+        plain causal, their rules being per segment; other layers read only the mask.
+        `segment_shifts` [B, S] int64 (`SquidLayout.dense_segments`; None: all 0): how far each
+        token's segment sits from the positions it was encoded at, so NSA layers attend it in
+        that frame as the engine does (`nsa_attend_segments`).
+        Returns hidden states [B, S, hidden]."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.tables(positions.reshape(-1), x.dtype)
         if sparse is not None and (self.nsa is not None or self.cfg.mla is not None):
             raise ValueError("sparse_attention (training-free top-k) is for plain attention layers, not NSA or MLA ones")
+        parts = None
+        if segments is not None:
+            parts = DenseSegments(segments, segment_shifts, self._unshift)
+        elif segment_shifts is not None:
+            raise ValueError("segment_shifts needs segments")
         for i, layer in enumerate(self.layers):
-            x = layer.forward_dense(x, cos, sin, mask[:, None], sparse if sparse is not None and i >= sparse.dense_layers else None)
+            x = layer.forward_dense(x, cos, sin, mask[:, None], sparse if sparse is not None and i >= sparse.dense_layers else None,
+                                    parts)
         return self.norm(x)
+
+    def _unshift(self, x: torch.Tensor, shift: int) -> torch.Tensor:
+        """x [n, H, D] rotated by -shift positions (the engine's rotation of a moved segment's query)."""
+        cos, sin = self.rope.delta_tables([shift])
+        return rotate_partial(x, cos.to(x.device)[:, None, :].expand(x.shape[0], 1, -1),
+                              sin.to(x.device)[:, None, :].expand(x.shape[0], 1, -1))
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights the inference forward hands to `native.gemm.linear` (to pack them ahead)."""

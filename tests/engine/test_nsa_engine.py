@@ -84,9 +84,39 @@ def test_training_path_learns_through_every_nsa_weight():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     packed = mask.clone()
-    packed[:, 30:, :30] = False  # two documents in a row: not a layout NSA layers take
-    with pytest.raises(NotImplementedError, match="causal"):
+    packed[:, 30:, :30] = False  # two documents in a row: NSA layers need to know the segments
+    with pytest.raises(NotImplementedError, match="segments"):
         model.forward_masked(ids, pos, packed)
+
+
+def test_packed_documents_train_each_as_if_alone():
+    """`forward_packed` on an NSA model: each document of a row is a segment of its own (positions
+    restarting), computed exactly as that document alone (fp32 <= 1e-5, gradients too); a mask
+    showing part of a segment is refused naming the segment."""
+    model = random_nsa_model(nsa_hf_config({**NSA_SMALL, "window": 8}), seed=2)
+    g = torch.Generator().manual_seed(1)
+    lens = [37, 5, 22]
+    ids = torch.randint(3, 256, (1, sum(lens)), generator=g)
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))[None]
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    weights = [model.layers[0].attn.ck_weight, model.layers[1].attn.g_weight, model.layers[0].attn.qkv_weight]
+    for w in weights:
+        w.requires_grad_(True)
+    packed = model.forward_packed(ids, pos, doc)
+    direction = torch.randn(packed.shape, generator=g)  # (a sum of squares of normed states has ~0 gradient)
+    want = torch.autograd.grad((packed * direction).sum(), weights)
+    at, alone_loss = 0, 0.0
+    for n in lens:
+        alone = model.forward_masked(ids[:, at : at + n], torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None])
+        assert (packed[:, at : at + n] - alone).abs().max().item() <= 1e-5
+        alone_loss = alone_loss + (alone * direction[:, at : at + n]).sum()
+        at += n
+    for a, b in zip(want, torch.autograd.grad(alone_loss, weights)):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
+    bad = (doc[:, :, None] == doc[:, None, :]) & torch.ones(sum(lens), sum(lens), dtype=torch.bool).tril()
+    bad[0, 40, 2] = True  # a token of the second document sees one key of the first
+    with pytest.raises(ValueError, match="segment 0"):
+        model.forward_masked(ids, pos, bad, segments=doc)
 
 
 # ---- the paged engine ------------------------------------------------------------------------

@@ -206,16 +206,20 @@ def test_documents_on_an_mla_model_are_refused(tmp_path):
         assert post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}).status_code == 200
 
 
-def test_nsa_server_refuses_documents_and_serves_on(tmp_path):
-    """Documents to an NSA engine: a 400 naming why, at admission (inside a step it would fail
-    every request in flight), then the next request is served."""
+def test_nsa_server_serves_documents(tmp_path):
+    """Documents to an NSA engine (each document attended by NSA's rules on its own keys,
+    docs/nsa.md) are served, with the same tokens as the offline engine."""
     from sparse_helpers import make_nsa_checkpoint
 
     path = str(tmp_path / "nsa")
     make_nsa_checkpoint(path, seed=5, max_position_embeddings=256)
+    body = {"model": "test-model", "prompt": [40, 41, 42], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    docs = [[5, 6, 7, 8] * 9, [9, 10, 11] * 7]
+    offline = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256).generate(
+        [{"documents": docs, "prompt": [40, 41, 42]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
     with LiveServer(path, dtype="float32", num_kv_blocks=64, max_model_len=256) as srv:
-        body = {"model": "test-model", "prompt": [40, 41, 42], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        r = post(srv, "/v1/completions", {**body, "documents": [[5, 6, 7, 8]]})
-        assert r.status_code == 400 and "documents are not supported for NSA attention models" in r.text, r.text
-        r = post(srv, "/v1/completions", body)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        r = post(srv, "/v1/completions", {**body, "documents": docs})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert r.json()["choices"][0]["text"] == offline

@@ -122,22 +122,19 @@ def test_refusals(dense_model, tmp_path):
         LLM(str(tmp_path / "nsa"), dtype="float32", num_kv_blocks=16, sparse_attention="topk")
 
 
-def test_documents_to_an_nsa_engine_are_refused_before_queueing(tmp_path):
-    """A squid prompt (documents) to an NSA engine is refused at admission naming why (NSA has no
-    rule for segmented steps yet); it used to fail inside the step, which in the server fails
-    every request in flight, and stayed queued. The batch it came in is not queued either (all or
-    nothing), and the engine serves the next request with every block free. The same for top-k
-    beside the Triton kernel, which takes no segments."""
-    nsa_path = str(tmp_path / "nsa")
-    nsa_hf = {**HF, "nsa": {"compress_block": 8, "compress_stride": 4, "select_block": 16, "top_n": 3, "window": 16}}
-    model = CausalLM(ModelConfig.from_hf(nsa_hf), torch.float32, torch.device("cpu"))
-    peaked_init_(model)
-    save_checkpoint(nsa_path, nsa_hf, model)
+def test_documents_beside_the_triton_topk_kernel_are_refused_before_queueing(dense_model):
+    """Top-k beside the Triton kernel (GPU), which takes no squid segments: a prompt with documents
+    is refused at admission naming why (inside a step it would fail every request in flight), the
+    batch it came in is not queued (all or nothing), and the engine serves the next request with
+    every block free. (NSA's: tests/engine/test_nsa_squid.py.)"""
+    path, _, _ = dense_model
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256, sparse_attention=QUEST)
+    llm.engine.runner.backend.kernel = "triton"  # what a CUDA engine's top-k backend runs
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm = LLM(nsa_path, dtype="float32", num_kv_blocks=32)
-    with pytest.raises(ValueError, match="documents are not supported for NSA attention models"):
+    with pytest.raises(ValueError, match="documents with sparse_attention need the CPU kernel"):
         llm.generate([[5, 6, 7], {"documents": [[5, 6, 7, 8, 9], [10, 11, 12]], "prompt": [13, 14]}], greedy, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    llm.engine.runner.backend.kernel = "torch"
     assert len(llm.generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
     st = llm.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]

@@ -242,3 +242,43 @@ def test_remote_client_refuses_text():
     with RolloutClient("http://127.0.0.1:9") as client:
         with pytest.raises(ValueError, match="no tokenizer"):
             client.sample_groups(["text"], 2, SP)
+
+
+@pytest.fixture(scope="module")
+def nsa_path(tmp_path_factory) -> str:
+    from sparse_helpers import make_nsa_checkpoint
+
+    path = str(tmp_path_factory.mktemp("nsa-squid"))
+    nsa = {"compress_block": 8, "compress_stride": 4, "select_block": 8, "top_n": 3, "init_blocks": 1,
+           "local_blocks": 1, "window": 8, "compress_fn": "linear"}
+    make_nsa_checkpoint(path, nsa, seed=4, max_position_embeddings=512)
+    return path
+
+
+@pytest.mark.parametrize("convention", ["shared", "concat"])
+def test_trainer_logprobs_equal_the_engines_with_documents_on_an_nsa_model(nsa_path, convention):
+    """An NSA model samples squid groups (each document attended by NSA's rules on its own keys,
+    docs/nsa.md) and the trainer scores them under the same rule: rows of several sequences carry
+    each token's segment and shift (`PackedBatch.row_segments`), and under `concat` a moved
+    document is attended in the frame it was encoded in, as the engine's cached copy is."""
+    llm = LLM(nsa_path, dtype="float32", num_kv_blocks=256, max_model_len=512, squid_positions=convention)
+    groups = sample_groups(llm, _prompts(PREFIX), 4, SP)
+    groups += sample_groups(llm, [[60, 61, 62, 63]], 4, SP)  # a plain group beside them
+    batch = TrainBatch.from_groups(groups, [[0.0] * 4] * 5)
+    trainer = Trainer(nsa_path, TrainerConfig(max_tokens_per_row=512))
+    m = _gap(trainer, batch)
+    assert m.num_tokens == batch.packed().num_trained_tokens >= 5 * 4
+    assert m.max_abs <= 2e-5, m
+    # the padded form: dense masks with each row's segments
+    ids, shifts = batch.dense_segments()
+    with torch.no_grad():
+        hidden = trainer.model.forward_masked(batch.input_ids, batch.position_ids, batch.dense_masks(), segments=ids,
+                                              segment_shifts=shifts)
+        lp = trainer.model.compute_logits(hidden[:, :-1]).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
+    trained = batch.loss_mask[:, 1:] > 0
+    assert (lp[trained] - batch.rollout_logprobs[:, 1:][trained]).abs().max() <= 2e-5
+    if convention == "concat":  # control: the moved documents attended where they are placed
+        with torch.no_grad():
+            hidden = trainer.model.forward_masked(batch.input_ids, batch.position_ids, batch.dense_masks(), segments=ids)
+            lp = trainer.model.compute_logits(hidden[:, :-1]).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
+        assert (lp[trained] - batch.rollout_logprobs[:, 1:][trained]).abs().max() > 1e-3

@@ -1,0 +1,185 @@
+"""NSA over squid segments (attention/nsa_backend.py): a step whose sequences read a prefix,
+documents (some moved by a rope delta) and their own tokens attends part by part, each part under
+NSA's rules on its own keys (a whole part's rows all sit at its last key: its complete compressed
+entries, its first and last blocks forced, its last `window` keys), every branch merged over the
+parts by the log-sum-exp, then gated.
+
+The oracle is independent of the paged machinery: per part, `nsa_branches` over the segment's
+unpaged keys with compressed entries computed from those keys by `compress`, the query rotated by
+-delta (`RotaryEmbedding.delta_tables`), each branch merged by hand, then the gates. The backend's
+native kernel (vector and scalar loops) and its torch path must equal it in fp32, with a document
+in the host pool (read in place) too; the caches the parts read were written by the backend itself,
+each segment prefilled alone as the engine computes a document.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata, KVSegment, SeqLayout
+from cuttle.attention.native import nsa as native_nsa
+from cuttle.attention.native import topk as native_topk
+from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_branches
+from cuttle.attention.nsa_backend import NSABackend, compressed_slots_per_block
+from cuttle.attention.rope import RotaryEmbedding, rotate_partial
+from cuttle.attention.torch_backend import TorchAttentionBackend
+
+HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 8
+SEGMENTS = {"prefix": 13, "A": 61, "B": 45, "own0": 9, "own1": 40}  # keys already cached
+# (sequence's segments: name, rope delta), its own segment, query rows this step
+STEP = [
+    ([("prefix", 0), ("A", 13), ("B", 74)], "own0", 5),  # a prefill chunk after two documents
+    ([("prefix", 0), ("B", 13)], "own1", 1),  # a decode row; B placed elsewhere
+]
+CONFIGS = [
+    # l=8, d=4 (2 compressed slots a raw block), l'=16; the prefix has 2 entries
+    NSAConfig(compress_block=8, compress_stride=4, select_block=16, top_n=3, init_blocks=1, local_blocks=1, window=8,
+              compress_fn="linear"),
+    # l=d=16 (an entry spans 2 raw blocks), l'=32; the prefix has no entry (an empty branch in a part)
+    NSAConfig(compress_block=16, compress_stride=16, select_block=32, top_n=2, init_blocks=0, local_blocks=1, window=6,
+              compress_fn="mean"),
+]
+
+
+def _build(cfg: NSAConfig, host_doc: str | None, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    scale = DIM**-0.5
+    weights = None
+    if cfg.compress_fn == "linear":
+        weights = [torch.randn(KV_HEADS, cfg.compress_block * DIM, DIM, generator=g) / (cfg.compress_block * DIM) ** 0.5
+                   for _ in range(2)]
+
+    def compressor(wk, wv):
+        return (compress_windows(wk, weights and weights[0], cfg), compress_windows(wv, weights and weights[1], cfg))
+
+    lens = dict(SEGMENTS)
+    for _, own, qlen in STEP:
+        lens[own] += qlen
+    keys = {n: (torch.randn(n_, KV_HEADS, DIM, generator=g) * 1.5, torch.randn(n_, KV_HEADS, DIM, generator=g))
+            for n, n_ in lens.items()}
+    nblocks = {n: -(-n_ // BS) for n, n_ in lens.items()}
+    total = sum(nblocks.values()) + 2
+    perm = torch.randperm(total, generator=g).tolist()
+    tables, at = {}, 0
+    for n, nb in nblocks.items():
+        tables[n] = perm[at : at + nb]
+        at += nb
+    slots = compressed_slots_per_block(cfg, BS)
+    caches = [torch.full((total, BS, KV_HEADS, DIM), float("nan")) for _ in range(2)]
+    caches += [torch.full((total, slots, KV_HEADS, DIM), float("nan")) for _ in range(2)]
+    # every segment's cached keys and compressed entries written by the backend, as the engine
+    # writes a prefix or document: a causal prefill of the segment alone
+    filler = NSABackend(cfg, TorchAttentionBackend(native=False), BS, native=False)
+    layouts = [SeqLayout(SEGMENTS[n], [KVSegment(tables[n], SEGMENTS[n], causal=True)]) for n in SEGMENTS]
+    meta = AttentionMetadata.build(layouts, BS, "cpu")
+    k = torch.cat([keys[n][0][: SEGMENTS[n]] for n in SEGMENTS])
+    v = torch.cat([keys[n][1][: SEGMENTS[n]] for n in SEGMENTS])
+    filler.begin_step(meta)
+    filler.forward_nsa(0, torch.randn(k.shape[0], HEADS, DIM, generator=g), k, v, torch.rand(k.shape[0], HEADS, 3),
+                       tuple(caches), meta, scale, compressor)
+    host = None
+    if host_doc is not None:  # that document's blocks (and their compressed entries) move to a host pool
+        host = tuple(torch.full((len(tables[host_doc]) + 1, *c.shape[1:]), float("nan")) for c in caches)
+        for i, b in enumerate(tables[host_doc]):
+            for h, c in zip(host, caches):
+                h[i + 1] = c[b]
+                c[b] = float("nan")
+        tables[host_doc] = [i + 1 for i in range(len(tables[host_doc]))]
+    rope = RotaryEmbedding(DIM, 512, 10000.0, None, torch.device("cpu"))
+    rows = sum(qlen for *_, qlen in STEP)
+    q = torch.randn(rows, HEADS, DIM, generator=g) * 1.5
+    gates = torch.rand(rows, HEADS, 3, generator=g)
+    layouts, k_new, v_new = [], [], []
+    for shared, own, qlen in STEP:
+        segs = [KVSegment(tables[n], SEGMENTS[n], causal=False, rope_delta=d, pool=int(n == host_doc)) for n, d in shared]
+        segs.append(KVSegment(tables[own], lens[own], causal=True))
+        layouts.append(SeqLayout(qlen, segs))
+        k_new.append(keys[own][0][SEGMENTS[own] :])
+        v_new.append(keys[own][1][SEGMENTS[own] :])
+    meta = AttentionMetadata.build(layouts, BS, "cpu", rope=rope, host_kv=None if host is None else [host[:2]])
+    step = (q, torch.cat(k_new), torch.cat(v_new), gates, tuple(caches), meta, host, compressor)
+
+    # the oracle, part by part on unpaged keys, each branch merged by hand, then gated
+    want, row = [], 0
+    for shared, own, qlen in STEP:
+        qs = q[row : row + qlen]
+        parts = []
+        for n, d in shared:
+            qv = qs
+            if d:
+                cos, sin = rope.delta_tables([d])
+                qv = rotate_partial(qs, cos[:, None, :].expand(qlen, 1, -1), sin[:, None, :].expand(qlen, 1, -1))
+            kk, vv = keys[n][0][: SEGMENTS[n]], keys[n][1][: SEGMENTS[n]]
+            ck, cv = compress(kk, weights and weights[0], cfg), compress(vv, weights and weights[1], cfg)
+            parts.append(nsa_branches(qv, kk, vv, ck, cv, torch.full((qlen,), SEGMENTS[n] - 1), cfg, scale)[:2])
+        kk, vv = keys[own]
+        ck, cv = compress(kk, weights and weights[0], cfg), compress(vv, weights and weights[1], cfg)
+        parts.append(nsa_branches(qs, kk, vv, ck, cv, torch.arange(SEGMENTS[own], lens[own]), cfg, scale)[:2])
+        lse = torch.stack([l for _, l in parts])  # [P, M, H, 3]
+        top = lse.amax(0)
+        top = torch.where(torch.isinf(top), 0.0, top)
+        w = torch.exp(lse - top)  # 0 for an empty branch of a part
+        o = sum(wp[..., None] * torch.nan_to_num(op) for (op, _), wp in zip(parts, w)) / w.sum(0).clamp_min(1e-30)[..., None]
+        gs = gates[row : row + qlen]
+        want.append(gs[..., 0:1] * o[:, :, 0] + gs[..., 1:2] * o[:, :, 1] + gs[..., 2:3] * o[:, :, 2])
+        row += qlen
+    return step, torch.cat(want)
+
+
+@pytest.mark.parametrize("kernel", ["native", "native-scalar", "torch"])
+@pytest.mark.parametrize("host_doc", [None, "B"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["linear-l8", "mean-l16"])
+def test_segmented_step_equals_per_part_oracle(cfg, host_doc, kernel):
+    (q, k, v, gates, caches, meta, host, compressor), want = _build(cfg, host_doc)
+    backend = NSABackend(cfg, TorchAttentionBackend(native=False), BS, native=kernel != "torch")
+    if kernel != "torch":
+        assert backend.native, "the native library did not build"
+    if host is not None:
+        backend.host_compressed = [host[2:]]
+        assert any(t >= HOST_BLOCK for t in meta.segments.block_tables.flatten().tolist())
+    native_topk.set_fast_path(kernel != "native-scalar")
+    try:
+        backend.begin_step(meta)
+        out = backend.forward_nsa(0, q, k, v, gates, caches, meta, DIM**-0.5, compressor)
+    finally:
+        native_topk.set_fast_path(True)
+    assert (backend._plan.native_rows is not None) == (kernel != "torch")
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert (out - want).abs().max().item() <= 1e-5
+    # the step stored the own segments' new compressed entries where a later step reads them
+    assert not torch.isnan(out).any()
+
+
+def test_kernel_branches_equal_the_reference_per_part():
+    """The native kernel's branch outputs (a part's three branches apart with their log-sum-exps)
+    equal `nsa_branches` on the same part, empty branches included (-inf, 0)."""
+    cfg = CONFIGS[1]
+    (q, k, v, gates, caches, meta, host, compressor), _ = _build(cfg, None)
+    backend = NSABackend(cfg, TorchAttentionBackend(native=False), BS)
+    backend.begin_step(meta)
+    backend.forward_nsa(0, q, k, v, gates, caches, meta, DIM**-0.5, compressor)  # stores the new entries
+    plan = backend._plan
+    rows_q = meta.segments.virtual_queries(q)
+    bo = torch.zeros(rows_q.shape[0], HEADS, 3, DIM)
+    bl = torch.full((rows_q.shape[0], HEADS, 3), float("nan"))
+    native_nsa.nsa_decode(rows_q, *caches, None, None, plan.native_rows, plan.native_tables, plan.native_lens, cfg,
+                          DIM**-0.5, branches=(bo, bl))
+    assert not torch.isnan(bl).any()
+    saw_empty = False
+    for b in plan.native_seqs:
+        start, qlen, _, slots, cslots = plan.seqs[b]
+        kk, vv, ck, cv = NSABackend._gather(lambda name, idx: _pool(caches, name, idx), slots, cslots, q.device)
+        o, lse, _ = nsa_branches(rows_q[start : start + qlen], kk, vv, ck, cv, NSABackend._positions(plan, b, q.device),
+                                 cfg, DIM**-0.5)
+        empty = torch.isinf(lse)
+        saw_empty |= bool(empty.any())
+        assert torch.equal(torch.isinf(bl[start : start + qlen]), empty)
+        assert (bo[start : start + qlen] - o).abs().max().item() <= 1e-5
+        assert (bl[start : start + qlen][~empty] - lse[~empty]).abs().max().item() <= 1e-5
+        assert (bo[start : start + qlen][empty] == 0).all()
+    assert saw_empty, "the case should hold a part whose compressed branch is empty"
+
+
+def _pool(caches, name, idx):
+    c = caches["k v ck cv".split().index(name)]
+    return c.reshape(-1, *c.shape[2:])[idx]
