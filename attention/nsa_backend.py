@@ -64,24 +64,25 @@ class NSAStepPlan:
         self.meta, self.cfg = meta, cfg
         bs, l, d = meta.block_size, cfg.compress_block, cfg.compress_stride
         device = meta.block_tables.device
-        tables = meta.block_tables.tolist()
         starts = meta.query_start_loc.tolist()
-        src: list[list[int]] = []
-        dst: list[int] = []
-        # per sequence: (first row, rows, keys, raw slots of keys, compressed slots of visible entries)
-        self.seqs: list[tuple[int, int, int, list[int], list[int]]] = []
+        src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
+        # per sequence: (first row, rows, keys, block table row [nb] int64). Slots are computed
+        # only for what a step touches (the entries it completes; all keys only on the torch
+        # path): a list of every key's slot per sequence and step cost 62 ms at batch 8 x 64k
+        self.seqs: list[tuple[int, int, int, torch.Tensor]] = []
+        offs = torch.arange(l, device=device)
         for b, (qlen, num_keys) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            table = tables[b]
-            slots = [table[t // bs] * bs + t % bs for t in range(num_keys)]
+            table = meta.block_tables[b, : -(-num_keys // bs)].long()
             ctx = num_keys - qlen
             # entries whose last key e = i*d + l - 1 arrives in this step: ctx <= e < num_keys
-            for i in range(max(0, -(-(ctx - l + 1) // d)), cfg.num_compressed(num_keys)):
-                src.append(slots[i * d : i * d + l])
-                dst.append(_cslot(table, i, cfg, bs, slots_per_block))
-            cslots = [_cslot(table, i, cfg, bs, slots_per_block) for i in range(cfg.num_compressed(num_keys))]
-            self.seqs.append((starts[b], qlen, num_keys, slots, cslots))
-        self.new_src = torch.tensor(src, dtype=torch.int64, device=device) if src else None
-        self.new_dst = torch.tensor(dst, dtype=torch.int64, device=device) if dst else None
+            i = torch.arange(max(0, -(-(ctx - l + 1) // d)), cfg.num_compressed(num_keys), device=device)
+            if i.numel():
+                src.append(key_slots(table, i[:, None] * d + offs, bs))
+                dst.append(compressed_slots(table, i, cfg, bs, slots_per_block))
+            self.seqs.append((starts[b], qlen, num_keys, table))
+        self.new_src = torch.cat(src) if src else None
+        self.new_dst = torch.cat(dst) if dst else None
         # A segmented step (squid: a prefix and documents beside the own tokens) attends part by
         # part (`SegmentBatch`: one per sequence and segment, virtual query rows), each part under
         # the rule on its own keys, its branches merged over the parts by the log-sum-exp before
@@ -93,14 +94,9 @@ class NSAStepPlan:
         if sb is not None:
             tables_src = sb.block_tables
             starts_v = sb.query_start_loc.tolist()
-            ptables = sb.block_tables.tolist()
             self.parts = [not c for c in sb.causal_cpu]
-            self.seqs = []
-            for p, (qlen, kv_len) in enumerate(zip(sb.query_lens_cpu, sb.kv_lens_cpu)):
-                table = ptables[p]
-                slots = [table[t // bs] * bs + t % bs for t in range(kv_len)]
-                cslots = [_cslot(table, i, cfg, bs, slots_per_block) for i in range(cfg.num_compressed(kv_len))]
-                self.seqs.append((starts_v[p], qlen, kv_len, slots, cslots))
+            self.seqs = [(starts_v[p], qlen, kv_len, sb.block_tables[p, : -(-kv_len // bs)].long())
+                         for p, (qlen, kv_len) in enumerate(zip(sb.query_lens_cpu, sb.kv_lens_cpu))]
         # the native kernel takes every query row on CPU, each with its own key count (row j of a
         # chunk sees ctx + j + 1 keys; a whole part's rows see all its keys): the rule is per
         # position and the entries this step completes are stored before any row attends, so a
@@ -116,7 +112,13 @@ class NSAStepPlan:
                 None if self.parts is None else [self.parts[b] for b in native])
 
 
-def _cslot(table: list[int], i: int, cfg: NSAConfig, bs: int, slots_per_block: int) -> int:
+def key_slots(table: torch.Tensor, keys: torch.Tensor, bs: int) -> torch.Tensor:
+    """Raw cache slots of key indices `keys` (any shape) of a sequence with block table `table` [nb] int64."""
+    return table[keys // bs] * bs + keys % bs
+
+
+def compressed_slots(table: torch.Tensor, i: torch.Tensor, cfg: NSAConfig, bs: int, slots_per_block: int) -> torch.Tensor:
+    """Compressed cache rows of entries `i` [n]: entry i lives in the raw block holding its last key."""
     e = i * cfg.compress_stride + cfg.compress_block - 1
     return table[e // bs] * slots_per_block + (e % bs) // cfg.compress_stride
 
@@ -236,32 +238,34 @@ class NSABackend:
             else:
                 seqs = plan.native_seqs + seqs
         for b in seqs:
-            start, qlen, num_keys, slots, cslots = plan.seqs[b]
-            o, lse, _ = nsa_branches(rows_q[start : start + qlen].float(), *self._gather(pools, slots, cslots, q.device),
+            start, qlen = plan.seqs[b][:2]
+            o, lse, _ = nsa_branches(rows_q[start : start + qlen].float(), *self._gather(plan, b, pools),
                                      self._positions(plan, b, q.device), self.cfg, scale)
             bo[start : start + qlen], bl[start : start + qlen] = o, lse
         merged, _ = merge_lse_rows(bo.view(v_rows, h * 3, dim), bl.view(v_rows, h * 3), sb.row_index, q.shape[0])
         return gate_branches(merged.view(q.shape[0], h, 3, dim), gates.float()).to(q.dtype)
 
-    @staticmethod
-    def _gather(pools: PoolRows, slots: list[int], cslots: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-        """A sequence's (or part's) keys, values, compressed keys and values, fp32, unpaged."""
-        sl = torch.tensor(slots, dtype=torch.int64, device=device)
-        cs = torch.tensor(cslots, dtype=torch.int64, device=device)
+    def _gather(self, plan: NSAStepPlan, b: int, pools: PoolRows) -> tuple[torch.Tensor, ...]:
+        """Sequence (or part) b's keys, values, compressed keys and values, fp32, unpaged."""
+        _, _, num_keys, table = plan.seqs[b]
+        bs, dev = plan.meta.block_size, table.device
+        sl = key_slots(table, torch.arange(num_keys, device=dev), bs)
+        cs = compressed_slots(table, torch.arange(self.cfg.num_compressed(num_keys), device=dev), self.cfg, bs,
+                              self.slots_per_block)
         return pools("k", sl).float(), pools("v", sl).float(), pools("ck", cs).float(), pools("cv", cs).float()
 
     @staticmethod
     def _positions(plan: NSAStepPlan, b: int, device: torch.device) -> torch.Tensor:
         """The key index of each query row of sequence (or part) b; a whole part's rows sit at its last key."""
-        _, qlen, num_keys, _, _ = plan.seqs[b]
+        _, qlen, num_keys, _ = plan.seqs[b]
         if plan.parts is not None and plan.parts[b]:
             return torch.full((qlen,), num_keys - 1, device=device)
         return torch.arange(num_keys - qlen, num_keys, device=device)
 
     def _torch_seq(self, plan: NSAStepPlan, b: int, q, pools: PoolRows, gates, out, scale: float) -> None:
         """Sequence b's rows through the torch reference (gathering all its keys: the oracle path)."""
-        start, qlen, _, slots, cslots = plan.seqs[b]
-        o, _ = nsa_attend(q[start : start + qlen].float(), *self._gather(pools, slots, cslots, q.device),
+        start, qlen = plan.seqs[b][:2]
+        o, _ = nsa_attend(q[start : start + qlen].float(), *self._gather(plan, b, pools),
                           gates[start : start + qlen].float(), self._positions(plan, b, q.device), self.cfg, scale)
         out[start : start + qlen] = o.to(out.dtype)
 
@@ -272,11 +276,12 @@ class NSABackend:
         idx = torch.full((q.shape[0], hkv, cfg.top_n), -1, dtype=torch.int32, device=q.device)
         row_seq = torch.empty(q.shape[0], dtype=torch.int32)
         row_pos = torch.empty(q.shape[0], dtype=torch.int32)
-        for b, (start, qlen, num_keys, _, cslots) in enumerate(plan.seqs):
+        for b, (start, qlen, num_keys, table) in enumerate(plan.seqs):
             pos = torch.arange(num_keys - qlen, num_keys)
             row_seq[start : start + qlen] = b
             row_pos[start : start + qlen] = pos.to(torch.int32)
-            ck = ckf[torch.tensor(cslots, dtype=torch.int64, device=q.device)].float()
+            i = torch.arange(cfg.num_compressed(num_keys), device=table.device)
+            ck = ckf[compressed_slots(table, i, cfg, plan.meta.block_size, self.slots_per_block)].float()
             p = compressed_probs(q[start : start + qlen].float(), ck, pos, cfg, scale)
             scores = selection_scores(p, q.shape[1] // hkv, -(-num_keys // cfg.select_block), cfg)
             idx[start : start + qlen] = select_blocks(scores, pos.to(q.device), cfg).to(torch.int32)

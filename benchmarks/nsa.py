@@ -13,6 +13,8 @@ here once under ~/.cache/cuttle-bench, no download): every query row on the nati
 (the engine's path) vs the torch reference per sequence (the path prefill rows took before), the
 two engines alternating in one process.
 
+`--plan` times the NSA backend's host-side plan of a decode step (once a step, for every layer).
+
 `--e2e CONTEXT` instead times whole decode steps of a random Qwen3-0.6B-shaped model (28 layers,
 bf16, batch 1) through the engine's model runner, dense vs `sparse_attention` top-k, with a
 CONTEXT-token KV cache filled with random keys and values (a real 32k prefill would take far longer
@@ -22,6 +24,7 @@ values are, only on how many there are).
     .venv/bin/python benchmarks/nsa.py [--contexts 8192,16384,32768,65536] [--batches 1,8] [--plot out.png]
     .venv/bin/python benchmarks/nsa.py --e2e 32768
     .venv/bin/python benchmarks/nsa.py --prefill 4096
+    .venv/bin/python benchmarks/nsa.py --plan [--contexts ...] [--batches ...]
 """
 from __future__ import annotations
 
@@ -101,6 +104,29 @@ def run(context: int, batch: int, cfg: NSAConfig, topk: TopKConfig, repeats: int
                 topk_tokens=int(touched_k[0, 0]), t_topk=t_topk)
 
 
+def step_plan(contexts: list[int], batches: list[int], repeats: int, info: str) -> None:
+    """The NSA backend's host-side plan of one decode step (`NSAStepPlan`: the entries the step
+    completes, each sequence's rows for the native kernel), built once a step for all layers."""
+    from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout
+    from cuttle.attention.nsa_backend import NSAStepPlan, compressed_slots_per_block
+
+    cfg, bs = NSAConfig(), 64
+    rows = []
+    for batch in batches:
+        for ctx in contexts:
+            nb = -(-ctx // bs)
+            layouts = [SeqLayout(1, [KVSegment(list(range(b * nb, (b + 1) * nb)), ctx, causal=True)]) for b in range(batch)]
+            meta = AttentionMetadata.build(layouts, bs, "cpu")
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = CLOCK()
+                NSAStepPlan(meta, cfg, compressed_slots_per_block(cfg, bs), True)
+                best = min(best, CLOCK() - t0)
+            rows.append([ctx, batch, f"{best * 1e3:.2f}"])
+    print(f"machine: {info}\nNSA step plan (paper defaults, block_size {bs}), best of {repeats}\n")
+    print(markdown_table(["context", "batch", "plan ms"], rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="8192,16384,32768,65536")
@@ -111,6 +137,8 @@ def main() -> None:
     ap.add_argument("--e2e", type=int, default=None, metavar="CONTEXT", help="time whole decode steps of the 0.6B shape instead")
     ap.add_argument("--prefill", type=int, default=None, metavar="CONTEXT",
                     help="time an NSA model's prefill of a CONTEXT-token prompt instead (native kernel vs torch reference)")
+    ap.add_argument("--plan", action="store_true",
+                    help="time the NSA backend's per-step plan (host work once a step, shared by every layer) instead")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: one thread, timed in process CPU seconds (a machine shared with other jobs makes wall time "
                          "mostly a measure of the scheduler; CPU time still counts cache and memory contention)")
@@ -129,6 +157,9 @@ def main() -> None:
         return end_to_end(args.e2e, topk, args.repeats, info)
     if args.prefill:
         return nsa_prefill(args.prefill, args.repeats, info)
+    if args.plan:
+        return step_plan([int(c) for c in args.contexts.split(",")], [int(b) for b in args.batches.split(",")],
+                         args.repeats, info)
     cfg = NSAConfig()
     bw = copy_bandwidth_gbs()
     results = [run(c, b, cfg, topk, args.repeats) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]

@@ -167,8 +167,8 @@ def test_kernel_branches_equal_the_reference_per_part():
     assert not torch.isnan(bl).any()
     saw_empty = False
     for b in plan.native_seqs:
-        start, qlen, _, slots, cslots = plan.seqs[b]
-        kk, vv, ck, cv = NSABackend._gather(lambda name, idx: _pool(caches, name, idx), slots, cslots, q.device)
+        start, qlen = plan.seqs[b][:2]
+        kk, vv, ck, cv = backend._gather(plan, b, lambda name, idx: _pool(caches, name, idx))
         o, lse, _ = nsa_branches(rows_q[start : start + qlen], kk, vv, ck, cv, NSABackend._positions(plan, b, q.device),
                                  cfg, DIM**-0.5)
         empty = torch.isinf(lse)
