@@ -144,3 +144,32 @@ def test_weight_update_leaves_no_document_below_to_hit(model_path, tmp_path):
     docs = _docs()
     assert s["document_tokens_computed"] - before["document_tokens_computed"] == len(PREFIX) + len(docs[0]) + len(docs[1])
     _all_free(llm)
+
+
+@pytest.fixture(scope="module")
+def nsa_path(tmp_path_factory) -> str:
+    from sparse_helpers import make_nsa_checkpoint
+
+    path = str(tmp_path_factory.mktemp("tiers-docs-nsa"))
+    make_nsa_checkpoint(path, seed=6, max_position_embeddings=128)
+    return path
+
+
+@pytest.mark.parametrize("read_in_place", ["never", "auto"])
+def test_nsa_documents_reload_from_host_bit_identical(nsa_path, read_in_place):
+    """An NSA model's documents (each attended by NSA's rules on its own keys, docs/nsa.md): their
+    compressed entries go down to the host tier and come back with their blocks (a document is
+    loaded by a load job), so the outputs are the large pool's bits with no document token
+    computed twice."""
+    ref_llm = _llm(nsa_path, 256)
+    ref = _run(ref_llm)
+    llm = _llm(nsa_path, 18, num_host_kv_blocks=128, kv_read_in_place=read_in_place)
+    assert _run(llm) == ref
+    s = llm.stats()
+    assert s["document_tokens_computed"] == ref_llm.stats()["document_tokens_computed"]
+    assert s["kv_offloaded_documents"] > 0 and s["kv_host_document_hits"] >= 2
+    _all_free(llm)
+    # control: without the tier the evicted documents are computed again
+    plain = _llm(nsa_path, 18)
+    _run(plain)
+    assert plain.stats()["document_tokens_computed"] > s["document_tokens_computed"]
