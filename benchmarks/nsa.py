@@ -14,6 +14,8 @@ here once under ~/.cache/cuttle-bench, no download): every query row on the nati
 two engines alternating in one process.
 
 `--plan` times the NSA backend's host-side plan of a decode step (once a step, for every layer).
+`--documents K,LEN` times one layer's decode attention over a prefix and K squid documents of LEN
+tokens through the backends (dense per part vs NSA per part), and over as many keys in one sequence.
 
 `--e2e CONTEXT` instead times whole decode steps of a random Qwen3-0.6B-shaped model (28 layers,
 bf16, batch 1) through the engine's model runner, dense vs `sparse_attention` top-k, with a
@@ -25,6 +27,7 @@ values are, only on how many there are).
     .venv/bin/python benchmarks/nsa.py --e2e 32768
     .venv/bin/python benchmarks/nsa.py --prefill 4096
     .venv/bin/python benchmarks/nsa.py --plan [--contexts ...] [--batches ...]
+    .venv/bin/python benchmarks/nsa.py --documents 8,4096
 """
 from __future__ import annotations
 
@@ -104,6 +107,77 @@ def run(context: int, batch: int, cfg: NSAConfig, topk: TopKConfig, repeats: int
                 topk_tokens=int(touched_k[0, 0]), t_topk=t_topk)
 
 
+def documents_step(num_docs: int, doc_len: int, repeats: int, info: str) -> None:
+    """One layer's decode attention (bf16, the 0.6B attention shape) for a query over a prefix and
+    `num_docs` documents (squid, `concat`: every document but the first moved by a rope delta) plus
+    its own tokens, through the backends as the engine calls them: dense (the torch backend, native
+    kernel per part, log-sum-exp merge) vs NSA (per part, docs/nsa.md), and the same number of keys
+    as one plain sequence for each. Best of `repeats` after a warm-up."""
+    from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout
+    from cuttle.attention.nsa import compress_windows
+    from cuttle.attention.nsa_backend import NSABackend
+    from cuttle.attention.rope import RotaryEmbedding
+    from cuttle.attention.torch_backend import TorchAttentionBackend
+
+    cfg, prefix, own = NSAConfig(compress_fn="mean"), 512, 256 + 7  # the own tokens end mid-stride: no entry completes
+    lens = [prefix] + [doc_len] * num_docs + [own]
+    nbs = [-(-n // BLOCK) for n in lens]
+    total = sum(nbs) + 1
+    g = torch.Generator().manual_seed(0)
+    shape = (total, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2)]
+    slots = compressed_slots_per_block(cfg, BLOCK)
+    caches += [torch.randn(total, slots, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16) for _ in range(2)]
+    ids = torch.randperm(total, generator=g).tolist()
+    tables, at = [], 0
+    for nb in nbs:
+        tables.append(ids[at : at + nb])
+        at += nb
+    rope = RotaryEmbedding(HEAD_DIM, 1 << 20, 1e6, None, torch.device("cpu"))
+    segs = [KVSegment(tables[0], prefix, causal=False)]
+    for i in range(num_docs):
+        segs.append(KVSegment(tables[1 + i], doc_len, causal=False, rope_delta=i * doc_len))
+    segs.append(KVSegment(tables[-1], own, causal=True))
+    squid = AttentionMetadata.build([SeqLayout(1, segs)], BLOCK, "cpu", rope=rope)
+    plain_len = sum(lens)
+    plain_ids = ids[: -(-plain_len // BLOCK)]
+    plain = AttentionMetadata.build([SeqLayout(1, [KVSegment(plain_ids, plain_len, causal=True)])], BLOCK, "cpu")
+    q = torch.randn(1, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    kn = torch.randn(1, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    vn = torch.randn(1, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    gates = torch.rand(1, HEADS, 3, generator=g)
+    scale = HEAD_DIM**-0.5
+    compressor = lambda wk, wv: (compress_windows(wk, None, cfg), compress_windows(wv, None, cfg))  # noqa: E731
+    dense_backend = TorchAttentionBackend()
+    nsa_backend = NSABackend(cfg, TorchAttentionBackend(), BLOCK)
+    times = {}
+    for name, meta in (("documents", squid), ("one sequence", plain)):
+        dense_backend.begin_step(meta)
+        nsa_backend.begin_step(meta)
+        times[name] = (_time(lambda: dense_backend.forward(0, q, kn, vn, caches[0], caches[1], meta, scale), repeats),
+                       _time(lambda: nsa_backend.forward_nsa(0, q, kn, vn, gates, tuple(caches), meta, scale, compressor),
+                             repeats), _nsa_keys_read(nsa_backend, meta, q, caches, scale))
+    print(f"machine: {info}\none layer's decode attention, bf16, {HEADS} / {KV_HEADS} heads of {HEAD_DIM}, batch 1: "
+          f"a {prefix}-token prefix, {num_docs} documents of {doc_len}, {own} own tokens ({plain_len} keys), "
+          f"NSA paper defaults (phi mean), best of {repeats}\n")
+    rows = [[name, f"{td * 1e3:.2f}", f"{tn * 1e3:.2f}", f"{td / tn:.1f}x", read] for name, (td, tn, read) in times.items()]
+    print(markdown_table(["keys as", "dense ms", "NSA ms", "NSA speed-up", "NSA keys read per KV head"], rows))
+
+
+def _nsa_keys_read(backend, meta, q, caches, scale) -> int:
+    """KV tokens the NSA kernel reads per KV head for this step's rows, summed over its parts
+    (the kernel's own count, `touched`)."""
+    plan = backend._plan
+    rows_q = q if meta.segments is None else meta.segments.virtual_queries(q)
+    n = plan.native_rows.shape[0]
+    touched = torch.zeros(n, KV_HEADS, dtype=torch.int64)
+    bo = torch.zeros(rows_q.shape[0], HEADS, 3, HEAD_DIM)
+    bl = torch.zeros(rows_q.shape[0], HEADS, 3)
+    native_nsa.nsa_decode(rows_q, *caches, None, None, plan.native_rows, plan.native_tables, plan.native_lens, backend.cfg,
+                          scale, touched=touched, branches=(bo, bl))
+    return int(touched[:, 0].sum())
+
+
 def step_plan(contexts: list[int], batches: list[int], repeats: int, info: str) -> None:
     """The NSA backend's host-side plan of one decode step (`NSAStepPlan`: the entries the step
     completes, each sequence's rows for the native kernel), built once a step for all layers."""
@@ -137,6 +211,8 @@ def main() -> None:
     ap.add_argument("--e2e", type=int, default=None, metavar="CONTEXT", help="time whole decode steps of the 0.6B shape instead")
     ap.add_argument("--prefill", type=int, default=None, metavar="CONTEXT",
                     help="time an NSA model's prefill of a CONTEXT-token prompt instead (native kernel vs torch reference)")
+    ap.add_argument("--documents", default=None, metavar="K,LEN",
+                    help="time one layer's decode attention over a prefix and K documents of LEN tokens (squid) instead")
     ap.add_argument("--plan", action="store_true",
                     help="time the NSA backend's per-step plan (host work once a step, shared by every layer) instead")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -157,6 +233,9 @@ def main() -> None:
         return end_to_end(args.e2e, topk, args.repeats, info)
     if args.prefill:
         return nsa_prefill(args.prefill, args.repeats, info)
+    if args.documents:
+        k, n = (int(x) for x in args.documents.split(","))
+        return documents_step(k, n, args.repeats, info)
     if args.plan:
         return step_plan([int(c) for c in args.contexts.split(",")], [int(b) for b in args.batches.split(",")],
                          args.repeats, info)
