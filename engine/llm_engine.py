@@ -140,6 +140,8 @@ class LLMEngine:
         logits, so entries stay shared across it)."""
         mc, config = self.model_config, self.config
         geometry = f"{mc.num_layers}x{config.block_size}x{mc.num_kv_heads}x{mc.head_dim}{self.runner.kv.layout_tag()}"
+        if mc.mla is not None:  # MLA's cached K holds the rotary dims first since 2026-11-27
+            geometry += ";mla=rope-first"
         forward = f"quantization={config.quantization};moe_quant={config.moe_quant};" \
                   f"sparse_attention={parse_sparse_attention(config.sparse_attention)!r}"
         return namespace_key(self._weights_tag, str(self.dtype).encode(), geometry.encode(), forward.encode())
@@ -247,9 +249,6 @@ class LLMEngine:
 
     def _squid_prompt(self, prompt: dict, params: SamplingParams):
         """A prompt with documents (engine/squid.py): validated here, before anything is queued."""
-        mc = self.model_config
-        if mc.mla is not None:
-            raise ValueError(f"documents are not supported for {mc.architecture} (MLA attention) models")
         # squid's segmented steps (documents attended apart, merged by log-sum-exp): NSA and top-k
         # run their rules per segment (attention/nsa_backend.py, topk_backend.py) on the CPU paths;
         # their Triton kernels take no segments. Refused here, before anything is queued, not

@@ -5,7 +5,9 @@ per-token compressed latent (kv_lora_rank) plus one rotary key shared by all hea
 which decompresses the latent into per-head k_nope and v. The cache stores the *decompressed*
 per-head K and V (every query head is a KV head), so any attention backend serves MLA unchanged;
 V is zero-padded to the K width (or q/k to the V width) so one cache slot width fits both, and
-the padding is sliced off the output. Caching the latent instead (absorbed MLA) is a later
+the padding is sliced off the output. The rotary dims come first in q and k (the checkpoint's
+order is nope then rope; q.k does not care), so a squid document moved by a rope delta is attended
+by rotating the query's first rotary dims, as for every model. Caching the latent instead (absorbed MLA) is a later
 optimisation this module must not be confused with: it never stores or attends over latents.
 """
 from __future__ import annotations
@@ -64,7 +66,7 @@ class MLAttention(nn.Module):
         self.scale = self.qk_dim**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q, k [T, heads, qk_dim] (rotary dims last), v [T, heads, v_dim]."""
+        """x [T, hidden] -> q, k [T, heads, qk_dim] (rotary dims first, NeoX halves), v [T, heads, v_dim]."""
         T = x.shape[0]
         q, kv_a = F.linear(x, self.a_weight).split([self.q_rows, self.kv_lora_rank + self.rope], dim=-1)
         if self.kv_a_bias is not None:
@@ -80,8 +82,11 @@ class MLAttention(nn.Module):
         k_rot = k_rot.view(T, 1, self.rope)
         if self.interleave:
             q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
-        q = torch.cat((q_nope, apply_rope(q_rot, cos, sin)), dim=-1)
-        k = torch.cat((k_nope, apply_rope(k_rot, cos, sin).expand(T, self.num_heads, self.rope)), dim=-1)
+        # rotary dims first (checkpoints put them last; q and k are permuted alike, so q.k is
+        # unchanged): the backends rotate the first rotary dims of a query by -delta to attend a
+        # squid document moved by a rope delta, as for every other model
+        q = torch.cat((apply_rope(q_rot, cos, sin), q_nope), dim=-1)
+        k = torch.cat((apply_rope(k_rot, cos, sin).expand(T, self.num_heads, self.rope), k_nope), dim=-1)
         return q, k, v
 
     def forward(
@@ -93,10 +98,6 @@ class MLAttention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        if meta.has_rope_deltas:
-            # the backends rotate the first rotary dims of q (NeoX halves); MLA's rotary dims sit
-            # after the no-rope ones, and its keys are decompressed per head: not handled yet
-            raise NotImplementedError("MLA cannot attend to a KV segment moved by a rope_delta yet")
         q, k, v = (_pad_to(t, self.cache_dim) for t in self._qkv(x, cos, sin))
         o = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)[0][..., : self.v_dim]
         return F.linear(o.reshape(-1, self.num_heads * self.v_dim), self.o_weight, self.o_bias)
