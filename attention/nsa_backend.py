@@ -221,15 +221,23 @@ class NSABackend:
         """A segmented step: every part's three branches apart (virtual rows, the query rotated by
         -delta where a part's keys moved), merged per branch over each row's parts by the
         log-sum-exp, then gated (nsa.py's `nsa_attend_parts`, row by row)."""
-        if self.kernel == "triton":
-            raise NotImplementedError("the Triton NSA kernel does not take squid segments yet")
         sb = plan.meta.segments
         rows_q = sb.virtual_queries(q)
         v_rows, h, dim = rows_q.shape
         bo = torch.zeros(v_rows, h, 3, dim, dtype=torch.float32, device=q.device)
         bl = torch.full((v_rows, h, 3), float("-inf"), dtype=torch.float32, device=q.device)  # empty parts
         seqs = plan.torch_seqs
-        if plan.native_rows is not None:
+        if self.kernel == "triton":
+            from cuttle.attention.triton_nsa import nsa_paged_attention
+
+            if host is not None:
+                raise NotImplementedError("the Triton NSA kernel reads the device pool only: host blocks are copied in")
+            k_cache = caches[0]
+            idx, row_seq, row_pos = self.select(plan, rows_q, caches[2].view(-1, *k_cache.shape[2:]), scale)
+            nsa_paged_attention(rows_q, *caches, None, None, idx, row_seq, row_pos, sb.block_tables, self.cfg, scale,
+                                branches=(bo, bl))
+            seqs = []
+        elif plan.native_rows is not None:
             from cuttle.attention.native import nsa as native_nsa
 
             if native_nsa.supports(rows_q, caches[0], bo):
@@ -277,7 +285,11 @@ class NSABackend:
         row_seq = torch.empty(q.shape[0], dtype=torch.int32)
         row_pos = torch.empty(q.shape[0], dtype=torch.int32)
         for b, (start, qlen, num_keys, table) in enumerate(plan.seqs):
-            pos = torch.arange(num_keys - qlen, num_keys)
+            if num_keys == 0:  # an empty part: its rows attend nothing (their branches stay empty)
+                row_seq[start : start + qlen] = b
+                row_pos[start : start + qlen] = -1
+                continue
+            pos = self._positions(plan, b, torch.device("cpu"))
             row_seq[start : start + qlen] = b
             row_pos[start : start + qlen] = pos.to(torch.int32)
             i = torch.arange(cfg.num_compressed(num_keys), device=table.device)

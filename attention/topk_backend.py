@@ -172,11 +172,12 @@ class TopKBackend:
 
             if host is not None:
                 raise NotImplementedError("the Triton top-k kernel reads the device pool only: host blocks are copied in")
-            if sb is not None:
-                raise NotImplementedError("the Triton top-k kernel does not take squid segments yet")
-            idx, row_seq, row_pos = self.select(plan, q, sf, scale)
-            topk_paged_attention(q, k_cache, v_cache, out, lse, idx, row_seq, row_pos, meta.block_tables, self.cfg, scale)
-            return out, lse
+            # squid parts: virtual rows over the parts' tables, each part under the rule on its own
+            # keys (a whole part's rows at its last key), merged below as on the CPU paths
+            idx, row_seq, row_pos = self.select(plan, rows_q, sf, scale)
+            topk_paged_attention(rows_q, k_cache, v_cache, out, lse, idx, row_seq, row_pos,
+                                 meta.block_tables if sb is None else sb.block_tables, self.cfg, scale)
+            return (out, lse) if sb is None else sb.merge(out, lse, q)
         seqs = plan.torch_seqs
         if plan.native_rows is not None:
             from cuttle.attention.native import topk as native_topk
@@ -199,8 +200,11 @@ class TopKBackend:
         row_seq = torch.empty(q.shape[0], dtype=torch.int32)
         row_pos = torch.empty(q.shape[0], dtype=torch.int32)
         for b, (start, qlen, num_keys, table) in enumerate(plan.seqs):
-            pos = torch.arange(num_keys - qlen, num_keys)
             row_seq[start : start + qlen] = b
+            if num_keys == 0:  # an empty part: its rows attend nothing (lse stays -inf)
+                row_pos[start : start + qlen] = -1
+                continue
+            pos = self._positions(plan, b, torch.device("cpu"))
             row_pos[start : start + qlen] = pos.to(torch.int32)
             summ = sf[_summary_slot(table, torch.arange(num_keys // P, device=q.device), P, plan.meta.block_size,
                                     self.slots_per_block)].float()
@@ -213,6 +217,14 @@ class TopKBackend:
             idx[start : start + qlen, :, : ids.shape[-1]] = torch.where(ids == nb, -1, ids).to(torch.int32)
         return idx, row_seq.to(q.device), row_pos.to(q.device)
 
+    @staticmethod
+    def _positions(plan: TopKStepPlan, b: int, device: torch.device) -> torch.Tensor:
+        """The key index of each query row of sequence (or part) b; a whole part's rows sit at its last key."""
+        _, qlen, num_keys, _ = plan.seqs[b]
+        if plan.parts is not None and plan.parts[b][3]:
+            return torch.full((qlen,), num_keys - 1, device=device)
+        return torch.arange(num_keys - qlen, num_keys, device=device)
+
     def _torch_seq(self, plan: TopKStepPlan, b: int, q, pools: PoolRows, out, lse, scale: float) -> None:
         """Sequence (or squid part) b's rows through the reference (gathering all its keys: the oracle
         path); a full part's rows all sit at its last key."""
@@ -221,10 +233,7 @@ class TopKBackend:
         keys = torch.arange(num_keys, device=q.device)
         slots = table[keys // bs] * bs + keys % bs
         summ = pools("s", _summary_slot(table, torch.arange(num_keys // P, device=q.device), P, bs, self.slots_per_block))
-        if plan.parts is not None and plan.parts[b][3]:
-            pos = torch.full((qlen,), num_keys - 1, device=q.device)
-        else:
-            pos = torch.arange(num_keys - qlen, num_keys, device=q.device)
+        pos = self._positions(plan, b, q.device)
         o, l = topk_attend_chunked(q[start : start + qlen].float(), pools("k", slots).float(), pools("v", slots).float(), pos,
                                    self.cfg, scale, summ.float())
         out[start : start + qlen] = o.to(out.dtype)

@@ -54,11 +54,13 @@ def _topk_kernel(
             valid = (tok >= 0) & (tok < hi)  # hi = 0 for a -1 entry, whose tokens are negative
             k, v = _raw_tile(k_ptr, v_ptr, bt_row, tok, valid, h, d, d_valid, stride_kb, stride_ks, stride_kh, BLOCK_SIZE)
             m, s, acc = _online(q, k, v, valid, m, s, acc)
-    # every row attends at least its own key (its block is always chosen), so s > 0
-    o = acc / s[:, None]
+    # a row attends at least its own key (its block is always chosen); only an empty squid part
+    # (row_pos -1, no block) has none: o = 0, lse = -inf, weight 0 in the merge
+    o = acc / tl.where(s == 0.0, 1.0, s)[:, None]
     tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=g_valid[:, None] & d_valid[None, :])
-    tl.store(lse_ptr + row * stride_lt + head, m + tl.log(s), mask=g_valid)
+    tl.store(lse_ptr + row * stride_lt + head, tl.where(s > 0.0, m + tl.log(tl.where(s > 0.0, s, 1.0)), float("-inf")),
+             mask=g_valid)
 
 
 def topk_paged_attention(

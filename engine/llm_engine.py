@@ -249,14 +249,6 @@ class LLMEngine:
 
     def _squid_prompt(self, prompt: dict, params: SamplingParams):
         """A prompt with documents (engine/squid.py): validated here, before anything is queued."""
-        # squid's segmented steps (documents attended apart, merged by log-sum-exp): NSA and top-k
-        # run their rules per segment (attention/nsa_backend.py, topk_backend.py) on the CPU paths;
-        # their Triton kernels take no segments. Refused here, before anything is queued, not
-        # inside a step
-        if (self.runner.nsa_cache is not None or self.runner.topk_cache is not None) and self.runner.backend.kernel != "torch":
-            what = "an NSA model" if self.runner.nsa_cache is not None else "sparse_attention"
-            raise ValueError(f"documents with {what} need the CPU kernel; the {self.runner.backend.name} "
-                             "kernel does not take squid segments yet")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for prompts with documents")
         layout, ids, text = parse_prompt(prompt, self.encode, self._check_ids, self.squid_positions,

@@ -10,15 +10,22 @@ torch path must equal it in fp32, with a document in the host pool (read in plac
 """
 from __future__ import annotations
 
-import pytest
-import torch
+import json
+import os
+import sys
 
-from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata, KVSegment, SeqLayout
-from cuttle.attention.native import topk as native_topk
-from cuttle.attention.rope import RotaryEmbedding, rotate_partial
-from cuttle.attention.topk import TopKConfig, topk_attend
-from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block
-from cuttle.attention.torch_backend import TorchAttentionBackend
+if __name__ == "__main__" and "--triton" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata, KVSegment, SeqLayout  # noqa: E402
+from cuttle.attention.native import topk as native_topk  # noqa: E402
+from cuttle.attention.rope import RotaryEmbedding, rotate_partial  # noqa: E402
+from cuttle.attention.topk import TopKConfig, topk_attend  # noqa: E402
+from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block  # noqa: E402
+from cuttle.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 8
 SEGMENTS = {"prefix": 13, "A": 29, "B": 22, "own0": 9, "own1": 40}  # keys already cached
@@ -123,3 +130,26 @@ def test_segmented_step_equals_per_part_oracle(cfg, host_doc, kernel):
     assert (backend._plan.native_rows is not None) == (kernel != "torch")
     assert (out - want_o).abs().max().item() <= 1e-5
     assert (lse - want_l).abs().max().item() <= 1e-5
+
+
+# ---- Triton, in the interpreter (a subprocess of this file) -----------------------------------
+
+def _triton_error(cfg: TopKConfig) -> float:
+    (q, k, v, k_cache, v_cache, meta, _), want_o, want_l, summ = _build(cfg, None)
+    backend = TopKBackend(cfg, TorchAttentionBackend(native=False), BS, [summ], native=False, kernel="triton")
+    backend.begin_step(meta)
+    out, lse = backend.forward(0, q, k, v, k_cache, v_cache, meta, DIM**-0.5)
+    return max((out - want_o).abs().max().item(), (lse - want_l).abs().max().item())
+
+
+def test_triton_kernel_takes_segments_interpreted():
+    """The Triton top-k kernel over the same segmented step (virtual rows over the parts' tables,
+    merged by the backend) equals the per-part oracle in the interpreter."""
+    from sparse_helpers import check_triton_subprocess
+
+    check_triton_subprocess(__file__, {f"topk-segments-{i}" for i in range(len(CONFIGS))}, tol=1e-5)
+
+
+if __name__ == "__main__" and "--triton" in sys.argv:
+    for i, cfg in enumerate(CONFIGS):
+        print(json.dumps({"case": f"topk-segments-{i}", "err": _triton_error(cfg)}), flush=True)

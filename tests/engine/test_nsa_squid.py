@@ -14,13 +14,21 @@ offset, and the oracle attends each such piece in its encoded frame (`segment_sh
 """
 from __future__ import annotations
 
-import pytest
-import torch
+import json
+import os
+import sys
 
-from cuttle.engine import LLM, SamplingParams
-from cuttle.engine.squid import SquidLayout
+if __name__ == "__main__" and "--triton" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: sparse_helpers
 
-from sparse_helpers import TOL, make_nsa_checkpoint
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cuttle.engine import LLM, SamplingParams  # noqa: E402
+from cuttle.engine.squid import SquidLayout  # noqa: E402
+
+from sparse_helpers import TOL, make_nsa_checkpoint  # noqa: E402
 
 NSA = {"compress_block": 8, "compress_stride": 4, "select_block": 8, "top_n": 3, "init_blocks": 1, "local_blocks": 1,
        "window": 8}
@@ -107,20 +115,31 @@ def test_the_rule_is_sparse_here(checkpoints):
     assert max(len(d) for d in FIRST["documents"]) > (NSA["top_n"] * NSA["select_block"] + NSA["window"])
 
 
-def test_triton_nsa_kernel_refuses_documents_at_admission(checkpoints):
-    """Beside the Triton NSA kernel (GPU), which takes no segments, a prompt with documents is
-    refused at admission naming why, the batch it came in is not queued, and the engine serves on."""
-    path, _ = checkpoints["linear"]
-    llm = LLM(path, dtype="float32", block_size=8, num_kv_blocks=64, max_model_len=256)
-    llm.engine.runner.backend.kernel = "triton"  # what a CUDA engine's NSA backend runs
-    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    with pytest.raises(ValueError, match="documents with an NSA model need the CPU kernel"):
-        llm.generate([[5, 6, 7], {"documents": [[5, 6, 7, 8, 9]], "prompt": [13, 14]}], greedy, use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
-    llm.engine.runner.backend.kernel = "torch"
-    assert len(llm.generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 3
-    st = llm.stats()
-    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+def test_triton_nsa_kernel_takes_documents_interpreted():
+    """Beside the Triton NSA kernel (what a CUDA engine runs), documents go through the same
+    per-part plan (tests/attention/test_nsa_segments.py checks the kernel itself): in the
+    interpreter, a small engine's tokens and logprobs equal the CPU engine's (fp32)."""
+    from sparse_helpers import check_triton_subprocess
+
+    check_triton_subprocess(__file__, {"engine-concat"}, tol=1e-5)
+
+
+def _triton_engine_error(path: str) -> float:
+    small = [{"prefix": PREFIX, "documents": [DOCS[0][:26], DOCS[1][:18]], "prompt": [40, 41, 42]},
+             {"prefix": PREFIX, "documents": [DOCS[1][:18], DOCS[0][:26]], "prompt": [50, 51]}]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(path, dtype="float32", block_size=8, num_kv_blocks=64, max_model_len=256, squid_positions="concat",
+                  attention_backend=backend)
+        assert llm.engine.runner.backend.kernel == backend
+        outs[backend] = [llm.generate([r], params, use_tqdm=False)[0].outputs[0] for r in small]
+    err = 0.0
+    for a, b in zip(outs["torch"], outs["triton"]):
+        if list(a.token_ids) != list(b.token_ids):
+            return float("inf")
+        err = max([err] + [abs(x[t].logprob - y[t].logprob) for x, y in zip(a.logprobs, b.logprobs) for t in x])
+    return err
 
 
 def test_the_recipes_squid_rows_are_the_engines_segments(checkpoints):
@@ -142,3 +161,11 @@ def test_the_recipes_squid_rows_are_the_engines_segments(checkpoints):
         hidden = model.forward_masked(torch.tensor([ids[:n]]), lpos[None], mask[None], segments=seg[None])[0]
         want = torch.nn.functional.cross_entropy(model.compute_logits(hidden[:-1]), torch.tensor(ids[1:n]), reduction="none")
     assert (nll - want).abs().max().item() <= 1e-5
+
+
+if __name__ == "__main__" and "--triton" in sys.argv:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        make_nsa_checkpoint(d, {**NSA, "compress_fn": "linear"}, seed=3, max_position_embeddings=512)
+        print(json.dumps({"case": "engine-concat", "err": _triton_engine_error(d)}), flush=True)

@@ -122,24 +122,6 @@ def test_refusals(dense_model, tmp_path):
         LLM(str(tmp_path / "nsa"), dtype="float32", num_kv_blocks=16, sparse_attention="topk")
 
 
-def test_documents_beside_the_triton_topk_kernel_are_refused_before_queueing(dense_model):
-    """Top-k beside the Triton kernel (GPU), which takes no squid segments: a prompt with documents
-    is refused at admission naming why (inside a step it would fail every request in flight), the
-    batch it came in is not queued (all or nothing), and the engine serves the next request with
-    every block free. (NSA's: tests/engine/test_nsa_squid.py.)"""
-    path, _, _ = dense_model
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256, sparse_attention=QUEST)
-    llm.engine.runner.backend.kernel = "triton"  # what a CUDA engine's top-k backend runs
-    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    with pytest.raises(ValueError, match="documents with sparse_attention need the CPU kernel"):
-        llm.generate([[5, 6, 7], {"documents": [[5, 6, 7, 8, 9], [10, 11, 12]], "prompt": [13, 14]}], greedy, use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
-    llm.engine.runner.backend.kernel = "torch"
-    assert len(llm.generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
-    st = llm.stats()
-    assert st["kv_blocks_free"] == st["kv_blocks_total"]
-
-
 SQUID_DOCS = [[3 + (7 * i + 3) % 250 for i in range(29)], [3 + (11 * i + 5) % 250 for i in range(22)],
               [3 + (13 * i + 1) % 250 for i in range(37)]]
 
