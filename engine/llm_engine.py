@@ -27,7 +27,7 @@ from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespa
 from cuttle.engine.kv.tiers import KVTiers
 from cuttle.engine.kv.transfer import TransferEngine
 from cuttle.engine.generation_config import generation_defaults
-from cuttle.engine.memory_budget import free_memory_bytes, kv_pool_bytes
+from cuttle.engine.memory_budget import checkpoint_weight_bytes, free_memory_bytes, kv_pool_bytes
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
 from cuttle.engine.outputs import RequestOutput
@@ -76,7 +76,8 @@ class LLMEngine:
             pool_bytes = (int(config.kv_cache_memory_gb * 2**30) if config.gpu_memory_utilization is None
                           else kv_pool_bytes(config.gpu_memory_utilization, self.device, config.model, self.dtype))
             num_blocks = max(1, min(wanted, pool_bytes // per_block))
-        _check_fits("num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_memory_gb", num_blocks * per_block, self.device)
+        _check_fits("num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_memory_gb", num_blocks * per_block, self.device,
+                    checkpoint_weight_bytes(config.model, self.dtype))
         if config.max_model_len is not None and num_blocks * bs < max_len:
             # an explicit length the pool cannot hold was cut down silently (vLLM refuses it)
             raise ValueError(f"max_model_len ({max_len}) needs {-(-max_len // bs)} KV blocks of {bs} tokens, and the pool has "
@@ -595,10 +596,13 @@ def _generation_eos(path: str) -> set[int]:
     return {eos} if isinstance(eos, int) else set(eos)
 
 
-def _check_fits(field: str, nbytes: int, device: torch.device) -> None:
-    """Refuse a KV pool larger than the memory free on its device before anything is built (1e10
-    blocks spent minutes building per-block bookkeeping on the way to running out of memory)."""
+def _check_fits(field: str, nbytes: int, device: torch.device, weights: int = 0) -> None:
+    """Refuse a KV pool larger than the memory free on its device, less the `weights` about to be
+    loaded there, before anything is built (1e10 blocks spent minutes building per-block
+    bookkeeping on the way to running out of memory; a pool that fits only without the weights
+    failed later, while they loaded)."""
     free = free_memory_bytes(device)
-    if nbytes > free:
+    if nbytes > free - weights:
+        less = f" less the model's {weights / 2**30:.2f} GiB of weights" if weights else ""
         raise ValueError(f"{field} asks for {nbytes / 2**30:.2f} GiB of KV cache, more than the {free / 2**30:.2f} GiB free on "
-                         f"{device.type}")
+                         f"{device.type}{less}")

@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from cuttle.engine import LLM, SamplingParams
 
@@ -129,3 +130,17 @@ def test_bad_engine_options(qwen3_path):
         LLM(qwen3_path, num_kv_blocks=10**10)
     with pytest.raises(ValueError, match="num_host_kv_blocks asks for"):
         LLM(qwen3_path, num_kv_blocks=16, num_host_kv_blocks=10**10)
+    # a pool that fits the free memory only without the weights loaded beside it (a stand-in free
+    # figure: the weights' bytes plus half a pool)
+    from cuttle.engine import llm_engine, memory_budget
+
+    weights = memory_budget.checkpoint_weight_bytes(qwen3_path, torch.float32)
+    per_block = LLM(qwen3_path, dtype="float32", num_kv_blocks=16).engine.runner.kv.block_bytes
+    real = llm_engine.free_memory_bytes
+    try:
+        llm_engine.free_memory_bytes = lambda device: weights + 8 * per_block
+        with pytest.raises(ValueError, match=r"num_kv_blocks asks for .* less the model's .* GiB of weights"):
+            LLM(qwen3_path, dtype="float32", num_kv_blocks=16)
+        assert LLM(qwen3_path, dtype="float32", num_kv_blocks=8, max_model_len=64).engine.block_manager.num_blocks == 8
+    finally:
+        llm_engine.free_memory_bytes = real
