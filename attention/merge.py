@@ -45,17 +45,18 @@ def merge_lse_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`merge_lse` where each output row has its own number of parts (any order): part v adds to
     row rows[v]. Returns (o fp32 [num_rows, H, D], lse fp32 [num_rows, H]); a row with no part
-    gets o = 0, lse = -inf."""
+    gets o = 0, lse = -inf. Differentiable in o_parts and lse_parts."""
     lse_parts = lse_parts.float()
     heads = lse_parts.shape[1]
     m = torch.full((num_rows, heads), float("-inf"), dtype=torch.float32, device=lse_parts.device)
     # A contiguous index: with an expanded (stride-0) one, torch's multi-threaded CPU
     # scatter_reduce_ took ~60-120 ms for 8 rows x 16 heads (7 us contiguous) on 2 threads.
-    m.scatter_reduce_(0, rows[:, None].expand(-1, heads).contiguous(), lse_parts, "amax")
+    # the max is only a shift, which cancels: detached, the merge is differentiable (NSA's training path)
+    m.scatter_reduce_(0, rows[:, None].expand(-1, heads).contiguous(), lse_parts.detach(), "amax")
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w = torch.exp(lse_parts - m_safe[rows])  # [V, H]
     total = torch.zeros_like(m).index_add_(0, rows, w)
     wo = torch.where((w > 0)[..., None], o_parts.float() * w[..., None], 0.0)
     out = torch.zeros(num_rows, *o_parts.shape[1:], dtype=torch.float32, device=o_parts.device).index_add_(0, rows, wo)
-    out /= torch.where(total > 0, total, 1.0)[..., None]
+    out = out / torch.where(total > 0, total, 1.0)[..., None]
     return out, m_safe + torch.log(total)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cuttle.attention.merge import merge_lse
+from cuttle.attention.merge import merge_lse_rows
 
 COMPRESS_FNS = ("linear", "mean")
 
@@ -189,7 +189,10 @@ def _softmax_masked(s: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
     e = torch.exp(s - mx)
     den = e.sum(-1, keepdim=True)
-    lse = torch.where(den > 0, mx + torch.log(torch.where(den > 0, den, torch.ones_like(den))), float("-inf"))
+    # fp32 whatever s is (bf16 under autocast): a log-sum-exp weights the merge over squid parts,
+    # and the engine's kernels keep it in fp32 (bf16 rounding of lse ~25 is 0.15 nats, 16% weight)
+    denf = den.float()
+    lse = torch.where(denf > 0, mx.float() + torch.log(torch.where(denf > 0, denf, torch.ones_like(denf))), float("-inf"))
     return e / torch.where(den > 0, den, torch.ones_like(den)), lse.squeeze(-1)
 
 
@@ -276,14 +279,17 @@ def nsa_attend(
 
 
 def nsa_attend_parts(
-    parts: list[tuple[torch.Tensor, torch.Tensor]],  # per part: its branches (o [M, H, 3, D], lse [M, H, 3])
+    o: torch.Tensor,  # [N, H, 3, D] the parts' branches (`nsa_branches`), one row per (query row, part)
+    lse: torch.Tensor,  # [N, H, 3]
+    rows: torch.Tensor,  # [N] int64: the query row each belongs to
     gates: torch.Tensor,  # [M, H, 3]
 ) -> torch.Tensor:
     """Rows whose keys are several parts (squid: a prefix, documents, their own tokens), each part
-    attended by the rule on its own keys (`nsa_branches`): every branch merged over the parts by
-    the log-sum-exp, then gated. o [M, H, D] fp32; differentiable."""
-    o, _ = merge_lse(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
-    return gate_branches(o, gates.float())
+    attended by the rule on its own keys (`nsa_branches`): every branch merged over the row's parts
+    by the log-sum-exp, then gated. o [M, H, D] fp32 (a row with no part gets 0); differentiable."""
+    n, h, _, dim = o.shape
+    merged, _ = merge_lse_rows(o.reshape(n, h * 3, dim), lse.reshape(n, h * 3), rows, gates.shape[0])
+    return gate_branches(merged.view(gates.shape[0], h, 3, dim), gates.float())
 
 
 def nsa_attend_segments(
@@ -311,9 +317,8 @@ def nsa_attend_segments(
     by -shift. Attention scores do not change (RoPE depends on differences), but the compressed
     entries do when phi is learned ("linear"): they are what the engine cached, phi of the keys
     where the document was encoded."""
-    S, h, dim = q.shape
     mask = mask.bool()
-    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    outs, lses, rows_of = [], [], []  # per segment, only the rows that read it
     for u in torch.unique(segment_ids).tolist():
         own = segment_ids == u
         keys = own.nonzero().squeeze(1)
@@ -329,12 +334,16 @@ def nsa_attend_segments(
         pos = torch.where(own[rows], local[rows], n - 1)
         qs, ks, vs = q[rows], k[keys], v[keys]
         shift = int(shifts[keys[0]]) if shifts is not None else 0
+        if shifts is not None and not bool((shifts[keys] == shift).all()):
+            raise ValueError(f"segment {u}: its tokens have different shifts ({sorted(set(shifts[keys].tolist()))}); "
+                             "a segment moves as a whole")
         if shift:
             if unshift is None:
                 raise ValueError(f"segment {u} is shifted by {shift} positions but no rotation was given")
             qs, ks = unshift(qs, shift), unshift(ks, shift)
         ck, cv = compress_kv(ks, vs)
         o, lse, _ = nsa_branches(qs, ks, vs, ck, cv, pos, cfg, scale)
-        parts.append((q.new_zeros(S, h, 3, dim).index_put((rows,), o),
-                      lse.new_full((S, h, 3), float("-inf")).index_put((rows,), lse)))
-    return nsa_attend_parts(parts, gates).to(q.dtype)
+        outs.append(o)
+        lses.append(lse)
+        rows_of.append(rows)
+    return nsa_attend_parts(torch.cat(outs), torch.cat(lses), torch.cat(rows_of), gates).to(q.dtype)

@@ -34,9 +34,8 @@ from collections.abc import Callable
 import torch
 
 from cuttle.attention.backend import AttentionBackend, PoolRows, rows_as_decode_rows, write_kv
-from cuttle.attention.merge import merge_lse_rows
 from cuttle.attention.metadata import AttentionMetadata
-from cuttle.attention.nsa import (NSAConfig, compressed_probs, gate_branches, nsa_attend, nsa_branches, select_blocks,
+from cuttle.attention.nsa import (NSAConfig, compressed_probs, nsa_attend, nsa_attend_parts, nsa_branches, select_blocks,
                                   selection_scores)
 
 # phi of the layer: (windows of keys, of values) [E, Hkv, l, D] -> compressed ([E, Hkv, D], [E, Hkv, D])
@@ -250,8 +249,7 @@ class NSABackend:
             o, lse, _ = nsa_branches(rows_q[start : start + qlen].float(), *self._gather(plan, b, pools),
                                      self._positions(plan, b, q.device), self.cfg, scale)
             bo[start : start + qlen], bl[start : start + qlen] = o, lse
-        merged, _ = merge_lse_rows(bo.view(v_rows, h * 3, dim), bl.view(v_rows, h * 3), sb.row_index, q.shape[0])
-        return gate_branches(merged.view(q.shape[0], h, 3, dim), gates.float()).to(q.dtype)
+        return nsa_attend_parts(bo, bl, sb.row_index, gates).to(q.dtype)
 
     def _gather(self, plan: NSAStepPlan, b: int, pools: PoolRows) -> tuple[torch.Tensor, ...]:
         """Sequence (or part) b's keys, values, compressed keys and values, fp32, unpaged."""

@@ -216,21 +216,24 @@ class TrainBatch:
         return self.input_ids.shape[0]
 
     def dense_masks(self) -> torch.Tensor:
-        """[N, S, S] bool attention per row (causal, or the row's squid layout's). A padding token
-        sees only itself, so every row of the mask has a key (what `forward_masked` needs)."""
+        """[N, S, S] bool attention per row (causal, or the row's squid layout's). The padding
+        after a sequence is causal among itself, never seen by a real token: every row of the mask
+        has a key (what `forward_masked` needs), and the padding is one segment for NSA layers."""
         n, s = self.input_ids.shape
-        out = torch.eye(s, dtype=torch.bool).repeat(n, 1, 1)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        out = torch.zeros(n, s, s, dtype=torch.bool)
         lens = self.attention_mask.sum(dim=1).tolist()
         layouts = self.layouts or [None] * n
         for i, k in enumerate(lens):
             out[i, :k, :k] = sequence_mask(layouts[i], k)
+            out[i, k:, k:] = causal[k:, k:]
         return out
 
     def dense_segments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, S] int64 twice, for the rows of `dense_masks()`: each token's segment (a padding
-        token one of its own) and its shift, for `forward_masked(segments=, segment_shifts=)`."""
+        """[N, S] int64 twice, for the rows of `dense_masks()`: each token's segment (a row's
+        padding one more) and its shift, for `forward_masked(segments=, segment_shifts=)`."""
         n, s = self.input_ids.shape
-        ids = torch.arange(s, dtype=torch.long).repeat(n, 1) + s  # padding: a segment each, past any real one
+        ids = torch.full((n, s), s, dtype=torch.long)  # the padding: one segment past any real one
         shifts = torch.zeros(n, s, dtype=torch.long)
         layouts = self.layouts or [None] * n
         for i, k in enumerate(self.attention_mask.sum(dim=1).tolist()):

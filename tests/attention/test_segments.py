@@ -9,12 +9,11 @@
 - lse on the one-segment cases of attention_cases.py.
 - Rotating the query by -delta for a segment equals rotating that segment's cached keys to their
   new positions (keys rotated by the model's RotaryEmbedding, fp32).
-- Refusals: a host-pool segment without the host pool's caches, an unknown pool, rope_delta on MLA, a segmented step on flashinfer, a rope type whose
+- Refusals: a host-pool segment without the host pool's caches, an unknown pool, a segmented step on flashinfer, a rope type whose
   angle is not linear in position.
 """
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
@@ -254,12 +253,3 @@ def test_flashinfer_refuses_segmented_steps() -> None:
     backend = object.__new__(FlashInferAttentionBackend)  # no CUDA here: only the refusal runs
     with pytest.raises(NotImplementedError, match="segmented"):
         backend.forward(0, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
-
-
-def test_mla_refuses_a_rope_delta() -> None:
-    from cuttle.engine.models.mla import MLAttention
-
-    batch = build_seg_batch(SEG_CASES[0], junk=0.0)
-    assert batch.meta.has_rope_deltas
-    with pytest.raises(NotImplementedError, match="MLA"):
-        MLAttention.forward(types.SimpleNamespace(), batch.q, None, None, (batch.k_cache, batch.v_cache), batch.meta, None)
