@@ -24,6 +24,9 @@ from cuttle.attention.native import rows
 
 class AttentionBackend(Protocol):
     name: str
+    # whether it takes segmented steps (`meta.segments`: squid documents, shared prefixes); the
+    # engine refuses documents at admission beside one that does not
+    takes_segments: bool
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Called once per model step before the layers run (planning shared by all layers)."""

@@ -62,6 +62,7 @@ def paged_kv_layout(meta: AttentionMetadata) -> PagedKVLayout:
 
 class FlashInferAttentionBackend:
     name = "flashinfer"
+    takes_segments = False  # segmented steps are refused (forward, below)
 
     def __init__(self, device: torch.device, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         if device.type != "cuda":

@@ -147,6 +147,11 @@ class NSABackend:
         # per layer (ck, cv) of the KV host tier's compressed caches: blocks read in place
         self.host_compressed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    @property
+    def takes_segments(self) -> bool:
+        """Its own layers take segments on every kernel; dense layers go to the wrapped backend."""
+        return self.dense.takes_segments
+
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.dense.begin_step(meta)
         self._plan = None  # planned at the first NSA layer (a dense model never pays for it)

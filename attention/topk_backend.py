@@ -131,6 +131,11 @@ class TopKBackend:
         # per layer the KV host tier's summary cache (None for a dense layer): blocks read in place
         self.host_summaries: list[torch.Tensor | None] | None = None
 
+    @property
+    def takes_segments(self) -> bool:
+        """Its own layers take segments on every kernel; dense layers go to the wrapped backend."""
+        return self.dense.takes_segments
+
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.dense.begin_step(meta)
         self._plan = None  # planned at the first sparse layer

@@ -27,6 +27,7 @@ from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata
 
 class TorchAttentionBackend:
     name = "torch"
+    takes_segments = True
 
     def __init__(self, native: bool = True) -> None:
         """native=False keeps every path in plain torch (the oracle the native kernel is tested against)."""

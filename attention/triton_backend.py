@@ -29,6 +29,7 @@ from cuttle.attention.triton_kernels import INTERPRETED, paged_attention, write_
 
 class TritonAttentionBackend:
     name = "triton"
+    takes_segments = True
 
     def __init__(self, block_m: int = 64, block_n: int = 64, split_len: int = 512, max_splits: int = 16) -> None:
         for label, value in (("block_m", block_m), ("block_n", block_n)):

@@ -250,6 +250,11 @@ class LLMEngine:
 
     def _squid_prompt(self, prompt: dict, params: SamplingParams):
         """A prompt with documents (engine/squid.py): validated here, before anything is queued."""
+        # documents make segmented steps; a backend without them would fail the step, and with it
+        # every request in flight: refused here instead
+        if not self.runner.backend.takes_segments:
+            raise ValueError(f"documents need an attention backend that takes segmented steps; the "
+                             f"{self.runner.backend.name} backend does not yet (use attention_backend='triton' or 'torch')")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for prompts with documents")
         layout, ids, text = parse_prompt(prompt, self.encode, self._check_ids, self.squid_positions,

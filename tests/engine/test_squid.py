@@ -239,6 +239,24 @@ def test_prompt_logprobs_with_documents_is_refused(models):
         llm.generate({"documents": [[5, 6]], "prompt": [7]}, SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
 
 
+def test_documents_beside_a_backend_without_segmented_steps_are_refused(models):
+    """flashinfer (GPU) does not take segmented steps: documents beside it are refused at
+    admission naming why (they were admitted and failed inside the step, failing every request in
+    flight), the batch is not queued, and the engine serves on. Stood in for here by the torch
+    backend told it takes none (the engine reads only `takes_segments`)."""
+    path, _ = models["qwen3"]
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    llm.engine.runner.backend.takes_segments = False
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(ValueError, match="documents need an attention backend that takes segmented steps; the torch backend"):
+        llm.generate([[5, 6, 7], {"documents": [[5, 6]], "prompt": [7]}], greedy, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 2
+    from cuttle.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    assert FlashInferAttentionBackend.takes_segments is False
+
+
 ACTIONS = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "abort"]), st.integers(0, 10**6)), min_size=1, max_size=40)
 
 
