@@ -17,9 +17,11 @@ and the exact command.
     python -m cuttle.engine.train_default_model --attention nsa --init engine/default_model --out DIR
 
 trains the same coder with NSA layers (`NSA_CONFIG`, sized for this model's contexts) on plain
-causal rows, one file piece a row (NSA defines its own visibility, so no packing, no squid rows),
-starting from the dense weights (`nsa_from_dense`); `--attention dense --rows causal` is its dense
-control, continued the same way. See docs/nsa.md for the run and its results.
+causal rows by default, one file piece a row, starting from the dense weights (`nsa_from_dense`);
+`--attention dense --rows causal` is its dense control, continued the same way. With `--rows
+packed` NSA trains on packed files and squid rows too, each file, document, prefix and query a
+segment of its own (`token_nll`), as the engine attends documents. See docs/nsa.md for the run
+and its results.
 """
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ CONFIGS = [
 ]
 
 
-def _build(cfg: NSAConfig, host_doc: str | None, seed: int = 0):
+def _build(cfg: NSAConfig, host_doc: str | None, seed: int = 0, empty: bool = False):
+    """The step (and its oracle); `empty` adds an empty part (a segment of no key) to each sequence."""
     g = torch.Generator().manual_seed(seed)
     scale = DIM**-0.5
     weights = None
@@ -99,6 +100,8 @@ def _build(cfg: NSAConfig, host_doc: str | None, seed: int = 0):
     layouts, k_new, v_new = [], [], []
     for shared, own, qlen in STEP:
         segs = [KVSegment(tables[n], SEGMENTS[n], causal=False, rope_delta=d, pool=int(n == host_doc)) for n, d in shared]
+        if empty:
+            segs.insert(1, KVSegment([], 0, causal=False))
         segs.append(KVSegment(tables[own], lens[own], causal=True))
         layouts.append(SeqLayout(qlen, segs))
         k_new.append(keys[own][0][SEGMENTS[own] :])
@@ -153,8 +156,19 @@ def test_segmented_step_equals_per_part_oracle(cfg, host_doc, kernel):
     assert (backend._plan.native_rows is not None) == (kernel != "torch")
     assert out.shape == q.shape and out.dtype == q.dtype
     assert (out - want).abs().max().item() <= 1e-5
-    # the step stored the own segments' new compressed entries where a later step reads them
-    assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_an_empty_part_adds_nothing(kernel):
+    """A part of no key (kv_len 0) beside the others: skipped by the plan, its branches empty, the
+    result the oracle's without it."""
+    cfg = CONFIGS[0]
+    (q, k, v, gates, caches, meta, _, compressor), want = _build(cfg, None, empty=True)
+    assert 0 in meta.segments.kv_lens_cpu
+    backend = NSABackend(cfg, TorchAttentionBackend(native=False), BS, native=kernel == "native")
+    backend.begin_step(meta)
+    out = backend.forward_nsa(0, q, k, v, gates, caches, meta, DIM**-0.5, compressor)
+    assert (out - want).abs().max().item() <= 1e-5
 
 
 def test_kernel_branches_equal_the_reference_per_part():
@@ -187,6 +201,39 @@ def test_kernel_branches_equal_the_reference_per_part():
     assert saw_empty, "the case should hold a part whose compressed branch is empty"
 
 
+def test_kernel_branches_with_a_rows_heads_split_over_items():
+    """One row at a time the binding splits its KV heads over work items (head_chunks > 1), so
+    each item writes its own heads' branches (rows * heads + head indexing with h0 > 0)."""
+    cfg = CONFIGS[0]
+    (q, k, v, gates, caches, meta, _, compressor), _ = _build(cfg, None)
+    backend = NSABackend(cfg, TorchAttentionBackend(native=False), BS)
+    backend.begin_step(meta)
+    backend.forward_nsa(0, q, k, v, gates, caches, meta, DIM**-0.5, compressor)
+    plan = backend._plan
+    rows_q = meta.segments.virtual_queries(q)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # one row, 2 threads: head_chunks = min(KV_HEADS, 4) = 2
+    try:
+        for b in plan.native_seqs:
+            start, qlen = plan.seqs[b][:2]
+            first = plan.native_rows.tolist().index(start)
+            bo = torch.full((rows_q.shape[0], HEADS, 3, DIM), float("nan"))
+            bl = torch.full((rows_q.shape[0], HEADS, 3), float("nan"))
+            native_nsa.nsa_decode(rows_q, *caches, None, None, plan.native_rows[first : first + 1],
+                                  plan.native_tables[first : first + 1], plan.native_lens[first : first + 1], cfg,
+                                  DIM**-0.5, branches=(bo, bl))
+            kk, vv, ck, cv = backend._gather(plan, b, lambda name, idx: _pool(caches, name, idx))
+            pos = NSABackend._positions(plan, b, q.device)[:1]
+            o, lse, _ = nsa_branches(rows_q[start : start + 1], kk, vv, ck, cv, pos, cfg, DIM**-0.5)
+            assert not torch.isnan(bo[start]).any() and not torch.isnan(bl[start]).any()  # every head written
+            assert (bo[start : start + 1] - o).abs().max().item() <= 1e-5
+            fin = torch.isfinite(lse)
+            assert torch.equal(torch.isfinite(bl[start : start + 1]), fin)
+            assert (bl[start : start + 1][fin] - lse[fin]).abs().max().item() <= 1e-5
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _pool(caches, name, idx):
     c = caches["k v ck cv".split().index(name)]
     return c.reshape(-1, *c.shape[2:])[idx]
@@ -194,8 +241,8 @@ def _pool(caches, name, idx):
 
 # ---- Triton, in the interpreter (a subprocess of this file) -----------------------------------
 
-def _triton_error(cfg: NSAConfig) -> float:
-    (q, k, v, gates, caches, meta, _, compressor), want = _build(cfg, None)
+def _triton_error(cfg: NSAConfig, empty: bool = False) -> float:
+    (q, k, v, gates, caches, meta, _, compressor), want = _build(cfg, None, empty=empty)
     backend = NSABackend(cfg, TorchAttentionBackend(native=False), BS, kernel="triton")
     backend.begin_step(meta)
     out = backend.forward_nsa(0, q, k, v, gates, caches, meta, DIM**-0.5, compressor)
@@ -207,9 +254,10 @@ def test_triton_kernel_takes_segments_interpreted():
     log-sum-exps, merged and gated by the backend) equals the per-part oracle in the interpreter."""
     from sparse_helpers import check_triton_subprocess
 
-    check_triton_subprocess(__file__, {f"nsa-segments-{i}" for i in range(len(CONFIGS))}, tol=1e-5)
+    check_triton_subprocess(__file__, {f"nsa-segments-{i}" for i in range(len(CONFIGS))} | {"nsa-empty-part"}, tol=1e-5)
 
 
 if __name__ == "__main__" and "--triton" in sys.argv:
     for i, cfg in enumerate(CONFIGS):
         print(json.dumps({"case": f"nsa-segments-{i}", "err": _triton_error(cfg)}), flush=True)
+    print(json.dumps({"case": "nsa-empty-part", "err": _triton_error(CONFIGS[0], empty=True)}), flush=True)

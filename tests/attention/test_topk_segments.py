@@ -36,7 +36,8 @@ STEP = [
 ]
 
 
-def _build(cfg: TopKConfig, host_doc: str | None, seed: int = 0):
+def _build(cfg: TopKConfig, host_doc: str | None, seed: int = 0, empty: bool = False):
+    """The step (and its oracle); `empty` adds an empty part (a segment of no key) to each sequence."""
     g = torch.Generator().manual_seed(seed)
     lens = dict(SEGMENTS)
     for _, own, qlen in STEP:
@@ -76,6 +77,8 @@ def _build(cfg: TopKConfig, host_doc: str | None, seed: int = 0):
     layouts, k_new, v_new = [], [], []
     for shared, own, qlen in STEP:
         segs = [KVSegment(tables[n], SEGMENTS[n], causal=False, rope_delta=d, pool=int(n == host_doc)) for n, d in shared]
+        if empty:
+            segs.insert(1, KVSegment([], 0, causal=False))
         segs.append(KVSegment(tables[own], lens[own], causal=True))
         layouts.append(SeqLayout(qlen, segs))
         k_new.append(keys[own][0][SEGMENTS[own] :])
@@ -132,10 +135,23 @@ def test_segmented_step_equals_per_part_oracle(cfg, host_doc, kernel):
     assert (lse - want_l).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_an_empty_part_adds_nothing(kernel):
+    """A part of no key (kv_len 0) beside the others: skipped by the plan, its lse -inf, the
+    result the oracle's without it."""
+    cfg = CONFIGS[0]
+    (q, k, v, k_cache, v_cache, meta, _), want_o, want_l, summ = _build(cfg, None, empty=True)
+    assert 0 in meta.segments.kv_lens_cpu
+    backend = TopKBackend(cfg, TorchAttentionBackend(native=False), BS, [summ], native=kernel == "native")
+    backend.begin_step(meta)
+    out, lse = backend.forward(0, q, k, v, k_cache, v_cache, meta, DIM**-0.5)
+    assert (out - want_o).abs().max().item() <= 1e-5 and (lse - want_l).abs().max().item() <= 1e-5
+
+
 # ---- Triton, in the interpreter (a subprocess of this file) -----------------------------------
 
-def _triton_error(cfg: TopKConfig) -> float:
-    (q, k, v, k_cache, v_cache, meta, _), want_o, want_l, summ = _build(cfg, None)
+def _triton_error(cfg: TopKConfig, empty: bool = False) -> float:
+    (q, k, v, k_cache, v_cache, meta, _), want_o, want_l, summ = _build(cfg, None, empty=empty)
     backend = TopKBackend(cfg, TorchAttentionBackend(native=False), BS, [summ], native=False, kernel="triton")
     backend.begin_step(meta)
     out, lse = backend.forward(0, q, k, v, k_cache, v_cache, meta, DIM**-0.5)
@@ -147,9 +163,10 @@ def test_triton_kernel_takes_segments_interpreted():
     merged by the backend) equals the per-part oracle in the interpreter."""
     from sparse_helpers import check_triton_subprocess
 
-    check_triton_subprocess(__file__, {f"topk-segments-{i}" for i in range(len(CONFIGS))}, tol=1e-5)
+    check_triton_subprocess(__file__, {f"topk-segments-{i}" for i in range(len(CONFIGS))} | {"topk-empty-part"}, tol=1e-5)
 
 
 if __name__ == "__main__" and "--triton" in sys.argv:
     for i, cfg in enumerate(CONFIGS):
         print(json.dumps({"case": f"topk-segments-{i}", "err": _triton_error(cfg)}), flush=True)
+    print(json.dumps({"case": "topk-empty-part", "err": _triton_error(CONFIGS[0], empty=True)}), flush=True)

@@ -3,7 +3,7 @@ document, its own tokens) is attended by NSA's rules on its own keys and the bra
 log-sum-exp (tests/attention/test_nsa_segments.py checks that rule per step).
 
 The oracle is one full forward of the reference over the layout's dense row
-(`CausalLM.forward_masked` with `SquidLayout.dense_mask_and_positions` and `dense_segment_ids`):
+(`CausalLM.forward_masked` with `SquidLayout.dense_mask_and_positions` and `dense_segments`):
 no paging, no cache, no chunking. The engine's log-probabilities of every sampled token (and the
 runner-up) equal it in fp32, for documents computed by the request itself and found in the cache
 by a later request in another order, under prefill chunks too, on the native kernel and the
@@ -97,9 +97,9 @@ def test_documents_equal_one_dense_forward(checkpoints, positions, phi):
 
 
 def test_the_rule_is_sparse_here(checkpoints):
-    """The layout's parts are longer than top_n blocks plus the window, so a query reads a subset:
-    the segmented oracle differs from the dense squid forward (a check that the case exercises
-    selection, not a budget covering every key)."""
+    """The documents are longer than top_n blocks plus the window, so a query reads a subset of
+    each (the case exercises selection, not a budget covering every key); and the squid mask
+    without the segments is refused for NSA layers rather than read as one causal row."""
     _, model = checkpoints["linear"]
     layout = SquidLayout(PREFIX, FIRST["documents"], "shared")
     tail = list(FIRST["prompt"])
