@@ -87,6 +87,55 @@ class PoolRows:
 BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
+def key_slots(table: torch.Tensor, keys: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slots of key indices `keys` (any shape) of a sequence with block table `table` [nb] int64."""
+    return table[keys // block_size] * block_size + keys % block_size
+
+
+class SparseUnits:
+    """What a sparse backend (NSA, top-k) attends in one step, and the rows its native kernel
+    takes: the base of their step plans. A unit is a sequence (its query rows over its causal
+    keys) or, in a segmented step (squid: a prefix and documents beside the own tokens), a part
+    (`SegmentBatch`: one per sequence and segment, virtual query rows over the part's table), each
+    attended under the backend's rule on its own keys and merged by the log-sum-exp afterwards.
+
+    seqs: per unit (first row, rows, keys, block table [nb] int64); full: per part, whether every
+    key is visible (a prefix or a document: its rows all sit at its last key), None without
+    segments; native_seqs / torch_seqs: the units on the native kernel (every query row a decode
+    row with its own key count: the rules are per position) and on the torch reference; an empty
+    part (no key) is in neither."""
+
+    __slots__ = ("meta", "seqs", "full", "native_rows", "native_tables", "native_lens", "native_seqs", "torch_seqs")
+
+    def __init__(self, meta: AttentionMetadata, native_rows: bool) -> None:
+        self.meta = meta
+        bs = meta.block_size
+        sb = meta.segments
+        if sb is None:
+            starts, qlens, lens, tables = meta.query_start_loc.tolist(), meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables
+            self.full: list[bool] | None = None
+        else:
+            starts, qlens, lens, tables = sb.query_start_loc.tolist(), sb.query_lens_cpu, sb.kv_lens_cpu, sb.block_tables
+            self.full = [not c for c in sb.causal_cpu]
+        self.seqs: list[tuple[int, int, int, torch.Tensor]] = [
+            (starts[u], qlen, n, tables[u, : -(-n // bs)].long()) for u, (qlen, n) in enumerate(zip(qlens, lens))]
+        attended = [u for u in range(len(self.seqs)) if self.seqs[u][2] > 0]
+        self.native_seqs = attended if native_rows else []
+        self.torch_seqs = [] if native_rows else attended
+        self.native_rows = self.native_tables = self.native_lens = None
+        if self.native_seqs:
+            self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
+                meta, [(u, *self.seqs[u][:3]) for u in self.native_seqs], tables,
+                None if self.full is None else [self.full[u] for u in self.native_seqs])
+
+    def positions(self, u: int, device: torch.device) -> torch.Tensor:
+        """The key index of each query row of unit u; a whole part's rows sit at its last key."""
+        _, qlen, num_keys, _ = self.seqs[u]
+        if self.full is not None and self.full[u]:
+            return torch.full((qlen,), num_keys - 1, device=device)
+        return torch.arange(num_keys - qlen, num_keys, device=device)
+
+
 def rows_as_decode_rows(meta: AttentionMetadata, seqs: list[tuple[int, int, int, int]], tables: torch.Tensor | None = None,
                         full: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every query row of the given sequences as a decode row of its own, for the native sparse

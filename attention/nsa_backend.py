@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from cuttle.attention.backend import AttentionBackend, PoolRows, rows_as_decode_rows, write_kv
+from cuttle.attention.backend import AttentionBackend, PoolRows, SparseUnits, key_slots, write_kv
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.nsa import (NSAConfig, compressed_probs, nsa_attend, nsa_attend_parts, nsa_branches, select_blocks,
                                   selection_scores)
@@ -53,23 +53,22 @@ def compressed_slots_per_block(cfg: NSAConfig, block_size: int) -> int:
     return max(1, block_size // d)
 
 
-class NSAStepPlan:
-    """Host-side plan of one step, shared by every NSA layer."""
+class NSAStepPlan(SparseUnits):
+    """Host-side plan of one step, shared by every NSA layer: the units it attends (`SparseUnits`)
+    and the compressed entries this step completes (the causal segments', with or without
+    segments). Slots are computed only for what a step touches (the entries it completes; all keys
+    only on the torch path): a list of every key's slot per sequence and step cost 56 ms at
+    batch 8 x 64k (`benchmarks/nsa.py --plan`)."""
 
-    __slots__ = ("meta", "cfg", "new_src", "new_dst", "seqs", "native_rows", "native_tables",
-                 "native_lens", "native_seqs", "torch_seqs", "parts")
+    __slots__ = ("cfg", "new_src", "new_dst")
 
     def __init__(self, meta: AttentionMetadata, cfg: NSAConfig, slots_per_block: int, native_rows: bool) -> None:
-        self.meta, self.cfg = meta, cfg
+        super().__init__(meta, native_rows)
+        self.cfg = cfg
         bs, l, d = meta.block_size, cfg.compress_block, cfg.compress_stride
         device = meta.block_tables.device
-        starts = meta.query_start_loc.tolist()
         src: list[torch.Tensor] = []
         dst: list[torch.Tensor] = []
-        # per sequence: (first row, rows, keys, block table row [nb] int64). Slots are computed
-        # only for what a step touches (the entries it completes; all keys only on the torch
-        # path): a list of every key's slot per sequence and step cost 62 ms at batch 8 x 64k
-        self.seqs: list[tuple[int, int, int, torch.Tensor]] = []
         offs = torch.arange(l, device=device)
         for b, (qlen, num_keys) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             table = meta.block_tables[b, : -(-num_keys // bs)].long()
@@ -79,41 +78,8 @@ class NSAStepPlan:
             if i.numel():
                 src.append(key_slots(table, i[:, None] * d + offs, bs))
                 dst.append(compressed_slots(table, i, cfg, bs, slots_per_block))
-            self.seqs.append((starts[b], qlen, num_keys, table))
         self.new_src = torch.cat(src) if src else None
         self.new_dst = torch.cat(dst) if dst else None
-        # A segmented step (squid: a prefix and documents beside the own tokens) attends part by
-        # part (`SegmentBatch`: one per sequence and segment, virtual query rows), each part under
-        # the rule on its own keys, its branches merged over the parts by the log-sum-exp before
-        # the gates: the attended units are the parts, `seqs` and the rows below describe them.
-        # The entries this step completes (above) are the causal segments', as without segments.
-        self.parts: list[bool] | None = None  # per part: every key visible (a prefix or a document)
-        tables_src = None
-        sb = meta.segments
-        if sb is not None:
-            tables_src = sb.block_tables
-            starts_v = sb.query_start_loc.tolist()
-            self.parts = [not c for c in sb.causal_cpu]
-            self.seqs = [(starts_v[p], qlen, kv_len, sb.block_tables[p, : -(-kv_len // bs)].long())
-                         for p, (qlen, kv_len) in enumerate(zip(sb.query_lens_cpu, sb.kv_lens_cpu))]
-        # the native kernel takes every query row on CPU, each with its own key count (row j of a
-        # chunk sees ctx + j + 1 keys; a whole part's rows see all its keys): the rule is per
-        # position and the entries this step completes are stored before any row attends, so a
-        # prefill row is a decode row
-        attended = [b for b in range(len(self.seqs)) if self.seqs[b][2] > 0]  # an empty part attends nothing
-        native = attended if native_rows else []
-        self.native_seqs = native
-        self.torch_seqs = [b for b in attended if b not in set(native)]
-        self.native_rows = self.native_tables = self.native_lens = None
-        if native:
-            self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
-                meta, [(b, *self.seqs[b][:3]) for b in native], tables_src,
-                None if self.parts is None else [self.parts[b] for b in native])
-
-
-def key_slots(table: torch.Tensor, keys: torch.Tensor, bs: int) -> torch.Tensor:
-    """Raw cache slots of key indices `keys` (any shape) of a sequence with block table `table` [nb] int64."""
-    return table[keys // bs] * bs + keys % bs
 
 
 def compressed_slots(table: torch.Tensor, i: torch.Tensor, cfg: NSAConfig, bs: int, slots_per_block: int) -> torch.Tensor:
@@ -252,7 +218,7 @@ class NSABackend:
         for b in seqs:
             start, qlen = plan.seqs[b][:2]
             o, lse, _ = nsa_branches(rows_q[start : start + qlen].float(), *self._gather(plan, b, pools),
-                                     self._positions(plan, b, q.device), self.cfg, scale)
+                                     plan.positions(b, q.device), self.cfg, scale)
             bo[start : start + qlen], bl[start : start + qlen] = o, lse
         return nsa_attend_parts(bo, bl, sb.row_index, gates).to(q.dtype)
 
@@ -265,19 +231,11 @@ class NSABackend:
                               self.slots_per_block)
         return pools("k", sl).float(), pools("v", sl).float(), pools("ck", cs).float(), pools("cv", cs).float()
 
-    @staticmethod
-    def _positions(plan: NSAStepPlan, b: int, device: torch.device) -> torch.Tensor:
-        """The key index of each query row of sequence (or part) b; a whole part's rows sit at its last key."""
-        _, qlen, num_keys, _ = plan.seqs[b]
-        if plan.parts is not None and plan.parts[b]:
-            return torch.full((qlen,), num_keys - 1, device=device)
-        return torch.arange(num_keys - qlen, num_keys, device=device)
-
     def _torch_seq(self, plan: NSAStepPlan, b: int, q, pools: PoolRows, gates, out, scale: float) -> None:
         """Sequence b's rows through the torch reference (gathering all its keys: the oracle path)."""
         start, qlen = plan.seqs[b][:2]
         o, _ = nsa_attend(q[start : start + qlen].float(), *self._gather(plan, b, pools),
-                          gates[start : start + qlen].float(), self._positions(plan, b, q.device), self.cfg, scale)
+                          gates[start : start + qlen].float(), plan.positions(b, q.device), self.cfg, scale)
         out[start : start + qlen] = o.to(out.dtype)
 
     def select(self, plan: NSAStepPlan, q: torch.Tensor, ckf: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
@@ -292,7 +250,7 @@ class NSABackend:
                 row_seq[start : start + qlen] = b
                 row_pos[start : start + qlen] = -1
                 continue
-            pos = self._positions(plan, b, torch.device("cpu"))
+            pos = plan.positions(b, torch.device("cpu"))
             row_seq[start : start + qlen] = b
             row_pos[start : start + qlen] = pos.to(torch.int32)
             i = torch.arange(cfg.num_compressed(num_keys), device=table.device)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from cuttle.attention.backend import AttentionBackend, PoolRows, rows_as_decode_rows, write_kv
+from cuttle.attention.backend import AttentionBackend, PoolRows, SparseUnits, key_slots, write_kv
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.topk import TopKConfig, block_scores, select_blocks, summarize, topk_attend_chunked
 
@@ -38,21 +38,19 @@ def summary_slots_per_block(cfg: TopKConfig, block_size: int) -> int:
     return max(1, block_size // cfg.block)
 
 
-class TopKStepPlan:
-    """Host-side plan of one step, shared by every sparse layer."""
+class TopKStepPlan(SparseUnits):
+    """Host-side plan of one step, shared by every sparse layer: the units it attends
+    (`SparseUnits`: sequences, or squid parts) and the block summaries this step completes (the
+    causal segments', with or without segments)."""
 
-    __slots__ = ("meta", "new_src", "new_dst", "seqs", "native_rows", "native_tables", "native_lens", "native_seqs",
-                 "torch_seqs", "parts")
+    __slots__ = ("new_src", "new_dst")
 
     def __init__(self, meta: AttentionMetadata, cfg: TopKConfig, slots_per_block: int, native_rows: bool) -> None:
-        self.meta = meta
+        super().__init__(meta, native_rows)
         bs, P = meta.block_size, cfg.block
         device = meta.block_tables.device
-        starts = meta.query_start_loc.tolist()
         src: list[torch.Tensor] = []
         dst: list[torch.Tensor] = []
-        # per sequence: (first row, rows, keys, block table row [nb] int64)
-        self.seqs: list[tuple[int, int, int, torch.Tensor]] = []
         offs = torch.arange(P, device=device)
         for b, (qlen, num_keys) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             table = meta.block_tables[b, : -(-num_keys // bs)].long()
@@ -60,40 +58,10 @@ class TopKStepPlan:
             # blocks whose last key j*P + P - 1 arrives in this step: ctx <= j*P + P - 1 < num_keys
             j = torch.arange(ctx // P, num_keys // P, device=device)
             if j.numel():
-                keys = j[:, None] * P + offs  # [E, P]
-                src.append(table[keys // bs] * bs + keys % bs)
+                src.append(key_slots(table, j[:, None] * P + offs, bs))
                 dst.append(_summary_slot(table, j, P, bs, slots_per_block))
-            self.seqs.append((starts[b], qlen, num_keys, table))
         self.new_src = torch.cat(src) if src else None
         self.new_dst = torch.cat(dst) if dst else None
-        # a segmented step (squid: a prefix, documents, the own tokens) attends part by part
-        # (`SegmentBatch`: one per sequence and segment, virtual query rows, merged by the
-        # log-sum-exp), each part under the rule on its own keys: the attended units are the
-        # parts, `seqs` / the rows below describe them instead of the sequences
-        self.parts: list[tuple[int, int, int, bool]] | None = None  # (first virtual row, rows, keys, full)
-        sb = meta.segments
-        if sb is not None:
-            starts_v = sb.query_start_loc.tolist()
-            self.parts = [(starts_v[p], qlen, kv_len, not causal)
-                          for p, (qlen, kv_len, causal) in enumerate(zip(sb.query_lens_cpu, sb.kv_lens_cpu, sb.causal_cpu))]
-            self.seqs = [(s, qlen, n, sb.block_tables[p, : -(-n // bs)].long())
-                         for p, (s, qlen, n, _) in enumerate(self.parts)]
-        # the native kernel takes every query row on CPU, each with its own key count (row j of a
-        # chunk sees ctx + j + 1 keys; a full part's rows see all of its keys): its rule is per
-        # position, so prefill rows are decode rows
-        attended = [b for b in range(len(self.seqs)) if self.seqs[b][2] > 0]  # an empty part attends nothing
-        native = attended if native_rows else []
-        self.native_seqs = native
-        taken = set(native)
-        self.torch_seqs = [b for b in attended if b not in taken]
-        self.native_rows = self.native_tables = self.native_lens = None
-        if native:
-            if sb is None:
-                self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
-                    meta, [(b, *self.seqs[b][:3]) for b in native])
-            else:
-                self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
-                    meta, [(b, *self.seqs[b][:3]) for b in native], sb.block_tables, [self.parts[b][3] for b in native])
 
 
 def _summary_slot(table: torch.Tensor, j: torch.Tensor, P: int, bs: int, slots_per_block: int) -> torch.Tensor:
@@ -209,7 +177,7 @@ class TopKBackend:
             if num_keys == 0:  # an empty part: its rows attend nothing (lse stays -inf)
                 row_pos[start : start + qlen] = -1
                 continue
-            pos = self._positions(plan, b, torch.device("cpu"))
+            pos = plan.positions(b, torch.device("cpu"))
             row_pos[start : start + qlen] = pos.to(torch.int32)
             summ = sf[_summary_slot(table, torch.arange(num_keys // P, device=q.device), P, plan.meta.block_size,
                                     self.slots_per_block)].float()
@@ -222,23 +190,14 @@ class TopKBackend:
             idx[start : start + qlen, :, : ids.shape[-1]] = torch.where(ids == nb, -1, ids).to(torch.int32)
         return idx, row_seq.to(q.device), row_pos.to(q.device)
 
-    @staticmethod
-    def _positions(plan: TopKStepPlan, b: int, device: torch.device) -> torch.Tensor:
-        """The key index of each query row of sequence (or part) b; a whole part's rows sit at its last key."""
-        _, qlen, num_keys, _ = plan.seqs[b]
-        if plan.parts is not None and plan.parts[b][3]:
-            return torch.full((qlen,), num_keys - 1, device=device)
-        return torch.arange(num_keys - qlen, num_keys, device=device)
-
     def _torch_seq(self, plan: TopKStepPlan, b: int, q, pools: PoolRows, out, lse, scale: float) -> None:
         """Sequence (or squid part) b's rows through the reference (gathering all its keys: the oracle
         path); a full part's rows all sit at its last key."""
         start, qlen, num_keys, table = plan.seqs[b]
         bs, P = plan.meta.block_size, self.cfg.block
-        keys = torch.arange(num_keys, device=q.device)
-        slots = table[keys // bs] * bs + keys % bs
+        slots = key_slots(table, torch.arange(num_keys, device=q.device), bs)
         summ = pools("s", _summary_slot(table, torch.arange(num_keys // P, device=q.device), P, bs, self.slots_per_block))
-        pos = self._positions(plan, b, q.device)
+        pos = plan.positions(b, q.device)
         o, l = topk_attend_chunked(q[start : start + qlen].float(), pools("k", slots).float(), pools("v", slots).float(), pos,
                                    self.cfg, scale, summ.float())
         out[start : start + qlen] = o.to(out.dtype)

@@ -190,7 +190,7 @@ def test_kernel_branches_equal_the_reference_per_part():
     for b in plan.native_seqs:
         start, qlen = plan.seqs[b][:2]
         kk, vv, ck, cv = backend._gather(plan, b, lambda name, idx: _pool(caches, name, idx))
-        o, lse, _ = nsa_branches(rows_q[start : start + qlen], kk, vv, ck, cv, NSABackend._positions(plan, b, q.device),
+        o, lse, _ = nsa_branches(rows_q[start : start + qlen], kk, vv, ck, cv, plan.positions(b, q.device),
                                  cfg, DIM**-0.5)
         empty = torch.isinf(lse)
         saw_empty |= bool(empty.any())
@@ -223,7 +223,7 @@ def test_kernel_branches_with_a_rows_heads_split_over_items():
                                   plan.native_tables[first : first + 1], plan.native_lens[first : first + 1], cfg,
                                   DIM**-0.5, branches=(bo, bl))
             kk, vv, ck, cv = backend._gather(plan, b, lambda name, idx: _pool(caches, name, idx))
-            pos = NSABackend._positions(plan, b, q.device)[:1]
+            pos = plan.positions(b, q.device)[:1]
             o, lse, _ = nsa_branches(rows_q[start : start + 1], kk, vv, ck, cv, pos, cfg, DIM**-0.5)
             assert not torch.isnan(bo[start]).any() and not torch.isnan(bl[start]).any()  # every head written
             assert (bo[start : start + 1] - o).abs().max().item() <= 1e-5
