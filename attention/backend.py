@@ -11,6 +11,10 @@ Every backend returns `(o, lse)`: `o` [T, num_heads, head_dim] in q's dtype and 
 attended to (-inf for a row that saw no key), so results over disjoint key sets merge exactly
 (`merge.py`). `layer` names the model layer the call serves: the host tier's caches
 (`meta.host_kv[layer]`) and the sparse backends' per-layer side caches hang on it.
+
+Also here, shared by the backends: `write_kv`, the gathers over both pools (`gather_pools`,
+`PoolRows`), and for the sparse backends (NSA, top-k) the units a step attends (`SparseUnits`:
+sequences or squid parts, and the decode rows of their native kernels, `rows_as_decode_rows`).
 """
 from __future__ import annotations
 

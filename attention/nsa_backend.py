@@ -3,8 +3,12 @@
 Owns the per-step NSA plan (which compressed entries this step completes, where each sequence's
 compressed entries live, which rows the native kernel takes) and `forward_nsa`, which
 writes a layer's raw K/V, builds and stores the compressed entries completed by this step's
-tokens, and runs the three gated branches. Dense layers (and `forward`) go to the wrapped dense
-backend untouched. Never allocates cache memory (the runner does) and never decides a selection
+tokens, and runs the three gated branches. A segmented step (squid: a prefix and documents beside
+the own tokens) attends part by part (virtual query rows over each part's table, the query
+rotated by -delta for a moved document), each part under NSA's rules on its own keys, its three
+branches kept apart with their log-sum-exps and merged over the row's parts before the gates
+(`nsa.py` `nsa_attend_parts`; docs/nsa.md, "Squid documents under NSA"). Dense layers (and
+`forward`) go to the wrapped dense backend untouched. Never allocates cache memory (the runner does) and never decides a selection
 differently from the reference (`nsa.py`): the kernels implement the same rules.
 
 Compressed cache layout (per layer, K and V): `[num_blocks, S_c, kv_heads, head_dim]` indexed by

@@ -608,6 +608,7 @@ def _check_fits(field: str, nbytes: int, device: torch.device, weights: int = 0)
     failed later, while they loaded)."""
     free = free_memory_bytes(device)
     if nbytes > free - weights:
-        less = f" less the model's {weights / 2**30:.2f} GiB of weights" if weights else ""
+        less = (f" less the model's {weights / 2**30:.2f} GiB of weights (every checkpoint tensor at the engine dtype: an "
+                f"upper bound under quantization)") if weights else ""
         raise ValueError(f"{field} asks for {nbytes / 2**30:.2f} GiB of KV cache, more than the {free / 2**30:.2f} GiB free on "
                          f"{device.type}{less}")

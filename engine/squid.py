@@ -36,10 +36,11 @@ block manager decides at allocation), the queries park on it the same way, and i
 when the copy is done. A preempted query lets its pins go and is
 resolved again when re-admitted.
 
-The dense equivalent (`SquidLayout.dense_context` / `dense_mask_and_positions`) is the one place
-that spells out, as a token row, its positions and an [S, S] mask, exactly what the engine
-computes for a layout, so a trainer (cuttle.rl) can score sampled tokens under the attention they
-were sampled with through `CausalLM.forward_masked`.
+The dense equivalent (`SquidLayout.dense_context` / `dense_mask_and_positions`, and for NSA
+models `dense_segments`: each token's piece and its shift) is the one place that spells out, as a
+token row, its positions and an [S, S] mask, exactly what the engine computes for a layout, so a
+trainer (cuttle.rl) can score sampled tokens under the attention they were sampled with through
+`CausalLM.forward_masked`.
 """
 from __future__ import annotations
 
