@@ -303,6 +303,13 @@ class CausalLM(nn.Module):
             raise ValueError("sparse_attention (training-free top-k) is for plain attention layers, not NSA or MLA ones")
         parts = None
         if segments is not None:
+            shape = tuple(input_ids.shape)
+            for name, t in (("segments", segments), ("segment_shifts", segment_shifts)):
+                if t is not None and tuple(t.shape) != shape:
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be input_ids' {shape} (one id per token)")
+            if mask.dim() != 3 or mask.shape[0] not in (1, shape[0]) or tuple(mask.shape[1:]) != (shape[1], shape[1]):
+                raise ValueError(f"mask has shape {tuple(mask.shape)}; with segments it must be [B or 1, S, S] for input_ids {shape}")
+            mask = mask.expand(shape[0], -1, -1)  # NSA layers read it row by row
             parts = DenseSegments(segments, segment_shifts, self._unshift)
         elif segment_shifts is not None:
             raise ValueError("segment_shifts needs segments")

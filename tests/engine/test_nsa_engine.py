@@ -113,10 +113,21 @@ def test_packed_documents_train_each_as_if_alone():
         at += n
     for a, b in zip(want, torch.autograd.grad(alone_loss, weights)):
         assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
-    bad = (doc[:, :, None] == doc[:, None, :]) & torch.ones(sum(lens), sum(lens), dtype=torch.bool).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(sum(lens), sum(lens), dtype=torch.bool).tril()
+    bad = mask.clone()
     bad[0, 40, 2] = True  # a token of the second document sees one key of the first
     with pytest.raises(ValueError, match="segment 0"):
         model.forward_masked(ids, pos, bad, segments=doc)
+    # shapes that do not match the tokens are refused naming the argument; a [1, S, S] mask broadcasts
+    two_ids, two_pos, two_doc = ids.expand(2, -1), pos.expand(2, -1), doc.expand(2, -1)
+    with torch.no_grad():
+        assert torch.equal(model.forward_masked(two_ids, two_pos, mask, segments=two_doc)[1], packed[0].detach())
+    for kw, match in [(dict(segments=doc[:, :-4]), "segments has shape"), (dict(segments=doc, segment_shifts=doc[:, :-4]),
+                      "segment_shifts has shape"), (dict(segments=doc[0]), "segments has shape")]:
+        with pytest.raises(ValueError, match=match):
+            model.forward_masked(ids, pos, mask, **kw)
+    with pytest.raises(ValueError, match="mask has shape"):
+        model.forward_masked(ids, pos, mask[:, :-1, :-1], segments=doc)
 
 
 # ---- the paged engine ------------------------------------------------------------------------
