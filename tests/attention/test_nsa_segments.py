@@ -23,21 +23,16 @@ if __name__ == "__main__" and "--triton" in sys.argv:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata, KVSegment, SeqLayout  # noqa: E402
+from cuttle.attention.metadata import HOST_BLOCK  # noqa: E402
 from cuttle.attention.native import nsa as native_nsa  # noqa: E402
 from cuttle.attention.native import topk as native_topk  # noqa: E402
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_branches  # noqa: E402
 from cuttle.attention.nsa_backend import NSABackend, compressed_slots_per_block  # noqa: E402
-from cuttle.attention.rope import RotaryEmbedding, rotate_partial  # noqa: E402
 from cuttle.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from sparse_segment_cases import (BS, DIM, HEADS, KV_HEADS, STEP, keys_and_tables, move_to_host,  # noqa: E402
+                                  oracle_parts, prefill_alone, step_metadata)
 
-HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 8
 SEGMENTS = {"prefix": 13, "A": 61, "B": 45, "own0": 9, "own1": 40}  # keys already cached
-# (sequence's segments: name, rope delta), its own segment, query rows this step
-STEP = [
-    ([("prefix", 0), ("A", 13), ("B", 74)], "own0", 5),  # a prefill chunk after two documents
-    ([("prefix", 0), ("B", 13)], "own1", 1),  # a decode row; B placed elsewhere
-]
 CONFIGS = [
     # l=8, d=4 (2 compressed slots a raw block), l'=16; the prefix has 2 entries
     NSAConfig(compress_block=8, compress_stride=4, select_block=16, top_n=3, init_blocks=1, local_blocks=1, window=8,
@@ -60,71 +55,31 @@ def _build(cfg: NSAConfig, host_doc: str | None, seed: int = 0, empty: bool = Fa
     def compressor(wk, wv):
         return (compress_windows(wk, weights and weights[0], cfg), compress_windows(wv, weights and weights[1], cfg))
 
-    lens = dict(SEGMENTS)
-    for _, own, qlen in STEP:
-        lens[own] += qlen
-    keys = {n: (torch.randn(n_, KV_HEADS, DIM, generator=g) * 1.5, torch.randn(n_, KV_HEADS, DIM, generator=g))
-            for n, n_ in lens.items()}
-    nblocks = {n: -(-n_ // BS) for n, n_ in lens.items()}
-    total = sum(nblocks.values()) + 2
-    perm = torch.randperm(total, generator=g).tolist()
-    tables, at = {}, 0
-    for n, nb in nblocks.items():
-        tables[n] = perm[at : at + nb]
-        at += nb
+    lens, keys, tables, total = keys_and_tables(SEGMENTS, g)
     slots = compressed_slots_per_block(cfg, BS)
     caches = [torch.full((total, BS, KV_HEADS, DIM), float("nan")) for _ in range(2)]
     caches += [torch.full((total, slots, KV_HEADS, DIM), float("nan")) for _ in range(2)]
-    # every segment's cached keys and compressed entries written by the backend, as the engine
-    # writes a prefix or document: a causal prefill of the segment alone
+    # every segment's cached keys and compressed entries written by the backend
     filler = NSABackend(cfg, TorchAttentionBackend(native=False), BS, native=False)
-    layouts = [SeqLayout(SEGMENTS[n], [KVSegment(tables[n], SEGMENTS[n], causal=True)]) for n in SEGMENTS]
-    meta = AttentionMetadata.build(layouts, BS, "cpu")
-    k = torch.cat([keys[n][0][: SEGMENTS[n]] for n in SEGMENTS])
-    v = torch.cat([keys[n][1][: SEGMENTS[n]] for n in SEGMENTS])
+    meta, k, v = prefill_alone(SEGMENTS, keys, tables)
     filler.begin_step(meta)
     filler.forward_nsa(0, torch.randn(k.shape[0], HEADS, DIM, generator=g), k, v, torch.rand(k.shape[0], HEADS, 3),
                        tuple(caches), meta, scale, compressor)
-    host = None
-    if host_doc is not None:  # that document's blocks (and their compressed entries) move to a host pool
-        host = tuple(torch.full((len(tables[host_doc]) + 1, *c.shape[1:]), float("nan")) for c in caches)
-        for i, b in enumerate(tables[host_doc]):
-            for h, c in zip(host, caches):
-                h[i + 1] = c[b]
-                c[b] = float("nan")
-        tables[host_doc] = [i + 1 for i in range(len(tables[host_doc]))]
-    rope = RotaryEmbedding(DIM, 512, 10000.0, None, torch.device("cpu"))
+    host = None if host_doc is None else move_to_host(tables, host_doc, caches)
     rows = sum(qlen for *_, qlen in STEP)
     q = torch.randn(rows, HEADS, DIM, generator=g) * 1.5
     gates = torch.rand(rows, HEADS, 3, generator=g)
-    layouts, k_new, v_new = [], [], []
-    for shared, own, qlen in STEP:
-        segs = [KVSegment(tables[n], SEGMENTS[n], causal=False, rope_delta=d, pool=int(n == host_doc)) for n, d in shared]
-        if empty:
-            segs.insert(1, KVSegment([], 0, causal=False))
-        segs.append(KVSegment(tables[own], lens[own], causal=True))
-        layouts.append(SeqLayout(qlen, segs))
-        k_new.append(keys[own][0][SEGMENTS[own] :])
-        v_new.append(keys[own][1][SEGMENTS[own] :])
-    meta = AttentionMetadata.build(layouts, BS, "cpu", rope=rope, host_kv=None if host is None else [host[:2]])
-    step = (q, torch.cat(k_new), torch.cat(v_new), gates, tuple(caches), meta, host, compressor)
+    meta, k_new, v_new = step_metadata(SEGMENTS, lens, keys, tables, host_doc, empty,
+                                       None if host is None else [host[:2]])
+    step = (q, k_new, v_new, gates, tuple(caches), meta, host, compressor)
+
+    def attend(qv, kk, vv, pos):
+        ck, cv = compress(kk, weights and weights[0], cfg), compress(vv, weights and weights[1], cfg)
+        return nsa_branches(qv, kk, vv, ck, cv, pos, cfg, scale)[:2]
 
     # the oracle, part by part on unpaged keys, each branch merged by hand, then gated
     want, row = [], 0
-    for shared, own, qlen in STEP:
-        qs = q[row : row + qlen]
-        parts = []
-        for n, d in shared:
-            qv = qs
-            if d:
-                cos, sin = rope.delta_tables([d])
-                qv = rotate_partial(qs, cos[:, None, :].expand(qlen, 1, -1), sin[:, None, :].expand(qlen, 1, -1))
-            kk, vv = keys[n][0][: SEGMENTS[n]], keys[n][1][: SEGMENTS[n]]
-            ck, cv = compress(kk, weights and weights[0], cfg), compress(vv, weights and weights[1], cfg)
-            parts.append(nsa_branches(qv, kk, vv, ck, cv, torch.full((qlen,), SEGMENTS[n] - 1), cfg, scale)[:2])
-        kk, vv = keys[own]
-        ck, cv = compress(kk, weights and weights[0], cfg), compress(vv, weights and weights[1], cfg)
-        parts.append(nsa_branches(qs, kk, vv, ck, cv, torch.arange(SEGMENTS[own], lens[own]), cfg, scale)[:2])
+    for parts, (_, _, qlen) in zip(oracle_parts(SEGMENTS, lens, keys, q, attend), STEP):
         lse = torch.stack([l for _, l in parts])  # [P, M, H, 3]
         top = lse.amax(0)
         top = torch.where(torch.isinf(top), 0.0, top)

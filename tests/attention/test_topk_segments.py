@@ -20,87 +20,38 @@ if __name__ == "__main__" and "--triton" in sys.argv:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata, KVSegment, SeqLayout  # noqa: E402
+from cuttle.attention.metadata import HOST_BLOCK  # noqa: E402
 from cuttle.attention.native import topk as native_topk  # noqa: E402
-from cuttle.attention.rope import RotaryEmbedding, rotate_partial  # noqa: E402
 from cuttle.attention.topk import TopKConfig, topk_attend  # noqa: E402
 from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block  # noqa: E402
 from cuttle.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from sparse_segment_cases import (BS, DIM, HEADS, KV_HEADS, STEP, keys_and_tables, move_to_host,  # noqa: E402
+                                  oracle_parts, prefill_alone, step_metadata)
 
-HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 8
 SEGMENTS = {"prefix": 13, "A": 29, "B": 22, "own0": 9, "own1": 40}  # keys already cached
-# (sequence's segments: name, rope delta), its own segment, query rows this step
-STEP = [
-    ([("prefix", 0), ("A", 13), ("B", 42)], "own0", 5),  # a prefill chunk after two documents
-    ([("prefix", 0), ("B", 13)], "own1", 1),  # a decode row; B placed elsewhere
-]
 
 
 def _build(cfg: TopKConfig, host_doc: str | None, seed: int = 0, empty: bool = False):
     """The step (and its oracle); `empty` adds an empty part (a segment of no key) to each sequence."""
     g = torch.Generator().manual_seed(seed)
-    lens = dict(SEGMENTS)
-    for _, own, qlen in STEP:
-        lens[own] += qlen
-    keys = {n: (torch.randn(n_, KV_HEADS, DIM, generator=g) * 1.5, torch.randn(n_, KV_HEADS, DIM, generator=g))
-            for n, n_ in lens.items()}
-    nblocks = {n: -(-n_ // BS) for n, n_ in lens.items()}
-    total = sum(nblocks.values()) + 2
-    perm = torch.randperm(total, generator=g).tolist()
-    tables, at = {}, 0
-    for n, nb in nblocks.items():
-        tables[n] = perm[at : at + nb]
-        at += nb
+    lens, keys, tables, total = keys_and_tables(SEGMENTS, g)
     k_cache = torch.full((total, BS, KV_HEADS, DIM), float("nan"))
     v_cache = k_cache.clone()
     summ = torch.full((total, summary_slots_per_block(cfg, BS), cfg.summary_rows, KV_HEADS, DIM), float("nan"))
-    # every segment's cached keys (and the blocks' summaries) written by the backend, as the engine
-    # writes a prefix or document: a causal prefill of the segment alone
+    # every segment's cached keys (and the blocks' summaries) written by the backend
     filler = TopKBackend(cfg, TorchAttentionBackend(native=False), BS, [summ], native=False)
-    layouts = [SeqLayout(SEGMENTS[n], [KVSegment(tables[n], SEGMENTS[n], causal=True)]) for n in SEGMENTS]
-    meta = AttentionMetadata.build(layouts, BS, "cpu")
-    k = torch.cat([keys[n][0][: SEGMENTS[n]] for n in SEGMENTS])
-    v = torch.cat([keys[n][1][: SEGMENTS[n]] for n in SEGMENTS])
+    meta, k, v = prefill_alone(SEGMENTS, keys, tables)
     filler.begin_step(meta)
     filler.forward(0, torch.randn(k.shape[0], HEADS, DIM, generator=g), k, v, k_cache, v_cache, meta, DIM**-0.5)
-    host = None
-    if host_doc is not None:  # that document's blocks move to a host pool (read in place)
-        k_host = torch.full((len(tables[host_doc]) + 1, *k_cache.shape[1:]), float("nan"))
-        v_host, s_host = k_host.clone(), torch.full((k_host.shape[0], *summ.shape[1:]), float("nan"))
-        for i, b in enumerate(tables[host_doc]):
-            k_host[i + 1], v_host[i + 1], s_host[i + 1] = k_cache[b], v_cache[b], summ[b]
-            k_cache[b] = v_cache[b] = summ[b] = float("nan")
-        tables[host_doc] = [i + 1 for i in range(len(tables[host_doc]))]
-        host = (k_host, v_host, s_host)
-    rope = RotaryEmbedding(DIM, 512, 10000.0, None, torch.device("cpu"))
+    host = None if host_doc is None else move_to_host(tables, host_doc, [k_cache, v_cache, summ])
     q = torch.randn(sum(qlen for *_, qlen in STEP), HEADS, DIM, generator=g) * 1.5
-    layouts, k_new, v_new = [], [], []
-    for shared, own, qlen in STEP:
-        segs = [KVSegment(tables[n], SEGMENTS[n], causal=False, rope_delta=d, pool=int(n == host_doc)) for n, d in shared]
-        if empty:
-            segs.insert(1, KVSegment([], 0, causal=False))
-        segs.append(KVSegment(tables[own], lens[own], causal=True))
-        layouts.append(SeqLayout(qlen, segs))
-        k_new.append(keys[own][0][SEGMENTS[own] :])
-        v_new.append(keys[own][1][SEGMENTS[own] :])
-    host_kv = None if host is None else [host[:2]]
-    meta = AttentionMetadata.build(layouts, BS, "cpu", rope=rope, host_kv=host_kv)
-    step = (q, torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, meta, host)
+    meta, k_new, v_new = step_metadata(SEGMENTS, lens, keys, tables, host_doc, empty,
+                                       None if host is None else [host[:2]])
+    step = (q, k_new, v_new, k_cache, v_cache, meta, host)
 
-    # the oracle, part by part on unpaged keys
-    want_o, want_l, row = [], [], 0
-    for shared, own, qlen in STEP:
-        qs = q[row : row + qlen]
-        row += qlen
-        parts = []
-        for n, d in shared:
-            qv = qs
-            if d:
-                cos, sin = rope.delta_tables([d])
-                qv = rotate_partial(qs, cos[:, None, :].expand(qlen, 1, -1), sin[:, None, :].expand(qlen, 1, -1))
-            pos = torch.full((qlen,), SEGMENTS[n] - 1)
-            parts.append(topk_attend(qv, keys[n][0], keys[n][1], pos, cfg, DIM**-0.5))
-        parts.append(topk_attend(qs, keys[own][0], keys[own][1], torch.arange(SEGMENTS[own], lens[own]), cfg, DIM**-0.5))
+    # the oracle, part by part on unpaged keys, merged by hand
+    want_o, want_l = [], []
+    for parts in oracle_parts(SEGMENTS, lens, keys, q, lambda qv, kk, vv, pos: topk_attend(qv, kk, vv, pos, cfg, DIM**-0.5)):
         lse = torch.logsumexp(torch.stack([l for _, l in parts]), dim=0)
         want_o.append(sum(torch.exp(l - lse)[..., None] * o for o, l in parts))
         want_l.append(lse)
