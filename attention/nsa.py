@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cuttle.attention.dense_segments import segment_parts
 from cuttle.attention.merge import merge_lse_rows
 
 COMPRESS_FNS = ("linear", "mean")
@@ -317,33 +318,11 @@ def nsa_attend_segments(
     by -shift. Attention scores do not change (RoPE depends on differences), but the compressed
     entries do when phi is learned ("linear"): they are what the engine cached, phi of the keys
     where the document was encoded."""
-    mask = mask.bool()
     outs, lses, rows_of = [], [], []  # per segment, only the rows that read it
-    for u in torch.unique(segment_ids).tolist():
-        own = segment_ids == u
-        keys = own.nonzero().squeeze(1)
-        n = keys.numel()
-        vis = mask[:, keys]  # [S, n]
-        full = vis.all(1) & ~own
-        if not torch.equal(vis[keys], torch.ones(n, n, dtype=torch.bool, device=q.device).tril()):
-            raise ValueError(f"segment {u}: NSA needs each token to see exactly its own segment's keys up to itself")
-        if bool((vis.any(1) & ~own & ~full).any()):
-            raise ValueError(f"segment {u}: NSA needs every other token to see all of the segment or none of it")
-        rows = (own | full).nonzero().squeeze(1)
-        local = torch.cumsum(own.long(), 0) - 1
-        pos = torch.where(own[rows], local[rows], n - 1)
-        qs, ks, vs = q[rows], k[keys], v[keys]
-        shift = int(shifts[keys[0]]) if shifts is not None else 0
-        if shifts is not None and not bool((shifts[keys] == shift).all()):
-            raise ValueError(f"segment {u}: its tokens have different shifts ({sorted(set(shifts[keys].tolist()))}); "
-                             "a segment moves as a whole")
-        if shift:
-            if unshift is None:
-                raise ValueError(f"segment {u} is shifted by {shift} positions but no rotation was given")
-            qs, ks = unshift(qs, shift), unshift(ks, shift)
-        ck, cv = compress_kv(ks, vs)
-        o, lse, _ = nsa_branches(qs, ks, vs, ck, cv, pos, cfg, scale)
+    for part in segment_parts(q, k, v, mask, segment_ids, shifts, unshift):
+        ck, cv = compress_kv(part.k, part.v)
+        o, lse, _ = nsa_branches(part.q, part.k, part.v, ck, cv, part.pos, cfg, scale)
         outs.append(o)
         lses.append(lse)
-        rows_of.append(rows)
+        rows_of.append(part.rows)
     return nsa_attend_parts(torch.cat(outs), torch.cat(lses), torch.cat(rows_of), gates).to(q.dtype)

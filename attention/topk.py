@@ -6,7 +6,8 @@ decode kernel (`csrc/topk_decode.c`) are tested against, and the rule the traini
 
 Owns `TopKConfig` (the engine option `sparse_attention`, parsed from a spec string or dict and
 validated with errors naming the field), the summaries (`summarize`: Quest's element-wise min/max
-of a block's keys, or their mean), block scores, the selection rule and `topk_attend`. Plain
+of a block's keys, or their mean), block scores, the selection rule and `topk_attend` (and
+`topk_attend_segments`, a row of squid segments each under the rule on its own keys). Plain
 dense torch, per sequence; never touches the paged cache and imports nothing from the engine.
 
 The rule (0-based indices; a query at t sees keys 0..t; blocks of P = `block` keys, block j holds
@@ -29,6 +30,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+
+from cuttle.attention.dense_segments import segment_parts
+from cuttle.attention.merge import merge_lse_rows
 
 SUMMARIES = ("quest", "mean")
 METHODS = ("topk",)
@@ -223,3 +227,28 @@ def topk_attend_chunked(q, k, v, q_pos, cfg: TopKConfig, scale: float, summ=None
         outs.append(o)
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)
+
+
+def topk_attend_segments(
+    q: torch.Tensor,  # [S, H, D] one row's queries, RoPE applied
+    k: torch.Tensor,  # [S, Hkv, D]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [S, S] bool
+    segment_ids: torch.Tensor,  # [S] int64
+    cfg: TopKConfig,
+    scale: float,
+    shifts: torch.Tensor | None = None,
+    unshift=None,
+) -> torch.Tensor:
+    """One row made of segments (squid's dense row, packed documents), each segment attended by
+    the rule on its own keys in its encoded frame (`dense_segments.segment_parts`: a segment seen
+    whole is read by rows at its last key), merged per row by the log-sum-exp: what the engine's
+    top-k backend computes for squid documents. o [S, H, D] in q's dtype; differentiable in q, k, v."""
+    outs, lses, rows_of = [], [], []
+    for part in segment_parts(q, k, v, mask, segment_ids, shifts, unshift):
+        o, lse = topk_attend_chunked(part.q, part.k, part.v, part.pos, cfg, scale)
+        outs.append(o)
+        lses.append(lse)
+        rows_of.append(part.rows)
+    o, _ = merge_lse_rows(torch.cat(outs), torch.cat(lses), torch.cat(rows_of), q.shape[0])
+    return o.to(q.dtype)

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.config import DTYPES, MOE_QUANT_MODES, ModelConfig
 from cuttle.engine.models import CausalLM, load_model
 from cuttle.engine.models.moe_quant import moe_layers
@@ -64,12 +65,17 @@ class TrainerConfig:
     minibatches: int = 1  # optimizer steps per batch, each over a consecutive part of its sequences
     moe_quant: str | None = None  # "mxfp8": routed experts quantized on the fly in the forward (the sampler's format)
     moe_quant_dtype: str | None = None  # the engine's model dtype, which it quantizes from (default: `dtype`)
+    # the engine's `sparse_attention` (training-free top-k), so sampled tokens are scored under the
+    # attention they were sampled with: the same spec string or dict; None: dense attention
+    sparse_attention: str | dict | None = None
 
     def __post_init__(self) -> None:
         if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
             raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
         if self.moe_quant_dtype is not None and self.moe_quant_dtype not in DTYPES:
             raise ValueError(f"moe_quant_dtype must be one of {', '.join(DTYPES)}; got {self.moe_quant_dtype!r}")
+        if self.sparse_attention is not None:
+            parse_sparse_attention(self.sparse_attention)  # refused here, naming the field, if malformed
         if self.old_policy not in OLD_POLICIES:
             raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
         if self.minibatches < 1:
@@ -89,6 +95,9 @@ class Trainer:
         self.model: CausalLM = load_model(model_path, mc, DTYPES[self.config.dtype], self.device)
         if self.config.moe_quant is not None:
             self._quantize_experts_on_the_fly()
+        self.sparse = parse_sparse_attention(self.config.sparse_attention) if self.config.sparse_attention is not None else None
+        if self.sparse is not None and (self.model.nsa is not None or mc.mla is not None):
+            raise ValueError("sparse_attention (training-free top-k) is for plain attention layers, not NSA or MLA ones")
         self.params = [p for n, p in self.model.named_parameters() if not n.startswith(freeze)]
         for p in self.params:
             p.requires_grad_(True)
@@ -110,8 +119,9 @@ class Trainer:
         # cached: each expert weight is quantized once per forward, however often the layer reads it
         with parametrize.cached():
             if segments is None:
-                return self.model.forward_masked(ids, pos, mask)
-            return self.model.forward_masked(ids, pos, mask, segments=segments[0], segment_shifts=segments[1])
+                return self.model.forward_masked(ids, pos, mask, sparse=self.sparse)
+            return self.model.forward_masked(ids, pos, mask, sparse=self.sparse, segments=segments[0],
+                                             segment_shifts=segments[1])
 
     # ---- scoring ---------------------------------------------------------------------------
     def _rows(self, batch: PackedBatch, first: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
@@ -140,7 +150,7 @@ class Trainer:
         # block-diagonal: each sequence causal or under its squid layout, never seeing another
         mask = batch.row_mask(a, b).to(self.device)
         segments = None
-        if self.model.nsa is not None:  # NSA layers attend per segment (each sequence's pieces)
+        if self.model.nsa is not None or self.sparse is not None:  # NSA / top-k attend per segment (each sequence's pieces)
             segments = tuple(t.to(self.device)[None] for t in batch.row_segments(a, b))
         hidden = self._forward(ids[None], pos[None], mask[None], segments)[0]
         targets = batch.loss_mask[span].to(self.device).nonzero().squeeze(1)

@@ -29,7 +29,7 @@ from cuttle.attention.native import rows
 from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
-from cuttle.attention.topk import TopKConfig, topk_attend_chunked
+from cuttle.attention.topk import TopKConfig, topk_attend_chunked, topk_attend_segments
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
 from cuttle.engine.models.linear_quant import dense_linear, linear  # native.gemm.linear, or the MXFP8 GEMM for quantized weights
@@ -85,18 +85,27 @@ class Attention(nn.Module):
         return q, k, v.reshape(B, S, self.num_kv_heads, self.head_dim)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                      sparse: TopKConfig | None = None) -> torch.Tensor:
+                      sparse: TopKConfig | None = None, segments: DenseSegments | None = None) -> torch.Tensor:
         """Training path: x [B, S, hidden], mask [B, 1, S, S] (True = may attend); no KV cache.
-        `sparse`: this layer runs training-free top-k attention (`cuttle.attention.topk`, plain
-        causal rows only), the rule the engine's `sparse_attention` serves."""
+        `sparse`: this layer runs training-free top-k attention (`cuttle.attention.topk`), the rule
+        the engine's `sparse_attention` serves: on plain causal rows, or with `segments` (squid's
+        dense row, packed documents) each segment under the rule on its own keys, merged by the
+        log-sum-exp, as the engine attends documents."""
         B, S, _ = x.shape
         if sparse is not None:
-            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-            if not bool((mask == causal).all()):
-                raise NotImplementedError("top-k sparse layers run on plain causal rows only (no packed documents or squid layouts)")
+            if segments is None:
+                causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+                if not bool((mask == causal).all()):
+                    raise NotImplementedError("top-k sparse layers over anything but plain causal rows need the tokens' "
+                                              "segments (forward_masked(..., segments=...)): the rule is per segment")
             q, k, v = self._qkv_dense(x, cos, sin)
             pos = torch.arange(S, device=x.device)
-            rows = [topk_attend_chunked(q[b], k[b], v[b], pos, sparse, self.scale)[0] for b in range(B)]
+            if segments is None:
+                rows = [topk_attend_chunked(q[b], k[b], v[b], pos, sparse, self.scale)[0] for b in range(B)]
+            else:
+                rows = [topk_attend_segments(q[b], k[b], v[b], mask[b].reshape(S, S), segments.ids[b], sparse, self.scale,
+                                             None if segments.shifts is None else segments.shifts[b], segments.unshift)
+                        for b in range(B)]
             return dense_linear(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight)
         q, k, v = (t.transpose(1, 2) for t in self._qkv_dense(x, cos, sin))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
@@ -233,7 +242,8 @@ class DecoderLayer(nn.Module):
         if isinstance(self.attn, NSAAttention):
             a = self.attn.forward_dense(h, cos, sin, mask, segments)
         else:
-            a = self.attn.forward_dense(h, cos, sin, mask) if sparse is None else self.attn.forward_dense(h, cos, sin, mask, sparse)
+            a = self.attn.forward_dense(h, cos, sin, mask) if sparse is None else self.attn.forward_dense(h, cos, sin, mask, sparse,
+                                                                                                         segments)
         x = x + a
         B, S, H = x.shape
         return x + self._ffn(self.post_attn_norm(x).reshape(B * S, H)).view(B, S, H)
@@ -289,10 +299,11 @@ class CausalLM(nn.Module):
         positions [B, S], and mask [B, S, S] (True: token i may attend to token j; every token must
         see at least one). Squid layouts (documents beside each other, a query seeing them all) are
         trained and scored through it. `sparse`: the layers from `sparse.dense_layers` on run
-        training-free top-k attention (causal rows only), as the engine does under the same
+        training-free top-k attention, as the engine does under the same
         `sparse_attention`. `segments` [B, S] int64 (each token's segment: `SquidLayout.
-        dense_segments`, packed documents' ids): NSA layers need it for any row that is not
-        plain causal, their rules being per segment; other layers read only the mask.
+        dense_segments`, packed documents' ids): NSA layers and top-k (`sparse`) layers need it
+        for any row that is not plain causal, their rules being per segment; other layers read
+        only the mask.
         `segment_shifts` [B, S] int64 (`SquidLayout.dense_segments`; None: all 0): how far each
         token's segment sits from the positions it was encoded at, so NSA layers attend it in
         that frame as the engine does (`nsa_attend_segments`).

@@ -18,7 +18,7 @@ from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.models.loader import load_model
 from cuttle.engine.models.transformer import CausalLM
 
-from sparse_helpers import check_against_reference, peaked_init_, save_checkpoint
+from sparse_helpers import TOL, check_against_reference, peaked_init_, save_checkpoint
 
 NEW = 40
 LENGTHS = [5, 23, 40, 77, 130]  # shorter than the budget .. many blocks past it
@@ -167,6 +167,42 @@ def test_topk_over_squid_documents(dense_model, positions):
     for (ta, la), (tb, lb) in zip(native, torch_path):
         assert ta == tb and max(abs(x - y) for x, y in zip(la, lb)) <= 1e-5
     assert native[1][0] == fresh[0][0] and max(abs(x - y) for x, y in zip(native[1][1], fresh[0][1])) <= 1e-5
+
+
+@pytest.mark.parametrize("positions", ["concat", "shared"])
+def test_topk_squid_equals_the_training_path(dense_model, positions):
+    """The engine's top-k over squid documents equals the training path's (`forward_masked(sparse=,
+    segments=, segment_shifts=)`: each segment under the rule on its own keys, in its encoded frame)
+    over the layout's dense row, fp32, for documents computed and found in the cache; what the RL
+    trainer scores a sparse_attention engine's samples with."""
+    from cuttle.attention.topk import parse_sparse_attention
+    from cuttle.engine.squid import SquidLayout
+
+    path, model, _ = dense_model
+    a, b, c = SQUID_DOCS
+    requests = [{"prefix": [5, 6, 7], "documents": [a, b], "prompt": [40, 41, 42, 43]},
+                {"prefix": [5, 6, 7], "documents": [c, b, a], "prompt": [50, 51]}]
+    narrow = "topk:budget=12,block=4,dense_layers=0,summary=quest,init_blocks=1,local_blocks=1"
+    outs, st = _squid_run(path, narrow, positions, requests)
+    assert st["documents_hit"] >= 2
+    sparse = parse_sparse_attention(narrow)
+    for r, (tokens, lps) in zip(requests, outs):
+        layout = SquidLayout(r["prefix"], r["documents"], positions)
+        ctx, tail = layout.dense_context(), r["prompt"] + tokens[:-1]
+        mask, pos = layout.dense_mask_and_positions(len(tail))
+        seg, shifts = layout.dense_segments(len(tail))
+        with torch.no_grad():
+            hidden = model.forward_masked(torch.tensor([ctx + tail]), pos[None], mask[None], sparse=sparse,
+                                          segments=seg[None], segment_shifts=shifts[None])[0]
+            ref = model.compute_logits(hidden).log_softmax(-1)[len(ctx) + len(r["prompt"]) - 1 :]
+        got = torch.tensor(lps)
+        want = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
+        assert (got - want).abs().max().item() <= TOL, (got - want).abs().max().item()
+        # control: the dense squid forward (no sparsity) is far off with this budget
+        with torch.no_grad():
+            dense = model.compute_logits(model.forward_masked(torch.tensor([ctx + tail]), pos[None], mask[None])[0])
+        dense = dense.log_softmax(-1)[len(ctx) + len(r["prompt"]) - 1 :][torch.arange(len(tokens)), torch.tensor(tokens)]
+        assert (got - dense).abs().max().item() > 1e-3
 
 
 def test_cli_flag_reaches_the_engine(monkeypatch):

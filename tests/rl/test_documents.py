@@ -282,3 +282,26 @@ def test_trainer_logprobs_equal_the_engines_with_documents_on_an_nsa_model(nsa_p
             hidden = trainer.model.forward_masked(batch.input_ids, batch.position_ids, batch.dense_masks(), segments=ids)
             lp = trainer.model.compute_logits(hidden[:, :-1]).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
         assert (lp[trained] - batch.rollout_logprobs[:, 1:][trained]).abs().max() > 1e-3
+
+
+SPARSE = "topk:budget=16,block=8,dense_layers=1,summary=quest,init_blocks=1,local_blocks=1"
+
+
+@pytest.mark.parametrize("convention", ["shared", "concat"])
+def test_trainer_scores_a_sparse_attention_engine_with_its_rule(moe_path, convention):
+    """An engine under sparse_attention (training-free top-k) samples plain and squid groups; a
+    trainer given the same `sparse_attention` scores them under the same rule (each segment on its
+    own keys), and one without it (dense attention) does not."""
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=256, squid_positions=convention, sparse_attention=SPARSE)
+    groups = sample_groups(llm, _prompts(PREFIX), 4, SP)
+    groups += sample_groups(llm, [[60 + i % 7 for i in range(40)]], 4, SP)  # a plain group, longer than the budget
+    batch = TrainBatch.from_groups(groups, [[0.0] * 4] * 5)
+    m = _gap(Trainer(moe_path, TrainerConfig(max_tokens_per_row=512, sparse_attention=SPARSE)), batch)
+    assert m.num_tokens == batch.packed().num_trained_tokens >= 5 * 4
+    assert m.max_abs <= 2e-5, m
+    assert _gap(Trainer(moe_path, TrainerConfig(max_tokens_per_row=512)), batch).max_abs > 1e-3  # dense: not the rule
+
+
+def test_trainer_sparse_attention_is_validated():
+    with pytest.raises(ValueError, match="budget"):
+        TrainerConfig(sparse_attention="topk:budget=-3")
