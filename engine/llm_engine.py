@@ -21,7 +21,7 @@ import torch
 from cuttle.attention.native.gemm import drop_packed
 from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.block_manager import BlockManager
-from cuttle.engine.config import EngineConfig, ModelConfig
+from cuttle.engine.config import DTYPES, EngineConfig, ModelConfig
 from cuttle.engine.kv.cost_model import CostModel
 from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespace_key
 from cuttle.engine.kv.tiers import KVTiers
@@ -133,6 +133,14 @@ class LLMEngine:
         self.runner.attach_host_tier(tiers.host_kv)
         self.block_manager.attach_tiers(tiers)
         return tiers
+
+    def forward_options(self) -> dict:
+        """What of this engine's forward a trainer must mirror to score its samples as drawn (served
+        in /v1/rl/info; `cuttle.rl.trainer.TrainerConfig.for_sampler`): sparse_attention (its spec,
+        or None), moe_quant, quantization, and the model dtype's name."""
+        sparse = parse_sparse_attention(self.config.sparse_attention)
+        return {"sparse_attention": None if sparse is None else sparse.spec(), "moe_quant": self.config.moe_quant,
+                "quantization": self.config.quantization, "dtype": next(n for n, d in DTYPES.items() if d == self.dtype)}
 
     def _disk_namespace(self) -> int:
         """What a disk entry's bytes depend on beyond its tokens and the chain's extra key: the

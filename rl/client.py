@@ -86,6 +86,15 @@ class RolloutClient:
             self._squid_positions = next(iter(seen.values()))
         return self._squid_positions
 
+    def forward_options(self) -> dict:
+        """What of the servers' forward a trainer must mirror (`LLMEngine.forward_options`, from
+        /v1/rl/info; `TrainerConfig.for_sampler`); servers that differ are refused."""
+        keys = ("sparse_attention", "moe_quant", "quantization", "dtype")
+        seen = {u: tuple(self._get(u + "/v1/rl/info").get(k) for k in keys) for u in self.base_urls}
+        if len(set(seen.values())) != 1:
+            raise ValueError(f"RolloutClient: servers run different forwards ({', '.join(keys)}): {seen}")
+        return dict(zip(keys, next(iter(seen.values()))))
+
     @property
     def eos_token_ids(self) -> set[int]:
         """The ids that end a sampled turn on the servers (an agent loop needs them to read a turn)."""

@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -80,6 +80,22 @@ class TrainerConfig:
             raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
         if self.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
+
+    @classmethod
+    def for_sampler(cls, sampler: Any, **fields: Any) -> TrainerConfig:
+        """A config whose forward is the sampler's, so its logprobs are the ones the samples were
+        drawn with: its `sparse_attention` and its MXFP8 experts (`moe_quant`, quantized from its
+        dtype). `sampler`: an in-process `LLM`, or a `RolloutClient` (read from the servers'
+        /v1/rl/info). The other fields as given. A sampler whose forward the trainer cannot
+        reproduce (`quantization="mxfp8"`: every linear in MXFP8) is refused naming it."""
+        info = sampler.forward_options() if hasattr(sampler, "forward_options") else sampler.engine.forward_options()
+        if info.get("quantization") is not None:
+            raise ValueError(f"the sampler runs quantization={info['quantization']!r} (every linear layer); the trainer "
+                             "does not reproduce it, so its logprobs would differ from the samples'")
+        mirrored = {"sparse_attention": info["sparse_attention"], "moe_quant": info["moe_quant"],
+                    "moe_quant_dtype": info["dtype"] if info["moe_quant"] else None}
+        return cls(**{**mirrored, **fields})
+
 
 
 OLD_POLICIES = ("behaviour", "start")

@@ -101,7 +101,9 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
         return {"weight_version": llm.weight_version, "squid_positions": llm.squid_positions,
                 "max_documents": llm.config.max_documents, "max_model_len": llm.max_model_len,
                 # what ends a sampled turn: an agent loop fronting this server needs them
-                "eos_token_ids": sorted(llm.eos_token_ids)}
+                "eos_token_ids": sorted(llm.eos_token_ids),
+                # what a trainer must mirror to score the samples as drawn (TrainerConfig.for_sampler)
+                **llm.forward_options()}
 
 
 _SQUID_KEYS = frozenset({"prefix", "documents", "prompt"})

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine import train_default_model as recipe
 from cuttle.engine.squid import SquidLayout
@@ -296,7 +297,9 @@ def test_trainer_scores_a_sparse_attention_engine_with_its_rule(moe_path, conven
     groups = sample_groups(llm, _prompts(PREFIX), 4, SP)
     groups += sample_groups(llm, [[60 + i % 7 for i in range(40)]], 4, SP)  # a plain group, longer than the budget
     batch = TrainBatch.from_groups(groups, [[0.0] * 4] * 5)
-    m = _gap(Trainer(moe_path, TrainerConfig(max_tokens_per_row=512, sparse_attention=SPARSE)), batch)
+    config = TrainerConfig.for_sampler(llm, max_tokens_per_row=512)  # the engine's spec, read from it
+    assert config.sparse_attention == llm.engine.forward_options()["sparse_attention"] is not None
+    m = _gap(Trainer(moe_path, config), batch)
     assert m.num_tokens == batch.packed().num_trained_tokens >= 5 * 4
     assert m.max_abs <= 2e-5, m
     assert _gap(Trainer(moe_path, TrainerConfig(max_tokens_per_row=512)), batch).max_abs > 1e-3  # dense: not the rule
@@ -305,3 +308,20 @@ def test_trainer_scores_a_sparse_attention_engine_with_its_rule(moe_path, conven
 def test_trainer_sparse_attention_is_validated():
     with pytest.raises(ValueError, match="budget"):
         TrainerConfig(sparse_attention="topk:budget=-3")
+
+
+def test_trainer_config_for_a_served_sampler(moe_path):
+    """`TrainerConfig.for_sampler` reads what the trainer must mirror from the servers' /v1/rl/info
+    (sparse_attention, MXFP8 experts and the dtype they are quantized from); a forward the trainer
+    cannot reproduce (every linear in MXFP8) is refused naming it."""
+    from server_fixture import LiveServer
+
+    with LiveServer(moe_path, dtype="float32", num_kv_blocks=128, sparse_attention=SPARSE, moe_quant="mxfp8") as srv, \
+            RolloutClient(srv.url) as client:
+        config = TrainerConfig.for_sampler(client, lr=1e-4)
+    assert (config.sparse_attention, config.moe_quant, config.moe_quant_dtype, config.lr) == \
+        (parse_sparse_attention(SPARSE).spec(), "mxfp8", "float32", 1e-4)
+    plain = TrainerConfig.for_sampler(LLM(moe_path, dtype="float32", num_kv_blocks=64))
+    assert (plain.sparse_attention, plain.moe_quant, plain.moe_quant_dtype) == (None, None, None)
+    with pytest.raises(ValueError, match="quantization='mxfp8'"):
+        TrainerConfig.for_sampler(LLM(moe_path, dtype="float32", num_kv_blocks=64, quantization="mxfp8"))
