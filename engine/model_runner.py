@@ -23,7 +23,7 @@ from cuttle.attention.backend import get_backend
 from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout, has_host_blocks
 from cuttle.attention.native import gemm, hugepages
 from cuttle.attention.nsa_backend import NSABackend, compressed_slots_per_block
-from cuttle.attention.topk import TopKConfig, parse_sparse_attention
+from cuttle.attention.topk import parse_sparse_attention
 from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block
 from cuttle.attention.torch_backend import TorchAttentionBackend
 from cuttle.engine.config import EngineConfig, ModelConfig
@@ -32,6 +32,7 @@ from cuttle.engine.models import load_model
 from cuttle.engine.models.linear_quant import refresh_tied
 from cuttle.engine.models.moe_quant import pack_experts
 from cuttle.engine.models.nsa_config import nsa_config
+from cuttle.engine.models.transformer import sparse_attention_for
 from cuttle.engine.sequence import Sequence
 from cuttle.engine.step_graphs import DecodeGraphs
 
@@ -61,9 +62,7 @@ class ModelRunner:
         self.prepack()
         mc = model_config
         nsa = self.model.nsa
-        sparse = parse_sparse_attention(config.sparse_attention)
-        if sparse is not None:
-            self._check_sparse(sparse, mc)
+        sparse = sparse_attention_for(config.sparse_attention, mc)
         # what hangs on a block id beside its K/V (KVStorage companions: copies, KV tiers and disk
         # entries move it with the block): an NSA model's compressed entries, the top-k summaries
         companions = []
@@ -98,16 +97,6 @@ class ModelRunner:
             self.graphs = DecodeGraphs(config.cpu_graph_max_batch, -(-max_len // self.block_size) + 1, self.block_size,
                                        backend.begin_step, self._all_logits, greedy_pick=config.logprobs_mode == "processed",
                                        hot_batches=config.cpu_graph_hot_batches)
-
-    def _check_sparse(self, sparse: TopKConfig, mc: ModelConfig) -> None:
-        """Refuse the combinations top-k does not handle (instead of computing something else)."""
-        if self.model.nsa is not None:
-            raise ValueError("sparse_attention is for dense checkpoints; this model is natively sparse (config.json's nsa)")
-        if mc.mla is not None:
-            raise ValueError("sparse_attention with multi-head latent attention (kv_lora_rank) is not supported")
-        if sparse.dense_layers >= mc.num_layers:
-            raise ValueError(f"sparse_attention.dense_layers = {sparse.dense_layers}: the model has {mc.num_layers} layers, "
-                             "so none would be sparse")
 
     def prepack(self) -> None:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not

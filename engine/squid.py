@@ -127,9 +127,10 @@ class SquidLayout:
         """For the same row, per token: the piece it belongs to (the prefix, each copy, each
         document, the tail; numbered in row order) and that piece's shift, how far it sits from
         where the engine encoded it (a document placed at P + offset was encoded at P, its copy
-        of the prefix at 0: both shift by offset). [S] int64 each. NSA layers attend per piece,
-        in its encoded frame (`CausalLM.forward_masked(..., segments=, segment_shifts=)`), as the
-        engine attends a cached document; dense layers need only the mask."""
+        of the prefix at 0: both shift by offset). [S] int64 each. NSA and top-k
+        (`sparse_attention`) layers attend per piece, in its encoded frame
+        (`CausalLM.forward_masked(..., segments=, segment_shifts=)`), as the engine attends a
+        cached document; dense layers need only the mask."""
         segs = self._dense_segments()
         p = self.prefix_len
         ids: list[int] = []

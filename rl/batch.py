@@ -31,7 +31,7 @@ from cuttle.rl.types import Group, Trajectory
 def sequence_segments(layout: SquidLayout | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[length] int64 twice: each token's piece of its sequence (one for a plain sequence; the
     layout's prefix, documents, copies and tail for a squid one) and that piece's shift
-    (`SquidLayout.dense_segments`): what NSA layers attend by."""
+    (`SquidLayout.dense_segments`): what NSA and top-k (`sparse_attention`) layers attend by."""
     if layout is None:
         return torch.zeros(length, dtype=torch.long), torch.zeros(length, dtype=torch.long)
     return layout.dense_segments(length - len(layout.dense_context()))
@@ -108,7 +108,7 @@ class PackedBatch:
     def row_segments(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] int64 twice, for the same row as `row_mask(a, b)`: each token's segment (distinct
         across the row's sequences) and its shift; `CausalLM.forward_masked(segments=,
-        segment_shifts=)` needs them for NSA layers."""
+        segment_shifts=)` needs them for NSA and top-k (`sparse_attention`) layers."""
         layouts = self.layouts or [None] * self.num_seqs
         return _numbered([sequence_segments(layouts[i], n) for i, n in zip(range(a, b), self.seq_lens[a:b])])
 

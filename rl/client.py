@@ -76,32 +76,38 @@ class RolloutClient:
         return r.json()
 
     # ---- rollouts --------------------------------------------------------------------------
+    def _agreed_info(self, keys: tuple[str, ...], what: str) -> tuple:
+        """The servers' /v1/rl/info values of `keys`, which every server must give, and alike: a
+        server without one of them (older than the field) or servers that differ are refused."""
+        seen = {}
+        for u in self.base_urls:
+            info = self._get(u + "/v1/rl/info")
+            missing = [k for k in keys if k not in info]
+            if missing:
+                raise ValueError(f"RolloutClient: {u} does not report {', '.join(missing)} in /v1/rl/info (a server older "
+                                 "than the field): upgrade it, or set what it would say by hand")
+            seen[u] = tuple(tuple(info[k]) if isinstance(info[k], list) else info[k] for k in keys)
+        if len(set(seen.values())) != 1:
+            raise ValueError(f"RolloutClient: servers {what} ({', '.join(keys)}): {seen}")
+        return next(iter(seen.values()))
+
     @property
     def squid_positions(self) -> str:
         """The position convention the servers place squid documents with ("shared" or "concat")."""
         if self._squid_positions is None:
-            seen = {u: self._get(u + "/v1/rl/info")["squid_positions"] for u in self.base_urls}
-            if len(set(seen.values())) != 1:
-                raise ValueError(f"RolloutClient: servers place documents differently: {seen}")
-            self._squid_positions = next(iter(seen.values()))
+            self._squid_positions = self._agreed_info(("squid_positions",), "place documents differently")[0]
         return self._squid_positions
 
     def forward_options(self) -> dict:
         """What of the servers' forward a trainer must mirror (`LLMEngine.forward_options`, from
-        /v1/rl/info; `TrainerConfig.for_sampler`); servers that differ are refused."""
+        /v1/rl/info; `TrainerConfig.for_sampler`)."""
         keys = ("sparse_attention", "moe_quant", "quantization", "dtype")
-        seen = {u: tuple(self._get(u + "/v1/rl/info").get(k) for k in keys) for u in self.base_urls}
-        if len(set(seen.values())) != 1:
-            raise ValueError(f"RolloutClient: servers run different forwards ({', '.join(keys)}): {seen}")
-        return dict(zip(keys, next(iter(seen.values()))))
+        return dict(zip(keys, self._agreed_info(keys, "run different forwards")))
 
     @property
     def eos_token_ids(self) -> set[int]:
         """The ids that end a sampled turn on the servers (an agent loop needs them to read a turn)."""
-        seen = {u: tuple(self._get(u + "/v1/rl/info")["eos_token_ids"]) for u in self.base_urls}
-        if len(set(seen.values())) != 1:
-            raise ValueError(f"RolloutClient: servers end turns with different eos ids: {seen}")
-        return set(next(iter(seen.values())))
+        return set(self._agreed_info(("eos_token_ids",), "end turns with different eos ids")[0])
 
     accepts_param_lists = True  # generate_tokens takes one SamplingParams per prompt
 

@@ -6,7 +6,9 @@ quantized on the fly in the forward (a parametrization over the master weight: c
 engine's model dtype, `quantize_mxfp8`, dequantize; straight-through gradients), so the logprobs are
 those of an engine serving `moe_quant="mxfp8"` and the trained policy is sampled with no
 post-training quantization step. The master weights stay in `dtype` and are what `push_weights`
-sends (the engine re-quantizes them the same way).
+sends (the engine re-quantizes them the same way). `sparse_attention` (the engine's
+training-free top-k spec) scores under the same rule, squid segments each on its own keys.
+`TrainerConfig.for_sampler` reads both from the sampler (an `LLM`, or the servers' /v1/rl/info).
 
 Owns a training copy of the model (float32 master weights by default), its optimizer, and the
 recomputation of the sampled tokens' logprobs (`CausalLM.forward_masked` over rows of whole
@@ -37,9 +39,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.config import DTYPES, MOE_QUANT_MODES, ModelConfig
 from cuttle.engine.models import CausalLM, load_model
+from cuttle.engine.models.transformer import parse_sparse_attention, sparse_attention_for
 from cuttle.engine.models.moe_quant import moe_layers
 from cuttle.moe.mxfp8 import fake_quantize_ste
 from cuttle.rl.batch import PackedBatch, TrainBatch
@@ -97,7 +99,6 @@ class TrainerConfig:
         return cls(**{**mirrored, **fields})
 
 
-
 OLD_POLICIES = ("behaviour", "start")
 
 
@@ -111,9 +112,7 @@ class Trainer:
         self.model: CausalLM = load_model(model_path, mc, DTYPES[self.config.dtype], self.device)
         if self.config.moe_quant is not None:
             self._quantize_experts_on_the_fly()
-        self.sparse = parse_sparse_attention(self.config.sparse_attention) if self.config.sparse_attention is not None else None
-        if self.sparse is not None and (self.model.nsa is not None or mc.mla is not None):
-            raise ValueError("sparse_attention (training-free top-k) is for plain attention layers, not NSA or MLA ones")
+        self.sparse = sparse_attention_for(self.config.sparse_attention, mc)  # refused as the engine refuses it
         self.params = [p for n, p in self.model.named_parameters() if not n.startswith(freeze)]
         for p in self.params:
             p.requires_grad_(True)

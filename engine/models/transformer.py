@@ -29,7 +29,7 @@ from cuttle.attention.native import rows
 from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
-from cuttle.attention.topk import TopKConfig, topk_attend_chunked, topk_attend_segments
+from cuttle.attention.topk import TopKConfig, parse_sparse_attention, topk_attend_chunked, topk_attend_segments
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
 from cuttle.engine.models.linear_quant import dense_linear, linear  # native.gemm.linear, or the MXFP8 GEMM for quantized weights
@@ -110,6 +110,23 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in self._qkv_dense(x, cos, sin))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return dense_linear(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight)
+
+
+def sparse_attention_for(spec: str | dict | TopKConfig | None, cfg: ModelConfig) -> TopKConfig | None:
+    """The `sparse_attention` spec parsed (`topk.parse_sparse_attention`) and checked against the
+    model: the models training-free top-k does not handle are refused (instead of computing
+    something else). The engine, the training path and the RL trainer all ask here."""
+    sparse = parse_sparse_attention(spec)
+    if sparse is None:
+        return None
+    if nsa_config(cfg.hf_config) is not None:
+        raise ValueError("sparse_attention is for dense checkpoints; this model is natively sparse (config.json's nsa)")
+    if cfg.mla is not None:
+        raise ValueError("sparse_attention with multi-head latent attention (kv_lora_rank) is not supported")
+    if sparse.dense_layers >= cfg.num_layers:
+        raise ValueError(f"sparse_attention.dense_layers = {sparse.dense_layers}: the model has {cfg.num_layers} layers, "
+                         "so none would be sparse")
+    return sparse
 
 
 class DenseSegments(NamedTuple):
@@ -305,13 +322,12 @@ class CausalLM(nn.Module):
         for any row that is not plain causal, their rules being per segment; other layers read
         only the mask.
         `segment_shifts` [B, S] int64 (`SquidLayout.dense_segments`; None: all 0): how far each
-        token's segment sits from the positions it was encoded at, so NSA layers attend it in
-        that frame as the engine does (`nsa_attend_segments`).
+        token's segment sits from the positions it was encoded at, so NSA and top-k layers attend
+        it in that frame as the engine does (`attention/dense_segments.py`).
         Returns hidden states [B, S, hidden]."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.tables(positions.reshape(-1), x.dtype)
-        if sparse is not None and (self.nsa is not None or self.cfg.mla is not None):
-            raise ValueError("sparse_attention (training-free top-k) is for plain attention layers, not NSA or MLA ones")
+        sparse = sparse_attention_for(sparse, self.cfg)
         parts = None
         if segments is not None:
             shape = tuple(input_ids.shape)

@@ -122,8 +122,12 @@ def test_refusals(dense_model, tmp_path):
         LLM(str(tmp_path / "nsa"), dtype="float32", num_kv_blocks=16, sparse_attention="topk")
 
 
+NARROW = "topk:budget=12,block=4,dense_layers=0,summary=quest,init_blocks=1,local_blocks=1"  # sparse on SQUID_DOCS
 SQUID_DOCS = [[3 + (7 * i + 3) % 250 for i in range(29)], [3 + (11 * i + 5) % 250 for i in range(22)],
               [3 + (13 * i + 1) % 250 for i in range(37)]]
+# a request computing two documents, then one finding them in the cache in another order beside a new one
+SQUID_REQUESTS = [{"prefix": [5, 6, 7], "documents": [SQUID_DOCS[0], SQUID_DOCS[1]], "prompt": [40, 41, 42, 43]},
+                  {"prefix": [5, 6, 7], "documents": [SQUID_DOCS[2], SQUID_DOCS[1], SQUID_DOCS[0]], "prompt": [50, 51]}]
 
 
 def _squid_run(path: str, sparse: str | None, positions: str, requests: list[dict], native: bool = True):
@@ -150,11 +154,9 @@ def test_topk_over_squid_documents(dense_model, positions):
     in the cache in another order (no recompute of theirs, their summaries with their blocks)
     give what an engine computing that request fresh gives."""
     path, _, _ = dense_model
-    a, b, c = SQUID_DOCS
-    first = {"prefix": [5, 6, 7], "documents": [a, b], "prompt": [40, 41, 42, 43]}
-    second = {"prefix": [5, 6, 7], "documents": [c, b, a], "prompt": [50, 51]}
+    first, second = SQUID_REQUESTS
     wide = "topk:budget=64,block=4,dense_layers=0,summary=quest,init_blocks=1,local_blocks=1"
-    narrow = "topk:budget=12,block=4,dense_layers=0,summary=quest,init_blocks=1,local_blocks=1"
+    narrow = NARROW
     dense, _ = _squid_run(path, None, positions, [first, second])
     got, _ = _squid_run(path, wide, positions, [first, second])
     for (ta, la), (tb, lb) in zip(got, dense):
@@ -179,13 +181,10 @@ def test_topk_squid_equals_the_training_path(dense_model, positions):
     from cuttle.engine.squid import SquidLayout
 
     path, model, _ = dense_model
-    a, b, c = SQUID_DOCS
-    requests = [{"prefix": [5, 6, 7], "documents": [a, b], "prompt": [40, 41, 42, 43]},
-                {"prefix": [5, 6, 7], "documents": [c, b, a], "prompt": [50, 51]}]
-    narrow = "topk:budget=12,block=4,dense_layers=0,summary=quest,init_blocks=1,local_blocks=1"
-    outs, st = _squid_run(path, narrow, positions, requests)
+    requests = SQUID_REQUESTS
+    outs, st = _squid_run(path, NARROW, positions, requests)
     assert st["documents_hit"] >= 2
-    sparse = parse_sparse_attention(narrow)
+    sparse = parse_sparse_attention(NARROW)
     for r, (tokens, lps) in zip(requests, outs):
         layout = SquidLayout(r["prefix"], r["documents"], positions)
         ctx, tail = layout.dense_context(), r["prompt"] + tokens[:-1]

@@ -285,7 +285,8 @@ def test_trainer_logprobs_equal_the_engines_with_documents_on_an_nsa_model(nsa_p
         assert (lp[trained] - batch.rollout_logprobs[:, 1:][trained]).abs().max() > 1e-3
 
 
-SPARSE = "topk:budget=16,block=8,dense_layers=1,summary=quest,init_blocks=1,local_blocks=1"
+# 3 blocks: the 2 forced ones and one chosen by score, so the choice (and its summaries) is exercised
+SPARSE = "topk:budget=24,block=8,dense_layers=1,summary=quest,init_blocks=1,local_blocks=1"
 
 
 @pytest.mark.parametrize("convention", ["shared", "concat"])
@@ -303,6 +304,15 @@ def test_trainer_scores_a_sparse_attention_engine_with_its_rule(moe_path, conven
     assert m.num_tokens == batch.packed().num_trained_tokens >= 5 * 4
     assert m.max_abs <= 2e-5, m
     assert _gap(Trainer(moe_path, TrainerConfig(max_tokens_per_row=512)), batch).max_abs > 1e-3  # dense: not the rule
+    if convention == "concat":  # control: moved documents not attended in their encoded frame
+        trainer = Trainer(moe_path, config)
+        ids, shifts = batch.dense_segments()
+        with torch.no_grad():
+            hidden = trainer.model.forward_masked(batch.input_ids, batch.position_ids, batch.dense_masks(), sparse=trainer.sparse,
+                                                  segments=ids)
+            lp = trainer.model.compute_logits(hidden[:, :-1]).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
+        trained = batch.loss_mask[:, 1:] > 0
+        assert (lp[trained] - batch.rollout_logprobs[:, 1:][trained]).abs().max() > 1e-3
 
 
 def test_trainer_sparse_attention_is_validated():
@@ -325,3 +335,12 @@ def test_trainer_config_for_a_served_sampler(moe_path):
     assert (plain.sparse_attention, plain.moe_quant, plain.moe_quant_dtype) == (None, None, None)
     with pytest.raises(ValueError, match="quantization='mxfp8'"):
         TrainerConfig.for_sampler(LLM(moe_path, dtype="float32", num_kv_blocks=64, quantization="mxfp8"))
+    # a server older than these fields is refused, not read as dense
+    client = RolloutClient("http://old-server")
+    client._get = lambda url: {"weight_version": 0, "squid_positions": "concat", "eos_token_ids": [1]}
+    with pytest.raises(ValueError, match="http://old-server does not report sparse_attention, moe_quant, quantization, dtype"):
+        TrainerConfig.for_sampler(client)
+    assert client.squid_positions == "concat" and client.eos_token_ids == {1}
+    # a Trainer refuses a spec the engine would refuse on this model
+    with pytest.raises(ValueError, match="dense_layers = 7"):
+        Trainer(moe_path, TrainerConfig(sparse_attention="topk:budget=32,block=8,dense_layers=7"))
