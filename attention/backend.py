@@ -109,7 +109,8 @@ class SparseUnits:
     row with its own key count: the rules are per position) and on the torch reference; an empty
     part (no key) is in neither."""
 
-    __slots__ = ("meta", "seqs", "full", "native_rows", "native_tables", "native_lens", "native_seqs", "torch_seqs")
+    __slots__ = ("meta", "seqs", "full", "native_rows", "native_tables", "native_lens", "native_seqs", "torch_seqs",
+                 "_row_units")
 
     def __init__(self, meta: AttentionMetadata, native_rows: bool) -> None:
         self.meta = meta
@@ -126,6 +127,7 @@ class SparseUnits:
         attended = [u for u in range(len(self.seqs)) if self.seqs[u][2] > 0]
         self.native_seqs = attended if native_rows else []
         self.torch_seqs = [] if native_rows else attended
+        self._row_units: tuple[torch.Tensor, torch.Tensor] | None = None
         self.native_rows = self.native_tables = self.native_lens = None
         if self.native_seqs:
             self.native_rows, self.native_tables, self.native_lens = rows_as_decode_rows(
@@ -138,6 +140,21 @@ class SparseUnits:
         if self.full is not None and self.full[u]:
             return torch.full((qlen,), num_keys - 1, device=device)
         return torch.arange(num_keys - qlen, num_keys, device=device)
+
+    def row_units(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every (virtual) query row's unit and key index, int32 [rows] each (-1: a row of an empty
+        part, which attends nothing): the Triton sparse kernels' row tables, built once a step
+        for every layer."""
+        if self._row_units is None:
+            rows = sum(qlen for _, qlen, _, _ in self.seqs)
+            unit = torch.empty(rows, dtype=torch.int32)
+            pos = torch.full((rows,), -1, dtype=torch.int32)
+            for u, (start, qlen, num_keys, _) in enumerate(self.seqs):
+                unit[start : start + qlen] = u
+                if num_keys > 0:
+                    pos[start : start + qlen] = self.positions(u, torch.device("cpu")).to(torch.int32)
+            self._row_units = (unit.to(device), pos.to(device))
+        return self._row_units
 
 
 def rows_as_decode_rows(meta: AttentionMetadata, seqs: list[tuple[int, int, int, int]], tables: torch.Tensor | None = None,

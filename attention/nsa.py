@@ -5,8 +5,8 @@ training path differentiates through.
 Owns: `NSAConfig` (l, d, l', n with the forced initial and local blocks, w, the compression
 function phi) and its validation; phi itself (`compress`, `compress_windows`); the score
 transform of Eq. 9 (`eq9_matrix`, `selection_scores`); block selection (`select_blocks`); and one
-sequence's gated three-branch attention (`nsa_attend`; `nsa_branches` / `nsa_attend_parts` for
-rows over several parts). Everything here is per sequence, dense and
+sequence's gated three-branch attention (`nsa_attend`; `nsa_branches`, `nsa_attend_parts` and
+`nsa_attend_segments` for rows over several parts). Everything here is per sequence, dense and
 plain torch (masks over all keys), so it is obviously right rather than fast; it never touches
 the paged cache (`nsa_backend.py` does) and imports nothing from the engine.
 
@@ -190,8 +190,9 @@ def _softmax_masked(s: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
     e = torch.exp(s - mx)
     den = e.sum(-1, keepdim=True)
-    # fp32 whatever s is (bf16 under autocast): a log-sum-exp weights the merge over squid parts,
-    # and the engine's kernels keep it in fp32 (bf16 rounding of lse ~25 is 0.15 nats, 16% weight)
+    # fp32 whatever s is (bf16 under autocast), as the engine's kernels keep it: a log-sum-exp
+    # weights the merge over squid parts, and rounding it to bf16 adds up to half a bf16 step
+    # (0.06 nats at 16..32) to what the bf16 scores already carry
     denf = den.float()
     lse = torch.where(denf > 0, mx.float() + torch.log(torch.where(denf > 0, denf, torch.ones_like(denf))), float("-inf"))
     return e / torch.where(den > 0, den, torch.ones_like(den)), lse.squeeze(-1)

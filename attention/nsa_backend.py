@@ -8,8 +8,9 @@ the own tokens) attends part by part (virtual query rows over each part's table,
 rotated by -delta for a moved document), each part under NSA's rules on its own keys, its three
 branches kept apart with their log-sum-exps and merged over the row's parts before the gates
 (`nsa.py` `nsa_attend_parts`; docs/nsa.md, "Squid documents under NSA"). Dense layers (and
-`forward`) go to the wrapped dense backend untouched. Never allocates cache memory (the runner does) and never decides a selection
-differently from the reference (`nsa.py`): the kernels implement the same rules.
+`forward`) go to the wrapped dense backend untouched. Never allocates cache memory (the runner
+does) and never decides a selection differently from the reference (`nsa.py`): the kernels
+implement the same rules.
 
 Compressed cache layout (per layer, K and V): `[num_blocks, S_c, kv_heads, head_dim]` indexed by
 the *raw cache's own block ids*. Compressed entry i covers keys i*d .. i*d + l - 1 and lives in the
@@ -247,19 +248,14 @@ class NSABackend:
         and rule, with each row's sequence and key index (int32 [T]): the Triton kernel's inputs."""
         cfg, hkv = self.cfg, ckf.shape[1]
         idx = torch.full((q.shape[0], hkv, cfg.top_n), -1, dtype=torch.int32, device=q.device)
-        row_seq = torch.empty(q.shape[0], dtype=torch.int32)
-        row_pos = torch.empty(q.shape[0], dtype=torch.int32)
+        row_seq, row_pos = plan.row_units(q.device)
         for b, (start, qlen, num_keys, table) in enumerate(plan.seqs):
             if num_keys == 0:  # an empty part: its rows attend nothing (their branches stay empty)
-                row_seq[start : start + qlen] = b
-                row_pos[start : start + qlen] = -1
                 continue
-            pos = plan.positions(b, torch.device("cpu"))
-            row_seq[start : start + qlen] = b
-            row_pos[start : start + qlen] = pos.to(torch.int32)
+            pos = row_pos[start : start + qlen].long()
             i = torch.arange(cfg.num_compressed(num_keys), device=table.device)
             ck = ckf[compressed_slots(table, i, cfg, plan.meta.block_size, self.slots_per_block)].float()
             p = compressed_probs(q[start : start + qlen].float(), ck, pos, cfg, scale)
             scores = selection_scores(p, q.shape[1] // hkv, -(-num_keys // cfg.select_block), cfg)
-            idx[start : start + qlen] = select_blocks(scores, pos.to(q.device), cfg).to(torch.int32)
-        return idx, row_seq.to(q.device), row_pos.to(q.device)
+            idx[start : start + qlen] = select_blocks(scores, pos, cfg).to(torch.int32)
+        return idx, row_seq, row_pos

@@ -170,25 +170,21 @@ class TopKBackend:
         cfg, hkv, P = self.cfg, sf.shape[2], self.cfg.block
         n = cfg.num_blocks
         idx = torch.full((q.shape[0], hkv, n), -1, dtype=torch.int32, device=q.device)
-        row_seq = torch.empty(q.shape[0], dtype=torch.int32)
-        row_pos = torch.empty(q.shape[0], dtype=torch.int32)
+        row_seq, row_pos = plan.row_units(q.device)
         for b, (start, qlen, num_keys, table) in enumerate(plan.seqs):
-            row_seq[start : start + qlen] = b
             if num_keys == 0:  # an empty part: its rows attend nothing (lse stays -inf)
-                row_pos[start : start + qlen] = -1
                 continue
-            pos = plan.positions(b, torch.device("cpu"))
-            row_pos[start : start + qlen] = pos.to(torch.int32)
+            pos = row_pos[start : start + qlen].long()
             summ = sf[_summary_slot(table, torch.arange(num_keys // P, device=q.device), P, plan.meta.block_size,
                                     self.slots_per_block)].float()
             qs = q[start : start + qlen].float()
-            chosen = select_blocks(block_scores(qs, summ, cfg, scale), pos.to(q.device), cfg, q.shape[1] // hkv)
+            chosen = select_blocks(block_scores(qs, summ, cfg, scale), pos, cfg, q.shape[1] // hkv)
             nb = chosen.shape[-1]
             j = torch.arange(nb, device=q.device).expand_as(chosen)
             # the chosen block ids first (ascending), then nb for "none"; at most n are chosen
             ids = torch.where(chosen, j, nb).sort(-1).values[..., :n]
             idx[start : start + qlen, :, : ids.shape[-1]] = torch.where(ids == nb, -1, ids).to(torch.int32)
-        return idx, row_seq.to(q.device), row_pos.to(q.device)
+        return idx, row_seq, row_pos
 
     def _torch_seq(self, plan: TopKStepPlan, b: int, q, pools: PoolRows, out, lse, scale: float) -> None:
         """Sequence (or squid part) b's rows through the reference (gathering all its keys: the oracle
