@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from cuttle.attention import native_attention
+from cuttle.attention.native import invariance
 from cuttle.attention.backend import gather_pools, write_kv
 from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata
 
@@ -39,7 +40,7 @@ class TorchAttentionBackend:
         if self.native and meta.segments is None and meta.max_query_len == 1:
             # an all-decode step's native rows now, before the layers (a recorded step,
             # `native.graph`, must not make its first tensors inside the capture)
-            self._plan.plan_native(NATIVE_PREFILL_MAX_QLEN)
+            self._plan.plan_native(_native_max_qlen())
 
     def forward(
         self,
@@ -68,7 +69,7 @@ class TorchAttentionBackend:
         if self.native and native_attention.supports(q, k_cache, out):
             # decode rows, and every row of short prefill chunks (each a query row with its own
             # causal length), in one native call; longer chunks stay with SDPA below
-            native = plan.plan_native(NATIVE_PREFILL_MAX_QLEN)
+            native = plan.plan_native(_native_max_qlen())
             if native.rows is not None:
                 native_attention.paged_attention_rows(
                     q, k_cache, v_cache, out, lse, native.rows, native.rows, native.tables, native.lens,
@@ -113,7 +114,7 @@ class TorchAttentionBackend:
         lv = torch.empty(qv.shape[:2], dtype=torch.float32, device=q.device)
         parts = plan.parts
         if self.native and native_attention.supports(qv, k_cache, ov):
-            native = plan.plan_native(NATIVE_PREFILL_MAX_QLEN)
+            native = plan.plan_native(_native_max_qlen())
             if native.rows is not None:
                 native_attention.paged_attention_rows(
                     qv, k_cache, v_cache, ov, lv, native.rows, native.rows, native.tables, native.lens,
@@ -215,6 +216,14 @@ NATIVE_PREFILL_MAX_QLEN = 256
 # stay native.
 NATIVE_PREFILL_MAX_KEY_READS = 64 * 1024
 
+
+def _native_max_qlen() -> int | None:
+    """The chunk limit of the native rows, None (no limit: neither of the two above) for a
+    batch-invariant step (`native.invariance`): SDPA's flash kernel tiles a chunk by its length,
+    so a token attended in a long chunk would differ from the same token in a short chunk or a
+    decode row, and how a prompt is chunked depends on the other requests of the step."""
+    return None if invariance.on() else NATIVE_PREFILL_MAX_QLEN
+
 # One attention unit of a step: a sequence (one-segment steps) or a part (segmented steps).
 # (first query row, query rows, block ids [nb] int64, keys, causal, mask [qlen, nb * bs] or None)
 _Unit = tuple[int, int, torch.Tensor, int, bool, torch.Tensor | None]
@@ -233,7 +242,7 @@ class _NativeRows:
 
     __slots__ = ("rows", "tables", "lens", "prefills_left", "max_qlen")
 
-    def __init__(self, plan: _StepPlan, max_qlen: int) -> None:
+    def __init__(self, plan: _StepPlan, max_qlen: int | None) -> None:
         meta = plan.meta
         self.max_qlen = max_qlen
         # one query row per sequence (a 0-token row would make the shared arange name q / out rows
@@ -255,7 +264,7 @@ class _NativeRows:
         lens: list[int] = []
         taken: set[int] = set()
         for u, (start, qlen, kv_len, causal) in enumerate(plan.units):
-            if qlen > max_qlen or (qlen > 1 and qlen * kv_len > NATIVE_PREFILL_MAX_KEY_READS):
+            if max_qlen is not None and (qlen > max_qlen or (qlen > 1 and qlen * kv_len > NATIVE_PREFILL_MAX_KEY_READS)):
                 continue
             rows.extend(range(start, start + qlen))
             unit_of_row.extend([u] * qlen)
@@ -345,8 +354,9 @@ class _StepPlan:
         bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
         self.decode_bias = bias[:, None, None, :]
 
-    def plan_native(self, max_qlen: int) -> _NativeRows:
-        """The native kernel's rows for this step, built on first use."""
+    def plan_native(self, max_qlen: int | None) -> _NativeRows:
+        """The native kernel's rows for this step (chunks up to `max_qlen` tokens; None: all),
+        built on first use."""
         if self._native is None or self._native.max_qlen != max_qlen:
             self._native = _NativeRows(self, max_qlen)
         return self._native

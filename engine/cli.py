@@ -63,6 +63,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                                                "'vllm': ignore it; or a directory holding one")
     g.add_argument("--kv-read-in-place", choices=["auto", "never", "always"],
                    help="host-tier hits: read where they are or copy in (default auto: the cost model chooses)")
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="each request's tokens and logprobs independent of what else runs beside it, of prompt "
+                        "chunking and of preemption (CPU kernels; docs/architecture.md, 'Batch invariance')")
 
 
 _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens", "max_num_seqs",
@@ -70,7 +73,7 @@ _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                    "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb", "kv_read_in_place",
                    "sparse_attention")
 _ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "cpu_graph_max_batch", "cpu_graph_hot_batches",
-                   "generation_config")
+                   "generation_config", "batch_invariant")
 
 
 def _build_llm(args: argparse.Namespace):

@@ -375,6 +375,11 @@ class EngineConfig:
     # sampling defaults: "auto" from the model's generation_config.json (a request's own values
     # win), "vllm" ignores that file, or a directory holding another generation_config.json
     generation_config: str = "auto"
+    # every request's tokens and logprobs independent of the other requests of its steps, of how
+    # its prompt is chunked and of preemption (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic
+    # inference): the CPU kernels that sum in an order set by the row count switch to one order
+    # (attention/native/invariance.py); configurations that cannot give it are refused at start-up
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         self.model = resolve_model(self.model, self.revision)
@@ -437,6 +442,8 @@ class EngineConfig:
             raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_MODES)}; got {self.quantization!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head=True needs quantization='mxfp8' (the lm_head is quantized with the other linears)")
 

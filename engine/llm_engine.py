@@ -145,14 +145,16 @@ class LLMEngine:
     def _disk_namespace(self) -> int:
         """What a disk entry's bytes depend on beyond its tokens and the chain's extra key: the
         weights, dtype and block geometry, and every engine option that changes the forward before
-        the lm_head (weight quantization, top-k sparse attention; `quantize_lm_head` changes only
-        logits, so entries stay shared across it)."""
+        the lm_head (weight quantization, top-k sparse attention, the batch-invariant kernels;
+        `quantize_lm_head` changes only logits, so entries stay shared across it)."""
         mc, config = self.model_config, self.config
         geometry = f"{mc.num_layers}x{config.block_size}x{mc.num_kv_heads}x{mc.head_dim}{self.runner.kv.layout_tag()}"
         if mc.mla is not None:  # MLA's cached K holds the rotary dims first since 2026-11-27
             geometry += ";mla=rope-first"
         forward = f"quantization={config.quantization};moe_quant={config.moe_quant};" \
                   f"sparse_attention={parse_sparse_attention(config.sparse_attention)!r}"
+        if config.batch_invariant:  # its entries hold the invariant kernels' bits: kept apart from the others
+            forward += ";batch_invariant"
         return namespace_key(self._weights_tag, str(self.dtype).encode(), geometry.encode(), forward.encode())
 
     # ---- requests --------------------------------------------------------------------------

@@ -21,7 +21,8 @@ import torch
 
 from cuttle.attention.backend import get_backend
 from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout, has_host_blocks
-from cuttle.attention.native import gemm, hugepages
+from cuttle.attention import native
+from cuttle.attention.native import gemm, hugepages, invariance, mxfp8
 from cuttle.attention.nsa_backend import NSABackend, compressed_slots_per_block
 from cuttle.attention.topk import parse_sparse_attention
 from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block
@@ -30,7 +31,7 @@ from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.storage import KVStorage
 from cuttle.engine.models import load_model
 from cuttle.engine.models.linear_quant import refresh_tied
-from cuttle.engine.models.moe_quant import pack_experts
+from cuttle.engine.models.moe_quant import moe_layers, pack_experts
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.models.transformer import sparse_attention_for
 from cuttle.engine.sequence import Sequence
@@ -97,6 +98,34 @@ class ModelRunner:
             self.graphs = DecodeGraphs(config.cpu_graph_max_batch, -(-max_len // self.block_size) + 1, self.block_size,
                                        backend.begin_step, self._all_logits, greedy_pick=config.logprobs_mode == "processed",
                                        hot_batches=config.cpu_graph_hot_batches)
+        if config.batch_invariant:
+            why = self._not_batch_invariant()
+            if why:
+                raise ValueError(f"batch_invariant=True: {why}")
+
+    def _not_batch_invariant(self) -> str | None:
+        """Why this engine's forward cannot be batch-invariant, or None: only the native CPU kernels
+        have the switch (`native.invariance`); torch's GEMMs, SDPA and the GPU kernels choose their
+        summation order by shape."""
+        if self.device.type != "cpu":
+            return f"supported on the CPU kernels only, not on {self.device.type} (attention backend {self.backend.name!r})"
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            return f"dtype {str(self.dtype).removeprefix('torch.')} is not supported (float32 or bfloat16)"
+        ks = native.kernels()
+        if ks.lib is None:
+            return f"needs the native CPU kernels, which are off here ({ks.describe or 'library unavailable'})"
+        dense = getattr(self.backend, "dense", self.backend)
+        if not (isinstance(dense, TorchAttentionBackend) and dense.native):
+            return f"needs the native CPU attention kernel (attention backend {self.backend.name!r})"
+        if self.dtype == torch.bfloat16 and not (ks.packed_gemm or ks.w16_gemm):
+            return "needs a native bf16 GEMM (off: CUTTLE_PACKED_GEMM=0, or a CPU without AVX512-BF16 or AVX2+FMA)"
+        torch_experts = [name for name, layer in moe_layers(self.model).items() if layer.packed is None]
+        if torch_experts:
+            return (f"the routed experts of layer {torch_experts[0]} run on torch (native expert kernels off: "
+                    "CUTTLE_MOE_NATIVE=0, or activation quantization)")
+        if (self.config.quantization or self.config.moe_quant) and not mxfp8.available():
+            return "MXFP8 weights need the native MXFP8 kernels, not built here"
+        return None
 
     def prepack(self) -> None:
         """Lay out the CPU GEMM weights now (after load and after every weight update), not
@@ -249,6 +278,10 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Returns float32 logits for `inputs.logit_rows`, in that order (valid until the next
         step: a replayed decode step returns its graph's logits tensor)."""
+        with invariance.batch_invariant(self.config.batch_invariant):
+            return self._run(inputs)
+
+    def _run(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None:
             logits = self.graphs.run(inputs)
             if logits is not None:

@@ -57,12 +57,12 @@ def tiny_config(arch: str, **over: Any):
         eos_token_id=1, bos_token_id=None,
     )
     if arch == "qwen3":
-        cfg = transformers.Qwen3Config(head_dim=16, **{**common, **over})
+        cfg = transformers.Qwen3Config(**{"head_dim": 16, **common, **over})
     elif arch == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(
-            head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-            norm_topk_prob=True, mlp_only_layers=[], **{**common, **over},
-        )
+        cfg = transformers.Qwen3MoeConfig(**{
+            "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+            "norm_topk_prob": True, "mlp_only_layers": [], **common, **over,
+        })
     elif arch == "llama":
         cfg = transformers.LlamaConfig(
             head_dim=16,

@@ -449,3 +449,15 @@ int fused_silu_mul(const void *gu, int64_t gu_stride, void *y, int dt, int64_t r
     }
     return 0;
 }
+
+/* y[i] = sigmoid(x[i]) = 1 / (1 + expf(-x[i])) over n contiguous elements (fp32, or bf16 rounded
+ * once), every element by the same scalar formula: torch's sigmoid takes its vector exp for most
+ * elements and the scalar one for the tail of each thread's range, so an element's bits follow its
+ * position in the tensor, i.e. the batch it is in. For the gates of the batch-invariant forward
+ * (NSA's branch gates, a shared expert's gate). */
+int fused_sigmoid(const void *x, void *y, int dt, int64_t n) {
+    if (dt != DT_F32 && dt != DT_BF16) return -1;
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+    for (int64_t i = 0; i < n; i++) st(y, dt, i, 1.0f / (1.0f + expf(-ld(x, dt, i))));
+    return 0;
+}

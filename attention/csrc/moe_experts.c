@@ -325,16 +325,18 @@ static inline __attribute__((always_inline)) void panel_step(const float *const 
  * weights (16 features: w0 at +0, w1 at +off): the gate/up tile (stride 2 * P13, off P13: acc0 =
  * gate, acc1 = up) and the down tile (stride P2, off 8: the two halves of the P2 outputs). The
  * accumulators live in registers (locals, stored once at the end: through the output pointers
- * every step would put a store-to-load forward in each FMA chain); at M <= 2 even and odd k go to
- * separate accumulators, so four or more independent FMA chains hide the FMA latency. */
+ * every step would put a store-to-load forward in each FMA chain); at M <= 2 with `split` even and
+ * odd k go to separate accumulators, so four or more independent FMA chains hide the FMA latency.
+ * The split changes a row's summation order with the tile's height, so a batch-invariant call
+ * (`invariant` of moe_experts) passes split = 0: every row then sums in one order whatever M. */
 static inline __attribute__((always_inline)) void panel_tile(const float *const *r, const int M, const char *wp,
                                                              const int fmt, int64_t K, const int64_t stride,
-                                                             const int64_t off, v8f *acc0, v8f *acc1) {
+                                                             const int64_t off, const int split, v8f *acc0, v8f *acc1) {
     const size_t es = elsize(fmt);
     v8f a0[MRP], a1[MRP], b0[MRP], b1[MRP];
     for (int m = 0; m < M; m++) a0[m] = a1[m] = b0[m] = b1[m] = (v8f){0};
     int64_t k = 0;
-    if (M <= 2)
+    if (M <= 2 && split)
         for (; k + 2 <= K; k += 2) {
             const char *p = wp + (size_t)k * stride * es;
             panel_step(r, M, k, load8(p, fmt), load8(p + off * es, fmt), a0, a1);
@@ -349,29 +351,29 @@ static inline __attribute__((always_inline)) void panel_tile(const float *const 
 
 /* gate/up accumulators of M token rows (xr[m]: fp32 rows of length H) against one w13 panel */
 static inline __attribute__((always_inline)) void gateup_tile(const float *const *xr, const int M, const char *wp,
-                                                              const int fmt, int64_t H, v8f *g, v8f *u) {
-    panel_tile(xr, M, wp, fmt, H, 2 * P13, P13, g, u);
+                                                              const int fmt, int64_t H, int split, v8f *g, v8f *u) {
+    panel_tile(xr, M, wp, fmt, H, 2 * P13, P13, split, g, u);
 }
 
 /* y accumulators (two vectors of P2 / 2) of M rows of h against one w2 panel */
 static inline __attribute__((always_inline)) void down_tile(const float *const *hr, const int M, const char *wp,
-                                                            const int fmt, int64_t I, v8f *a, v8f *b) {
-    panel_tile(hr, M, wp, fmt, I, P2, 8, a, b);
+                                                            const int fmt, int64_t I, int split, v8f *a, v8f *b) {
+    panel_tile(hr, M, wp, fmt, I, P2, 8, split, a, b);
 }
 
 /* the (M, fmt) instances the tile loops dispatch to: constants, so the loops above unroll */
-#define TILE_FNS(M_)                                                                                      \
-    static void gateup_f32_##M_(const float *const *x, const char *w, int64_t H, v8f *g, v8f *u) {      \
-        gateup_tile(x, M_, w, MOE_W_F32, H, g, u);                                                        \
-    }                                                                                                     \
-    static void gateup_bf16_##M_(const float *const *x, const char *w, int64_t H, v8f *g, v8f *u) {     \
-        gateup_tile(x, M_, w, MOE_W_BF16, H, g, u);                                                       \
-    }                                                                                                     \
-    static void down_f32_##M_(const float *const *h, const char *w, int64_t I, v8f *a, v8f *b) {        \
-        down_tile(h, M_, w, MOE_W_F32, I, a, b);                                                          \
-    }                                                                                                     \
-    static void down_bf16_##M_(const float *const *h, const char *w, int64_t I, v8f *a, v8f *b) {       \
-        down_tile(h, M_, w, MOE_W_BF16, I, a, b);                                                         \
+#define TILE_FNS(M_)                                                                                           \
+    static void gateup_f32_##M_(const float *const *x, const char *w, int64_t H, int split, v8f *g, v8f *u) {  \
+        gateup_tile(x, M_, w, MOE_W_F32, H, split, g, u);                                                      \
+    }                                                                                                          \
+    static void gateup_bf16_##M_(const float *const *x, const char *w, int64_t H, int split, v8f *g, v8f *u) { \
+        gateup_tile(x, M_, w, MOE_W_BF16, H, split, g, u);                                                     \
+    }                                                                                                          \
+    static void down_f32_##M_(const float *const *h, const char *w, int64_t I, int split, v8f *a, v8f *b) {    \
+        down_tile(h, M_, w, MOE_W_F32, I, split, a, b);                                                        \
+    }                                                                                                          \
+    static void down_bf16_##M_(const float *const *h, const char *w, int64_t I, int split, v8f *a, v8f *b) {   \
+        down_tile(h, M_, w, MOE_W_BF16, I, split, a, b);                                                       \
     }
 TILE_FNS(1)
 TILE_FNS(2)
@@ -379,7 +381,7 @@ TILE_FNS(3)
 TILE_FNS(4)
 TILE_FNS(5)
 TILE_FNS(6)
-typedef void (*tile_fn)(const float *const *, const char *, int64_t, v8f *, v8f *);
+typedef void (*tile_fn)(const float *const *, const char *, int64_t, int, v8f *, v8f *);
 static const tile_fn GATEUP[2][MRP + 1] = {{0, gateup_f32_1, gateup_f32_2, gateup_f32_3, gateup_f32_4, gateup_f32_5, gateup_f32_6},
                                            {0, gateup_bf16_1, gateup_bf16_2, gateup_bf16_3, gateup_bf16_4, gateup_bf16_5, gateup_bf16_6}};
 static const tile_fn DOWN[2][MRP + 1] = {{0, down_f32_1, down_f32_2, down_f32_3, down_f32_4, down_f32_5, down_f32_6},
@@ -393,14 +395,14 @@ static const tile_fn DOWN[2][MRP + 1] = {{0, down_f32_1, down_f32_2, down_f32_3,
  * down tile (two halves of P2 = 16 outputs) are this one loop. */
 static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const float *const *r, const int M,
                                                                         const uint8_t *wp, const uint8_t *sp,
-                                                                        int64_t K, v8f *acc0, v8f *acc1) {
+                                                                        int64_t K, const int split, v8f *acc0, v8f *acc1) {
     __m256 t0[MR], t1[MR];
     for (int m = 0; m < M; m++) t0[m] = t1[m] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < K / MX_BLOCK; kb++) {
-        /* at M <= 2, odd k into c0/c1: four or more independent FMA chains */
+        /* at M <= 2 with `split` (panel_tile's), odd k into c0/c1: four or more independent FMA chains */
         __m256 b0[MR], b1[MR], c0[MR], c1[MR];
         for (int m = 0; m < M; m++) b0[m] = b1[m] = c0[m] = c1[m] = _mm256_setzero_ps();
-        for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k += M <= 2 ? 2 : 1) {
+        for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k += M <= 2 && split ? 2 : 1) {
             __m256 w0, w1;
             mx_decode16(wp + k * 16, &w0, &w1);
             for (int m = 0; m < M; m++) {
@@ -408,7 +410,7 @@ static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const fl
                 b0[m] = _mm256_fmadd_ps(w0, xs, b0[m]);
                 b1[m] = _mm256_fmadd_ps(w1, xs, b1[m]);
             }
-            if (M <= 2) {
+            if (M <= 2 && split) {
                 mx_decode16(wp + (k + 1) * 16, &w0, &w1);
                 for (int m = 0; m < M; m++) {
                     const __m256 xs = _mm256_set1_ps(r[m][k + 1]);
@@ -417,7 +419,7 @@ static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const fl
                 }
             }
         }
-        if (M <= 2)
+        if (M <= 2 && split)
             for (int m = 0; m < M; m++) b0[m] = _mm256_add_ps(b0[m], c0[m]), b1[m] = _mm256_add_ps(b1[m], c1[m]);
         __m256 f0, p0, f1, p1;
         mx_factors8(sp + kb * 16, &f0, &p0);
@@ -434,14 +436,14 @@ static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const fl
 }
 #define MX_TILE(M_)                                                                                           \
     static MX_AVX2 void mx_tile_##M_(const float *const *r, const uint8_t *wp, const uint8_t *sp, int64_t K, \
-                                     v8f *a0, v8f *a1) {                                                     \
-        mx_panel_tile(r, M_, wp, sp, K, a0, a1);                                                             \
+                                     int split, v8f *a0, v8f *a1) {                                          \
+        mx_panel_tile(r, M_, wp, sp, K, split, a0, a1);                                                      \
     }
 MX_TILE(1)
 MX_TILE(2)
 MX_TILE(3)
 MX_TILE(4)
-typedef void (*mx_tile_fn)(const float *const *, const uint8_t *, const uint8_t *, int64_t, v8f *, v8f *);
+typedef void (*mx_tile_fn)(const float *const *, const uint8_t *, const uint8_t *, int64_t, int, v8f *, v8f *);
 static const mx_tile_fn MX_TILES[MR + 1] = {0, mx_tile_1, mx_tile_2, mx_tile_3, mx_tile_4};
 #endif
 
@@ -896,11 +898,16 @@ done:
  * x: [T, H] rows x_stride apart, dtype x_dtype (fp32/bf16; the computation follows it: bf16 rounds
  * where torch's bf16 path rounds); ids int64 [T, k] in [0, E); weights fp32 [T, k]; w13p / w2p:
  * packed by moe_pack_w13 / moe_pack_w2 in format w_format; w13_scale / w2_scale: MXFP8 block
- * scales (NULL for fp32/bf16); out: [T, H] contiguous, out_dtype.
+ * scales (NULL for fp32/bf16); out: [T, H] contiguous, out_dtype; invariant: 1 for a batch-invariant
+ * call (each row's result independent of T and of the other rows).
  * Returns 0; -1 allocation failed; -2 weight format not implemented; -3 an expert id out of range. */
 int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
                 const float *weights, int64_t k, const void *w13p, const void *w2p, int w_format,
-                const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype) {
+                const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype,
+                int invariant) {
+    /* the dot tiles sum every row in one order at every tile height; the panel tiles do so when
+     * told (`invariant`: no even/odd split at M <= 2, see panel_tile) */
+    const int split = !invariant;
     if (w_format == MOE_W_BF16_DOT || w_format == MOE_W_MXFP8_DOT) {
         const int mxd = w_format == MOE_W_MXFP8_DOT;
 #ifdef MOE_DOT_BF16
@@ -980,11 +987,11 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                 for (int m = 0; m < M; m++) xr[m] = xf + (sorted[r0 + m] / k) * H;
                 v8f g[MRP], u[MRP];
 #ifdef MX_X86
-                if (mx_fast) MX_TILES[M](xr, (const uint8_t *)wp, sp, H, g, u);
+                if (mx_fast) MX_TILES[M](xr, (const uint8_t *)wp, sp, H, split, g, u);
                 else
 #endif
-                if (mx) GATEUP[0][M](xr, (const char *)panel, H, g, u);
-                else GATEUP[fi][M](xr, wp, H, g, u);
+                if (mx) GATEUP[0][M](xr, (const char *)panel, H, split, g, u);
+                else GATEUP[fi][M](xr, wp, H, split, g, u);
                 const int nc = I - p * P13 < P13 ? (int)(I - p * P13) : P13; /* features of this panel */
                 for (int m = 0; m < M; m++) {
                     float *hm = h + (r0 + m) * I + p * P13;
@@ -1025,11 +1032,11 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                     for (int m = 0; m < M; m++) hr[m] = h + (r0 + m) * I;
                     v8f a0[MRP], a1[MRP];
 #ifdef MX_X86
-                    if (mx_fast) MX_TILES[M](hr, (const uint8_t *)wp, sp, I, a0, a1);
+                    if (mx_fast) MX_TILES[M](hr, (const uint8_t *)wp, sp, I, split, a0, a1);
                     else
 #endif
-                    if (mx) DOWN[0][M](hr, (const char *)panel, I, a0, a1);
-                    else DOWN[fi][M](hr, wp, I, a0, a1);
+                    if (mx) DOWN[0][M](hr, (const char *)panel, I, split, a0, a1);
+                    else DOWN[fi][M](hr, wp, I, split, a0, a1);
                     for (int m = 0; m < M; m++) {
                         float *y = ys + sorted[r0 + m] * H;
                         for (int c = 0; c < P2 && q * P2 + c < H; c++) y[q * P2 + c] = rnd(c < 8 ? a0[m][c] : a1[m][c - 8], bf);

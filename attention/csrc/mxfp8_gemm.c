@@ -612,14 +612,16 @@ static int linear_tile(const float *x, const uint8_t *w, const uint8_t *s, const
 
 /* x: [M, K] fp32/bf16 (row stride x_stride), data/scales: the MXFP8 weight [N, K] / [N, K/32],
  * bias: [N] fp32 or NULL, y: [M, N] contiguous (fp32/bf16). Returns 0; -1 when a buffer cannot be
- * allocated; -2 when K is not a multiple of 32. */
+ * allocated; -2 when K is not a multiple of 32. invariant: 1 for a batch-invariant call: the decode
+ * loops and the tile loops sum in different orders, so then one loop takes every row count (bf16 x:
+ * the bf16 tile loop, i.e. the packed GEMM's order; otherwise the fp32 decode loop, in passes). */
 int mxfp8_linear(const void *x, int x_dtype, int64_t x_stride, const uint8_t *data, const uint8_t *scales,
-                 const float *bias, void *y, int y_dtype, int64_t M, int64_t N, int64_t K) {
+                 const float *bias, void *y, int y_dtype, int64_t M, int64_t N, int64_t K, int invariant) {
     if (K % MX_BLOCK != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int fast = mxfp8_use_fast();
 #ifdef MX_DOT_BF16
-    if (fast && bf16_dot_on && x_dtype == DT_BF16 && M <= DECODE_BF16_MAX_M && K % 64 == 0) {
+    if (fast && bf16_dot_on && x_dtype == DT_BF16 && M <= DECODE_BF16_MAX_M && K % 64 == 0 && !invariant) {
         uint16_t *xp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * K));
         if (!xp) return -1;
         for (int64_t m = 0; m < M; m++) permute_x_bf16((const uint16_t *)x + m * x_stride, K, xp + m * K);
@@ -645,9 +647,10 @@ int mxfp8_linear(const void *x, int x_dtype, int64_t x_stride, const uint8_t *da
         xf = copy;
     }
     int rc = 0;
-    if (M <= DECODE_MAX_M) linear_decode(xf, data, scales, bias, y, y_dtype, M, N, K, fast);
+    const int decode = M <= DECODE_MAX_M || invariant;
+    if (decode) linear_decode(xf, data, scales, bias, y, y_dtype, M, N, K, fast);
     else rc = linear_tile(xf, data, scales, bias, y, y_dtype, M, N, K, fast);
-    last_path = M <= DECODE_MAX_M ? fast : 3;
+    last_path = decode ? fast : 3;
     free(copy);
     return rc;
 }

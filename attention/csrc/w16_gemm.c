@@ -62,10 +62,11 @@ static inline float tail_dot(const float *xs_m, const uint16_t *w_n, int64_t k0,
 }
 
 /* One weight row (w, K columns) against M x rows: out[m]. Two accumulators per x row and block
- * (even, odd); at one row two blocks per iteration, so four independent FMA chains. */
+ * (even, odd); with U = 2 (one row, not batch-invariant) two blocks per iteration, so four
+ * independent FMA chains, but a sum in another order than at U = 1, which every other row count
+ * and the tiled loop use. */
 static inline __attribute__((always_inline)) void stream_row(const float *xs, const uint16_t *w, int64_t K, const int M,
-                                                             float *out) {
-    const int U = M == 1 ? 2 : 1; /* blocks of 16 per iteration */
+                                                             const int U, float *out) {
     __m256 a[STREAM_MAX_ROWS][2][2];
     for (int m = 0; m < M; m++)
         for (int u = 0; u < U; u++) a[m][u][0] = a[m][u][1] = _mm256_setzero_ps();
@@ -96,14 +97,15 @@ static inline __attribute__((always_inline)) void stream_row(const float *xs, co
     }
 }
 
-#define STREAM_FN(M_)                                                                                   \
-    static void stream_##M_(const float *xs, const uint16_t *w, int64_t K, float *out) {              \
-        stream_row(xs, w, K, M_, out);                                                                 \
+#define STREAM_FN(NAME, M_, U_)                                                                         \
+    static void NAME(const float *xs, const uint16_t *w, int64_t K, float *out) {                     \
+        stream_row(xs, w, K, M_, U_, out);                                                             \
     }
-STREAM_FN(1)
-STREAM_FN(2)
-STREAM_FN(3)
-STREAM_FN(4)
+STREAM_FN(stream_1, 1, 2)
+STREAM_FN(stream_1_invariant, 1, 1)
+STREAM_FN(stream_2, 2, 1)
+STREAM_FN(stream_3, 3, 1)
+STREAM_FN(stream_4, 4, 1)
 typedef void (*stream_fn)(const float *, const uint16_t *, int64_t, float *);
 
 /* MR x rows (xs, row stride K) by NR consecutive weight rows (w, row stride K): out[m * NR + n]. */
@@ -158,9 +160,10 @@ int w16_gemm_available(void) {
 
 /* x: [M, K] bf16 or fp32 (row stride x_stride elements), w: [N, K] bf16 contiguous, bias: [N] bf16
  * or NULL, y: [M, N] contiguous bf16 or fp32. Returns 0; -1 when the fp32 copy of x cannot be
- * allocated; -2 when the library was built without AVX2 + FMA. */
+ * allocated; -2 when the library was built without AVX2 + FMA. invariant: 1 for a batch-invariant
+ * call (one row summed in the order of every other row count). */
 int w16_linear(const void *x, int x_dtype, int64_t x_stride, const uint16_t *w, const uint16_t *bias, void *y,
-               int y_dtype, int64_t M, int64_t N, int64_t K) {
+               int y_dtype, int64_t M, int64_t N, int64_t K, int invariant) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (M <= 0 || N <= 0) return 0;
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * K));
@@ -174,7 +177,8 @@ int w16_linear(const void *x, int x_dtype, int64_t x_stride, const uint16_t *w, 
                                                  : ((const float *)x)[m * x_stride + k];
         }
     if (M <= STREAM_PASSES * STREAM_MAX_ROWS) {
-        static const stream_fn fns[STREAM_MAX_ROWS + 1] = {0, stream_1, stream_2, stream_3, stream_4};
+        const stream_fn fns[STREAM_MAX_ROWS + 1] = {0, invariant ? stream_1_invariant : stream_1, stream_2, stream_3,
+                                                    stream_4};
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             /* x rows 4 at a time: a second pass re-reads the weight row from L1, not memory */
@@ -207,6 +211,7 @@ int w16_linear(const void *x, int x_dtype, int64_t x_stride, const uint16_t *w, 
     return 0;
 #else
     (void)x; (void)x_dtype; (void)x_stride; (void)w; (void)bias; (void)y; (void)y_dtype; (void)M; (void)N; (void)K;
+    (void)invariant;
     return -2;
 #endif
 }

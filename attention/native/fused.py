@@ -1,5 +1,6 @@
 """Fused elementwise ops of a decoder layer on CPU: RMSNorm (alone, or after the residual add),
-q/k per-head RMSNorm + RoPE in place on the fused qkv rows, and silu(gate) * up.
+q/k per-head RMSNorm + RoPE in place on the fused qkv rows, silu(gate) * up, and the sigmoid of
+gates (NSA's branch gates, a shared expert's gate).
 
 Owns the Python side of `attention/csrc/fused_ops.c` (built into the one kernel library of
 `cuttle.attention.native.build`) and the torch code each kernel replaces, which is also its
@@ -7,7 +8,12 @@ fallback: used when the library is absent, a tensor is not a CPU fp32/bf16 tenso
 kernel reads it, or autograd has to see the op (grad enabled and an input requires grad: the
 trainer runs the same model code). The kernels reproduce the torch code bit for bit (see the C
 file for how), so the engine's numbers do not depend on which path ran; the vector widths that
-takes are found once, when the kernel set is chosen (`probe_sum_lanes`).
+takes are found once, when the kernel set is chosen (`probe_sum_lanes`). Two exceptions, both for
+batch invariance (`native.invariance`): torch's elementwise loops take a scalar exp for the tail
+of each thread's range, whose place in a tensor follows its row count, so an element's bits
+depend on the batch around it. `sigmoid` takes one scalar formula for every element (within an ulp
+of torch's, always); `silu_mul` reproduces torch's ranges unless the batch-invariant switch is on,
+and then puts the scalar tail at the end of each row only.
 
 Why: in a decode step these were a dozen small torch ops per layer, each a dispatch and a pass
 over memory (about 15% of a batch-64 step of a 0.6B model, 20% at batch 1); fused, each is one
@@ -20,7 +26,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from cuttle.attention.native import kernels
+from cuttle.attention.native import invariance, kernels
 from cuttle.attention.native.build import DTYPE_CODE as _DT
 from cuttle.attention.rope import apply_rope
 
@@ -173,6 +179,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(inter, dim=-1)
         return F.silu(gate) * up
     y = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+    # torch's thread ranges (where its scalar tails fall), or one range per row: batch-invariant
+    threads = 1 if invariance.on() else torch.get_num_threads()
     lib.fused_silu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), _DT[y.dtype], gate_up.shape[0], inter,
-                       ks.vec_lanes, torch.get_num_threads())
+                       ks.vec_lanes, threads)
+    return y
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid(x) for gates, each element by one scalar formula wherever it sits (fp32, or
+    bf16 rounded once; within an ulp of torch's); torch's op under autograd or without the library."""
+    lib = kernels().lib
+    if lib is None or not x.is_contiguous() or x.numel() == 0 or not _native(x):
+        return torch.sigmoid(x)
+    y = torch.empty_like(x)
+    lib.fused_sigmoid(x.data_ptr(), y.data_ptr(), _DT[x.dtype], x.numel())
     return y

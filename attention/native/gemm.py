@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cuttle.attention.native import hugepages, kernels, unrecorded
+from cuttle.attention.native import hugepages, invariance, kernels, unrecorded
 from cuttle.attention.native.build import DTYPE_CODE
 
 # Up to this many rows the weight-streaming kernel reads the weight in its own layout (fp32, or
@@ -54,10 +54,12 @@ def _bias_f32(bias: torch.Tensor) -> torch.Tensor:
 
 
 def drop_packed(module: torch.nn.Module) -> None:
-    """Forget every packed weight copy held by `module`'s parameters (repacked on next use)."""
+    """Forget every packed or derived weight copy held by `module`'s parameters (remade on next
+    use): this module's and the expert kernels' `_PACKED_ATTR`, and any other attribute a caller
+    keeps on a parameter under the `_cuttle_` prefix (NSA's per-head phi weights)."""
     for p in module.parameters():
-        if hasattr(p, _PACKED_ATTR):
-            delattr(p, _PACKED_ATTR)
+        for attr in [a for a in vars(p) if a.startswith("_cuttle_")]:
+            delattr(p, attr)
 
 
 def prepack(weights: list[torch.Tensor]) -> int:
@@ -90,7 +92,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     count the packed GEMM (AVX512-BF16; measured on the 0.6B model: it streams the weight faster
     than the streaming kernel even at one row, 51-59 vs 76-80 ms a decode step) or the AVX2
     widening GEMM (3-4x torch's bf16 GEMM there, and one sequential weight stream at a few rows);
-    the weight-streaming kernel for 1..SMALL_M_MAX_ROWS rows otherwise; else torch."""
+    the weight-streaming kernel for 1..SMALL_M_MAX_ROWS rows otherwise (for every row count when
+    the batch-invariant switch is on: `invariance`); else torch."""
     ks = kernels()
     lib = ks.lib
     if (
@@ -118,12 +121,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.empty(m, n, dtype=x.dtype)
         rc = lib.w16_linear(
             x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), weight.data_ptr(),
-            bias.data_ptr() if bias is not None else None, y.data_ptr(), DTYPE_CODE[y.dtype], m, n, k,
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), DTYPE_CODE[y.dtype], m, n, k, int(invariance.on()),
         )
         if rc != 0:
             raise MemoryError("w16_linear: allocation failed") if rc == -1 else RuntimeError("w16_linear: built without AVX2+FMA")
         return y
-    if m > SMALL_M_MAX_ROWS:
+    if m > SMALL_M_MAX_ROWS and not invariance.on():
+        # (batch-invariant calls stay on the streaming kernel at every row count: it sums each row
+        # in one order, torch's GEMM blocks by the row count)
         return _torch_linear(x, weight, bias)
     y = torch.empty(m, n, dtype=x.dtype)
     rc = lib.small_m_linear(

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from cuttle.attention.native import graph, hugepages, kernels, unrecorded
+from cuttle.attention.native import graph, hugepages, invariance, kernels, unrecorded
 from cuttle.attention.native.build import DTYPE_CODE
 from cuttle.attention.native.gemm import _PACKED_ATTR
 from cuttle.attention.native.mxfp8 import check_nan_elements
@@ -46,7 +46,7 @@ _SIGNATURES: dict[str, tuple[list, type]] = {
     "moe_pack_mx_w13": ([_vp, _vp, _i64, _i64, _i64, _vp, _vp], _int),
     "moe_pack_mx_w2": ([_vp, _vp, _i64, _i64, _i64, _vp, _vp], _int),
     "moe_route": ([_vp, _int, _i64, _i64, _i64, _int, _int, _i64, _i64, _float, _vp, _vp, _vp, _vp], _i64),
-    "moe_experts": ([_vp, _int, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _vp, _i64, _i64, _vp, _int], _int),
+    "moe_experts": ([_vp, _int, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _vp, _i64, _i64, _vp, _int, _int], _int),
     "moe_dot_available": ([], _int),
     "moe_mx_dot_available": ([], _int),
     "mxfp8_scales_bf16_safe": ([_vp, _i64], _int),
@@ -410,7 +410,7 @@ def _run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, k: int, p13:
     rc = _lib().moe_experts(
         x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), T, H, ids.data_ptr(), weights.data_ptr(), k,
         p13.data_ptr(), p2.data_ptr(), fmt, s13.data_ptr() if s13 is not None else None,
-        s2.data_ptr() if s2 is not None else None, E, I, out.data_ptr(), DTYPE_CODE[out.dtype],
+        s2.data_ptr() if s2 is not None else None, E, I, out.data_ptr(), DTYPE_CODE[out.dtype], int(invariance.on()),
     )
     if rc == -3:
         raise ValueError(f"expert ids must lie in [0, {E})")

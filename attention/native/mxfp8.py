@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from cuttle.attention.native import kernels
+from cuttle.attention.native import invariance, kernels
 from cuttle.attention.native.build import DTYPE_CODE
 
 __all__ = ["available", "fast_path_available", "bf16_dot_available", "set_bf16_dot", "set_fast_path", "dequantize", "linear",
@@ -32,7 +32,7 @@ _SIGNATURES = {
     "mxfp8_fast_path_available": ([], _int),
     "mxfp8_set_fast_path": ([_int], _int),
     "mxfp8_dequantize": ([_vp, _vp, _i64, _i64, _vp, _int], _int),
-    "mxfp8_linear": ([_vp, _int, _i64, _vp, _vp, _vp, _vp, _int, _i64, _i64, _i64], _int),
+    "mxfp8_linear": ([_vp, _int, _i64, _vp, _vp, _vp, _vp, _int, _i64, _i64, _i64, _int], _int),
     "mxfp8_bf16_dot_available": ([], _int),
     "mxfp8_last_linear_path": ([], _int),
     "mxfp8_set_bf16_dot": ([_int], _int),
@@ -166,7 +166,7 @@ def linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch
         b = bias.detach().float().contiguous()
     rc = _lib().mxfp8_linear(
         x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), data.data_ptr(), scale.data_ptr(),
-        b.data_ptr() if b is not None else None, out.data_ptr(), DTYPE_CODE[out.dtype], M, N, K,
+        b.data_ptr() if b is not None else None, out.data_ptr(), DTYPE_CODE[out.dtype], M, N, K, int(invariance.on()),
     )
     if rc == -1:
         raise MemoryError("mxfp8_linear: allocation failed")

@@ -7,7 +7,9 @@ per-head K and V (every query head is a KV head), so any attention backend serve
 V is zero-padded to the K width (or q/k to the V width) so one cache slot width fits both, and
 the padding is sliced off the output. The rotary dims come first in q and k (the checkpoint's
 order is nope then rope; q.k does not care), so a squid document moved by a rope delta is attended
-by rotating the query's first rotary dims, as for every model. Caching the latent instead (absorbed MLA) is a later
+by rotating the query's first rotary dims, as for every model. The inference projections take the
+native linear kernels (`native.gemm.linear`: packed once, batch-invariant like every other linear
+layer; the training path's 3-D rows fall back to `F.linear`). Caching the latent instead (absorbed MLA) is a later
 optimisation this module must not be confused with: it never stores or attends over latents.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.native import gemm
 from cuttle.attention.rope import apply_rope, yarn_softmax_scale
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
@@ -68,16 +71,16 @@ class MLAttention(nn.Module):
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q, k [T, heads, qk_dim] (rotary dims first, NeoX halves), v [T, heads, v_dim]."""
         T = x.shape[0]
-        q, kv_a = F.linear(x, self.a_weight).split([self.q_rows, self.kv_lora_rank + self.rope], dim=-1)
+        q, kv_a = gemm.linear(x, self.a_weight).split([self.q_rows, self.kv_lora_rank + self.rope], dim=-1)
         if self.kv_a_bias is not None:
             kv_a = kv_a + self.kv_a_bias
         if self.q_a_norm is not None:
             if self.q_a_bias is not None:
                 q = q + self.q_a_bias
-            q = F.linear(self.q_a_norm(q), self.q_b_weight)
+            q = gemm.linear(self.q_a_norm(q), self.q_b_weight)
         q_nope, q_rot = q.view(T, self.num_heads, self.qk_dim).split([self.nope, self.rope], dim=-1)
         latent, k_rot = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = F.linear(self.kv_a_norm(latent), self.kv_b_weight).view(T, self.num_heads, self.nope + self.v_dim)
+        kv = gemm.linear(self.kv_a_norm(latent), self.kv_b_weight).view(T, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rot = k_rot.view(T, 1, self.rope)
         if self.interleave:
@@ -100,7 +103,7 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = (_pad_to(t, self.cache_dim) for t in self._qkv(x, cos, sin))
         o = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)[0][..., : self.v_dim]
-        return F.linear(o.reshape(-1, self.num_heads * self.v_dim), self.o_weight, self.o_bias)
+        return gemm.linear(o.reshape(-1, self.num_heads * self.v_dim), self.o_weight, self.o_bias)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Training path: x [B, S, hidden], mask [B, 1, S, S] (True = may attend); no KV cache."""

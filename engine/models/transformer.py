@@ -25,7 +25,7 @@ from torch import nn
 
 from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
-from cuttle.attention.native import rows
+from cuttle.attention.native import fused, rows
 from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
@@ -138,6 +138,23 @@ class DenseSegments(NamedTuple):
     unshift: Callable[[torch.Tensor, int], torch.Tensor]
 
 
+_HEADS_T_ATTR = "_cuttle_heads_t"
+
+
+def _heads_transposed(weight: torch.Tensor) -> list[torch.Tensor]:
+    """phi's weight [Hkv, l*D, D] as one contiguous [D, l*D] tensor per head (what a linear layer
+    takes), kept on the weight and remade after any in-place write (its version counter), so the
+    packed GEMM's copies of them are made once, not per step."""
+    key = (weight._version, weight.data_ptr())
+    hit = getattr(weight, _HEADS_T_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.inference_mode(False):  # plain tensors (with a version counter) even when called from inference mode
+        heads = [weight[i].detach().t().contiguous() for i in range(weight.shape[0])]
+    setattr(weight, _HEADS_T_ATTR, (key, heads))
+    return heads
+
+
 class NSAAttention(Attention):
     """Natively sparse attention (arXiv 2502.11089): the dense layer's projections plus per-head
     gates (sigmoid of a linear map of the layer input, fla-org's `g_proj` layout: row 3*h + branch)
@@ -158,7 +175,19 @@ class NSAAttention(Attention):
 
     def compress_windows(self, wk: torch.Tensor, wv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """phi over blocks of cached keys and values [E, Hkv, l, D] -> ([E, Hkv, D], [E, Hkv, D])."""
-        return compress_windows(wk, self.ck_weight, self.nsa), compress_windows(wv, self.cv_weight, self.nsa)
+        return self._phi(wk, self.ck_weight), self._phi(wv, self.cv_weight)
+
+    def _phi(self, windows: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """Inference phi: a linear phi runs as one linear layer per KV head (`linear`, the native
+        GEMMs) rather than torch's batched matmul, whose summation order follows the number of
+        entries E the step completes, i.e. the other sequences of the batch; the linear kernels
+        give each entry the same result at every E (bf16; fp32 with the batch-invariant switch)."""
+        if weight is None or windows.device.type != "cpu" or weight.dtype != windows.dtype or windows.shape[0] == 0:
+            return compress_windows(windows, weight, self.nsa)
+        e, h, l, dim = windows.shape
+        flat = windows.reshape(e, h, l * dim)
+        heads = _heads_transposed(weight)
+        return torch.stack([linear(flat[:, i], heads[i]) for i in range(h)], dim=1)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
@@ -167,7 +196,7 @@ class NSAAttention(Attention):
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
         )
-        gates = torch.sigmoid(linear(x, self.g_weight)).view(-1, self.num_heads, 3)
+        gates = fused.sigmoid(linear(x, self.g_weight)).view(-1, self.num_heads, 3)  # one formula per element: batch-invariant
         o = backend.forward_nsa(self.layer_id, q, k, v, gates, kv_cache, meta, self.scale, self.compress_windows)
         return linear(o.reshape(-1, self.q_size), self.o_weight)
 
@@ -359,6 +388,8 @@ class CausalLM(nn.Module):
                 out += [layer.attn.qkv_weight, layer.attn.o_weight]
             if isinstance(layer.attn, NSAAttention):
                 out.append(layer.attn.g_weight)
+            if isinstance(layer.attn, MLAttention):
+                out += [layer.attn.a_weight, layer.attn.q_b_weight, layer.attn.kv_b_weight, layer.attn.o_weight]
             if isinstance(layer.mlp, DenseMLP):
                 out += [layer.mlp.gate_up_weight, layer.mlp.down_weight]
         return [w for w in out if isinstance(w, torch.Tensor)]  # MXFP8 weights (linear_quant) are not packed

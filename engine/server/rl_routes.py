@@ -102,6 +102,8 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
                 "max_documents": llm.config.max_documents, "max_model_len": llm.max_model_len,
                 # what ends a sampled turn: an agent loop fronting this server needs them
                 "eos_token_ids": sorted(llm.eos_token_ids),
+                # whether a sample's logprobs are independent of the traffic it was drawn beside
+                "batch_invariant": llm.config.batch_invariant,
                 # what a trainer must mirror to score the samples as drawn (TrainerConfig.for_sampler)
                 **llm.forward_options()}
 

@@ -1,0 +1,128 @@
+"""Batch-invariant engines (`EngineConfig.batch_invariant`, docs/architecture.md "Batch
+invariance"): a request's greedy tokens and top logprobs are bit-identical whether it runs alone,
+beside other requests (one of them long), prefilled in chunks of 64 beside them (alone its
+300-token prompt is one chunk, which the default engine sends through SDPA), preempted and
+recomputed, or on a prefix-cache hit. fp32 and bf16; Qwen3-MoE, dense Qwen3, Qwen2-MoE (shared
+expert), DeepSeek-V3 (MLA, sigmoid routing); MXFP8 weights; NSA and training-free top-k. Controls: the same runs without the switch differ in fp32 (the fp32 GEMMs),
+and in bf16 for the long prompt (SDPA vs the native rows). Tiny random checkpoints (no download)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cuttle.attention.native import kernels
+from cuttle.engine import LLM, SamplingParams
+
+from helpers import make_checkpoint, write_tokenizer
+from moe_families import family_model
+from sparse_helpers import make_nsa_checkpoint
+
+pytestmark = pytest.mark.skipif(kernels().lib is None, reason="native CPU kernel library not built")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+_rng = random.Random(7)
+LONG = [_rng.randrange(3, 256) for _ in range(300)]  # > the default engine's native-chunk limit (256)
+OTHERS = [[_rng.randrange(3, 256) for _ in range(n)] for n in (40, 280, 9, 130, 71)]
+# head_dim 64: the attention kernels' vectorized bf16 paths (16 takes the generic loop)
+SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for name, arch in (("moe", "qwen3_moe"), ("dense", "qwen3")):
+        out[name] = str(tmp_path_factory.mktemp(name))
+        make_checkpoint(out[name], arch, **SHAPE)
+    out["nsa"] = str(tmp_path_factory.mktemp("nsa"))
+    make_nsa_checkpoint(out["nsa"], hidden_size=128, head_dim=64)
+    for family in ("qwen2_moe", "deepseek_v3"):  # a shared expert's sigmoid gate; MLA and sigmoid routing
+        out[family] = str(tmp_path_factory.mktemp(family))
+        family_model(family).save_pretrained(out[family])
+        write_tokenizer(out[family], 256)
+    return out
+
+
+def _result(llm: LLM, prompts: list[list[int]], which: int) -> tuple[list[int], list[list[tuple[int, float]]]]:
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)[which].outputs[0]
+    return list(out.token_ids), [sorted((t, lp.logprob) for t, lp in row.items()) for row in out.logprobs]
+
+
+def _runs(path: str, **opts) -> dict[str, tuple]:
+    """The long request alone, and in every other situation (key: which)."""
+    alone = LLM(model=path, enable_prefix_caching=False, **opts)
+    got = {"alone": _result(alone, [LONG], 0), "beside others": _result(alone, OTHERS + [LONG], len(OTHERS))}
+    # 64-token chunks beside the others in a 22-block pool (the long request alone needs 20): they
+    # preempt each other and recompute, then a prefix-cache hit
+    small = LLM(model=path, enable_prefix_caching=True, max_num_batched_tokens=64, num_kv_blocks=22, **opts)
+    got["chunked, preempted"] = _result(small, OTHERS + [LONG], len(OTHERS))
+    assert small.stats()["preemptions"] > 0
+    cached = small.stats()["cached_tokens"]
+    got["prefix-cache hit"] = _result(small, [LONG], 0)
+    assert small.stats()["cached_tokens"] - cached >= 256
+    return got
+
+
+CASES = {
+    "MoE fp32": ("moe", dict(dtype="float32")),
+    "MoE bf16": ("moe", dict(dtype="bfloat16")),
+    "MoE bf16, MXFP8 linears + experts + lm_head": ("moe", dict(dtype="bfloat16", quantization="mxfp8", quantize_lm_head=True)),
+    "dense fp32, top-k": ("dense", dict(dtype="float32", sparse_attention="topk:budget=64,block=16,dense_layers=1")),
+    "NSA bf16": ("nsa", dict(dtype="bfloat16")),
+    "NSA fp32": ("nsa", dict(dtype="float32")),
+    "Qwen2-MoE (shared expert) fp32": ("qwen2_moe", dict(dtype="float32")),
+    "DeepSeek-V3 (MLA) fp32": ("deepseek_v3", dict(dtype="float32")),
+    "DeepSeek-V3 (MLA) bf16": ("deepseek_v3", dict(dtype="bfloat16")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_request_is_bit_identical_in_every_situation(paths, case: str) -> None:
+    model, opts = CASES[case]
+    got = _runs(paths[model], batch_invariant=True, **opts)
+    want = got.pop("alone")
+    for situation, result in got.items():
+        assert result == want, f"{case}: {situation} differs from the request alone"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_without_the_switch_it_differs(paths, dtype: str) -> None:
+    """The control: the default engine gives the long request other logprobs in some situation
+    (so the test above checks something)."""
+    got = _runs(paths["moe"], dtype=dtype)
+    want = got.pop("alone")
+    assert any(result != want for result in got.values())
+
+
+def test_unsupported_configurations_are_refused(paths) -> None:
+    with pytest.raises(ValueError, match=r"batch_invariant=True: dtype float16"):
+        LLM(model=paths["dense"], dtype="float16", batch_invariant=True)
+    with pytest.raises(ValueError, match=r"batch_invariant must be True or False"):
+        LLM(model=paths["dense"], batch_invariant="yes")
+
+
+def test_refused_when_the_experts_run_on_torch(paths, monkeypatch) -> None:
+    from cuttle.moe.layer import FusedMoE
+
+    monkeypatch.setattr(FusedMoE, "pack_", lambda self: False)  # as with CUTTLE_MOE_NATIVE=0
+    with pytest.raises(ValueError, match=r"batch_invariant=True: the routed experts of layer 0 run on torch"):
+        LLM(model=paths["moe"], dtype="float32", batch_invariant=True)
+
+
+def test_serve_flag_reaches_the_engine_and_rl_info(paths, monkeypatch) -> None:
+    from cuttle.engine import cli
+
+    seen = {}
+
+    class FakeServer:  # stands in for uvicorn's: ask the app, then return
+        def __init__(self, config, on_first_signal):
+            self.app = config.app
+
+        def run(self):
+            from fastapi.testclient import TestClient
+
+            seen["info"] = TestClient(self.app).get("/v1/rl/info").json()
+
+    monkeypatch.setattr(cli, "_server", FakeServer)
+    cli.main(["serve", paths["dense"], "--dtype", "float32", "--num-kv-blocks", "32", "--batch-invariant"])
+    assert seen["info"]["batch_invariant"] is True

@@ -1,0 +1,53 @@
+"""Tiny random transformers models of the MoE families cuttle loads (Qwen2-MoE with its shared
+expert, Mixtral, DeepSeek-V3 with MLA in two variants), for the engine tests."""
+from __future__ import annotations
+
+import torch
+
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=1,
+               bos_token_id=None)
+
+
+def randomize_(model, scale: float, seed: int):
+    """Random weights (matrices N(0, scale), biases N(0, 0.1)); DeepSeek's expert-choice bias too."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, scale)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.5)  # large enough to change which experts are picked
+    return model
+
+
+def family_model(family: str):
+    """A tiny random transformers model of `family`, weights scaled so greedy outputs vary."""
+    import transformers
+
+    if family == "qwen2_moe":  # shared expert behind a sigmoid gate, qkv bias, one dense layer
+        cfg = transformers.Qwen2MoeConfig(num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                          num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], **_COMMON)
+        cls = transformers.Qwen2MoeForCausalLM
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, **_COMMON)
+        cls = transformers.MixtralForCausalLM
+    elif family == "deepseek_v3":  # q through the LoRA bottleneck, interleaved rope, V narrower than K
+        cfg = transformers.DeepseekV3Config(
+            num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+            n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, **_COMMON)
+        cls = transformers.DeepseekV3ForCausalLM
+    elif family == "deepseek_v3_full_q":  # full-rank q_proj, plain rope, biases, V wider than K, no renorm
+        cfg = transformers.DeepseekV3Config(
+            num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
+            n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=False,
+            kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=32,
+            rope_interleave=False, attention_bias=True, **_COMMON)
+        cls = transformers.DeepseekV3ForCausalLM
+    else:
+        raise ValueError(family)
+    return randomize_(cls(cfg).float().eval(), 0.15, seed=11)
