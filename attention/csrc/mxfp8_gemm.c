@@ -279,6 +279,150 @@ static inline __attribute__((always_inline)) MX_AVX512 void dot_row_bf16(const u
     }
 }
 
+/* The instances the loop below dispatches to (M a constant, so the loops unroll): the M dot-lane
+ * vectors of one weight row, decoded on the fly (lanes_bf16_M) or from a row decoded before
+ * (lanes_decoded_M: decode_row_dot, then dot_row_bf16's very operations on its words: the same
+ * bits without decoding the row once per pass of x rows). */
+#define LANES_BF16(M_)                                                                                              \
+    static MX_AVX512 void lanes_bf16_##M_(const uint16_t *x, const uint8_t *w, const uint8_t *s, int64_t K,         \
+                                          const mx_bf16_tabs *tabs, __m512 *tot) {                                  \
+        dot_row_bf16(x, w, s, K, M_, tabs, tot);                                                                    \
+    }
+LANES_BF16(1)
+LANES_BF16(2)
+LANES_BF16(3)
+LANES_BF16(4)
+LANES_BF16(5)
+LANES_BF16(6)
+LANES_BF16(7)
+LANES_BF16(8)
+typedef void (*lanes_bf16_fn)(const uint16_t *, const uint8_t *, const uint8_t *, int64_t, const mx_bf16_tabs *, __m512 *);
+
+typedef struct {
+    __m512i l, h;
+    __m512 f;
+} mx_dot_chunk;
+
+static MX_AVX512 void decode_row_dot(const uint8_t *w, const uint8_t *s, int64_t K, const mx_bf16_tabs *tabs, mx_dot_chunk *out) {
+    for (int64_t c = 0; c < K; c += 64) out[c / 64].f = decode_chunk_dot(w + c, s + c / MX_BLOCK, tabs, &out[c / 64].l, &out[c / 64].h);
+}
+
+#define LANES_DECODED(M_)                                                                                          \
+    static MX_AVX512 void lanes_decoded_##M_(const uint16_t *x, const mx_dot_chunk *d, int64_t K, __m512 *tot) {   \
+        for (int m = 0; m < M_; m++) tot[m] = _mm512_setzero_ps();                                                 \
+        for (int64_t c = 0; c < K; c += 64) {                                                                      \
+            const __m512bh wl = (__m512bh)d[c / 64].l, wh = (__m512bh)d[c / 64].h;                                \
+            for (int m = 0; m < M_; m++) {                                                                         \
+                const uint16_t *xm = x + m * K + c;                                                                \
+                __m512 blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), wl, (__m512bh)_mm512_loadu_si512(xm));          \
+                blk = _mm512_dpbf16_ps(blk, wh, (__m512bh)_mm512_loadu_si512(xm + 32));                           \
+                tot[m] = _mm512_fmadd_ps(blk, d[c / 64].f, tot[m]);                                                \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+LANES_DECODED(1)
+LANES_DECODED(2)
+LANES_DECODED(3)
+LANES_DECODED(4)
+LANES_DECODED(5)
+LANES_DECODED(6)
+LANES_DECODED(7)
+LANES_DECODED(8)
+typedef void (*lanes_decoded_fn)(const uint16_t *, const mx_dot_chunk *, int64_t, __m512 *);
+
+/* lanes_decoded_8 for two weight rows at once (d0, d1): twice the independent chains */
+static MX_AVX512 void lanes_decoded_8x2(const uint16_t *x, const mx_dot_chunk *d0, const mx_dot_chunk *d1, int64_t K,
+                                        __m512 *t0, __m512 *t1) {
+    for (int m = 0; m < 8; m++) t0[m] = t1[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K; c += 64) {
+        const __m512bh l0 = (__m512bh)d0[c / 64].l, h0 = (__m512bh)d0[c / 64].h;
+        const __m512bh l1 = (__m512bh)d1[c / 64].l, h1 = (__m512bh)d1[c / 64].h;
+        for (int m = 0; m < 8; m++) {
+            const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + m * K + c), xb = (__m512bh)_mm512_loadu_si512(x + m * K + c + 32);
+            __m512 b0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), l0, xa);
+            __m512 b1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), l1, xa);
+            b0 = _mm512_dpbf16_ps(b0, h0, xb);
+            b1 = _mm512_dpbf16_ps(b1, h1, xb);
+            t0[m] = _mm512_fmadd_ps(b0, d0[c / 64].f, t0[m]);
+            t1[m] = _mm512_fmadd_ps(b1, d1[c / 64].f, t1[m]);
+        }
+    }
+}
+
+/* y = x W^T (+ bias) for M permuted bf16 x rows (permute_x_bf16), at any M: each thread takes
+ * groups of 16 weight rows; per pass of up to 8 x rows, the 16 rows' dot lanes of each x row are
+ * summed by one transpose-and-add tree (reduce16_ps: ~10 % of the M = 1 loop's time at K = 512
+ * against a horizontal sum each, a Zen4 EPYC in cache). A row's lanes and their tree are the same
+ * operations at every M and every place in a group, so an output's bits do not depend on the row
+ * count: batch-invariant. One pass (M <= 8) decodes the weight rows on the fly; more passes decode
+ * the group once into a per-thread buffer (16 rows x K/64 chunks of 192 bytes) and read it after.
+ * Taken at one row, and at every row count by a batch-invariant call (linear_decode_rows_bf16 is
+ * faster at 2..12 rows). */
+static int linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s, const float *bias, void *y,
+                              int y_dtype, int64_t M, int64_t N, int64_t K) {
+    const int64_t KB = K / MX_BLOCK, KC = K / 64, groups = (N + 15) / 16;
+    const int buffered = M > DECODE_MAX_M;
+    static const lanes_bf16_fn fly[DECODE_MAX_M + 1] = {0, lanes_bf16_1, lanes_bf16_2, lanes_bf16_3, lanes_bf16_4,
+                                                        lanes_bf16_5, lanes_bf16_6, lanes_bf16_7, lanes_bf16_8};
+    static const lanes_decoded_fn dec[DECODE_MAX_M + 1] = {0, lanes_decoded_1, lanes_decoded_2, lanes_decoded_3,
+                                                           lanes_decoded_4, lanes_decoded_5, lanes_decoded_6,
+                                                           lanes_decoded_7, lanes_decoded_8};
+    int failed = 0;
+#pragma omp parallel
+    {
+        const mx_bf16_tabs tabs = mx_load_bf16_tabs();
+        mx_dot_chunk *d = buffered ? (mx_dot_chunk *)aligned_alloc(64, sizeof(mx_dot_chunk) * (size_t)(16 * KC)) : NULL;
+        if (buffered && !d) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t n0 = g * 16, nr = N - n0 < 16 ? N - n0 : 16;
+                if (buffered)
+                    for (int64_t i = 0; i < nr; i++) decode_row_dot(w + (n0 + i) * K, s + (n0 + i) * KB, K, &tabs, d + i * KC);
+                for (int64_t m0 = 0; m0 < M; m0 += DECODE_MAX_M) {
+                    const int64_t mc = M - m0 < DECODE_MAX_M ? M - m0 : DECODE_MAX_M;
+                    __m512 lanes[DECODE_MAX_M][16];
+                    int64_t i0 = 0;
+                    if (buffered && mc == DECODE_MAX_M)
+                        for (; i0 + 2 <= nr; i0 += 2) {
+                            __m512 t0[DECODE_MAX_M], t1[DECODE_MAX_M];
+                            lanes_decoded_8x2(xp + m0 * K, d + i0 * KC, d + (i0 + 1) * KC, K, t0, t1);
+                            for (int64_t m = 0; m < mc; m++) lanes[m][i0] = t0[m], lanes[m][i0 + 1] = t1[m];
+                        }
+                    for (int64_t i = i0; i < 16; i++) {
+                        __m512 tot[DECODE_MAX_M];
+                        if (i >= nr)
+                            for (int64_t m = 0; m < mc; m++) tot[m] = _mm512_setzero_ps();
+                        else if (buffered)
+                            dec[mc](xp + m0 * K, d + i * KC, K, tot);
+                        else
+                            fly[mc](xp + m0 * K, w + (n0 + i) * K, s + (n0 + i) * KB, K, &tabs, tot);
+                        for (int64_t m = 0; m < mc; m++) lanes[m][i] = tot[m];
+                    }
+                    for (int64_t m = 0; m < mc; m++) {
+                        float out[16];
+                        _mm512_storeu_ps(out, reduce16_ps(lanes[m]));
+                        for (int64_t i = 0; i < nr; i++)
+                            store_as(y, y_dtype, (m0 + m) * N + n0 + i, out[i] + (bias ? bias[n0 + i] : 0.f));
+                    }
+                }
+            }
+        }
+        free(d);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The default loop for 2..DECODE_BF16_MAX_M rows: each thread a range of weight rows, every x row's
+ * lanes summed on their own (a horizontal sum), up to 8 x rows a pass (the row is decoded once a
+ * pass: the lookups cost more than a dot; further passes read it from L1). Its sums are ordered
+ * otherwise than linear_decode_bf16's tree, so it is not taken for batch-invariant calls: in an
+ * A/B of the two on the [151936, 512] lm_head (Zen4, 2 threads, medians of 9) they were within
+ * 6 % at 1..4 rows, and this one 1.08x faster at 8 rows and 1.32x at 12. */
 #define ROW_BF16(M_)                                                                                             \
     static MX_AVX512 void row_bf16_##M_(const uint16_t *x, const uint8_t *w, const uint8_t *s, int64_t K, float *out) { \
         const mx_bf16_tabs tabs = mx_load_bf16_tabs();                                                           \
@@ -296,39 +440,11 @@ ROW_BF16(7)
 ROW_BF16(8)
 typedef void (*row_bf16_fn)(const uint16_t *, const uint8_t *, const uint8_t *, int64_t, float *);
 
-/* One x row against weight rows n0 .. n0 + nr - 1 (nr <= 16): out[i] for row n0 + i. The 16 rows'
- * lane vectors are summed together by one transpose-and-add tree (reduce16_ps) instead of a
- * horizontal sum each: ~10 % of the M = 1 loop's time at K = 512 (a Zen4 EPYC, in cache, a
- * standalone harness alternating the two). */
-static MX_AVX512 void rows16_bf16(const uint16_t *x, const uint8_t *w, const uint8_t *s, int64_t K, int64_t nr, float *out) {
-    const mx_bf16_tabs tabs = mx_load_bf16_tabs();
+static void linear_decode_rows_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s, const float *bias, void *y,
+                                    int y_dtype, int64_t M, int64_t N, int64_t K) {
     const int64_t KB = K / MX_BLOCK;
-    __m512 acc[16];
-    for (int64_t i = 0; i < 16; i++) {
-        if (i < nr) dot_row_bf16(x, w + i * K, s + i * KB, K, 1, &tabs, &acc[i]);
-        else acc[i] = _mm512_setzero_ps();
-    }
-    _mm512_storeu_ps(out, reduce16_ps(acc));
-}
-
-/* linear_decode with xp = M permuted bf16 rows (permute_x_bf16) */
-static void linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s, const float *bias, void *y,
-                               int y_dtype, int64_t M, int64_t N, int64_t K) {
-    const int64_t KB = K / MX_BLOCK;
-    if (M == 1) { /* batch-1 decode: weight rows 16 at a time, each thread a contiguous range of them */
-#pragma omp parallel for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += 16) {
-            const int64_t nr = N - n0 < 16 ? N - n0 : 16;
-            float acc[16];
-            rows16_bf16(xp, w + n0 * K, s + n0 * KB, K, nr, acc);
-            for (int64_t i = 0; i < nr; i++) store_as(y, y_dtype, n0 + i, acc[i] + (bias ? bias[n0 + i] : 0.f));
-        }
-        return;
-    }
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        /* up to 8 x rows a pass (the row is decoded once a pass: the lookups cost more than a dot);
-         * further passes read the weight row from L1 */
         for (int64_t m0 = 0; m0 < M; m0 += DECODE_MAX_M) {
             const int64_t mc = M - m0 < DECODE_MAX_M ? M - m0 : DECODE_MAX_M;
             float acc[DECODE_MAX_M];
@@ -613,22 +729,26 @@ static int linear_tile(const float *x, const uint8_t *w, const uint8_t *s, const
 /* x: [M, K] fp32/bf16 (row stride x_stride), data/scales: the MXFP8 weight [N, K] / [N, K/32],
  * bias: [N] fp32 or NULL, y: [M, N] contiguous (fp32/bf16). Returns 0; -1 when a buffer cannot be
  * allocated; -2 when K is not a multiple of 32. invariant: 1 for a batch-invariant call: the decode
- * loops and the tile loops sum in different orders, so then one loop takes every row count (bf16 x:
- * the bf16 tile loop, i.e. the packed GEMM's order; otherwise the fp32 decode loop, in passes). */
+ * loops and the tile loops sum in different orders, so then a decode loop takes every row count, in
+ * passes of 8 rows (bf16 x with K % 64 == 0: the bf16-dot one; otherwise the fp32 one). Measured
+ * (benchmarks/batch_invariance.py): the bf16 tile loop for every row count instead halved batch-1
+ * decode. */
 int mxfp8_linear(const void *x, int x_dtype, int64_t x_stride, const uint8_t *data, const uint8_t *scales,
                  const float *bias, void *y, int y_dtype, int64_t M, int64_t N, int64_t K, int invariant) {
     if (K % MX_BLOCK != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int fast = mxfp8_use_fast();
 #ifdef MX_DOT_BF16
-    if (fast && bf16_dot_on && x_dtype == DT_BF16 && M <= DECODE_BF16_MAX_M && K % 64 == 0 && !invariant) {
+    if (fast && bf16_dot_on && x_dtype == DT_BF16 && (M <= DECODE_BF16_MAX_M || invariant) && K % 64 == 0) {
         uint16_t *xp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * K));
         if (!xp) return -1;
         for (int64_t m = 0; m < M; m++) permute_x_bf16((const uint16_t *)x + m * x_stride, K, xp + m * K);
-        linear_decode_bf16(xp, data, scales, bias, y, y_dtype, M, N, K);
+        int rc = 0;
+        if (M == 1 || invariant) rc = linear_decode_bf16(xp, data, scales, bias, y, y_dtype, M, N, K);
+        else linear_decode_rows_bf16(xp, data, scales, bias, y, y_dtype, M, N, K);
         free(xp);
         last_path = 2;
-        return 0;
+        return rc;
     }
     if (fast && bf16_dot_on && x_dtype == DT_BF16 && K % 64 == 0 && mxfp8_scales_bf16_safe(scales, N * (K / MX_BLOCK))) {
         last_path = 4;

@@ -6,12 +6,14 @@ depends on the row count a request's logprobs (and at a near tie its greedy toke
 the traffic beside it, with prefill chunking and with preemption. RL samplers and evaluations want
 a sample to be a function of its prompt, seed and weights only.
 
-Which kernels already are, and what the switch changes (measured in tests/attention/
-test_batch_invariance.py, every row count 1..64 against the rows alone):
+Which kernels already are, and what the switch changes (tests/attention/test_batch_invariance.py:
+each kernel at row counts 1..64 against the rows alone; tests/engine/test_batch_invariance.py: the
+engine):
 
 - invariant at every setting: the packed bf16 GEMM (AVX512-BF16: every linear of a bf16 model),
-  the routed-expert dot tiles (bf16 and MXFP8 experts on bf16 activations there), the MXFP8
-  bf16 tile loop, the attention kernels, the fused norms / RoPE / SiLU and the sampler;
+  the routed-expert dot tiles (bf16 and MXFP8 experts on bf16 activations there), the attention,
+  NSA and top-k kernels (per row), the fused norms / RoPE, the gates' sigmoid (`fused.sigmoid`)
+  and the sampler;
 - fp32 linear layers: 1..4 rows stream in `small_m_linear`, more go to torch's GEMM, whose
   blocking follows the row count. Switched on: `small_m_linear` at every row count (one order per
   row; slower in prefill than torch's GEMM);
@@ -19,9 +21,13 @@ test_batch_invariance.py, every row count 1..64 against the rows alone):
   FMA chains at one row. Switched on: one row sums as in every other pass;
 - the routed-expert panel tiles (fp32 experts, bf16 experts on AVX2, MXFP8 panels): even / odd
   k split at tiles of <= 2 rows. Switched on: no split;
-- the MXFP8 linear: a decode loop up to 8 rows (its own summation order) and a tile loop above.
-  Switched on: bf16 activations take the bf16 tile loop at every row count (the packed GEMM's
-  order), fp32 activations the fp32 decode loop in passes of 8 rows.
+- the MXFP8 linear: a decode loop up to 12 rows (bf16 activations; 8 for fp32), which sums every
+  row in one order, and a tile loop above it, which sums in another. Switched on: the decode loop
+  at every row count (in passes of 8 rows; the bf16 one decodes each group of weight rows once);
+- SiLU-mul (`fused.silu_mul`): a scalar exp at the tails of torch's thread ranges, whose places in
+  the batch follow its row count. Switched on: the tail at each row's end;
+- attention prefill (`torch_backend`): chunks of more than 256 tokens go to SDPA, which tiles by the
+  chunk's length. Switched on: every chunk takes the native rows.
 
 The switch is a context variable (each thread its own), set by the engine's model runner around
 every forward of an engine built with `batch_invariant=True`, so engines of either kind can share

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cuttle.attention import native_attention
-from cuttle.attention.native import gemm, invariance, kernels
+from cuttle.attention.native import fused, gemm, invariance, kernels
 from cuttle.attention.native import moe as native_moe
 from cuttle.attention.native import mxfp8 as native_mxfp8
 from cuttle.attention.native.build import DTYPE_CODE
@@ -58,6 +58,16 @@ def _cases() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Te
     for dt in (torch.bfloat16, torch.float32):
         cases[f"MXFP8 linear {dt} (fp32 out)"] = (
             lambda x: native_mxfp8.linear(x, data, scale, out=torch.empty(x.shape[0], N)), x32.to(dt))
+    # 700 output features: the decode loop's last group of 16 weight rows is partial (12 rows)
+    data7, scale7 = data[:700].contiguous(), scale[:700].contiguous()
+    cases["MXFP8 linear torch.bfloat16, N 700 (fp32 out)"] = (
+        lambda x: native_mxfp8.linear(x, data7, scale7, out=torch.empty(x.shape[0], 700)), x32.bfloat16())
+    # 200 rows x 300: past torch's 32768-element grain, so with several threads its ranges (and
+    # silu_mul's default scalar tails) fall inside rows; the switch puts the tails at row ends
+    gate_up = torch.randn(200, 600, generator=g)
+    for dt in (torch.float32, torch.bfloat16):
+        cases[f"silu_mul {dt}"] = (fused.silu_mul, gate_up.to(dt))
+        cases[f"sigmoid {dt}"] = (fused.sigmoid, gate_up[:, :300].contiguous().to(dt))
     w13 = torch.randn(E, 2 * I, H, generator=g) * 0.05
     w2 = torch.randn(E, H, I, generator=g) * 0.05
     xe = torch.randn(T, H, generator=g)
@@ -87,6 +97,7 @@ CASES = _cases()
 DEFAULT_INVARIANT = [n for n in CASES if n.startswith(("packed GEMM", "linear bf16")) and kernels().packed_gemm]
 DEFAULT_INVARIANT += [n for n in CASES if n.startswith("experts") and (f"format {native_moe.W_BF16_DOT}" in n
                                                                          or f"format {native_moe.W_MXFP8_DOT}" in n)]
+DEFAULT_INVARIANT += [n for n in CASES if n.startswith("sigmoid")]
 # ... and what it says does not: each must differ somewhere, or the switch would be untested.
 SWITCHED = ["linear fp32", "MXFP8 linear torch.bfloat16 (fp32 out)", "MXFP8 linear torch.float32 (fp32 out)",
             f"experts plain torch.float32 format {native_moe.W_F32}", f"experts MXFP8 torch.float32 format {native_moe.W_MXFP8}"]
