@@ -85,6 +85,39 @@ def test_a_request_is_bit_identical_in_every_situation(paths, case: str) -> None
         assert result == want, f"{case}: {situation} differs from the request alone"
 
 
+def test_host_tier_swaps_and_reloads_bit_identically(paths) -> None:
+    """With a host tier, preemption swaps KV out and back (and prefix hits may read it in place):
+    still the bits of the request alone."""
+    got = _runs(paths["moe"], batch_invariant=True, dtype="bfloat16", num_host_kv_blocks=64)
+    want = got.pop("alone")
+    for situation, result in got.items():
+        assert result == want, f"host tier: {situation} differs from the request alone"
+
+
+@pytest.mark.parametrize("positions", ["shared", "concat"])
+def test_squid_documents_are_bit_identical_in_every_situation(paths, positions: str) -> None:
+    """A request over a prefix and two documents: alone, beside other requests (its documents
+    computed in the same steps as their prefills), and with one document computed earlier by
+    another request in other company (a cache hit) and the other now, in chunks of 64."""
+    rng = random.Random(3)
+    docs = [[rng.randrange(3, 256) for _ in range(n)] for n in (90, 170)]
+    request = {"prefix": [5, 6, 7, 8], "documents": docs, "prompt": LONG[:40]}
+    kw = dict(batch_invariant=True, dtype="float32", squid_positions=positions)
+
+    def generate(llm: LLM, prompts: list) -> tuple:
+        out = llm.generate(prompts, GREEDY, use_tqdm=False)[-1].outputs[0]
+        return list(out.token_ids), [sorted((t, lp.logprob) for t, lp in row.items()) for row in out.logprobs]
+
+    others = [{"prompt_token_ids": p} for p in OTHERS]
+    want = generate(LLM(model=paths["moe"], **kw), [request])
+    assert generate(LLM(model=paths["moe"], **kw), others + [request]) == want, "beside others"
+    llm = LLM(model=paths["moe"], max_num_batched_tokens=64, **kw)
+    generate(llm, others[:2] + [{"prefix": [5, 6, 7, 8], "documents": docs[:1], "prompt": [9, 10, 11]}])
+    hits = llm.stats()["documents_hit"]
+    assert generate(llm, others[2:] + [request]) == want, "a cached document, chunks of 64"
+    assert llm.stats()["documents_hit"] > hits
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_without_the_switch_it_differs(paths, dtype: str) -> None:
     """The control: the default engine gives the long request other logprobs in some situation
