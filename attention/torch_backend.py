@@ -6,7 +6,9 @@ reading K/V straight out of the paged cache) when it builds here, else by one ga
 blocks and two batched matmuls. Prefill chunks of up to NATIVE_PREFILL_MAX_QLEN tokens join the
 native call as one row per token (with its causal key count); longer ones, and all of them on the
 plain-torch path, go one sequence at a time through torch's CPU flash attention in fp32 (SDPA's
-kernel, called directly because it also returns the log-sum-exp). Grouped-query heads are never
+kernel, called directly because it also returns the log-sum-exp). A batch-invariant step
+(`native.invariance`) sends every chunk to the native rows: SDPA tiles by the chunk's length, so a
+token would otherwise depend on how its prompt was chunked. Grouped-query heads are never
 repeated in memory. Index tensors and masks are planned once per step and shared by all layers.
 
 A segmented step (`meta.segments`, see metadata.py) runs the same machinery over its parts: the

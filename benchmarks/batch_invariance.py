@@ -4,9 +4,12 @@ side in one process on a preset's random checkpoint.
 Per variant (bf16 weights; MXFP8 linears + experts + lm_head; fp32) and per setting: offline
 output tok/s (N requests), batch-1 decode tok/s, the prefill time of one long prompt (alone: one
 chunk, which the default engine attends with SDPA above 256 tokens and the invariant one with the
-native rows), each the median of interleaved rounds; and whether a probe request's greedy tokens
-and top-2 logprobs are bit-identical alone and beside the other requests. The machine's copy
-bandwidth is measured in the same run (the batch-1 bound of the weights a token reads).
+native rows), the time of a resumed turn (64 new tokens after that prompt, a prefix-cache hit: a
+short chunk over a long cached context, which the default engine also sends to SDPA), each the
+median of interleaved rounds (a fresh long prompt each round); and whether a probe request's
+greedy tokens and top-2 logprobs are bit-identical alone and beside the other requests. The
+machine's copy bandwidth is measured in the same run; the default engine of the same run is the
+baseline of every ratio.
 
     python benchmarks/batch_invariance.py --model-preset qwen3-moe-small
 """
@@ -46,6 +49,15 @@ def prefill_s(llm, prompt: list[int]) -> float:
     return time.perf_counter() - t
 
 
+def resumed_turn_s(llm, history: list[int], turn: list[int]) -> float:
+    """A turn after a cached history: its chunk attends the whole history."""
+    from cuttle.engine import SamplingParams
+
+    t = time.perf_counter()
+    llm.generate([history + turn], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    return time.perf_counter() - t
+
+
 def identical_beside_others(llm, probe: list[int], others: list[list[int]]) -> bool:
     from cuttle.engine import SamplingParams
 
@@ -77,7 +89,8 @@ def main() -> None:
     path = preset_checkpoint(args.model_preset)
     vocab = ModelConfig.from_pretrained(path).vocab_size
     reqs = prompts(args.num_requests, args.prompt_len, vocab)
-    long_prompt = prompts(1, args.long_prompt, vocab, seed=1)[0]
+    long_prompts = prompts(args.rounds, args.long_prompt, vocab, seed=1)  # one per round: each is cached after
+    turn = prompts(1, 64, vocab, seed=3)[0]
     probe = prompts(1, 300, vocab, seed=2)[0]  # past the default engine's 256-token native chunks
     info = machine_info()
     bw = copy_bandwidth_gbs()
@@ -86,32 +99,38 @@ def main() -> None:
     for v in variants:
         engines = {}
         for inv in (False, True):
-            engines[inv] = LLM(path, max_model_len=args.long_prompt + 16, max_num_seqs=args.num_requests,
-                               max_num_batched_tokens=max(2048, args.long_prompt), enable_prefix_caching=False,
-                               batch_invariant=inv, **VARIANTS[v])
+            engines[inv] = LLM(path, max_model_len=args.long_prompt + 96, max_num_seqs=args.num_requests,
+                               max_num_batched_tokens=max(2048, args.long_prompt), batch_invariant=inv, **VARIANTS[v])
             offline(engines[inv], reqs[:2], 4)  # warm-up: packing, graph captures at batch 2 and 1
             offline(engines[inv], reqs[:1], 4)
-        figures: dict[bool, dict[str, list[float]]] = {inv: {"offline": [], "b1": [], "prefill": []} for inv in engines}
-        for _ in range(args.rounds):
+        figures: dict[bool, dict[str, list[float]]] = {inv: {"offline": [], "b1": [], "prefill": [], "turn": []} for inv in engines}
+        for r in range(args.rounds):
             for inv, llm in engines.items():
                 figures[inv]["offline"].append(offline(llm, reqs, args.output_len))
                 figures[inv]["b1"].append(decode_b1(llm, reqs[0], args.output_len))
-                figures[inv]["prefill"].append(prefill_s(llm, long_prompt))
+                figures[inv]["prefill"].append(prefill_s(llm, long_prompts[r]))
+                figures[inv]["turn"].append(resumed_turn_s(llm, long_prompts[r], turn))
         med = {inv: {k: statistics.median(x) for k, x in f.items()} for inv, f in figures.items()}
-        for inv, llm in engines.items():
-            m = med[inv]
-            rows.append([v, "on" if inv else "off", f"{m['offline']:.1f}", f"{m['b1']:.1f}", f"{m['prefill']:.2f}",
-                         "yes" if identical_beside_others(llm, probe, reqs[:7]) else "no",
-                         "" if not inv else f"{m['offline'] / med[False]['offline']:.2f}x / {m['b1'] / med[False]['b1']:.2f}x / "
-                                            f"{med[False]['prefill'] / m['prefill']:.2f}x"])
-            print(" | ".join(rows[-1]), flush=True)
         engines.clear()
         gc.collect()
+        for inv in (False, True):
+            m = med[inv]
+            # its own engine, without the prefix cache: the probe's second run must be computed again
+            llm = LLM(path, enable_prefix_caching=False, batch_invariant=inv, **VARIANTS[v])
+            off = med[False]
+            rows.append([v, "on" if inv else "off", f"{m['offline']:.1f}", f"{m['b1']:.1f}", f"{m['prefill']:.2f}",
+                         f"{m['turn'] * 1e3:.0f}", "yes" if identical_beside_others(llm, probe, reqs[:7]) else "no",
+                         "" if not inv else f"{m['offline'] / off['offline']:.2f}x / {m['b1'] / off['b1']:.2f}x / "
+                                            f"{off['prefill'] / m['prefill']:.2f}x / {off['turn'] / m['turn']:.2f}x"])
+            print(" | ".join(rows[-1]), flush=True)
+            del llm
+            gc.collect()
     print()
     print(f"{args.model_preset}, {args.num_requests} requests x ({args.prompt_len} prompt, {args.output_len} output), "
           f"long prompt {args.long_prompt}, medians of {args.rounds} interleaved rounds; copy {bw:.1f} GB/s")
     print(markdown_table(["variant", "batch_invariant", "offline out tok/s", "batch-1 tok/s", f"prefill {args.long_prompt} (s)",
-                          "identical beside others", "on / off (offline / b1 / prefill speed)"], rows))
+                          "resumed 64-token turn (ms)", "identical beside others",
+                          "on / off (offline / b1 / prefill / turn speed)"], rows))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from cuttle.attention import native
 from cuttle.attention.native.gemm import drop_packed
 from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.block_manager import BlockManager
@@ -153,8 +154,12 @@ class LLMEngine:
             geometry += ";mla=rope-first"
         forward = f"quantization={config.quantization};moe_quant={config.moe_quant};" \
                   f"sparse_attention={parse_sparse_attention(config.sparse_attention)!r}"
-        if config.batch_invariant:  # its entries hold the invariant kernels' bits: kept apart from the others
-            forward += ";batch_invariant"
+        if config.batch_invariant:
+            # its entries hold these invariant kernels' bits, which another kernel build or CPU
+            # (another instruction set, another kernel) would not reproduce: the library's name
+            # is a digest of the sources, the flags and the CPU's features
+            lib = native.kernels().lib
+            forward += f";batch_invariant={os.path.basename(getattr(lib, '_name', '') or '')}"
         return namespace_key(self._weights_tag, str(self.dtype).encode(), geometry.encode(), forward.encode())
 
     # ---- requests --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from cuttle.attention.native.fused import sigmoid
 from cuttle.attention.native.gemm import linear
 
 ScoringFunc = Literal["softmax", "sigmoid"]
@@ -89,7 +90,9 @@ def route(
 def _grouped_sigmoid_topk(
     logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = logits.sigmoid()
+    # one scalar formula per element (torch's sigmoid takes its vector exp for most elements and the
+    # scalar one for the tail, so a row's scores followed how many rows were routed with it)
+    scores = sigmoid(logits)
     choice = scores if bias is None else scores + bias.float()
     if cfg.n_group > 1:
         T, E = choice.shape

@@ -25,8 +25,8 @@ from torch import nn
 
 from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
-from cuttle.attention.native import fused, rows
-from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, silu_mul
+from cuttle.attention.native import rows
+from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, sigmoid, silu_mul
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention, topk_attend_chunked, topk_attend_segments
@@ -196,7 +196,7 @@ class NSAAttention(Attention):
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
         )
-        gates = fused.sigmoid(linear(x, self.g_weight)).view(-1, self.num_heads, 3)  # one formula per element: batch-invariant
+        gates = sigmoid(linear(x, self.g_weight)).view(-1, self.num_heads, 3)  # fused: one formula per element, batch-invariant
         o = backend.forward_nsa(self.layer_id, q, k, v, gates, kv_cache, meta, self.scale, self.compress_windows)
         return linear(o.reshape(-1, self.q_size), self.o_weight)
 

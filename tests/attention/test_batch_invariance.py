@@ -18,6 +18,7 @@ from cuttle.attention.native import moe as native_moe
 from cuttle.attention.native import mxfp8 as native_mxfp8
 from cuttle.attention.native.build import DTYPE_CODE
 from cuttle.moe.mxfp8 import quantize_mxfp8
+from cuttle.moe.routing import RoutingConfig, route
 
 pytestmark = pytest.mark.skipif(kernels().lib is None, reason="native CPU kernel library not built")
 
@@ -68,6 +69,18 @@ def _cases() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Te
     for dt in (torch.float32, torch.bfloat16):
         cases[f"silu_mul {dt}"] = (fused.silu_mul, gate_up.to(dt))
         cases[f"sigmoid {dt}"] = (fused.sigmoid, gate_up[:, :300].contiguous().to(dt))
+    # the torch routers (the native router hands them its near-tied rows): 24 experts, not a
+    # multiple of torch's vector step, so where its elementwise tails fall moves with the row count
+    # (with torch's own sigmoid these weights differed at 33 rows)
+    logits = torch.randn(80, 24, generator=g) * 3
+    bias = torch.randn(24, generator=g) * 0.1
+    for name, cfg in (("sigmoid", RoutingConfig(24, 6, scoring_func="sigmoid", n_group=4, topk_group=3,
+                                                 routed_scaling_factor=2.5)),
+                      ("softmax", RoutingConfig(24, 6, norm_topk_prob=True))):
+        def routed(x: torch.Tensor, cfg=cfg) -> torch.Tensor:
+            weights, ids = route(x, cfg, bias if cfg.scoring_func == "sigmoid" else None)
+            return torch.cat([weights, ids.float()], dim=1)
+        cases[f"route {name}"] = (routed, logits)
     w13 = torch.randn(E, 2 * I, H, generator=g) * 0.05
     w2 = torch.randn(E, H, I, generator=g) * 0.05
     xe = torch.randn(T, H, generator=g)
@@ -97,7 +110,7 @@ CASES = _cases()
 DEFAULT_INVARIANT = [n for n in CASES if n.startswith(("packed GEMM", "linear bf16")) and kernels().packed_gemm]
 DEFAULT_INVARIANT += [n for n in CASES if n.startswith("experts") and (f"format {native_moe.W_BF16_DOT}" in n
                                                                          or f"format {native_moe.W_MXFP8_DOT}" in n)]
-DEFAULT_INVARIANT += [n for n in CASES if n.startswith("sigmoid")]
+DEFAULT_INVARIANT += [n for n in CASES if n.startswith(("sigmoid", "route"))]
 # ... and what it says does not: each must differ somewhere, or the switch would be untested.
 SWITCHED = ["linear fp32", "MXFP8 linear torch.bfloat16 (fp32 out)", "MXFP8 linear torch.float32 (fp32 out)",
             f"experts plain torch.float32 format {native_moe.W_F32}", f"experts MXFP8 torch.float32 format {native_moe.W_MXFP8}"]
@@ -121,6 +134,19 @@ def test_default_invariant_kernels(name: str) -> None:
 def test_switch_changes_what_differs_by_row_count(name: str) -> None:
     f, x = CASES[name]
     assert _differing(f, x), f"{name} is already invariant with the switch off: update invariance.py's list"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_sigmoid_is_torchs_within_rounding(dtype: torch.dtype) -> None:
+    x = torch.cat([torch.randn(4000, generator=torch.Generator().manual_seed(2)) * 8, torch.tensor([-88.0, -30.0, 0.0, 30.0, 88.0])])
+    x = x.to(dtype)
+    got, want = fused.sigmoid(x), torch.sigmoid(x)
+    exact = torch.sigmoid(x.double())
+    if dtype == torch.float32:
+        assert ((got.double() - exact).abs() / exact).max() < 1e-6
+        assert ((got - want).abs() / want).max() < 1e-6
+    else:  # bf16: one rounding of the fp32 value: within one bf16 step of torch's
+        assert ((got.float() - want.float()).abs() / want.float()).max() <= 2 ** -8
 
 
 def test_switch_is_scoped_and_per_thread() -> None:

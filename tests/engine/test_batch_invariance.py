@@ -85,6 +85,27 @@ def test_a_request_is_bit_identical_in_every_situation(paths, case: str) -> None
         assert result == want, f"{case}: {situation} differs from the request alone"
 
 
+def test_seeded_sampling_and_thread_count(paths) -> None:
+    """Seeded samples (temperature 1, top_p 0.9) alone vs beside others, and one vs two threads."""
+    import torch
+
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=16, logprobs=2, ignore_eos=True)
+
+    def sampled(llm: LLM, prompts: list[list[int]]) -> tuple:
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)[-1].outputs[0]
+        return list(out.token_ids), [sorted((t, lp.logprob) for t, lp in row.items()) for row in out.logprobs]
+
+    llm = LLM(model=paths["moe"], dtype="float32", batch_invariant=True, enable_prefix_caching=False)
+    want = sampled(llm, [LONG])
+    assert sampled(llm, OTHERS + [LONG]) == want
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert sampled(llm, OTHERS + [LONG]) == want
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_host_tier_swaps_and_reloads_bit_identically(paths) -> None:
     """With a host tier, preemption swaps KV out and back (and prefix hits may read it in place):
     still the bits of the request alone."""
