@@ -7,6 +7,7 @@ expert), DeepSeek-V3 (MLA, sigmoid routing); MXFP8 weights; NSA and training-fre
 and in bf16 for the long prompt (SDPA vs the native rows). Tiny random checkpoints (no download)."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from cuttle.attention.native import kernels
 from cuttle.engine import LLM, SamplingParams
 
 from helpers import make_checkpoint, write_tokenizer
-from moe_families import family_model
+from moe_families import family_model, randomize_
 from sparse_helpers import make_nsa_checkpoint
 
 pytestmark = pytest.mark.skipif(kernels().lib is None, reason="native CPU kernel library not built")
@@ -104,6 +105,26 @@ def test_seeded_sampling_and_thread_count(paths) -> None:
         assert sampled(llm, OTHERS + [LONG]) == want
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model", ["nsa", "deepseek_v3"])
+def test_update_weights_refreshes_the_derived_copies(paths, model: str, tmp_path) -> None:
+    """NSA's transposed phi heads and MLA's packed projections are kept beside their parameters:
+    after `update_weights` from another checkpoint the engine gives that checkpoint's bits."""
+    from safetensors.torch import load_file
+
+    other = str(tmp_path / "other")
+    if model == "nsa":
+        make_nsa_checkpoint(other, seed=5, hidden_size=128, head_dim=64)
+    else:
+        randomize_(family_model("deepseek_v3"), 0.15, seed=12).save_pretrained(other)
+        write_tokenizer(other, 256)
+    for dtype in ("float32", "bfloat16"):
+        kw = dict(dtype=dtype, batch_invariant=True, enable_prefix_caching=False)
+        llm = LLM(model=paths[model], **kw)
+        _result(llm, [LONG], 0)  # the derived copies made and used
+        llm.update_weights(load_file(os.path.join(other, "model.safetensors")).items())
+        assert _result(llm, OTHERS + [LONG], len(OTHERS)) == _result(LLM(model=other, **kw), [LONG], 0), dtype
 
 
 def test_host_tier_swaps_and_reloads_bit_identically(paths) -> None:
