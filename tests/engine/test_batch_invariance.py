@@ -127,6 +127,35 @@ def test_update_weights_refreshes_the_derived_copies(paths, model: str, tmp_path
         assert _result(llm, OTHERS + [LONG], len(OTHERS)) == _result(LLM(model=other, **kw), [LONG], 0), dtype
 
 
+def test_avx2_paths(paths, monkeypatch) -> None:
+    """What a CPU without AVX512-BF16 runs, forced here: bf16 linears on the widening GEMM
+    (w16_gemm.c) and bf16 experts on the panel tiles, through the engine with the switch. (At this
+    model size bf16 rounding hides most summation-order differences, so this checks the wiring;
+    the kernel tests, with fp32 outputs, are the ones that see the orders: reverting either
+    kernel's switch fails them, not this.)"""
+    import dataclasses
+
+    from cuttle.attention import native
+    from cuttle.attention.native import moe as native_moe
+    from cuttle.engine.models.moe_quant import moe_layers
+
+    ks = native.kernels()
+    if not ks.lib.w16_gemm_available():
+        pytest.skip("the kernel library has no AVX2 + FMA build (w16_gemm.c compiled out)")
+    monkeypatch.setattr(native, "_current", dataclasses.replace(ks, packed_gemm=False, w16_gemm=True))
+    dot = native_moe.dot_in_use()
+    native_moe.set_bf16_dot(False)
+    try:
+        probe = LLM(model=paths["moe"], dtype="bfloat16", batch_invariant=True)
+        assert {layer.packed.fmt for layer in moe_layers(probe.engine.runner.model).values()} == {native_moe.W_BF16}
+        got = _runs(paths["moe"], batch_invariant=True, dtype="bfloat16")
+    finally:
+        native_moe.set_bf16_dot(dot)
+    want = got.pop("alone")
+    for situation, result in got.items():
+        assert result == want, f"AVX2 paths: {situation} differs from the request alone"
+
+
 def test_host_tier_swaps_and_reloads_bit_identically(paths) -> None:
     """With a host tier, preemption swaps KV out and back (and prefix hits may read it in place):
     still the bits of the request alone."""
