@@ -260,6 +260,16 @@ static inline __attribute__((always_inline)) MX_AVX512 __m512 decode_chunk_dot(c
     return _mm512_insertf32x8(_mm512_set1_ps(ft[sb[0]]), _mm256_set1_ps(ft[sb[1]]), 1);
 }
 
+/* One 64-weight chunk's step of a dot: the decoded words (wl, wh) and factors f against the 64
+ * permuted bf16 x values at xm, added to tot. The one arithmetic of every bf16-dot decode loop (on
+ * the fly, from a decoded row, two rows at once), so they all give the same bits. */
+static inline __attribute__((always_inline)) MX_AVX512 __m512 dot_chunk_step(__m512 tot, __m512bh wl, __m512bh wh, __m512 f,
+                                                                             const uint16_t *xm) {
+    __m512 blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), wl, (__m512bh)_mm512_loadu_si512(xm));
+    blk = _mm512_dpbf16_ps(blk, wh, (__m512bh)_mm512_loadu_si512(xm + 32));
+    return _mm512_fmadd_ps(blk, f, tot);
+}
+
 /* One weight row dotted with M permuted bf16 x rows: tot[m], 16 lanes each to be summed. */
 static inline __attribute__((always_inline)) MX_AVX512 void dot_row_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s,
                                                                           int64_t K, const int M, const mx_bf16_tabs *tabs,
@@ -269,20 +279,14 @@ static inline __attribute__((always_inline)) MX_AVX512 void dot_row_bf16(const u
         _mm_prefetch((const char *)(w + c + PREFETCH_BYTES), _MM_HINT_T0);
         __m512i l, h;
         const __m512 f = decode_chunk_dot(w + c, s + c / MX_BLOCK, tabs, &l, &h);
-        const __m512bh wl = (__m512bh)l, wh = (__m512bh)h;
-        for (int m = 0; m < M; m++) {
-            const uint16_t *xm = xp + m * K + c;
-            __m512 blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), wl, (__m512bh)_mm512_loadu_si512(xm));
-            blk = _mm512_dpbf16_ps(blk, wh, (__m512bh)_mm512_loadu_si512(xm + 32));
-            tot[m] = _mm512_fmadd_ps(blk, f, tot[m]);
-        }
+        for (int m = 0; m < M; m++) tot[m] = dot_chunk_step(tot[m], (__m512bh)l, (__m512bh)h, f, xp + m * K + c);
     }
 }
 
-/* The instances the loop below dispatches to (M a constant, so the loops unroll): the M dot-lane
+/* The instances the loops below dispatch to (M a constant, so the loops unroll): the M dot-lane
  * vectors of one weight row, decoded on the fly (lanes_bf16_M) or from a row decoded before
- * (lanes_decoded_M: decode_row_dot, then dot_row_bf16's very operations on its words: the same
- * bits without decoding the row once per pass of x rows). */
+ * (lanes_decoded_M: decode_row_dot, then the same dot_chunk_step on its words: the same bits
+ * without decoding the row once per pass of x rows). */
 #define LANES_BF16(M_)                                                                                              \
     static MX_AVX512 void lanes_bf16_##M_(const uint16_t *x, const uint8_t *w, const uint8_t *s, int64_t K,         \
                                           const mx_bf16_tabs *tabs, __m512 *tot) {                                  \
@@ -297,6 +301,8 @@ LANES_BF16(6)
 LANES_BF16(7)
 LANES_BF16(8)
 typedef void (*lanes_bf16_fn)(const uint16_t *, const uint8_t *, const uint8_t *, int64_t, const mx_bf16_tabs *, __m512 *);
+static const lanes_bf16_fn LANES_FLY[DECODE_MAX_M + 1] = {0, lanes_bf16_1, lanes_bf16_2, lanes_bf16_3, lanes_bf16_4,
+                                                          lanes_bf16_5, lanes_bf16_6, lanes_bf16_7, lanes_bf16_8};
 
 typedef struct {
     __m512i l, h;
@@ -310,15 +316,9 @@ static MX_AVX512 void decode_row_dot(const uint8_t *w, const uint8_t *s, int64_t
 #define LANES_DECODED(M_)                                                                                          \
     static MX_AVX512 void lanes_decoded_##M_(const uint16_t *x, const mx_dot_chunk *d, int64_t K, __m512 *tot) {   \
         for (int m = 0; m < M_; m++) tot[m] = _mm512_setzero_ps();                                                 \
-        for (int64_t c = 0; c < K; c += 64) {                                                                      \
-            const __m512bh wl = (__m512bh)d[c / 64].l, wh = (__m512bh)d[c / 64].h;                                \
-            for (int m = 0; m < M_; m++) {                                                                         \
-                const uint16_t *xm = x + m * K + c;                                                                \
-                __m512 blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), wl, (__m512bh)_mm512_loadu_si512(xm));          \
-                blk = _mm512_dpbf16_ps(blk, wh, (__m512bh)_mm512_loadu_si512(xm + 32));                           \
-                tot[m] = _mm512_fmadd_ps(blk, d[c / 64].f, tot[m]);                                                \
-            }                                                                                                      \
-        }                                                                                                          \
+        for (int64_t c = 0; c < K; c += 64)                                                                        \
+            for (int m = 0; m < M_; m++)                                                                           \
+                tot[m] = dot_chunk_step(tot[m], (__m512bh)d[c / 64].l, (__m512bh)d[c / 64].h, d[c / 64].f, x + m * K + c); \
     }
 LANES_DECODED(1)
 LANES_DECODED(2)
@@ -329,22 +329,19 @@ LANES_DECODED(6)
 LANES_DECODED(7)
 LANES_DECODED(8)
 typedef void (*lanes_decoded_fn)(const uint16_t *, const mx_dot_chunk *, int64_t, __m512 *);
+static const lanes_decoded_fn LANES_DECODED_FNS[DECODE_MAX_M + 1] = {
+    0, lanes_decoded_1, lanes_decoded_2, lanes_decoded_3, lanes_decoded_4, lanes_decoded_5, lanes_decoded_6,
+    lanes_decoded_7, lanes_decoded_8};
 
 /* lanes_decoded_8 for two weight rows at once (d0, d1): twice the independent chains */
 static MX_AVX512 void lanes_decoded_8x2(const uint16_t *x, const mx_dot_chunk *d0, const mx_dot_chunk *d1, int64_t K,
                                         __m512 *t0, __m512 *t1) {
     for (int m = 0; m < 8; m++) t0[m] = t1[m] = _mm512_setzero_ps();
     for (int64_t c = 0; c < K; c += 64) {
-        const __m512bh l0 = (__m512bh)d0[c / 64].l, h0 = (__m512bh)d0[c / 64].h;
-        const __m512bh l1 = (__m512bh)d1[c / 64].l, h1 = (__m512bh)d1[c / 64].h;
+        const mx_dot_chunk *a = d0 + c / 64, *b = d1 + c / 64;
         for (int m = 0; m < 8; m++) {
-            const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + m * K + c), xb = (__m512bh)_mm512_loadu_si512(x + m * K + c + 32);
-            __m512 b0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), l0, xa);
-            __m512 b1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), l1, xa);
-            b0 = _mm512_dpbf16_ps(b0, h0, xb);
-            b1 = _mm512_dpbf16_ps(b1, h1, xb);
-            t0[m] = _mm512_fmadd_ps(b0, d0[c / 64].f, t0[m]);
-            t1[m] = _mm512_fmadd_ps(b1, d1[c / 64].f, t1[m]);
+            t0[m] = dot_chunk_step(t0[m], (__m512bh)a->l, (__m512bh)a->h, a->f, x + m * K + c);
+            t1[m] = dot_chunk_step(t1[m], (__m512bh)b->l, (__m512bh)b->h, b->f, x + m * K + c);
         }
     }
 }
@@ -362,11 +359,6 @@ static int linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8_
                               int y_dtype, int64_t M, int64_t N, int64_t K) {
     const int64_t KB = K / MX_BLOCK, KC = K / 64, groups = (N + 15) / 16;
     const int buffered = M > DECODE_MAX_M;
-    static const lanes_bf16_fn fly[DECODE_MAX_M + 1] = {0, lanes_bf16_1, lanes_bf16_2, lanes_bf16_3, lanes_bf16_4,
-                                                        lanes_bf16_5, lanes_bf16_6, lanes_bf16_7, lanes_bf16_8};
-    static const lanes_decoded_fn dec[DECODE_MAX_M + 1] = {0, lanes_decoded_1, lanes_decoded_2, lanes_decoded_3,
-                                                           lanes_decoded_4, lanes_decoded_5, lanes_decoded_6,
-                                                           lanes_decoded_7, lanes_decoded_8};
     int failed = 0;
 #pragma omp parallel
     {
@@ -398,9 +390,9 @@ static int linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8_
                         if (i >= nr)
                             for (int64_t m = 0; m < mc; m++) tot[m] = _mm512_setzero_ps();
                         else if (buffered)
-                            dec[mc](xp + m0 * K, d + i * KC, K, tot);
+                            LANES_DECODED_FNS[mc](xp + m0 * K, d + i * KC, K, tot);
                         else
-                            fly[mc](xp + m0 * K, w + (n0 + i) * K, s + (n0 + i) * KB, K, &tabs, tot);
+                            LANES_FLY[mc](xp + m0 * K, w + (n0 + i) * K, s + (n0 + i) * KB, K, &tabs, tot);
                         for (int64_t m = 0; m < mc; m++) lanes[m][i] = tot[m];
                     }
                     for (int64_t m = 0; m < mc; m++) {
@@ -423,35 +415,21 @@ static int linear_decode_bf16(const uint16_t *xp, const uint8_t *w, const uint8_
  * otherwise than linear_decode_bf16's tree, so it is not taken for batch-invariant calls: in an
  * A/B of the two on the [151936, 512] lm_head (Zen4, 2 threads, medians of 9) they were within
  * 6 % at 1..4 rows, and this one 1.08x faster at 8 rows and 1.32x at 12. */
-#define ROW_BF16(M_)                                                                                             \
-    static MX_AVX512 void row_bf16_##M_(const uint16_t *x, const uint8_t *w, const uint8_t *s, int64_t K, float *out) { \
-        const mx_bf16_tabs tabs = mx_load_bf16_tabs();                                                           \
-        __m512 tot[M_];                                                                                          \
-        dot_row_bf16(x, w, s, K, M_, &tabs, tot);                                                                \
-        for (int m = 0; m < M_; m++) out[m] = _mm512_reduce_add_ps(tot[m]);                                      \
-    }
-ROW_BF16(1)
-ROW_BF16(2)
-ROW_BF16(3)
-ROW_BF16(4)
-ROW_BF16(5)
-ROW_BF16(6)
-ROW_BF16(7)
-ROW_BF16(8)
-typedef void (*row_bf16_fn)(const uint16_t *, const uint8_t *, const uint8_t *, int64_t, float *);
-
 static void linear_decode_rows_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s, const float *bias, void *y,
                                     int y_dtype, int64_t M, int64_t N, int64_t K) {
     const int64_t KB = K / MX_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += DECODE_MAX_M) {
-            const int64_t mc = M - m0 < DECODE_MAX_M ? M - m0 : DECODE_MAX_M;
-            float acc[DECODE_MAX_M];
-            static const row_bf16_fn rows[DECODE_MAX_M + 1] = {0, row_bf16_1, row_bf16_2, row_bf16_3, row_bf16_4,
-                                                               row_bf16_5, row_bf16_6, row_bf16_7, row_bf16_8};
-            rows[mc](xp + m0 * K, w + n * K, s + n * KB, K, acc);
-            for (int64_t m = 0; m < mc; m++) store_as(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
+#pragma omp parallel
+    {
+        const mx_bf16_tabs tabs = mx_load_bf16_tabs();
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t m0 = 0; m0 < M; m0 += DECODE_MAX_M) {
+                const int64_t mc = M - m0 < DECODE_MAX_M ? M - m0 : DECODE_MAX_M;
+                __m512 tot[DECODE_MAX_M];
+                LANES_FLY[mc](xp + m0 * K, w + n * K, s + n * KB, K, &tabs, tot);
+                for (int64_t m = 0; m < mc; m++)
+                    store_as(y, y_dtype, (m0 + m) * N + n, _mm512_reduce_add_ps(tot[m]) + (bias ? bias[n] : 0.f));
+            }
         }
     }
 }

@@ -1,6 +1,6 @@
 """Fused elementwise ops of a decoder layer on CPU: RMSNorm (alone, or after the residual add),
 q/k per-head RMSNorm + RoPE in place on the fused qkv rows, silu(gate) * up, and the sigmoid of
-gates (NSA's branch gates, a shared expert's gate).
+gates and routers (NSA's branch gates, a shared expert's gate, the torch sigmoid router).
 
 Owns the Python side of `attention/csrc/fused_ops.c` (built into the one kernel library of
 `cuttle.attention.native.build`) and the torch code each kernel replaces, which is also its

@@ -4,11 +4,14 @@ for the dot instruction, on AVX2 CPUs without it the widening GEMM that reads th
 A small-batch kernel streams the weight once in its own layout for 1..4 rows of fp32 (or of bf16
 with the native bf16 GEMMs off). Anything else, and anything autograd must see, is `F.linear`.
 
-Owns the packed weight copies (kept on the weight tensor, dropped by `drop_packed`) and the
+Owns the packed weight copies (kept on the weight tensor by `derived`, which other modules use for
+their own copies derived from a weight; dropped by `drop_packed`) and the
 Python side of `csrc/packed_gemm.c`, `csrc/w16_gemm.c` and `csrc/small_m_linear.c`. Which path a call may take is
 read from `kernels()`, decided once per process; nothing here looks at the environment.
 """
 from __future__ import annotations
+
+from typing import Callable, TypeVar
 
 import torch
 
@@ -25,13 +28,22 @@ SMALL_M_MAX_ROWS = 4
 # call repacks. Writes through `.data` bypass the counter; `drop_packed(model)` forgets all
 # packed copies explicitly (the engine calls it after a weight update).
 _PACKED_ATTR = "_cuttle_packed"
+T = TypeVar("T")
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor:
-    key = (weight._version, weight.data_ptr())
-    hit = getattr(weight, _PACKED_ATTR, None)
+def derived(t: torch.Tensor, attr: str, make: Callable[[torch.Tensor], T]) -> T:
+    """`make(t)`, kept on `t` under `attr` (a `_cuttle_` name, which `drop_packed` sweeps) and
+    made again after an in-place write through `t` (its version counter) or a move (its address)."""
+    key = (t._version, t.data_ptr())
+    hit = getattr(t, attr, None)
     if hit is not None and hit[0] == key:
         return hit[1]
+    value = make(t)
+    setattr(t, attr, (key, value))
+    return value
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     # packed once and cached on the weight: inside a kernel-graph capture the pack is done but not
     # recorded, so a replay reads the packed copy instead of repacking it every step
@@ -39,18 +51,15 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     # in huge pages, as the weights it replaces (hugepages.py: a decode step streams all of it)
     packed = hugepages.empty(real.packed_weight_numel(n, k), torch.bfloat16)
     real.pack_weight_bf16(weight.data_ptr(), n, k, packed.data_ptr())
-    setattr(weight, _PACKED_ATTR, (key, packed))
     return packed
 
 
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    return derived(weight, _PACKED_ATTR, _pack)
+
+
 def _bias_f32(bias: torch.Tensor) -> torch.Tensor:
-    key = (bias._version, bias.data_ptr())
-    hit = getattr(bias, _PACKED_ATTR, None)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    b = bias.float().contiguous()
-    setattr(bias, _PACKED_ATTR, (key, b))
-    return b
+    return derived(bias, _PACKED_ATTR, lambda b: b.float().contiguous())
 
 
 def drop_packed(module: torch.nn.Module) -> None:

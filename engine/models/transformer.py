@@ -26,6 +26,7 @@ from torch import nn
 from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native import rows
+from cuttle.attention.native.gemm import derived
 from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, sigmoid, silu_mul
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
@@ -141,18 +142,16 @@ class DenseSegments(NamedTuple):
 _HEADS_T_ATTR = "_cuttle_heads_t"
 
 
+def _transpose_heads(weight: torch.Tensor) -> list[torch.Tensor]:
+    with torch.inference_mode(False):  # plain tensors (with a version counter) even when called from inference mode
+        return [weight[i].detach().t().contiguous() for i in range(weight.shape[0])]
+
+
 def _heads_transposed(weight: torch.Tensor) -> list[torch.Tensor]:
     """phi's weight [Hkv, l*D, D] as one contiguous [D, l*D] tensor per head (what a linear layer
-    takes), kept on the weight and remade after any in-place write (its version counter), so the
-    packed GEMM's copies of them are made once, not per step."""
-    key = (weight._version, weight.data_ptr())
-    hit = getattr(weight, _HEADS_T_ATTR, None)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    with torch.inference_mode(False):  # plain tensors (with a version counter) even when called from inference mode
-        heads = [weight[i].detach().t().contiguous() for i in range(weight.shape[0])]
-    setattr(weight, _HEADS_T_ATTR, (key, heads))
-    return heads
+    takes), kept on the weight (`gemm.derived`), so the packed GEMM's copies of them are made
+    once, not per step."""
+    return derived(weight, _HEADS_T_ATTR, _transpose_heads)
 
 
 class NSAAttention(Attention):
