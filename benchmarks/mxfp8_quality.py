@@ -7,8 +7,9 @@
    (`moe_quant`) and of MXFP8 everything (`quantization`) against bf16, teacher-forced on the bf16
    engine's greedy continuations of code prompts.
 3. Engine-trainer logprob mismatch (rl/mismatch.py) on the embedded model, sampled by a bf16
-   engine: plain bf16 engine vs fp32 trainer, MXFP8-expert engine vs fp32 trainer quantizing
-   its experts the same way, and vs a trainer that does not (post-training quantization).
+   engine: plain bf16 engine vs fp32 trainer; an MXFP8-expert engine, and one with every linear
+   and the lm_head in MXFP8, each vs an fp32 trainer quantizing the same weights the same way,
+   and vs trainers that quantize less (post-training quantization).
 
     python benchmarks/mxfp8_quality.py [--experts 128] [--only sqnr,agreement,mismatch]
 """
@@ -114,7 +115,12 @@ def mismatch_figures() -> list[list]:
     for engine_label, engine_kw, trainers in (
         ("bf16", {}, (("fp32", TrainerConfig()),)),
         ("bf16, MXFP8 experts", {"moe_quant": "mxfp8"},
-         (("fp32, MXFP8 experts (same format)", TrainerConfig(moe_quant="mxfp8", moe_quant_dtype="bfloat16")),
+         (("fp32, MXFP8 experts (same format)", TrainerConfig(moe_quant="mxfp8", quant_dtype="bfloat16")),
+          ("fp32, unquantized (post-training quantization)", TrainerConfig()))),
+        ("bf16, MXFP8 every linear + lm_head", {"quantization": "mxfp8", "quantize_lm_head": True},
+         (("fp32, MXFP8 every linear + lm_head (same format)",
+           TrainerConfig(quantization="mxfp8", quantize_lm_head=True, quant_dtype="bfloat16")),
+          ("fp32, MXFP8 experts only", TrainerConfig(moe_quant="mxfp8", quant_dtype="bfloat16")),
           ("fp32, unquantized (post-training quantization)", TrainerConfig()))),
     ):
         llm = LLM(DEFAULT_MODEL_DIR, dtype="bfloat16", num_kv_blocks=256, **engine_kw)

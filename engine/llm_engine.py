@@ -138,10 +138,11 @@ class LLMEngine:
     def forward_options(self) -> dict:
         """What of this engine's forward a trainer must mirror to score its samples as drawn (served
         in /v1/rl/info; `cuttle.rl.trainer.TrainerConfig.for_sampler`): sparse_attention (its spec,
-        or None), moe_quant, quantization, and the model dtype's name."""
+        or None), moe_quant, quantization, quantize_lm_head, and the model dtype's name."""
         sparse = parse_sparse_attention(self.config.sparse_attention)
         return {"sparse_attention": None if sparse is None else sparse.spec(), "moe_quant": self.config.moe_quant,
-                "quantization": self.config.quantization, "dtype": next(n for n, d in DTYPES.items() if d == self.dtype)}
+                "quantization": self.config.quantization, "quantize_lm_head": self.config.quantize_lm_head,
+                "dtype": next(n for n, d in DTYPES.items() if d == self.dtype)}
 
     def _disk_namespace(self) -> int:
         """What a disk entry's bytes depend on beyond its tokens and the chain's extra key: the

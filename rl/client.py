@@ -101,7 +101,7 @@ class RolloutClient:
     def forward_options(self) -> dict:
         """What of the servers' forward a trainer must mirror (`LLMEngine.forward_options`, from
         /v1/rl/info; `TrainerConfig.for_sampler`)."""
-        keys = ("sparse_attention", "moe_quant", "quantization", "dtype")
+        keys = ("sparse_attention", "moe_quant", "quantization", "quantize_lm_head", "dtype")
         return dict(zip(keys, self._agreed_info(keys, "run different forwards")))
 
     @property

@@ -1,14 +1,18 @@
 """The reference trainer: scores `TrainBatch`es with the engine's own model code, steps AdamW on
 the chosen policy loss, and pushes the new weights back into a running engine.
 
-`moe_quant="mxfp8"` trains and scores in the sampler's format: every routed-expert weight is
-quantized on the fly in the forward (a parametrization over the master weight: cast to the
-engine's model dtype, `quantize_mxfp8`, dequantize; straight-through gradients), so the logprobs are
-those of an engine serving `moe_quant="mxfp8"` and the trained policy is sampled with no
-post-training quantization step. The master weights stay in `dtype` and are what `push_weights`
+It trains and scores in the sampler's MXFP8 format: `moe_quant="mxfp8"` quantizes every
+routed-expert weight on the fly in the forward, `quantization="mxfp8"` every linear the engine's
+`quantization` covers (attention and dense-MLP projections, and the routed experts) and, with
+`quantize_lm_head`, the lm_head (a tied one only where it makes logits: the token lookup reads the
+embedding as is, as the engine's does). Each is a parametrization over the master weight: cast to
+the engine's model dtype (`quant_dtype`), `quantize_mxfp8`, dequantize; straight-through gradients.
+So the logprobs are those of an engine serving that format, and the trained policy is sampled with
+no post-training quantization step. The master weights stay in `dtype` and are what `push_weights`
 sends (the engine re-quantizes them the same way). `sparse_attention` (the engine's
 training-free top-k spec) scores under the same rule, squid segments each on its own keys.
-`TrainerConfig.for_sampler` reads both from the sampler (an `LLM`, or the servers' /v1/rl/info).
+`TrainerConfig.for_sampler` reads all of these from the sampler (an `LLM`, or the servers'
+/v1/rl/info).
 
 Owns a training copy of the model (float32 master weights by default), its optimizer, and the
 recomputation of the sampled tokens' logprobs (`CausalLM.forward_masked` over rows of whole
@@ -39,9 +43,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from cuttle.engine.config import DTYPES, MOE_QUANT_MODES, ModelConfig
+from cuttle.engine.config import DTYPES, MOE_QUANT_MODES, QUANTIZATION_MODES, ModelConfig
 from cuttle.engine.models import CausalLM, load_model
 from cuttle.engine.models.transformer import parse_sparse_attention, sparse_attention_for
+from cuttle.engine.models.linear_quant import linear_slots
 from cuttle.engine.models.moe_quant import moe_layers
 from cuttle.moe.mxfp8 import fake_quantize_ste
 from cuttle.rl.batch import PackedBatch, TrainBatch
@@ -66,7 +71,9 @@ class TrainerConfig:
     old_policy: str = "behaviour"  # the ratio's denominator: "behaviour" (engine logprobs) or "start"
     minibatches: int = 1  # optimizer steps per batch, each over a consecutive part of its sequences
     moe_quant: str | None = None  # "mxfp8": routed experts quantized on the fly in the forward (the sampler's format)
-    moe_quant_dtype: str | None = None  # the engine's model dtype, which it quantizes from (default: `dtype`)
+    quantization: str | None = None  # "mxfp8": every linear the engine's `quantization` covers, routed experts included
+    quantize_lm_head: bool = False  # with quantization: the lm_head too (the engine's `quantize_lm_head`)
+    quant_dtype: str | None = None  # the engine's model dtype, which its MXFP8 weights are quantized from (default: `dtype`)
     # the engine's `sparse_attention` (training-free top-k), so sampled tokens are scored under the
     # attention they were sampled with: the same spec string or dict; None: dense attention
     sparse_attention: str | dict | None = None
@@ -74,8 +81,12 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
             raise ValueError(f"moe_quant must be None or one of {', '.join(MOE_QUANT_MODES)}; got {self.moe_quant!r}")
-        if self.moe_quant_dtype is not None and self.moe_quant_dtype not in DTYPES:
-            raise ValueError(f"moe_quant_dtype must be one of {', '.join(DTYPES)}; got {self.moe_quant_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_MODES)}; got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head=True needs quantization='mxfp8' (the lm_head is quantized with the other linears)")
+        if self.quant_dtype is not None and self.quant_dtype not in DTYPES:
+            raise ValueError(f"quant_dtype must be one of {', '.join(DTYPES)}; got {self.quant_dtype!r}")
         if self.sparse_attention is not None:
             parse_sparse_attention(self.sparse_attention)  # refused here, naming the field, if malformed
         if self.old_policy not in OLD_POLICIES:
@@ -86,16 +97,14 @@ class TrainerConfig:
     @classmethod
     def for_sampler(cls, sampler: Any, **fields: Any) -> TrainerConfig:
         """A config whose forward is the sampler's, so its logprobs are the ones the samples were
-        drawn with: its `sparse_attention` and its MXFP8 experts (`moe_quant`, quantized from its
-        dtype). `sampler`: an in-process `LLM`, or a `RolloutClient` (read from the servers'
-        /v1/rl/info). The other fields as given. A sampler whose forward the trainer cannot
-        reproduce (`quantization="mxfp8"`: every linear in MXFP8) is refused naming it."""
+        drawn with: its `sparse_attention` and its MXFP8 weights (`moe_quant`, `quantization`,
+        `quantize_lm_head`, quantized from its dtype). `sampler`: an in-process `LLM`, or a
+        `RolloutClient` (read from the servers' /v1/rl/info). The other fields as given."""
         info = sampler.forward_options() if hasattr(sampler, "forward_options") else sampler.engine.forward_options()
-        if info.get("quantization") is not None:
-            raise ValueError(f"the sampler runs quantization={info['quantization']!r} (every linear layer); the trainer "
-                             "does not reproduce it, so its logprobs would differ from the samples'")
+        quantized = info["moe_quant"] is not None or info["quantization"] is not None
         mirrored = {"sparse_attention": info["sparse_attention"], "moe_quant": info["moe_quant"],
-                    "moe_quant_dtype": info["dtype"] if info["moe_quant"] else None}
+                    "quantization": info["quantization"], "quantize_lm_head": info["quantize_lm_head"],
+                    "quant_dtype": info["dtype"] if quantized else None}
         return cls(**{**mirrored, **fields})
 
 
@@ -110,33 +119,47 @@ class Trainer:
         self.device = torch.device(device)
         mc = ModelConfig.from_pretrained(model_path)
         self.model: CausalLM = load_model(model_path, mc, DTYPES[self.config.dtype], self.device)
-        if self.config.moe_quant is not None:
-            self._quantize_experts_on_the_fly()
+        if self.config.moe_quant is not None or self.config.quantization is not None:
+            self._quantize_on_the_fly()
         self.sparse = sparse_attention_for(self.config.sparse_attention, mc)  # refused as the engine refuses it
-        self.params = [p for n, p in self.model.named_parameters() if not n.startswith(freeze)]
+        # frozen by the engine's names (a parametrized weight's own name ends in `.original`)
+        self.params = [p for n, p in self.model.named_parameters() if not _engine_name(n).startswith(freeze)]
         for p in self.params:
             p.requires_grad_(True)
         c = self.config
         self.optimizer = torch.optim.AdamW(self.params, lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
         self.num_steps = 0
 
-    def _quantize_experts_on_the_fly(self) -> None:
+    def _quantize_on_the_fly(self) -> None:
+        """Parametrize every weight the sampler holds in MXFP8 by its round trip (see the module
+        docstring); the same weights `prepare_quantized_experts` / `prepare_quantized_linears`
+        replace in the engine, refused where the engine refuses them."""
+        c = self.config
+        slots: list[tuple[nn.Module, str]] = []
         layers = moe_layers(self.model)
-        if not layers:
-            raise ValueError(f"moe_quant={self.config.moe_quant!r}: this {self.model.cfg.architecture} model has no MoE layers")
-        src = DTYPES[self.config.moe_quant_dtype or self.config.dtype]
-        for layer in layers.values():
-            for name in ("w13", "w2"):
-                parametrize.register_parametrization(layer, name, _MXFP8Experts(src))
+        if c.moe_quant is not None and not layers:
+            raise ValueError(f"moe_quant={c.moe_quant!r}: this {self.model.cfg.architecture} model has no MoE layers")
+        # quantization="mxfp8" quantizes the routed experts too, as the engine's loader does
+        slots += [(layer, name) for layer in layers.values() for name in ("w13", "w2")]
+        if c.quantization is not None:
+            slots += [(module, attr) for module, attr, _ in linear_slots(self.model)]
+            if c.quantize_lm_head:
+                # tied: `lm_head` is the embedding under a second name; parametrizing that name
+                # leaves `embed` (the token lookup) as it is, and the gradients of both meet in it
+                slots.append((self.model, "lm_head"))
+        src = DTYPES[c.quant_dtype or c.dtype]
+        for module, name in slots:
+            k = getattr(module, name).shape[-1]
+            if k % 32:
+                raise ValueError(f"MXFP8: {type(module).__name__}.{name} has input dim {k}, not a multiple of the MX block size 32")
+            parametrize.register_parametrization(module, name, _MXFP8RoundTrip(src))
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                  segments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        # cached: each expert weight is quantized once per forward, however often the layer reads it
-        with parametrize.cached():
-            if segments is None:
-                return self.model.forward_masked(ids, pos, mask, sparse=self.sparse)
-            return self.model.forward_masked(ids, pos, mask, sparse=self.sparse, segments=segments[0],
-                                             segment_shifts=segments[1])
+        if segments is None:
+            return self.model.forward_masked(ids, pos, mask, sparse=self.sparse)
+        return self.model.forward_masked(ids, pos, mask, sparse=self.sparse, segments=segments[0],
+                                         segment_shifts=segments[1])
 
     # ---- scoring ---------------------------------------------------------------------------
     def _rows(self, batch: PackedBatch, first: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
@@ -167,10 +190,12 @@ class Trainer:
         segments = None
         if self.model.nsa is not None or self.sparse is not None:  # NSA / top-k attend per segment (each sequence's pieces)
             segments = tuple(t.to(self.device)[None] for t in batch.row_segments(a, b))
-        hidden = self._forward(ids[None], pos[None], mask[None], segments)[0]
         targets = batch.loss_mask[span].to(self.device).nonzero().squeeze(1)
-        # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
-        logits = self.model.compute_logits(hidden[targets - 1])
+        # cached: each MXFP8 weight is quantized once per row, however often the forward reads it
+        with parametrize.cached():
+            hidden = self._forward(ids[None], pos[None], mask[None], segments)[0]
+            # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
+            logits = self.model.compute_logits(hidden[targets - 1])
         if self.config.temperature != 1.0:
             logits = logits / self.config.temperature
         lp = torch.log_softmax(logits, dim=-1).gather(1, ids[targets][:, None]).squeeze(1)
@@ -260,16 +285,21 @@ class Trainer:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights under the engine's own parameter names (no HF name round trip)."""
         for name, p in self.model.named_parameters():
-            # a parametrized expert weight's master is `<layer>.parametrizations.<w>.original`
-            yield name.replace("parametrizations.", "").removesuffix(".original"), p.detach()
+            yield _engine_name(name), p.detach()
 
     def push_weights(self, target: WeightTarget, in_flight: str = "abort") -> int:
         """Load the current weights into a running engine; returns its new weight version."""
         return target.update_weights(self.named_weights(), in_flight)
 
 
-class _MXFP8Experts(nn.Module):
-    """Parametrization of a stacked expert weight: its MXFP8 round trip, straight-through."""
+def _engine_name(name: str) -> str:
+    """A parameter's engine name: a parametrized weight's master is `<module>.parametrizations.<w>.original`."""
+    return name.replace("parametrizations.", "").removesuffix(".original")
+
+
+class _MXFP8RoundTrip(nn.Module):
+    """Parametrization of a weight (an [N, K] linear, a stacked [E, N, K] expert weight): its
+    MXFP8 round trip along K, straight-through."""
 
     def __init__(self, from_dtype: torch.dtype) -> None:
         super().__init__()

@@ -116,8 +116,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor | MXLinearWeight, bias: t
     return F.linear(x, weight, bias)
 
 
-def _linear_slots(model: CausalLM) -> list[tuple[nn.Module, str, str]]:
-    """(module, attribute, engine parameter name) of every linear weight `quantization` covers."""
+def linear_slots(model: CausalLM) -> list[tuple[nn.Module, str, str]]:
+    """(module, attribute, engine parameter name) of every linear weight `quantization` covers (the
+    lm_head aside); the trainer quantizes the same ones on the fly (`cuttle.rl.trainer`)."""
     from cuttle.engine.models.transformer import Attention, DenseMLP, NSAAttention
 
     slots: list[tuple[nn.Module, str, str]] = []
@@ -138,7 +139,7 @@ def prepare_quantized_linears(model: CausalLM, mode: str = "mxfp8", lm_head: boo
     `lm_head` also the lm_head (a tied one becomes an MXFP8 copy of the embedding, see `tie_to`)."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
-    slots = _linear_slots(model)
+    slots = linear_slots(model)
     if lm_head and not isinstance(model.lm_head, MXLinearWeight):
         slots.append((model, "lm_head", "lm_head"))
     for module, attr, name in slots:

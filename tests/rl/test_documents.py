@@ -322,23 +322,28 @@ def test_trainer_sparse_attention_is_validated():
 
 def test_trainer_config_for_a_served_sampler(moe_path):
     """`TrainerConfig.for_sampler` reads what the trainer must mirror from the servers' /v1/rl/info
-    (sparse_attention, MXFP8 experts and the dtype they are quantized from); a forward the trainer
-    cannot reproduce (every linear in MXFP8) is refused naming it."""
+    (sparse_attention, the MXFP8 weights -- experts, every linear, the lm_head -- and the dtype
+    they are quantized from); a server that does not report them is refused."""
     from server_fixture import LiveServer
 
     with LiveServer(moe_path, dtype="float32", num_kv_blocks=128, sparse_attention=SPARSE, moe_quant="mxfp8") as srv, \
             RolloutClient(srv.url) as client:
         config = TrainerConfig.for_sampler(client, lr=1e-4)
-    assert (config.sparse_attention, config.moe_quant, config.moe_quant_dtype, config.lr) == \
-        (parse_sparse_attention(SPARSE).spec(), "mxfp8", "float32", 1e-4)
+    assert (config.sparse_attention, config.moe_quant, config.quantization, config.quant_dtype, config.lr) == \
+        (parse_sparse_attention(SPARSE).spec(), "mxfp8", None, "float32", 1e-4)
+    with LiveServer(moe_path, dtype="bfloat16", num_kv_blocks=128, quantization="mxfp8", quantize_lm_head=True) as srv, \
+            RolloutClient(srv.url) as client:
+        config = TrainerConfig.for_sampler(client)
+    assert (config.moe_quant, config.quantization, config.quantize_lm_head, config.quant_dtype, config.dtype) == \
+        (None, "mxfp8", True, "bfloat16", "float32")
     plain = TrainerConfig.for_sampler(LLM(moe_path, dtype="float32", num_kv_blocks=64))
-    assert (plain.sparse_attention, plain.moe_quant, plain.moe_quant_dtype) == (None, None, None)
-    with pytest.raises(ValueError, match="quantization='mxfp8'"):
-        TrainerConfig.for_sampler(LLM(moe_path, dtype="float32", num_kv_blocks=64, quantization="mxfp8"))
+    assert (plain.sparse_attention, plain.moe_quant, plain.quantization, plain.quantize_lm_head, plain.quant_dtype) == \
+        (None, None, None, False, None)
     # a server older than these fields is refused, not read as dense
     client = RolloutClient("http://old-server")
     client._get = lambda url: {"weight_version": 0, "squid_positions": "concat", "eos_token_ids": [1]}
-    with pytest.raises(ValueError, match="http://old-server does not report sparse_attention, moe_quant, quantization, dtype"):
+    with pytest.raises(ValueError, match="http://old-server does not report sparse_attention, moe_quant, quantization, "
+                                         "quantize_lm_head, dtype"):
         TrainerConfig.for_sampler(client)
     assert client.squid_positions == "concat" and client.eos_token_ids == {1}
     # a Trainer refuses a spec the engine would refuse on this model
