@@ -10,6 +10,7 @@ leave a workspace behind after `close`.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import threading
@@ -71,7 +72,8 @@ class SandboxEnvironment:
 
     def reward(self) -> tuple[float, dict[str, Any]]:
         with self._lock:
-            r = grade(self.task, self.sandbox.workspace, Limits(timeout=self.task.timeout))
+            # the hidden tests run the agent's code too: under this sandbox's limits, the task's time limit
+            r = grade(self.task, self.sandbox.workspace, dataclasses.replace(self.sandbox.limits, timeout=self.task.timeout))
         return r.reward, r.to_dict()
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import ToolError
@@ -118,7 +118,10 @@ class EnvPool:
             self._check_alive(env)
             start = time.perf_counter()
             # graded under the pool's own directory, so its cleanup covers the copies too
-            reward = grade(env.task, env.sandbox.workspace, Limits(timeout=env.task.timeout), scratch_dir=self.base_dir)
+            # the hidden tests run the agent's code too: under the environment's limits (its
+            # memory bounds included), with the task's own time limit
+            limits = replace(env.sandbox.limits, timeout=env.task.timeout)
+            reward = grade(env.task, env.sandbox.workspace, limits, scratch_dir=self.base_dir)
             elapsed = (time.perf_counter() - start) * 1e3
             env.last_used = time.monotonic()
         log.info("env=%s reward=%.1f ms=%.1f", env_id, reward.reward, elapsed)

@@ -1,7 +1,8 @@
 """The sandbox launcher: a standalone script that turns one JSON spec into one isolated command.
 
 Owns: process creation inside new user/PID/net/mount/IPC/UTS namespaces, the read-only root it
-builds with bind mounts, dropping privileges and capabilities, rlimits and the scrubbed environment.
+builds with bind mounts, dropping privileges and capabilities, rlimits and the scrubbed environment;
+joining the command's memory cgroup (`cgroup_procs`, made by cgroups.py) before any fork.
 Run as `python -I -S jail.py SPEC` (SPEC: marshal-encoded dict in hex, from the same
 interpreter); only cheap standard-library imports (no json, socket or signal: they pull in re
 and enum, tripling start-up).
@@ -361,10 +362,26 @@ def _kill_uid(uid: int) -> None:
     os.kill(-1, SIGKILL)
 
 
+def _join_cgroups(spec: dict) -> None:
+    """Enter the command's memory cgroup (cgroups.py made it) before forking anything, so every
+    process of the command starts inside it; failing to is a setup failure, never a run without."""
+    for path in spec.get("cgroup_procs", ()):
+        try:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, str(os.getpid()).encode())
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise SetupError(f"joining the command's cgroup {path}: {err}") from None
+
+
 def main() -> None:
     spec = marshal.loads(bytes.fromhex(sys.argv[1]))
     mode = spec["mode"]
     try:
+        if mode in ("namespaces", "rlimits"):
+            _join_cgroups(spec)
         if mode in ("namespaces", "probe-host"):
             os._exit(_run_namespaces(spec))
         if mode == "rlimits":

@@ -19,6 +19,15 @@ class Limits:
     tmp_mb: int = 64  # size of the private /tmp and /dev/shm tmpfs (RAM, so kept small)
     output_bytes: int = 16384  # kept per stream: half from the head, half from the tail
     max_output_bytes: int = 64 * MiB  # read in total before the command is killed as a flood
+    # all of a command's processes together, its tmpfs pages included: a memory cgroup per command
+    # (cgroups.py); None: not bounded beyond memory_mb per process. A host that cannot make one
+    # refuses the sandbox (never a run without the bound)
+    total_memory_mb: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.total_memory_mb is not None and (isinstance(self.total_memory_mb, bool) or not isinstance(self.total_memory_mb, int)
+                                                 or self.total_memory_mb < 8):
+            raise ValueError(f"total_memory_mb must be None or an integer >= 8 (MiB); got {self.total_memory_mb!r}")
 
     def rlimits(self, timeout: float) -> dict[str, int]:
         cpu = self.cpu_s if self.cpu_s is not None else math.ceil(timeout) + 1

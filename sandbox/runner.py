@@ -27,6 +27,10 @@ class RunResult:
     stderr_truncated: bool = False
     output_limit_exceeded: bool = False  # the command flooded output and was killed
     duration_s: float = 0.0
+    # with Limits.total_memory_mb: the kernel killed a process for the command's total memory,
+    # and the highest total it reached (None where not bounded or not reported)
+    memory_limit_exceeded: bool = False
+    peak_memory_mb: float | None = None
 
     def format(self) -> str:
         """The text an agent sees for a `run` tool call."""
@@ -35,6 +39,9 @@ class RunResult:
             notes.append(f"timed out after {self.duration_s:.1f} s; the sandbox and all its processes were killed")
         if self.output_limit_exceeded:
             notes.append("output limit exceeded; the command was killed")
+        if self.memory_limit_exceeded:
+            notes.append("memory limit exceeded: the command's processes together used more than the sandbox allows, "
+                         "and the kernel killed one of them")
         if self.stdout_truncated or self.stderr_truncated:
             notes.append("output truncated: only the head and tail are shown")
         if self.isolation != "namespaces":

@@ -11,7 +11,7 @@ import shlex
 import subprocess
 from typing import Any
 
-from . import isolation
+from . import cgroups, isolation
 from .errors import SandboxError, SandboxUnavailable, ToolError
 from .isolation import NAMESPACES, RLIMITS_ONLY
 from .limits import Limits
@@ -57,6 +57,9 @@ class Sandbox:
                 "without it; pass allow_unisolated=True to accept an rlimits-only sandbox "
                 "(no filesystem, network or process isolation)."
             )
+        if self.limits.total_memory_mb is not None and (why := cgroups.support_error()) is not None:
+            raise SandboxUnavailable(f"total_memory_mb={self.limits.total_memory_mb} needs a memory cgroup per command, and "
+                                     f"this process cannot make one: {why}. Refusing to run commands without the bound.")
         uid, gid = isolation.sandbox_ids(root)
         self.workspace = Workspace(root, uid, gid)
         chown_tree(root, uid, gid)
@@ -71,14 +74,35 @@ class Sandbox:
         mode = "namespaces" if self.isolation == NAMESPACES else "rlimits"
         spec = isolation.build_spec(mode, ["/bin/sh", "-c", command], self.workspace.root, self.limits,
                                     limit, self.extra_read_only)
-        result = execute(
-            isolation.launcher_argv(spec), isolation.launcher_env(), limit, self.isolation,
-            keep_bytes if keep_bytes is not None else self.limits.output_bytes, self.limits.max_output_bytes,
-            stdin=stdin, after_exit=self._kill_escapees if self.isolation == RLIMITS_ONLY else None,
-        )
+        cgroup = None
+        if self.limits.total_memory_mb is not None:
+            try:
+                cgroup = cgroups.create(self.limits.total_memory_mb << 20)
+            except OSError as err:
+                raise SandboxError(f"could not make the command's memory cgroup: {err}") from None
+            spec["cgroup_procs"] = [cgroup.procs_file]
+        try:
+            result = execute(
+                isolation.launcher_argv(spec), isolation.launcher_env(), limit, self.isolation,
+                keep_bytes if keep_bytes is not None else self.limits.output_bytes, self.limits.max_output_bytes,
+                stdin=stdin, after_exit=self._kill_escapees if self.isolation == RLIMITS_ONLY else None,
+            )
+        finally:
+            report = self._close_cgroup(cgroup) if cgroup is not None else None
+        if report is not None:
+            result.memory_limit_exceeded = report.oom_kills > 0
+            result.peak_memory_mb = None if report.peak_bytes is None else report.peak_bytes / (1 << 20)
         if result.exit_code == isolation.SETUP_FAILED and isolation.SETUP_MARKER in result.stderr:
             raise SandboxError(result.stderr.strip())
         return result
+
+    @staticmethod
+    def _close_cgroup(cgroup: cgroups.CommandCgroup) -> cgroups.CgroupReport | None:
+        try:
+            return cgroup.close()
+        except OSError as err:  # its processes were killed; a directory left behind is logged, not fatal
+            log.error("could not remove the command's memory cgroup %s: %s", cgroup.path, err)
+            return None
 
     def _kill_escapees(self) -> None:
         """rlimits-only: processes that left the process group (setsid) are found by uid instead.

@@ -30,6 +30,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
+from . import cgroups
 from .envs import EnvPool, PoolFull
 from .isolation import NAMESPACES, RLIMITS_ONLY, namespace_error
 from .limits import Limits
@@ -151,7 +152,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="tool calls / rewards running at once; more wait")
     p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an unused env is deleted")
     p.add_argument("--timeout", type=float, default=30.0, help="wall-clock limit per command, seconds")
-    p.add_argument("--memory-mb", type=int, default=1024, help="address-space limit per command")
+    p.add_argument("--memory-mb", type=int, default=1024, help="address-space limit per process of a command")
+    p.add_argument("--total-memory-mb", type=int, default=None,
+                   help="memory of all of a command's processes together, tmpfs included (a memory cgroup per "
+                        "command; refused at start where this process cannot make one)")
     p.add_argument("--allow-unisolated", action="store_true",
                    help="run with rlimits only where namespaces are unavailable (reported on every result)")
     p.add_argument("--log-level", default="info")
@@ -162,12 +166,18 @@ def main(argv: list[str] | None = None) -> None:
     error = namespace_error()
     log.info("isolation: %s", "namespaces (user, pid, net, mount, ipc, uts via unshare(2))" if error is None
              else f"unavailable ({error})")
-    pool = EnvPool(max_envs=args.max_envs, idle_timeout_s=args.idle_timeout,
-                   limits=Limits(timeout=args.timeout, memory_mb=args.memory_mb),
+    try:
+        limits = Limits(timeout=args.timeout, memory_mb=args.memory_mb, total_memory_mb=args.total_memory_mb)
+    except ValueError as err:
+        raise SystemExit(f"cuttle-env-server: {err}") from None
+    pool = EnvPool(max_envs=args.max_envs, idle_timeout_s=args.idle_timeout, limits=limits,
                    allow_unisolated=args.allow_unisolated)
     if error is not None and not args.allow_unisolated:
         raise SystemExit(f"cuttle-env-server: namespace isolation unavailable ({error}); "
                          "pass --allow-unisolated to serve rlimits-only sandboxes")
+    if args.total_memory_mb is not None and (why := cgroups.support_error()) is not None:
+        raise SystemExit(f"cuttle-env-server: --total-memory-mb needs a memory cgroup per command, and this process "
+                         f"cannot make one: {why}")
     app = create_app(pool, args.max_concurrent_calls, reap_interval_s=min(10.0, args.idle_timeout / 2))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 
