@@ -7,12 +7,13 @@ model output outside a `Sandbox`, and never let a sample see the hidden tests.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from typing import Any
 
 from cuttle.rl.types import Group, Sample
-from cuttle.sandbox import Sandbox
+from cuttle.sandbox import Limits, Sandbox
 from cuttle.sandbox.tasks import Task, grade, make_task
 from cuttle.sandbox.workspace import remove_tree, write_files
 
@@ -24,8 +25,11 @@ class SandboxCodeReward:
     file graded is that text followed by the sample's completion.
     """
 
-    def __init__(self, allow_unisolated: bool = False):
+    def __init__(self, allow_unisolated: bool = False, limits: Limits | None = None):
+        """`limits`: the grading sandbox's (memory bounds, workspace size...), each task's own time
+        limit applied; default: `Limits()` with it."""
         self.allow_unisolated = allow_unisolated
+        self.limits = limits
         self._tasks: dict[str, Task] = {}
 
     def task(self, spec: dict[str, Any]) -> Task:
@@ -45,7 +49,11 @@ class SandboxCodeReward:
             workspace = os.path.join(root, "workspace")
             os.mkdir(workspace)
             write_files(workspace, {name: start + sample.text})
-            sandbox = Sandbox(workspace, timeout=task.timeout, allow_unisolated=self.allow_unisolated)
-            return grade(task, sandbox.workspace).reward
+            limits = dataclasses.replace(self.limits or Limits(), timeout=task.timeout)
+            # this workspace only carries the completion into grade's fresh copy (bounded there
+            # where workspace_mb is set), and nothing runs in it
+            sandbox = Sandbox(workspace, limits=dataclasses.replace(limits, workspace_mb=None),
+                              allow_unisolated=self.allow_unisolated)
+            return grade(task, sandbox.workspace, limits).reward
         finally:
             remove_tree(root)

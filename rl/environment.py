@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from cuttle.sandbox import Limits, Sandbox, ToolError
 from cuttle.sandbox.tasks import Task, grade, make_task
-from cuttle.sandbox.workspace import remove_tree, write_files
+from cuttle.sandbox.workspace import bound_workspace, remove_tree, write_files
 
 
 class AgentEnvironment(Protocol):
@@ -49,9 +49,11 @@ class SandboxEnvironment:
             os.chmod(self.root, 0o755)
             workspace = os.path.join(self.root, "workspace")
             os.mkdir(workspace)
+            limits = limits or Limits(timeout=self.task.timeout)
+            if limits.workspace_mb is not None:
+                bound_workspace(workspace, limits.workspace_mb)
             write_files(workspace, self.task.files)
-            self.sandbox = Sandbox(workspace, limits=limits or Limits(timeout=self.task.timeout),
-                                   allow_unisolated=allow_unisolated)
+            self.sandbox = Sandbox(workspace, limits=limits, allow_unisolated=allow_unisolated)
         except BaseException:
             remove_tree(self.root)
             raise

@@ -18,7 +18,7 @@ from .errors import ToolError
 from .limits import Limits
 from .sandbox import Sandbox
 from .tasks import Reward, Task, grade, make_task
-from .workspace import chown_tree, clear_dir, remove_tree, write_files
+from .workspace import bound_workspace, chown_tree, clear_dir, remove_tree, write_files
 
 log = logging.getLogger("cuttle.sandbox.envs")
 
@@ -76,6 +76,8 @@ class EnvPool:
             os.chmod(root, 0o755)
             workspace = os.path.join(root, "workspace")
             os.mkdir(workspace)
+            if self.limits.workspace_mb is not None:
+                bound_workspace(workspace, self.limits.workspace_mb)
             write_files(workspace, task.files)
             sandbox = Sandbox(workspace, limits=self.limits, allow_unisolated=self.allow_unisolated)
             env = Environment(uuid.uuid4().hex[:16], task, root, sandbox, time.monotonic())

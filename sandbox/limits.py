@@ -23,11 +23,16 @@ class Limits:
     # (cgroups.py); None: not bounded beyond memory_mb per process. A host that cannot make one
     # refuses the sandbox (never a run without the bound)
     total_memory_mb: int | None = None
+    # the workspace's own filesystem, bytes and files bounded (workspace.bound_workspace: a tmpfs
+    # of this size, made by the environments; a Sandbox given it checks its workspace is one);
+    # None: the workspace is a directory of the host's disk
+    workspace_mb: int | None = None
 
     def __post_init__(self) -> None:
-        if self.total_memory_mb is not None and (isinstance(self.total_memory_mb, bool) or not isinstance(self.total_memory_mb, int)
-                                                 or self.total_memory_mb < 8):
-            raise ValueError(f"total_memory_mb must be None or an integer >= 8 (MiB); got {self.total_memory_mb!r}")
+        for name, least in (("total_memory_mb", 8), ("workspace_mb", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{name} must be None or an integer >= {least} (MiB); got {value!r}")
 
     def rlimits(self, timeout: float) -> dict[str, int]:
         cpu = self.cpu_s if self.cpu_s is not None else math.ceil(timeout) + 1

@@ -19,7 +19,7 @@ from .paths import Workspace
 from .runner import RunResult, execute
 from .testing import TestReport, parse_report, pytest_command
 from .tools import call_tool
-from .workspace import chown_tree
+from .workspace import chown_tree, workspace_bound_error
 
 log = logging.getLogger(__name__)
 MAX_COMMAND_BYTES = 100_000  # one argv string on Linux may be 128 KiB; keep clear of it
@@ -60,6 +60,8 @@ class Sandbox:
         if self.limits.total_memory_mb is not None and (why := cgroups.support_error()) is not None:
             raise SandboxUnavailable(f"total_memory_mb={self.limits.total_memory_mb} needs a memory cgroup per command, and "
                                      f"this process cannot make one: {why}. Refusing to run commands without the bound.")
+        if self.limits.workspace_mb is not None and (why := workspace_bound_error(root, self.limits.workspace_mb)):
+            raise SandboxError(f"workspace_mb={self.limits.workspace_mb}: {why}")
         uid, gid = isolation.sandbox_ids(root)
         self.workspace = Workspace(root, uid, gid)
         chown_tree(root, uid, gid)

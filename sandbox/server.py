@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--total-memory-mb", type=int, default=None,
                    help="memory of all of a command's processes together, tmpfs included (a memory cgroup per "
                         "command; refused at start where this process cannot make one)")
+    p.add_argument("--workspace-mb", type=int, default=None,
+                   help="each environment's workspace on a tmpfs of this size (bytes and files bounded; RAM-backed; "
+                        "needs root)")
     p.add_argument("--allow-unisolated", action="store_true",
                    help="run with rlimits only where namespaces are unavailable (reported on every result)")
     p.add_argument("--log-level", default="info")
@@ -167,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("isolation: %s", "namespaces (user, pid, net, mount, ipc, uts via unshare(2))" if error is None
              else f"unavailable ({error})")
     try:
-        limits = Limits(timeout=args.timeout, memory_mb=args.memory_mb, total_memory_mb=args.total_memory_mb)
+        limits = Limits(timeout=args.timeout, memory_mb=args.memory_mb, total_memory_mb=args.total_memory_mb,
+                        workspace_mb=args.workspace_mb)
     except ValueError as err:
         raise SystemExit(f"cuttle-env-server: {err}") from None
     pool = EnvPool(max_envs=args.max_envs, idle_timeout_s=args.idle_timeout, limits=limits,
@@ -178,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.total_memory_mb is not None and (why := cgroups.support_error()) is not None:
         raise SystemExit(f"cuttle-env-server: --total-memory-mb needs a memory cgroup per command, and this process "
                          f"cannot make one: {why}")
+    if args.workspace_mb is not None and os.geteuid() != 0:
+        raise SystemExit("cuttle-env-server: --workspace-mb mounts each workspace's own filesystem, which needs root")
     app = create_app(pool, args.max_concurrent_calls, reap_interval_s=min(10.0, args.idle_timeout / 2))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 

@@ -21,7 +21,7 @@ from ..limits import Limits
 from ..paths import Workspace
 from ..sandbox import Sandbox
 from ..testing import TestReport, parse_report
-from ..workspace import remove_tree, write_files
+from ..workspace import bound_workspace, remove_tree, write_files
 
 MAX_SOLUTION_FILE_BYTES = 1 << 20
 MAX_SOLUTION_FILES = 1000  # files carried into grading, at most
@@ -93,12 +93,15 @@ def grade(task: Task, workspace: Workspace, limits: Limits | None = None, scratc
     """Reward 1.0 when every hidden test passes in a fresh copy, else 0.0. The copy lives under
     `scratch_dir` (default: the system temp dir) and is removed afterwards."""
     fresh = tempfile.mkdtemp(prefix="cuttle-grade-", dir=scratch_dir)
+    limits = limits or Limits(timeout=task.timeout)
     try:
         os.chmod(fresh, 0o755)
+        if limits.workspace_mb is not None:  # the hidden tests run the agent's code: the same bound
+            bound_workspace(fresh, limits.workspace_mb)
         write_files(fresh, task.files)
         write_files(fresh, solution_files(task, workspace))
         write_files(fresh, task.hidden_files)  # last: nothing the agent wrote survives under their names
-        sb = Sandbox(fresh, limits=limits or Limits(timeout=task.timeout))
+        sb = Sandbox(fresh, limits=limits)
         nonce = secrets.token_hex(16)
         result = sb.run(task.grade_command, stdin=(nonce + "\n").encode(), keep_bytes=1 << 20)
         report = parse_report(result, nonce)
