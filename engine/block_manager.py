@@ -205,6 +205,23 @@ class BlockManager:
             self.pool.unref(last.block_id)
             seq.block_table[idx] = new
 
+    def reserve_draft_slots(self, seq: Sequence, k: int, keep_free: int = 0) -> int:
+        """After `append_slot`: blocks for up to `k` draft tokens after the last one (speculative
+        decoding), from free blocks beyond `keep_free` only (a draft never preempts a decode:
+        the caller keeps one block for each sequence still to schedule); returns how many fit."""
+        bs, table = self.block_size, seq.block_table
+        last = len(seq.token_ids) - 1 + k  # the last draft's position
+        while len(table) <= last // bs and self.pool.num_free > keep_free:
+            table.append(self.pool.take())
+        return min(k, len(table) * bs - len(seq.token_ids))
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back blocks past what the sequence's tokens need (reserved for drafts that were
+        not kept), so it holds what decoding without drafts would have."""
+        keep = self.blocks_needed(len(seq.token_ids))
+        while len(seq.block_table) > keep:
+            self._unref(seq.block_table.pop())
+
     def _append_cost(self, seq: Sequence) -> int:
         pos = len(seq.token_ids) - 1
         idx = pos // self.block_size

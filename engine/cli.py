@@ -9,6 +9,7 @@ the sandbox's own command, `cuttle-env-server`: the engine never imports `cuttle
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import signal
 import sys
@@ -63,6 +64,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                                                "'vllm': ignore it; or a directory holding one")
     g.add_argument("--kv-read-in-place", choices=["auto", "never", "always"],
                    help="host-tier hits: read where they are or copy in (default auto: the cost model chooses)")
+    g.add_argument("--speculative-config", type=_json_dict, metavar="JSON",
+                   help='speculative decoding by prompt lookup, vLLM\'s JSON: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="each request's tokens and logprobs independent of what else runs beside it, of prompt "
                         "chunking and of preemption (CPU kernels; docs/architecture.md, 'Batch invariance')")
@@ -73,7 +77,17 @@ _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                    "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb", "kv_read_in_place",
                    "sparse_attention")
 _ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "cpu_graph_max_batch", "cpu_graph_hot_batches",
-                   "generation_config", "batch_invariant")
+                   "generation_config", "batch_invariant", "speculative_config")
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _build_llm(args: argparse.Namespace):

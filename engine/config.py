@@ -18,6 +18,7 @@ import torch
 
 from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.hf_cache import resolve_model
+from cuttle.engine.spec_decode import SpecConfig
 from cuttle.moe.routing import is_moe_layer
 
 # architecture -> the HF model_type its routing rules are keyed by (filled in when config.json
@@ -380,6 +381,9 @@ class EngineConfig:
     # inference): the CPU kernels that sum in an order set by the row count switch to one order
     # (attention/native/invariance.py); configurations that cannot give it are refused at start-up
     batch_invariant: bool = False
+    # speculative decoding by n-gram prompt lookup (engine/spec_decode.py), vLLM's dict:
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.model = resolve_model(self.model, self.revision)
@@ -446,6 +450,7 @@ class EngineConfig:
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head=True needs quantization='mxfp8' (the lm_head is quantized with the other linears)")
+        SpecConfig.parse(self.speculative_config)  # a bad spec raises naming its field
 
     @property
     def has_host_tier(self) -> bool:

@@ -31,6 +31,7 @@ from cuttle.engine.generation_config import generation_defaults
 from cuttle.engine.memory_budget import checkpoint_weight_bytes, free_memory_bytes, kv_pool_bytes
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
+from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.postprocess import Postprocessor
 from cuttle.engine.sampler import Logprob, SampleRequest, sample
@@ -38,6 +39,7 @@ from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.scheduler import Scheduler
 from cuttle.engine.sequence import Request, Sequence
 from cuttle.engine.session import Sessions
+from cuttle.engine.spec_decode import Proposer, SpecConfig
 from cuttle.engine.squid import Squid, parse_prompt
 from cuttle.engine.structured_output import StructuredOutput
 from cuttle.engine.tokenizer import Tokenizer
@@ -87,14 +89,22 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.squid = Squid(self.block_manager, str(self.dtype))
         self.squid_positions = config.squid_positions or mc.hf_config.get("squid_positions") or "concat"
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid)
+        spec = SpecConfig.parse(config.speculative_config)
+        if spec is not None and (nsa_config(mc.hf_config) is not None or config.sparse_attention is not None):
+            # their per-block entries (NSA's compressed K/V, top-k's summaries) are computed as a
+            # block fills, from every token in it: a draft not kept would stay in them
+            raise ValueError("speculative_config is not supported with sparse attention (an NSA model or sparse_attention): "
+                             "rejected drafts would enter the blocks' compressed entries")
+        proposer = Proposer(spec, min(max_len, num_blocks * bs)) if spec is not None else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid, proposer)
         self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self.weight_version = 0
         self._weights_tag = b""  # the disk tier's name for the weights (the checkpoint's until an update)
         self.tiers: KVTiers | None = self._build_tiers(self.runner.kv.block_bytes) if config.has_host_tier else None
-        self.counters = {"prompt_tokens": 0, "prefill_tokens_computed": 0, "generated_tokens": 0, "steps": 0}
+        self.counters = {"prompt_tokens": 0, "prefill_tokens_computed": 0, "generated_tokens": 0, "steps": 0,
+                         "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self.post = Postprocessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters)
         # structured output, logit_bias, allowed_token_ids, bad_words (engine/structured_output.py)
         self.controls = StructuredOutput(self.tokenizer, mc.vocab_size, self.eos_token_ids)
@@ -356,7 +366,10 @@ class LLMEngine:
 
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
-            if not (n == 1 and start == len(seq.token_ids) - 1 and start >= seq.num_prompt_tokens):
+            if seq.draft:  # the drafts' KV counts once they are kept (in _accept_drafts)
+                n -= len(seq.draft)
+                self.counters["spec_draft_tokens"] += len(seq.draft)
+            elif not (n == 1 and start == len(seq.token_ids) - 1 and start >= seq.num_prompt_tokens):
                 self.counters["prefill_tokens_computed"] += n
             seq.num_computed_tokens = start + n
             if seq.request.job is None:
@@ -373,8 +386,17 @@ class LLMEngine:
         rows: list[int] = []
         targets: list[Sequence] = []
         src: list[int] = []  # the sample_seqs entry each target's row comes from
+        offsets: list[int] = []  # a row's place after the sequence's last token (> 0: a draft's row)
         for j, seq in enumerate(inputs.sample_seqs):
             req = seq.request
+            if seq.draft:  # its last token's row, then one row per draft (speculative decoding)
+                for i in range(len(seq.draft) + 1):
+                    rows.append(row + i)
+                    targets.append(seq)
+                    src.append(j)
+                    offsets.append(i)
+                row += len(seq.draft) + 1
+                continue
             group = [seq]
             if not req.forked:  # the prompt is done: the other n-1 samples fork from it now
                 self._fork(req, seq)
@@ -383,6 +405,7 @@ class LLMEngine:
                 rows.append(row)
                 targets.append(s)
                 src.append(j)
+                offsets.append(0)
             row += 1
         mask = None
         if mask_job is not None:
@@ -394,7 +417,7 @@ class LLMEngine:
                 self.post.fail(req, ValueError(why))
                 touched[req.request_id] = req  # its output (with the error) must still reach the caller
         if targets:
-            reqs = [self._sample_request(s) for s in targets]
+            reqs = [self._sample_request(s, i) for s, i in zip(targets, offsets)]
             # rows are consecutive unless an n > 1 prompt just forked (its row repeats): a slice
             # then saves copying [rows, vocab] fp32 logits every step
             if rows == list(range(rows[0], rows[0] + len(rows))):
@@ -408,16 +431,24 @@ class LLMEngine:
                 results = sample(picked, reqs, self.config.logprobs_mode, mask, greedy)
             now = time.monotonic()
             post = self.post
-            for s, res in zip(targets, results):
+            k = 0
+            while k < len(targets):
+                s, res = targets[k], results[k]
                 req = s.request
-                if req.error is not None:
-                    continue  # an earlier sample of this request already failed it this step
-                try:
-                    if res.failed is not None:
-                        raise ValueError(res.failed)
-                    post.append(s, res.token, res.logprob, res.top)
-                except Exception as e:  # noqa: BLE001 - one request's fault must not end the batch
-                    post.fail(req, e)
+                if s.draft:  # this row and the drafts' rows after it
+                    count = len(s.draft) + 1
+                    self._accept_drafts(s, results[k : k + count])
+                    k += count
+                else:
+                    k += 1
+                    if req.error is not None:
+                        continue  # an earlier sample of this request already failed it this step
+                    try:
+                        if res.failed is not None:
+                            raise ValueError(res.failed)
+                        post.append(s, res.token, res.logprob, res.top)
+                    except Exception as e:  # noqa: BLE001 - one request's fault must not end the batch
+                        post.fail(req, e)
                 if req.first_token_time is None:
                     req.first_token_time = now
                 touched[req.request_id] = req
@@ -453,19 +484,50 @@ class LLMEngine:
         """The ids min_tokens masks: stop_token_ids, and EOS unless ignore_eos."""
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
 
-    def _sample_request(self, seq: Sequence) -> SampleRequest:
+    def _sample_request(self, seq: Sequence, offset: int = 0) -> SampleRequest:
+        """Row `offset` of `seq`: 0 its next token's; i > 0 the token after its first i drafts
+        (speculative decoding), sampled as if they had been appended: its output position, and
+        the drafts among the tokens penalties count."""
         req = seq.request
         p = req.sampling_params
+        output = seq.output_token_ids + seq.draft[:offset] if offset and p.has_penalties else seq.output_token_ids
         return SampleRequest(
             params=p,
             seed=req.seed,
             index=seq.index,
-            step=seq.num_output_tokens,
+            step=seq.num_output_tokens + offset,
             # the whole prompt a squid query reads (prefix + documents + query), as vLLM's prompt
             prompt_ids=(req.full_prompt_token_ids or req.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
-            output_ids=seq.output_token_ids if p.has_penalties else [],
+            output_ids=output if p.has_penalties else [],
             stop_ids=self._stop_ids(p),
         )
+
+    def _accept_drafts(self, seq: Sequence, results: list) -> None:
+        """Speculative decoding's rule (engine/spec_decode.py): append the sampled tokens in order
+        while each equals the draft at its place (that draft's KV, computed this step, then
+        counts), up to and including the first that differs or the one after the last draft;
+        stops where the sequence finishes. Blocks reserved for drafts not kept go back."""
+        draft, post = seq.draft, self.post
+        seq.draft = []
+        if seq.request.error is not None:
+            return  # an earlier sample of this request failed it this step
+        try:
+            for i, res in enumerate(results):
+                if res.failed is not None:
+                    raise ValueError(res.failed)
+                post.append(seq, res.token, res.logprob, res.top)
+                if seq.is_finished or i == len(draft) or res.token != draft[i]:
+                    break
+                seq.num_computed_tokens += 1  # the draft is the token now: its KV is this step's
+                self.counters["spec_accepted_tokens"] += 1
+                if seq.num_computed_tokens % self.block_manager.block_size == 0:
+                    # a block just filled: cached now, before a later token may end the sequence
+                    self.block_manager.hash_computed_blocks(seq)
+        except Exception as e:  # noqa: BLE001 - one request's fault must not end the batch
+            post.fail(seq.request, e)
+        if not seq.is_finished:
+            self.block_manager.hash_computed_blocks(seq)
+            self.block_manager.trim(seq)
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         req = seq.request

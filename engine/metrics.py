@@ -25,6 +25,11 @@ _TOTALS = [
     ("cuttle_prompt_tokens", "Prompt tokens admitted since start", None, [(None, "prompt_tokens")]),
     ("cuttle_generation_tokens", "Tokens generated since start", None, [(None, "generated_tokens")]),
     ("cuttle_graph_steps", "Decode steps replayed from kernel graphs (CPU) since start", None, [(None, "graph_steps")]),
+    # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens (0 without speculative_config)
+    ("cuttle_spec_decode_num_draft_tokens", "Draft tokens proposed by speculative decoding since start", None,
+     [(None, "spec_draft_tokens")]),
+    ("cuttle_spec_decode_num_accepted_tokens", "Draft tokens kept by speculative decoding since start", None,
+     [(None, "spec_accepted_tokens")]),
     ("cuttle_squid_documents", "Squid documents served from the cache (hit) or computed", "outcome",
      [("hit", "documents_hit"), ("computed", "documents_computed")]),
     ("cuttle_squid_document_tokens", "Squid document tokens reused from the cache or computed", "outcome",

@@ -44,7 +44,9 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # rows to compute logits for: prompt-logprob rows, then sample rows
-    sample_seqs: list[Sequence]  # sequences that reach their end this step (one logits row each)
+    # sequences that reach their end this step: one logits row each, 1 + len(seq.draft) for one
+    # with drafts (speculative decoding)
+    sample_seqs: list[Sequence]
     prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first prompt position, count) with logits
     graph: Any = None  # the decode graph whose tensors these are (`DecodeGraphs.stage`), or None
     greedy: torch.Tensor | None = None  # argmax of every logits row, from that graph's replay (plain-greedy steps)
@@ -213,7 +215,9 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             row0 = query_start[-1]
-            ids.extend(seq.token_ids[start:end])
+            # a decode with drafts (speculative decoding) computes its last token and the drafts
+            tokens = seq.token_ids + seq.draft if seq.draft else seq.token_ids
+            ids.extend(tokens[start:end])
             positions.extend(range(seq.pos_base + start, seq.pos_base + end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -227,8 +231,11 @@ class ModelRunner:
                 last = min(end, seq.num_prompt_tokens - 1)
                 logit_rows.extend(range(row0, row0 + last - start))
                 prompt_rows.append((seq, start, last - start))
-            if end == len(seq.token_ids) and req.job is None:  # a document job is prefill only
-                sample_rows.append(row0 + n - 1)
+            if end == len(tokens) and req.job is None:  # a document job is prefill only
+                if seq.draft:  # every row is sampled: the last token's and each draft's
+                    sample_rows.extend(range(row0 + n - 1 - len(seq.draft), row0 + n))
+                else:
+                    sample_rows.append(row0 + n - 1)
                 sample_seqs.append(seq)
         dev = self.device
         if any(seq.shared for seq, _ in scheduled):

@@ -1,7 +1,8 @@
 """Continuous batching: which sequences run this step and how many of their tokens.
 
 Each step spends a token budget (`max_num_batched_tokens`): running sequences first, in arrival
-order (a decode costs one token, an unfinished prompt takes a chunk of what is left), then waiting
+order (a decode costs one token, plus its drafts under speculative decoding; an unfinished prompt
+takes a chunk of what is left), then waiting
 sequences are admitted while blocks and the budget last, so prefill chunks and decodes share a
 step. When a decode cannot get a block, the most recently admitted running sequence is preempted:
 its blocks are freed and it returns to the front of the queue to be recomputed later (its tokens
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.sequence import Sequence, SequenceStatus
+from cuttle.engine.spec_decode import Proposer
 from cuttle.engine.squid import Squid
 
 if TYPE_CHECKING:
@@ -42,9 +44,11 @@ def _seats(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, squid: Squid | None = None):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, squid: Squid | None = None,
+                 spec: Proposer | None = None):
         self.block_manager = block_manager
         self.squid = squid  # admits sequences with documents (engine/squid.py)
+        self.spec = spec  # speculative decoding's drafts (engine/spec_decode.py), or None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -98,6 +102,12 @@ class Scheduler:
                     continue
                 bm.append_slot(seq)
                 n = 1
+                if self.spec is not None and budget > 1:
+                    draft = self.spec.propose(seq, budget - 1)
+                    if draft:
+                        # a block kept free for each sequence still to schedule: drafts never preempt
+                        seq.draft = draft[: bm.reserve_draft_slots(seq, len(draft), keep_free=len(running))]
+                        n += len(seq.draft)
             else:
                 n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append((seq, n))
@@ -163,6 +173,7 @@ class Scheduler:
         return released
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.draft = []
         self.block_manager.swap_out(seq)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING

@@ -20,6 +20,7 @@ from cuttle.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cuttle.engine.sampler import Logprob
+    from cuttle.engine.spec_decode import NgramIndex
     from cuttle.engine.squid import DocumentJob, SquidLayout
     from cuttle.engine.tokenizer import IncrementalDetokenizer
 
@@ -38,7 +39,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "block_table",
         "num_computed_tokens", "num_cached_tokens", "status", "logprobs", "cumulative_logprob",
         "finish_reason", "output_text", "detok", "stop_reason", "shared", "handles", "pos_base",
-        "sent_tokens", "sent_chars", "num_reused_tokens", "stop_token_hidden",
+        "sent_tokens", "sent_chars", "num_reused_tokens", "stop_token_hidden", "draft", "ngram",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
@@ -67,6 +68,10 @@ class Sequence:
         self.detok: IncrementalDetokenizer | None = None  # set by the engine when text is needed per step
         self.sent_tokens = 0  # output tokens and text already handed out (delta outputs)
         self.sent_chars = 0
+        # speculative decoding (engine/spec_decode.py): this step's draft tokens, computed after
+        # the last token and checked against the samples; the n-gram index they are looked up in
+        self.draft: list[int] = []
+        self.ngram: NgramIndex | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

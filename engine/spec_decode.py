@@ -1,0 +1,125 @@
+"""Speculative decoding by n-gram prompt lookup (vLLM's `speculative_config={"method": "ngram"}`).
+
+A coding model's output often repeats spans of its context (code it edits, names it defined, a
+test it quotes). The proposer finds the latest earlier occurrence of a sequence's last n tokens
+(n from `prompt_lookup_max` down to `prompt_lookup_min`) and proposes the up to
+`num_speculative_tokens` tokens that followed it. The step then computes the last token and the k
+drafts in one pass (k + 1 rows, one weight read: at batch 1 a memory-bound step costs about the
+same for 1 row or 5) and samples every row; drafts are kept while each equals the token sampled
+at its place, and the first token that differs (or the bonus token after the last draft) ends the
+step's output.
+
+Exactness: row i's token is drawn from the target distribution given the tokens before it, with
+the sampler's counter-based uniform for (seed, sample, output position): the same draw a
+non-speculative step makes at that position. So the tokens are those of decoding without drafts,
+for greedy and random sampling alike, and the logprobs are the rows' own (no draft model's
+distribution enters: a proposal is a point mass, and "keep it iff the sample equals it" is the
+rejection rule for one). Where the kernels give each row the same bits whatever the step's shape
+(`batch_invariant=True`) outputs are bit-identical with and without speculation; otherwise the
+k + 1-row step rounds differently from a one-row step, as any batching does.
+
+Owns the config (`SpecConfig.parse`), the per-sequence n-gram index (`NgramIndex`: built once
+over the prompt, then one insertion per n per new token), and `propose` (the scheduler reserves
+the drafts' KV slots and budget). The engine step (llm_engine.py) samples the rows and applies the
+rule. Requests with token controls (structured output, allowed ids, bad words, logit_bias) are
+never drafted: their masks follow a grammar state per position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SPEC_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN = 4, 2  # the matched suffix: 4 tokens down to 2 (1 proposes too often)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def parse(cls, spec: dict[str, Any] | None) -> SpecConfig | None:
+        """`EngineConfig.speculative_config` (vLLM's keys) validated; None stays None."""
+        if spec is None:
+            return None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict (vLLM's keys), got {type(spec).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)} (supported: {', '.join(sorted(known))})")
+        method = spec.get("method", "ngram")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method {method!r} is not supported (supported: {', '.join(SPEC_METHODS)}: "
+                             "prompt lookup; draft models and EAGLE are not)")
+        if "num_speculative_tokens" not in spec:
+            raise ValueError("speculative_config.num_speculative_tokens is required (drafts per step)")
+        k = spec["num_speculative_tokens"]
+        hi = spec.get("prompt_lookup_max", DEFAULT_LOOKUP_MAX)
+        lo = spec.get("prompt_lookup_min", min(DEFAULT_LOOKUP_MIN, hi) if isinstance(hi, int) else DEFAULT_LOOKUP_MIN)
+        for name, value, least, most in (("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS),
+                                         ("prompt_lookup_max", hi, 1, 32), ("prompt_lookup_min", lo, 1, 32)):
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+                raise ValueError(f"speculative_config.{name} must be an integer in [{least}, {most}], got {value!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
+        return cls(method, k, hi, lo)
+
+
+class NgramIndex:
+    """For one sequence's tokens: each n-gram (n in [lo, hi]) -> the start of its latest occurrence
+    that has a token after it. Updated incrementally as tokens are appended (never rebuilt)."""
+
+    __slots__ = ("lo", "hi", "maps", "done")
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.maps: list[dict[tuple[int, ...], int]] = [{} for _ in range(hi - lo + 1)]
+        self.done = [0] * (hi - lo + 1)  # per n: n-grams starting before this index are in
+
+    def _update(self, tokens: list[int]) -> None:
+        L = len(tokens)
+        for i, n in enumerate(range(self.lo, self.hi + 1)):
+            m, end = self.maps[i], L - n  # an n-gram at j has a follower iff j + n <= L - 1
+            for j in range(self.done[i], end):
+                m[tuple(tokens[j:j + n])] = j
+            self.done[i] = max(self.done[i], end)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching
+        suffix (its last `hi` tokens first, then shorter down to `lo`); [] without a match."""
+        self._update(tokens)
+        L = len(tokens)
+        for n in range(min(self.hi, L - 1), self.lo - 1, -1):
+            j = self.maps[n - self.lo].get(tuple(tokens[L - n:]))
+            if j is not None:
+                return tokens[j + n:j + n + k]
+        return []
+
+
+class Proposer:
+    """The scheduler's side: which running sequence gets how many drafts this step."""
+
+    def __init__(self, config: SpecConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def propose(self, seq: Any, limit: int) -> list[int]:
+        """Drafts for `seq`, which decodes its last token this step: at most `limit` (the step's
+        budget), none past its max_tokens or max_model_len; none for document jobs or requests
+        with token controls."""
+        req = seq.request
+        p = req.sampling_params
+        if req.job is not None or p.has_controls:
+            return []
+        k = min(self.config.num_speculative_tokens, limit, req.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - len(seq.token_ids))
+        if k <= 0:
+            return []
+        if seq.ngram is None:
+            seq.ngram = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        return seq.ngram.propose(seq.token_ids, k)
