@@ -387,6 +387,7 @@ class LLMEngine:
         targets: list[Sequence] = []
         src: list[int] = []  # the sample_seqs entry each target's row comes from
         offsets: list[int] = []  # a row's place after the sequence's last token (> 0: a draft's row)
+        forked = False  # a prompt's row repeated for its n samples: rows are no longer the logits' rows
         for j, seq in enumerate(inputs.sample_seqs):
             req = seq.request
             if seq.draft:  # its last token's row, then one row per draft (speculative decoding)
@@ -401,6 +402,7 @@ class LLMEngine:
             if not req.forked:  # the prompt is done: the other n-1 samples fork from it now
                 self._fork(req, seq)
                 group = req.seqs
+                forked = True
             for s in group:
                 rows.append(row)
                 targets.append(s)
@@ -426,7 +428,7 @@ class LLMEngine:
                 picked = logits[torch.tensor(rows)]
             # a replayed plain-greedy step picked its argmax already (for its rows as they are: not
             # after a fork repeated one)
-            greedy = inputs.greedy if len(targets) == len(inputs.sample_seqs) else None
+            greedy = inputs.greedy if not forked else None
             with torch.inference_mode():  # the logits are inference tensors, updated in place
                 results = sample(picked, reqs, self.config.logprobs_mode, mask, greedy)
             now = time.monotonic()
@@ -511,6 +513,7 @@ class LLMEngine:
         seq.draft = []
         if seq.request.error is not None:
             return  # an earlier sample of this request failed it this step
+        kept = 0
         try:
             for i, res in enumerate(results):
                 if res.failed is not None:
@@ -520,11 +523,13 @@ class LLMEngine:
                     break
                 seq.num_computed_tokens += 1  # the draft is the token now: its KV is this step's
                 self.counters["spec_accepted_tokens"] += 1
+                kept += 1
                 if seq.num_computed_tokens % self.block_manager.block_size == 0:
                     # a block just filled: cached now, before a later token may end the sequence
                     self.block_manager.hash_computed_blocks(seq)
         except Exception as e:  # noqa: BLE001 - one request's fault must not end the batch
             post.fail(seq.request, e)
+        self.scheduler.spec.update(seq, len(draft), kept)
         if not seq.is_finished:
             self.block_manager.hash_computed_blocks(seq)
             self.block_manager.trim(seq)

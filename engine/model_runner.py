@@ -211,6 +211,8 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         prompt_rows: list[tuple[Sequence, int, int]] = []
         max_blocks = 0
+        segmented = any(seq.shared for seq, _ in scheduled)
+        tables: list[list[int]] = []  # one-segment steps: each query's block table
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
@@ -221,9 +223,20 @@ class ModelRunner:
             positions.extend(range(seq.pos_base + start, seq.pos_base + end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(row0 + n)
-            seq_lens.append(end)
-            query_lens.append(n)
+            if seq.draft and not segmented:
+                # each row a query of its own over the keys up to it (the K/V of the rows before it
+                # are written first, as a decode row's own is): the step is a decode step of more
+                # rows, with the decode kernels and its kernel graphs
+                for i in range(n):
+                    query_start.append(row0 + i + 1)
+                    seq_lens.append(start + i + 1)
+                    query_lens.append(1)
+                    tables.append(table)
+            else:
+                query_start.append(row0 + n)
+                seq_lens.append(end)
+                query_lens.append(n)
+                tables.append(table)
             max_blocks = max(max_blocks, len(table))
             req = seq.request
             if req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens:
@@ -238,10 +251,10 @@ class ModelRunner:
                     sample_rows.append(row0 + n - 1)
                 sample_seqs.append(seq)
         dev = self.device
-        if any(seq.shared for seq, _ in scheduled):
+        if segmented:
             meta = self._segment_metadata(scheduled)
         else:  # the fast path: one causal segment per sequence
-            meta = self._single_segment_metadata(scheduled, query_start, seq_lens, query_lens, slots, max_blocks)
+            meta = self._single_segment_metadata(tables, query_start, seq_lens, query_lens, slots, max_blocks)
             if self.host_kv is not None and any(has_host_blocks(seq.block_table) for seq, _ in scheduled):
                 meta.host_kv = self.host_kv
         return StepInputs(
@@ -263,11 +276,11 @@ class ModelRunner:
             layouts.append(SeqLayout(n, segs))
         return AttentionMetadata.build(layouts, self.block_size, self.device, rope=self.model.rope, host_kv=self.host_kv)
 
-    def _single_segment_metadata(self, scheduled: list[tuple[Sequence, int]], query_start: list[int], seq_lens: list[int],
+    def _single_segment_metadata(self, block_tables: list[list[int]], query_start: list[int], seq_lens: list[int],
                                  query_lens: list[int], slots: list[int], max_blocks: int) -> AttentionMetadata:
-        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
-        for i, (seq, _) in enumerate(scheduled):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         dev = self.device
         return AttentionMetadata(
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),

@@ -89,6 +89,9 @@ class Scheduler:
         bm = self.block_manager
         kept: list[Sequence] = []
         running = self.running
+        spec = self.spec
+        if spec is not None and spec.config.disable_by_batch_size is not None and len(running) > spec.config.disable_by_batch_size:
+            spec = None  # too many sequences this step for drafts to pay (engine/spec_decode.py)
         while running and budget > 0:
             seq = running.pop(0)
             if seq.num_uncomputed_tokens == 1:  # decode (or the last prompt token)
@@ -102,8 +105,8 @@ class Scheduler:
                     continue
                 bm.append_slot(seq)
                 n = 1
-                if self.spec is not None and budget > 1:
-                    draft = self.spec.propose(seq, budget - 1)
+                if spec is not None and budget > 1:
+                    draft = spec.propose(seq, budget - 1)
                     if draft:
                         # a block kept free for each sequence still to schedule: drafts never preempt
                         seq.draft = draft[: bm.reserve_draft_slots(seq, len(draft), keep_free=len(running))]

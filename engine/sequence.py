@@ -39,7 +39,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "block_table",
         "num_computed_tokens", "num_cached_tokens", "status", "logprobs", "cumulative_logprob",
         "finish_reason", "output_text", "detok", "stop_reason", "shared", "handles", "pos_base",
-        "sent_tokens", "sent_chars", "num_reused_tokens", "stop_token_hidden", "draft", "ngram",
+        "sent_tokens", "sent_chars", "num_reused_tokens", "stop_token_hidden", "draft", "ngram", "draft_len",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
@@ -72,6 +72,7 @@ class Sequence:
         # the last token and checked against the samples; the n-gram index they are looked up in
         self.draft: list[int] = []
         self.ngram: NgramIndex | None = None
+        self.draft_len = 0  # drafts to propose next (adapted to what was kept); 0: not yet set
 
     def __len__(self) -> int:
         return len(self.token_ids)

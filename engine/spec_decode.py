@@ -32,6 +32,10 @@ from typing import Any
 SPEC_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN = 4, 2  # the matched suffix: 4 tokens down to 2 (1 proposes too often)
+# no drafts in a step with more running sequences than this (vLLM's disable_by_batch_size, whose
+# default is never): on CPU a draft row costs compute once a step is no longer bound by reading
+# the weights; measured on the MoE preset, docs/benchmarks.md ("Speculative decoding")
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,7 @@ class SpecConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def parse(cls, spec: dict[str, Any] | None) -> SpecConfig | None:
@@ -48,7 +53,7 @@ class SpecConfig:
             return None
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict (vLLM's keys), got {type(spec).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)} (supported: {', '.join(sorted(known))})")
@@ -67,35 +72,48 @@ class SpecConfig:
                 raise ValueError(f"speculative_config.{name} must be an integer in [{least}, {most}], got {value!r}")
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
-        return cls(method, k, hi, lo)
+        off = spec.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        if off is not None and (isinstance(off, bool) or not isinstance(off, int) or off < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be None (never) or an integer >= 1, got {off!r}")
+        return cls(method, k, hi, lo, off)
 
 
 class NgramIndex:
     """For one sequence's tokens: each n-gram (n in [lo, hi]) -> the start of its latest occurrence
-    that has a token after it. Updated incrementally as tokens are appended (never rebuilt)."""
+    with at least one token after it, and of its latest with `k` tokens after it (in a loop whose
+    period is shorter than k the latest occurrence has only a few followers; an earlier one of
+    the same n-gram proposes all k). Updated incrementally as tokens are appended."""
 
-    __slots__ = ("lo", "hi", "maps", "done")
+    __slots__ = ("lo", "hi", "k", "latest", "full", "done")
 
-    def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi = lo, hi
-        self.maps: list[dict[tuple[int, ...], int]] = [{} for _ in range(hi - lo + 1)]
-        self.done = [0] * (hi - lo + 1)  # per n: n-grams starting before this index are in
+    def __init__(self, lo: int, hi: int, k: int = 1) -> None:
+        self.lo, self.hi, self.k = lo, hi, k
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(hi - lo + 1)]
+        self.full: list[dict[tuple[int, ...], int]] = [{} for _ in range(hi - lo + 1)]
+        self.done = [(0, 0)] * (hi - lo + 1)  # per n: the n-grams starting before these are in (latest, full)
 
     def _update(self, tokens: list[int]) -> None:
         L = len(tokens)
         for i, n in enumerate(range(self.lo, self.hi + 1)):
-            m, end = self.maps[i], L - n  # an n-gram at j has a follower iff j + n <= L - 1
-            for j in range(self.done[i], end):
-                m[tuple(tokens[j:j + n])] = j
-            self.done[i] = max(self.done[i], end)
+            # an n-gram at j has f followers iff j + n + f <= L
+            ends = (L - n, L - n - self.k + 1)
+            done = self.done[i]
+            for m, start, end in ((self.latest[i], done[0], ends[0]), (self.full[i], done[1], ends[1])):
+                for j in range(start, end):
+                    m[tuple(tokens[j:j + n])] = j
+            self.done[i] = (max(done[0], ends[0]), max(done[1], ends[1]))
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest matching
-        suffix (its last `hi` tokens first, then shorter down to `lo`); [] without a match."""
+        """Up to k tokens that followed an earlier occurrence of the longest matching suffix (its
+        last `hi` tokens first, then shorter down to `lo`): the latest occurrence with k
+        followers if there is one, else the latest; [] without a match."""
         self._update(tokens)
         L = len(tokens)
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
-            j = self.maps[n - self.lo].get(tuple(tokens[L - n:]))
+            key = tuple(tokens[L - n:])
+            j = self.full[n - self.lo].get(key)
+            if j is None:
+                j = self.latest[n - self.lo].get(key)
             if j is not None:
                 return tokens[j + n:j + n + k]
         return []
@@ -108,18 +126,29 @@ class Proposer:
         self.config = config
         self.max_model_len = max_model_len
 
-    def propose(self, seq: Any, limit: int) -> list[int]:
-        """Drafts for `seq`, which decodes its last token this step: at most `limit` (the step's
-        budget), none past its max_tokens or max_model_len; none for document jobs or requests
+    def room(self, seq: Any, limit: int) -> int:
+        """How many drafts `seq` may take this step: its adapted draft length (`update`, at most k)
+        and `limit`, none past its max_tokens or max_model_len; none for document jobs or requests
         with token controls."""
         req = seq.request
-        p = req.sampling_params
-        if req.job is not None or p.has_controls:
-            return []
-        k = min(self.config.num_speculative_tokens, limit, req.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - len(seq.token_ids))
+        if req.job is not None or req.sampling_params.has_controls:
+            return 0
+        return min(seq.draft_len or self.config.num_speculative_tokens, limit, req.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - len(seq.token_ids))
+
+    def update(self, seq: Any, drafted: int, kept: int) -> None:
+        """Adapt the sequence's draft length to what it keeps (Hugging Face's assisted-generation
+        schedule): two more after a step that kept every draft, one fewer (at least one) after one
+        that did not, within num_speculative_tokens. A sequence whose drafts keep failing then
+        computes one extra row a step, not k."""
+        k = seq.draft_len or self.config.num_speculative_tokens
+        seq.draft_len = min(self.config.num_speculative_tokens, k + 2) if kept == drafted else max(1, k - 1)
+
+    def propose(self, seq: Any, limit: int) -> list[int]:
+        """Drafts for `seq`, which decodes its last token this step (as many as `room` allows)."""
+        k = self.room(seq, limit)
         if k <= 0:
             return []
         if seq.ngram is None:
-            seq.ngram = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            seq.ngram = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max, self.config.num_speculative_tokens)
         return seq.ngram.propose(seq.token_ids, k)

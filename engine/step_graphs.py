@@ -143,7 +143,7 @@ class DecodeGraphs:
         returned inputs' tensors are the graph's own, so `run` replays without copying them."""
         from cuttle.engine.model_runner import StepInputs
 
-        B = len(scheduled)
+        B = sum(n for _, n in scheduled)  # rows: a sequence with drafts has one per draft too
         if B > self.max_batch and not self.hot_batches:
             return None
         g = self._graphs.get((B, torch.get_num_threads(), id(native.kernels())))
@@ -154,21 +154,28 @@ class DecodeGraphs:
         bs, width = self.block_size, self.table_width
         lens: list[int] = []
         greedy = self.greedy_pick
-        for i, (seq, n) in enumerate(scheduled):
+        i = 0
+        for seq, n in scheduled:
             p = seq.num_computed_tokens
             table = seq.block_table
             req = seq.request
-            if (n != 1 or p + 1 != len(seq.token_ids) or seq.shared or req.job is not None or len(table) > width
+            draft = seq.draft
+            if (n != 1 + len(draft) or p + 1 != len(seq.token_ids) or seq.shared or req.job is not None or len(table) > width
                     or (req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens)
                     or (host_tier and any(b >= HOST_BLOCK for b in table))):
                 return None  # what this wrote so far is overwritten by the next step's inputs
-            g.np_ids[i] = seq.token_ids[p]
-            g.np_positions[i] = seq.pos_base + p
-            g.np_lens[i] = p + 1
-            g.np_slots[i] = table[p // bs] * bs + p % bs
-            g.np_tables[i, : len(table)] = table
-            lens.append(p + 1)
-            greedy = greedy and plain_greedy(req.sampling_params, seq.num_output_tokens)
+            # the last token's row, then each draft's (speculative decoding): a row of its own
+            # over the keys up to it, as the runner's `prepare` lays them out
+            for j in range(n):
+                q = p + j
+                g.np_ids[i] = seq.token_ids[p] if j == 0 else draft[j - 1]
+                g.np_positions[i] = seq.pos_base + q
+                g.np_lens[i] = q + 1
+                g.np_slots[i] = table[q // bs] * bs + q % bs
+                g.np_tables[i, : len(table)] = table
+                lens.append(q + 1)
+                greedy = greedy and plain_greedy(req.sampling_params, seq.num_output_tokens + j)
+                i += 1
         assert g.np_want is not None
         g.np_want[0] = int(greedy)
         self._clock += 1

@@ -16,7 +16,7 @@ from cuttle.engine.sampling_params import StructuredOutputsParams
 from cuttle.engine.spec_decode import NgramIndex, SpecConfig
 
 HAVE_DEFAULT = os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json"))
-SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}  # drafts at every batch size
 CODE = ["def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
         "class Queue:\n    def __init__(self, maxsize=0):\n        self.maxsize = maxsize\n        self.items = []\n\n",
         "for key, value in sorted(items):\n    print(key, value)\nfor key, value in sorted(items):\n"]
@@ -42,21 +42,30 @@ def test_incremental_index_equals_a_fresh_one():
     for _ in range(200):
         lo = rng.randint(1, 3)
         hi = rng.randint(lo, 5)
+        want = rng.randint(1, 6)  # the configured draft length: occurrences with that many followers first
         toks = [rng.randint(0, 4) for _ in range(rng.randint(1, 40))]
-        grown = NgramIndex(lo, hi)
+        grown = NgramIndex(lo, hi, want)
         for end in range(1, len(toks) + 1):
-            k = rng.randint(1, 6)
+            k = rng.randint(1, want)
             got = grown.propose(toks[:end], k)
-            assert got == NgramIndex(lo, hi).propose(toks[:end], k) == _brute(toks[:end], lo, hi, k)
+            assert got == NgramIndex(lo, hi, want).propose(toks[:end], k) == _brute(toks[:end], lo, hi, k, want)
 
 
-def _brute(toks: list[int], lo: int, hi: int, k: int) -> list[int]:
+def _brute(toks: list[int], lo: int, hi: int, k: int, want: int) -> list[int]:
     L = len(toks)
     for n in range(min(hi, L - 1), lo - 1, -1):
-        for j in range(L - n - 1, -1, -1):
-            if toks[j:j + n] == toks[L - n:]:
-                return toks[j + n:j + n + k]
+        starts = [j for j in range(L - n - 1, -1, -1) if toks[j:j + n] == toks[L - n:]]
+        full = [j for j in starts if j + n + want <= L]
+        if starts:
+            j = full[0] if full else starts[0]
+            return toks[j + n:j + n + k]
     return []
+
+
+def test_a_short_loop_proposes_whole_drafts():
+    # the latest "1 2" (at 4) is followed by one token; the one at 2 by all four
+    assert NgramIndex(2, 2, 4).propose([1, 2, 1, 2, 1, 2, 1, 2], 4) == [1, 2, 1, 2]
+    assert NgramIndex(2, 2, 1).propose([1, 2, 1, 2, 1, 2, 1, 2], 4) == [1, 2]
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -69,6 +78,7 @@ def _brute(toks: list[int], lo: int, hi: int, k: int) -> list[int]:
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min \\(5\\) exceeds prompt_lookup_max \\(3\\)"),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be an integer in \\[1, 32\\]"),
     ("ngram", "must be a dict"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be None \\(never\\) or an integer >= 1"),
 ])
 def test_bad_configs_are_refused_naming_the_field(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -76,8 +86,9 @@ def test_bad_configs_are_refused_naming_the_field(spec, match):
 
 
 def test_config_defaults():
-    assert SpecConfig.parse({"num_speculative_tokens": 3}) == SpecConfig("ngram", 3, 4, 2)
-    assert SpecConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_max": 1}) == SpecConfig("ngram", 3, 1, 1)
+    assert SpecConfig.parse({"num_speculative_tokens": 3}) == SpecConfig("ngram", 3, 4, 2, 4)
+    assert SpecConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_max": 1}) == SpecConfig("ngram", 3, 1, 1, 4)
+    assert SpecConfig.parse({"num_speculative_tokens": 3, "disable_by_batch_size": None}).disable_by_batch_size is None
     assert SpecConfig.parse(None) is None
 
 
@@ -246,3 +257,34 @@ def test_cli_takes_vllms_json():
     for bad in ("[1, 2]", "{nope"):
         with pytest.raises(argparse.ArgumentTypeError):
             _json_dict(bad)
+
+
+def test_draft_length_follows_what_is_kept():
+    from types import SimpleNamespace
+
+    from cuttle.engine.spec_decode import Proposer
+
+    p = Proposer(SpecConfig.parse({"num_speculative_tokens": 5}), 1000)
+    seq = SimpleNamespace(draft_len=0)
+    p.update(seq, 5, 2)
+    assert seq.draft_len == 4  # one fewer after a step that did not keep them all
+    for _ in range(10):
+        p.update(seq, seq.draft_len, 0)
+    assert seq.draft_len == 1  # never below one
+    p.update(seq, 1, 1)
+    p.update(seq, 3, 3)
+    assert seq.draft_len == 5  # two more after each step that kept all, up to k
+
+
+@pytest.mark.skipif(not HAVE_DEFAULT, reason="the embedded default model has not been trained yet")
+def test_no_drafts_above_disable_by_batch_size():
+    common = dict(dtype="float32", num_kv_blocks=256, batch_invariant=True)
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    capped = LLM(DEFAULT_MODEL_DIR, speculative_config={**SPEC, "disable_by_batch_size": 2}, **common)
+    capped.generate(CODE, sp, use_tqdm=False)  # three at once: above the cap until one finishes
+    three = capped.engine.stats()["spec_draft_tokens"]
+    capped.generate(CODE[:2], sp, use_tqdm=False)
+    assert capped.engine.stats()["spec_draft_tokens"] > three  # two at once: drafted
+    free = LLM(DEFAULT_MODEL_DIR, speculative_config=SPEC, **common)
+    free.generate(CODE, sp, use_tqdm=False)
+    assert free.engine.stats()["spec_draft_tokens"] > three
