@@ -22,6 +22,7 @@ token, tokens per step. The copy bandwidth is measured in the same run (the batc
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -62,8 +63,8 @@ def compare(path: str, prompts: list, temperature: float, spec: dict, dtype: str
     from cuttle.engine import LLM
 
     reject = spec.pop("reject", False)
-    engines = {"off": LLM(path, dtype=dtype, num_kv_blocks=1024, **kw),
-               "on": LLM(path, dtype=dtype, num_kv_blocks=1024, speculative_config=spec, **kw)}
+    engines = {"off": LLM(path, dtype=dtype, num_kv_blocks=512, **kw),
+               "on": LLM(path, dtype=dtype, num_kv_blocks=512, speculative_config=spec, **kw)}
     if reject:
         proposer = engines["on"].engine.scheduler.spec
         # k copies of the last token: a random model sampled at temperature 1 over its whole
@@ -77,6 +78,8 @@ def compare(path: str, prompts: list, temperature: float, spec: dict, dtype: str
         for name, llm in engines.items():
             last[name] = r = run_once(llm, prompts, out_len, temperature, batch)
             rates[name].append(r[1] / r[0])
+    engines.clear()
+    gc.collect()  # the next workload's pair in the memory these held
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
     _, n, steps, drafts, kept = last["on"]
     return {"off_tok_s": off, "on_tok_s": on, "ratio": on / off, "rounds": rates, "drafts_per_token": drafts / n,
@@ -92,6 +95,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workloads", default="code,loop,rejected,nomatch")
     ap.add_argument("--batch", type=int, default=1, help="prompts run at once (each workload gets this many prompts)")
+    ap.add_argument("--disable-by-batch-size", default="default",
+                    help="speculative_config.disable_by_batch_size: an integer, 'none' (drafts at every batch size) "
+                         "or 'default' (the engine's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from cuttle.engine.default_model import DEFAULT_MODEL_DIR
@@ -105,6 +111,8 @@ def main() -> None:
     code = [CODE[i % len(CODE)] + " " * (i // len(CODE)) for i in range(max(len(CODE), args.batch))]
     ids = {"skip_tokenizer_init": True}
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    if args.disable_by_batch_size != "default":
+        spec["disable_by_batch_size"] = None if args.disable_by_batch_size == "none" else int(args.disable_by_batch_size)
     work = {  # model, its label, prompts, temperature, speculative_config, engine options
         "code": (DEFAULT_MODEL_DIR, "embedded model", code, 0.0, spec, {}),
         "loop": (path, args.model_preset, periodic, 0.0, spec, ids),
