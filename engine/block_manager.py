@@ -208,19 +208,26 @@ class BlockManager:
     def reserve_draft_slots(self, seq: Sequence, k: int, keep_free: int = 0) -> int:
         """After `append_slot`: blocks for up to `k` draft tokens after the last one (speculative
         decoding), from free blocks beyond `keep_free` only (a draft never preempts a decode:
-        the caller keeps one block for each sequence still to schedule); returns how many fit."""
+        the caller keeps one block for each sequence still to schedule) and only blocks that
+        cache nothing (a draft never evicts the prefix cache); returns how many fit."""
         bs, table = self.block_size, seq.block_table
         last = len(seq.token_ids) - 1 + k  # the last draft's position
         while len(table) <= last // bs and self.pool.num_free > keep_free:
-            table.append(self.pool.take())
-        return min(k, len(table) * bs - len(seq.token_ids))
+            bid = self.pool.take_uncached()
+            if bid is None:
+                break
+            table.append(bid)
+        return max(0, min(k, len(table) * bs - len(seq.token_ids)))
 
     def trim(self, seq: Sequence) -> None:
         """Give back blocks past what the sequence's tokens need (reserved for drafts that were
-        not kept), so it holds what decoding without drafts would have."""
+        not kept), so it holds what decoding without drafts would have; they cache nothing, so
+        they go to the head of the free list, the next ones handed out."""
         keep = self.blocks_needed(len(seq.token_ids))
         while len(seq.block_table) > keep:
-            self._unref(seq.block_table.pop())
+            bid = seq.block_table.pop()
+            pool, i = self._pool_of(bid)
+            pool.unref_first(i)
 
     def _append_cost(self, seq: Sequence) -> int:
         pos = len(seq.token_ids) - 1

@@ -66,7 +66,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="host-tier hits: read where they are or copy in (default auto: the cost model chooses)")
     g.add_argument("--speculative-config", type=_json_dict, metavar="JSON",
                    help='speculative decoding by prompt lookup, vLLM\'s JSON: \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+                        '"disable_by_batch_size": 4}\' (the last: no drafts in steps of more running sequences; '
+                        'default 4, null: never; vLLM\'s default is never)')
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="each request's tokens and logprobs independent of what else runs beside it, of prompt "
                         "chunking and of preemption (CPU kernels; docs/architecture.md, 'Batch invariance')")

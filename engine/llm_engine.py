@@ -369,7 +369,7 @@ class LLMEngine:
             if seq.draft:  # the drafts' KV counts once they are kept (in _accept_drafts)
                 n -= len(seq.draft)
                 self.counters["spec_draft_tokens"] += len(seq.draft)
-            elif not (n == 1 and start == len(seq.token_ids) - 1 and start >= seq.num_prompt_tokens):
+            if not (n == 1 and start == len(seq.token_ids) - 1 and start >= seq.num_prompt_tokens):
                 self.counters["prefill_tokens_computed"] += n
             seq.num_computed_tokens = start + n
             if seq.request.job is None:

@@ -105,8 +105,10 @@ class Scheduler:
                     continue
                 bm.append_slot(seq)
                 n = 1
-                if spec is not None and budget > 1:
-                    draft = spec.propose(seq, budget - 1)
+                # drafts take budget left after this token and one for each sequence still to
+                # schedule: they never push another decode out of the step
+                if spec is not None and budget > 1 + len(running):
+                    draft = spec.propose(seq, budget - 1 - len(running))
                     if draft:
                         # a block kept free for each sequence still to schedule: drafts never preempt
                         seq.draft = draft[: bm.reserve_draft_slots(seq, len(draft), keep_free=len(running))]

@@ -18,9 +18,9 @@ rejection rule for one). Where the kernels give each row the same bits whatever 
 (`batch_invariant=True`) outputs are bit-identical with and without speculation; otherwise the
 k + 1-row step rounds differently from a one-row step, as any batching does.
 
-Owns the config (`SpecConfig.parse`), the per-sequence n-gram index (`NgramIndex`: built once
-over the prompt, then one insertion per n per new token), and `propose` (the scheduler reserves
-the drafts' KV slots and budget). The engine step (llm_engine.py) samples the rows and applies the
+Owns the config (`SpecConfig.parse`), the per-sequence suffix search (`NgramIndex`: the tokens in
+an int32 buffer, one vectorised pass a step), and `propose` (the scheduler reserves the drafts' KV
+slots and budget). The engine step (llm_engine.py) samples the rows and applies the
 rule. Requests with token controls (structured output, allowed ids, bad words, logit_bias) are
 never drafted: their masks follow a grammar state per position.
 """
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 SPEC_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
@@ -79,43 +81,57 @@ class SpecConfig:
 
 
 class NgramIndex:
-    """For one sequence's tokens: each n-gram (n in [lo, hi]) -> the start of its latest occurrence
-    with at least one token after it, and of its latest with `k` tokens after it (in a loop whose
-    period is shorter than k the latest occurrence has only a few followers; an earlier one of
-    the same n-gram proposes all k). Updated incrementally as tokens are appended."""
+    """One sequence's tokens in a growing int32 buffer (4 bytes a token, appended as they come)
+    and the suffix search over it: for the last n tokens (n from `hi` down to `lo`), the latest
+    earlier occurrence with `k` tokens after it (in a loop whose period is shorter than k the
+    latest occurrence has only a few followers; an earlier one proposes all k), else the latest.
+    One vectorised pass over the tokens per step (`hi` comparisons a token), no per-n-gram table:
+    a 128k-token context costs 512 KiB and well under a millisecond a lookup."""
 
-    __slots__ = ("lo", "hi", "k", "latest", "full", "done")
+    __slots__ = ("lo", "hi", "k", "buf", "size")
 
     def __init__(self, lo: int, hi: int, k: int = 1) -> None:
         self.lo, self.hi, self.k = lo, hi, k
-        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(hi - lo + 1)]
-        self.full: list[dict[tuple[int, ...], int]] = [{} for _ in range(hi - lo + 1)]
-        self.done = [(0, 0)] * (hi - lo + 1)  # per n: the n-grams starting before these are in (latest, full)
+        self.buf = np.empty(256, dtype=np.int32)
+        self.size = 0
 
-    def _update(self, tokens: list[int]) -> None:
+    def _sync(self, tokens: list[int]) -> np.ndarray:
         L = len(tokens)
-        for i, n in enumerate(range(self.lo, self.hi + 1)):
-            # an n-gram at j has f followers iff j + n + f <= L
-            ends = (L - n, L - n - self.k + 1)
-            done = self.done[i]
-            for m, start, end in ((self.latest[i], done[0], ends[0]), (self.full[i], done[1], ends[1])):
-                for j in range(start, end):
-                    m[tuple(tokens[j:j + n])] = j
-            self.done[i] = (max(done[0], ends[0]), max(done[1], ends[1]))
+        if L > self.buf.shape[0]:
+            grown = np.empty(max(L, 2 * self.buf.shape[0]), dtype=np.int32)
+            grown[: self.size] = self.buf[: self.size]
+            self.buf = grown
+        if L > self.size:
+            self.buf[self.size : L] = tokens[self.size : L]
+        self.size = L
+        return self.buf[:L]
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed an earlier occurrence of the longest matching suffix (its
-        last `hi` tokens first, then shorter down to `lo`): the latest occurrence with k
+        last `hi` tokens first, then shorter down to `lo`): the latest occurrence with `self.k`
         followers if there is one, else the latest; [] without a match."""
-        self._update(tokens)
-        L = len(tokens)
-        for n in range(min(self.hi, L - 1), self.lo - 1, -1):
-            key = tuple(tokens[L - n:])
-            j = self.full[n - self.lo].get(key)
-            if j is None:
-                j = self.latest[n - self.lo].get(key)
-            if j is not None:
-                return tokens[j + n:j + n + k]
+        a = self._sync(tokens)
+        L = a.shape[0]
+        top = min(self.hi, L - 1)
+        if top < self.lo:
+            return []
+        # ends[i]: the n-gram ending at i (i <= L - 2, so a token follows) equals the last n
+        # tokens; grown one n at a time, kept for each n from lo up
+        ends = a[: L - 1] == a[L - 1]
+        masks: list[np.ndarray] = []
+        for n in range(1, top + 1):
+            if n > 1:
+                ends = ends.copy()
+                ends[: n - 1] = False
+                ends[n - 1 :] &= a[: L - n] == a[L - n]
+            if n >= self.lo:
+                masks.append(ends)
+        for n in range(top, self.lo - 1, -1):
+            last_ends = np.flatnonzero(masks[n - self.lo])
+            if last_ends.size:
+                full = last_ends[last_ends + self.k < L]  # end i has L - 1 - i followers
+                i = int(full[-1] if full.size else last_ends[-1])
+                return tokens[i + 1 : i + 1 + k]
         return []
 
 
@@ -128,10 +144,12 @@ class Proposer:
 
     def room(self, seq: Any, limit: int) -> int:
         """How many drafts `seq` may take this step: its adapted draft length (`update`, at most k)
-        and `limit`, none past its max_tokens or max_model_len; none for document jobs or requests
-        with token controls."""
+        and `limit`, none past its max_tokens or max_model_len; none for document jobs, requests
+        with token controls, or an n > 1 prompt not forked yet."""
         req = seq.request
-        if req.job is not None or req.sampling_params.has_controls:
+        # not forked yet: the prompt's last token, computed alone (a one-token last chunk, a
+        # prefix loaded from a KV tier) of an n > 1 request, whose samples fork from its row
+        if req.job is not None or req.sampling_params.has_controls or not req.forked:
             return 0
         return min(seq.draft_len or self.config.num_speculative_tokens, limit, req.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - len(seq.token_ids))

@@ -69,6 +69,24 @@ class BlockPool:
         block.ref_count = 1
         return bid
 
+    def take_uncached(self) -> int | None:
+        """`take`, but only if the least recently used free block caches nothing (None otherwise):
+        for speculative work that must not cost the cache anything."""
+        if not self.free:
+            return None
+        bid = next(iter(self.free))
+        if self.blocks[bid].cached:
+            return None
+        return self.take()
+
+    def unref_first(self, bid: int) -> None:
+        """`unref`; a block that caches nothing and comes free goes to the head of the LRU list,
+        the first one `take` hands out again (instead of a cached one)."""
+        self.unref(bid)
+        block = self.blocks[bid]
+        if block.ref_count == 0 and not block.cached:
+            self.free.move_to_end(bid, last=False)
+
     def evict(self, block: Block) -> None:
         for hook in self._evict_hooks:
             hook(block)

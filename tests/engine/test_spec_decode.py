@@ -288,3 +288,112 @@ def test_no_drafts_above_disable_by_batch_size():
     free = LLM(DEFAULT_MODEL_DIR, speculative_config=SPEC, **common)
     free.generate(CODE, sp, use_tqdm=False)
     assert free.engine.stats()["spec_draft_tokens"] > three
+
+
+def _run_bounded(llm: LLM, prompt, sp, max_steps: int = 200):
+    """Step a request to its end (a bound, not a hang, if it never finishes)."""
+    eng = llm.engine
+    eng.add_request(f"r{eng.counters['steps']}", prompt, sp)
+    outs = []
+    for _ in range(max_steps):
+        if not eng.has_unfinished_requests():
+            break
+        outs += eng.step()
+    assert not eng.has_unfinished_requests(), "the request never finished"
+    return [(c.index, list(c.token_ids), c.finish_reason, c.cumulative_logprob) for o in outs if o.finished for c in o.outputs]
+
+
+@pytest.mark.skipif(not HAVE_DEFAULT, reason="the embedded default model has not been trained yet")
+def test_n_samples_fork_when_the_last_prompt_token_runs_alone():
+    """An n > 1 prompt whose last token is computed alone (a one-token last chunk; a prefix copied
+    in from a KV tier) is not drafted: its samples fork from that row (drafting it skipped the
+    fork: wrong samples, or a request that never finished)."""
+    common = dict(dtype="float32", num_kv_blocks=256, batch_invariant=True)
+    tok = LLM(DEFAULT_MODEL_DIR, **common).get_tokenizer()
+    for text in ["for i in range(10):\n    print(i)\n", "a = 1\nb = 2\n"]:
+        ids = tok.encode(text) * 3
+        for sp in (SamplingParams(temperature=1.0, seed=7, max_tokens=6, n=2, logprobs=0),
+                   SamplingParams(temperature=0.05, seed=3, max_tokens=2, n=2)):
+            got = [_run_bounded(LLM(DEFAULT_MODEL_DIR, speculative_config=spec, max_num_batched_tokens=len(ids) - 1, **common),
+                                ids, sp) for spec in (None, SPEC)]
+            assert got[0] == got[1]
+
+    def tier_loaded(spec):
+        llm = LLM(DEFAULT_MODEL_DIR, dtype="float32", num_kv_blocks=24, block_size=4, batch_invariant=True,
+                  num_host_kv_blocks=64, kv_read_in_place="never", speculative_config=spec)
+        base = tok.encode("def add(a, b):\n    return a + b\n")
+        p = base * 3 + base[:4]
+        p = p[: (len(p) - 1) // 4 * 4 + 1]  # whole blocks and one token: all but the last may hit
+        llm.generate([p], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        for i in range(3):  # push p's blocks out of the device pool into the host tier
+            llm.generate([tok.encode(f"filler {i} " * 12)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        out = _run_bounded(llm, p, SamplingParams(temperature=1.0, seed=7, max_tokens=6, n=2))
+        assert llm.engine.stats()["kv_copy_in_runs"] >= 1
+        return out
+
+    assert tier_loaded(SPEC) == tier_loaded(None)
+
+
+def test_draft_blocks_never_evict_the_prefix_cache():
+    """Reserving draft slots takes only free blocks that cache nothing, and a trimmed one goes
+    back to the head of the free list: cycles of rejected drafts leave cached blocks alone."""
+    from cuttle.engine.block_manager import BlockManager
+    from cuttle.engine.sequence import Request
+
+    bm = BlockManager(8, 4, True)
+    a = Request("A", list(range(100, 109)), SamplingParams(max_tokens=1)).seqs[0]
+    bm.allocate(a)
+    a.num_computed_tokens = 9
+    bm.hash_computed_blocks(a)
+    bm.deallocate(a)  # two full blocks, cached, free
+    b = Request("B", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=100)).seqs[0]
+    bm.allocate(b)
+    reserved = 0
+    for _ in range(6):  # each step's drafts cross a block boundary and are all rejected
+        b.num_computed_tokens = len(b.token_ids) - 1
+        bm.append_slot(b)
+        reserved += bm.reserve_draft_slots(b, 4)
+        b.token_ids.append(0)
+        b.num_computed_tokens += 1
+        bm.trim(b)
+    assert reserved > 0 and bm.pool.num_evictions == 0
+    assert len(bm.match_prefix(Request("A2", list(range(100, 109)), SamplingParams()).seqs[0])) == 2
+
+
+@pytest.mark.skipif(not HAVE_DEFAULT, reason="the embedded default model has not been trained yet")
+def test_drafts_leave_every_running_sequence_its_token():
+    """Under a tight token budget, drafts take what is left after one token for each sequence still
+    to schedule: every decoding sequence runs every step, as without drafts."""
+    llm = LLM(DEFAULT_MODEL_DIR, dtype="float32", num_kv_blocks=256, batch_invariant=True, max_num_batched_tokens=5,
+              speculative_config=SPEC)
+    eng = llm.engine
+    schedule, steps = eng.scheduler.schedule, []
+
+    def logged():
+        out = schedule()
+        steps.append({s.request.request_id for s, _ in out.scheduled})
+        return out
+
+    eng.scheduler.schedule = logged
+    ids = llm.get_tokenizer().encode("x=1\n") * 6
+    for r in "ABC":
+        eng.add_request(r, ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    decoding = [s for s in steps[len(steps) // 3 : 2 * len(steps) // 3]]  # all three decoding by then
+    assert all(s == {"A", "B", "C"} for s in decoding) and eng.stats()["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.skipif(not HAVE_DEFAULT, reason="the embedded default model has not been trained yet")
+def test_kept_drafts_over_documents_host_tier_and_raw_logprobs():
+    """Greedy runs that keep drafts on the paths the sampled test mostly rejects them on: squid
+    documents, a small pool over a host tier, and logprobs_mode="raw"."""
+    doc = {"prefix": "# repo\n", "documents": ["def f(x):\n    return x * 2\n\n\ndef f(x):\n", "def g(y):\n    return f(y) + 1\n"],
+           "prompt": "def h(z):\n    return g("}
+    sp = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    for kw, prompts in ((dict(num_kv_blocks=128), [doc]), (dict(num_kv_blocks=40, num_host_kv_blocks=64), CODE * 2),
+                        (dict(num_kv_blocks=128, logprobs_mode="raw"), CODE)):
+        common = dict(dtype="bfloat16", block_size=4, batch_invariant=True, **kw)
+        base, spec = LLM(DEFAULT_MODEL_DIR, **common), LLM(DEFAULT_MODEL_DIR, speculative_config=SPEC, **common)
+        assert _outputs(spec, prompts, sp) == _outputs(base, prompts, sp), kw
+        assert spec.engine.stats()["spec_accepted_tokens"] > 0, kw
