@@ -382,7 +382,8 @@ class EngineConfig:
     # (attention/native/invariance.py); configurations that cannot give it are refused at start-up
     batch_invariant: bool = False
     # speculative decoding by n-gram prompt lookup (engine/spec_decode.py), vLLM's dict:
-    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+    #  "disable_by_batch_size": 4}
     speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

@@ -217,13 +217,14 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             row0 = query_start[-1]
-            # a decode with drafts (speculative decoding) computes its last token and the drafts
-            tokens = seq.token_ids + seq.draft if seq.draft else seq.token_ids
-            ids.extend(tokens[start:end])
+            draft = seq.draft  # speculative decoding: a decode that also computes these (start is its last token)
+            ids.extend(seq.token_ids[start:end])
+            if draft:
+                ids.extend(draft)
             positions.extend(range(seq.pos_base + start, seq.pos_base + end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if seq.draft and not segmented:
+            if draft and not segmented:
                 # each row a query of its own over the keys up to it (the K/V of the rows before it
                 # are written first, as a decode row's own is): the step is a decode step of more
                 # rows, with the decode kernels and its kernel graphs
@@ -244,9 +245,9 @@ class ModelRunner:
                 last = min(end, seq.num_prompt_tokens - 1)
                 logit_rows.extend(range(row0, row0 + last - start))
                 prompt_rows.append((seq, start, last - start))
-            if end == len(tokens) and req.job is None:  # a document job is prefill only
-                if seq.draft:  # every row is sampled: the last token's and each draft's
-                    sample_rows.extend(range(row0 + n - 1 - len(seq.draft), row0 + n))
+            if end == len(seq.token_ids) + len(draft) and req.job is None:  # a document job is prefill only
+                if draft:  # every row is sampled: the last token's and each draft's
+                    sample_rows.extend(range(row0, row0 + n))
                 else:
                     sample_rows.append(row0 + n - 1)
                 sample_seqs.append(seq)

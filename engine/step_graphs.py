@@ -16,7 +16,9 @@ eager, while a steady batch (an offline wave, a server at steady concurrency) re
 A step qualifies when every scheduled sequence decodes one token in one causal segment of the
 device pool (no shared prefix or squid documents, no host-tier blocks), its logits are exactly
 its rows, and the model runs on CPU through the plain torch attention backend with the native
-kernels. The first step of a batch size is captured: the eager forward and logits run for real on
+kernels. A sequence with drafts (speculative decoding, engine/spec_decode.py) counts as one row
+per token it computes, each a query of its own over the keys up to it, so its step is a decode
+step of that many rows and takes the graph of that row count. The first step of a batch size is captured: the eager forward and logits run for real on
 the graph's own input tensors (token ids, positions, and the metadata's lengths, slots and block
 tables, the latter sized for `max_model_len`), recording every kernel call. The next step of that
 size replays the graph and is then also run eagerly; the graph is kept only if the two logits
