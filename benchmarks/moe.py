@@ -78,33 +78,109 @@ def cpu_rows(args: argparse.Namespace, bandwidth: float) -> list[list[object]]:
     return rows
 
 
-def gpu_rows(args: argparse.Namespace) -> list[list[object]]:
+def gpu_time(fns: list[Callable[[], object]], reps: int, graph: bool) -> float:
+    """Median seconds per call over rounds that call each of `fns` once (one per layer, so the
+    weights come from memory, not the L2), timed with CUDA events; `graph` replays one captured
+    CUDA graph of a round instead (no launch overhead: what the kernels alone can do)."""
+    import statistics
+
+    run = lambda: [f() for f in fns]  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()  # warm-up on a side stream before capture, as torch asks
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        run = g.replay  # noqa: F811
+        run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(fns))
+    return statistics.median(times)
+
+
+def gpu_matmul_tflops(n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / gpu_time([lambda: a @ b], reps, graph=False) / 1e12
+
+
+def gpu_copy_bandwidth_gbs(nbytes: int = 1 << 31, reps: int = 10) -> float:
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / gpu_time([lambda: dst.copy_(src)], reps, graph=False) / 1e9
+
+
+# Triton grouped-GEMM configurations tried at each batch (block_m, block_n, block_k, warps, stages):
+# the default (experts_triton.default_config) first, then neighbours; the table reports the default
+# and the best, so one run on a lent GPU says whether the default should change.
+SMALL_M = [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 32, 256, 4, 3), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4)]
+LARGE_M = [(64, 128, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 256, 64, 8, 3)]
+
+
+def gpu_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[str, float]]:
     from cuttle.moe.experts_torch import fused_experts_torch
-    from cuttle.moe.grouped_gemm_triton import has_mx_tensor_cores
+    from cuttle.moe.experts_triton import default_config, fused_experts_triton
+    from cuttle.moe.grouped_gemm_triton import GemmConfig, has_mx_tensor_cores
 
     device = torch.device("cuda")
-    bandwidth = gpu_copy_bandwidth_gbs()
-    layer = random_layer(args.hidden, args.inter, args.experts, args.topk, "cuda")
-    quantized = clone_quantized(layer)
-    sync = torch.cuda.synchronize
-    kind = "dot_scaled" if has_mx_tensor_cores(device) else "in-kernel dequant"
+    limits = {"copy GB/s": gpu_copy_bandwidth_gbs(), "bf16 matmul TFLOP/s": gpu_matmul_tflops()}
+    bw, rate = limits["copy GB/s"] * 1e9, limits["bf16 matmul TFLOP/s"] * 1e12
+    layers = [random_layer(args.hidden, args.inter, args.experts, args.topk, "cuda", seed=i) for i in range(args.gpu_layers)]
+    quantized = [clone_quantized(layer) for layer in layers]
+    native_mx = has_mx_tensor_cores(device)
+    H, I, k = args.hidden, args.inter, args.topk
     rows = []
     with torch.no_grad():
         for batch in args.gpu_batches:
-            x = torch.randn(batch, args.hidden, device=device, dtype=torch.bfloat16)
-            weights, ids = route(router_logits(x, layer.gate_weight, layer.routing), layer.routing)
-            t_torch = best_seconds(lambda: fused_experts_torch(x, layer.w13, layer.w2, weights, ids), args.iters, sync)
-            t_bf16 = best_seconds(lambda: layer(x), args.iters, sync)
-            t_mx = best_seconds(lambda: quantized(x), args.iters, sync)
-            limit_mx = touched_bytes(quantized, x) / (bandwidth * 1e9)
-            rows.append([batch, batch / t_torch, batch / t_bf16, batch / t_mx, t_bf16 / t_mx, limit_mx / t_mx, kind])
-    return rows
+            x = torch.randn(batch, H, device=device, dtype=torch.bfloat16)
+            routed = [route(router_logits(x, lay.gate_weight, lay.routing), lay.routing) for lay in layers]
+            touched = [touched_bytes(lay, x) for lay in layers]
+            bytes_bf16 = sum(touched) / len(touched)
+            bytes_mx = sum(touched_bytes(q, x) for q in quantized) / len(quantized)
+            flops = 6 * batch * k * H * I  # gate|up (2I x H) and down (H x I), 2 flops a multiply-add
+            default = default_config(batch * k, args.experts)
+            configs = [GemmConfig(*c) for c in (SMALL_M if batch * k / args.experts <= 16 else LARGE_M)]
+            if default not in configs:
+                configs.insert(0, default)
 
+            def experts(ws, cfg, dot_scaled=None):
+                return [lambda w=w, r=r: fused_experts_triton(x, w[0], w[1], r[0], r[1], config=cfg, dot_scaled=dot_scaled)
+                        for w, r in zip(ws, routed)]
 
-def gpu_copy_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    src = torch.ones(nbytes // 4, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), repeats, torch.cuda.synchronize) / 1e9
+            plain = [(lay.w13, lay.w2) for lay in layers]
+            mx = [q.expert_weights() for q in quantized]
+            t_torch = gpu_time([lambda lay=lay, r=r: fused_experts_torch(x, lay.w13, lay.w2, r[0], r[1])
+                                for lay, r in zip(layers, routed)], args.iters, graph=False)
+            variants = [("bf16", plain, None, bytes_bf16), ("MXFP8 dequant", mx, False, bytes_mx),
+                        ("MXFP8 dot_scaled" + ("" if native_mx else " (emulated)"), mx, True, bytes_mx)]
+            for name, ws, ds, nbytes in variants:
+                limit = max(nbytes / bw, flops / rate)
+                timed = {}
+                for cfg in configs if not (ds and not native_mx) else [default]:  # emulated: the default only
+                    try:
+                        timed[cfg] = gpu_time(experts(ws, cfg, ds), args.iters, graph=True)
+                    except Exception as e:  # a configuration the compiler refuses (shared memory): reported
+                        print(f"batch {batch} {name} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+                if default not in timed:
+                    continue
+                best = min(timed, key=timed.get)
+                eager = gpu_time(experts(ws, default, ds), args.iters, graph=False)
+                rows.append([batch, name, f"{t_torch * 1e6:.1f}", f"{eager * 1e6:.1f}", f"{timed[default] * 1e6:.1f}",
+                             f"{timed[best] * 1e6:.1f}", "x".join(map(str, (best.block_m, best.block_n, best.block_k,
+                                                                              best.num_warps, best.num_stages))),
+                             limit / timed[best], "bytes" if nbytes / bw >= flops / rate else "flops"])
+    return rows, limits
 
 
 def main() -> None:
@@ -115,26 +191,31 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 256])
     p.add_argument("--gpu-batches", type=int, nargs="+", default=[1, 16, 256, 4096])
+    p.add_argument("--gpu-layers", type=int, default=4, help="distinct layers cycled on the GPU (weights past the L2)")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--no-cpu", action="store_true", help="skip the CPU table (a GPU machine's run)")
     args = p.parse_args()
 
     info = machine_info()
     shape = f"hidden {args.hidden}, expert width {args.inter}, {args.experts} experts, top-{args.topk}"
     print(f"# MoE layer: bf16 vs MXFP8 experts ({shape})\n")
     print(f"{info['cpu']}, {info['threads']} threads, torch {info['torch']}, {info['date']}\n")
-    bandwidth = copy_bandwidth_gbs(nbytes=1 << 28)
-    print(f"## CPU (torch path), copy bandwidth {bandwidth:.1f} GB/s\n")
-    print(markdown_table(
-        ["batch", "bf16 tok/s", "MXFP8 tok/s", "MXFP8 / bf16", "bf16 / BW limit", "MXFP8 / BW limit"],
-        cpu_rows(args, bandwidth)))
-    print("\n## GPU kernels (Triton grouped GEMM)\n")
-    headers = ["batch", "torch bf16 tok/s", "Triton bf16 tok/s", "Triton MXFP8 tok/s", "MXFP8 / bf16",
-               "MXFP8 / BW limit", "MX path"]
+    if not args.no_cpu:
+        bandwidth = copy_bandwidth_gbs(nbytes=1 << 28)
+        print(f"## CPU (torch path), copy bandwidth {bandwidth:.1f} GB/s\n")
+        print(markdown_table(
+            ["batch", "bf16 tok/s", "MXFP8 tok/s", "MXFP8 / bf16", "bf16 / BW limit", "MXFP8 / BW limit"],
+            cpu_rows(args, bandwidth)))
+    print("\n## GPU kernels (Triton grouped GEMM), microseconds per layer\n")
+    headers = ["batch", "experts", "torch bf16 (eager)", "Triton eager", "Triton graph", "Triton graph, best config",
+               "best config (m n k warps stages)", "best / limit", "limit"]
     if torch.cuda.is_available():
-        print(f"{torch.cuda.get_device_name()}\n")
-        print(markdown_table(headers, gpu_rows(args)))
+        rows, limits = gpu_rows(args)
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
+              + ", ".join(f"{k} {v:.0f}" for k, v in limits.items()) + f"; {args.gpu_layers} layers cycled\n")
+        print(markdown_table(headers, rows))
     else:
-        print(markdown_table(headers, [[b, "not run (no GPU)", "", "", "", "", ""] for b in args.gpu_batches]))
+        print(markdown_table(headers, [[b, "not run (no GPU)", "", "", "", "", "", "", ""] for b in args.gpu_batches]))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ def align_tokens(ids: torch.Tensor, num_experts: int, block_size: int) -> Aligne
     """Sort the assignments of `ids` [T, k] by expert and pad each expert's run to `block_size`."""
     flat = ids.reshape(-1).to(torch.int64)
     n = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the largest id back to the host (a sync, and no graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_size - 1) // block_size * block_size
     zero = torch.zeros(1, dtype=torch.int64, device=ids.device)
     starts = torch.cat([zero, counts.cumsum(0)])

@@ -83,13 +83,15 @@ def check_against_reference(model, outs, with_prompt: bool, sparse=None, tol: fl
     return compared
 
 
-def check_triton_subprocess(test_file: str, case_names: set[str], tol: float = TOL) -> None:
+def check_triton_subprocess(test_file: str, case_names: set[str], tol: float = TOL, cuda: bool = False) -> None:
     """Run `python <test_file> --triton` with TRITON_INTERPRET=1 (it must be set before triton is
-    imported, hence a process of its own); each case prints {"case", "err"}: all must be there
-    and within tol."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, test_file, "--triton"], cwd=Path(test_file).parent, env=env,
-                          capture_output=True, text=True, timeout=900)
+    imported, hence a process of its own), or with `cuda` `--triton --cuda` compiled for the GPU;
+    each case prints {"case", "err"}: all must be there and within tol."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if not cuda:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, test_file, "--triton", *(["--cuda"] if cuda else [])],
+                          cwd=Path(test_file).parent, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {r["case"] for r in rows} == case_names

@@ -15,9 +15,10 @@ import os
 import sys
 from dataclasses import dataclass
 
-if __name__ == "__main__" and "--triton" in sys.argv:
+if __name__ == "__main__" and "--triton" in sys.argv and "--cuda" not in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from cuttle.attention.metadata import AttentionMetadata, KVSegment, SeqLayout  # noqa: E402
@@ -54,9 +55,10 @@ CASES = [
 ]
 
 
-def build(case: Case, dtype: torch.dtype, seed: int = 0):
+def build(case: Case, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
     """Caches filled through the backend's reference path up to each sequence's step, the step's
-    metadata and inputs, and the reference output of every step row."""
+    metadata and inputs, and the reference output of every step row. The reference runs on the
+    CPU; `device` takes the step (metadata, inputs, caches) to where the kernel under test runs."""
     cfg, g = case.cfg, torch.Generator().manual_seed(seed)
     bs, hkv, dim = case.block_size, case.kv_heads, case.dim
     seqs = []
@@ -77,12 +79,13 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0):
     caches = (k_cache, v_cache, ck_cache, cv_cache)
 
     def compressor(wk, wv):
-        return compress_windows(wk, weight, cfg), compress_windows(wv, weight, cfg)
+        w = None if weight is None else weight.to(wk.device)
+        return compress_windows(wk, w, cfg), compress_windows(wv, w, cfg)
 
-    def step(rows: list[tuple[int, int, int]]):  # (seq, first key, keys after the step)
+    def step(rows: list[tuple[int, int, int]], on: str = "cpu"):  # (seq, first key, keys after the step)
         layouts = [SeqLayout(hi - lo, [KVSegment(tables[b], hi, causal=True)]) for b, lo, hi in rows]
-        meta = AttentionMetadata.build(layouts, bs, "cpu")
-        cat = {f: torch.cat([seqs[b][f][lo:hi] for b, lo, hi in rows]) for f in ("q", "k", "v", "gates")}
+        meta = AttentionMetadata.build(layouts, bs, on)
+        cat = {f: torch.cat([seqs[b][f][lo:hi] for b, lo, hi in rows]).to(on) for f in ("q", "k", "v", "gates")}
         return meta, cat
 
     prefill = [(b, 0, n - s) for b, (n, s) in enumerate(zip(case.lengths, case.step)) if n - s > 0]
@@ -92,7 +95,8 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0):
         ref_backend.begin_step(meta)
         ref_backend.forward_nsa(0, x["q"].to(dtype), x["k"].to(dtype), x["v"].to(dtype), x["gates"], caches, meta,
                                 dim**-0.5, compressor)
-    meta, x = step([(b, n - s, n) for b, (n, s) in enumerate(zip(case.lengths, case.step))])
+    meta, x = step([(b, n - s, n) for b, (n, s) in enumerate(zip(case.lengths, case.step))], device)
+    caches = tuple(c.to(device) for c in caches)
     want = []
     for b, (n, s) in enumerate(zip(case.lengths, case.step)):
         sq = {f: t.to(dtype).float() if f != "gates" else t for f, t in seqs[b].items()}
@@ -104,8 +108,8 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0):
     return meta, x, caches, compressor, want
 
 
-def run_kernel(case: Case, kernel: str, dtype: torch.dtype) -> float:
-    meta, x, caches, compressor, want = build(case, dtype)
+def run_kernel(case: Case, kernel: str, dtype: torch.dtype, device: str = "cpu") -> float:
+    meta, x, caches, compressor, want = build(case, dtype, device=device)
     backend = NSABackend(case.cfg, TorchAttentionBackend(native=False), case.block_size, kernel=kernel)
     if kernel == "torch":
         assert backend.native, "the native library did not build"
@@ -113,7 +117,7 @@ def run_kernel(case: Case, kernel: str, dtype: torch.dtype) -> float:
     args = (x["q"].to(dtype), x["k"].to(dtype), x["v"].to(dtype), x["gates"], caches, meta, case.dim**-0.5, compressor)
     out = backend.forward_nsa(0, *args)
     if dtype == torch.float32:
-        return (out - torch.cat([o for o, _ in want])).abs().max().item()
+        return (out.cpu() - torch.cat([o for o, _ in want])).abs().max().item()  # NaN (a slot nothing wrote) fails
     # bf16 caches: against the reference path of the backend on the same cached (rounded) entries
     ref = NSABackend(case.cfg, TorchAttentionBackend(native=False), case.block_size, native=False)
     ref.begin_step(meta)
@@ -275,6 +279,15 @@ def test_triton_interpreted_equals_reference():
     check_triton_subprocess(__file__, {c.name for c in CASES})
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU machine: tests/gpu/run_checks.sh)")
+def test_triton_compiled_equals_reference():
+    from sparse_helpers import check_triton_subprocess
+
+    check_triton_subprocess(__file__, {c.name for c in CASES}, cuda=True)
+
+
 if __name__ == "__main__" and "--triton" in sys.argv:
+    # --cuda (a GPU machine; tests/gpu/run_checks.sh): the kernel compiled, the step on the GPU
     for case in CASES:
-        print(json.dumps({"case": case.name, "err": run_kernel(case, "triton", torch.float32)}), flush=True)
+        err = run_kernel(case, "triton", torch.float32, "cuda" if "--cuda" in sys.argv else "cpu")
+        print(json.dumps({"case": case.name, "err": err}), flush=True)

@@ -18,7 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-if __name__ == "__main__" and "--triton" in sys.argv:
+if __name__ == "__main__" and "--triton" in sys.argv and "--cuda" not in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import pytest  # noqa: E402
@@ -145,7 +145,9 @@ CASES = [
 ]
 
 
-def build(case: Case, dtype: torch.dtype, seed: int = 0):
+def build(case: Case, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+    """The reference fills the caches on the CPU; `device` takes the step (metadata, inputs,
+    caches) to where the kernel under test runs."""
     cfg, g = case.cfg, torch.Generator().manual_seed(seed)
     bs, hkv, dim = case.block_size, case.kv_heads, case.dim
     seqs = [dict(q=torch.randn(n, case.heads, dim, generator=g) * 1.5, k=torch.randn(n, hkv, dim, generator=g) * 1.5,
@@ -161,10 +163,10 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0):
     v_cache = k_cache.clone()
     summ = torch.full((total, summary_slots_per_block(cfg, bs), cfg.summary_rows, hkv, dim), float("nan"), dtype=dtype)
 
-    def step(rows):
+    def step(rows, on: str = "cpu"):
         layouts = [SeqLayout(hi - lo, [KVSegment(tables[b], hi, causal=True)]) for b, lo, hi in rows]
-        meta = AttentionMetadata.build(layouts, bs, "cpu")
-        return meta, {f: torch.cat([seqs[b][f][lo:hi] for b, lo, hi in rows]).to(dtype) for f in ("q", "k", "v")}
+        meta = AttentionMetadata.build(layouts, bs, on)
+        return meta, {f: torch.cat([seqs[b][f][lo:hi] for b, lo, hi in rows]).to(on, dtype) for f in ("q", "k", "v")}
 
     prefill = [(b, 0, n - s) for b, (n, s) in enumerate(zip(case.lengths, case.step)) if n - s > 0]
     if prefill:
@@ -172,7 +174,8 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0):
         ref = TopKBackend(cfg, TorchAttentionBackend(native=False), bs, [summ], native=False)
         ref.begin_step(meta)
         ref.forward(0, x["q"], x["k"], x["v"], k_cache, v_cache, meta, dim**-0.5)
-    meta, x = step([(b, n - s, n) for b, (n, s) in enumerate(zip(case.lengths, case.step))])
+    meta, x = step([(b, n - s, n) for b, (n, s) in enumerate(zip(case.lengths, case.step))], device)
+    k_cache, v_cache, summ = k_cache.to(device), v_cache.to(device), summ.to(device)
     want = []
     for b, (n, s) in enumerate(zip(case.lengths, case.step)):
         sq = {f: t.to(dtype).float() for f, t in seqs[b].items()}
@@ -194,7 +197,7 @@ def run_case(case: Case, dtype: torch.dtype, mode: str) -> float:
         native_topk.set_dot_path(True)
     o_ref, lse_ref = torch.cat([o for o, _ in want]), torch.cat([l for _, l in want])
     if dtype == torch.float32:
-        return max((out - o_ref).abs().max().item(), (lse - lse_ref).abs().max().item())
+        return max((out.cpu() - o_ref).abs().max().item(), (lse.cpu() - lse_ref).abs().max().item())
     ref = TopKBackend(case.cfg, TorchAttentionBackend(native=False), case.block_size, [summ], native=False)
     ref.begin_step(meta)
     o2, l2 = ref.forward(0, x["q"], x["k"], x["v"], k_cache, v_cache, meta, case.dim**-0.5)
@@ -307,19 +310,26 @@ def test_decode_reads_only_the_chosen_blocks():
 
 # ---- Triton, in the interpreter (a subprocess of this file) -----------------------------------
 
-def run_triton(case: Case) -> float:
-    meta, x, (k_cache, v_cache, summ), want = build(case, torch.float32)
+def run_triton(case: Case, device: str = "cpu") -> float:
+    meta, x, (k_cache, v_cache, summ), want = build(case, torch.float32, device=device)
     backend = TopKBackend(case.cfg, TorchAttentionBackend(native=False), case.block_size, [summ], kernel="triton")
     backend.begin_step(meta)
     out, lse = backend.forward(0, x["q"], x["k"], x["v"], k_cache, v_cache, meta, case.dim**-0.5)
     o_ref, lse_ref = torch.cat([o for o, _ in want]), torch.cat([l for _, l in want])
-    return max((out - o_ref).abs().max().item(), (lse - lse_ref).abs().max().item())
+    return max((out.cpu() - o_ref).abs().max().item(), (lse.cpu() - lse_ref).abs().max().item())
 
 
 def test_triton_interpreted_equals_reference():
     from sparse_helpers import check_triton_subprocess  # here: the subprocess itself runs without tests/ on its path
 
     check_triton_subprocess(__file__, {c.name for c in CASES})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU machine: tests/gpu/run_checks.sh)")
+def test_triton_compiled_equals_reference():
+    from sparse_helpers import check_triton_subprocess
+
+    check_triton_subprocess(__file__, {c.name for c in CASES}, cuda=True)
 
 
 def test_triton_backend_is_chosen_beside_non_torch_backends():
@@ -335,5 +345,7 @@ def test_triton_backend_is_chosen_beside_non_torch_backends():
 
 
 if __name__ == "__main__" and "--triton" in sys.argv:
+    # --cuda (a GPU machine; tests/gpu/run_checks.sh): the kernel compiled, the step on the GPU
     for case in CASES:
-        print(json.dumps({"case": case.name, "err": run_triton(case)}), flush=True)
+        print(json.dumps({"case": case.name, "err": run_triton(case, "cuda" if "--cuda" in sys.argv else "cpu")}),
+              flush=True)

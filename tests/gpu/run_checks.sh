@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every check cuttle can only run on a CUDA GPU, in one call sized for a short lease (docs/gpu.md).
+#
+#   bash tests/gpu/run_checks.sh [correctness|timing|all]     # default all; logs under $OUT (or /tmp/cuttle-gpu)
+#
+# Runs from the repository root with the machine's own python3 (torch + triton; nothing to install):
+# the cuttle package is linked from the source folders (setup.py maps each folder to cuttle.<folder>).
+# Correctness: the Triton attention / MoE / NSA / top-k kernels compiled for the GPU against their
+# references, and the engine on the GPU against the CPU engine (tests/engine/test_cuda_engine.py),
+# in parallel (compiles are CPU-bound). Timing, alone afterwards: benchmarks/moe.py's GPU table.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+what="${1:-all}"
+out="${OUT:-/tmp/cuttle-gpu}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+pkg="$(mktemp -d)"
+mkdir "$pkg/cuttle"
+for folder in engine attention moe rl sandbox; do ln -s "$PWD/$folder" "$pkg/cuttle/$folder"; done
+export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}"
+py=python3
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/env.txt"
+$py -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+"capability", torch.cuda.get_device_capability())' 2>&1 | tee -a "$out/env.txt"
+
+status=0
+if [ "$what" != timing ]; then
+    t0=$SECONDS
+    timeout 240 $py -m pytest -q -rfEs tests/attention/test_attention_triton.py -k "not interpreted" \
+        > "$out/attention.log" 2>&1 & a=$!
+    timeout 240 $py -m pytest -q -rfEs tests/moe/test_moe_triton.py \
+        tests/attention/test_nsa_kernels.py tests/attention/test_topk.py -k "not interpreted" > "$out/kernels.log" 2>&1 & b=$!
+    timeout 240 $py -m pytest -q -rfEs tests/engine/test_cuda_engine.py > "$out/engine.log" 2>&1 & c=$!
+    for p in $a $b $c; do wait $p || status=1; done
+    echo "correctness: $((SECONDS - t0)) s"
+    for f in attention kernels engine; do echo "== $f"; tail -n 25 "$out/$f.log"; done
+fi
+if [ "$what" != correctness ]; then
+    t0=$SECONDS
+    timeout 180 $py benchmarks/moe.py --no-cpu --gpu-batches 1 16 256 4096 --iters 20 2>&1 | tee "$out/moe_bench.md" || status=1
+    echo "timing: $((SECONDS - t0)) s"
+fi
+exit $status
