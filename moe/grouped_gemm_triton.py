@@ -3,9 +3,10 @@
 Owns one kernel (vLLM fused_moe style, see `cuttle.moe.align`) and its launcher. Each program
 takes one BLOCK_M run of `sorted_ids` (one expert) and one BLOCK_N slice of the outputs, walks K,
 and accumulates in fp32. Weights are plain (bf16/fp16/fp32) or MXFP8 (E4M3 data + E8M0 scales
-per 32 along K); activations are plain or MXFP8 too. MXFP8 operands go to `tl.dot_scaled` when the
-GPU has MX tensor cores (sm100+), and are dequantized in-kernel to the activation dtype elsewhere
-(Hopper, Ada, and the Triton interpreter on CPU). Rows of C are assignments `t * top_k + j`:
+per 32 along K); activations are plain or MXFP8 too. MXFP8 weights go to `tl.dot_scaled` on GPUs
+from Ada on (sm89+: MX tensor cores on sm100+, Triton's emulation with hardware fp8 conversion on
+Hopper and Ada, measured faster there than this kernel's own decode), and are dequantized in-kernel
+to the activation dtype elsewhere (fp32 activations, older GPUs, the Triton interpreter on CPU). Rows of C are assignments `t * top_k + j`:
 A's row is `assignment // a_row_div` (top_k for the first GEMM over tokens, 1 for the second).
 Never imports `cuttle.engine`.
 """
@@ -145,6 +146,14 @@ def has_mx_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
 
 
+def prefers_dot_scaled(device: torch.device) -> bool:
+    """Whether MXFP8 weights take `tl.dot_scaled` by default: on sm100+ it runs on MX tensor cores;
+    on sm89 / sm90 Triton emulates it (hardware fp8 -> bf16 conversion, then a bf16 dot), which on
+    an H200 ran the Qwen3-30B-A3B expert layer 1.2-2.0x faster than the in-kernel decode
+    (docs/gpu.md). Older GPUs have no fp8 conversion: the in-kernel decode."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def moe_gemm(
     a: torch.Tensor | MXTensor,
     w: torch.Tensor | MXTensor,
@@ -157,7 +166,8 @@ def moe_gemm(
 ) -> torch.Tensor:
     """C [num_assignments, N] with C[a] = A[a // a_row_div] @ w[expert of a].T (* weights.flat[a]).
 
-    `a` [rows, K] plain or MXFP8; `w` [E, N, K] plain or MXFP8. `dot_scaled` None picks by GPU.
+    `a` [rows, K] plain or MXFP8; `w` [E, N, K] plain or MXFP8. `dot_scaled` None picks by GPU
+    (`prefers_dot_scaled`; fp32 activations always take the in-kernel decode).
     `aligned.block_size` must equal `config.block_m`.
     """
     if aligned.block_size != config.block_m:
@@ -168,9 +178,9 @@ def moe_gemm(
     a_scale = a.scale.view(torch.uint8) if a_mx else a_data  # unused pointer when not MX
     b_scale = w.scale.view(torch.uint8) if b_mx else b_data
     E, N, K = w.shape
-    if dot_scaled is None:
-        dot_scaled = b_mx and has_mx_tensor_cores(a_data.device)
     a_fmt = "e4m3" if a_mx else _DOT_SCALED_FORMATS.get(a_data.dtype)
+    if dot_scaled is None:
+        dot_scaled = b_mx and a_fmt is not None and prefers_dot_scaled(a_data.device)
     if dot_scaled and not (b_mx and a_fmt is not None):
         raise ValueError("dot_scaled needs MXFP8 weights and MXFP8, bf16 or fp16 activations")
     if (a_mx or b_mx) and K % 32 != 0:

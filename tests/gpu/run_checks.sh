@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every check cuttle can only run on a CUDA GPU, in one call sized for a short lease (docs/gpu.md).
 #
-#   bash tests/gpu/run_checks.sh [correctness|timing|all]     # default all; logs under $OUT (or /tmp/cuttle-gpu)
+#   bash tests/gpu/run_checks.sh [all|correctness|timing|moe]   # default all; logs under $OUT (or /tmp/cuttle-gpu)
+#
+# `moe` is the short form after a change to moe/: its kernel tests, the engine test, the timing.
 #
 # Runs from the repository root with the machine's own python3 (torch + triton; nothing to install):
 # the cuttle package is linked from the source folders (setup.py maps each folder to cuttle.<folder>).
@@ -25,7 +27,15 @@ $py -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.ve
 "capability", torch.cuda.get_device_capability())' 2>&1 | tee -a "$out/env.txt"
 
 status=0
-if [ "$what" != timing ]; then
+if [ "$what" = moe ]; then
+    t0=$SECONDS
+    timeout 200 $py -m pytest -q -rfEs tests/moe/test_moe_triton.py > "$out/kernels.log" 2>&1 & b=$!
+    timeout 200 $py -m pytest -q -rfEs tests/engine/test_cuda_engine.py > "$out/engine.log" 2>&1 & c=$!
+    for p in $b $c; do wait $p || status=1; done
+    (cd tests/moe && timeout 60 $py triton_worker.py > "$out/moe_rows.jsonl" 2>&1)
+    echo "moe correctness: $((SECONDS - t0)) s"
+    for f in kernels engine; do echo "== $f"; tail -n 25 "$out/$f.log"; done
+elif [ "$what" != timing ]; then
     t0=$SECONDS
     timeout 240 $py -m pytest -q -rfEs tests/attention/test_attention_triton.py -k "not interpreted" \
         > "$out/attention.log" 2>&1 & a=$!
@@ -33,12 +43,13 @@ if [ "$what" != timing ]; then
         tests/attention/test_nsa_kernels.py tests/attention/test_topk.py -k "not interpreted" > "$out/kernels.log" 2>&1 & b=$!
     timeout 240 $py -m pytest -q -rfEs tests/engine/test_cuda_engine.py > "$out/engine.log" 2>&1 & c=$!
     for p in $a $b $c; do wait $p || status=1; done
+    (cd tests/moe && timeout 60 $py triton_worker.py > "$out/moe_rows.jsonl" 2>&1)  # every case's error, pass or fail
     echo "correctness: $((SECONDS - t0)) s"
     for f in attention kernels engine; do echo "== $f"; tail -n 25 "$out/$f.log"; done
 fi
 if [ "$what" != correctness ]; then
     t0=$SECONDS
-    timeout 180 $py benchmarks/moe.py --no-cpu --gpu-batches 1 16 256 4096 --iters 20 2>&1 | tee "$out/moe_bench.md" || status=1
+    timeout 120 $py benchmarks/moe.py --no-cpu --gpu-batches 1 16 256 4096 --iters 20 2>&1 | tee "$out/moe_bench.md" || status=1
     echo "timing: $((SECONDS - t0)) s"
 fi
 exit $status

@@ -1,5 +1,5 @@
 """The cuttle.moe Triton kernels equal their torch references: MXFP8 quantization bit-exact, grouped
-GEMM and whole expert path within 1e-3 relative error (fp32, fp16; bf16 on a GPU), including
+GEMM and whole expert path within 1e-3 relative error (fp32, fp16; bf16, on a GPU only, within 1e-2), including
 `tl.dot_scaled` and the in-kernel dequantization path, MXFP8 activations, and masked edge tiles.
 
 The kernels run in a subprocess (triton_worker.py) that switches on TRITON_INTERPRET=1 before
@@ -47,13 +47,19 @@ def test_quantize_kernel_bit_exact(rows: list[dict[str, object]]) -> None:
         assert r["data_exact"] and r["scale_exact"], r
 
 
-def test_grouped_gemm_within_1e_3(rows: list[dict[str, object]]) -> None:
+# relative error bounds by output dtype: fp16 keeps 10 mantissa bits, bf16 only 7 (its rounding of
+# the output alone is ~1e-3 in norm: measured on an H200 1.6e-3 for a GEMM, 2.7e-3 for the expert
+# path, which rounds its intermediate too); fp32 GEMMs are IEEE dots
+BOUND = {"torch.float32": 1e-3, "torch.float16": 1e-3, "torch.bfloat16": 1e-2}
+
+
+def test_grouped_gemm_within_dtype_rounding(rows: list[dict[str, object]]) -> None:
     cases = _of(rows, "gemm")
     assert {r["variant"] for r in cases} >= {"plain", "mx_weights", "mx_both", "mx_weights_dot_scaled",
                                               "mx_both_dot_scaled"}
     for r in cases:
         assert r["shape"] == [18, 80], r
-        assert r["rel_err"] <= 1e-3, r  # NaN (an unwritten row) fails too
+        assert r["rel_err"] <= BOUND[r["dtype"]], r  # NaN (an unwritten row) fails too
         if r["dtype"] == "torch.float32":
             assert r["rel_err"] <= 1e-6, r
 
@@ -63,4 +69,4 @@ def test_expert_path_matches_torch(rows: list[dict[str, object]]) -> None:
     assert {r["variant"] for r in cases} == {"plain", "mx", "mx_act_rceil"}
     for r in cases:
         assert r["out_dtype"] == r["dtype"], r
-        assert r["rel_err"] <= 1e-3, r
+        assert r["rel_err"] <= BOUND[r["dtype"]], r
