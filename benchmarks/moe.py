@@ -8,7 +8,7 @@ CPU table: one FusedMoE layer's tokens/s (torch path) with bf16 experts and with
 (dequantized one active expert at a time), their ratio, and each as a fraction of the memory-bandwidth
 limit measured in this run: tokens / (bytes of the experts this batch touches / copy bandwidth).
 GPU table (CUDA only, "not run" otherwise; `--no-cpu` skips the CPU table): microseconds per layer
-of the Triton expert path (align, grouped GEMMs, SiLU, combine), bf16 vs MXFP8 weights by
+of the Triton expert path (align, grouped GEMMs, SiLU, combine; the alignment alone timed both ways), bf16 vs MXFP8 weights by
 `tl.dot_scaled` (MX tensor cores on sm100+, Triton's emulation before) and by the kernel's own
 decode, against the torch path; eager, and replayed from a CUDA graph (the kernels without launch
 overhead), over `--gpu-layers` layers cycled so the weights come from memory; a sweep of block
@@ -134,6 +134,7 @@ LARGE_M = [(64, 128, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (64, 
 
 def gpu_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[str, float]]:
     from cuttle.moe.align import align_tokens
+    from cuttle.moe.align_triton import align_tokens_triton
     from cuttle.moe.experts_torch import fused_experts_torch
     from cuttle.moe.experts_triton import default_config, fused_experts_triton
     from cuttle.moe.grouped_gemm_triton import GemmConfig, has_mx_tensor_cores
@@ -163,8 +164,8 @@ def gpu_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[str, fl
                 return [lambda w=w, r=r: fused_experts_triton(x, w[0], w[1], r[0], r[1], config=cfg, dot_scaled=dot_scaled)
                         for w, r in zip(ws, routed)]
 
-            t_align = gpu_time([lambda r=r: align_tokens(r[1], args.experts, default.block_m) for r in routed],
-                               args.iters, graph=True)
+            t_align = [gpu_time([lambda r=r, f=f: f(r[1], args.experts, default.block_m) for r in routed],
+                                args.iters, graph=True) for f in (align_tokens, align_tokens_triton)]
             plain = [(lay.w13, lay.w2) for lay in layers]
             mx = [q.expert_weights() for q in quantized]
             t_torch = gpu_time([lambda lay=lay, r=r: fused_experts_torch(x, lay.w13, lay.w2, r[0], r[1])
@@ -183,7 +184,8 @@ def gpu_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[str, fl
                     continue
                 best = min(timed, key=timed.get)
                 eager = gpu_time(experts(ws, default, ds), args.iters, graph=False)
-                rows.append([batch, name, f"{t_torch * 1e6:.1f}", f"{eager * 1e6:.1f}", f"{t_align * 1e6:.1f}",
+                rows.append([batch, name, f"{t_torch * 1e6:.1f}", f"{eager * 1e6:.1f}",
+                             f"{t_align[0] * 1e6:.1f} / {t_align[1] * 1e6:.1f}",
                              f"{timed[default] * 1e6:.1f}",
                              f"{timed[best] * 1e6:.1f}", "x".join(map(str, (best.block_m, best.block_n, best.block_k,
                                                                               best.num_warps, best.num_stages))),
@@ -215,7 +217,7 @@ def main() -> None:
             ["batch", "bf16 tok/s", "MXFP8 tok/s", "MXFP8 / bf16", "bf16 / BW limit", "MXFP8 / BW limit"],
             cpu_rows(args, bandwidth)))
     print("\n## GPU kernels (Triton grouped GEMM), microseconds per layer\n")
-    headers = ["batch", "experts", "torch bf16 (eager)", "Triton eager", "of which align (graph)", "Triton graph",
+    headers = ["batch", "experts", "torch bf16 (eager)", "Triton eager", "align torch / Triton (graph)", "Triton graph",
                "Triton graph, best config",
                "best config (m n k warps stages)", "best / limit", "limit"]
     if torch.cuda.is_available():

@@ -64,6 +64,13 @@ def test_grouped_gemm_within_dtype_rounding(rows: list[dict[str, object]]) -> No
             assert r["rel_err"] <= 1e-6, r
 
 
+def test_align_kernel_equals_torch_align(rows: list[dict[str, object]]) -> None:
+    cases = _of(rows, "align")
+    assert len(cases) == 9
+    for r in cases:
+        assert r["equal"], r
+
+
 def test_expert_path_matches_torch(rows: list[dict[str, object]]) -> None:
     cases = _of(rows, "layer")
     assert {r["variant"] for r in cases} == {"plain", "mx", "mx_act_rceil"}

@@ -16,6 +16,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from cuttle.moe.align import align_tokens  # noqa: E402
+from cuttle.moe.align_triton import align_tokens_triton  # noqa: E402
 from cuttle.moe.experts_torch import fused_experts_torch  # noqa: E402
 from cuttle.moe.experts_triton import fused_experts_triton  # noqa: E402
 from cuttle.moe.grouped_gemm_triton import GemmConfig, moe_gemm  # noqa: E402
@@ -87,6 +88,25 @@ def gemm_cases() -> None:
             emit(kind="gemm", dtype=str(dtype), variant=name, rel_err=_rel(out, ref), shape=list(out.shape))
 
 
+def align_cases() -> None:
+    """The one-program alignment against the torch version: every tensor equal."""
+    g = torch.Generator().manual_seed(3)
+    #          T, k, E, block: decode, GQA-size batches, E not a power of two, one expert, E = 256,
+    #          no tokens, more assignments than one chunk, every token on one expert
+    shapes = [(1, 8, 128, 16), (9, 2, 4, 16), (16, 8, 128, 16), (64, 4, 6, 32), (3, 1, 1, 16), (8, 8, 256, 16),
+              (0, 2, 8, 16), (300, 8, 128, 64), (40, 2, 8, 16)]
+    for T, k, E, bs in shapes:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+        if (T, k, E) == (40, 2, 8):
+            ids[:, 0] = 5  # one expert takes every token
+            ids[:, 1] = torch.where(ids[:, 1] == 5, 6, ids[:, 1])
+        want = align_tokens(ids.to(DEVICE), E, bs)
+        got = align_tokens_triton(ids.to(DEVICE), E, bs)
+        same = all(torch.equal(getattr(got, f).cpu(), getattr(want, f).cpu())
+                   for f in ("sorted_ids", "block_expert", "expert_offsets"))
+        emit(kind="align", shape=[T, k, E, bs], equal=same and got.num_assignments == want.num_assignments)
+
+
 def layer_cases() -> None:
     g = torch.Generator().manual_seed(2)
     T, H, I, E, k = 11, 64, 32, 6, 3
@@ -114,4 +134,5 @@ if __name__ == "__main__":
     emit(kind="env", interpreted=os.environ.get("TRITON_INTERPRET") == "1", cuda=CUDA)
     quantize_cases()
     gemm_cases()
+    align_cases()
     layer_cases()
