@@ -1,5 +1,7 @@
 """Token-to-expert alignment in one Triton program: the layout of `cuttle.moe.align.align_tokens`,
-bit for bit, for GPU decode and small prefill chunks.
+bit for bit, meant for GPU decode and small prefill chunks. Tested in the Triton interpreter only:
+no GPU was left to this work after it was written, so the Triton expert path still aligns with the
+torch version until a GPU run (tests/gpu/run_checks.sh) checks and times it (docs/gpu.md).
 
 Owns the kernel and its launcher. The torch version is a dozen small ops (bincount, cumsums, a
 stable argsort, scatters, a searchsorted): on an H200 ~45 µs of a ~90 µs Qwen3-30B-A3B expert
@@ -8,8 +10,8 @@ assignments in chunks: per-expert counts by comparing a chunk against every expe
 offsets by a cumsum, each expert's block index by comparing block starts with the offsets, and
 each assignment's slot as its expert's running cursor plus its rank among earlier equal ids in
 its chunk (so assignments stay in token order inside an expert, as the stable argsort keeps
-them). One program is sequential in the chunks, so large batches keep the torch version
-(`TRITON_ALIGN_MAX_ASSIGNMENTS`). Runs on CUDA or in the Triton interpreter. Never imports
+them). One program is sequential in the chunks, so it is meant for up to
+`TRITON_ALIGN_MAX_ASSIGNMENTS` (a guess until timed), the torch version above. Never imports
 `cuttle.engine`.
 """
 from __future__ import annotations
@@ -20,8 +22,8 @@ import triton.language as tl
 
 from cuttle.moe.align import AlignedTokens
 
-# above this many assignments (tokens x top_k) the torch version's parallel sort is faster than
-# one program walking the chunks in turn
+# above this many assignments (tokens x top_k) the torch version's parallel sort should be faster
+# than one program walking the chunks in turn (not measured yet: benchmarks/moe.py times both)
 TRITON_ALIGN_MAX_ASSIGNMENTS = 8192
 
 

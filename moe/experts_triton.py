@@ -1,8 +1,5 @@
 """Triton expert path: align -> grouped GEMM (gate+up) -> SiLU-and-mul -> grouped GEMM (down, x weight) -> sum.
 
-The alignment is one Triton program (`align_triton.py`) up to TRITON_ALIGN_MAX_ASSIGNMENTS
-assignments, the torch version (`align.py`) above.
-
 Owns the orchestration of the Triton kernels for one MoE layer and the choice of block sizes; the
 math is `cuttle.moe.experts_torch.fused_experts_torch`, which is its reference. Runs on CUDA, or in
 the Triton interpreter on CPU. Never imports `cuttle.engine`.
@@ -13,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from cuttle.moe.align import align_tokens
-from cuttle.moe.align_triton import TRITON_ALIGN_MAX_ASSIGNMENTS, align_tokens_triton
 from cuttle.moe.experts_torch import ExpertWeight
 from cuttle.moe.grouped_gemm_triton import GemmConfig, moe_gemm
 from cuttle.moe.mxfp8 import MXTensor, ScaleMode
@@ -51,8 +47,7 @@ def fused_experts_triton(
     k = ids.shape[1]
     num_experts = w13.shape[0]
     cfg = config or default_config(T * k, num_experts)
-    align = align_tokens_triton if T * k <= TRITON_ALIGN_MAX_ASSIGNMENTS else align_tokens
-    aligned = align(ids, num_experts, cfg.block_m)
+    aligned = align_tokens(ids, num_experts, cfg.block_m)
     gate_up = moe_gemm(_activation(x, act_quant), w13, aligned, k, x.dtype, config=cfg, dot_scaled=dot_scaled)
     gate, up = gate_up.chunk(2, dim=-1)
     h = F.silu(gate) * up
