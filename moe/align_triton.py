@@ -3,8 +3,8 @@ bit for bit, meant for GPU decode and small prefill chunks. Tested in the Triton
 no GPU was left to this work after it was written, so the Triton expert path still aligns with the
 torch version until a GPU run (tests/gpu/run_checks.sh) checks and times it (docs/gpu.md).
 
-Owns the kernel and its launcher. The torch version is a dozen small ops (bincount, cumsums, a
-stable argsort, scatters, a searchsorted): on an H200 ~45 µs of a ~90 µs Qwen3-30B-A3B expert
+Owns the kernel and its launcher. The torch version is a dozen small ops (a scatter-add count, cumsums,
+a stable argsort, scatters, a searchsorted): on an H200 ~45 µs of a ~90 µs Qwen3-30B-A3B expert
 layer at batch 1 even replayed from a CUDA graph, and more eagerly. Here one program walks the
 assignments in chunks: per-expert counts by comparing a chunk against every expert id, padded
 offsets by a cumsum, each expert's block index by comparing block starts with the offsets, and

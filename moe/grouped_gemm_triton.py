@@ -149,7 +149,7 @@ def has_mx_tensor_cores(device: torch.device) -> bool:
 def prefers_dot_scaled(device: torch.device) -> bool:
     """Whether MXFP8 weights take `tl.dot_scaled` by default: on sm100+ it runs on MX tensor cores;
     on sm89 / sm90 Triton emulates it (hardware fp8 -> bf16 conversion, then a bf16 dot), which on
-    an H200 ran the Qwen3-30B-A3B expert layer 1.2-2.0x faster than the in-kernel decode
+    an H200 ran the Qwen3-30B-A3B expert layer 1.5-2.0x faster than the in-kernel decode
     (docs/gpu.md). Older GPUs have no fp8 conversion: the in-kernel decode."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
