@@ -42,7 +42,9 @@ def _expect_path(path: str, x: torch.Tensor, scale: torch.Tensor | None = None) 
         safe = scale is None or bool(((scale.view(torch.uint8) >= 64) & (scale.view(torch.uint8) <= 246)).all())
         return "bf16_tile" if bf16_dot and safe else "tile"
     if path == "bf16_dot" and not bf16_dot:
-        return "avx2"  # the bf16-dot loop takes bf16 x with K a multiple of 64 only
+        path = "avx2"  # the bf16-dot loop takes bf16 x with K a multiple of 64 only
+    if path == "avx2" and M == 1:
+        return "avx2_one_row"  # one x row (batch-invariant switch off): the placed-bits loop
     return path
 
 
@@ -208,6 +210,49 @@ def test_gfni_and_table_decode_give_the_same_bits(gfni, M: int) -> None:
         assert mx.last_linear_path() == ("bf16_dot" if M <= 12 else "bf16_tile")
         _check_gemm(x, data, scale, b, outs[-1])
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_one_row_loop(x_dtype: torch.dtype) -> None:
+    """The AVX2 one-row loop (elements placed as fp32 bits, times 2^(b - 7)): rows mixing scale bytes
+    it takes (<= 134) and ones it hands to mx_dequant_block (135..254), zero and subnormal elements,
+    ragged N; within fp32 accumulation error as the M-row loop is, and not taken under the
+    batch-invariant switch, where one row gives the bits it gets among others."""
+    from cuttle.attention.native import invariance
+
+    if not mx.fast_path_available():
+        pytest.skip("CPU lacks AVX2/FMA/F16C")
+    mx.set_fast_path(True)
+    mx.set_bf16_dot(False)
+    try:
+        g = torch.Generator().manual_seed(11)
+        N, K = 45, 320
+        w = torch.randn(N, K, generator=g) * 0.05
+        w[:, 64:96] *= 2.0**40  # scale bytes above 134 in every row's third block
+        w[2, 10] = 0.0
+        w[5, 33] = w[5, 32:64].abs().max() * 2.0**-12  # a subnormal element
+        data, scale = quantize_mxfp8(w)
+        sb = scale.view(torch.uint8)
+        assert (sb[:, 2] > 134).all() and (sb[:, 0] <= 134).all()
+        assert ((data.view(torch.uint8) & 0x78) == 0).any()
+        x = torch.randn(3, K, generator=g).to(x_dtype)
+        b = torch.randn(N, generator=g)
+        one = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
+        assert mx.last_linear_path() == "avx2_one_row"
+        _check_gemm(x[:1], data, scale, b, one)
+        assert mx.set_one_row_loop(False) is False
+        rows = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
+        assert mx.last_linear_path() == "avx2"
+        _check_gemm(x[:1], data, scale, b, rows)
+        assert mx.set_one_row_loop(True) is True
+        with invariance.batch_invariant():
+            alone = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
+            assert mx.last_linear_path() == "avx2"
+            among = mx.linear(x, data, scale, b, out=torch.empty(3, N))
+        assert torch.equal(alone, among[:1]) and torch.equal(alone, rows)
+    finally:
+        mx.set_one_row_loop(True)
+        mx.set_bf16_dot(True)
 
 
 def test_gemm_strided_x_and_out_buffer(path: str) -> None:
