@@ -434,10 +434,54 @@ static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const fl
         memcpy(&acc1[m], &t1[m], sizeof(v8f));
     }
 }
+/* M = 1 with `split`: mx_panel_tile's one-row counterpart on mxfp8.h's placed decode (as
+ * mxfp8_gemm.c's dot_one_row_mx): each k's 16 elements dequantized with their features' factors
+ * 2^(b - 7) and summed into four chains per half (k mod 4), no block sums; a block whose 16
+ * scale bytes are not all <= MX_PLACED_MAX_B takes the block-sum route. Another summation order
+ * than the M-row tile, so it runs only where that is allowed (`split`, off under the
+ * batch-invariant switch). */
+static MX_AVX2 void mx_panel_row_placed(const float *r, const uint8_t *wp, const uint8_t *sp, int64_t K, v8f *acc0, v8f *acc1) {
+    const __m256i lo = mx_placed_lo(), hi = mx_placed_hi();
+    __m256 a[4], b[4];
+    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < K / MX_BLOCK; kb++) {
+        const uint8_t *s = sp + kb * 16;
+        if (__builtin_expect(mx_placed_ok16(s), 1)) {
+            const __m256 f0 = mx_placed_factors8(s), f1 = mx_placed_factors8(s + 8);
+            for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k += 4)
+                for (int j = 0; j < 4; j++) {
+                    const __m256i q = mx_placed_src(wp + (k + j) * 16);
+                    const __m256 xs = _mm256_broadcast_ss(r + k + j);
+                    a[j] = _mm256_fmadd_ps(mx_placed8(q, lo, f0), xs, a[j]);
+                    b[j] = _mm256_fmadd_ps(mx_placed8(q, hi, f1), xs, b[j]);
+                }
+        } else {
+            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+            for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k++) {
+                __m256 w0, w1;
+                mx_decode16(wp + k * 16, &w0, &w1);
+                const __m256 xs = _mm256_broadcast_ss(r + k);
+                s0 = _mm256_fmadd_ps(w0, xs, s0);
+                s1 = _mm256_fmadd_ps(w1, xs, s1);
+            }
+            __m256 f0, p0, f1, p1;
+            mx_factors8(s, &f0, &p0);
+            mx_factors8(s + 8, &f1, &p1);
+            a[0] = _mm256_fmadd_ps(_mm256_mul_ps(s0, p0), f0, a[0]);
+            b[0] = _mm256_fmadd_ps(_mm256_mul_ps(s1, p1), f1, b[0]);
+        }
+    }
+    const __m256 t0 = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_add_ps(_mm256_add_ps(b[0], b[1]), _mm256_add_ps(b[2], b[3]));
+    memcpy(acc0, &t0, sizeof(v8f));
+    memcpy(acc1, &t1, sizeof(v8f));
+}
+
 #define MX_TILE(M_)                                                                                           \
     static MX_AVX2 void mx_tile_##M_(const float *const *r, const uint8_t *wp, const uint8_t *sp, int64_t K, \
                                      int split, v8f *a0, v8f *a1) {                                          \
-        mx_panel_tile(r, M_, wp, sp, K, split, a0, a1);                                                      \
+        if (M_ == 1 && split && mxfp8_one_row_on()) mx_panel_row_placed(r[0], wp, sp, K, a0, a1);            \
+        else mx_panel_tile(r, M_, wp, sp, K, split, a0, a1);                                                 \
     }
 MX_TILE(1)
 MX_TILE(2)

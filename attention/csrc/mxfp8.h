@@ -57,6 +57,10 @@ static inline float mx_e4m3_scaled(uint8_t v) {
  * mxfp8_set_fast_path(0)): one switch for every MXFP8 kernel, defined in mxfp8_gemm.c. */
 int mxfp8_use_fast(void);
 
+/* Whether the one-row loops on the placed decode run (below; mxfp8_set_one_row(0) turns them off
+ * for tests and A/B timing), defined in mxfp8_gemm.c. */
+int mxfp8_one_row_on(void);
+
 #ifdef MX_X86
 /* 16 E4M3 bytes -> 16 fp32 (element * 2^-8) in two registers. */
 static inline MX_AVX2 void mx_decode16(const uint8_t *p, __m256 *lo, __m256 *hi) {
@@ -91,6 +95,53 @@ static inline MX_AVX2 void mx_factors8(const uint8_t *s, __m256 *f, __m256 *pre)
     bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), nan);
     *f = _mm256_castsi256_ps(bits);
     *pre = _mm256_blendv_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(256.f), _mm256_castsi256_ps(_mm256_andnot_si256(nan, hi)));
+}
+
+/* ---- E4M3 placed as fp32 bits (the one-row loops) --------------------------------------------
+ * The route above goes through vcvtph2ps and vextracti128, which share one port on Zen3 (one a
+ * cycle): with 6 of them per 32-element block that port bounds a one-row loop (~9 cycles a block
+ * in L1). Instead an element can be placed as fp32 bits: vpshufb puts its byte at the top of a
+ * dword (zeros below), an arithmetic shift by 4 and an AND leave sign s, exponent field eeee and
+ * mantissa mmm -- element * 2^-120 exactly (an fp32 subnormal when e = 0) -- and one multiply by
+ * 2^(b - 7) gives element * 2^(b - 127), the dequantized weight rounded once, as mx_dequant_block
+ * gives it. 4 ops and a multiply per 8 weights, no conversion; the weights come out dequantized,
+ * so a loop dots x with them directly (no block factor). For scale bytes <= MX_PLACED_MAX_B only
+ * (above, 2^(b - 7) overflows: callers take the route above). Elements with e = 0 are subnormal
+ * inputs to the multiply, slower on some CPUs, never wrong. */
+#define MX_PLACED_MAX_B 134
+
+/* vpshufb controls: from 16 bytes in both 128-bit lanes, lane 0 takes bytes 0..3 (lo) / 8..11 (hi)
+ * and lane 1 bytes 4..7 / 12..15, each at the top of a dword: elements 0..7 / 8..15 in order */
+static inline MX_AVX2 __m256i mx_placed_lo(void) {
+    const char z = (char)0x80;
+    return _mm256_setr_epi8(z, z, z, 0, z, z, z, 1, z, z, z, 2, z, z, z, 3, z, z, z, 4, z, z, z, 5, z, z, z, 6, z, z, z, 7);
+}
+static inline MX_AVX2 __m256i mx_placed_hi(void) {
+    const char z = (char)0x80;
+    return _mm256_setr_epi8(z, z, z, 8, z, z, z, 9, z, z, z, 10, z, z, z, 11, z, z, z, 12, z, z, z, 13, z, z, z, 14, z, z, z, 15);
+}
+
+/* 16 bytes at p in both lanes (the vpshufb source) */
+static inline MX_AVX2 __m256i mx_placed_src(const uint8_t *p) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* the 8 elements `shuf` picks from q, times f (2^(b - 7) per lane): their dequantized fp32 values */
+static inline __attribute__((always_inline)) MX_AVX2 __m256 mx_placed8(__m256i q, __m256i shuf, __m256 f) {
+    const __m256i bits = _mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(q, shuf), 4), _mm256_set1_epi32((int)0x87F00000u));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), f);
+}
+
+/* the factors 2^(b - 7) of 8 scale bytes, all <= MX_PLACED_MAX_B */
+static inline MX_AVX2 __m256 mx_placed_factors8(const uint8_t *s) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(120)), 23));
+}
+
+/* whether all 16 scale bytes at s are <= MX_PLACED_MAX_B */
+static inline MX_AVX2 int mx_placed_ok16(const uint8_t *s) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)s), lim = _mm_set1_epi8((char)MX_PLACED_MAX_B);
+    return _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(b, lim), lim)) == 0xFFFF;
 }
 
 static inline MX_AVX2 float mx_hsum(__m256 v) {

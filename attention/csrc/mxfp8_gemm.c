@@ -149,56 +149,37 @@ static inline __attribute__((always_inline)) MX_AVX2 void dot_row_mx(const float
 }
 
 /* ---- one-row loop (M = 1, AVX2) ------------------------------------------------------------
- * At one x row the loop above was bound by the port that runs vcvtph2ps and vextracti128 on Zen3
- * (one a cycle, 6 of them per block: ~9 cycles a block in L1). Here each element is placed as fp32
- * bits instead: vpshufb puts the byte at the top of a dword (zeros below), an arithmetic shift by
- * 4 and an AND leave sign s, exponent field eeee and mantissa mmm -- element * 2^-120 exactly (an
- * fp32 subnormal when e = 0) -- and one multiply by 2^(b - 7) gives element * 2^(b - 127), the
- * dequantized weight rounded once, as mx_dequant_block's. So 4 integer ops and a multiply per 8
- * weights, x is dotted with the dequantized weights directly (no block factor), and 4 independent
- * FMA chains per row. Measured (standalone harness, Zen3 EPYC, weights without subnormal
- * elements): 1.22x the loop above in L1 and from memory at K = 512 and 1024; elements with e = 0
- * are subnormal inputs to the multiply, slower on some CPUs (weights made only of them: 0.85x
- * here), never wrong. The sums are in another order than the loop above, so a batch-invariant call
- * keeps that loop at every row count (as the widening bf16 GEMM does). Scale bytes above 134
- * (2^(b - 7) would overflow) take mx_dequant_block, which gives the same values. */
-#define PLACED_MAX_B 134
-static float placed_factor_tab[256]; /* 2^(b - 7) for b <= PLACED_MAX_B */
+ * At one x row the loop above is bound by the fp16 route's conversions (mxfp8.h, "placed as fp32
+ * bits"); this one decodes with mx_placed8 and dots x with the dequantized weights in 4 FMA chains.
+ * Measured (Zen3 EPYC, 2 threads, interleaved in one process): 1.23-1.32x the loop above on
+ * [151936, 512 / 1024], [3072, 1024] and [1024, 2048] weights from memory (realistic weights; made
+ * only of subnormal elements, 0.85x in a standalone harness). The sums are in another order than
+ * the loop above, so a batch-invariant call keeps that loop at every row count (as the widening
+ * bf16 GEMM does). Scale bytes above MX_PLACED_MAX_B take mx_dequant_block: the same values. */
+static float placed_factor_tab[256]; /* 2^(b - 7) for b <= MX_PLACED_MAX_B */
 static int one_row_on = 1;           /* mxfp8_set_one_row */
+int mxfp8_one_row_on(void) { return one_row_on; }
 
 __attribute__((constructor)) static void mx_placed_table(void) {
-    for (int b = 0; b <= PLACED_MAX_B; b++) placed_factor_tab[b] = mx_bits_f32((uint32_t)(b + 120) << 23);
-}
-
-/* 8 elements (the bytes `shuf` picks from the 16 in both lanes of q) -> their dequantized fp32 */
-static inline __attribute__((always_inline)) MX_AVX2 __m256 placed8(__m256i q, __m256i shuf, __m256 f) {
-    const __m256i bits = _mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(q, shuf), 4), _mm256_set1_epi32((int)0x87F00000u));
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), f);
+    for (int b = 0; b <= MX_PLACED_MAX_B; b++) placed_factor_tab[b] = mx_bits_f32((uint32_t)(b + 120) << 23);
 }
 
 static MX_AVX2 float dot_one_row_mx(const float *x, const uint8_t *w, const uint8_t *s, int64_t K) {
     const int64_t KB = K / MX_BLOCK;
-#define Z_ (char)0x80
-    /* lane 0 takes bytes 0..3 (lo) / 8..11 (hi) of the 16 loaded, lane 1 bytes 4..7 / 12..15 */
-    const __m256i lo = _mm256_setr_epi8(Z_, Z_, Z_, 0, Z_, Z_, Z_, 1, Z_, Z_, Z_, 2, Z_, Z_, Z_, 3, Z_, Z_, Z_, 4, Z_, Z_, Z_, 5, Z_, Z_,
-                                        Z_, 6, Z_, Z_, Z_, 7);
-    const __m256i hi = _mm256_add_epi8(lo, _mm256_setr_epi8(0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0,
-                                                            0, 8, 0, 0, 0, 8));
-#undef Z_
+    const __m256i lo = mx_placed_lo(), hi = mx_placed_hi();
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t kb = 0; kb < KB; kb++) {
         const uint8_t *p = w + kb * MX_BLOCK;
         _mm_prefetch((const char *)(p + PREFETCH_BYTES), _MM_HINT_T0);
         const uint8_t b = s[kb];
         __m256 v[4];
-        if (__builtin_expect(b <= PLACED_MAX_B, 1)) {
+        if (__builtin_expect(b <= MX_PLACED_MAX_B, 1)) {
             const __m256 f = _mm256_broadcast_ss(&placed_factor_tab[b]);
-            const __m256i q0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-            const __m256i q1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 16)));
-            v[0] = placed8(q0, lo, f);
-            v[1] = placed8(q0, hi, f);
-            v[2] = placed8(q1, lo, f);
-            v[3] = placed8(q1, hi, f);
+            const __m256i q0 = mx_placed_src(p), q1 = mx_placed_src(p + 16);
+            v[0] = mx_placed8(q0, lo, f);
+            v[1] = mx_placed8(q0, hi, f);
+            v[2] = mx_placed8(q1, lo, f);
+            v[3] = mx_placed8(q1, hi, f);
         } else {
             mx_dequant_block(p, b, v);
         }
@@ -642,8 +623,9 @@ int mxfp8_set_bf16_dot(int on) {
     return bf16_dot_on && mxfp8_bf16_dot_available();
 }
 
-/* Let one fp32 x row take the AVX2 one-row loop (1, the default) or the M-row decode loop (0, for
- * tests and A/B timing); returns whether it is now in use (0 where the library is not for x86). */
+/* Let one x row take the AVX2 one-row loops (1, the default: this file's and the routed experts'
+ * MXFP8 tile at one row) or the M-row loops (0, for tests and A/B timing); returns whether they
+ * are now in use (0 where the library is not for x86). */
 int mxfp8_set_one_row(int on) {
     one_row_on = on != 0;
 #ifdef MX_X86

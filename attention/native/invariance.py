@@ -20,10 +20,12 @@ engine):
 - the widening bf16 GEMM (`w16_gemm.c`, AVX2 CPUs without a bf16 dot instruction): two extra
   FMA chains at one row. Switched on: one row sums as in every other pass;
 - the routed-expert panel tiles (fp32 experts, bf16 experts on AVX2, MXFP8 panels): even / odd
-  k split at tiles of <= 2 rows. Switched on: no split;
+  k split at tiles of <= 2 rows, and on AVX2 an MXFP8 tile of one row sums in a third order (the
+  one-row tile). Switched on: no split, no one-row tile;
 - the MXFP8 linear: a decode loop up to 12 rows (bf16 activations; 8 for fp32), which sums every
-  row in one order, and a tile loop above it, which sums in another. Switched on: the decode loop
-  at every row count (in passes of 8 rows; the bf16 one decodes each group of weight rows once);
+  row in one order, and a tile loop above it, which sums in another; on AVX2 one row alone takes
+  a one-row loop with its own order. Switched on: the decode loop at every row count (in passes of
+  8 rows; the bf16 one decodes each group of weight rows once), no one-row loop;
 - SiLU-mul (`fused.silu_mul`): a scalar exp at the tails of torch's thread ranges, whose places in
   the batch follow its row count. Switched on: the tail at each row's end;
 - attention prefill (`torch_backend`): chunks of more than 256 tokens go to SDPA, which tiles by the

@@ -31,7 +31,9 @@ def _native(x, w13, w2, weights, ids):
     return native_moe.experts_mxfp8(x, (w13.data, w13.scale), (w2.data, w2.scale), weights, ids)
 
 
-def _layer(dtype: torch.dtype, E: int = 8, H: int = 64, I: int = 96, k: int = 2, seed: int = 0) -> FusedMoE:
+def _layer(dtype: torch.dtype, E: int = 8, H: int = 64, I: int = 96, k: int = 2, seed: int = 0, edit=None) -> FusedMoE:
+    """A Qwen3-MoE layer with random experts quantized to MXFP8 (`edit(layer)` first changes the
+    weights in place)."""
     routing = RoutingConfig.from_hf({"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": k,
                                      "norm_topk_prob": True})
     layer = FusedMoE(H, I, routing, dtype)
@@ -40,6 +42,8 @@ def _layer(dtype: torch.dtype, E: int = 8, H: int = 64, I: int = 96, k: int = 2,
         layer.gate_weight.copy_(torch.randn(E, H, generator=g))
         layer.w13.copy_(torch.randn(E, 2 * I, H, generator=g) * 0.1)
         layer.w2.copy_(torch.randn(E, H, I, generator=g) * 0.1)
+        if edit is not None:
+            edit(layer)
     layer.quantize_("mxfp8")
     return layer
 
@@ -76,6 +80,43 @@ def test_no_token_one_token_every_token(path: str) -> None:
     ids = torch.tensor([[0, 1]] + [[0, 0]] * 5, dtype=torch.int64)
     got, ref = _both(layer, x, ids)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_tile(path: str) -> None:
+    """An expert with one token takes the one-row MXFP8 tile (elements placed as fp32 bits, mxfp8.h)
+    where the AVX2 route runs: blocks with scale bytes above 134 (the block-sum route inside it),
+    zero and subnormal elements, fp32 within accumulation rounding of the torch path and of the
+    M-row tile (mxfp8.set_one_row_loop(False)); under the batch-invariant switch (no one-row tile)
+    the bits it gets among other tokens."""
+    from cuttle.attention.native import invariance
+
+    def edit(layer: FusedMoE) -> None:
+        layer.w13[:, :, 32:64] *= 2.0**40  # scale bytes > 134 in the second block of every w13 row
+        layer.w2[1, :, 64:96] *= 2.0**-40
+        layer.w13[0, 5, 3] = 0.0
+        layer.w13[0, 6, 4] = layer.w13[0, 6, :32].abs().max() * 2.0**-12  # a subnormal element
+
+    layer = _layer(torch.float32, E=4, edit=edit)
+    w13, w2 = layer.expert_weights()
+    assert (w13.scale.view(torch.uint8)[:, :, 1] > 134).all()
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
+    ids = torch.tensor([[0, 1]], dtype=torch.int64)
+    weights = torch.tensor([[0.25, 0.75]])
+    ref = fused_experts_torch(x, w13, w2, weights, ids)
+    one = _native(x, w13, w2, weights, ids)
+    torch.testing.assert_close(one, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    try:
+        assert native_mx.set_one_row_loop(False) is False
+        rows = _native(x, w13, w2, weights, ids)
+    finally:
+        native_mx.set_one_row_loop(True)
+    torch.testing.assert_close(rows, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    if path == "avx2":
+        assert not torch.equal(one, rows)  # the one-row tile ran: another summation order
+    with invariance.batch_invariant():
+        alone = _native(x, w13, w2, weights, ids)
+        among = _native(torch.cat([x, torch.randn(3, 64)]), w13, w2, weights.repeat(4, 1), ids.repeat(4, 1))
+    assert torch.equal(alone, among[:1])
 
 
 def test_layer_forward_takes_it_and_follows_weight_updates() -> None:
