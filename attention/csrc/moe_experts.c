@@ -26,7 +26,9 @@
  * the E8M0 block scales are packed alongside: per block of 32 k, the panel's 16 features' scale
  * bytes side by side (s13p[e][p][kb][c], s2p[e][q][kb][c]). The tile sums 32 k into block
  * accumulators and multiplies them by the 16 features' factors once per block (as mxfp8_gemm.c's
- * decode loop does), so the weight bytes are read once, 8.25 bits each. Without AVX2/F16C (or
+ * decode loop does), so the weight bytes are read once, 8.25 bits each; a one-token tile on AVX2
+ * (not batch-invariant) instead dequantizes each k's 16 weights in registers by placing their
+ * bits (mxfp8.h) and sums them straight into four chains. Without AVX2/F16C (or
  * with mxfp8_set_fast_path(0)) a panel is dequantized to fp32 and the fp32 tile runs on it.
  *
  * Numerics follow the torch expert path (moe/experts_torch.py): fp32 accumulation; with bf16
@@ -434,6 +436,7 @@ static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const fl
         memcpy(&acc1[m], &t1[m], sizeof(v8f));
     }
 }
+
 /* M = 1 with `split`: mx_panel_tile's one-row counterpart on mxfp8.h's placed decode (as
  * mxfp8_gemm.c's dot_one_row_mx): each k's 16 elements dequantized with their features' factors
  * 2^(b - 7) and summed into four chains per half (k mod 4), no block sums; a block whose 16

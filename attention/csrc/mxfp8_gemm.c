@@ -11,7 +11,9 @@
  *     become 4 fp32 registers, are dotted with every x row into a block sum, and the block sum is
  *     multiplied once by the block's scale factor. W's bytes are read once from memory (x rows
  *     5..8 are a second pass over the row, from L1: at M = 5..8 this was ~1.4x faster than the
- *     tile loop, one thread, K = 1024).
+ *     tile loop, one thread, K = 1024). One row alone on the AVX2 path (not batch-invariant) takes
+ *     a one-row loop instead, which decodes by placing the element bits (mxfp8.h) and dots x with
+ *     the dequantized weights: the fp16 route's conversions bound the loop at one row.
  *   - tile (M > 8, prefill): each thread dequantizes a tile of 16 weight rows to fp32 once (L2)
  *     and runs a 2-row x 4-weight-row register kernel over a chunk of x rows sized to stay in L2,
  *     so one conversion serves every row of the chunk.
