@@ -162,11 +162,11 @@ def _post(live, path, body):
     ("/v1/completions", {"guided_choice": []}, "guided_choice"),
     ("/v1/completions", {"guided_grammar": "root ::= nothing"}, "guided_grammar"),
     # parses, then fails one of xgrammar 0.2.8's own checks while compiling (a 500 before; 0.2.9 compiles it)
-    ("/v1/completions", {"guided_json": {"type": "string", "pattern": "(a|b)*" + "x" * 200 + "[a-z]{1,200}"}}, "guided_json"),
+    ("/v1/completions", {"guided_json": {"type": "string", "pattern": LONG_PATTERN}}, "guided_json"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"s": {"type": "string", "pattern": "(a|b)*" + "x" * 200 + "[a-z]{1,200}"}}}}}}, "response_format"),
+        "type": "object", "properties": {"s": {"type": "string", "pattern": LONG_PATTERN}}}}}}, "response_format"),
     ("/v1/chat/completions", {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"s": {"type": "string", "pattern": "(a|b)*" + "x" * 200 + "[a-z]{1,200}"}}}}}]}, "tools"),
+        "type": "object", "properties": {"s": {"type": "string", "pattern": LONG_PATTERN}}}}}]}, "tools"),
     ("/v1/completions", {"structured_outputs": "a"}, "structured_outputs"),
     ("/v1/completions", {"guided_json": {"type": "object"}, "ignore_eos": True}, "ignore_eos"),
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
