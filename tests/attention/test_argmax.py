@@ -19,7 +19,7 @@ def built() -> None:
 def _rows() -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     n = 1000 + 37  # not a multiple of 16: a scalar tail
-    x = torch.randn(12, n, generator=g)
+    x = torch.randn(15, n, generator=g)
     x[1] = 0.0  # all tied: index 0
     x[2, 500] = x[2, 17] = 1e9  # tie between lanes
     x[3, 1030] = x[3, 1031] = 1e9  # tie inside the tail
@@ -32,12 +32,27 @@ def _rows() -> torch.Tensor:
     x[9] = torch.arange(n, 0, -1, dtype=torch.float32)  # max at 0
     x[10] = torch.arange(n, dtype=torch.float32)  # max at the end
     x[11, 0] = float("nan")
+    x[12, 8] = x[12, 16] = 1e9  # tie across the AVX2 loop's two accumulators: the later-lane one is first
+    x[13] = -0.0  # -0.0 == 0.0: index 0 wins
+    x[13, 20] = 0.0
+    x[14, 1000] = x[14, 1001] = 1e9  # the same maximum in both accumulators' lanes, late in the row
     return x
 
 
 def test_argmax_equals_torch() -> None:
     x = _rows()
     assert torch.equal(argmax(x), torch.argmax(x, dim=-1))
+
+
+def test_argmax_vocab_rows() -> None:
+    """Rows as long as Qwen's vocabulary (151936), the batch-1 pick, with the maximum anywhere."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 151936, generator=g)
+    x[1, 151935] = 100.0
+    x[2, 0] = 100.0
+    x[3, 75000] = x[3, 140000] = 100.0
+    assert torch.equal(argmax(x), torch.argmax(x, dim=-1))
+    assert torch.equal(argmax(x[1:2]), torch.argmax(x[1:2], dim=-1))
 
 
 @pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 31, 32, 33])
