@@ -69,10 +69,44 @@ _UNENFORCED = ("if", "then", "else", "not", "dependentRequired", "dependentSchem
 # keywords whose value maps names (a property's, a definition's) to schemas: the names are data
 _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
 
+# Letters xgrammar reads after a backslash as what they mean in a regex (probed on 0.2.8 and 0.2.9,
+# JSON-schema patterns and `regex` alike): after any other letter it matches the letter itself with
+# only a log warning (\A, \Z, \z, \G, ...) or refuses the pattern.
+_KNOWN_ESCAPES = frozenset("adDefnrsStuvwWx")
+
+# what unenforced_keywords finds, for the messages that refuse it
+UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems; in a pattern, lookarounds and escapes "
+                   "other than \\d \\w \\s \\D \\W \\S \\n \\r \\t \\f \\v \\a \\e \\x \\u")
+
+
+def unenforced_regex(pattern: str) -> str | None:
+    """What in a regex the grammar would not enforce, or None: a lookaround (xgrammar drops a
+    lookahead from a JSON-schema pattern with only a log warning: "(?!b)[ab]" accepted "b") or an
+    escape it would match as a plain letter. Escaped characters and character classes are skipped,
+    so "\\(?=" and "[(?=]" are literals."""
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            nxt = pattern[i + 1] if i + 1 < n else ""
+            if nxt.isascii() and nxt.isalpha() and nxt not in _KNOWN_ESCAPES:
+                return f"the escape \\{nxt}"
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+            return f"a lookaround {pattern[i:i + (4 if pattern[i + 2] == '<' else 3)]}...)"
+        i += 1
+    return None
+
 
 def unenforced_keywords(schema: Any) -> list[str]:
-    """Where `schema` uses a keyword the grammar would not enforce (uniqueItems counts when true);
-    a property merely named like one ("not", "if") is not one."""
+    """Where `schema` uses a keyword the grammar would not enforce (uniqueItems counts when true;
+    a pattern, or a patternProperties name, counts with what `unenforced_regex` finds in it); a
+    property merely named like one ("not", "if") is not one."""
     found: list[str] = []
     todo = [(schema, "$")]
     while todo:
@@ -81,6 +115,11 @@ def unenforced_keywords(schema: Any) -> list[str]:
             found += [f"{at}.{k}" for k in _UNENFORCED if k in node]
             if node.get("uniqueItems") is True:
                 found.append(f"{at}.uniqueItems")
+            if isinstance(node.get("pattern"), str) and (why := unenforced_regex(node["pattern"])):
+                found.append(f"{at}.pattern ({why})")
+            if isinstance(node.get("patternProperties"), dict):
+                found += [f"{at}.patternProperties[{json.dumps(name)}] ({why})" for name in node["patternProperties"]
+                          if isinstance(name, str) and (why := unenforced_regex(name))]
             for k, v in node.items():
                 if k in ("const", "enum", "default", "examples"):  # values, not schemas
                     continue
@@ -106,7 +145,10 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
         bad = unenforced_keywords(parsed)
         if bad:
             raise ValueError(f"structured_outputs.json uses {', '.join(bad[:4])}: a keyword the grammar does not enforce "
-                             "(if/then/else, not, dependent*, contains, uniqueItems), so the output could break it")
+                             f"({UNENFORCED_WHAT}), so the output could break it")
+    if kind == "regex" and isinstance(spec.regex, str) and (why := unenforced_regex(spec.regex)):
+        raise ValueError(f"structured_outputs.regex uses {why}, which the grammar does not enforce ({UNENFORCED_WHAT}), "
+                         "so the output could break it")
     try:
         if kind == "json":
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)

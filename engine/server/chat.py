@@ -35,7 +35,7 @@ from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.server.body import read_body
 from cuttle.engine.server.chat_prompt import ChatOptions, ChatTemplate, ToolCallReplay, check_continuable, read_chat_template
 from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
-from cuttle.engine.structured_output import tool_call_structure, unenforced_keywords
+from cuttle.engine.structured_output import UNENFORCED_WHAT, tool_call_structure, unenforced_keywords
 from cuttle.engine.tokenizer import Tokenizer, validate_messages
 from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls
 
@@ -104,8 +104,8 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             bad = unenforced_keywords(t["function"].get("parameters")) if t["function"].get("strict") else []
             if bad:
                 raise OpenAIError(f"tools[{i}].function.parameters uses {', '.join(bad[:4])}: a keyword the tool-call grammar "
-                                  "does not enforce (if/then/else, not, dependent*, contains, uniqueItems), so strict: true "
-                                  "cannot be kept; drop the keyword or strict", param="tools")
+                                  f"does not enforce ({UNENFORCED_WHAT}), so strict: true cannot be kept; drop the keyword "
+                                  "or strict", param="tools")
         if tool_structure is not None:
             if structured is not None:
                 raise OpenAIError(f"{structured_field} cannot be combined with tools under tool_choice {choice!r}: the tool "

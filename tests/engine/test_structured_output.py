@@ -200,6 +200,17 @@ def test_controls_apply_per_row_in_a_mixed_batch(embedded):
         "type": "object", "if": {"required": ["x"]}, "then": {"required": ["y"]}}}})), "structured_outputs.json uses $.properties.a.if"),
     (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "dependentRequired": {"a": ["b"]}})),
      "dependentRequired"),
+    # pattern parts xgrammar drops (a lookahead: "(?!b)[ab]" accepted "b") or reads as a plain
+    # letter (\\A, \\Z), with only a log warning
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"s": {
+        "type": "string", "pattern": "^(?!admin)[a-z]+$"}}})), "structured_outputs.json uses $.properties.s.pattern (a lookaround (?!...))"),
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "string", "pattern": "\\Aab"})),
+     "structured_outputs.json uses $.pattern (the escape \\A)"),
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "patternProperties": {"^x(?=y)": {}}})),
+     "structured_outputs.json uses $.patternProperties"),
+    (dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+\\Z")), "structured_outputs.regex uses the escape \\Z"),
+    # a pattern neither xgrammar 0.2.8 nor 0.2.9 parses (a backreference)
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "string", "pattern": "(a)\\1"})), "structured_outputs.json does not compile"),
     (dict(logit_bias={10**6: 1.0}), "logit_bias"),
     (dict(allowed_token_ids=[5, 10**6]), "allowed_token_ids"),
     # a pattern xgrammar 0.2.8 parses but whose compile fails one of its own checks (a RuntimeError,
@@ -208,7 +219,7 @@ def test_controls_apply_per_row_in_a_mixed_batch(embedded):
      "structured_outputs.json does not compile"),
 ])
 def test_bad_controls_are_refused_at_admission(embedded, kw, field):
-    if field == "structured_outputs.json does not compile" and xgrammar_compiles_long_pattern():
+    if LONG_PATTERN in repr(kw) and xgrammar_compiles_long_pattern():
         # xgrammar 0.2.9 fixed that check: the schema is served like any other
         out = embedded.generate(["x"], SamplingParams(max_tokens=2, **kw), use_tqdm=False)
         assert out[0].outputs[0].finish_reason == "length"
@@ -216,6 +227,20 @@ def test_bad_controls_are_refused_at_admission(embedded, kw, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         embedded.generate(["x"], SamplingParams(max_tokens=2, **kw), use_tqdm=False)
     assert not embedded.engine.has_unfinished_requests()
+
+
+def test_unenforced_regex_skips_literals_and_supported_parts():
+    """Lookarounds and unknown letter escapes are found outside character classes and escapes only;
+    what xgrammar enforces (classes, non-capturing groups, inline flags, the escapes it knows) is
+    not refused."""
+    from cuttle.engine.structured_output import unenforced_regex
+
+    for ok in ["[(?=]a", "\\(?=a\\)", "(?:a)b", "(?i)ab", "\\d+\\.\\w\\s\\x41\\u0041\\n\\t", "[\\]]x", "a\\"]:
+        assert unenforced_regex(ok) is None, ok
+    assert unenforced_regex("a(?<=a)b") == "a lookaround (?<=...)"
+    assert unenforced_regex("a(?<!b)b") == "a lookaround (?<!...)"
+    assert unenforced_regex("[\\]](?=x)") == "a lookaround (?=...)"  # the escaped ] does not end the class early
+    assert unenforced_regex("x\\G") == "the escape \\G"
 
 
 def test_properties_named_like_unenforced_keywords_are_kept():

@@ -167,6 +167,11 @@ def _post(live, path, body):
         "type": "object", "properties": {"s": {"type": "string", "pattern": LONG_PATTERN}}}}}}, "response_format"),
     ("/v1/chat/completions", {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"s": {"type": "string", "pattern": LONG_PATTERN}}}}}]}, "tools"),
+    # a lookahead xgrammar would drop from the pattern (with only a log warning)
+    ("/v1/completions", {"guided_json": {"type": "string", "pattern": "^(?!x)[a-z]+$"}}, "guided_json"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]+\\Z"}}}}}}, "response_format"),
+    ("/v1/completions", {"guided_regex": "(?=a)a"}, "guided_regex"),
     ("/v1/completions", {"structured_outputs": "a"}, "structured_outputs"),
     ("/v1/completions", {"guided_json": {"type": "object"}, "ignore_eos": True}, "ignore_eos"),
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
@@ -211,6 +216,12 @@ def test_strict_tool_using_an_unenforced_keyword_is_refused(client):
     assert e.value.body["param"] == "tools"
     assert "tools[1].function.parameters" in e.value.body["message"] and "$.properties.verbose.not" in e.value.body["message"]
     assert "uniqueItems" in e.value.body["message"]
+    # a pattern with a lookahead, which xgrammar would drop: refused under strict too
+    look = {"type": "object", "properties": {"path": {"type": "string", "pattern": "^(?!/etc)[a-z/]+$"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="test-model", messages=MSGS, tool_choice="auto", max_tokens=4,
+                                       tools=[{"type": "function", "function": {"name": "read", "parameters": look, "strict": True}}])
+    assert e.value.body["param"] == "tools" and "$.properties.path.pattern (a lookaround (?!...))" in e.value.body["message"]
     r = client.chat.completions.create(model="test-model", messages=MSGS, tools=[tool], tool_choice="required", max_tokens=4)
     assert r.choices[0].finish_reason in ("length", "tool_calls", "stop")
     named = {"type": "object", "properties": {"not": {"type": "boolean"}}, "required": ["not"], "additionalProperties": False}
