@@ -155,7 +155,7 @@ static inline __attribute__((always_inline)) MX_AVX2 void dot_row_mx(const float
  * bits"); this one decodes with mx_placed32 and dots x (in its dword order, xd) with the
  * dequantized weights in 4 FMA chains. Measured (Zen3 EPYC, 2 threads, interleaved in one
  * process): on mx_placed8's decode 1.23-1.32x the loop above on [151936, 512 / 1024], [3072, 1024]
- * and [1024, 2048] weights from memory; mx_placed32 made the lm_head's ~1.2x faster again. The
+ * and [1024, 2048] weights from memory; mx_placed32 made the lm_head's 1.1-1.2x faster again. The
  * sums are in another order than the loop above, so a batch-invariant call keeps that loop at
  * every row count (as the widening bf16 GEMM does). Scale bytes above MX_PLACED_MAX_B take
  * mx_dequant_block, in x's own order: the same values. */
