@@ -144,8 +144,8 @@ static inline MX_AVX2 __m256 mx_placed_factors8(const uint8_t *s) {
  * bits s 0000eeee mmm (element * 2^-120, as mx_placed8) and an AND and a dword shift by 16 the low
  * word's; a word shift by 8 first does the same for the low bytes. 5 shifts per 32 elements where
  * mx_placed8 takes 8 shuffles and shifts (the ops Zen3 runs on two ports): 1.1-1.2x the one-row
- * loop on mx_placed8 (lm_head [151936, 512] from memory, one or two threads, Zen3). v[j] lane i is element
- * 4 i + j times f: the caller dots it with x in the same order (mx_dword_order). */
+ * loop on mx_placed8 (lm_head [151936, 512] from memory, one or two threads, Zen3). v[j] lane i
+ * is element 4 i + j times f: the caller dots it with x in the same order (mx_dword_order). */
 static inline __attribute__((always_inline)) MX_AVX2 void mx_placed32(const uint8_t *p, __m256 f, __m256 v[4]) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)p);
     const __m256i hi = _mm256_set1_epi32((int)0x87F00000u), lo = _mm256_set1_epi32(0x87F0);
