@@ -81,25 +81,66 @@ UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems; in a p
 
 def unenforced_regex(pattern: str) -> str | None:
     """What in a regex the grammar would not enforce, or None: a lookaround (xgrammar drops a
-    lookahead from a JSON-schema pattern with only a log warning: "(?!b)[ab]" accepted "b") or an
-    escape it would match as a plain letter. Escaped characters and character classes are skipped,
-    so "\\(?=" and "[(?=]" are literals."""
-    i, n, in_class = 0, len(pattern), False
+    lookahead from a JSON-schema pattern with only a log warning: "(?!b)[ab]" accepted "b"), an
+    escape it would match as a plain letter, or an anchor where text can precede a ^ or follow a $
+    (xgrammar matches the whole string and drops every anchor: "a$b" accepted "ab", "b(^a)" "ba").
+    Escaped characters and character classes are skipped, so "\\(?=" and "[(?=]" are literals."""
+    i, n = 0, len(pattern)
+    at_start = True  # nothing can have been matched before this point
+    groups: list[list[bool]] = []  # open groups: [opened at a start point, holds a $ that must end the match]
+    def unknown_escape(at: int) -> str | None:
+        nxt = pattern[at + 1] if at + 1 < n else ""
+        return f"the escape \\{nxt}" if nxt.isascii() and nxt.isalpha() and nxt not in _KNOWN_ESCAPES else None
+
     while i < n:
         c = pattern[i]
         if c == "\\":
-            nxt = pattern[i + 1] if i + 1 < n else ""
-            if nxt.isascii() and nxt.isalpha() and nxt not in _KNOWN_ESCAPES:
-                return f"the escape \\{nxt}"
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
+            if why := unknown_escape(i):
+                return why
+            i, at_start = i + 2, False
+        elif c == "[":  # a class, to its closing ]
+            i += 1
+            while i < n and pattern[i] != "]":
+                if pattern[i] == "\\" and (why := unknown_escape(i)):
+                    return why
+                i += 2 if pattern[i] == "\\" else 1
+            i, at_start = i + 1, False
         elif pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
             return f"a lookaround {pattern[i:i + (4 if pattern[i + 2] == '<' else 3)]}...)"
-        i += 1
+        elif c == "(":
+            i += 1
+            if pattern.startswith("?", i):  # a group header: (?: (?P<name> (?<name> or flags (?i)
+                j = i
+                while j < n and pattern[j] not in ":>)":
+                    j += 1
+                if j < n and pattern[j] == ")":  # inline flags: no group
+                    i = j + 1
+                    continue
+                i = j + 1
+            groups.append([at_start, False])
+        elif c == ")":
+            opened_at_start, must_end = groups.pop() if groups else [False, False]
+            i += 1
+            if must_end:
+                if i < n and pattern[i] not in "|)":
+                    return "an anchor $ that text can follow"
+                if i < n and pattern[i] == ")" and groups:
+                    groups[-1][1] = True
+            at_start = False
+        elif c == "|":
+            i, at_start = i + 1, groups[-1][0] if groups else True
+        elif c == "^":
+            if not at_start:
+                return "an anchor ^ that text can precede"
+            i += 1
+        elif c == "$":
+            i += 1
+            if i < n and pattern[i] not in "|)":
+                return "an anchor $ that text can follow"
+            if i < n and groups:
+                groups[-1][1] = True
+        else:
+            i, at_start = i + 1, False
     return None
 
 

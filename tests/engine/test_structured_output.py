@@ -209,6 +209,7 @@ def test_controls_apply_per_row_in_a_mixed_batch(embedded):
     (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "patternProperties": {"^x(?=y)": {}}})),
      "structured_outputs.json uses $.patternProperties"),
     (dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+\\Z")), "structured_outputs.regex uses the escape \\Z"),
+    (dict(structured_outputs=StructuredOutputsParams(regex="a$b")), "structured_outputs.regex uses an anchor $ that text can follow"),
     # a pattern neither xgrammar 0.2.8 nor 0.2.9 parses (a backreference)
     (dict(structured_outputs=StructuredOutputsParams(json={"type": "string", "pattern": "(a)\\1"})), "structured_outputs.json does not compile"),
     (dict(logit_bias={10**6: 1.0}), "logit_bias"),
@@ -241,6 +242,15 @@ def test_unenforced_regex_skips_literals_and_supported_parts():
     assert unenforced_regex("a(?<!b)b") == "a lookaround (?<!...)"
     assert unenforced_regex("[\\]](?=x)") == "a lookaround (?=...)"  # the escaped ] does not end the class early
     assert unenforced_regex("x\\G") == "the escape \\G"
+    assert unenforced_regex("[a\\Z]") == "the escape \\Z"  # inside a class too
+    # anchors: xgrammar matches the whole string and drops every ^ / $, so only those that cannot
+    # have text before (^) or after ($) them are kept
+    for ok in ["^a$", "^(a|b)$", "(^a|^b)c", "^a|b$", "(a$)", "a$|b", "((a$))", "(?:^a)b", "(?i)^ab$", "[$^]a", "\\$a\\^"]:
+        assert unenforced_regex(ok) is None, ok
+    for bad in ["a^b", "b(^a)", "x(a|^b)"]:
+        assert unenforced_regex(bad) == "an anchor ^ that text can precede", bad
+    for bad in ["a$b", "(a$)b", "(a|b$)a", "((a$))b", "(a$)*"]:
+        assert unenforced_regex(bad) == "an anchor $ that text can follow", bad
 
 
 def test_properties_named_like_unenforced_keywords_are_kept():
