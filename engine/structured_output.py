@@ -75,8 +75,9 @@ _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
 _KNOWN_ESCAPES = frozenset("adDefnrsStuvwWx")
 
 # what unenforced_keywords finds, for the messages that refuse it
-UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems; in a pattern, lookarounds and escapes "
-                   "other than \\d \\w \\s \\D \\W \\S \\n \\r \\t \\f \\v \\a \\e \\x \\u")
+UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems; in a pattern, lookarounds, a ^ that text "
+                   "can precede or a $ that text can follow, and escapes other than \\d \\w \\s \\D \\W \\S \\n \\r "
+                   "\\t \\f \\v \\a \\e \\x \\u")
 
 
 def unenforced_regex(pattern: str) -> str | None:
@@ -85,13 +86,13 @@ def unenforced_regex(pattern: str) -> str | None:
     escape it would match as a plain letter, or an anchor where text can precede a ^ or follow a $
     (xgrammar matches the whole string and drops every anchor: "a$b" accepted "ab", "b(^a)" "ba").
     Escaped characters and character classes are skipped, so "\\(?=" and "[(?=]" are literals."""
-    i, n = 0, len(pattern)
-    at_start = True  # nothing can have been matched before this point
-    groups: list[list[bool]] = []  # open groups: [opened at a start point, holds a $ that must end the match]
     def unknown_escape(at: int) -> str | None:
         nxt = pattern[at + 1] if at + 1 < n else ""
         return f"the escape \\{nxt}" if nxt.isascii() and nxt.isalpha() and nxt not in _KNOWN_ESCAPES else None
 
+    i, n = 0, len(pattern)
+    at_start = True  # nothing can have been matched before this point
+    groups: list[list[bool]] = []  # open groups: [opened at a start point, holds a $ that must end the match]
     while i < n:
         c = pattern[i]
         if c == "\\":
@@ -119,12 +120,12 @@ def unenforced_regex(pattern: str) -> str | None:
                 i = j + 1
             groups.append([at_start, False])
         elif c == ")":
-            opened_at_start, must_end = groups.pop() if groups else [False, False]
+            must_end = groups.pop()[1] if groups else False
             i += 1
             if must_end:
                 if i < n and pattern[i] not in "|)":
                     return "an anchor $ that text can follow"
-                if i < n and pattern[i] == ")" and groups:
+                if i < n and groups:  # the group ends an alternative of the one around it: so must that
                     groups[-1][1] = True
             at_start = False
         elif c == "|":

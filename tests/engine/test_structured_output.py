@@ -249,7 +249,7 @@ def test_unenforced_regex_skips_literals_and_supported_parts():
         assert unenforced_regex(ok) is None, ok
     for bad in ["a^b", "b(^a)", "x(a|^b)"]:
         assert unenforced_regex(bad) == "an anchor ^ that text can precede", bad
-    for bad in ["a$b", "(a$)b", "(a|b$)a", "((a$))b", "(a$)*"]:
+    for bad in ["a$b", "(a$)b", "(a|b$)a", "((a$))b", "(a$)*", "((a$)|b)c"]:
         assert unenforced_regex(bad) == "an anchor $ that text can follow", bad
 
 
