@@ -85,7 +85,8 @@ def unenforced_regex(pattern: str) -> str | None:
     lookahead from a JSON-schema pattern with only a log warning: "(?!b)[ab]" accepted "b"), an
     escape it would match as a plain letter, or an anchor where text can precede a ^ or follow a $
     (xgrammar matches the whole string and drops every anchor: "a$b" accepted "ab", "b(^a)" "ba").
-    Escaped characters and character classes are skipped, so "\\(?=" and "[(?=]" are literals."""
+    Escaped characters and character classes are literals to the lookaround and anchor checks, so
+    "\\(?=" and "[(?=]" pass; letter escapes inside a class are checked like any other."""
     def unknown_escape(at: int) -> str | None:
         nxt = pattern[at + 1] if at + 1 < n else ""
         return f"the escape \\{nxt}" if nxt.isascii() and nxt.isalpha() and nxt not in _KNOWN_ESCAPES else None

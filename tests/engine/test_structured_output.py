@@ -231,9 +231,9 @@ def test_bad_controls_are_refused_at_admission(embedded, kw, field):
 
 
 def test_unenforced_regex_skips_literals_and_supported_parts():
-    """Lookarounds and unknown letter escapes are found outside character classes and escapes only;
-    what xgrammar enforces (classes, non-capturing groups, inline flags, the escapes it knows) is
-    not refused."""
+    """Lookarounds and anchors are found outside character classes and escapes only, unknown letter
+    escapes inside classes too; what xgrammar enforces (classes, non-capturing groups, inline flags,
+    the escapes it knows, anchors that nothing can precede / follow) is not refused."""
     from cuttle.engine.structured_output import unenforced_regex
 
     for ok in ["[(?=]a", "\\(?=a\\)", "(?:a)b", "(?i)ab", "\\d+\\.\\w\\s\\x41\\u0041\\n\\t", "[\\]]x", "a\\"]:
