@@ -8,6 +8,12 @@ same shapes (`cuttle.attention.native.gemm.linear`). Prefill (M > 4): GFLOP/s of
 against torch's fp32 matmul on the dequantized weight (the dequantization not counted for torch).
 
     python benchmarks/mxfp8_gemm.py [--quick] [--clock cpu] [--json out.json]
+    python benchmarks/mxfp8_gemm.py --ab-placed [--rounds 7]
+
+`--ab-placed` times the AVX2 placed loops (one or two x rows a pass, `mx_placed32`) against the
+fp16-route decode loop they replace at 1..4 rows (`native.mxfp8.set_placed_loops`), alternating
+the two in one process round by round, on the shapes above and two lm_heads; it reports the
+median and range of the per-round ratios (fp16-route time / placed time).
 
 `--clock cpu` runs one thread and times it with the process CPU clock: on a shared, overloaded
 machine wall time measures the scheduler; CPU time still includes the memory system's contention.
@@ -76,12 +82,47 @@ def decode_rates(N: int, K: int, M: int, total_bytes: int, repeats: int) -> dict
     return out
 
 
+# lm_heads: the Qwen3-MoE preset's (hidden 512) and Qwen3-0.6B's (hidden 1024)
+LM_HEADS = [("lm_head h512", 151936, 512), ("lm_head h1024", 151936, 1024)]
+
+
+def ab_placed(rounds: int, total_bytes: int, repeats: int) -> list[dict]:
+    """Per shape and row count: placed loops on / off, alternating, as ratios off-time / on-time."""
+    out, rows = [], []
+    for name, N, K in LM_HEADS + SHAPES:
+        copies = max(1, total_bytes // (N * K))
+        d, s = quantize_mxfp8(torch.randn(N, K) * 0.02)
+        mx_set = [(d.clone(), s.clone()) for _ in range(copies)]
+        del d, s
+        for M in (1, 2, 3, 4):
+            x = torch.randn(M, K)
+            ratios, t_on = [], []
+            for _ in range(rounds):
+                t = {}
+                for on in (True, False):
+                    mxfp8.set_placed_loops(on)
+                    t[on] = best_of(lambda: [mxfp8.linear(x, a, b) for a, b in mx_set], repeats)
+                mxfp8.set_placed_loops(True)
+                ratios.append(t[False] / t[True])
+                t_on.append(t[True])
+            ratios.sort()
+            gbs = copies * N * K * 1.03125 / min(t_on) / 1e9
+            out.append({"shape": name, "N": N, "K": K, "M": M, "ratios": ratios, "placed_gbs": gbs})
+            rows.append([name, f"{N}x{K}", M, f"{ratios[len(ratios) // 2]:.2f}", f"{ratios[0]:.2f}-{ratios[-1]:.2f}",
+                         f"{gbs:.1f}"])
+        mx_set.clear()
+    print(markdown_table(["shape", "N x K", "M", "fp16 route / placed (median)", "range", "placed GB/s (best)"], rows))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats, decode only at M=1")
     ap.add_argument("--json", default=None)
     ap.add_argument("--mb", type=int, default=256, help="MiB of weights walked per decode measurement (> LLC)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: one thread, process CPU time")
+    ap.add_argument("--ab-placed", action="store_true", help="A/B the AVX2 placed loops against the fp16 route, M=1..4")
+    ap.add_argument("--rounds", type=int, default=7, help="--ab-placed: alternating rounds")
     args = ap.parse_args()
     global CLOCK
     if args.clock == "cpu":
@@ -92,6 +133,16 @@ def main() -> None:
     info["load_before"] = os.getloadavg()
     info["clock"] = args.clock
     copy = copy_gbs(1 << 28)
+    if args.ab_placed:
+        if not mxfp8.fast_path_available():
+            sys.exit("--ab-placed needs the AVX2 path (AVX2, FMA, F16C); this CPU lacks it")
+        print(f"copy bandwidth {copy:.1f} GB/s (read + write)")
+        results = {"copy_gbs": copy, "ab_placed": ab_placed(args.rounds, args.mb << 20, 3 if args.quick else 5)}
+        info["load_after"] = os.getloadavg()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": info, **results}, f, indent=1)
+        return
     read_bound = copy / 2  # copy counts read + write bytes: a pure stream reads about this much
     rows, results = [], {"copy_gbs": copy, "decode": [], "prefill": []}
     for name, N, K in SHAPES:

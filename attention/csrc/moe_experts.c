@@ -483,7 +483,7 @@ static MX_AVX2 void mx_panel_row_placed(const float *r, const uint8_t *wp, const
 #define MX_TILE(M_)                                                                                           \
     static MX_AVX2 void mx_tile_##M_(const float *const *r, const uint8_t *wp, const uint8_t *sp, int64_t K, \
                                      int split, v8f *a0, v8f *a1) {                                          \
-        if (M_ == 1 && split && mxfp8_one_row_on()) mx_panel_row_placed(r[0], wp, sp, K, a0, a1);            \
+        if (M_ == 1 && split && mxfp8_placed_on()) mx_panel_row_placed(r[0], wp, sp, K, a0, a1);            \
         else mx_panel_tile(r, M_, wp, sp, K, split, a0, a1);                                                 \
     }
 MX_TILE(1)

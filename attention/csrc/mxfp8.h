@@ -57,9 +57,9 @@ static inline float mx_e4m3_scaled(uint8_t v) {
  * mxfp8_set_fast_path(0)): one switch for every MXFP8 kernel, defined in mxfp8_gemm.c. */
 int mxfp8_use_fast(void);
 
-/* Whether the one-row loops on the placed decode run (below; mxfp8_set_one_row(0) turns them off
- * for tests and A/B timing), defined in mxfp8_gemm.c. */
-int mxfp8_one_row_on(void);
+/* Whether the loops on the placed decode run (below; mxfp8_set_placed(0) turns them off for tests
+ * and A/B timing), defined in mxfp8_gemm.c. */
+int mxfp8_placed_on(void);
 
 #ifdef MX_X86
 /* 16 E4M3 bytes -> 16 fp32 (element * 2^-8) in two registers. */
@@ -97,7 +97,7 @@ static inline MX_AVX2 void mx_factors8(const uint8_t *s, __m256 *f, __m256 *pre)
     *pre = _mm256_blendv_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(256.f), _mm256_castsi256_ps(_mm256_andnot_si256(nan, hi)));
 }
 
-/* ---- E4M3 placed as fp32 bits (the one-row loops) --------------------------------------------
+/* ---- E4M3 placed as fp32 bits (the placed loops) --------------------------------------------
  * The route above goes through vcvtph2ps and vextracti128, which share one port on Zen3 (one a
  * cycle): with 6 of them per 32-element block that port bounds a one-row loop (~9 cycles a block
  * in L1). Instead an element can be placed as fp32 bits: vpshufb puts its byte at the top of a
@@ -139,11 +139,11 @@ static inline MX_AVX2 __m256 mx_placed_factors8(const uint8_t *s) {
 }
 
 /* A 32-element block placed in dword order, for loops that read contiguous blocks (the dense
- * one-row loop): reading the block as 16-bit words, an arithmetic word shift by 4 leaves each
+ * placed loop): reading the block as 16-bit words, an arithmetic word shift by 4 leaves each
  * word's high byte as s ssss eeee mmm0000 in the word, so one AND keeps the high word's as the fp32
  * bits s 0000eeee mmm (element * 2^-120, as mx_placed8) and an AND and a dword shift by 16 the low
  * word's; a word shift by 8 first does the same for the low bytes. 5 shifts per 32 elements where
- * mx_placed8 takes 8 shuffles and shifts (the ops Zen3 runs on two ports): 1.1-1.2x the one-row
+ * mx_placed8 takes 8 shuffles and shifts (the ops Zen3 runs on two ports): 1.1-1.2x the one-row placed
  * loop on mx_placed8 (lm_head [151936, 512] from memory, one or two threads, Zen3). v[j] lane i
  * is element 4 i + j times f: the caller dots it with x in the same order (mx_dword_order). */
 static inline __attribute__((always_inline)) MX_AVX2 void mx_placed32(const uint8_t *p, __m256 f, __m256 v[4]) {

@@ -11,9 +11,9 @@
  *     become 4 fp32 registers, are dotted with every x row into a block sum, and the block sum is
  *     multiplied once by the block's scale factor. W's bytes are read once from memory (x rows
  *     5..8 are a second pass over the row, from L1: at M = 5..8 this was ~1.4x faster than the
- *     tile loop, one thread, K = 1024). One row alone on the AVX2 path (not batch-invariant) takes
- *     a one-row loop instead, which decodes by placing the element bits (mxfp8.h) and dots x with
- *     the dequantized weights: the fp16 route's conversions bound the loop at one row.
+ *     tile loop, one thread, K = 1024). One or two rows on the AVX2 path (not batch-invariant)
+ *     take the placed loop instead, which decodes by placing the element bits (mxfp8.h) and dots
+ *     x with the dequantized weights: the fp16 route's conversions bound the loop at 1-2 rows.
  *   - tile (M > 8, prefill): each thread dequantizes a tile of 16 weight rows to fp32 once (L2)
  *     and runs a 2-row x 4-weight-row register kernel over a chunk of x rows sized to stay in L2,
  *     so one conversion serves every row of the chunk.
@@ -150,26 +150,37 @@ static inline __attribute__((always_inline)) MX_AVX2 void dot_row_mx(const float
     for (int m = 0; m < M; m++) out[m] = mx_hsum(tot[m]);
 }
 
-/* ---- one-row loop (M = 1, AVX2) ------------------------------------------------------------
- * At one x row the loop above is bound by the fp16 route's conversions (mxfp8.h, "placed as fp32
- * bits"); this one decodes with mx_placed32 and dots x (in its dword order, xd) with the
- * dequantized weights in 4 FMA chains. Measured (Zen3 EPYC, 2 threads, interleaved in one
- * process): on mx_placed8's decode 1.23-1.32x the loop above on [151936, 512 / 1024], [3072, 1024]
- * and [1024, 2048] weights from memory; mx_placed32 made the lm_head's 1.1-1.2x faster again. The
- * sums are in another order than the loop above, so a batch-invariant call keeps that loop at
- * every row count (as the widening bf16 GEMM does). Scale bytes above MX_PLACED_MAX_B take
- * mx_dequant_block, in x's own order: the same values. */
+/* ---- placed loop (M = 1, 2, AVX2) -----------------------------------------------------------
+ * At one or two x rows the loop above is bound by the fp16 route's conversions (mxfp8.h, "placed
+ * as fp32 bits"); this one decodes with mx_placed32 and dots x (in its dword order, xd) with the
+ * dequantized weights: 4 FMA chains at one row, 2 a row at two (4 a row left too few registers:
+ * 0.92-0.98x the loop above on the lm_heads). Measured (Zen3 EPYC, 2 threads, alternating in one
+ * process; `benchmarks/mxfp8_gemm.py --ab-placed`, weights from memory): one row 1.1-1.4x the loop
+ * above, two rows 1.05-1.2x; three rows as 2 + 1 and four as 2 + 2 were 0.81-0.95x (decoding each
+ * weight row twice costs more than the fp16 route's conversions), hence PLACED_MAX_M. The sums are
+ * in another order than the loop above, so a batch-invariant call keeps that loop at every row
+ * count (as the widening bf16 GEMM does). Scale bytes above MX_PLACED_MAX_B take mx_dequant_block,
+ * in x's own order: the same values. */
 static float placed_factor_tab[256]; /* 2^(b - 7) for b <= MX_PLACED_MAX_B */
-static int one_row_on = 1;           /* mxfp8_set_one_row */
-int mxfp8_one_row_on(void) { return one_row_on; }
+static int placed_on = 1;            /* mxfp8_set_placed */
+#ifndef PLACED_MAX_M
+#define PLACED_MAX_M 2 /* x rows the placed loops take: more measured slower than the fp16 route */
+#endif
+int mxfp8_placed_on(void) { return placed_on; }
 
 __attribute__((constructor)) static void mx_placed_table(void) {
     for (int b = 0; b <= MX_PLACED_MAX_B; b++) placed_factor_tab[b] = mx_bits_f32((uint32_t)(b + 120) << 23);
 }
 
-static MX_AVX2 float dot_one_row_mx(const float *x, const float *xd, const uint8_t *w, const uint8_t *s, int64_t K) {
+/* One weight row dotted with R (1 or 2) x rows: xd holds them in mx_placed32's order, x in their
+ * own (for blocks mx_dequant_block takes), both with row stride K. */
+static inline __attribute__((always_inline)) MX_AVX2 void dot_placed_rows(const float *x, const float *xd,
+                                                                          const uint8_t *w, const uint8_t *s,
+                                                                          int64_t K, const int R, float *out) {
     const int64_t KB = K / MX_BLOCK;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[2][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < KB; kb++) {
         const uint8_t *p = w + kb * MX_BLOCK;
         _mm_prefetch((const char *)(p + PREFETCH_BYTES), _MM_HINT_T0);
@@ -182,9 +193,21 @@ static MX_AVX2 float dot_one_row_mx(const float *x, const float *xd, const uint8
             mx_dequant_block(p, b, v);
             xb = x + kb * MX_BLOCK;
         }
-        for (int j = 0; j < 4; j++) acc[j] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xb + 8 * j), acc[j]);
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 4; j++) {
+                const int c = R == 1 ? j : j & 1;
+                acc[r][c] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xb + r * K + 8 * j), acc[r][c]);
+            }
     }
-    return mx_hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (int r = 0; r < R; r++)
+        out[r] = R == 1 ? mx_hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])))
+                        : mx_hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+static MX_AVX2 void dot_placed_1(const float *x, const float *xd, const uint8_t *w, const uint8_t *s, int64_t K, float *out) {
+    dot_placed_rows(x, xd, w, s, K, 1, out);
+}
+static MX_AVX2 void dot_placed_2(const float *x, const float *xd, const uint8_t *w, const uint8_t *s, int64_t K, float *out) {
+    dot_placed_rows(x, xd, w, s, K, 2, out);
 }
 
 #define ROW_MX(M_)                                                                                          \
@@ -217,11 +240,20 @@ static int linear_decode(const float *x, const uint8_t *w, const uint8_t *s, con
                          int64_t M, int64_t N, int64_t K, int fast, int invariant) {
     const int64_t KB = K / MX_BLOCK;
 #ifdef MX_X86
-    float *xd = fast && one_row_on && M == 1 && !invariant ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
+    float *xd = fast && placed_on && M <= PLACED_MAX_M && !invariant ? (float *)malloc(sizeof(float) * (size_t)(M * K)) : NULL;
     if (xd) { /* (without the buffer, the loop below) */
-        mx_dword_order(x, K, xd);
+        for (int64_t m = 0; m < M; m++) mx_dword_order(x + m * K, K, xd + m * K);
 #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) store_as(y, y_dtype, n, dot_one_row_mx(x, xd, w + n * K, s + n * KB, K) + (bias ? bias[n] : 0.f));
+        for (int64_t n = 0; n < N; n++) {
+            /* (a loop over passes of 2 rows, should PLACED_MAX_M grow) */
+            for (int64_t m0 = 0; m0 < M; m0 += 2) {
+                float acc[2];
+                const int two = M - m0 >= 2;
+                if (two) dot_placed_2(x + m0 * K, xd + m0 * K, w + n * K, s + n * KB, K, acc);
+                else dot_placed_1(x + m0 * K, xd + m0 * K, w + n * K, s + n * KB, K, acc);
+                for (int m = 0; m < 1 + two; m++) store_as(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
+            }
+        }
         free(xd);
         return 5;
     }
@@ -604,7 +636,7 @@ static int linear_tile_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *
 #endif
 
 /* Which loop the last mxfp8_linear call took: 0 scalar, 1 AVX2 decode, 2 bf16-dot decode, 3 tile
- * (fp32), 4 bf16 tile, 5 AVX2 one-row (tests check that a case exercises the path it means to). */
+ * (fp32), 4 bf16 tile, 5 AVX2 placed (1-2 rows) (tests check that a case exercises the path it means to). */
 static int last_path = -1;
 int mxfp8_last_linear_path(void) { return last_path; }
 
@@ -625,13 +657,13 @@ int mxfp8_set_bf16_dot(int on) {
     return bf16_dot_on && mxfp8_bf16_dot_available();
 }
 
-/* Let one x row take the AVX2 one-row loops (1, the default: this file's and the routed experts'
- * MXFP8 tile at one row) or the M-row loops (0, for tests and A/B timing); returns whether they
- * are now in use (0 where the library is not for x86). */
-int mxfp8_set_one_row(int on) {
-    one_row_on = on != 0;
+/* Let calls on the AVX2 path take the placed loops (1, the default: this file's at 1-2 x rows and
+ * the routed experts' MXFP8 tile at one row) or the M-row loops (0, for tests and A/B timing);
+ * returns whether they are now in use (0 where the library is not for x86). */
+int mxfp8_set_placed(int on) {
+    placed_on = on != 0;
 #ifdef MX_X86
-    return one_row_on;
+    return placed_on;
 #else
     return 0;
 #endif

@@ -23,9 +23,9 @@ engine):
   k split at tiles of <= 2 rows, and on AVX2 an MXFP8 tile of one row sums in a third order (the
   one-row tile). Switched on: no split, no one-row tile;
 - the MXFP8 linear: a decode loop up to 12 rows (bf16 activations; 8 for fp32), which sums every
-  row in one order, and a tile loop above it, which sums in another; on AVX2 one row alone takes
-  a one-row loop with its own order. Switched on: the decode loop at every row count (in passes of
-  8 rows; the bf16 one decodes each group of weight rows once), no one-row loop;
+  row in one order, and a tile loop above it, which sums in another; on AVX2 one or two rows take
+  the placed loop, with orders of their own. Switched on: the decode loop at every row count (in
+  passes of 8 rows; the bf16 one decodes each group of weight rows once), no placed loop;
 - SiLU-mul (`fused.silu_mul`): a scalar exp at the tails of torch's thread ranges, whose places in
   the batch follow its row count. Switched on: the tail at each row's end;
 - attention prefill (`torch_backend`): chunks of more than 256 tokens go to SDPA, which tiles by the

@@ -22,7 +22,7 @@ import torch
 from cuttle.attention.native import invariance, kernels
 from cuttle.attention.native.build import DTYPE_CODE
 
-__all__ = ["available", "fast_path_available", "bf16_dot_available", "set_bf16_dot", "set_fast_path", "set_one_row_loop", "dequantize", "linear",
+__all__ = ["available", "fast_path_available", "bf16_dot_available", "set_bf16_dot", "set_fast_path", "set_placed_loops", "dequantize", "linear",
            "last_linear_path", "check_weight", "check_nan_elements"]
 
 BLOCK = 32
@@ -37,7 +37,7 @@ _SIGNATURES = {
     "mxfp8_last_linear_path": ([], _int),
     "mxfp8_set_bf16_dot": ([_int], _int),
     "mxfp8_set_gfni_decode": ([_int], _int),
-    "mxfp8_set_one_row": ([_int], _int),
+    "mxfp8_set_placed": ([_int], _int),
 }
 _declared: ctypes.CDLL | None = None
 
@@ -120,15 +120,15 @@ def set_gfni_decode(on: bool) -> bool:
     return bool(_lib().mxfp8_set_gfni_decode(int(on)))
 
 
-def set_one_row_loop(on: bool) -> bool:
-    """Let a one-row call on the AVX2 path take its one-row loop (the default; not under the
-    batch-invariant switch) or the M-row decode loop (tests and A/B timing); returns whether the
-    one-row loop is now in use."""
-    return bool(_lib().mxfp8_set_one_row(int(on)))
+def set_placed_loops(on: bool) -> bool:
+    """Let calls on the AVX2 path take the placed loops (the default; not under the batch-invariant
+    switch): `linear` at 1-2 x rows and the routed experts' MXFP8 tile at one token; or the M-row
+    loops (tests and A/B timing). Returns whether the placed loops are now in use."""
+    return bool(_lib().mxfp8_set_placed(int(on)))
 
 
 # `last_linear_path()` values
-LINEAR_PATHS = {0: "scalar", 1: "avx2", 2: "bf16_dot", 3: "tile", 4: "bf16_tile", 5: "avx2_one_row"}
+LINEAR_PATHS = {0: "scalar", 1: "avx2", 2: "bf16_dot", 3: "tile", 4: "bf16_tile", 5: "avx2_placed"}
 
 
 def last_linear_path() -> str:

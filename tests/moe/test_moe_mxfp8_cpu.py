@@ -43,8 +43,8 @@ def _expect_path(path: str, x: torch.Tensor, scale: torch.Tensor | None = None) 
         return "bf16_tile" if bf16_dot and safe else "tile"
     if path == "bf16_dot" and not bf16_dot:
         path = "avx2"  # the bf16-dot loop takes bf16 x with K a multiple of 64 only
-    if path == "avx2" and M == 1:
-        return "avx2_one_row"  # one x row (batch-invariant switch off): the placed-bits loop
+    if path == "avx2" and M <= 2:
+        return "avx2_placed"  # 1-2 x rows (batch-invariant switch off): the placed-bits loop
     return path
 
 
@@ -213,11 +213,12 @@ def test_gfni_and_table_decode_give_the_same_bits(gfni, M: int) -> None:
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_one_row_loop(x_dtype: torch.dtype) -> None:
-    """The AVX2 one-row loop (elements placed as fp32 bits, times 2^(b - 7)): rows mixing scale bytes
-    it takes (<= 134) and ones it hands to mx_dequant_block (135..254), zero and subnormal elements,
-    ragged N; within fp32 accumulation error as the M-row loop is, and not taken under the
-    batch-invariant switch, where one row gives the bits it gets among others."""
+def test_placed_loop(x_dtype: torch.dtype) -> None:
+    """The AVX2 placed loop at 1 and 2 x rows (elements placed as fp32 bits, times 2^(b - 7)): rows
+    mixing scale bytes it takes (<= 134) and ones it hands to mx_dequant_block (135..254), zero and
+    subnormal elements, ragged N; within fp32 accumulation error as the M-row loop is; 3 rows take
+    the M-row loop; not taken under the batch-invariant switch, where one row gives the bits it gets
+    among others."""
     from cuttle.attention.native import invariance
 
     if not mx.fast_path_available():
@@ -238,20 +239,32 @@ def test_one_row_loop(x_dtype: torch.dtype) -> None:
         x = torch.randn(3, K, generator=g).to(x_dtype)
         b = torch.randn(N, generator=g)
         one = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
-        assert mx.last_linear_path() == "avx2_one_row"
+        assert mx.last_linear_path() == "avx2_placed"
         _check_gemm(x[:1], data, scale, b, one)
-        assert mx.set_one_row_loop(False) is False
+        two = mx.linear(x[1:], data, scale, b, out=torch.empty(2, N))
+        assert mx.last_linear_path() == "avx2_placed"
+        _check_gemm(x[1:], data, scale, b, two)
+        # without the 2^40 block (which swamps the rest) the two loops' summation orders show
+        plain = quantize_mxfp8(torch.randn(N, K, generator=g) * 0.05)
+        two_plain = mx.linear(x[1:], *plain, b, out=torch.empty(2, N))
+        mx.linear(x, data, scale, b, out=torch.empty(3, N))
+        assert mx.last_linear_path() == "avx2"
+        assert mx.set_placed_loops(False) is False
         rows = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
         assert mx.last_linear_path() == "avx2"
         _check_gemm(x[:1], data, scale, b, rows)
-        assert mx.set_one_row_loop(True) is True
+        two_rows = mx.linear(x[1:], *plain, b, out=torch.empty(2, N))
+        assert mx.last_linear_path() == "avx2"
+        _check_gemm(x[1:], *plain, b, two_rows)
+        assert not torch.equal(two_plain, two_rows)  # the placed loop ran: another summation order
+        assert mx.set_placed_loops(True) is True
         with invariance.batch_invariant():
             alone = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
             assert mx.last_linear_path() == "avx2"
             among = mx.linear(x, data, scale, b, out=torch.empty(3, N))
         assert torch.equal(alone, among[:1]) and torch.equal(alone, rows)
     finally:
-        mx.set_one_row_loop(True)
+        mx.set_placed_loops(True)
         mx.set_bf16_dot(True)
 
 

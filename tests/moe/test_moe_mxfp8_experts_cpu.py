@@ -86,7 +86,7 @@ def test_one_row_tile(path: str) -> None:
     """An expert with one token takes the one-row MXFP8 tile (elements placed as fp32 bits, mxfp8.h)
     where the AVX2 route runs: blocks with scale bytes above 134 (the block-sum route inside it),
     zero and subnormal elements, fp32 within accumulation rounding of the torch path and of the
-    M-row tile (mxfp8.set_one_row_loop(False)); under the batch-invariant switch (no one-row tile)
+    M-row tile (mxfp8.set_placed_loops(False)); under the batch-invariant switch (no one-row tile)
     the bits it gets among other tokens."""
     from cuttle.attention.native import invariance
 
@@ -106,10 +106,10 @@ def test_one_row_tile(path: str) -> None:
     one = _native(x, w13, w2, weights, ids)
     torch.testing.assert_close(one, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     try:
-        assert native_mx.set_one_row_loop(False) is False
+        assert native_mx.set_placed_loops(False) is False
         rows = _native(x, w13, w2, weights, ids)
     finally:
-        native_mx.set_one_row_loop(True)
+        native_mx.set_placed_loops(True)
     torch.testing.assert_close(rows, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     if path == "avx2":
         assert not torch.equal(one, rows)  # the one-row tile ran: another summation order
