@@ -23,6 +23,7 @@ refused with an error naming the missing package. Why xgrammar and not llguidanc
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -84,7 +85,8 @@ def unenforced_regex(pattern: str) -> str | None:
     """What in a regex the grammar would not enforce, or None: a lookaround (xgrammar drops a
     lookahead from a JSON-schema pattern with only a log warning: "(?!b)[ab]" accepted "b"), an
     escape it would match as a plain letter, or an anchor where text can precede a ^ or follow a $
-    (xgrammar matches the whole string and drops every anchor: "a$b" accepted "ab", "b(^a)" "ba").
+    (xgrammar matches the whole string and drops every anchor: "a$b" accepted "ab", "b(^a)" "ba"),
+    which includes an anchor in a group that can repeat ("(^a)*" accepted "aa").
     Escaped characters and character classes are literals to the lookaround and anchor checks, so
     "\\(?=" and "[(?=]" pass; letter escapes inside a class are checked like any other."""
     def unknown_escape(at: int) -> str | None:
@@ -93,7 +95,8 @@ def unenforced_regex(pattern: str) -> str | None:
 
     i, n = 0, len(pattern)
     at_start = True  # nothing can have been matched before this point
-    groups: list[list[bool]] = []  # open groups: [opened at a start point, holds a $ that must end the match]
+    # open groups: [opened at a start point, holds a $ that must end the match, holds an anchor]
+    groups: list[list[bool]] = []
     while i < n:
         c = pattern[i]
         if c == "\\":
@@ -119,15 +122,20 @@ def unenforced_regex(pattern: str) -> str | None:
                     i = j + 1
                     continue
                 i = j + 1
-            groups.append([at_start, False])
+            groups.append([at_start, False, False])
         elif c == ")":
-            must_end = groups.pop()[1] if groups else False
+            _, must_end, anchored = groups.pop() if groups else (False, False, False)
             i += 1
             if must_end:
                 if i < n and pattern[i] not in "|)":
                     return "an anchor $ that text can follow"
                 if i < n and groups:  # the group ends an alternative of the one around it: so must that
                     groups[-1][1] = True
+            if anchored:
+                if _repeats(pattern, i):  # a second pass is preceded (or followed) by the first's text
+                    return "an anchor in a group that can repeat"
+                if groups:
+                    groups[-1][2] = True
             at_start = False
         elif c == "|":
             i, at_start = i + 1, groups[-1][0] if groups else True
@@ -135,8 +143,12 @@ def unenforced_regex(pattern: str) -> str | None:
             if not at_start:
                 return "an anchor ^ that text can precede"
             i += 1
+            if groups:
+                groups[-1][2] = True
         elif c == "$":
             i += 1
+            if groups:
+                groups[-1][2] = True
             if i < n and pattern[i] not in "|)":
                 return "an anchor $ that text can follow"
             if i < n and groups:
@@ -144,6 +156,19 @@ def unenforced_regex(pattern: str) -> str | None:
         else:
             i, at_start = i + 1, False
     return None
+
+
+def _repeats(pattern: str, i: int) -> bool:
+    """Whether the quantifier at pattern[i] (if any) lets what it follows match more than once."""
+    if pattern.startswith(("*", "+"), i):
+        return True
+    m = re.match(r"\{(\d*)(,?)(\d*)\}", pattern[i:])
+    if m is None:  # no quantifier, "?", or a "{" that is a literal
+        return False
+    low, comma, high = m.groups()
+    if not comma:  # "{n}" ("{}" is a literal)
+        return bool(low) and int(low) > 1
+    return not high or int(high) > 1  # "{n,}", "{,}" (Python: any count), "{n,m}"
 
 
 def unenforced_keywords(schema: Any) -> list[str]:

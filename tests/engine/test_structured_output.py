@@ -251,6 +251,60 @@ def test_unenforced_regex_skips_literals_and_supported_parts():
         assert unenforced_regex(bad) == "an anchor ^ that text can precede", bad
     for bad in ["a$b", "(a$)b", "(a|b$)a", "((a$))b", "(a$)*", "((a$)|b)c"]:
         assert unenforced_regex(bad) == "an anchor $ that text can follow", bad
+    # a group that can match twice puts the first pass's text before its ^ ("(^a)*" accepted "aa")
+    for ok in ["(^a)?b", "(^a){1}b", "(^a){0,1}b", "^(ab)*$", "^(?:a|b)+$", "(^a)a{2}", "(^a)\\*", "(^a){}"]:
+        assert unenforced_regex(ok) is None, ok
+    for bad in ["(^a)*", "(^a)+", "(^a){2}", "(?:^a|b){1,3}", "((^a))*", "(a|(^b)){2,}", "(^a){,}", "(?:(^a|b))+"]:
+        assert unenforced_regex(bad) == "an anchor in a group that can repeat", bad
+
+
+def test_served_patterns_are_enforced_by_xgrammar():
+    """Property check of `unenforced_regex` against xgrammar itself: random patterns over a, b,
+    classes, anchors, groups, alternatives and quantifiers; for each pattern it lets through (and
+    xgrammar parses), every string over {a, b} up to 4 long that xgrammar's grammar accepts must
+    match the pattern -- `re.fullmatch` for a `regex` spec, `re.search` for a JSON-schema
+    `pattern` (ECMA-262 semantics: not anchored). Seeded; ~700 served patterns."""
+    import itertools
+    import random
+
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from cuttle.engine.structured_output import unenforced_regex
+
+    rng = random.Random(20261128)
+    quantifiers = ["?", "*", "+", "{2}", "{0,1}", "{1,2}", "*?", "{2,}"]
+
+    def alternatives(depth: int) -> str:
+        return "|".join("".join(atom(depth) for _ in range(rng.randint(0, 3))) for _ in range(rng.choice([1, 1, 2, 3])))
+
+    def atom(depth: int) -> str:
+        r = rng.random()
+        if r < 0.15:
+            return rng.choice("^$")
+        if r < 0.35 and depth < 3:
+            a = rng.choice(["(", "(?:"]) + alternatives(depth + 1) + ")"
+        else:
+            a = rng.choice(["a", "b", "[ab]", "[^a]", "."])
+        return a + rng.choice(quantifiers) if rng.random() < 0.25 else a
+
+    strings = [""] + ["".join(p) for k in range(1, 5) for p in itertools.product("ab", repeat=k)]
+    served = 0
+    for _ in range(1500):
+        pattern = alternatives(0)
+        try:
+            re.compile(pattern)
+        except re.error:
+            continue
+        if unenforced_regex(pattern) is not None:
+            continue
+        as_regex = xgr.Grammar.from_regex(pattern)
+        as_schema = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}), any_whitespace=False)
+        served += 1
+        for s in strings:
+            assert not accepts(as_regex, s) or re.fullmatch(pattern, s), (pattern, s)
+            assert not accepts(as_schema, json.dumps(s)) or re.search(pattern, s), (pattern, s)
+    assert served > 500
 
 
 def test_properties_named_like_unenforced_keywords_are_kept():
