@@ -77,8 +77,14 @@ _KNOWN_ESCAPES = frozenset("adDefnrsStuvwWx")
 
 # what unenforced_keywords finds, for the messages that refuse it
 UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems; in a pattern, lookarounds, a ^ that text "
-                   "can precede or a $ that text can follow, and escapes other than \\d \\w \\s \\D \\W \\S \\n \\r "
-                   "\\t \\f \\v \\a \\e \\x \\u")
+                   "can precede or a $ that text can follow, a ] first in a class, and escapes other than \\d \\w "
+                   "\\s \\D \\W \\S \\n \\r \\t \\f \\v \\a \\e \\x \\u")
+
+# What "." may match, spelled out for xgrammar, whose "." also matches a newline: Python's "." in a
+# `regex` spec (its outputs are checked with re), ECMA-262's in a JSON-schema pattern (the line
+# terminators \n \r \u2028 \u2029 excluded), which is within Python's too
+_REGEX_DOT = "[^\\n]"
+_SCHEMA_DOT = "[^\\n\\r\\u2028\\u2029]"
 
 
 def unenforced_regex(pattern: str) -> str | None:
@@ -86,7 +92,9 @@ def unenforced_regex(pattern: str) -> str | None:
     lookahead from a JSON-schema pattern with only a log warning: "(?!b)[ab]" accepted "b"), an
     escape it would match as a plain letter, or an anchor where text can precede a ^ or follow a $
     (xgrammar matches the whole string and drops every anchor: "a$b" accepted "ab", "b(^a)" "ba"),
-    which includes an anchor in a group that can repeat ("(^a)*" accepted "aa").
+    which includes an anchor in a group that can repeat ("(^a)*" accepted "aa"); or a "]" first in
+    a class, a literal to Python's re but the class's end to ECMA-262 and xgrammar ("[^]a]" accepted
+    "xa]").
     Escaped characters and character classes are literals to the lookaround and anchor checks, so
     "\\(?=" and "[(?=]" pass; letter escapes inside a class are checked like any other."""
     def unknown_escape(at: int) -> str | None:
@@ -104,7 +112,9 @@ def unenforced_regex(pattern: str) -> str | None:
                 return why
             i, at_start = i + 2, False
         elif c == "[":  # a class, to its closing ]
-            i += 1
+            i += 2 if pattern.startswith("[^", i) else 1
+            if pattern.startswith("]", i):
+                return "a ] first in a character class (write \\] for the character)"
             while i < n and pattern[i] != "]":
                 if pattern[i] == "\\" and (why := unknown_escape(i)):
                     return why
@@ -156,6 +166,50 @@ def unenforced_regex(pattern: str) -> str | None:
         else:
             i, at_start = i + 1, False
     return None
+
+
+def explicit_dots(pattern: str, dot: str) -> str:
+    """`pattern` with every "." that means any character (not escaped, not in a class) written as
+    the class `dot`; the rest unchanged."""
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+        elif c == "[":
+            j = i + (2 if pattern.startswith("[^", i) else 1)
+            j += 1 if pattern.startswith("]", j) else 0  # (refused by unenforced_regex; kept whole here)
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            out.append(pattern[i:j + 1])
+            i = j + 1
+        else:
+            out.append(dot if c == "." else c)
+            i += 1
+    return "".join(out)
+
+
+def _schema_with_explicit_dots(node: Any) -> Any:
+    """A copy of the JSON schema `node` with explicit_dots applied to every pattern and
+    patternProperties name (values under const / enum / default / examples are data: kept)."""
+    if isinstance(node, list):
+        return [_schema_with_explicit_dots(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k in ("const", "enum", "default", "examples"):
+            out[k] = v
+        elif k == "pattern" and isinstance(v, str):
+            out[k] = explicit_dots(v, _SCHEMA_DOT)
+        elif k in _NAMED_SCHEMAS and isinstance(v, dict):
+            rename = k == "patternProperties"
+            out[k] = {(explicit_dots(name, _SCHEMA_DOT) if rename else name): _schema_with_explicit_dots(sub)
+                      for name, sub in v.items()}
+        else:
+            out[k] = _schema_with_explicit_dots(v)
+    return out
 
 
 def _repeats(pattern: str, i: int) -> bool:
@@ -219,12 +273,13 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
                          "so the output could break it")
     try:
         if kind == "json":
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            # (not JSON: the text as sent, for xgrammar's error to name)
+            schema = json.dumps(_schema_with_explicit_dots(parsed)) if parsed is not None else spec.json
             return xgr.Grammar.from_json_schema(schema, strict_mode=True, **_JSON_LAYOUT)
         if kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', **_JSON_LAYOUT)
         if kind == "regex":
-            return xgr.Grammar.from_regex(spec.regex)
+            return xgr.Grammar.from_regex(explicit_dots(spec.regex, _REGEX_DOT))
         if kind == "choice":
             # an EBNF alternation of string literals (JSON string escapes are EBNF's too)
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
@@ -536,7 +591,7 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
         return None
 
     def args(t: dict[str, Any]) -> dict[str, Any]:
-        schema = t["function"].get("parameters") or {"type": "object"}
+        schema = _schema_with_explicit_dots(t["function"].get("parameters") or {"type": "object"})
         # one space at most between JSON tokens (a code model otherwise writes indentation forever)
         return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
 

@@ -254,23 +254,25 @@ def test_unenforced_regex_skips_literals_and_supported_parts():
     # a group that can match twice puts the first pass's text before its ^ ("(^a)*" accepted "aa")
     for ok in ["(^a)?b", "(^a){1}b", "(^a){0,1}b", "^(ab)*$", "^(?:a|b)+$", "(^a)a{2}", "(^a)\\*", "(^a){}"]:
         assert unenforced_regex(ok) is None, ok
+    for bad in ["[]a]", "x[^]a]"]:  # Python: a literal ]; ECMA-262 and xgrammar: the class ends ("[^]a]" accepted "xa]")
+        assert unenforced_regex(bad) == "a ] first in a character class (write \\] for the character)", bad
     for bad in ["(^a)*", "(^a)+", "(^a){2}", "(?:^a|b){1,3}", "((^a))*", "(a|(^b)){2,}", "(^a){,}", "(?:(^a|b))+"]:
         assert unenforced_regex(bad) == "an anchor in a group that can repeat", bad
 
 
 def test_served_patterns_are_enforced_by_xgrammar():
-    """Property check of `unenforced_regex` against xgrammar itself: random patterns over a, b,
-    classes, anchors, groups, alternatives and quantifiers; for each pattern it lets through (and
-    xgrammar parses), every string over {a, b} up to 4 long that xgrammar's grammar accepts must
-    match the pattern -- `re.fullmatch` for a `regex` spec, `re.search` for a JSON-schema
-    `pattern` (ECMA-262 semantics: not anchored). Seeded; ~700 served patterns."""
+    """Property check of what the engine hands xgrammar (`build_grammar`: `unenforced_regex`'s
+    refusals, "." spelled out) against `re`: random patterns over a, b, newline, classes, ".",
+    anchors, groups, alternatives and quantifiers; for each pattern served (and that xgrammar
+    parses), every string over {a, b, newline} up to 3 long that the grammar accepts must match the
+    pattern -- `re.fullmatch` for a `regex` spec, `re.search` for a JSON-schema `pattern`
+    (ECMA-262 semantics: not anchored). Seeded; ~800 served patterns."""
     import itertools
     import random
 
-    xgr = pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
-    from cuttle.engine.structured_output import unenforced_regex
+    from cuttle.engine.structured_output import build_grammar
 
     rng = random.Random(20261128)
     quantifiers = ["?", "*", "+", "{2}", "{0,1}", "{1,2}", "*?", "{2,}"]
@@ -285,26 +287,55 @@ def test_served_patterns_are_enforced_by_xgrammar():
         if r < 0.35 and depth < 3:
             a = rng.choice(["(", "(?:"]) + alternatives(depth + 1) + ")"
         else:
-            a = rng.choice(["a", "b", "[ab]", "[^a]", "."])
+            a = rng.choice(["a", "b", "[ab]", "[^a]", ".", ".", "\\n", "[.]", "\\.", "[^]a]", "\\s"])
         return a + rng.choice(quantifiers) if rng.random() < 0.25 else a
 
-    strings = [""] + ["".join(p) for k in range(1, 5) for p in itertools.product("ab", repeat=k)]
+    strings = [""] + ["".join(p) for k in range(1, 4) for p in itertools.product("ab\n", repeat=k)]
     served = 0
-    for _ in range(1500):
+    for _ in range(2000):
         pattern = alternatives(0)
         try:
             re.compile(pattern)
-        except re.error:
+            as_regex = build_grammar(StructuredOutputsParams(regex=pattern))
+            as_schema = build_grammar(StructuredOutputsParams(json={"type": "string", "pattern": pattern}))
+        except (re.error, ValueError):  # not a regex, refused, or xgrammar does not parse it
             continue
-        if unenforced_regex(pattern) is not None:
-            continue
-        as_regex = xgr.Grammar.from_regex(pattern)
-        as_schema = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}), any_whitespace=False)
         served += 1
         for s in strings:
             assert not accepts(as_regex, s) or re.fullmatch(pattern, s), (pattern, s)
             assert not accepts(as_schema, json.dumps(s)) or re.search(pattern, s), (pattern, s)
-    assert served > 500
+    assert served > 600
+
+
+def test_dot_excludes_line_breaks():
+    """xgrammar's "." matches a newline ("a." accepted "a\\n", which re.fullmatch refuses): the
+    engine spells "." out as Python's (regex specs) or ECMA-262's (JSON-schema patterns, also
+    without \\r, U+2028, U+2029); escaped dots and dots in classes stay literal."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from cuttle.engine.structured_output import build_grammar, explicit_dots
+
+    assert explicit_dots("a.\\.[.]b[^.\\]]", "X") == "aX\\.[.]b[^.\\]]"
+    g = build_grammar(StructuredOutputsParams(regex="a.b"))
+    assert accepts(g, "axb") and accepts(g, "a\rb") and not accepts(g, "a\nb")
+    g = build_grammar(StructuredOutputsParams(json={"type": "object", "properties": {"s": {"type": "string", "pattern": "^.$"}},
+                                                    "required": ["s"]}))
+    assert accepts(g, '{"s": "x"}')
+    for line_break in ("\n", "\r", "\u2028", "\u2029"):
+        assert not accepts(g, json.dumps({"s": line_break})) and not accepts(g, json.dumps({"s": line_break}, ensure_ascii=False))
+    # an enum value is data: its "." is not a pattern's
+    g = build_grammar(StructuredOutputsParams(json={"enum": ["a.b"]}))
+    assert accepts(g, '"a.b"')
+    # every pattern of a schema (tool parameters too) and patternProperties' names; data and names kept
+    from cuttle.engine.structured_output import _SCHEMA_DOT, _schema_with_explicit_dots
+
+    schema = {"type": "object", "properties": {"a.b": {"type": "string", "pattern": "x."}, "pattern": {"const": "."}},
+              "patternProperties": {"^k.$": {"items": [{"pattern": ".\\."}]}}, "$defs": {"d": {"pattern": "[.]."}},
+              "default": {"pattern": "."}}
+    assert _schema_with_explicit_dots(schema) == {
+        "type": "object", "properties": {"a.b": {"type": "string", "pattern": "x" + _SCHEMA_DOT}, "pattern": {"const": "."}},
+        "patternProperties": {f"^k{_SCHEMA_DOT}$": {"items": [{"pattern": _SCHEMA_DOT + "\\."}]}},
+        "$defs": {"d": {"pattern": "[.]" + _SCHEMA_DOT}}, "default": {"pattern": "."}}
 
 
 def test_properties_named_like_unenforced_keywords_are_kept():
