@@ -77,8 +77,8 @@ _KNOWN_ESCAPES = frozenset("adDefnrsStuvwWx")
 
 # what unenforced_keywords finds, for the messages that refuse it
 UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems; in a pattern, lookarounds, a ^ that text "
-                   "can precede or a $ that text can follow, a ] first in a class, and escapes other than \\d \\w "
-                   "\\s \\D \\W \\S \\n \\r \\t \\f \\v \\a \\e \\x \\u")
+                   "can precede or a $ that text can follow, a ] first in a class, a \" or \\ named in a schema's "
+                   "pattern, and escapes other than \\d \\w \\s \\D \\W \\S \\n \\r \\t \\f \\v \\a \\e \\x \\u")
 
 # What "." may match, spelled out for xgrammar, whose "." also matches a newline: Python's "." in a
 # `regex` spec (its outputs are checked with re), ECMA-262's in a JSON-schema pattern (the line
@@ -168,25 +168,57 @@ def unenforced_regex(pattern: str) -> str | None:
     return None
 
 
+# a " or \ written as an escape: \" \\ \x22 \x5c \u0022 \u005c
+_QUOTE_OR_BACKSLASH_ESCAPE = re.compile(r'\\(?:["\\]|x(?:22|5[cC])|u00(?:22|5[cC]))')
+
+
+def unenforced_schema_pattern(pattern: str) -> str | None:
+    r"""What `unenforced_regex` finds in a JSON-schema pattern, or a " or \ the pattern names (a
+    literal ", an escape of either, or either listed in a class that is not negated): xgrammar
+    matches a schema pattern in the string's JSON-escaped text, so such a pattern accepts strings
+    it does not match (`[\\]{2}` accepted one backslash, whose JSON text is two; `[^\d]{2}"`
+    accepted `a"`, whose JSON text is `a\"`)."""
+    if why := unenforced_regex(pattern):
+        return why
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == '"' or _QUOTE_OR_BACKSLASH_ESCAPE.match(pattern, i):
+            return 'a " or \\ character, which the grammar matches in the JSON-escaped text'
+        if pattern[i] == "[" and pattern.startswith("[^", i):  # a negated class: to its end
+            i += 2
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        i += 2 if pattern[i:i + 1] == "\\" else 1
+    return None
+
+
 def explicit_dots(pattern: str, dot: str) -> str:
     """`pattern` with every "." that means any character (not escaped, not in a class) written as
-    the class `dot`; the rest unchanged."""
+    the class `dot`, and every \\xHH as \\u00HH (xgrammar's regex parser reads hex digits after \\x
+    for as long as they last: "\\x41b" accepted "\u041b", not "Ab"); the rest unchanged."""
     out, i, n = [], 0, len(pattern)
+    in_class = False
     while i < n:
         c = pattern[i]
         if c == "\\":
-            out.append(pattern[i:i + 2])
-            i += 2
-        elif c == "[":
+            hx = pattern[i + 2:i + 4]
+            if pattern.startswith("x", i + 1) and len(hx) == 2 and all(h in "0123456789abcdefABCDEF" for h in hx):
+                out.append("\\u00" + hx)
+                i += 4
+            else:
+                out.append(pattern[i:i + 2])
+                i += 2
+            continue
+        if not in_class and c == "[":
             j = i + (2 if pattern.startswith("[^", i) else 1)
             j += 1 if pattern.startswith("]", j) else 0  # (refused by unenforced_regex; kept whole here)
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            out.append(pattern[i:j + 1])
-            i = j + 1
-        else:
-            out.append(dot if c == "." else c)
-            i += 1
+            out.append(pattern[i:j])
+            i, in_class = j, True
+            continue
+        if in_class and c == "]":
+            in_class = False
+        out.append(dot if c == "." and not in_class else c)
+        i += 1
     return "".join(out)
 
 
@@ -237,11 +269,11 @@ def unenforced_keywords(schema: Any) -> list[str]:
             found += [f"{at}.{k}" for k in _UNENFORCED if k in node]
             if node.get("uniqueItems") is True:
                 found.append(f"{at}.uniqueItems")
-            if isinstance(node.get("pattern"), str) and (why := unenforced_regex(node["pattern"])):
+            if isinstance(node.get("pattern"), str) and (why := unenforced_schema_pattern(node["pattern"])):
                 found.append(f"{at}.pattern ({why})")
             if isinstance(node.get("patternProperties"), dict):
                 found += [f"{at}.patternProperties[{json.dumps(name)}] ({why})" for name in node["patternProperties"]
-                          if isinstance(name, str) and (why := unenforced_regex(name))]
+                          if isinstance(name, str) and (why := unenforced_schema_pattern(name))]
             for k, v in node.items():
                 if k in ("const", "enum", "default", "examples"):  # values, not schemas
                     continue

@@ -210,6 +210,12 @@ def test_controls_apply_per_row_in_a_mixed_batch(embedded):
      "structured_outputs.json uses $.patternProperties"),
     (dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+\\Z")), "structured_outputs.regex uses the escape \\Z"),
     (dict(structured_outputs=StructuredOutputsParams(regex="a$b")), "structured_outputs.regex uses an anchor $ that text can follow"),
+    # a " or \\ in a schema pattern: xgrammar matches it in the JSON-escaped text ("[\\\\]{2}"
+    # accepted one backslash, written \\\\)
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "string", "pattern": "^[\\\\]{2}$"})),
+     'structured_outputs.json uses $.pattern (a " or \\ character'),
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "object", "patternProperties": {'^"k"$': {}}})),
+     "structured_outputs.json uses $.patternProperties"),
     # a pattern neither xgrammar 0.2.8 nor 0.2.9 parses (a backreference)
     (dict(structured_outputs=StructuredOutputsParams(json={"type": "string", "pattern": "(a)\\1"})), "structured_outputs.json does not compile"),
     (dict(logit_bias={10**6: 1.0}), "logit_bias"),
@@ -260,11 +266,27 @@ def test_unenforced_regex_skips_literals_and_supported_parts():
         assert unenforced_regex(bad) == "an anchor in a group that can repeat", bad
 
 
+def test_schema_patterns_naming_a_quote_or_backslash_are_refused():
+    """xgrammar matches a JSON-schema pattern in the string's JSON-escaped text, so a pattern that
+    names " or \\ (a literal ", an escape of either, either in a class that is not negated) is
+    refused in a schema; negated classes are kept, and `regex` specs (raw text) keep both."""
+    from cuttle.engine.structured_output import unenforced_regex, unenforced_schema_pattern
+
+    for bad in ['a"', '\\"', "[\\\\]{2}", "\\\\", "\\x5c", "\\u005C", "\\x22", '[a"]', '[\\]"]']:
+        assert unenforced_schema_pattern(bad) == 'a " or \\ character, which the grammar matches in the JSON-escaped text', bad
+        assert unenforced_regex(bad) is None, bad
+    for ok in ['[^"]*', "[^\\\\]+", "\\d+", "a\\.b", "^[^@]+@[^@]+$", "\\x41"]:
+        assert unenforced_schema_pattern(ok) is None, ok
+    assert unenforced_schema_pattern("(?=a)") == "a lookaround (?=...)"  # what unenforced_regex finds, first
+
+
 def test_served_patterns_are_enforced_by_xgrammar():
     """Property check of what the engine hands xgrammar (`build_grammar`: `unenforced_regex`'s
-    refusals, "." spelled out) against `re`: random patterns over a, b, newline, classes, ".",
+    and `unenforced_schema_pattern`'s refusals, "." and \\x spelled out) against `re`: random
+    patterns over a, b, newline, quote, backslash, classes, ".",
     anchors, groups, alternatives and quantifiers; for each pattern served (and that xgrammar
-    parses), every string over {a, b, newline} up to 3 long that the grammar accepts must match the
+    parses), every string over {a, b, newline, ", \\} up to 2 long and over {a, b, newline} 3 long
+    that the grammar accepts must match the
     pattern -- `re.fullmatch` for a `regex` spec, `re.search` for a JSON-schema `pattern`
     (ECMA-262 semantics: not anchored). Seeded; ~800 served patterns."""
     import itertools
@@ -287,10 +309,12 @@ def test_served_patterns_are_enforced_by_xgrammar():
         if r < 0.35 and depth < 3:
             a = rng.choice(["(", "(?:"]) + alternatives(depth + 1) + ")"
         else:
-            a = rng.choice(["a", "b", "[ab]", "[^a]", ".", ".", "\\n", "[.]", "\\.", "[^]a]", "\\s"])
+            a = rng.choice(["a", "b", "[ab]", "[^a]", ".", ".", "\\n", "[.]", "\\.", "[^]a]", "\\s", '"', "\\\\",
+                            "[\\\\a]", "[^\\\\]", "\\x61", "\\x61b", "[\\x61b]"])
         return a + rng.choice(quantifiers) if rng.random() < 0.25 else a
 
-    strings = [""] + ["".join(p) for k in range(1, 4) for p in itertools.product("ab\n", repeat=k)]
+    strings = [""] + ["".join(p) for k in range(1, 3) for p in itertools.product('ab\n"\\', repeat=k)]
+    strings += ["".join(p) for p in itertools.product("ab\n", repeat=3)]
     served = 0
     for _ in range(2000):
         pattern = alternatives(0)
@@ -307,10 +331,11 @@ def test_served_patterns_are_enforced_by_xgrammar():
     assert served > 600
 
 
-def test_dot_excludes_line_breaks():
+def test_patterns_are_spelled_out_for_xgrammar():
     """xgrammar's "." matches a newline ("a." accepted "a\\n", which re.fullmatch refuses): the
     engine spells "." out as Python's (regex specs) or ECMA-262's (JSON-schema patterns, also
-    without \\r, U+2028, U+2029); escaped dots and dots in classes stay literal."""
+    without \\r, U+2028, U+2029); escaped dots and dots in classes stay literal. \\xHH is handed
+    over as \\u00HH."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
     from cuttle.engine.structured_output import build_grammar, explicit_dots
@@ -318,6 +343,10 @@ def test_dot_excludes_line_breaks():
     assert explicit_dots("a.\\.[.]b[^.\\]]", "X") == "aX\\.[.]b[^.\\]]"
     g = build_grammar(StructuredOutputsParams(regex="a.b"))
     assert accepts(g, "axb") and accepts(g, "a\rb") and not accepts(g, "a\nb")
+    # xgrammar's regex parser reads hex digits after \x for as long as they last ("\x41b" was U+041B)
+    assert explicit_dots("\\x41b[\\x41b]\\\\x41", "X") == "\\u0041b[\\u0041b]\\\\x41"
+    g = build_grammar(StructuredOutputsParams(regex="\\x41b"))
+    assert accepts(g, "Ab") and not accepts(g, "\u041b")
     g = build_grammar(StructuredOutputsParams(json={"type": "object", "properties": {"s": {"type": "string", "pattern": "^.$"}},
                                                     "required": ["s"]}))
     assert accepts(g, '{"s": "x"}')
