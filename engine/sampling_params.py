@@ -63,7 +63,9 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag") if getattr(self, k))
+        # (not truthiness: json={} is the schema every JSON value meets)
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                    if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str]:
         """What the compiled grammar depends on (the compile cache's key)."""

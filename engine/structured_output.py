@@ -76,7 +76,11 @@ _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
 _KNOWN_ESCAPES = frozenset("adDefnrsStuvwWx")
 
 # what unenforced_keywords finds, for the messages that refuse it
-UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems; in a pattern, lookarounds, a ^ that text "
+UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems, allOf, oneOf unless its branches differ in "
+                   "type, a constraint beside enum / const / anyOf / oneOf / $ref, a required name not in properties, "
+                   "minLength / maxLength / pattern beside another string rule, multipleOf but an integer's alone on integers, a string / "
+                   "number / array bound without a type; "
+                   "in a pattern, lookarounds, a ^ that text "
                    "can precede or a $ that text can follow, a ] first in a class, a \" or \\ named in a schema's "
                    "pattern, and escapes other than \\d \\w \\s \\D \\W \\S \\n \\r \\t \\f \\v \\a \\e \\x \\u")
 
@@ -257,6 +261,86 @@ def _repeats(pattern: str, i: int) -> bool:
     return not high or int(high) > 1  # "{n,}", "{,}" (Python: any count), "{n,m}"
 
 
+# keywords that constrain nothing (annotations), and where definitions live
+_ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$id", "$schema", "$defs", "definitions"))
+# keywords xgrammar enforces only beside a "type" (without one it ignores them: {"maxLength": 1}
+# accepted "ab", {"maximum": 1} 2, {"maxItems": 1} [1, 2])
+_NEED_TYPE = ("minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+              "multipleOf", "minItems", "maxItems")
+_JSON_TYPES: dict[str, Any] = {"string": str, "boolean": bool, "null": type(None), "array": list, "object": dict,
+                               "integer": int, "number": (int, float)}
+
+
+def _of_type(value: Any, types: Any) -> bool:
+    """Whether the JSON value is of one of the schema types `types` (a name or a list of names)."""
+    names = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    for t in names:
+        if isinstance(value, bool) and t not in ("boolean",):
+            continue  # JSON true / false are not numbers
+        if t == "integer" and isinstance(value, float) and value.is_integer():
+            return True
+        if t in _JSON_TYPES and isinstance(value, _JSON_TYPES[t]):
+            return True
+    return False
+
+
+def _unenforced_combinations(node: dict[str, Any], at: str) -> list[str]:
+    """Keyword combinations in one schema node that xgrammar (0.2.8, 0.2.9) compiles but does not
+    enforce, each measured to accept an instance the schema forbids: allOf ({"allOf": [{"type":
+    "integer", "minimum": 1}, {"maximum": 2}]} accepted 0); oneOf, enforced as anyOf (an instance
+    matching two branches passed), kept only where each branch is of its own single type; a
+    constraint beside enum / const (only the enum is enforced: {"const": 1, "minimum": 2} accepted
+    1), where a "type" is checked against the values instead; a constraint beside anyOf / oneOf /
+    $ref (only those are enforced); a required name missing from properties ({} passed);
+    minLength / maxLength beside a pattern or format, and a pattern beside a format (only one
+    string rule is kept); multipleOf other
+    than an integer on an integer type, or beside a bound; a keyword of _NEED_TYPE without a
+    "type"."""
+    found: list[str] = []
+    keys = set(node)
+    if "allOf" in keys:
+        found.append(f"{at}.allOf")
+    branches = node.get("oneOf")
+    if isinstance(branches, list):
+        types = [b.get("type") if isinstance(b, dict) else None for b in branches]
+        disjoint = all(isinstance(t, str) for t in types) and len(set(types)) == len(types) \
+            and not {"integer", "number"} <= set(types)
+        if not disjoint:
+            found.append(f"{at}.oneOf (enforced as anyOf)")
+    for holder in ("enum", "const"):
+        if holder in keys:
+            for k in sorted(keys - _ANNOTATIONS - {"enum", "const"}):
+                values = node.get("enum") if holder == "enum" else [node.get("const")]
+                if k == "type" and isinstance(values, list) and all(_of_type(v, node["type"]) for v in values):
+                    continue
+                found.append(f"{at}.{k} (beside {holder})")
+            return found  # the rest of the node is what just got listed
+    for holder in ("anyOf", "oneOf", "$ref"):
+        if holder in keys:
+            others = keys - _ANNOTATIONS - {"anyOf", "oneOf", "$ref"}
+            found += [f"{at}.{k} (beside {holder})" for k in sorted(others)]
+            return found
+    required, props = node.get("required"), node.get("properties")
+    if isinstance(required, list):
+        missing = [r for r in required if not (isinstance(props, dict) and r in props)]
+        if missing:
+            found.append(f"{at}.required ({json.dumps(missing[0])} not in properties)")
+    if "pattern" in keys or "format" in keys:  # one string rule is kept: the format, else the pattern
+        found += [f"{at}.{k} (beside {'format' if 'format' in keys else 'pattern'})"
+                  for k in ("minLength", "maxLength", "pattern") if k in keys and not (k == "pattern" and "format" not in keys)]
+    if "multipleOf" in keys and "type" in keys:  # ({"type": "number", "multipleOf": 2} accepted 1)
+        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        m = node["multipleOf"]
+        if "number" in types or isinstance(m, bool) or not isinstance(m, int):
+            found.append(f"{at}.multipleOf (enforced only on an integer type, by an integer)")
+        elif keys & {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:  # (-1 passed beside < 0)
+            found.append(f"{at}.multipleOf (beside a bound)")
+    if "type" not in keys and not at.endswith(".propertyNames"):  # (names are strings: enforced there)
+        found += [f"{at}.{k} (without a type)" for k in _NEED_TYPE if k in keys]
+    return found
+
+
 def unenforced_keywords(schema: Any) -> list[str]:
     """Where `schema` uses a keyword the grammar would not enforce (uniqueItems counts when true;
     a pattern, or a patternProperties name, counts with what `unenforced_regex` finds in it); a
@@ -269,6 +353,7 @@ def unenforced_keywords(schema: Any) -> list[str]:
             found += [f"{at}.{k}" for k in _UNENFORCED if k in node]
             if node.get("uniqueItems") is True:
                 found.append(f"{at}.uniqueItems")
+            found += _unenforced_combinations(node, at)
             if isinstance(node.get("pattern"), str) and (why := unenforced_schema_pattern(node["pattern"])):
                 found.append(f"{at}.pattern ({why})")
             if isinstance(node.get("patternProperties"), dict):

@@ -331,6 +331,119 @@ def test_served_patterns_are_enforced_by_xgrammar():
     assert served > 600
 
 
+def test_schema_combinations_xgrammar_drops_are_refused():
+    """Keyword combinations xgrammar compiles but does not enforce (each measured to accept an
+    instance the schema forbids) are refused naming where; the shapes schema generators emit
+    (Pydantic's enum / Literal / Optional[$ref], annotations beside $ref) are served."""
+    from cuttle.engine.structured_output import unenforced_keywords
+
+    refused = [
+        ({"allOf": [{"type": "integer", "minimum": 1}, {"type": "integer", "maximum": 2}]}, "$.allOf"),
+        ({"oneOf": [{"type": "integer"}, {"type": "integer", "minimum": 2}]}, "$.oneOf (enforced as anyOf)"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "$.oneOf (enforced as anyOf)"),
+        ({"const": 1, "minimum": 2}, "$.minimum (beside const)"),
+        ({"enum": ["a", 1], "type": "string"}, "$.type (beside enum)"),
+        ({"enum": ["a", "abc"], "maxLength": 1}, "$.maxLength (beside enum)"),
+        ({"anyOf": [{"type": "integer"}], "minimum": 3}, "$.minimum (beside anyOf)"),
+        ({"$defs": {"p": {"type": "integer"}}, "$ref": "#/$defs/p", "minimum": 3}, "$.minimum (beside $ref)"),
+        ({"type": "object", "required": ["a"]}, '$.required ("a" not in properties)'),
+        ({"type": "string", "minLength": 3, "pattern": "^a+$"}, "$.minLength (beside pattern)"),
+        ({"type": "string", "maxLength": 3, "format": "date"}, "$.maxLength (beside format)"),
+        ({"type": "string", "pattern": "^a$", "format": "date"}, "$.pattern (beside format)"),
+        ({"type": "number", "multipleOf": 2}, "$.multipleOf (enforced only on an integer type, by an integer)"),
+        ({"type": "integer", "multipleOf": 2, "maximum": 0}, "$.multipleOf (beside a bound)"),
+        ({"maxLength": 1}, "$.maxLength (without a type)"),
+        ({"type": "array", "items": {"maximum": 1}}, "$.items.maximum (without a type)"),
+    ]
+    for schema, where in refused:
+        assert where in unenforced_keywords(schema), (schema, unenforced_keywords(schema))
+    served = [
+        {"enum": ["red", "blue"], "type": "string", "title": "Color"},
+        {"const": "a", "type": "string"},
+        {"enum": [1, 2.0], "type": "integer"},
+        {"type": "object", "properties": {"c": {"anyOf": [{"$ref": "#/$defs/C"}, {"type": "null"}], "default": None, "title": "C"}},
+         "$defs": {"C": {"type": "integer"}}},
+        {"properties": {"x": {"$ref": "#/$defs/p", "description": "d"}}, "required": ["x"], "type": "object",
+         "$defs": {"p": {"type": "integer", "maximum": 3}}},
+        {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+        {"type": "object", "propertyNames": {"pattern": "^a"}},
+        {"type": "integer", "multipleOf": 2},
+        {"type": ["string", "null"], "maxLength": 2},
+        {"type": "string", "format": "date"},
+    ]
+    for schema in served:
+        assert unenforced_keywords(schema) == [], (schema, unenforced_keywords(schema))
+
+
+def test_served_schemas_are_enforced_by_xgrammar():
+    """Property check of the schema keywords: random schemas (types with their bounds, patterns,
+    enum / const, anyOf / oneOf / allOf, properties / required / additionalProperties, keywords
+    without a type, ...); for each one `build_grammar` serves, every instance of a fixed pool that
+    xgrammar's grammar accepts must validate under `jsonschema`. Seeded; ~250 served schemas."""
+    import random
+
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from cuttle.engine.structured_output import build_grammar
+
+    rng = random.Random(7)
+    pool = [0, 1, 2, 3, -1, 5, 1.5, -0.5, 100, "", "a", "ab", "abc", "b", "ba", "2024-01-01", "zz", [], [1], [1, 1],
+            [1, 2, 3], ["a"], ["a", 1], {}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}, {"a": "x"}, {"a": [1]}, {"a": {"a": 1}},
+            {"c": 1}, True, False, None]
+    def strings() -> dict:
+        return {k: v for k, v in (("minLength", rng.randint(0, 2)), ("maxLength", rng.randint(0, 2)),
+                                  ("pattern", rng.choice(["^a", "^[a-z]+$", "b", "^.$"])), ("format", "date"))
+                if rng.random() < 0.3}
+
+    def numbers() -> dict:
+        return {k: rng.choice([0, 1, 2, 1.5]) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                                                          "multipleOf") if rng.random() < 0.25}
+
+    def schema(depth: int) -> dict:
+        r = rng.random()
+        if depth > 1 or r < 0.25:
+            t = rng.choice(["string", "integer", "number", "boolean", "null", None])
+            node = {"type": t} if t else {}
+            node.update(strings() if t in ("string", None) else numbers() if t in ("integer", "number", None) else {})
+            if t is None and rng.random() < 0.5:
+                node.update(numbers())
+            return node
+        if r < 0.35:
+            node = {"enum": rng.sample(pool, 3)} if rng.random() < 0.5 else {"const": rng.choice(pool)}
+            if rng.random() < 0.4:
+                node.update(rng.choice([{"type": "string"}, {"type": "integer"}, {"minimum": 1}, {"maxLength": 1}]))
+            return node
+        if r < 0.55:
+            node = {rng.choice(["anyOf", "oneOf", "allOf"]): [schema(depth + 1) for _ in range(rng.randint(1, 3))]}
+            if rng.random() < 0.3:
+                node.update(rng.choice([{"type": "integer"}, {"minimum": 2}, {"title": "t"}]))
+            return node
+        if r < 0.75:
+            node = {"type": "array", "items": schema(depth + 1)}
+            node.update({k: rng.randint(0, 2) for k in ("minItems", "maxItems") if rng.random() < 0.3})
+            return node if rng.random() < 0.8 else {k: v for k, v in node.items() if k != "type"}
+        props = {name: schema(depth + 1) for name in rng.sample(["a", "b"], rng.randint(0, 2))}
+        node = {"type": "object", "properties": props}
+        if rng.random() < 0.6:
+            node["required"] = rng.sample(sorted(props) + ["c"], rng.randint(0, len(props)))
+        if rng.random() < 0.3:
+            node["additionalProperties"] = rng.choice([False, True, {"type": "integer"}])
+        return node
+
+    served = 0
+    for _ in range(600):
+        sch = schema(0)
+        try:
+            grammar = build_grammar(StructuredOutputsParams(json=sch))
+        except ValueError:  # refused, or xgrammar does not compile it
+            continue
+        served += 1
+        validator = jsonschema.validators.validator_for(sch)(sch)  # ("format": an annotation, as the spec has it)
+        for instance in pool:
+            assert not accepts(grammar, json.dumps(instance)) or validator.is_valid(instance), (sch, instance)
+    assert served > 200
+
+
 def test_patterns_are_spelled_out_for_xgrammar():
     """xgrammar's "." matches a newline ("a." accepted "a\\n", which re.fullmatch refuses): the
     engine spells "." out as Python's (regex specs) or ECMA-262's (JSON-schema patterns, also
@@ -400,6 +513,8 @@ def test_structured_outputs_params_shape():
     with pytest.raises(ValueError, match="structured_outputs.choice"):
         StructuredOutputsParams(choice=[])
     assert StructuredOutputsParams(json={"type": "object"}).key() == ("json", '{"type": "object"}')
+    # the empty schema (any JSON value) is a schema, not "nothing set" (its kind was a StopIteration)
+    assert StructuredOutputsParams(json={}).kind == "json" and StructuredOutputsParams(json={}).key() == ("json", "{}")
 
 
 def test_word_level_tokenizer_is_refused(qwen3_path):
