@@ -64,7 +64,11 @@ def xgrammar() -> Any:
 # JSON-schema keywords xgrammar compiles without enforcing (measured on xgrammar 0.2.8: a schema
 # with each accepted an instance it forbids); a schema using one is refused rather than half-kept
 _UNENFORCED = ("if", "then", "else", "not", "dependentRequired", "dependentSchemas", "dependencies", "contains",
-               "minContains", "maxContains")
+               "minContains", "maxContains",
+               # kept alone at best; beside other object keywords a property's schema or additionalProperties
+               # false was lost ({"properties": {"b": {"type": "boolean"}}, "patternProperties": {"^x$": {}}}
+               # accepted {"b": 1}; additionalProperties false beside propertyNames accepted {"a": 1})
+               "patternProperties", "propertyNames", "minProperties", "maxProperties")
 
 
 # keywords whose value maps names (a property's, a definition's) to schemas: the names are data
@@ -76,7 +80,8 @@ _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
 _KNOWN_ESCAPES = frozenset("adDefnrsStuvwWx")
 
 # what unenforced_keywords finds, for the messages that refuse it
-UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems, allOf, oneOf unless its branches differ in "
+UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems, allOf, patternProperties, propertyNames, "
+                   "min/maxProperties, oneOf unless its branches differ in "
                    "type, a constraint beside enum / const / anyOf / oneOf / $ref, a required name not in properties, "
                    "minLength / maxLength / pattern beside another string rule, multipleOf but an integer's alone on integers, a string / "
                    "number / array bound without a type; "

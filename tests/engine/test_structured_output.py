@@ -353,6 +353,9 @@ def test_schema_combinations_xgrammar_drops_are_refused():
         ({"type": "number", "multipleOf": 2}, "$.multipleOf (enforced only on an integer type, by an integer)"),
         ({"type": "integer", "multipleOf": 2, "maximum": 0}, "$.multipleOf (beside a bound)"),
         ({"maxLength": 1}, "$.maxLength (without a type)"),
+        ({"type": "object", "properties": {"b": {"type": "boolean"}}, "patternProperties": {"^x$": {}}}, "$.patternProperties"),
+        ({"type": "object", "additionalProperties": False, "propertyNames": {"pattern": "^a"}}, "$.propertyNames"),
+        ({"type": "object", "properties": {"a": {}}, "minProperties": 1}, "$.minProperties"),
         ({"type": "array", "items": {"maximum": 1}}, "$.items.maximum (without a type)"),
     ]
     for schema, where in refused:
@@ -366,7 +369,6 @@ def test_schema_combinations_xgrammar_drops_are_refused():
         {"properties": {"x": {"$ref": "#/$defs/p", "description": "d"}}, "required": ["x"], "type": "object",
          "$defs": {"p": {"type": "integer", "maximum": 3}}},
         {"oneOf": [{"type": "integer"}, {"type": "string"}]},
-        {"type": "object", "propertyNames": {"pattern": "^a"}},
         {"type": "integer", "multipleOf": 2},
         {"type": ["string", "null"], "maxLength": 2},
         {"type": "string", "format": "date"},
