@@ -82,7 +82,7 @@ _KNOWN_ESCAPES = frozenset("adDefnrsStuvwWx")
 # what unenforced_keywords finds, for the messages that refuse it
 UNENFORCED_WHAT = ("if/then/else, not, dependent*, contains, uniqueItems, allOf, patternProperties, propertyNames, "
                    "min/maxProperties, oneOf unless its branches differ in "
-                   "type, a constraint beside enum / const / anyOf / oneOf / $ref, a required name not in properties, "
+                   "type or in a required const, a constraint beside enum / const / anyOf / oneOf / $ref, a required name not in properties, "
                    "minLength / maxLength / pattern beside another string rule, multipleOf but an integer's alone on integers, a string / "
                    "number / array bound without a type; "
                    "in a pattern, lookarounds, a ^ that text "
@@ -268,7 +268,7 @@ def _repeats(pattern: str, i: int) -> bool:
 
 # keywords that constrain nothing (annotations), and where definitions live
 _ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-                          "writeOnly", "$id", "$schema", "$defs", "definitions"))
+                          "writeOnly", "$id", "$schema", "$defs", "definitions", "discriminator"))  # (OpenAPI's)
 # keywords xgrammar enforces only beside a "type" (without one it ignores them: {"maxLength": 1}
 # accepted "ab", {"maximum": 1} 2, {"maxItems": 1} [1, 2])
 _NEED_TYPE = ("minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
@@ -290,11 +290,52 @@ def _of_type(value: Any, types: Any) -> bool:
     return False
 
 
-def _unenforced_combinations(node: dict[str, Any], at: str) -> list[str]:
+def _resolve(branch: Any, root: Any) -> Any:
+    """A local "$ref" ("#/$defs/X") followed within `root` (one level), else the branch itself."""
+    ref = branch.get("$ref") if isinstance(branch, dict) else None
+    if not (isinstance(ref, str) and ref.startswith("#/")):
+        return branch
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _disjoint(branches: list[Any], root: Any) -> bool:
+    """Whether no JSON value can match two of the branches: each has a single type of its own
+    (integer and number overlap), or each is an object requiring one property P whose const (or
+    one-value enum) differs from branch to branch, as a discriminated union's do."""
+    types = [b.get("type") if isinstance(b, dict) else None for b in branches]
+    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types) and not {"integer", "number"} <= set(types):
+        return True
+    resolved = [_resolve(b, root) for b in branches]
+    if not all(isinstance(b, dict) and isinstance(b.get("properties"), dict) for b in resolved):
+        return False
+
+    def tag(b: dict, name: str) -> str | None:
+        sub = b["properties"].get(name)
+        if name not in (b.get("required") or []) or not isinstance(sub, dict):
+            return None
+        enum = sub.get("enum")
+        if "const" in sub or (isinstance(enum, list) and len(enum) == 1):
+            v = sub["const"] if "const" in sub else enum[0]
+            # JSON equality: 1 and 1.0 are one value (true and 1 are not)
+            return repr(float(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else json.dumps(v, sort_keys=True)
+        return None
+
+    for name in resolved[0]["properties"]:
+        tags = [tag(b, name) for b in resolved]
+        if all(t is not None for t in tags) and len(set(tags)) == len(tags):
+            return True
+    return False
+
+
+def _unenforced_combinations(node: dict[str, Any], at: str, root: Any) -> list[str]:
     """Keyword combinations in one schema node that xgrammar (0.2.8, 0.2.9) compiles but does not
     enforce, each measured to accept an instance the schema forbids: allOf ({"allOf": [{"type":
     "integer", "minimum": 1}, {"maximum": 2}]} accepted 0); oneOf, enforced as anyOf (an instance
-    matching two branches passed), kept only where each branch is of its own single type; a
+    matching two branches passed), kept only where the branches are disjoint (`_disjoint`); a
     constraint beside enum / const (only the enum is enforced: {"const": 1, "minimum": 2} accepted
     1), where a "type" is checked against the values instead; a constraint beside anyOf / oneOf /
     $ref (only those are enforced); a required name missing from properties ({} passed);
@@ -307,12 +348,8 @@ def _unenforced_combinations(node: dict[str, Any], at: str) -> list[str]:
     if "allOf" in keys:
         found.append(f"{at}.allOf")
     branches = node.get("oneOf")
-    if isinstance(branches, list):
-        types = [b.get("type") if isinstance(b, dict) else None for b in branches]
-        disjoint = all(isinstance(t, str) for t in types) and len(set(types)) == len(types) \
-            and not {"integer", "number"} <= set(types)
-        if not disjoint:
-            found.append(f"{at}.oneOf (enforced as anyOf)")
+    if isinstance(branches, list) and not _disjoint(branches, root):
+        found.append(f"{at}.oneOf (enforced as anyOf)")
     for holder in ("enum", "const"):
         if holder in keys:
             for k in sorted(keys - _ANNOTATIONS - {"enum", "const"}):
@@ -358,7 +395,7 @@ def unenforced_keywords(schema: Any) -> list[str]:
             found += [f"{at}.{k}" for k in _UNENFORCED if k in node]
             if node.get("uniqueItems") is True:
                 found.append(f"{at}.uniqueItems")
-            found += _unenforced_combinations(node, at)
+            found += _unenforced_combinations(node, at, schema)
             if isinstance(node.get("pattern"), str) and (why := unenforced_schema_pattern(node["pattern"])):
                 found.append(f"{at}.pattern ({why})")
             if isinstance(node.get("patternProperties"), dict):

@@ -334,8 +334,11 @@ def test_served_patterns_are_enforced_by_xgrammar():
 def test_schema_combinations_xgrammar_drops_are_refused():
     """Keyword combinations xgrammar compiles but does not enforce (each measured to accept an
     instance the schema forbids) are refused naming where; the shapes schema generators emit
-    (Pydantic's enum / Literal / Optional[$ref], annotations beside $ref) are served."""
-    from cuttle.engine.structured_output import unenforced_keywords
+    (Pydantic's enum / Literal / Optional[$ref], annotations beside $ref, discriminated unions) are
+    served."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from cuttle.engine.structured_output import build_grammar, unenforced_keywords
 
     refused = [
         ({"allOf": [{"type": "integer", "minimum": 1}, {"type": "integer", "maximum": 2}]}, "$.allOf"),
@@ -375,6 +378,28 @@ def test_schema_combinations_xgrammar_drops_are_refused():
     ]
     for schema in served:
         assert unenforced_keywords(schema) == [], (schema, unenforced_keywords(schema))
+
+    # a discriminated union (Pydantic's shape): oneOf over $refs whose required tag consts differ is
+    # disjoint, so anyOf enforces it; with a shared tag, or a tag not required, it is refused
+    def pets(cat_tag: str, required: list[str]) -> dict:
+        def pet(tag: str, field: str) -> dict:
+            return {"type": "object", "properties": {"pet_type": {"const": tag, "type": "string"}, field: {"type": "integer"}},
+                    "required": [r if r != "field" else field for r in required]}
+        return {"$defs": {"Cat": pet(cat_tag, "meows"), "Dog": pet("dog", "barks")}, "type": "object", "required": ["pet"],
+                "properties": {"pet": {"discriminator": {"propertyName": "pet_type"}, "title": "Pet",
+                                       "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}}}
+
+    union = pets("cat", ["pet_type", "field"])
+    assert unenforced_keywords(union) == []
+    grammar = build_grammar(StructuredOutputsParams(json=union))
+    for pet, ok in (({"pet_type": "cat", "meows": 1}, True), ({"pet_type": "dog", "barks": 2}, True),
+                    ({"pet_type": "cat", "barks": 1}, False), ({"pet_type": "dog", "meows": 1}, False)):
+        assert accepts(grammar, json.dumps({"pet": pet})) == ok == jsonschema.Draft202012Validator(union).is_valid({"pet": pet})
+    assert "$.properties.pet.oneOf (enforced as anyOf)" in unenforced_keywords(pets("dog", ["pet_type", "field"]))
+    assert "$.properties.pet.oneOf (enforced as anyOf)" in unenforced_keywords(pets("cat", ["field"]))
+    one = {"type": "object", "properties": {"t": {"const": 1}}, "required": ["t"]}
+    one_float = {"type": "object", "properties": {"t": {"enum": [1.0]}}, "required": ["t"]}
+    assert unenforced_keywords({"oneOf": [one, one_float]}) == ["$.oneOf (enforced as anyOf)"]  # 1 == 1.0 in JSON
 
 
 def test_served_schemas_are_enforced_by_xgrammar():
