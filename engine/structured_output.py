@@ -441,7 +441,7 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
             return xgr.Grammar.from_regex(explicit_dots(spec.regex, _REGEX_DOT))
         if kind == "choice":
             # an EBNF alternation of string literals (JSON string escapes are EBNF's too)
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.grammar)
         return xgr.Grammar.from_structural_tag(spec.structural_tag)

@@ -471,6 +471,20 @@ def test_served_schemas_are_enforced_by_xgrammar():
     assert served > 200
 
 
+def test_choice_is_exactly_its_strings():
+    """A choice is an EBNF alternation of its strings, written literally: one outside the Basic
+    Multilingual Plane was once spelled as a JSON surrogate pair, which the EBNF took for two code
+    points, so "😀" could never be produced."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from cuttle.engine.structured_output import build_grammar
+
+    choices = ['a"b', "\\", "\n", "é", "\u2028", "😀", "日本", "\\n", "x\ty", "\x01"]
+    grammar = build_grammar(StructuredOutputsParams(choice=choices))
+    assert all(accepts(grammar, c) for c in choices)
+    assert not any(accepts(grammar, c) for c in ["a", '"', "n", "😀😀", "日", "\\ud83d\\ude00", "\\u00e9", "a\\b"])
+
+
 def test_patterns_are_spelled_out_for_xgrammar():
     """xgrammar's "." matches a newline ("a." accepted "a\\n", which re.fullmatch refuses): the
     engine spells "." out as Python's (regex specs) or ECMA-262's (JSON-schema patterns, also
