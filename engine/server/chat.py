@@ -35,7 +35,8 @@ from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.server.body import read_body
 from cuttle.engine.server.chat_prompt import ChatOptions, ChatTemplate, ToolCallReplay, check_continuable, read_chat_template
 from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
-from cuttle.engine.structured_output import UNENFORCED_WHAT, tool_call_structure, unenforced_keywords
+from cuttle.engine.grammar_support import UNENFORCED_WHAT, unenforced_keywords
+from cuttle.engine.structured_output import tool_call_structure
 from cuttle.engine.tokenizer import Tokenizer, validate_messages
 from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls
 

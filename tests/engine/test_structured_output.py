@@ -240,7 +240,7 @@ def test_unenforced_regex_skips_literals_and_supported_parts():
     """Lookarounds and anchors are found outside character classes and escapes only, unknown letter
     escapes inside classes too; what xgrammar enforces (classes, non-capturing groups, inline flags,
     the escapes it knows, anchors that nothing can precede / follow) is not refused."""
-    from cuttle.engine.structured_output import unenforced_regex
+    from cuttle.engine.grammar_support import unenforced_regex
 
     for ok in ["[(?=]a", "\\(?=a\\)", "(?:a)b", "(?i)ab", "\\d+\\.\\w\\s\\x41\\u0041\\n\\t", "[\\]]x", "a\\"]:
         assert unenforced_regex(ok) is None, ok
@@ -270,7 +270,7 @@ def test_schema_patterns_naming_a_quote_or_backslash_are_refused():
     """xgrammar matches a JSON-schema pattern in the string's JSON-escaped text, so a pattern that
     names " or \\ (a literal ", an escape of either, either in a class that is not negated) is
     refused in a schema; negated classes are kept, and `regex` specs (raw text) keep both."""
-    from cuttle.engine.structured_output import unenforced_regex, unenforced_schema_pattern
+    from cuttle.engine.grammar_support import unenforced_regex, unenforced_schema_pattern
 
     for bad in ['a"', '\\"', "[\\\\]{2}", "\\\\", "\\x5c", "\\u005C", "\\x22", '[a"]', '[\\]"]']:
         assert unenforced_schema_pattern(bad) == 'a " or \\ character, which the grammar matches in the JSON-escaped text', bad
@@ -338,7 +338,8 @@ def test_schema_combinations_xgrammar_drops_are_refused():
     served."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
-    from cuttle.engine.structured_output import build_grammar, unenforced_keywords
+    from cuttle.engine.grammar_support import unenforced_keywords
+    from cuttle.engine.structured_output import build_grammar
 
     refused = [
         ({"allOf": [{"type": "integer", "minimum": 1}, {"type": "integer", "maximum": 2}]}, "$.allOf"),
@@ -492,7 +493,8 @@ def test_patterns_are_spelled_out_for_xgrammar():
     over as \\u00HH."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
-    from cuttle.engine.structured_output import build_grammar, explicit_dots
+    from cuttle.engine.grammar_support import explicit_dots
+    from cuttle.engine.structured_output import build_grammar
 
     assert explicit_dots("a.\\.[.]b[^.\\]]", "X") == "aX\\.[.]b[^.\\]]"
     g = build_grammar(StructuredOutputsParams(regex="a.b"))
@@ -510,20 +512,20 @@ def test_patterns_are_spelled_out_for_xgrammar():
     g = build_grammar(StructuredOutputsParams(json={"enum": ["a.b"]}))
     assert accepts(g, '"a.b"')
     # every pattern of a schema (tool parameters too) and patternProperties' names; data and names kept
-    from cuttle.engine.structured_output import _SCHEMA_DOT, _schema_with_explicit_dots
+    from cuttle.engine.grammar_support import SCHEMA_DOT, schema_with_explicit_dots
 
     schema = {"type": "object", "properties": {"a.b": {"type": "string", "pattern": "x."}, "pattern": {"const": "."}},
               "patternProperties": {"^k.$": {"items": [{"pattern": ".\\."}]}}, "$defs": {"d": {"pattern": "[.]."}},
               "default": {"pattern": "."}}
-    assert _schema_with_explicit_dots(schema) == {
-        "type": "object", "properties": {"a.b": {"type": "string", "pattern": "x" + _SCHEMA_DOT}, "pattern": {"const": "."}},
-        "patternProperties": {f"^k{_SCHEMA_DOT}$": {"items": [{"pattern": _SCHEMA_DOT + "\\."}]}},
-        "$defs": {"d": {"pattern": "[.]" + _SCHEMA_DOT}}, "default": {"pattern": "."}}
+    assert schema_with_explicit_dots(schema) == {
+        "type": "object", "properties": {"a.b": {"type": "string", "pattern": "x" + SCHEMA_DOT}, "pattern": {"const": "."}},
+        "patternProperties": {f"^k{SCHEMA_DOT}$": {"items": [{"pattern": SCHEMA_DOT + "\\."}]}},
+        "$defs": {"d": {"pattern": "[.]" + SCHEMA_DOT}}, "default": {"pattern": "."}}
 
 
 def test_properties_named_like_unenforced_keywords_are_kept():
     """A property called "not" or "if" is data, not the keyword: the schema compiles."""
-    from cuttle.engine.structured_output import unenforced_keywords
+    from cuttle.engine.grammar_support import unenforced_keywords
 
     schema = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "object", "properties": {
         "contains": {"type": "integer"}}}}, "$defs": {"else": {"type": "integer"}}, "required": ["not"]}
