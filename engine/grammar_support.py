@@ -23,7 +23,7 @@ from typing import Any
 _UNENFORCED = ("if", "then", "else", "not", "dependentRequired", "dependentSchemas", "dependencies", "contains",
                "minContains", "maxContains",
                # kept alone at best; beside other object keywords a property's schema or additionalProperties
-               # false was lost ({"properties": {"b": {"type": "boolean"}}, "patternProperties": {"^x$": {}}}
+               # false was lost ({"properties": {"b": {}}, "patternProperties": {"b$": {"type": "boolean"}}}
                # accepted {"b": 1}; additionalProperties false beside propertyNames accepted {"a": 1})
                "patternProperties", "propertyNames", "minProperties", "maxProperties")
 
@@ -339,9 +339,10 @@ def _unenforced_combinations(node: dict[str, Any], at: str, root: Any) -> list[s
 
 
 def unenforced_keywords(schema: Any) -> list[str]:
-    """Where `schema` uses a keyword the grammar would not enforce (uniqueItems counts when true;
-    a pattern, or a patternProperties name, counts with what `unenforced_regex` finds in it); a
-    property merely named like one ("not", "if") is not one."""
+    """Where `schema` uses a keyword, or a combination of keywords (`_unenforced_combinations`), the
+    grammar would not enforce (uniqueItems counts when true; a pattern, or a patternProperties name,
+    counts with what `unenforced_schema_pattern` finds in it); a property merely named like one
+    ("not", "if") is not one."""
     found: list[str] = []
     todo = [(schema, "$")]
     while todo:

@@ -155,17 +155,16 @@ static inline __attribute__((always_inline)) MX_AVX2 void dot_row_mx(const float
  * as fp32 bits"); this one decodes with mx_placed32 and dots x (in its dword order, xd) with the
  * dequantized weights: 4 FMA chains at one row, 2 a row at two (4 a row left too few registers:
  * 0.92-0.98x the loop above on the lm_heads). Measured (Zen3 EPYC, 2 threads, alternating in one
- * process; `benchmarks/mxfp8_gemm.py --ab-placed`, weights from memory): one row 1.1-1.4x the loop
- * above, two rows 1.05-1.2x; three rows as 2 + 1 and four as 2 + 2 were 0.81-0.95x (decoding each
- * weight row twice costs more than the fp16 route's conversions), hence PLACED_MAX_M. The sums are
+ * process; `benchmarks/mxfp8_gemm.py --ab-placed`, weights from memory, medians per shape): one
+ * row 1.14-1.28x the loop above, two rows 1.09-1.23x; three rows as 2 + 1 and four as 2 + 2 were
+ * 0.81-0.95x (each weight row decoded twice), and three or four in one pass 0.78-1.02x (the decode's
+ * multiplies share the FMA pipes, which bound the loop from three rows), hence PLACED_MAX_M. The sums are
  * in another order than the loop above, so a batch-invariant call keeps that loop at every row
  * count (as the widening bf16 GEMM does). Scale bytes above MX_PLACED_MAX_B take mx_dequant_block,
  * in x's own order: the same values. */
 static float placed_factor_tab[256]; /* 2^(b - 7) for b <= MX_PLACED_MAX_B */
 static int placed_on = 1;            /* mxfp8_set_placed */
-#ifndef PLACED_MAX_M
-#define PLACED_MAX_M 2 /* x rows the placed loops take: more measured slower than the fp16 route */
-#endif
+#define PLACED_MAX_M 2 /* x rows the placed loop takes: more measured slower than the fp16 route */
 int mxfp8_placed_on(void) { return placed_on; }
 
 __attribute__((constructor)) static void mx_placed_table(void) {
@@ -245,14 +244,10 @@ static int linear_decode(const float *x, const uint8_t *w, const uint8_t *s, con
         for (int64_t m = 0; m < M; m++) mx_dword_order(x + m * K, K, xd + m * K);
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
-            /* (a loop over passes of 2 rows, should PLACED_MAX_M grow) */
-            for (int64_t m0 = 0; m0 < M; m0 += 2) {
-                float acc[2];
-                const int two = M - m0 >= 2;
-                if (two) dot_placed_2(x + m0 * K, xd + m0 * K, w + n * K, s + n * KB, K, acc);
-                else dot_placed_1(x + m0 * K, xd + m0 * K, w + n * K, s + n * KB, K, acc);
-                for (int m = 0; m < 1 + two; m++) store_as(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
-            }
+            float acc[PLACED_MAX_M];
+            if (M == 2) dot_placed_2(x, xd, w + n * K, s + n * KB, K, acc);
+            else dot_placed_1(x, xd, w + n * K, s + n * KB, K, acc);
+            for (int64_t m = 0; m < M; m++) store_as(y, y_dtype, m * N + n, acc[m] + (bias ? bias[n] : 0.f));
         }
         free(xd);
         return 5;
