@@ -10,13 +10,13 @@ against torch's fp32 matmul on the dequantized weight (the dequantization not co
     python benchmarks/mxfp8_gemm.py [--quick] [--clock cpu] [--json out.json]
     python benchmarks/mxfp8_gemm.py --ab-placed [--rounds 7]
 
-`--ab-placed` times the AVX2 placed loop (one or two x rows, `mx_placed32`) against the
-fp16-route decode loop it replaces (`native.mxfp8.set_placed_loops`), alternating the two in one
-process round by round, on the shapes above and two lm_heads; it reports the median and range of
-the per-round ratios (fp16-route time / placed time). Three rows take the fp16-route loop either
-way, a control for the machine's noise. Beside each, the rate on a weight that stays in the
-last-level cache: where it is no higher than from memory, the loop is bound by the core, not by
-memory.
+`--ab-placed` times the AVX2 placed loop (1-8 x rows, `mx_placed32`, block sums scaled) against the
+fp16-route decode loop (`native.mxfp8.set_placed_loops`), alternating the two in one process round
+by round, on the shapes above and two lm_heads; it reports the median and range of the per-round
+ratios (fp16-route time / placed time). A control row per shape times the placed loop against
+itself (one row): its ratios show the machine's noise. Beside each, the rate on a weight that stays
+in the last-level cache: where it is no higher than from memory, the loop is bound by the core, not
+by memory.
 
 `--clock cpu` runs one thread and times it with the process CPU clock: on a shared, overloaded
 machine wall time measures the scheduler; CPU time still includes the memory system's contention.
@@ -101,30 +101,31 @@ def in_cache_gbs(K: int, M: int, repeats: int) -> float:
 
 
 def ab_placed(rounds: int, total_bytes: int, repeats: int) -> list[dict]:
-    """Per shape and row count: placed loops on / off, alternating, as ratios off-time / on-time.
-    Three rows take the fp16-route loop either way: their ratios show this machine's noise."""
+    """Per shape and row count: placed loops on / off, alternating, as ratios off-time / on-time,
+    and a control (on / on, one row) for this machine's noise."""
     out, rows = [], []
     for name, N, K in LM_HEADS + SHAPES:
         copies = max(1, total_bytes // (N * K))
         d, s = quantize_mxfp8(torch.randn(N, K) * 0.02)
         mx_set = [(d.clone(), s.clone()) for _ in range(copies)]
         del d, s
-        for M in (1, 2, 3):
+        for M, control in ((1, False), (2, False), (3, False), (4, False), (8, False), (1, True)):
             x = torch.randn(M, K)
             ratios, t_on = [], []
-            for _ in range(rounds):
+            for r in range(rounds):
                 t = {}
-                for on in (True, False):
-                    mxfp8.set_placed_loops(on)
-                    t[on] = best_of(lambda: [mxfp8.linear(x, a, b) for a, b in mx_set], repeats)
+                for side in ((True, False) if r % 2 == 0 else (False, True)):
+                    mxfp8.set_placed_loops(side or control)
+                    t[side] = best_of(lambda: [mxfp8.linear(x, a, b) for a, b in mx_set], repeats)
                 mxfp8.set_placed_loops(True)
                 ratios.append(t[False] / t[True])
                 t_on.append(t[True])
             ratios.sort()
             gbs = copies * N * K * 1.03125 / min(t_on) / 1e9
             llc = in_cache_gbs(K, M, repeats)
-            out.append({"shape": name, "N": N, "K": K, "M": M, "ratios": ratios, "placed_gbs": gbs, "in_llc_gbs": llc})
-            rows.append([name, f"{N}x{K}", M if M < 3 else "3 (control)", f"{ratios[len(ratios) // 2]:.2f}",
+            out.append({"shape": name, "N": N, "K": K, "M": M, "control": control, "ratios": ratios,
+                        "placed_gbs": gbs, "in_llc_gbs": llc})
+            rows.append([name, f"{N}x{K}", f"{M} (control)" if control else M, f"{ratios[len(ratios) // 2]:.2f}",
                          f"{ratios[0]:.2f}-{ratios[-1]:.2f}", f"{gbs:.1f}", f"{llc:.1f}"])
         mx_set.clear()
     print(markdown_table(["shape", "N x K", "M", "fp16 route / placed (median)", "range", "placed GB/s (best)",
@@ -138,7 +139,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--mb", type=int, default=256, help="MiB of weights walked per decode measurement (> LLC)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: one thread, process CPU time")
-    ap.add_argument("--ab-placed", action="store_true", help="A/B the AVX2 placed loop against the fp16 route, M=1..3")
+    ap.add_argument("--ab-placed", action="store_true", help="A/B the AVX2 placed loop against the fp16 route, M=1..8")
     ap.add_argument("--rounds", type=int, default=7, help="--ab-placed: alternating rounds")
     args = ap.parse_args()
     global CLOCK

@@ -145,22 +145,23 @@ static inline MX_AVX2 __m256 mx_placed_factors8(const uint8_t *s) {
  * word's; a word shift by 8 first does the same for the low bytes. 5 shifts per 32 elements where
  * mx_placed8 takes 8 shuffles and shifts (the ops Zen3 runs on two ports): 1.1-1.2x the one-row placed
  * loop on mx_placed8 (lm_head [151936, 512] from memory, one or two threads, Zen3). v[j] lane i
- * is element 4 i + j times f: the caller dots it with x in the same order (mx_dword_order). */
-static inline __attribute__((always_inline)) MX_AVX2 void mx_placed32(const uint8_t *p, __m256 f, __m256 v[4]) {
+ * is element 4 i + j times 2^-120 (no factor: the caller scales block sums, mxfp8_gemm.c's placed
+ * loop) and dots it with x in the same order (mx_dword_order). */
+static inline __attribute__((always_inline)) MX_AVX2 void mx_placed32(const uint8_t *p, __m256 v[4]) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)p);
     const __m256i hi = _mm256_set1_epi32((int)0x87F00000u), lo = _mm256_set1_epi32(0x87F0);
     const __m256i odd = _mm256_srai_epi16(q, 4), even = _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 4);
-    v[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(even, lo), 16)), f);
-    v[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(odd, lo), 16)), f);
-    v[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(even, hi)), f);
-    v[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(odd, hi)), f);
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(even, lo), 16));
+    v[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(odd, lo), 16));
+    v[2] = _mm256_castsi256_ps(_mm256_and_si256(even, hi));
+    v[3] = _mm256_castsi256_ps(_mm256_and_si256(odd, hi));
 }
 
-/* x [K] (K a multiple of 32) -> xd in mx_placed32's order: xd[32 kb + 8 j + i] = x[32 kb + 4 i + j] */
-static inline void mx_dword_order(const float *x, int64_t K, float *xd) {
+/* x [K] (K a multiple of 32) times sc -> xd in mx_placed32's order: xd[32 kb + 8 j + i] = x[32 kb + 4 i + j] * sc */
+static inline void mx_dword_order(const float *x, int64_t K, float sc, float *xd) {
     for (int64_t b = 0; b < K; b += MX_BLOCK)
         for (int j = 0; j < 4; j++)
-            for (int i = 0; i < 8; i++) xd[b + 8 * j + i] = x[b + 4 * i + j];
+            for (int i = 0; i < 8; i++) xd[b + 8 * j + i] = x[b + 4 * i + j] * sc;
 }
 
 /* whether all 16 scale bytes at s are <= MX_PLACED_MAX_B */

@@ -150,64 +150,107 @@ static inline __attribute__((always_inline)) MX_AVX2 void dot_row_mx(const float
     for (int m = 0; m < M; m++) out[m] = mx_hsum(tot[m]);
 }
 
-/* ---- placed loop (M = 1, 2, AVX2) -----------------------------------------------------------
- * At one or two x rows the loop above is bound by the fp16 route's conversions (mxfp8.h, "placed
- * as fp32 bits"); this one decodes with mx_placed32 and dots x (in its dword order, xd) with the
- * dequantized weights: 4 FMA chains at one row, 2 a row at two (4 a row left too few registers:
- * 0.92-0.98x the loop above on the lm_heads). Measured (Zen3 EPYC, 2 threads, alternating in one
- * process; `benchmarks/mxfp8_gemm.py --ab-placed`, weights from memory, medians per shape): one
- * row 1.14-1.28x the loop above, two rows 1.09-1.23x; three rows as 2 + 1 and four as 2 + 2 were
- * 0.81-0.95x (each weight row decoded twice), and three or four in one pass 0.78-1.02x (the decode's
- * multiplies share the FMA pipes, which bound the loop from three rows), hence PLACED_MAX_M. The sums are
- * in another order than the loop above, so a batch-invariant call keeps that loop at every row
- * count (as the widening bf16 GEMM does). Scale bytes above MX_PLACED_MAX_B take mx_dequant_block,
- * in x's own order: the same values. */
-static float placed_factor_tab[256]; /* 2^(b - 7) for b <= MX_PLACED_MAX_B */
-static int placed_on = 1;            /* mxfp8_set_placed */
-#define PLACED_MAX_M 2 /* x rows the placed loop takes: more measured slower than the fp16 route */
+/* ---- placed loop (M <= 8, AVX2) ------------------------------------------------------------
+ * The loop above decodes through the fp16 route, whose conversions share one port on Zen3
+ * (mxfp8.h, "placed as fp32 bits"). This one places each block's elements as fp32 bits
+ * (mx_placed32: element * 2^-120, no multiply), sums them times x in two chains, and scales the
+ * block sum by its factor, as the loop above does: 13 vector ops and 4 multiply-adds a block and
+ * row where the earlier placed loop multiplied every element by its factor first.
+ *
+ * The placed elements are tiny (2^-129 .. 2^-111), so their products with x would fall below
+ * fp32's normal range: x is scaled by 2^k first (xd, in mx_dword_order's order), k chosen from
+ * max |x| (placed_shift) so that the largest |x| * 2^k lies in [2^100, 2^101), and the factor of
+ * scale byte b is 2^(b - 7 - k). Scaling by a power of two is exact, so every product and sum is
+ * the one an fp32 dot of x with the dequantized weights makes (the sums in this loop's order),
+ * down to terms below 2^-97 of max |x| times the weight, which may round as subnormals (the whole
+ * dot's fp32 error is far above them). Blocks with scale bytes above MX_PLACED_MAX_B take
+ * mx_dequant_block and x itself. NaN or inf in x: k = 0, and they propagate as in the loop above.
+ *
+ * Even and odd blocks go to two sums at one or two rows (more independent chains), to one at three
+ * or four (registers). Another summation order than the loop above, so a batch-invariant call keeps
+ * that loop at every row count (as the widening bf16 GEMM does). Measured: see PLACED_MAX_M. */
+static int placed_on = 1; /* mxfp8_set_placed */
+/* x rows one pass of the placed loop takes; 5-8 rows run in passes of 4, as the loop above does.
+ * Measured against the loop above (Zen3 EPYC, 2 threads, weights from memory, alternating in one
+ * process: `benchmarks/mxfp8_gemm.py --ab-placed`, medians per shape; a control of the placed loop
+ * against itself 0.98-1.05): 1 row 1.23-1.45x, 2 rows 1.10-1.41x, 3 rows 1.01-1.25x, 4 rows
+ * 0.94-1.18x, 8 rows 0.98-1.19x (below 1 only on K = 2048 / 3072 at 4-8 rows, within the noise).
+ * The earlier placed loop, which multiplied each element by its factor, was 1.14-1.28x at one row
+ * and 0.78-1.02x at three or four. */
+#define PLACED_MAX_M 4
 int mxfp8_placed_on(void) { return placed_on; }
 
-__attribute__((constructor)) static void mx_placed_table(void) {
-    for (int b = 0; b <= MX_PLACED_MAX_B; b++) placed_factor_tab[b] = mx_bits_f32((uint32_t)(b + 120) << 23);
+/* k for placed loops over x rows with max |x| = amax (NaN if any is NaN): 2^k * amax in
+ * [2^100, 2^101), clamped to 0..119 so that 2^(b - 7 - k) is a normal fp32 for b <= MX_PLACED_MAX_B */
+static int placed_shift(float amax) {
+    uint32_t u;
+    memcpy(&u, &amax, 4);
+    const int e = (int)((u >> 23) & 0xFF);
+    if (e == 0xFF) return 0;   /* inf / NaN */
+    if (e == 0) return 119;    /* zero or subnormal */
+    const int k = 100 - (e - 127);
+    return k < 0 ? 0 : k > 119 ? 119 : k;
 }
 
-/* One weight row dotted with R (1 or 2) x rows: xd holds them in mx_placed32's order, x in their
- * own (for blocks mx_dequant_block takes), both with row stride K. */
+/* one block's sum of v (dword order) times x (the same order), in two chains */
+static inline __attribute__((always_inline)) MX_AVX2 __m256 placed_block_sum(const __m256 v[4], const float *x) {
+    __m256 a = _mm256_mul_ps(v[0], _mm256_loadu_ps(x)), b = _mm256_mul_ps(v[1], _mm256_loadu_ps(x + 8));
+    a = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), a);
+    b = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), b);
+    return _mm256_add_ps(a, b);
+}
+
+/* block kb of one weight row into tot[0..R) */
+static inline __attribute__((always_inline)) MX_AVX2 void placed_block(const float *x, const float *xd, const uint8_t *w,
+                                                                       const uint8_t *s, const float *ftab, int64_t K,
+                                                                       int64_t kb, const int R, __m256 *tot) {
+    __m256 v[4];
+    const uint8_t b = s[kb];
+    if (__builtin_expect(b <= MX_PLACED_MAX_B, 1)) {
+        mx_placed32(w + kb * MX_BLOCK, v);
+        const __m256 f = _mm256_broadcast_ss(&ftab[b]);
+        for (int r = 0; r < R; r++) tot[r] = _mm256_fmadd_ps(placed_block_sum(v, xd + r * K + kb * MX_BLOCK), f, tot[r]);
+    } else {
+        mx_dequant_block(w + kb * MX_BLOCK, b, v);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * K + kb * MX_BLOCK;
+            __m256 a = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr)), c = _mm256_mul_ps(v[1], _mm256_loadu_ps(xr + 8));
+            a = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), a);
+            c = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), c);
+            tot[r] = _mm256_add_ps(_mm256_add_ps(a, c), tot[r]);
+        }
+    }
+}
+
+/* One weight row dotted with R (1..4) x rows: x in their own order, xd scaled and in
+ * mx_placed32's order (both with row stride K), ftab the factors 2^(b - 7 - k). Even and odd
+ * blocks into their own sums. */
 static inline __attribute__((always_inline)) MX_AVX2 void dot_placed_rows(const float *x, const float *xd,
                                                                           const uint8_t *w, const uint8_t *s,
-                                                                          int64_t K, const int R, float *out) {
+                                                                          const float *ftab, int64_t K, const int R,
+                                                                          float *out) {
     const int64_t KB = K / MX_BLOCK;
-    __m256 acc[2][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
-    for (int64_t kb = 0; kb < KB; kb++) {
-        const uint8_t *p = w + kb * MX_BLOCK;
-        _mm_prefetch((const char *)(p + PREFETCH_BYTES), _MM_HINT_T0);
-        const uint8_t b = s[kb];
-        __m256 v[4];
-        const float *xb = xd + kb * MX_BLOCK;
-        if (__builtin_expect(b <= MX_PLACED_MAX_B, 1)) {
-            mx_placed32(p, _mm256_broadcast_ss(&placed_factor_tab[b]), v);
-        } else {
-            mx_dequant_block(p, b, v);
-            xb = x + kb * MX_BLOCK;
-        }
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < 4; j++) {
-                const int c = R == 1 ? j : j & 1;
-                acc[r][c] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xb + r * K + 8 * j), acc[r][c]);
-            }
+    __m256 t0[PLACED_MAX_M], t1[PLACED_MAX_M];
+    for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();
+    int64_t kb = 0;
+    for (; kb + 1 < KB; kb += 2) {
+        _mm_prefetch((const char *)(w + kb * MX_BLOCK + PREFETCH_BYTES), _MM_HINT_T0);
+        placed_block(x, xd, w, s, ftab, K, kb, R, t0);
+        placed_block(x, xd, w, s, ftab, K, kb + 1, R, R <= 2 ? t1 : t0);
     }
-    for (int r = 0; r < R; r++)
-        out[r] = R == 1 ? mx_hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])))
-                        : mx_hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    if (kb < KB) placed_block(x, xd, w, s, ftab, K, kb, R, t0);
+    for (int r = 0; r < R; r++) out[r] = mx_hsum(_mm256_add_ps(t0[r], t1[r]));
 }
-static MX_AVX2 void dot_placed_1(const float *x, const float *xd, const uint8_t *w, const uint8_t *s, int64_t K, float *out) {
-    dot_placed_rows(x, xd, w, s, K, 1, out);
-}
-static MX_AVX2 void dot_placed_2(const float *x, const float *xd, const uint8_t *w, const uint8_t *s, int64_t K, float *out) {
-    dot_placed_rows(x, xd, w, s, K, 2, out);
-}
+#define DOT_PLACED(R_)                                                                                       \
+    static MX_AVX2 void dot_placed_##R_(const float *x, const float *xd, const uint8_t *w, const uint8_t *s, \
+                                        const float *ftab, int64_t K, float *out) {                          \
+        dot_placed_rows(x, xd, w, s, ftab, K, R_, out);                                                      \
+    }
+DOT_PLACED(1)
+DOT_PLACED(2)
+DOT_PLACED(3)
+DOT_PLACED(4)
+typedef void (*dot_placed_fn)(const float *, const float *, const uint8_t *, const uint8_t *, const float *, int64_t, float *);
 
 #define ROW_MX(M_)                                                                                          \
     static MX_AVX2 void row_mx_##M_(const float *x, const uint8_t *w, const uint8_t *s, int64_t K, float *out) { \
@@ -239,15 +282,29 @@ static int linear_decode(const float *x, const uint8_t *w, const uint8_t *s, con
                          int64_t M, int64_t N, int64_t K, int fast, int invariant) {
     const int64_t KB = K / MX_BLOCK;
 #ifdef MX_X86
-    float *xd = fast && placed_on && M <= PLACED_MAX_M && !invariant ? (float *)malloc(sizeof(float) * (size_t)(M * K)) : NULL;
+    /* 64-byte aligned: the loop's 32-byte loads of xd then never straddle cache lines (malloc's
+     * 16-byte alignment ran 3-6 % slower at 4 rows, ad-hoc A/B on three 0.6B shapes) */
+    float *xd = fast && placed_on && !invariant ? (float *)aligned_alloc(64, sizeof(float) * (size_t)(M * K)) : NULL;
     if (xd) { /* (without the buffer, the loop below) */
-        for (int64_t m = 0; m < M; m++) mx_dword_order(x + m * K, K, xd + m * K);
+        float amax = 0.f;
+        for (int64_t i = 0; i < M * K; i++) {
+            const float a = x[i] < 0.f ? -x[i] : x[i];
+            if (!(a <= amax)) amax = a; /* a NaN sticks */
+        }
+        const int k = placed_shift(amax);
+        float ftab[MX_PLACED_MAX_B + 1];
+        for (int b = 0; b <= MX_PLACED_MAX_B; b++) ftab[b] = mx_bits_f32((uint32_t)(b + 120 - k) << 23); /* 2^(b - 7 - k) */
+        for (int64_t m = 0; m < M; m++) mx_dword_order(x + m * K, K, mx_bits_f32((uint32_t)(127 + k) << 23), xd + m * K);
+        static const dot_placed_fn placed[PLACED_MAX_M + 1] = {0, dot_placed_1, dot_placed_2, dot_placed_3, dot_placed_4};
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
-            float acc[PLACED_MAX_M];
-            if (M == 2) dot_placed_2(x, xd, w + n * K, s + n * KB, K, acc);
-            else dot_placed_1(x, xd, w + n * K, s + n * KB, K, acc);
-            for (int64_t m = 0; m < M; m++) store_as(y, y_dtype, m * N + n, acc[m] + (bias ? bias[n] : 0.f));
+            /* x rows 4 at a time: a second pass re-reads the row from L1, not memory */
+            for (int64_t m0 = 0; m0 < M; m0 += PLACED_MAX_M) {
+                const int64_t mc = M - m0 < PLACED_MAX_M ? M - m0 : PLACED_MAX_M;
+                float acc[PLACED_MAX_M];
+                placed[mc](x + m0 * K, xd + m0 * K, w + n * K, s + n * KB, ftab, K, acc);
+                for (int64_t m = 0; m < mc; m++) store_as(y, y_dtype, (m0 + m) * N + n, acc[m] + (bias ? bias[n] : 0.f));
+            }
         }
         free(xd);
         return 5;
