@@ -154,8 +154,9 @@ static inline __attribute__((always_inline)) MX_AVX2 void dot_row_mx(const float
  * The loop above decodes through the fp16 route, whose conversions share one port on Zen3
  * (mxfp8.h, "placed as fp32 bits"). This one places each block's elements as fp32 bits
  * (mx_placed32: element * 2^-120, no multiply), sums them times x in two chains, and scales the
- * block sum by its factor, as the loop above does: 13 vector ops and 4 multiply-adds a block and
- * row where the earlier placed loop multiplied every element by its factor first.
+ * block sum by its factor, as the loop above does: 5 shifts and 4 ANDs a block, and per row 5
+ * multiplies / multiply-adds and an add, where the earlier placed loop also spent 4 multiplies a
+ * block on the factors.
  *
  * The placed elements are tiny (2^-129 .. 2^-111), so their products with x would fall below
  * fp32's normal range: x is scaled by 2^k first (xd, in mx_dword_order's order), k chosen from

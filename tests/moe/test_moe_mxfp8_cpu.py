@@ -212,8 +212,20 @@ def test_gfni_and_table_decode_give_the_same_bits(gfni, M: int) -> None:
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.fixture
+def avx2_loops():
+    """The AVX2 loops with the bf16-dot loop off (placed loops on), restored afterwards."""
+    if not mx.fast_path_available():
+        pytest.skip("CPU lacks AVX2/FMA/F16C")
+    mx.set_fast_path(True)
+    mx.set_bf16_dot(False)
+    yield
+    mx.set_placed_loops(True)
+    mx.set_bf16_dot(True)
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_placed_loop(x_dtype: torch.dtype) -> None:
+def test_placed_loop(avx2_loops: None, x_dtype: torch.dtype) -> None:
     """The AVX2 placed loop at 1..8 x rows (elements placed as fp32 bits, block sums times 2^(b - 7 - k)
     with x scaled by 2^k): rows mixing scale bytes it takes (<= 134) and ones it hands to
     mx_dequant_block (135..254), zero and subnormal elements, ragged N; within fp32 accumulation
@@ -221,88 +233,72 @@ def test_placed_loop(x_dtype: torch.dtype) -> None:
     bits it gets among others."""
     from cuttle.attention.native import invariance
 
-    if not mx.fast_path_available():
-        pytest.skip("CPU lacks AVX2/FMA/F16C")
-    mx.set_fast_path(True)
-    mx.set_bf16_dot(False)
-    try:
-        g = torch.Generator().manual_seed(11)
-        N, K = 45, 320
-        w = torch.randn(N, K, generator=g) * 0.05
-        w[:, 64:96] *= 2.0**40  # scale bytes above 134 in every row's third block
-        w[2, 10] = 0.0
-        w[5, 33] = w[5, 32:64].abs().max() * 2.0**-12  # a subnormal element
-        data, scale = quantize_mxfp8(w)
-        sb = scale.view(torch.uint8)
-        assert (sb[:, 2] > 134).all() and (sb[:, 0] <= 134).all()
-        assert ((data.view(torch.uint8) & 0x78) == 0).any()
-        x = torch.randn(8, K, generator=g).to(x_dtype)
-        b = torch.randn(N, generator=g)
-        for M in (1, 2, 3, 4, 5, 8):
-            y = mx.linear(x[:M], data, scale, b, out=torch.empty(M, N))
-            assert mx.last_linear_path() == "avx2_placed"
-            _check_gemm(x[:M], data, scale, b, y)
-        # without the 2^40 block (which swamps the rest) the two loops' summation orders show
-        plain = quantize_mxfp8(torch.randn(N, K, generator=g) * 0.05)
-        placed = mx.linear(x[:3], *plain, b, out=torch.empty(3, N))
-        assert mx.set_placed_loops(False) is False
-        rows = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
+    g = torch.Generator().manual_seed(11)
+    N, K = 45, 320
+    w = torch.randn(N, K, generator=g) * 0.05
+    w[:, 64:96] *= 2.0**40  # scale bytes above 134 in every row's third block
+    w[2, 10] = 0.0
+    w[5, 33] = w[5, 32:64].abs().max() * 2.0**-12  # a subnormal element
+    data, scale = quantize_mxfp8(w)
+    sb = scale.view(torch.uint8)
+    assert (sb[:, 2] > 134).all() and (sb[:, 0] <= 134).all()
+    assert ((data.view(torch.uint8) & 0x78) == 0).any()
+    x = torch.randn(8, K, generator=g).to(x_dtype)
+    b = torch.randn(N, generator=g)
+    for M in (1, 2, 3, 4, 5, 8):
+        y = mx.linear(x[:M], data, scale, b, out=torch.empty(M, N))
+        assert mx.last_linear_path() == "avx2_placed"
+        _check_gemm(x[:M], data, scale, b, y)
+    # without the 2^40 block (which swamps the rest) the two loops' summation orders show
+    plain = quantize_mxfp8(torch.randn(N, K, generator=g) * 0.05)
+    placed = mx.linear(x[:3], *plain, b, out=torch.empty(3, N))
+    assert mx.set_placed_loops(False) is False
+    rows = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
+    assert mx.last_linear_path() == "avx2"
+    _check_gemm(x[:1], data, scale, b, rows)
+    three_rows = mx.linear(x[:3], *plain, b, out=torch.empty(3, N))
+    assert mx.last_linear_path() == "avx2"
+    _check_gemm(x[:3], *plain, b, three_rows)
+    assert not torch.equal(placed, three_rows)  # the placed loop ran: another summation order
+    assert mx.set_placed_loops(True) is True
+    with invariance.batch_invariant():
+        one = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
         assert mx.last_linear_path() == "avx2"
-        _check_gemm(x[:1], data, scale, b, rows)
-        three_rows = mx.linear(x[:3], *plain, b, out=torch.empty(3, N))
-        assert mx.last_linear_path() == "avx2"
-        _check_gemm(x[:3], *plain, b, three_rows)
-        assert not torch.equal(placed, three_rows)  # the placed loop ran: another summation order
-        assert mx.set_placed_loops(True) is True
-        with invariance.batch_invariant():
-            one = mx.linear(x[:1], data, scale, b, out=torch.empty(1, N))
-            assert mx.last_linear_path() == "avx2"
-            among = mx.linear(x[:3], data, scale, b, out=torch.empty(3, N))
-        assert torch.equal(one, among[:1]) and torch.equal(one, rows)
-    finally:
-        mx.set_placed_loops(True)
-        mx.set_bf16_dot(True)
+        among = mx.linear(x[:3], data, scale, b, out=torch.empty(3, N))
+    assert torch.equal(one, among[:1]) and torch.equal(one, rows)
 
 
-def test_placed_loop_scales_x_exactly() -> None:
+def test_placed_loop_scales_x_exactly(avx2_loops: None) -> None:
     """The placed loop scales x by 2^k (k from max |x|, clamped to 0..119) so that its products with
     the placed elements (2^-129 .. 2^-111) stay normal fp32: a term 2^-90 below max |x| comes out
     exact, x near fp32's top (k = 0) and far down (k = 119) within fp32 accumulation error, zero x
     gives zeros, and inf / NaN in x give what the M-row loop gives."""
-    if not mx.fast_path_available():
-        pytest.skip("CPU lacks AVX2/FMA/F16C")
-    mx.set_fast_path(True)
-    mx.set_bf16_dot(False)
-    try:
-        g = torch.Generator().manual_seed(5)
-        N, K = 9, 128
-        w = torch.randn(N, K, generator=g)
-        w[:, 0] = 0.0
-        w[3, 70] = w[3, 64:96].abs().max() * 2.0**-12  # a subnormal element times a tiny x
-        data, scale = quantize_mxfp8(w)
-        wq = dequantize_mxfp8(data, scale, 32, F64)
-        x = torch.zeros(2, K)
-        x[:, 0] = 1.0  # max |x| = 1 (k = 100), against zero weights
-        x[0, 70] = 2.0**-90
-        x[1, 70] = -(2.0**-95)
-        y = mx.linear(x, data, scale, out=torch.empty(2, N))
+    g = torch.Generator().manual_seed(5)
+    N, K = 9, 128
+    w = torch.randn(N, K, generator=g)
+    w[:, 0] = 0.0
+    w[3, 70] = w[3, 64:96].abs().max() * 2.0**-12  # a subnormal element times a tiny x
+    data, scale = quantize_mxfp8(w)
+    wq = dequantize_mxfp8(data, scale, 32, F64)
+    x = torch.zeros(2, K)
+    x[:, 0] = 1.0  # max |x| = 1 (k = 100), against zero weights
+    x[0, 70] = 2.0**-90
+    x[1, 70] = -(2.0**-95)
+    y = mx.linear(x, data, scale, out=torch.empty(2, N))
+    assert mx.last_linear_path() == "avx2_placed"
+    assert torch.equal(y.to(F64), x.to(F64) @ wq.T)  # one nonzero term a row: exact
+    for top in (2.0**120, 2.0**-60, 2.0**-100):  # k = 0 (clamped), 61, 119 (clamped)
+        xs = torch.randn(3, K, generator=g) * top
+        _check_gemm(xs, data, scale, None, mx.linear(xs, data, scale, out=torch.empty(3, N)))
         assert mx.last_linear_path() == "avx2_placed"
-        assert torch.equal(y.to(F64), x.to(F64) @ wq.T)  # one nonzero term a row: exact
-        for top in (2.0**120, 2.0**-60, 2.0**-100):  # k = 0 (clamped), 61, 119 (clamped)
-            xs = torch.randn(3, K, generator=g) * top
-            _check_gemm(xs, data, scale, None, mx.linear(xs, data, scale, out=torch.empty(3, N)))
-            assert mx.last_linear_path() == "avx2_placed"
-        assert torch.equal(mx.linear(torch.zeros(2, K), data, scale, out=torch.empty(2, N)), torch.zeros(2, N))
-        bad = torch.randn(3, K, generator=g)
-        bad[0, 5], bad[2, 40] = float("inf"), float("nan")
-        got = mx.linear(bad, data, scale, out=torch.empty(3, N))
-        assert mx.set_placed_loops(False) is False
-        want = mx.linear(bad, data, scale, out=torch.empty(3, N))
-        assert got.isnan().any() and got.isinf().any()
-        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-5)
-    finally:
-        mx.set_placed_loops(True)
-        mx.set_bf16_dot(True)
+    assert torch.equal(mx.linear(torch.zeros(2, K), data, scale, out=torch.empty(2, N)), torch.zeros(2, N))
+    bad = torch.randn(3, K, generator=g)
+    bad[0, 5], bad[2, 40] = float("inf"), float("nan")
+    got = mx.linear(bad, data, scale, out=torch.empty(3, N))
+    assert mx.set_placed_loops(False) is False
+    want = mx.linear(bad, data, scale, out=torch.empty(3, N))
+    assert got.isnan().any() and got.isinf().any()
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
 def test_gemm_strided_x_and_out_buffer(path: str) -> None:
