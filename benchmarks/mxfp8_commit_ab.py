@@ -1,5 +1,5 @@
 """The MXFP8 CPU linear of two commits side by side: the kernel library is built from `attention/csrc`
-at --base (a git revision) and from the working tree, with the flags the engine builds with, and
+at --base (a git revision) and from the working tree, by the engine's own build (`native.build`), and
 the two builds' `mxfp8_linear` are called alternately in one process, round by round (base/tree,
 then tree/base), on the same weights and x.
 
@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -34,22 +32,18 @@ from common import machine_info, markdown_table  # noqa: E402
 from mxfp8_gemm import LM_HEADS, SHAPES  # noqa: E402
 
 from cuttle.attention.native import build  # noqa: E402
+from cuttle.attention.native import mxfp8 as native_mx  # noqa: E402
 from cuttle.moe.mxfp8 import quantize_mxfp8  # noqa: E402
 
 
-def _build(src_dir: str, out: str) -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        sys.exit("no C compiler on PATH (set CC)")
-    sources = sorted(glob.glob(os.path.join(src_dir, "*.c")))
-    r = subprocess.run([cc, *build._FLAGS, *sources, "-o", out, "-lm"], capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"building {src_dir} failed:\n{r.stderr[-2000:]}")
-    lib = ctypes.CDLL(out)
-    fn = lib.mxfp8_linear
-    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [vp, c_int, i64, vp, vp, vp, vp, c_int, i64, i64, i64, c_int]
-    fn.restype = c_int
+def _load(src_dir: str) -> ctypes.CDLL:
+    """The kernel library built from `src_dir` (the engine's build and flags, cached by content),
+    with mxfp8_linear declared as the binding declares it."""
+    try:
+        lib = ctypes.CDLL(build.build(src_dir))
+    except RuntimeError as e:
+        sys.exit(str(e))
+    lib.mxfp8_linear.argtypes, lib.mxfp8_linear.restype = native_mx._SIGNATURES["mxfp8_linear"]
     return lib
 
 
@@ -71,8 +65,7 @@ def main() -> None:
         if archive.returncode != 0:
             sys.exit(f"git archive {args.base}: {archive.stderr.decode()[-500:]}")
         subprocess.run(["tar", "-x", "-C", base_src], input=archive.stdout, check=True)
-        libs = {"base": _build(os.path.join(base_src, "attention", "csrc"), os.path.join(tmp, "base.so")),
-                "tree": _build(build.SRC_DIR, os.path.join(tmp, "tree.so"))}
+        libs = {"base": _load(os.path.join(base_src, "attention", "csrc")), "tree": _load(build.SRC_DIR)}
         results, table = [], []
         torch.manual_seed(0)
         for name, N, K in LM_HEADS + SHAPES:

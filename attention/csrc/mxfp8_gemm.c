@@ -193,7 +193,8 @@ static int placed_shift(float amax) {
     return k < 0 ? 0 : k > 119 ? 119 : k;
 }
 
-/* one block's sum of v (dword order) times x (the same order), in two chains */
+/* one block's sum of v times x lane for lane (both in one order: dword order for placed elements,
+ * element order for mx_dequant_block's), in two chains */
 static inline __attribute__((always_inline)) MX_AVX2 __m256 placed_block_sum(const __m256 v[4], const float *x) {
     __m256 a = _mm256_mul_ps(v[0], _mm256_loadu_ps(x)), b = _mm256_mul_ps(v[1], _mm256_loadu_ps(x + 8));
     a = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), a);
@@ -213,13 +214,7 @@ static inline __attribute__((always_inline)) MX_AVX2 void placed_block(const flo
         for (int r = 0; r < R; r++) tot[r] = _mm256_fmadd_ps(placed_block_sum(v, xd + r * K + kb * MX_BLOCK), f, tot[r]);
     } else {
         mx_dequant_block(w + kb * MX_BLOCK, b, v);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + r * K + kb * MX_BLOCK;
-            __m256 a = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr)), c = _mm256_mul_ps(v[1], _mm256_loadu_ps(xr + 8));
-            a = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), a);
-            c = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), c);
-            tot[r] = _mm256_add_ps(_mm256_add_ps(a, c), tot[r]);
-        }
+        for (int r = 0; r < R; r++) tot[r] = _mm256_add_ps(placed_block_sum(v, x + r * K + kb * MX_BLOCK), tot[r]);
     }
 }
 

@@ -83,10 +83,11 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def build() -> str:
-    """Path of the compiled library, compiling it first if this source/flags/CPU has none yet."""
-    sources = sorted(os.path.join(SRC_DIR, f) for f in os.listdir(SRC_DIR) if f.endswith(".c"))
-    headers = sorted(os.path.join(SRC_DIR, f) for f in os.listdir(SRC_DIR) if f.endswith(".h"))
+def build(src_dir: str = SRC_DIR) -> str:
+    """Path of the compiled library, compiling it first if this source/flags/CPU has none yet.
+    `src_dir`: another copy of `csrc` (benchmarks/mxfp8_commit_ab.py builds an older commit's)."""
+    sources = sorted(os.path.join(src_dir, f) for f in os.listdir(src_dir) if f.endswith(".c"))
+    headers = sorted(os.path.join(src_dir, f) for f in os.listdir(src_dir) if f.endswith(".h"))
     digest = hashlib.sha256()
     for src in sources + headers:
         with open(src, "rb") as f:
@@ -103,7 +104,7 @@ def build() -> str:
     try:
         r = subprocess.run([cc, *_FLAGS, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SRC_DIR}:\n{r.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {src_dir}:\n{r.stderr[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent builder sees the whole file or none
     finally:
         if os.path.exists(tmp):
