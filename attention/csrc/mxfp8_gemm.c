@@ -165,7 +165,8 @@ static inline __attribute__((always_inline)) MX_AVX2 void dot_row_mx(const float
  * the one an fp32 dot of x with the dequantized weights makes (the sums in this loop's order),
  * down to terms below 2^-97 of max |x| times the weight, which may round as subnormals (the whole
  * dot's fp32 error is far above them). Blocks with scale bytes above MX_PLACED_MAX_B take
- * mx_dequant_block and x itself. NaN or inf in x: k = 0, and they propagate as in the loop above.
+ * mx_dequant_block and x itself. An inf in x gives k = 0; NaN entries are left out of the max;
+ * both propagate as in the loop above.
  *
  * Even and odd blocks go to two sums at one or two rows (more independent chains), to one at three
  * or four (registers). Another summation order than the loop above, so a batch-invariant call keeps
@@ -181,7 +182,7 @@ static int placed_on = 1; /* mxfp8_set_placed */
 #define PLACED_MAX_M 4
 int mxfp8_placed_on(void) { return placed_on; }
 
-/* k for placed loops over x rows with max |x| = amax (NaN if any is NaN): 2^k * amax in
+/* k for placed loops over x rows with max |x| = amax (over the entries that are not NaN): 2^k * amax in
  * [2^100, 2^101), clamped to 0..119 so that 2^(b - 7 - k) is a normal fp32 for b <= MX_PLACED_MAX_B */
 static int placed_shift(float amax) {
     uint32_t u;
@@ -282,10 +283,13 @@ static int linear_decode(const float *x, const uint8_t *w, const uint8_t *s, con
      * 16-byte alignment ran 3-6 % slower at 4 rows, ad-hoc A/B on three 0.6B shapes) */
     float *xd = fast && placed_on && !invariant ? (float *)aligned_alloc(64, sizeof(float) * (size_t)(M * K)) : NULL;
     if (xd) { /* (without the buffer, the loop below) */
+        /* max |x| over the entries that are not NaN: a NaN stays NaN whatever k is, and taking it
+         * into the max let the entries after it decide k alone (a row of 2^120 next to a row with a
+         * NaN then overflowed to inf and came out NaN) */
         float amax = 0.f;
         for (int64_t i = 0; i < M * K; i++) {
             const float a = x[i] < 0.f ? -x[i] : x[i];
-            if (!(a <= amax)) amax = a; /* a NaN sticks */
+            if (a > amax) amax = a;
         }
         const int k = placed_shift(amax);
         float ftab[MX_PLACED_MAX_B + 1];

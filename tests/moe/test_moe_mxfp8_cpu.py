@@ -272,7 +272,8 @@ def test_placed_loop_scales_x_exactly(avx2_loops: None) -> None:
     """The placed loop scales x by 2^k (k from max |x|, clamped to 0..119) so that its products with
     the placed elements (2^-129 .. 2^-111) stay normal fp32: a term 2^-90 below max |x| comes out
     exact, x near fp32's top (k = 0) and far down (k = 119) within fp32 accumulation error, zero x
-    gives zeros, and inf / NaN in x give what the M-row loop gives."""
+    gives zeros, inf / NaN in x give what the M-row loop gives, and a NaN in one row does not
+    decide k for the others."""
     g = torch.Generator().manual_seed(5)
     N, K = 9, 128
     w = torch.randn(N, K, generator=g)
@@ -287,7 +288,7 @@ def test_placed_loop_scales_x_exactly(avx2_loops: None) -> None:
     y = mx.linear(x, data, scale, out=torch.empty(2, N))
     assert mx.last_linear_path() == "avx2_placed"
     assert torch.equal(y.to(F64), x.to(F64) @ wq.T)  # one nonzero term a row: exact
-    for top in (2.0**120, 2.0**-60, 2.0**-100):  # k = 0 (clamped), 61, 119 (clamped)
+    for top in (2.0**120, 2.0**40, 2.0**-100):  # k = 0 (clamped), ~58, 119 (clamped)
         xs = torch.randn(3, K, generator=g) * top
         _check_gemm(xs, data, scale, None, mx.linear(xs, data, scale, out=torch.empty(3, N)))
         assert mx.last_linear_path() == "avx2_placed"
@@ -299,6 +300,15 @@ def test_placed_loop_scales_x_exactly(avx2_loops: None) -> None:
     want = mx.linear(bad, data, scale, out=torch.empty(3, N))
     assert got.isnan().any() and got.isinf().any()
     torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-5)
+    # a NaN in one row leaves k to the others: a row near fp32's top beside it stays finite
+    assert mx.set_placed_loops(True) is True
+    mixed = torch.randn(3, K, generator=g)
+    mixed[0] *= 2.0**120
+    mixed[1, 5] = float("nan")
+    y = mx.linear(mixed, data, scale, out=torch.empty(3, N))
+    assert mx.last_linear_path() == "avx2_placed"
+    _check_gemm(mixed[0::2], data, scale, None, y[0::2])
+    assert y[1].isnan().all()
 
 
 def test_gemm_strided_x_and_out_buffer(path: str) -> None:
