@@ -8,12 +8,15 @@ CPU table: one FusedMoE layer's tokens/s (torch path) with bf16 experts and with
 (dequantized one active expert at a time), their ratio, and each as a fraction of the memory-bandwidth
 limit measured in this run: tokens / (bytes of the experts this batch touches / copy bandwidth).
 GPU table (CUDA only, "not run" otherwise; `--no-cpu` skips the CPU table): microseconds per layer
-of the Triton expert path (align, grouped GEMMs, SiLU, combine; the alignment alone timed both ways), bf16 vs MXFP8 weights by
+of the Triton expert path (align, grouped GEMMs, SiLU, combine), bf16 vs MXFP8 weights by
 `tl.dot_scaled` (MX tensor cores on sm100+, Triton's emulation before) and by the kernel's own
 decode, against the torch path; eager, and replayed from a CUDA graph (the kernels without launch
-overhead), over `--gpu-layers` layers cycled so the weights come from memory; a sweep of block
-configurations reports the best beside the default; each as a fraction of its limit measured in
-the same run (expert bytes touched / copy bandwidth, or FLOPs / bf16 matmul rate).
+overhead), over `--gpu-layers` layers cycled so the weights come from memory; the replayed layer
+with each alignment (torch ops / the one-program Triton kernel); a sweep of block configurations
+reports the best beside the default; each as a fraction of its limit measured in the same run
+(expert bytes touched / copy bandwidth, or FLOPs / bf16 matmul rate). A second GPU table times the
+alignment alone, both ways, over `--align-batches` (where the Triton kernel stops paying:
+`TRITON_ALIGN_MAX_ASSIGNMENTS`).
 """
 from __future__ import annotations
 
@@ -133,8 +136,6 @@ LARGE_M = [(64, 128, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (64, 
 
 
 def gpu_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[str, float]]:
-    from cuttle.moe.align import align_tokens
-    from cuttle.moe.align_triton import align_tokens_triton
     from cuttle.moe.experts_torch import fused_experts_torch
     from cuttle.moe.experts_triton import default_config, fused_experts_triton
     from cuttle.moe.grouped_gemm_triton import GemmConfig, has_mx_tensor_cores
@@ -160,12 +161,11 @@ def gpu_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[str, fl
             if default not in configs:
                 configs.insert(0, default)
 
-            def experts(ws, cfg, dot_scaled=None):
-                return [lambda w=w, r=r: fused_experts_triton(x, w[0], w[1], r[0], r[1], config=cfg, dot_scaled=dot_scaled)
+            def experts(ws, cfg, dot_scaled=None, align="auto"):
+                return [lambda w=w, r=r: fused_experts_triton(x, w[0], w[1], r[0], r[1], config=cfg, dot_scaled=dot_scaled,
+                                                              align=align)
                         for w, r in zip(ws, routed)]
 
-            t_align = [gpu_time([lambda r=r, f=f: f(r[1], args.experts, default.block_m) for r in routed],
-                                args.iters, graph=True) for f in (align_tokens, align_tokens_triton)]
             plain = [(lay.w13, lay.w2) for lay in layers]
             mx = [q.expert_weights() for q in quantized]
             t_torch = gpu_time([lambda lay=lay, r=r: fused_experts_torch(x, lay.w13, lay.w2, r[0], r[1])
@@ -184,13 +184,36 @@ def gpu_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[str, fl
                     continue
                 best = min(timed, key=timed.get)
                 eager = gpu_time(experts(ws, default, ds), args.iters, graph=False)
+                by_align = [gpu_time(experts(ws, default, ds, a), args.iters, graph=True) for a in ("torch", "triton")]
                 rows.append([batch, name, f"{t_torch * 1e6:.1f}", f"{eager * 1e6:.1f}",
-                             f"{t_align[0] * 1e6:.1f} / {t_align[1] * 1e6:.1f}",
+                             f"{by_align[0] * 1e6:.1f} / {by_align[1] * 1e6:.1f}",
                              f"{timed[default] * 1e6:.1f}",
                              f"{timed[best] * 1e6:.1f}", "x".join(map(str, (best.block_m, best.block_n, best.block_k,
                                                                               best.num_warps, best.num_stages))),
                              limit / timed[best], "bytes" if nbytes / bw >= flops / rate else "flops"])
     return rows, limits
+
+
+def gpu_align_rows(args: argparse.Namespace) -> list[list[object]]:
+    """The alignment alone, torch ops vs the one-program Triton kernel, replayed from a CUDA graph,
+    at each batch of `--align-batches` (block size as the expert path's default config picks)."""
+    from cuttle.moe.align import align_tokens
+    from cuttle.moe.align_triton import TRITON_ALIGN_MAX_ASSIGNMENTS, align_tokens_triton
+    from cuttle.moe.experts_triton import default_config
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for batch in args.align_batches:
+        ids = torch.rand(batch, args.experts, device="cuda", generator=g).topk(args.topk, dim=-1).indices
+        block = default_config(batch * args.topk, args.experts).block_m
+        t = [gpu_time([lambda f=f: f(ids, args.experts, block)], args.iters, graph=True)
+             for f in (align_tokens, align_tokens_triton)]
+        same = all(torch.equal(getattr(align_tokens(ids, args.experts, block), f),
+                               getattr(align_tokens_triton(ids, args.experts, block), f))
+                   for f in ("sorted_ids", "block_expert", "expert_offsets"))
+        auto = "triton" if batch * args.topk <= TRITON_ALIGN_MAX_ASSIGNMENTS else "torch"
+        rows.append([batch, batch * args.topk, block, f"{t[0] * 1e6:.1f}", f"{t[1] * 1e6:.1f}", t[0] / t[1], same, auto])
+    return rows
 
 
 def main() -> None:
@@ -201,6 +224,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 256])
     p.add_argument("--gpu-batches", type=int, nargs="+", default=[1, 16, 256, 4096])
+    p.add_argument("--align-batches", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 2048, 4096, 16384])
     p.add_argument("--gpu-layers", type=int, default=4, help="distinct layers cycled on the GPU (weights past the L2)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--no-cpu", action="store_true", help="skip the CPU table (a GPU machine's run)")
@@ -217,7 +241,8 @@ def main() -> None:
             ["batch", "bf16 tok/s", "MXFP8 tok/s", "MXFP8 / bf16", "bf16 / BW limit", "MXFP8 / BW limit"],
             cpu_rows(args, bandwidth)))
     print("\n## GPU kernels (Triton grouped GEMM), microseconds per layer\n")
-    headers = ["batch", "experts", "torch bf16 (eager)", "Triton eager", "align torch / Triton (graph)", "Triton graph",
+    headers = ["batch", "experts", "torch bf16 (eager)", "Triton eager", "Triton graph, align torch / Triton",
+               "Triton graph",
                "Triton graph, best config",
                "best config (m n k warps stages)", "best / limit", "limit"]
     if torch.cuda.is_available():
@@ -225,6 +250,9 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
               + ", ".join(f"{k} {v:.0f}" for k, v in limits.items()) + f"; {args.gpu_layers} layers cycled\n")
         print(markdown_table(headers, rows))
+        print("\n## GPU: the token-to-expert alignment alone, microseconds (graph)\n")
+        print(markdown_table(["batch", "assignments", "block", "torch ops", "Triton kernel", "torch / Triton",
+                              "same tensors", "auto picks"], gpu_align_rows(args)))
     else:
         print(markdown_table(headers, [[b, "not run (no GPU)", *[""] * 8] for b in args.gpu_batches]))
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cuttle.moe.align import align_tokens
+from cuttle.moe.align import AlignedTokens, align_tokens
+from cuttle.moe.align_triton import TRITON_ALIGN_MAX_ASSIGNMENTS, align_tokens_triton
 from cuttle.moe.experts_torch import ExpertWeight
 from cuttle.moe.grouped_gemm_triton import GemmConfig, moe_gemm
 from cuttle.moe.mxfp8 import MXTensor, ScaleMode
@@ -24,6 +25,23 @@ def default_config(num_assignments: int, num_experts: int) -> GemmConfig:
     if per_expert <= 64:
         return GemmConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
     return GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+ALIGNS = ("auto", "torch", "triton")
+
+
+def align_for(ids: torch.Tensor, num_experts: int, block_size: int, align: str = "auto") -> AlignedTokens:
+    """The alignment the expert path uses: "auto" takes the one-program Triton kernel on a GPU up to
+    `TRITON_ALIGN_MAX_ASSIGNMENTS` (one launch against the torch version's dozen) and the torch
+    version elsewhere (the interpreter would make it slower on CPU, and past that many assignments
+    the torch version's parallel sort wins)."""
+    if align not in ALIGNS:
+        raise ValueError(f"align must be one of {ALIGNS}, got {align!r}")
+    if align == "auto":
+        align = "triton" if ids.is_cuda and ids.numel() <= TRITON_ALIGN_MAX_ASSIGNMENTS else "torch"
+    if align == "triton":
+        return align_tokens_triton(ids, num_experts, block_size)
+    return align_tokens(ids, num_experts, block_size)
 
 
 def _activation(x: torch.Tensor, act_quant: ScaleMode | None) -> torch.Tensor | MXTensor:
@@ -41,13 +59,15 @@ def fused_experts_triton(
     act_quant: ScaleMode | None = None,
     config: GemmConfig | None = None,
     dot_scaled: bool | None = None,
+    align: str = "auto",
 ) -> torch.Tensor:
-    """Same contract as `fused_experts_torch`: x [T, H] -> [T, H] in x's dtype."""
+    """Same contract as `fused_experts_torch`: x [T, H] -> [T, H] in x's dtype. `align` picks the
+    token-to-expert alignment (`align_for`); both give the same tensors."""
     T, H = x.shape
     k = ids.shape[1]
     num_experts = w13.shape[0]
     cfg = config or default_config(T * k, num_experts)
-    aligned = align_tokens(ids, num_experts, cfg.block_m)
+    aligned = align_for(ids, num_experts, cfg.block_m, align)
     gate_up = moe_gemm(_activation(x, act_quant), w13, aligned, k, x.dtype, config=cfg, dot_scaled=dot_scaled)
     gate, up = gate_up.chunk(2, dim=-1)
     h = F.silu(gate) * up

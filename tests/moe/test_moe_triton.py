@@ -1,6 +1,7 @@
 """The cuttle.moe Triton kernels equal their torch references: MXFP8 quantization bit-exact, grouped
 GEMM and whole expert path within 1e-3 relative error (fp32, fp16; bf16, on a GPU only, within 1e-2), including
-`tl.dot_scaled` and the in-kernel dequantization path, MXFP8 activations, and masked edge tiles.
+`tl.dot_scaled` and the in-kernel dequantization path, MXFP8 activations, masked edge tiles, and the
+one-program Triton alignment (its tensors equal the torch version's; the expert path through it).
 
 The kernels run in a subprocess (triton_worker.py) that switches on TRITON_INTERPRET=1 before
 importing triton when there is no GPU; this pytest process never imports triton.
@@ -71,9 +72,17 @@ def test_align_kernel_equals_torch_align(rows: list[dict[str, object]]) -> None:
         assert r["equal"], r
 
 
+def test_auto_alignment_choice(rows: list[dict[str, object]]) -> None:
+    cases = _of(rows, "align_auto")
+    assert len(cases) == 2
+    for r in cases:  # the Triton kernel on a GPU up to the bound; the torch ops on CPU and past it
+        assert r["triton"] == (r["cuda"] and r["assignments"] <= r["bound"]), r
+    assert "align must be one of" in (_of(rows, "align_bad_name")[0]["error"] or "")
+
+
 def test_expert_path_matches_torch(rows: list[dict[str, object]]) -> None:
     cases = _of(rows, "layer")
-    assert {r["variant"] for r in cases} == {"plain", "mx", "mx_act_rceil"}
+    assert {r["variant"] for r in cases} == {"plain", "mx", "mx_act_rceil", "plain_align_triton", "mx_align_triton"}
     for r in cases:
         assert r["out_dtype"] == r["dtype"], r
         assert r["rel_err"] <= BOUND[r["dtype"]], r

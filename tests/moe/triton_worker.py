@@ -107,6 +107,30 @@ def align_cases() -> None:
         emit(kind="align", shape=[T, k, E, bs], equal=same and got.num_assignments == want.num_assignments)
 
 
+def align_choice_cases() -> None:
+    """`align_for`: "auto" takes the Triton kernel on a GPU up to the bound, the torch ops otherwise;
+    an unknown name is refused."""
+    import cuttle.moe.experts_triton as et
+    from cuttle.moe.align_triton import TRITON_ALIGN_MAX_ASSIGNMENTS
+
+    picked = []
+    kernel = et.align_tokens_triton
+    et.align_tokens_triton = lambda *a: picked.append(a[0].numel()) or kernel(*a)
+    try:
+        for T in (4, TRITON_ALIGN_MAX_ASSIGNMENTS // 8 + 1):
+            ids = torch.randint(0, 16, (T, 8), device=DEVICE)
+            picked.clear()
+            et.align_for(ids, 16, 16)
+            emit(kind="align_auto", cuda=CUDA, assignments=T * 8, bound=TRITON_ALIGN_MAX_ASSIGNMENTS, triton=bool(picked))
+    finally:
+        et.align_tokens_triton = kernel
+    try:
+        et.align_for(ids, 16, 16, "bogus")
+        emit(kind="align_bad_name", error=None)
+    except ValueError as e:
+        emit(kind="align_bad_name", error=str(e))
+
+
 def layer_cases() -> None:
     g = torch.Generator().manual_seed(2)
     T, H, I, E, k = 11, 64, 32, 6, 3
@@ -118,14 +142,17 @@ def layer_cases() -> None:
     dev = lambda m: MXTensor(m.data.to(DEVICE), m.scale.to(DEVICE))  # noqa: E731
     for dtype in DTYPES:
         xd = x.to(dtype)
-        for name, a13, a2, act in [("plain", w13.to(dtype), w2.to(dtype), None), ("mx", q13, q2, None),
-                                   ("mx_act_rceil", q13, q2, "rceil")]:
+        # each alignment explicitly ("auto" takes the Triton kernel on a GPU, the torch ops on CPU)
+        for name, a13, a2, act, align in [("plain", w13.to(dtype), w2.to(dtype), None, "torch"),
+                                          ("mx", q13, q2, None, "torch"), ("mx_act_rceil", q13, q2, "rceil", "torch"),
+                                          ("plain_align_triton", w13.to(dtype), w2.to(dtype), None, "triton"),
+                                          ("mx_align_triton", q13, q2, None, "triton")]:
             # same dtype as the kernel, so h is rounded to it before any MXFP8 rounding in both
             ref = fused_experts_torch(xd, a13, a2, weights, ids, act_quant=act)
             t13 = dev(a13) if isinstance(a13, MXTensor) else a13.to(DEVICE)
             t2 = dev(a2) if isinstance(a2, MXTensor) else a2.to(DEVICE)
             out = fused_experts_triton(xd.to(DEVICE), t13, t2, weights.to(DEVICE), ids.to(DEVICE), act_quant=act,
-                                       config=CONFIG)
+                                       config=CONFIG, align=align)
             emit(kind="layer", dtype=str(dtype), variant=name, rel_err=_rel(out.float(), ref.float()),
                  out_dtype=str(out.dtype))
 
@@ -135,4 +162,5 @@ if __name__ == "__main__":
     quantize_cases()
     gemm_cases()
     align_cases()
+    align_choice_cases()
     layer_cases()
