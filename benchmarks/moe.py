@@ -15,8 +15,8 @@ overhead), over `--gpu-layers` layers cycled so the weights come from memory; th
 with each alignment (torch ops / the one-program Triton kernel); a sweep of block configurations
 reports the best beside the default; each as a fraction of its limit measured in the same run
 (expert bytes touched / copy bandwidth, or FLOPs / bf16 matmul rate). A second GPU table times the
-alignment alone, both ways, over `--align-batches` (where the Triton kernel stops paying:
-`TRITON_ALIGN_MAX_ASSIGNMENTS`).
+alignment alone, both ways, over `--align-batches` (up to where the Triton kernel pays, so the
+expert path can take it by default there).
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def gpu_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[str, fl
             if default not in configs:
                 configs.insert(0, default)
 
-            def experts(ws, cfg, dot_scaled=None, align="auto"):
+            def experts(ws, cfg, dot_scaled=None, align="torch"):
                 return [lambda w=w, r=r: fused_experts_triton(x, w[0], w[1], r[0], r[1], config=cfg, dot_scaled=dot_scaled,
                                                               align=align)
                         for w, r in zip(ws, routed)]
@@ -198,7 +198,7 @@ def gpu_align_rows(args: argparse.Namespace) -> list[list[object]]:
     """The alignment alone, torch ops vs the one-program Triton kernel, replayed from a CUDA graph,
     at each batch of `--align-batches` (block size as the expert path's default config picks)."""
     from cuttle.moe.align import align_tokens
-    from cuttle.moe.align_triton import TRITON_ALIGN_MAX_ASSIGNMENTS, align_tokens_triton
+    from cuttle.moe.align_triton import align_tokens_triton
     from cuttle.moe.experts_triton import default_config
 
     rows = []
@@ -211,8 +211,7 @@ def gpu_align_rows(args: argparse.Namespace) -> list[list[object]]:
         same = all(torch.equal(getattr(align_tokens(ids, args.experts, block), f),
                                getattr(align_tokens_triton(ids, args.experts, block), f))
                    for f in ("sorted_ids", "block_expert", "expert_offsets"))
-        auto = "triton" if batch * args.topk <= TRITON_ALIGN_MAX_ASSIGNMENTS else "torch"
-        rows.append([batch, batch * args.topk, block, f"{t[0] * 1e6:.1f}", f"{t[1] * 1e6:.1f}", t[0] / t[1], same, auto])
+        rows.append([batch, batch * args.topk, block, f"{t[0] * 1e6:.1f}", f"{t[1] * 1e6:.1f}", t[0] / t[1], same])
     return rows
 
 
@@ -252,7 +251,7 @@ def main() -> None:
         print(markdown_table(headers, rows))
         print("\n## GPU: the token-to-expert alignment alone, microseconds (graph)\n")
         print(markdown_table(["batch", "assignments", "block", "torch ops", "Triton kernel", "torch / Triton",
-                              "same tensors", "auto picks"], gpu_align_rows(args)))
+                              "same tensors"], gpu_align_rows(args)))
     else:
         print(markdown_table(headers, [[b, "not run (no GPU)", *[""] * 8] for b in args.gpu_batches]))
 

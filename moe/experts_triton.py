@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cuttle.moe.align import AlignedTokens, align_tokens
-from cuttle.moe.align_triton import TRITON_ALIGN_MAX_ASSIGNMENTS, align_tokens_triton
+from cuttle.moe.align_triton import align_tokens_triton
 from cuttle.moe.experts_torch import ExpertWeight
 from cuttle.moe.grouped_gemm_triton import GemmConfig, moe_gemm
 from cuttle.moe.mxfp8 import MXTensor, ScaleMode
@@ -27,18 +27,16 @@ def default_config(num_assignments: int, num_experts: int) -> GemmConfig:
     return GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-ALIGNS = ("auto", "torch", "triton")
+ALIGNS = ("torch", "triton")
 
 
-def align_for(ids: torch.Tensor, num_experts: int, block_size: int, align: str = "auto") -> AlignedTokens:
-    """The alignment the expert path uses: "auto" takes the one-program Triton kernel on a GPU up to
-    `TRITON_ALIGN_MAX_ASSIGNMENTS` (one launch against the torch version's dozen) and the torch
-    version elsewhere (the interpreter would make it slower on CPU, and past that many assignments
-    the torch version's parallel sort wins)."""
+def align_for(ids: torch.Tensor, num_experts: int, block_size: int, align: str = "torch") -> AlignedTokens:
+    """The alignment the expert path uses; both give the same tensors. "torch" (the default: the
+    torch ops, measured on an H200) or "triton" (`align_tokens_triton`, one launch: tested in the
+    Triton interpreter, not yet compiled or timed on a GPU, so opt-in until a GPU run
+    (tests/gpu/run_checks.sh moe) checks it and times it beside the torch version)."""
     if align not in ALIGNS:
         raise ValueError(f"align must be one of {ALIGNS}, got {align!r}")
-    if align == "auto":
-        align = "triton" if ids.is_cuda and ids.numel() <= TRITON_ALIGN_MAX_ASSIGNMENTS else "torch"
     if align == "triton":
         return align_tokens_triton(ids, num_experts, block_size)
     return align_tokens(ids, num_experts, block_size)
@@ -59,7 +57,7 @@ def fused_experts_triton(
     act_quant: ScaleMode | None = None,
     config: GemmConfig | None = None,
     dot_scaled: bool | None = None,
-    align: str = "auto",
+    align: str = "torch",
 ) -> torch.Tensor:
     """Same contract as `fused_experts_torch`: x [T, H] -> [T, H] in x's dtype. `align` picks the
     token-to-expert alignment (`align_for`); both give the same tensors."""

@@ -35,7 +35,7 @@ host_tests="tests/attention/test_packed_gemm.py tests/attention/test_kernel_set.
     tests/attention/test_attention_cpu_native.py tests/attention/test_kernel_build_targets.py
     tests/attention/test_batch_invariance.py tests/attention/test_topk.py tests/attention/test_nsa_kernels.py
     tests/moe/test_moe_mxfp8_cpu.py tests/moe/test_moe_mxfp8_experts_cpu.py tests/moe/test_moe_native.py
-    tests/moe/test_moe_packing.py"
+    tests/moe/test_moe_packing.py tests/attention/test_hugepages.py"
 host_checks() {
     { lscpu | grep -E "Model name|^CPU\(s\)|Thread|Socket"; grep -o -w -E "avx512f|avx512_bf16|avx512_vbmi|gfni|amx_tile|amx_bf16" \
         /proc/cpuinfo | sort | uniq -c; } > "$out/host_cpu.txt" 2>&1

@@ -72,12 +72,8 @@ def test_align_kernel_equals_torch_align(rows: list[dict[str, object]]) -> None:
         assert r["equal"], r
 
 
-def test_auto_alignment_choice(rows: list[dict[str, object]]) -> None:
-    cases = _of(rows, "align_auto")
-    assert len(cases) == 2
-    for r in cases:  # the Triton kernel on a GPU up to the bound; the torch ops on CPU and past it
-        assert r["triton"] == (r["cuda"] and r["assignments"] <= r["bound"]), r
-    assert "align must be one of" in (_of(rows, "align_bad_name")[0]["error"] or "")
+def test_unknown_alignment_refused(rows: list[dict[str, object]]) -> None:
+    assert "align must be one of ('torch', 'triton'), got 'bogus'" == _of(rows, "align_bad_name")[0]["error"]
 
 
 def test_expert_path_matches_torch(rows: list[dict[str, object]]) -> None:
