@@ -437,12 +437,13 @@ static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const fl
     }
 }
 
-/* M = 1 with `split`: mx_panel_tile's one-row counterpart on mxfp8.h's placed decode (as
- * mxfp8_gemm.c's dot_one_row_mx): each k's 16 elements dequantized with their features' factors
- * 2^(b - 7) and summed into four chains per half (k mod 4), no block sums; a block whose 16
- * scale bytes are not all <= MX_PLACED_MAX_B takes the block-sum route. Another summation order
- * than the M-row tile, so it runs only where that is allowed (`split`, off under the
- * batch-invariant switch). */
+/* M = 1 with `split`: mx_panel_tile's one-row counterpart on mxfp8.h's placed decode: each k's 16
+ * elements dequantized with their features' factors 2^(b - 7) and summed into four chains per half
+ * (k mod 4), no block sums; a block whose 16 scale bytes are not all <= MX_PLACED_MAX_B takes the
+ * block-sum route. Another summation order than the M-row tile, so it runs only where that is
+ * allowed (`split`, off under the batch-invariant switch). moe_experts takes mx_panel_row_sums
+ * below instead where it expanded the row (1.07-1.36x faster, docs/moe.md); this one serves stage
+ * 1 past ROW_SUMS_MAX_T tokens. */
 static MX_AVX2 void mx_panel_row_placed(const float *r, const uint8_t *wp, const uint8_t *sp, int64_t K, v8f *acc0, v8f *acc1) {
     const __m256i lo = mx_placed_lo(), hi = mx_placed_hi();
     __m256 a[4], b[4];
@@ -479,6 +480,94 @@ static MX_AVX2 void mx_panel_row_placed(const float *r, const uint8_t *wp, const
     memcpy(acc0, &t0, sizeof(v8f));
     memcpy(acc1, &t1, sizeof(v8f));
 }
+
+/* The one-row tile on block sums (mx_panel_row_sums), used in place of mx_panel_row_placed where
+ * the row was expanded first: a panel's k-pair (2 k x 16 features) is 32 contiguous bytes, which
+ * mx_placed32 places as fp32 bits without multiplying (v[j] lane i: byte 4 i + j, so lanes 0-3 hold
+ * features j, 4 + j, 8 + j, 12 + j of the even k and lanes 4-7 the same features of the odd k).
+ * One multiply-add a register with the pair's x vector (x[2p] in lanes 0-3, x[2p+1] in lanes 4-7)
+ * sums the pair; a block's sums (16 pairs, two chains) are scaled once by the features' factors.
+ * Like the dense placed loop (mxfp8_gemm.c), the placed elements are element x 2^-120, so x is
+ * scaled by 2^ks (mx_placed_shift of the row's max |x|) and the factors are 2^(b - 7 - ks): exact
+ * power-of-two scaling, fp32 products and sums in this tile's order. Blocks with a scale byte above
+ * MX_PLACED_MAX_B take the fp16 route with the unscaled row, in feature order. */
+
+#define ROW_SUMS_MAX_T 16 /* tokens whose rows moe_experts expands up front for the one-row tiles */
+#define ROW_SUMS_PREFETCH 2048 /* bytes ahead of the tile's reads that it prefetches */
+
+/* row r [K] -> xe [4 K]: pair p's 8 floats [r[2p] x 4, r[2p + 1] x 4], times 2^ks; returns ks */
+static int mx_pairs_expand(const float *r, int64_t K, float *xe) {
+    const int ks = mx_placed_shift(mx_amax(r, K));
+    const float sc = mx_bits_f32((uint32_t)(127 + ks) << 23);
+    for (int64_t p = 0; p < K / 2; p++)
+        for (int i = 0; i < 8; i++) xe[8 * p + i] = r[2 * p + (i >> 2)] * sc;
+    return ks;
+}
+
+/* the factors 2^(b - 7 - ks) of a block's 16 scale bytes (all <= MX_PLACED_MAX_B) in the order of
+ * mx_placed32's registers: f[j] lane i is feature 4 (i mod 4) + j's */
+static inline __attribute__((always_inline)) MX_AVX2 void mx_pair_factors(const uint8_t *s, int ks, __m256 f[4]) {
+    /* dword j of t: the scale bytes of features j, 4 + j, 8 + j, 12 + j */
+    const __m128i t = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)s),
+                                       _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m256i add = _mm256_set1_epi32(120 - ks);
+    const __m128i d[4] = {_mm_shuffle_epi32(t, 0x00), _mm_shuffle_epi32(t, 0x55), _mm_shuffle_epi32(t, 0xAA),
+                          _mm_shuffle_epi32(t, 0xFF)};
+    for (int j = 0; j < 4; j++)
+        f[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(d[j]), add), 23));
+}
+
+static MX_AVX2 void mx_panel_row_sums(const float *xe, int ks, const float *r, const uint8_t *wp, const uint8_t *sp,
+                                      int64_t K, v8f *acc0, v8f *acc1) {
+    __m256 tot[4], fa0 = _mm256_setzero_ps(), fa1 = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) tot[j] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < K / MX_BLOCK; kb++) {
+        const uint8_t *s = sp + kb * 16;
+        if (__builtin_expect(mx_placed_ok16(s), 1)) {
+            const uint8_t *w = wp + kb * MX_BLOCK * 16;
+            const float *x = xe + kb * MX_BLOCK * 4;
+            __m256 a[4], c[4], v[4];
+            for (int j = 0; j < 4; j++) a[j] = c[j] = _mm256_setzero_ps();
+            for (int q = 0; q < MX_BLOCK / 2; q += 2) {
+                /* a cache line a step, ROW_SUMS_PREFETCH ahead: into the panel's next blocks, then the
+                 * next panel (a thread's items are adjacent panels) */
+                _mm_prefetch((const char *)(w + q * 32 + ROW_SUMS_PREFETCH), _MM_HINT_T0);
+                mx_placed32(w + q * 32, v);
+                const __m256 x0 = _mm256_loadu_ps(x + q * 8);
+                for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(v[j], x0, a[j]);
+                mx_placed32(w + (q + 1) * 32, v);
+                const __m256 x1 = _mm256_loadu_ps(x + (q + 1) * 8);
+                for (int j = 0; j < 4; j++) c[j] = _mm256_fmadd_ps(v[j], x1, c[j]);
+            }
+            __m256 f[4];
+            mx_pair_factors(s, ks, f);
+            for (int j = 0; j < 4; j++) tot[j] = _mm256_fmadd_ps(_mm256_add_ps(a[j], c[j]), f[j], tot[j]);
+        } else {
+            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+            for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k++) {
+                __m256 w0, w1;
+                mx_decode16(wp + k * 16, &w0, &w1);
+                const __m256 xs = _mm256_broadcast_ss(r + k);
+                s0 = _mm256_fmadd_ps(w0, xs, s0);
+                s1 = _mm256_fmadd_ps(w1, xs, s1);
+            }
+            __m256 f0, p0, f1, p1;
+            mx_factors8(s, &f0, &p0);
+            mx_factors8(s + 8, &f1, &p1);
+            fa0 = _mm256_fmadd_ps(_mm256_mul_ps(s0, p0), f0, fa0);
+            fa1 = _mm256_fmadd_ps(_mm256_mul_ps(s1, p1), f1, fa1);
+        }
+    }
+    /* feature 4 i + j: lane i (even k) + lane i + 4 (odd k) of tot[j] */
+    float t[4][8], o[16];
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(t[j], tot[j]);
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) o[4 * i + j] = t[j][i] + t[j][i + 4];
+    const __m256 r0 = _mm256_add_ps(_mm256_loadu_ps(o), fa0), r1 = _mm256_add_ps(_mm256_loadu_ps(o + 8), fa1);
+    memcpy(acc0, &r0, sizeof(v8f));
+    memcpy(acc1, &r1, sizeof(v8f));
+}
+
 
 #define MX_TILE(M_)                                                                                           \
     static MX_AVX2 void mx_tile_##M_(const float *const *r, const uint8_t *wp, const uint8_t *sp, int64_t K, \
@@ -901,6 +990,9 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
          * every token (so the combine needs no barrier), expert by expert; with more threads than
          * H / 64 panels the rest wait at the end (H 512: 8 panels, fine on this 2-core target) */
         const int64_t q0 = nq * me / nth, q1 = nq * (me + 1) / nth;
+        float *xe = xe2 ? xe2 + (size_t)me * (size_t)(4 * I) : NULL; /* this thread's expanded h row */
+        int64_t xe_row = -1;
+        int xe_ks = 0;
         for (int64_t ai = 0; ai < nact; ai++) {
             const int64_t e = active[ai];
             for (int64_t q = q0; q < q1; q++) {
@@ -989,7 +1081,8 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
     float *h = malloc(sizeof *h * (size_t)(A * I));    /* silu(gate) * up, rows in expert-sorted order */
     float *ys = malloc(sizeof *ys * (size_t)(A * H));  /* expert outputs, rows in assignment order t*k+j */
     int rc = 0;
-    float *panels = NULL;
+    float *panels = NULL, *xe1 = NULL, *xe2 = NULL;
+    int *ks1 = NULL;
     if (!cnt || !pos || !sorted || !active || !xf || !h || !ys) {
         rc = -1;
         goto done;
@@ -1010,6 +1103,24 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
         rc = -1;
         goto done;
     }
+#ifdef MX_X86
+    /* the one-row tiles on block sums (mx_panel_row_sums) take rows expanded and scaled first: the
+     * tokens' rows here, once (for up to ROW_SUMS_MAX_T tokens, where one-row tiles are common and
+     * the copies small), and each h row in the thread that needs it (known only after stage 1) */
+    const int row_sums = mx_fast && split && mxfp8_placed_on();
+    if (row_sums) {
+        xe2 = malloc(sizeof(float) * (size_t)(4 * I) * (size_t)nthreads);
+        if (T <= ROW_SUMS_MAX_T) {
+            xe1 = malloc(sizeof(float) * (size_t)(4 * H * T));
+            ks1 = malloc(sizeof(int) * (size_t)T);
+        }
+        if (!xe2 || (T <= ROW_SUMS_MAX_T && (!xe1 || !ks1))) {
+            rc = -1;
+            goto done;
+        }
+        for (int64_t t = 0; xe1 && t < T; t++) ks1[t] = mx_pairs_expand(xf + t * H, H, xe1 + t * 4 * H);
+    }
+#endif
     /* One parallel region with one barrier (between the two stages): on a machine shared with
      * other busy processes every barrier can wait a whole scheduler slice for a descheduled
      * thread, so the stages are arranged to need no more. */
@@ -1034,7 +1145,10 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                 for (int m = 0; m < M; m++) xr[m] = xf + (sorted[r0 + m] / k) * H;
                 v8f g[MRP], u[MRP];
 #ifdef MX_X86
-                if (mx_fast) MX_TILES[M](xr, (const uint8_t *)wp, sp, H, split, g, u);
+                if (M == 1 && xe1) {
+                    const int64_t tok = sorted[r0] / k;
+                    mx_panel_row_sums(xe1 + tok * 4 * H, ks1[tok], xr[0], (const uint8_t *)wp, sp, H, g, u);
+                } else if (mx_fast) MX_TILES[M](xr, (const uint8_t *)wp, sp, H, split, g, u);
                 else
 #endif
                 if (mx) GATEUP[0][M](xr, (const char *)panel, H, split, g, u);
@@ -1067,6 +1181,9 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
          * and sums). The thread owns its columns for every token, so the combine needs no
          * barrier; each expert's w2 panel is still read once. */
         const int64_t q0 = nq * me / nth, q1 = nq * (me + 1) / nth;
+        float *xe = xe2 ? xe2 + (size_t)me * (size_t)(4 * I) : NULL; /* this thread's expanded h row */
+        int64_t xe_row = -1;
+        int xe_ks = 0;
         for (int64_t ai = 0; ai < nact; ai++) {
             const int64_t e = active[ai];
             for (int64_t q = q0; q < q1; q++) {
@@ -1079,7 +1196,10 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                     for (int m = 0; m < M; m++) hr[m] = h + (r0 + m) * I;
                     v8f a0[MRP], a1[MRP];
 #ifdef MX_X86
-                    if (mx_fast) MX_TILES[M](hr, (const uint8_t *)wp, sp, I, split, a0, a1);
+                    if (M == 1 && xe) {
+                        if (xe_row != r0) xe_ks = mx_pairs_expand(hr[0], I, xe), xe_row = r0;
+                        mx_panel_row_sums(xe, xe_ks, hr[0], (const uint8_t *)wp, sp, I, a0, a1);
+                    } else if (mx_fast) MX_TILES[M](hr, (const uint8_t *)wp, sp, I, split, a0, a1);
                     else
 #endif
                     if (mx) DOWN[0][M](hr, (const char *)panel, I, split, a0, a1);
@@ -1104,7 +1224,7 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
             }
     }
 done:
-    free(panels);
+    free(panels), free(xe1), free(xe2), free(ks1);
     free(cnt), free(pos), free(sorted), free(active), free(xf), free(h), free(ys);
     return rc;
 }

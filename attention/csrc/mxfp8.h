@@ -132,6 +132,31 @@ static inline __attribute__((always_inline)) MX_AVX2 __m256 mx_placed8(__m256i q
     return _mm256_mul_ps(_mm256_castsi256_ps(bits), f);
 }
 
+/* max |x| over the n entries of x that are not NaN (a NaN stays NaN whatever x is scaled by; taking
+ * it into the max let the entries after it decide the scale alone) */
+static inline float mx_amax(const float *x, int64_t n) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = x[i] < 0.f ? -x[i] : x[i];
+        if (a > amax) amax = a;
+    }
+    return amax;
+}
+
+/* k for placed loops that scale x by 2^k before dotting it with placed elements (element x
+ * 2^-120: their products with x would underflow), for max |x| = amax: 2^k * amax in [2^100,
+ * 2^101), clamped to 0..119 so that the block factors 2^(b - 7 - k) are normal fp32 for
+ * b <= MX_PLACED_MAX_B */
+static inline int mx_placed_shift(float amax) {
+    uint32_t u;
+    memcpy(&u, &amax, 4);
+    const int e = (int)((u >> 23) & 0xFF);
+    if (e == 0xFF) return 0; /* inf / NaN */
+    if (e == 0) return 119;  /* zero or subnormal */
+    const int k = 100 - (e - 127);
+    return k < 0 ? 0 : k > 119 ? 119 : k;
+}
+
 /* the factors 2^(b - 7) of 8 scale bytes, all <= MX_PLACED_MAX_B */
 static inline MX_AVX2 __m256 mx_placed_factors8(const uint8_t *s) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s));

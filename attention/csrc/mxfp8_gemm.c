@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) MX_AVX2 void dot_row_mx(const float
  *
  * The placed elements are tiny (2^-129 .. 2^-111), so their products with x would fall below
  * fp32's normal range: x is scaled by 2^k first (xd, in mx_dword_order's order), k chosen from
- * max |x| (placed_shift) so that the largest |x| * 2^k lies in [2^100, 2^101), and the factor of
+ * max |x| (mx_placed_shift) so that the largest |x| * 2^k lies in [2^100, 2^101), and the factor of
  * scale byte b is 2^(b - 7 - k). Scaling by a power of two is exact, so every product and sum is
  * the one an fp32 dot of x with the dequantized weights makes (the sums in this loop's order),
  * down to terms below 2^-97 of max |x| times the weight, which may round as subnormals (the whole
@@ -181,18 +181,6 @@ static int placed_on = 1; /* mxfp8_set_placed */
  * and 0.78-1.02x at three or four. */
 #define PLACED_MAX_M 4
 int mxfp8_placed_on(void) { return placed_on; }
-
-/* k for placed loops over x rows with max |x| = amax (over the entries that are not NaN): 2^k * amax in
- * [2^100, 2^101), clamped to 0..119 so that 2^(b - 7 - k) is a normal fp32 for b <= MX_PLACED_MAX_B */
-static int placed_shift(float amax) {
-    uint32_t u;
-    memcpy(&u, &amax, 4);
-    const int e = (int)((u >> 23) & 0xFF);
-    if (e == 0xFF) return 0;   /* inf / NaN */
-    if (e == 0) return 119;    /* zero or subnormal */
-    const int k = 100 - (e - 127);
-    return k < 0 ? 0 : k > 119 ? 119 : k;
-}
 
 /* one block's sum of v times x lane for lane (both in one order: dword order for placed elements,
  * element order for mx_dequant_block's), in two chains */
@@ -283,15 +271,9 @@ static int linear_decode(const float *x, const uint8_t *w, const uint8_t *s, con
      * 16-byte alignment ran 3-6 % slower at 4 rows, ad-hoc A/B on three 0.6B shapes) */
     float *xd = fast && placed_on && !invariant ? (float *)aligned_alloc(64, sizeof(float) * (size_t)(M * K)) : NULL;
     if (xd) { /* (without the buffer, the loop below) */
-        /* max |x| over the entries that are not NaN: a NaN stays NaN whatever k is, and taking it
-         * into the max let the entries after it decide k alone (a row of 2^120 next to a row with a
-         * NaN then overflowed to inf and came out NaN) */
-        float amax = 0.f;
-        for (int64_t i = 0; i < M * K; i++) {
-            const float a = x[i] < 0.f ? -x[i] : x[i];
-            if (a > amax) amax = a;
-        }
-        const int k = placed_shift(amax);
+        /* (NaN entries are left out of the max: with them in, a row of 2^120 next to a row with a
+         * NaN overflowed to inf and came out NaN) */
+        const int k = mx_placed_shift(mx_amax(x, M * K));
         float ftab[MX_PLACED_MAX_B + 1];
         for (int b = 0; b <= MX_PLACED_MAX_B; b++) ftab[b] = mx_bits_f32((uint32_t)(b + 120 - k) << 23); /* 2^(b - 7 - k) */
         for (int64_t m = 0; m < M; m++) mx_dword_order(x + m * K, K, mx_bits_f32((uint32_t)(127 + k) << 23), xd + m * K);

@@ -119,6 +119,41 @@ def test_one_row_tile(path: str) -> None:
     assert torch.equal(alone, among[:1])
 
 
+@pytest.mark.parametrize("scale", [2.0**40, 2.0**-100, 0.0, "nan", "inf", "spread"])
+def test_one_row_tile_scales_x(scale) -> None:
+    """The one-row tile sums blocks of placed elements against x (and h) scaled by 2^k, k from the
+    row's max |x| (mxfp8.h, mx_placed_shift): rows far from 1, zero, with a NaN or an inf, and with
+    half the entries 2^-60 below the rest give what the M-row tile gives (fp32 within accumulation
+    rounding; NaN and inf where it has them). The shift itself is checked exactly on the dense
+    loop (test_moe_mxfp8_cpu.py, test_placed_loop_scales_x_exactly), which shares it."""
+    if not native_mx.fast_path_available():
+        pytest.skip("CPU lacks AVX2/FMA/F16C")
+    layer = _layer(torch.float32, E=4)
+    w13, w2 = layer.expert_weights()
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
+    if scale == "nan":
+        x[0, 7] = float("nan")
+    elif scale == "inf":
+        x[0, 9] = float("inf")
+    elif scale == "spread":
+        x[0, :32] *= 2.0**-60  # terms far below the row's max, which alone sets k
+    else:
+        x = x * scale
+    ids, weights = torch.tensor([[0, 1]], dtype=torch.int64), torch.tensor([[0.25, 0.75]])
+    one = _native(x, w13, w2, weights, ids)
+    try:
+        native_mx.set_placed_loops(False)
+        rows = _native(x, w13, w2, weights, ids)
+    finally:
+        native_mx.set_placed_loops(True)
+    assert not torch.equal(one, rows) or scale in (0.0, 2.0**-100, "nan", "inf")  # (another order where finite)
+    finite = rows.isfinite()
+    assert torch.equal(finite, one.isfinite()) and torch.equal(rows.isnan(), one.isnan())
+    assert torch.equal(one[~finite], rows[~finite]) or rows[~finite].isnan().all()
+    torch.testing.assert_close(one[finite], rows[finite], rtol=1e-5, atol=1e-5 * rows[finite].abs().max().item()
+                               if finite.any() else 0.0)
+
+
 def test_layer_forward_takes_it_and_follows_weight_updates() -> None:
     layer = _layer(torch.float32)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
