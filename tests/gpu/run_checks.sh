@@ -10,8 +10,7 @@
 # the cuttle package is linked from the source folders (setup.py maps each folder to cuttle.<folder>).
 # Correctness: the Triton attention / MoE / NSA / top-k kernels compiled for the GPU against their
 # references, and the engine on the GPU against the CPU engine (tests/engine/test_cuda_engine.py),
-# in parallel (compiles are CPU-bound). Timing, alone afterwards: benchmarks/moe.py's GPU tables, then
-# (not in `moe` mode) benchmarks/nsa.py --triton: dense / NSA / top-k decode attention per step.
+# in parallel (compiles are CPU-bound). Timing, alone afterwards: benchmarks/moe.py's GPU tables.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 what="${1:-all}"
@@ -77,11 +76,5 @@ if [ "$what" != correctness ] && [ "$what" != host ]; then
     t0=$SECONDS
     timeout 180 $py benchmarks/moe.py --no-cpu --gpu-batches 1 16 256 4096 --iters 20 2>&1 | tee "$out/moe_bench.md" || status=1
     echo "moe timing: $((SECONDS - t0)) s"
-    if [ "$what" != moe ]; then
-        t0=$SECONDS
-        timeout 150 $py benchmarks/nsa.py --triton --contexts 8192,16384,32768,65536 --batches 1,8 2>&1 \
-            | tee "$out/attention_bench.md" || status=1
-        echo "attention timing: $((SECONDS - t0)) s"
-    fi
 fi
 exit $status
