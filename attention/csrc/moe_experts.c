@@ -990,9 +990,6 @@ static int experts_dot(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H
          * every token (so the combine needs no barrier), expert by expert; with more threads than
          * H / 64 panels the rest wait at the end (H 512: 8 panels, fine on this 2-core target) */
         const int64_t q0 = nq * me / nth, q1 = nq * (me + 1) / nth;
-        float *xe = xe2 ? xe2 + (size_t)me * (size_t)(4 * I) : NULL; /* this thread's expanded h row */
-        int64_t xe_row = -1;
-        int xe_ks = 0;
         for (int64_t ai = 0; ai < nact; ai++) {
             const int64_t e = active[ai];
             for (int64_t q = q0; q < q1; q++) {
