@@ -437,6 +437,27 @@ static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_tile(const fl
     }
 }
 
+/* One row's block kb of a panel on the fp16 route (any scale byte), the block sums scaled by the
+ * features' factors and added to a (features 0-7) and b (8-15): the one-row tiles' blocks whose
+ * scale bytes the placed decode cannot take. */
+static inline __attribute__((always_inline)) MX_AVX2 void mx_panel_block_fp16(const float *r, const uint8_t *wp,
+                                                                              const uint8_t *s, int64_t kb,
+                                                                              __m256 *a, __m256 *b) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k++) {
+        __m256 w0, w1;
+        mx_decode16(wp + k * 16, &w0, &w1);
+        const __m256 xs = _mm256_broadcast_ss(r + k);
+        s0 = _mm256_fmadd_ps(w0, xs, s0);
+        s1 = _mm256_fmadd_ps(w1, xs, s1);
+    }
+    __m256 f0, p0, f1, p1;
+    mx_factors8(s, &f0, &p0);
+    mx_factors8(s + 8, &f1, &p1);
+    *a = _mm256_fmadd_ps(_mm256_mul_ps(s0, p0), f0, *a);
+    *b = _mm256_fmadd_ps(_mm256_mul_ps(s1, p1), f1, *b);
+}
+
 /* M = 1 with `split`: mx_panel_tile's one-row counterpart on mxfp8.h's placed decode: each k's 16
  * elements dequantized with their features' factors 2^(b - 7) and summed into four chains per half
  * (k mod 4), no block sums; a block whose 16 scale bytes are not all <= MX_PLACED_MAX_B takes the
@@ -460,19 +481,7 @@ static MX_AVX2 void mx_panel_row_placed(const float *r, const uint8_t *wp, const
                     b[j] = _mm256_fmadd_ps(mx_placed8(q, hi, f1), xs, b[j]);
                 }
         } else {
-            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-            for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k++) {
-                __m256 w0, w1;
-                mx_decode16(wp + k * 16, &w0, &w1);
-                const __m256 xs = _mm256_broadcast_ss(r + k);
-                s0 = _mm256_fmadd_ps(w0, xs, s0);
-                s1 = _mm256_fmadd_ps(w1, xs, s1);
-            }
-            __m256 f0, p0, f1, p1;
-            mx_factors8(s, &f0, &p0);
-            mx_factors8(s + 8, &f1, &p1);
-            a[0] = _mm256_fmadd_ps(_mm256_mul_ps(s0, p0), f0, a[0]);
-            b[0] = _mm256_fmadd_ps(_mm256_mul_ps(s1, p1), f1, b[0]);
+            mx_panel_block_fp16(r, wp, s, kb, &a[0], &b[0]);
         }
     }
     const __m256 t0 = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
@@ -543,19 +552,7 @@ static MX_AVX2 void mx_panel_row_sums(const float *xe, int ks, const float *r, c
             mx_pair_factors(s, ks, f);
             for (int j = 0; j < 4; j++) tot[j] = _mm256_fmadd_ps(_mm256_add_ps(a[j], c[j]), f[j], tot[j]);
         } else {
-            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-            for (int64_t k = kb * MX_BLOCK; k < (kb + 1) * MX_BLOCK; k++) {
-                __m256 w0, w1;
-                mx_decode16(wp + k * 16, &w0, &w1);
-                const __m256 xs = _mm256_broadcast_ss(r + k);
-                s0 = _mm256_fmadd_ps(w0, xs, s0);
-                s1 = _mm256_fmadd_ps(w1, xs, s1);
-            }
-            __m256 f0, p0, f1, p1;
-            mx_factors8(s, &f0, &p0);
-            mx_factors8(s + 8, &f1, &p1);
-            fa0 = _mm256_fmadd_ps(_mm256_mul_ps(s0, p0), f0, fa0);
-            fa1 = _mm256_fmadd_ps(_mm256_mul_ps(s1, p1), f1, fa1);
+            mx_panel_block_fp16(r, wp, s, kb, &fa0, &fa1);
         }
     }
     /* feature 4 i + j: lane i (even k) + lane i + 4 (odd k) of tot[j] */
