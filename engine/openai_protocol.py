@@ -42,7 +42,7 @@ SAMPLING_FIELDS = frozenset({
 STRUCTURED_FIELDS = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                                "structured_outputs", "response_format"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
-                                       "cache_salt", "documents", "prefix"}
+                                       "cache_salt", "documents", "prefix", "suffix"}
 # The chat template's fields (chat_prompt.py), shared by chat and the messages form of /tokenize.
 TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
 CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
@@ -66,7 +66,7 @@ IGNORED_FIELDS: dict[str, tuple[type, str]] = {
 # Not implemented, but accepted at the value that means "off" (best_of also equal to n).
 OFF_VALUES: dict[str, tuple[Any, str]] = {
     "best_of": (1, "best_of is not supported (use n)"),
-    "suffix": ("", "suffix (insertion) is not supported"),
+    "suffix": ("", "suffix (fill in the middle) is a /v1/completions field"),
     "parallel_tool_calls": (True, ("parallel_tool_calls: false is not supported: cuttle cannot stop the model from "
                                    "emitting several tool calls in one turn")),
     "store": (False, "store: true is not supported: cuttle stores no completions"),

@@ -23,11 +23,12 @@ def parity_prompts() -> list[list[int]]:
 _VOCAB_CHARS = [chr(c) for c in range(33, 127)]
 
 
-def write_tokenizer(path: str, vocab_size: int) -> None:
-    """A word-level tokenizer over printable chars + filler tokens, with ChatML specials."""
+def write_tokenizer(path: str, vocab_size: int, extra_specials: tuple[str, ...] = ()) -> None:
+    """A word-level tokenizer over printable chars + filler tokens, with ChatML specials (and
+    `extra_specials` after them, inside the vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     vocab: dict[str, int] = {}
     for t in specials + _VOCAB_CHARS:
         vocab[t] = len(vocab)

@@ -1,12 +1,14 @@
 """POST /v1/completions: text or token-id prompts (one or a list), `n`, `echo`, `logprobs`,
 `return_token_ids`, streaming, structured output (`response_format`, `guided_*`,
-`structured_outputs`), and squid documents (`documents`, `prefix`; docs/server.md).
+`structured_outputs`), squid documents (`documents`, `prefix`) and fill in the middle (`suffix`,
+in the checkpoint's infilling format: engine/fim.py); docs/server.md.
 
 Owns the completions wire format of a request and of its choices only; admission, waiting,
 streaming, disconnects and usage are `streaming.Serving`'s.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -18,6 +20,7 @@ from cuttle.engine.openai_protocol import (
     is_token_ids, sampling_params, structured_outputs_of,
 )
 from cuttle.engine.generation_config import with_defaults
+from cuttle.engine.fim import FORMATS, FimFormat
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.server.body import read_body
@@ -26,6 +29,8 @@ from cuttle.engine.tokenizer import Tokenizer
 
 
 def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> None:
+    fim = FimFormat.of(tok)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         t0 = time.monotonic()
@@ -44,6 +49,11 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         if prefix is not None and not (isinstance(prefix, str) or is_token_ids(prefix)):
             raise OpenAIError("prefix must be a string or a list of token ids", param="prefix")
         squid = bool(documents) or prefix is not None
+        suffix = get_str(body, "suffix")
+        if suffix:  # "" is no suffix: a plain completion, as OpenAI's null
+            # encoded off the event loop (a text prompt is encoded on the engine thread; a long
+            # one here would stall every other client's stream)
+            prompts = await asyncio.get_running_loop().run_in_executor(None, _fim_prompts, fim, tok, prompts, suffix, echo, squid)
         if squid and echo and lp is not None:
             raise OpenAIError("echo with logprobs needs the prompt's logprobs, which are not computed for prompts with documents",
                               param="documents")
@@ -119,6 +129,22 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
             return ch
 
         return serving.stream(streams, choice, frame, include_usage, t0)
+
+
+def _fim_prompts(fim: FimFormat | None, tok: Tokenizer, prompts: list[str | list[int]], suffix: str, echo: bool,
+                squid: bool) -> list[str | list[int]]:
+    """Each prompt as the prefix of an infilling prompt ending in `suffix`, or a 400 naming the
+    field where the model has no infilling tokens or another field excludes it."""
+    if fim is None:
+        known = "; ".join(f"{name}: {' '.join(t)}" for name, t in FORMATS.items())
+        raise OpenAIError("suffix (fill in the middle) needs a model trained on infilling, whose tokenizer has one of the "
+                          f"infilling token sets ({known}); this model's tokenizer has none", param="suffix")
+    if echo:
+        raise OpenAIError("suffix cannot be combined with echo (the prompt sent is the prefix, not the infilling prompt)",
+                          param="suffix")
+    if squid:
+        raise OpenAIError("suffix cannot be combined with documents or prefix", param="suffix")
+    return [fim.prompt_ids(tok, p, suffix) for p in prompts]
 
 
 def _squid_prompt(query: str | list[int], prefix: Any, documents: list[str | list[int]] | None) -> dict[str, Any]:

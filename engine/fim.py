@@ -1,0 +1,79 @@
+"""Fill in the middle: the prompt a code model trained on infilling reads for "the code between
+this prefix and this suffix" (the OpenAI completions `suffix` field).
+
+Owns which infilling format a checkpoint speaks and how a prefix and a suffix become its prompt
+ids; nothing about sampling (the model writes the middle as any completion, ending at its end of
+sequence token or a stop string). A format is three special tokens in prefix-suffix-middle order
+(PSM), the layout these families were trained on:
+
+- `qwen`: `<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>` (Qwen2.5-Coder, Qwen3-Coder,
+  CodeGemma),
+- `starcoder`: `<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>` (StarCoder / StarCoder2,
+  SantaCoder, Granite Code),
+- `deepseek`: `<｜fim▁begin｜>{prefix}<｜fim▁hole｜>{suffix}<｜fim▁end｜>` (DeepSeek-Coder), after
+  its BOS.
+
+A checkpoint's format is the one whose three tokens are all single tokens of its tokenizer;
+none (the embedded model, a chat model without them, Code Llama's spaced `▁<PRE>` layout,
+Codestral's SPM order) means `suffix` is refused, naming the field: a guessed layout would give
+plausible but untrained text. The ids equal the tokenizer's encoding of the documented template
+string as a whole (added tokens split text before the pre-tokenizer, so the pieces are encoded
+alone), which tests check against `tokenizers` and transformers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cuttle.engine.tokenizer import Tokenizer
+
+# name -> (prefix, suffix, middle) token texts, in the order detection tries them
+FORMATS: dict[str, tuple[str, str, str]] = {
+    "qwen": ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    "starcoder": ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    "deepseek": ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+}
+
+
+@dataclass(frozen=True)
+class FimFormat:
+    """One checkpoint's infilling tokens (ids in its vocabulary)."""
+
+    name: str
+    prefix_id: int
+    suffix_id: int
+    middle_id: int
+
+    @classmethod
+    def of(cls, tok: Tokenizer) -> FimFormat | None:
+        """The format whose three tokens `tok` has, or None."""
+        for name, texts in FORMATS.items():
+            ids = [tok.tok.token_to_id(t) for t in texts]
+            if all(i is not None for i in ids):
+                return cls(name, *ids)
+        return None
+
+    def prompt_ids(self, tok: Tokenizer, prefix: str | list[int], suffix: str) -> list[int]:
+        """The infilling prompt: a text prefix is encoded as a text prompt is (with the
+        tokenizer's BOS where it adds one, ahead of the prefix token); a token-id prefix is
+        taken as given (no BOS added, as for a token-id prompt)."""
+        if isinstance(prefix, str):
+            head = _leading_specials(tok)
+            body = tok.encode(prefix, add_special_tokens=False)
+        else:
+            head, body = [], list(prefix)
+        return [*head, self.prefix_id, *body, self.suffix_id, *tok.encode(suffix, add_special_tokens=False), self.middle_id]
+
+
+def _leading_specials(tok: Tokenizer) -> list[int]:
+    """The ids the tokenizer's post-processor puts before a text (a BOS, for DeepSeek-Coder's;
+    none for Qwen's or StarCoder's): the head of a marker's encoding with special tokens, where
+    the marker alone gives none."""
+    marker = "a"
+    bare = tok.encode(marker, add_special_tokens=False)
+    full = tok.encode(marker, add_special_tokens=True)
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i]
+    return []
