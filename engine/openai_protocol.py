@@ -42,12 +42,13 @@ SAMPLING_FIELDS = frozenset({
 STRUCTURED_FIELDS = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                                "structured_outputs", "response_format"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
-                                       "cache_salt", "documents", "prefix", "suffix"}
+                                       "cache_salt", "documents", "prefix", "suffix",
+                                       "prompt_logprobs"}
 # The chat template's fields (chat_prompt.py), shared by chat and the messages form of /tokenize.
 TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
 CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
     "model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice", "response_format",
-    "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning"}
+    "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning", "prompt_logprobs"}
 # /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize, vLLM's shapes.
 TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = TEMPLATE_FIELDS | {"model", "messages", "tools", "add_special_tokens", "return_token_strs"}
@@ -386,6 +387,34 @@ WIRE_MIN_LOGPROB = -9999.0
 
 def wire_logprob(x: float) -> float:
     return WIRE_MIN_LOGPROB if x < WIRE_MIN_LOGPROB else x
+
+
+def get_prompt_logprobs(body: dict[str, Any], stream: bool, documents: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: each prompt position's logprob and top k (0..20), in the final
+    response only (vLLM's rule: not with streaming), never for squid documents (their KV is
+    reused, not recomputed)."""
+    k = get_int(body, "prompt_logprobs", 0, 20)
+    if k is not None and stream:
+        raise OpenAIError("prompt_logprobs is not available with stream: true (they come in the final response)",
+                          param="prompt_logprobs")
+    if k is not None and documents:
+        raise OpenAIError("prompt_logprobs are not computed for prompts with documents (their KV is reused, not "
+                          "recomputed)", param="prompt_logprobs")
+    return k
+
+
+def top_k_of(lps: dict[int, Logprob], k: int, token: int) -> dict[int, Logprob]:
+    """A position's logprobs cut to its top k and its own token (the engine computed the larger
+    k of two fields that share them: echo's logprobs and prompt_logprobs)."""
+    return {t: lp for t, lp in lps.items() if lp.rank <= k or t == token}
+
+
+def prompt_logprobs_wire(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` on the wire: per prompt token (None for the first), token id ->
+    {logprob, rank, decoded_token} for the token itself and the top k."""
+    return [None if lps is None else {
+        str(t): {"logprob": wire_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for t, lp in top_k_of(lps, k, tok).items()} for tok, lps in zip(token_ids, logprobs)]
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], text_offset0: int = 0) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from cuttle.engine.openai_protocol import (
-    CHAT_FIELDS, OpenAIError, Usage, chat_logprobs, check_tools, get_bool, get_documents, get_int,
-    get_str, get_stream_options, sampling_params, show, structured_outputs_of,
+    CHAT_FIELDS, OpenAIError, Usage, chat_logprobs, check_tools, get_bool, get_documents, get_int, get_prompt_logprobs,
+    get_str, get_stream_options, prompt_logprobs_wire, sampling_params, show, structured_outputs_of,
 )
 from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import RequestOutput
@@ -89,6 +89,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         stream = get_bool(body, "stream")
         include_usage = get_stream_options(body)
         salt = get_str(body, "cache_salt")
+        want_plp = get_prompt_logprobs(body, stream, bool(field_docs or part_docs))
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         # tool calls under their tools' JSON schemas (a forced call always parses; with auto, from <tool_call> on)
         tool_structure = tool_call_structure(parser, choice, forced_name, tools, tok) if use_tools else None
@@ -114,7 +115,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             structured = tool_structure
         defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
         params = sampling_params(with_defaults(body, defaults), "max_completion_tokens", default_max_tokens=None, logprobs=top_n if want_lp else None,
-                                 output_kind=kind, structured_outputs=structured)
+                                 prompt_logprobs=want_plp, output_kind=kind, structured_outputs=structured)
         max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         # required / named tool_choice: the call's opening is written for the model (prefix forcing)
         forced = _forced_prefix(parser, choice, forced_name)
@@ -180,7 +181,10 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                     if want_lp:
                         ch["logprobs"] = {"content": chat_logprobs(tok, c.token_ids, c.logprobs or [], top_n)}
                     choices.append(ch)
-                return frame(choices, usage=usage.to_openai())
+                extra = {}
+                if want_plp is not None:  # vLLM's field, beside the choices (one prompt)
+                    extra["prompt_logprobs"] = prompt_logprobs_wire(out.prompt_token_ids, out.prompt_logprobs or [], want_plp)
+                return frame(choices, usage=usage.to_openai(), **extra)
 
             return await serving.complete(request, [(rid, prompt)], params, salt, fields, respond, t0)
 

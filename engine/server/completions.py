@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from cuttle.engine.openai_protocol import (
-    COMPLETION_FIELDS, OpenAIError, Usage, completion_logprobs, get_bool, get_documents, get_int, get_str, get_stream_options,
-    is_token_ids, sampling_params, structured_outputs_of,
+    COMPLETION_FIELDS, OpenAIError, Usage, completion_logprobs, get_bool, get_documents, get_int, get_prompt_logprobs, get_str,
+    get_stream_options, is_token_ids, prompt_logprobs_wire, sampling_params, structured_outputs_of, top_k_of,
 )
 from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.fim import FORMATS, FimFormat
@@ -49,6 +49,10 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         if prefix is not None and not (isinstance(prefix, str) or is_token_ids(prefix)):
             raise OpenAIError("prefix must be a string or a list of token ids", param="prefix")
         squid = bool(documents) or prefix is not None
+        want_plp = get_prompt_logprobs(body, stream, squid)
+        # the engine computes one top k per prompt position, for both fields that read them
+        echo_plp = lp if echo and lp is not None else None
+        plp = max((k for k in (want_plp, echo_plp) if k is not None), default=None)
         suffix = get_str(body, "suffix")
         if suffix:  # "" is no suffix: a plain completion, as OpenAI's null
             # encoded off the event loop (a text prompt is encoded on the engine thread; a long
@@ -60,7 +64,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         structured, structured_field = structured_outputs_of(body, tok)
         defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
-        params = sampling_params(with_defaults(body, defaults), logprobs=lp, prompt_logprobs=lp if echo and lp is not None else None, output_kind=kind,
+        params = sampling_params(with_defaults(body, defaults), logprobs=lp, prompt_logprobs=plp, output_kind=kind,
                                  structured_outputs=structured)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # every prompt of the request is a query over the same prefix and documents (computed once)
@@ -77,9 +81,10 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
             return echoed[i]
 
         def with_prompt(out: RequestOutput, ids: list[int], lps: list) -> tuple[list[int], list]:
-            """echo + logprobs: the prompt's tokens and logprobs ahead of the sample's"""
-            return (list(out.prompt_token_ids) + ids,
-                    list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps)
+            """echo + logprobs: the prompt's tokens and logprobs (its top `logprobs`) ahead of the sample's"""
+            prompt = list(out.prompt_token_ids)
+            plps = [None if d is None else top_k_of(d, lp, t) for t, d in zip(prompt, out.prompt_logprobs or [None] * len(prompt))]
+            return prompt + ids, plps + lps
 
         def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name,
@@ -105,6 +110,8 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                         if want_ids:
                             ch["prompt_token_ids"], ch["token_ids"] = out.prompt_token_ids, c.token_ids
+                        if want_plp is not None:  # vLLM's field, beside each choice of the prompt
+                            ch["prompt_logprobs"] = prompt_logprobs_wire(out.prompt_token_ids, out.prompt_logprobs or [], want_plp)
                         choices.append(ch)
                 return frame(choices, usage=usage.to_openai())
 

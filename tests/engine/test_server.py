@@ -225,7 +225,7 @@ def test_requests_that_finish_queue_no_abort(live, client, monkeypatch):
         ("store", True), ("reasoning_effort", "low"), ("no_such_field", 1)]],
     *[("/v1/completions", f, v) for f, v in [
         ("guided_json", {"type": "object"}), ("guided_choice", ["a"]), ("suffix", "tail"), ("logit_bias", {"5": 101}),
-        ("best_of", 3), ("prompt_logprobs", 2), ("use_beam_search", True), ("no_such_field", 1)]],
+        ("best_of", 3), ("priority", 1), ("use_beam_search", True), ("no_such_field", 1)]],
 ])
 def test_unimplemented_fields_are_refused_naming_them(live, path, field, value):
     body = {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}

@@ -293,6 +293,7 @@ COMPLETION_BAD = {
     "logprobs": [-1, 21, 1.5, True, "2", NAN],
     "return_token_ids": ["x", 1],
     "suffix": ["x", 5],
+    "prompt_logprobs": [-1, 21, "x", 1.5, True, NAN],
     **{k: ["x", {"a": 1}] for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                                     "guided_whitespace_pattern", "structured_outputs", "bogus_field")},
 }
@@ -318,6 +319,7 @@ CHAT_BAD = {
     "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}, "text", 5],
     "logprobs": ["yes", 1],
     "top_logprobs": [21, -1, "x", 2],  # 2 without logprobs: true
+    "prompt_logprobs": [-1, 21, "x", 1.5, True],
     "echo": ["x", 1],
     "include_reasoning": ["x", 1],
     "add_generation_prompt": ["x", 1],

@@ -1,0 +1,88 @@
+"""vLLM's `prompt_logprobs` on /v1/completions (per choice) and chat (beside the choices): each
+prompt position's logprob against transformers, the top k equal to the offline engine's, the
+shared computation with echo's logprobs cut to each field's k, a prefix-cache hit giving the same
+list, and the refusals (streaming, documents, out of range)."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server_fixture import LiveServer
+
+
+@pytest.fixture(scope="module")
+def live(qwen3_path):
+    with LiveServer(qwen3_path, dtype="float32", num_kv_blocks=128, max_model_len=256) as srv:
+        yield srv
+
+
+def post(live, path: str, body: dict) -> httpx.Response:
+    return httpx.post(live.url + path, json={"model": "test-model", **body}, timeout=60)
+
+
+def test_completion_prompt_logprobs_match_transformers_and_the_offline_engine(live, checkpoints, qwen3_path):
+    from cuttle.engine import LLM, SamplingParams
+
+    ck = checkpoints["qwen3"]
+    prompt, hf_plps = ck["prompts"][4], ck["prompt_logprobs"][4]  # 31 tokens
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    r = post(live, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        own = got[i][str(prompt[i])]
+        assert abs(own["logprob"] - hf_plps[i - 1]) <= 1e-4, i
+        ranks = sorted(e["rank"] for e in got[i].values())
+        assert ranks[:2] == [1, 2] and len(got[i]) <= 3 and all(isinstance(e["decoded_token"], str) for e in got[i].values())
+    ref = LLM(qwen3_path, dtype="float32", num_kv_blocks=64).generate(
+        [prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2), use_tqdm=False)[0]
+    want = [None] + [{str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in d.items()}
+                     for d in ref.prompt_logprobs[1:]]
+    assert got == want
+    # the same prompt again is a prefix-cache hit: the list is recomputed, not cut short
+    assert post(live, "/v1/completions", body).json()["choices"][0]["prompt_logprobs"] == got
+    # k = 0: the prompt token alone
+    zero = post(live, "/v1/completions", {**body, "prompt_logprobs": 0}).json()["choices"][0]["prompt_logprobs"]
+    assert all(list(d) == [str(prompt[i])] for i, d in enumerate(zero) if d is not None)
+
+
+@pytest.mark.parametrize("lp,plp", [(1, 3), (3, 1)])
+def test_echo_logprobs_and_prompt_logprobs_keep_their_own_k(live, checkpoints, lp, plp):
+    prompt = checkpoints["qwen3"]["prompts"][2]
+    r = post(live, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": lp,
+                                       "prompt_logprobs": plp, "n": 2})
+    assert r.status_code == 200, r.text
+    for ch in r.json()["choices"]:
+        tops = ch["logprobs"]["top_logprobs"][1:len(prompt)]  # echo: the prompt's, cut to `logprobs`
+        assert all(lp <= len(t) <= lp + 1 for t in tops)
+        plps = ch["prompt_logprobs"][1:]
+        assert all(plp <= len(d) <= plp + 1 for d in plps) and len(plps) == len(prompt) - 1
+        assert all(e["rank"] <= plp or tok == str(prompt[i + 1]) for i, d in enumerate(plps) for tok, e in d.items())
+
+
+def test_chat_prompt_logprobs_beside_the_choices(live):
+    r = post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 2,
+                                            "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    plps = out["prompt_logprobs"]
+    assert len(plps) == out["usage"]["prompt_tokens"] and plps[0] is None and all(1 <= len(d) <= 2 for d in plps[1:])
+    assert "prompt_logprobs" not in post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                                                        "max_tokens": 1}).json()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("extra,says", [
+    ({"prompt_logprobs": 1, "stream": True}, "stream"),
+    ({"prompt_logprobs": 1, "documents": ["a b"]}, "documents"),
+    ({"prompt_logprobs": 21}, "[0, 20]"),
+    ({"prompt_logprobs": -1}, "[0, 20]"),
+    ({"prompt_logprobs": "2"}, "[0, 20]"),
+])
+def test_refusals_name_the_field(live, path, extra, says):
+    body = {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}
+    r = post(live, path, {**body, "max_tokens": 1, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt_logprobs" and says in err["message"]
