@@ -170,7 +170,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     try:
         app = create_app(aeng, name, args.api_key, args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                          chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                         enable_auto_tool_choice=args.enable_auto_tool_choice)
+                         enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     except ValueError as e:
         aeng.shutdown()
         _refuse("serve", str(e))
@@ -270,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                    help="tool_choice 'auto' parses the model's tool calls (default: on; vLLM needs this flag for it, cuttle "
                         "accepts it so vLLM command lines work; --no-enable-auto-tool-choice refuses 'auto' with a 400)")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:N' instead of their text (vLLM's flag; the request field "
+                        "return_tokens_as_token_ids overrides it per request)")
     s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split <think>...</think> out of chat replies as reasoning_content (default: none)")
     s.add_argument("--chat-template", default=None,

@@ -43,12 +43,13 @@ STRUCTURED_FIELDS = frozenset({"guided_json", "guided_regex", "guided_choice", "
                                "structured_outputs", "response_format"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
                                        "cache_salt", "documents", "prefix", "suffix",
-                                       "prompt_logprobs"}
+                                       "prompt_logprobs", "return_tokens_as_token_ids"}
 # The chat template's fields (chat_prompt.py), shared by chat and the messages form of /tokenize.
 TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
 CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
     "model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice", "response_format",
-    "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning", "prompt_logprobs"}
+    "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning", "prompt_logprobs",
+    "return_tokens_as_token_ids"}
 # /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize, vLLM's shapes.
 TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = TEMPLATE_FIELDS | {"model", "messages", "tools", "add_special_tokens", "return_token_strs"}
@@ -417,13 +418,22 @@ def prompt_logprobs_wire(token_ids: list[int], logprobs: list[dict[int, Logprob]
         for t, lp in top_k_of(lps, k, tok).items()} for tok, lps in zip(token_ids, logprobs)]
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], text_offset0: int = 0) -> dict[str, Any]:
-    """Legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset."""
+def token_label(tokenizer, token_id: int, as_ids: bool) -> str:
+    """How a token is named in a logprobs object: its text, or vLLM's `token_id:N` under
+    `return_tokens_as_token_ids` (a client then reads ids without re-tokenizing, and two ids with
+    the same text stay two entries)."""
+    return f"token_id:{token_id}" if as_ids else tokenizer.token_text(token_id)
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], text_offset0: int = 0,
+                        as_ids: bool = False) -> dict[str, Any]:
+    """Legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset
+    (offsets count the tokens' text, also when they are named by id)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset0
     for tok, lps in zip(token_ids, logprobs):
         piece = tokenizer.token_text(tok)
-        tokens.append(piece)
+        tokens.append(token_label(tokenizer, tok, as_ids))
         offsets.append(offset)
         offset += len(piece)
         if lps is None:
@@ -431,18 +441,21 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int
             tops.append(None)
             continue
         token_lps.append(wire_logprob(lps[tok].logprob) if tok in lps else None)
-        tops.append({tokenizer.token_text(t): wire_logprob(lp.logprob) for t, lp in lps.items()})
+        tops.append({token_label(tokenizer, t, as_ids): wire_logprob(lp.logprob) for t, lp in lps.items()})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> list[dict[str, Any]]:
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int,
+                  as_ids: bool = False) -> list[dict[str, Any]]:
+    """Chat `logprobs.content`; `bytes` are the token's text's UTF-8 bytes, also when `token`
+    names it by id."""
     out = []
     for tok, lps in zip(token_ids, logprobs):
-        piece = tokenizer.token_text(tok)
         ranked = sorted(lps.items(), key=lambda kv: kv[1].rank)[:top_n]
         out.append({
-            "token": piece, "logprob": wire_logprob(lps[tok].logprob), "bytes": list(piece.encode()),
-            "top_logprobs": [{"token": (p := tokenizer.token_text(t)), "logprob": wire_logprob(lp.logprob),
-                              "bytes": list(p.encode())} for t, lp in ranked],
+            "token": token_label(tokenizer, tok, as_ids), "logprob": wire_logprob(lps[tok].logprob),
+            "bytes": list(tokenizer.token_text(tok).encode()),
+            "top_logprobs": [{"token": token_label(tokenizer, t, as_ids), "logprob": wire_logprob(lp.logprob),
+                              "bytes": list(tokenizer.token_text(t).encode())} for t, lp in ranked],
         })
     return out

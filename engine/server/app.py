@@ -51,7 +51,8 @@ class _Auth:
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, reasoning_parser: str | None = None, chat_template: str | None = None,
-               trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = True) -> FastAPI:
+               trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = True,
+               return_tokens_as_token_ids: bool = False) -> FastAPI:
     """`chat_template`: the template's text (`chat_prompt.load_chat_template` reads the CLI's
     path-or-inline argument), used instead of the checkpoint's."""
     llm = engine.engine
@@ -65,7 +66,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         tok.compile_template(chat_template)  # a template that does not compile fails the start, not every request
     chat_opts = ChatOptions(parser, reasoning_parser, chat_template, trust_request_chat_template, enable_auto_tool_choice)
     metrics = ServerMetrics(model_name)
-    serving = Serving(engine, model_name, metrics, max_body_bytes)
+    serving = Serving(engine, model_name, metrics, max_body_bytes, return_tokens_as_token_ids=return_tokens_as_token_ids)
     app = FastAPI(title="cuttle", version="0.1.0")
     app.state.engine = engine
 

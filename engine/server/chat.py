@@ -85,6 +85,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         if top_n and not want_lp:
             raise OpenAIError("top_logprobs requires logprobs: true", param="top_logprobs")
         echo = get_bool(body, "echo")
+        as_ids = serving.tokens_as_ids(body)
         include_reasoning = get_bool(body, "include_reasoning", True)
         stream = get_bool(body, "stream")
         include_usage = get_stream_options(body)
@@ -179,7 +180,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                     ch = {"index": c.index, "message": msg, "logprobs": None,
                           "finish_reason": "tool_calls" if called else c.finish_reason}
                     if want_lp:
-                        ch["logprobs"] = {"content": chat_logprobs(tok, c.token_ids, c.logprobs or [], top_n)}
+                        ch["logprobs"] = {"content": chat_logprobs(tok, c.token_ids, c.logprobs or [], top_n, as_ids=as_ids)}
                     choices.append(ch)
                 extra = {}
                 if want_plp is not None:  # vLLM's field, beside the choices (one prompt)
@@ -239,7 +240,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                 return None
             ch = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
             if want_lp and held_ids[i]:
-                ch["logprobs"] = {"content": chat_logprobs(tok, held_ids[i], held_lps[i], top_n)}
+                ch["logprobs"] = {"content": chat_logprobs(tok, held_ids[i], held_lps[i], top_n, as_ids=as_ids)}
             held_ids[i], held_lps[i] = [], []
             return ch
 

@@ -43,6 +43,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         stream = get_bool(body, "stream")
         include_usage = get_stream_options(body)
         want_ids = get_bool(body, "return_token_ids")
+        as_ids = serving.tokens_as_ids(body)
         salt = get_str(body, "cache_salt")
         documents = get_documents(body)
         prefix = body.get("prefix")
@@ -97,7 +98,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                 ids, lps = list(c.token_ids), list(c.logprobs or [])
                 if echo:
                     ids, lps = with_prompt(out, ids, lps)
-                return completion_logprobs(tok, ids, lps)
+                return completion_logprobs(tok, ids, lps, as_ids=as_ids)
 
             def respond(finals: list[RequestOutput]) -> dict[str, Any]:
                 usage = Usage()
@@ -130,7 +131,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                 ids, lps = list(c.token_ids), list(c.logprobs or [])
                 if echo and d.first:  # the prompt's logprobs go with its echo, in the first chunk
                     ids, lps = with_prompt(d.out, ids, lps)
-                ch["logprobs"] = completion_logprobs(tok, ids, lps)
+                ch["logprobs"] = completion_logprobs(tok, ids, lps, as_ids=as_ids)
             if want_ids:
                 ch["token_ids"] = c.token_ids
             return ch

@@ -32,7 +32,7 @@ from fastapi.responses import StreamingResponse
 
 from cuttle.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from cuttle.engine.metrics import ServerMetrics
-from cuttle.engine.openai_protocol import OpenAIError, Usage
+from cuttle.engine.openai_protocol import OpenAIError, Usage, get_bool
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
 from cuttle.engine.sampling_params import SamplingParams
 
@@ -85,9 +85,14 @@ class Serving:
     """The engine, the model name and the metrics, with the request lifecycle every route uses."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None, max_body_bytes: int,
-                 on_disconnect: Callable[[], None] | None = None):
+                 on_disconnect: Callable[[], None] | None = None, return_tokens_as_token_ids: bool = False):
         self.engine, self.model_name, self.metrics, self.max_body_bytes = engine, model_name, metrics, max_body_bytes
         self._on_disconnect = on_disconnect
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the server's default for the request field
+
+    def tokens_as_ids(self, body: dict[str, Any]) -> bool:
+        """Whether this request's logprobs name tokens `token_id:N` (its field, else the server's default)."""
+        return get_bool(body, "return_tokens_as_token_ids", self.return_tokens_as_token_ids)
 
     def disconnected(self) -> None:
         if self.metrics is not None:

@@ -294,6 +294,7 @@ COMPLETION_BAD = {
     "return_token_ids": ["x", 1],
     "suffix": ["x", 5],
     "prompt_logprobs": [-1, 21, "x", 1.5, True, NAN],
+    "return_tokens_as_token_ids": ["x", 1],
     **{k: ["x", {"a": 1}] for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                                     "guided_whitespace_pattern", "structured_outputs", "bogus_field")},
 }
@@ -320,6 +321,7 @@ CHAT_BAD = {
     "logprobs": ["yes", 1],
     "top_logprobs": [21, -1, "x", 2],  # 2 without logprobs: true
     "prompt_logprobs": [-1, 21, "x", 1.5, True],
+    "return_tokens_as_token_ids": ["x", 1],
     "echo": ["x", 1],
     "include_reasoning": ["x", 1],
     "add_generation_prompt": ["x", 1],

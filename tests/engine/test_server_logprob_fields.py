@@ -1,8 +1,11 @@
-"""vLLM's `prompt_logprobs` on /v1/completions (per choice) and chat (beside the choices): each
-prompt position's logprob against transformers, the top k equal to the offline engine's, the
-shared computation with echo's logprobs cut to each field's k, a prefix-cache hit giving the same
-list, and the refusals (streaming, documents, out of range)."""
+"""vLLM's logprob fields on the server. `prompt_logprobs` on /v1/completions (per choice) and
+chat (beside the choices): each prompt position's logprob against transformers, the top k equal to
+the offline engine's, the shared computation with echo's logprobs cut to each field's k, a
+prefix-cache hit giving the same list, and the refusals (streaming, documents, out of range).
+`return_tokens_as_token_ids` (request field and server default): tokens named `token_id:N`."""
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -86,3 +89,49 @@ def test_refusals_name_the_field(live, path, extra, says):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "prompt_logprobs" and says in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids(live, stream):
+    """vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:N` (completions'
+    tokens and top_logprobs keys, chat's token fields), the same logprobs as by text."""
+    def completion(as_ids):
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": True, "stream": stream,
+                "return_token_ids": True, **({"return_tokens_as_token_ids": as_ids} if as_ids is not None else {})}
+        r = post(live, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["choices"][0]
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        ids: list[int] = []
+        for c in chunks:
+            for ch in c["choices"]:
+                ids += ch.get("token_ids") or []
+                for k in lp:
+                    lp[k] += (ch["logprobs"] or {}).get(k) or []
+        return {"token_ids": ids, "logprobs": lp}
+
+    by_id, by_text, default = completion(True), completion(False), completion(None)
+    assert default["logprobs"]["tokens"] == by_text["logprobs"]["tokens"]  # the server's default: text
+    assert by_id["logprobs"]["tokens"] == [f"token_id:{t}" for t in by_id["token_ids"]]
+    assert by_id["logprobs"]["token_logprobs"] == by_text["logprobs"]["token_logprobs"]
+    for tops in by_id["logprobs"]["top_logprobs"]:
+        assert tops and all(k.startswith("token_id:") and int(k[9:]) >= 0 for k in tops)
+    chat = post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 3, "logprobs": True,
+                                               "top_logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(e["token"].startswith("token_id:") for e in content)
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+    r = post(live, "/v1/completions", {"prompt": "a", "max_tokens": 1, "return_tokens_as_token_ids": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_tokens_as_token_ids"
+
+
+def test_server_default_token_ids(qwen3_path):
+    with LiveServer(qwen3_path, dtype="float32", num_kv_blocks=32, max_model_len=64,
+                    app_kw={"return_tokens_as_token_ids": True}) as srv:
+        r = post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "logprobs": 0, "return_token_ids": True})
+        ch = r.json()["choices"][0]
+        assert ch["logprobs"]["tokens"] == [f"token_id:{t}" for t in ch["token_ids"]]
+        off = post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "logprobs": 0, "return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in off.json()["choices"][0]["logprobs"]["tokens"])
