@@ -65,8 +65,14 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         structured, structured_field = structured_outputs_of(body, tok)
         defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
-        params = sampling_params(with_defaults(body, defaults), logprobs=lp, prompt_logprobs=plp, output_kind=kind,
-                                 structured_outputs=structured)
+        # vLLM's scoring idiom: echo with max_tokens 0 answers the prompt (and its logprobs) alone;
+        # the engine samples one token, which is dropped (usage counts it, as vLLM's does)
+        score_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+        if not echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0:
+            raise OpenAIError("max_tokens 0 scores the prompt without generating: it needs echo: true (and logprobs for the "
+                              "scores)", param="max_tokens")
+        params = sampling_params(with_defaults({**body, "max_tokens": 1} if score_only else body, defaults), logprobs=lp,
+                                 prompt_logprobs=plp, output_kind=kind, structured_outputs=structured)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # every prompt of the request is a query over the same prefix and documents (computed once)
         items: list[tuple[str, Prompt]] = [
@@ -95,7 +101,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
             def choice_logprobs(out: RequestOutput, c: CompletionOutput) -> dict[str, Any] | None:
                 if lp is None:
                     return None
-                ids, lps = list(c.token_ids), list(c.logprobs or [])
+                ids, lps = ([], []) if score_only else (list(c.token_ids), list(c.logprobs or []))
                 if echo:
                     ids, lps = with_prompt(out, ids, lps)
                 return completion_logprobs(tok, ids, lps, as_ids=as_ids)
@@ -107,10 +113,11 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                     usage.add_prompt(out)
                     usage.add_completion(out)
                     for c in out.outputs:
-                        ch = {"index": i * params.n + c.index, "text": echo_of(i, out) + c.text, "logprobs": choice_logprobs(out, c),
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        ch = {"index": i * params.n + c.index, "text": echo_of(i, out) + ("" if score_only else c.text),
+                              "logprobs": choice_logprobs(out, c), "finish_reason": "length" if score_only else c.finish_reason,
+                              "stop_reason": None if score_only else c.stop_reason}
                         if want_ids:
-                            ch["prompt_token_ids"], ch["token_ids"] = out.prompt_token_ids, c.token_ids
+                            ch["prompt_token_ids"], ch["token_ids"] = out.prompt_token_ids, [] if score_only else c.token_ids
                         if want_plp is not None:  # vLLM's field, beside each choice of the prompt
                             ch["prompt_logprobs"] = prompt_logprobs_wire(out.prompt_token_ids, out.prompt_logprobs or [], want_plp)
                         choices.append(ch)
@@ -121,15 +128,19 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         streams = await serving.open(request, items, params, salt, fields)
 
         def choice(d: Delta) -> dict[str, Any] | None:
-            c = d.sample
-            text = echo_of(d.prompt, d.out) + c.text if d.first else c.text
+            c, first = d.sample, d.first
+            if score_only:  # the echo and the end, at the sample's end, without the one token sampled
+                if c.finish_reason is None:
+                    return None
+                c, first = CompletionOutput(c.index, "", [], None, [] if c.logprobs is not None else None, "length"), True
+            text = echo_of(d.prompt, d.out) + c.text if first else c.text
             if not text and c.finish_reason is None and not c.token_ids:
                 return None
             ch = {"index": d.prompt * params.n + c.index, "text": text, "logprobs": None,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if lp is not None:
                 ids, lps = list(c.token_ids), list(c.logprobs or [])
-                if echo and d.first:  # the prompt's logprobs go with its echo, in the first chunk
+                if echo and first:  # the prompt's logprobs go with its echo, in the first chunk
                     ids, lps = with_prompt(d.out, ids, lps)
                 ch["logprobs"] = completion_logprobs(tok, ids, lps, as_ids=as_ids)
             if want_ids:

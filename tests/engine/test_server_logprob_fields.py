@@ -135,3 +135,40 @@ def test_server_default_token_ids(qwen3_path):
         assert ch["logprobs"]["tokens"] == [f"token_id:{t}" for t in ch["token_ids"]]
         off = post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "logprobs": 0, "return_tokens_as_token_ids": False})
         assert not any(t.startswith("token_id:") for t in off.json()["choices"][0]["logprobs"]["tokens"])
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(live, checkpoints):
+    """vLLM's scoring idiom (`echo`, `logprobs`, `max_tokens: 0`): the prompt and its logprobs
+    alone, streamed or not; without echo, max_tokens 0 is refused naming the field."""
+    ck = checkpoints["qwen3"]
+    prompt, hf_plps = ck["prompts"][3], ck["prompt_logprobs"][3]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "return_token_ids": True, "n": 2, "temperature": 1.0}
+    r = post(live, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    text = _decode(live, prompt)
+    assert len(out["choices"]) == 2
+    for ch in out["choices"]:
+        assert ch["text"] == text and ch["finish_reason"] == "length" and ch["token_ids"] == []
+        lp = ch["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None
+        assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], hf_plps)) <= 1e-4
+    assert out["usage"]["prompt_tokens"] == len(prompt) and out["usage"]["completion_tokens"] == 2  # one dropped token each
+    s = post(live, "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in s.text.splitlines() if line.startswith("data: {")]
+    got: dict[int, dict] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            g = got.setdefault(ch["index"], {"text": "", "token_logprobs": [], "finish": None})
+            g["text"] += ch["text"]
+            g["token_logprobs"] += (ch["logprobs"] or {}).get("token_logprobs") or []
+            g["finish"] = ch["finish_reason"] or g["finish"]
+    assert sorted(got) == [0, 1]
+    for g in got.values():
+        assert g == {"text": text, "token_logprobs": out["choices"][0]["logprobs"]["token_logprobs"], "finish": "length"}
+    bad = post(live, "/v1/completions", {"prompt": prompt, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens" and "echo" in bad.json()["error"]["message"]
+
+
+def _decode(live, ids: list[int]) -> str:
+    return live.llm.get_tokenizer().decode(ids, False)
