@@ -195,7 +195,8 @@ class AsyncEngine:
 
     # ---- the API ---------------------------------------------------------------------------
     async def add(
-        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Admit a request and return its stream of outputs once the engine has accepted it
         (raises what `add_request` raised, or QueueFullError). `prompt` is anything `add_request`
@@ -206,7 +207,7 @@ class AsyncEngine:
         per_step = params.output_kind != RequestOutputKind.FINAL_ONLY
         await self._compile_grammar(params)
         return await self._admit(request_id, lambda: self.engine.add_request(request_id, prompt, params, stream=per_step,
-                                                                            cache_salt=cache_salt))
+                                                                            cache_salt=cache_salt, priority=priority))
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar on a worker thread before it is admitted: a schema can

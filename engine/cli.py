@@ -31,6 +31,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     g.add_argument("--max-num-seqs", type=int, help="sequences running at once (a request's n samples count n)")
     g.add_argument("--max-model-len", type=int)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                   help="fcfs (default): arrival order; priority: by each request's priority, lower first (vLLM's)")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV of shared prompt prefixes (default: on)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
@@ -79,7 +81,7 @@ _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                    "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb", "kv_read_in_place",
                    "sparse_attention")
 _ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "cpu_graph_max_batch", "cpu_graph_hot_batches",
-                   "generation_config", "batch_invariant", "speculative_config")
+                   "generation_config", "batch_invariant", "speculative_config", "scheduling_policy")
 
 
 def _json_dict(text: str) -> dict:

@@ -34,6 +34,7 @@ MODEL_TYPES = {
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 MOE_QUANT_MODES = ("mxfp8",)
+SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (vLLM's --scheduling-policy)
 QUANTIZATION_MODES = ("mxfp8",)  # EngineConfig.quantization (vLLM's --quantization): every linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -326,6 +327,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 4.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    # "fcfs": requests in arrival order; "priority": by each request's priority (lower first,
+    # vLLM's order), then arrival; preemption takes the last of that order (engine/scheduler.py)
+    scheduling_policy: str = "fcfs"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -409,6 +413,8 @@ class EngineConfig:
                              f"got {self.cpu_graph_hot_batches!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.logprobs_mode not in ("processed", "raw"):

@@ -110,7 +110,9 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
+        """`priority` (vLLM's): one per prompt, under scheduling_policy "priority" (lower first)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text, token ids, or a dict with documents)
         prompts = [_vllm_prompt(p, i) for i, p in enumerate(prompts)]
@@ -119,7 +121,10 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
-        return self._run(prompts, params, use_tqdm)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        return self._run(prompts, params, use_tqdm, priorities)
 
     def chat(
         self,
@@ -191,11 +196,13 @@ class LLM:
                 by_session[sid] = dataclasses.replace(out, outputs=[out.outputs[i]])
         return [by_session[sid] for sid in sids]
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+             priorities: list[int] | None = None) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        return self._drive([(rid, lambda rid=rid, pr=pr, p=p: engine.add_request(rid, pr, p)) for rid, pr, p in zip(ids, prompts, params)],
-                           use_tqdm)
+        prios = priorities or [0] * len(prompts)
+        return self._drive([(rid, lambda rid=rid, pr=pr, p=p, q=q: engine.add_request(rid, pr, p, priority=q))
+                            for rid, pr, p, q in zip(ids, prompts, params, prios)], use_tqdm)
 
     def _drive(self, adds: list[tuple[str, Any]], use_tqdm: bool) -> list[RequestOutput]:
         """Add every request (all or nothing), step until all finish; outputs in the order given."""

@@ -96,7 +96,8 @@ class LLMEngine:
             raise ValueError("speculative_config is not supported with sparse attention (an NSA model or sparse_attention): "
                              "rejected drafts would enter the blocks' compressed entries")
         proposer = Proposer(spec, min(max_len, num_blocks * bs)) if spec is not None else None
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid, proposer)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid, proposer,
+                                   config.scheduling_policy)
         self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -181,9 +182,17 @@ class LLMEngine:
         params: SamplingParams,
         stream: bool = False,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
+        """`priority`: under scheduling_policy "priority", lower values are scheduled first (and
+        preempted last); any other value than 0 is refused under "fcfs"."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be an integer in [-2**63, 2**63 - 1], got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs the priority scheduling policy (scheduling_policy='priority', "
+                             "--scheduling-policy priority); this engine schedules first come, first served")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         if params.n > self.config.max_num_seqs:
@@ -245,7 +254,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         extra = self.weight_version.to_bytes(8, "little") + (cache_salt or "").encode()
         req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed, max_tokens=max_tokens,
-                      stream=stream, weight_version=self.weight_version, layout=layout)
+                      stream=stream, weight_version=self.weight_version, layout=layout, priority=priority)
         if layout is not None:
             req.prefix_cache_key = extra + self.squid.query_key(req)
             req.full_prompt_token_ids = layout.flat_tokens(ids)

@@ -43,13 +43,13 @@ STRUCTURED_FIELDS = frozenset({"guided_json", "guided_regex", "guided_choice", "
                                "structured_outputs", "response_format"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
                                        "cache_salt", "documents", "prefix", "suffix",
-                                       "prompt_logprobs", "return_tokens_as_token_ids"}
+                                       "prompt_logprobs", "return_tokens_as_token_ids", "priority"}
 # The chat template's fields (chat_prompt.py), shared by chat and the messages form of /tokenize.
 TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
 CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
     "model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice", "response_format",
     "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning", "prompt_logprobs",
-    "return_tokens_as_token_ids"}
+    "return_tokens_as_token_ids", "priority"}
 # /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize, vLLM's shapes.
 TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = TEMPLATE_FIELDS | {"model", "messages", "tools", "add_special_tokens", "return_token_strs"}
@@ -388,6 +388,15 @@ WIRE_MIN_LOGPROB = -9999.0
 
 def wire_logprob(x: float) -> float:
     return WIRE_MIN_LOGPROB if x < WIRE_MIN_LOGPROB else x
+
+
+def get_priority(body: dict[str, Any], policy: str) -> int:
+    """vLLM's `priority` (lower is scheduled first), refused unless the server schedules by it."""
+    p = get_int(body, "priority", -(2**63), 2**63 - 1, 0)
+    if p != 0 and policy != "priority":
+        raise OpenAIError(f"priority {p} needs a server started with --scheduling-policy priority (this one schedules first "
+                          "come, first served)", param="priority")
+    return p
 
 
 def get_prompt_logprobs(body: dict[str, Any], stream: bool, documents: bool) -> int | None:

@@ -6,7 +6,12 @@ takes a chunk of what is left), then waiting
 sequences are admitted while blocks and the budget last, so prefill chunks and decodes share a
 step. When a decode cannot get a block, the most recently admitted running sequence is preempted:
 its blocks are freed and it returns to the front of the queue to be recomputed later (its tokens
-and its sampling state are kept, so the results do not change). With KV tiers, a preempted
+and its sampling state are kept, so the results do not change). Under the "priority" policy
+(vLLM's `--scheduling-policy priority`) the queue is kept in (priority, arrival) order, lower
+priority values first, a preempted sequence goes back to its place in that order, and the victim
+is the last in that order among all running sequences (one scheduled earlier in the step gives
+its tokens back);
+squid's document jobs and the queries whose documents just arrived still go to the front. With KV tiers, a preempted
 sequence may first keep its partial block in a host swap slot, and an admitted sequence whose
 prefix hits lie in a lower tier is *loading*: it holds its blocks and seats but is not scheduled
 until its copy is done, while the others keep stepping; a squid document job found in a lower
@@ -38,6 +43,11 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _order(seq: Sequence) -> tuple[int, float]:
+    """A sequence's place under the priority policy: its request's priority (lower first), then arrival."""
+    return seq.request.priority, seq.request.arrival_time
+
+
 def _seats(seq: Sequence) -> int:
     req = seq.request
     return 1 if req.forked else req.sampling_params.n
@@ -45,8 +55,9 @@ def _seats(seq: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, squid: Squid | None = None,
-                 spec: Proposer | None = None):
+                 spec: Proposer | None = None, policy: str = "fcfs"):
         self.block_manager = block_manager
+        self.by_priority = policy == "priority"
         self.squid = squid  # admits sequences with documents (engine/squid.py)
         self.spec = spec  # speculative decoding's drafts (engine/spec_decode.py), or None
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -59,7 +70,19 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._enqueue_in_order(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _enqueue_in_order(self, seq: Sequence) -> None:
+        """Into the waiting queue after every sequence that goes before it; searched from the back,
+        where a request of the common priority stops at once."""
+        key = _order(seq)
+        i = len(self.waiting)
+        while i > 0 and _order(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def schedule(self) -> SchedulerOutput:
         bm = self.block_manager
@@ -96,11 +119,17 @@ class Scheduler:
             seq = running.pop(0)
             if seq.num_uncomputed_tokens == 1:  # decode (or the last prompt token)
                 while not bm.can_append(seq):
-                    if running:
-                        self._preempt(running.pop(), out)
-                    else:
+                    victim = self._victim(seq, running, kept)
+                    if victim is seq:
                         self._preempt(seq, out)
                         break
+                    if victim in kept:  # scheduled earlier this step (priority): its tokens and budget come back
+                        kept.remove(victim)
+                        i = next(i for i, (s_, _) in enumerate(out.scheduled) if s_ is victim)
+                        budget += out.scheduled.pop(i)[1]
+                    else:
+                        running.remove(victim)
+                    self._preempt(victim, out)
                 if seq.status != SequenceStatus.RUNNING:
                     continue
                 bm.append_slot(seq)
@@ -177,6 +206,15 @@ class Scheduler:
                 released = True
         return released
 
+    def _victim(self, seq: Sequence, rest: list[Sequence], scheduled: list[Sequence]) -> Sequence:
+        """Whom to preempt so that `seq` gets a block: under fcfs the most recently admitted of the
+        sequences not scheduled yet this step (`rest`), else `seq` itself; under priority the last
+        in priority order of every running sequence, those already scheduled this step included
+        (vLLM's rule: a low-priority decode never holds a block a higher one needs)."""
+        if self.by_priority:
+            return max([*scheduled, *rest, seq], key=_order)
+        return rest[-1] if rest else seq
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.draft = []
         self.block_manager.swap_out(seq)
@@ -185,7 +223,10 @@ class Scheduler:
         plp = seq.request.prompt_logprobs
         if plp is not None and seq.index == 0 and len(plp) < seq.num_prompt_tokens:
             seq.request.prompt_logprobs = [None]  # recomputed from scratch with the prompt
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._enqueue_in_order(seq)
+        else:
+            self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
 

@@ -107,6 +107,7 @@ class Request:
     sampling_params: SamplingParams
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # under EngineConfig.scheduling_policy "priority": lower runs first (vLLM's order)
     extra_key: bytes = b""  # mixed into every prefix-cache hash (weight version, cache salt)
     seed: int = 0  # effective seed; the engine draws one when SamplingParams.seed is None
     max_tokens: int = 0  # effective limit (SamplingParams.max_tokens, or what the model length leaves)

@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from cuttle.engine.openai_protocol import (
-    CHAT_FIELDS, OpenAIError, Usage, chat_logprobs, check_tools, get_bool, get_documents, get_int, get_prompt_logprobs,
+    CHAT_FIELDS, OpenAIError, Usage, chat_logprobs, check_tools, get_bool, get_documents, get_int, get_priority, get_prompt_logprobs,
     get_str, get_stream_options, prompt_logprobs_wire, sampling_params, show, structured_outputs_of,
 )
 from cuttle.engine.generation_config import with_defaults
@@ -86,6 +86,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             raise OpenAIError("top_logprobs requires logprobs: true", param="top_logprobs")
         echo = get_bool(body, "echo")
         as_ids = serving.tokens_as_ids(body)
+        priority = get_priority(body, serving.engine.engine.config.scheduling_policy)
         include_reasoning = get_bool(body, "include_reasoning", True)
         stream = get_bool(body, "stream")
         include_usage = get_stream_options(body)
@@ -187,9 +188,9 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                     extra["prompt_logprobs"] = prompt_logprobs_wire(out.prompt_token_ids, out.prompt_logprobs or [], want_plp)
                 return frame(choices, usage=usage.to_openai(), **extra)
 
-            return await serving.complete(request, [(rid, prompt)], params, salt, fields, respond, t0)
+            return await serving.complete(request, [(rid, prompt)], params, salt, fields, respond, t0, priority=priority)
 
-        streams = await serving.open(request, [(rid, prompt)], params, salt, fields)
+        streams = await serving.open(request, [(rid, prompt)], params, salt, fields, priority)
         n = params.n
         reasoners = [ReasoningParser(rstate) if rstate is not None else None for _ in range(n)]
         parsers = [StreamingToolParser(parser, tools) if use_tools else None for _ in range(n)]

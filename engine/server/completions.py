@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from cuttle.engine.openai_protocol import (
-    COMPLETION_FIELDS, OpenAIError, Usage, completion_logprobs, get_bool, get_documents, get_int, get_prompt_logprobs, get_str,
+    COMPLETION_FIELDS, OpenAIError, Usage, completion_logprobs, get_bool, get_documents, get_int, get_priority, get_prompt_logprobs, get_str,
     get_stream_options, is_token_ids, prompt_logprobs_wire, sampling_params, structured_outputs_of, top_k_of,
 )
 from cuttle.engine.generation_config import with_defaults
@@ -44,6 +44,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         include_usage = get_stream_options(body)
         want_ids = get_bool(body, "return_token_ids")
         as_ids = serving.tokens_as_ids(body)
+        priority = get_priority(body, serving.engine.engine.config.scheduling_policy)
         salt = get_str(body, "cache_salt")
         documents = get_documents(body)
         prefix = body.get("prefix")
@@ -123,9 +124,9 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                         choices.append(ch)
                 return frame(choices, usage=usage.to_openai())
 
-            return await serving.complete(request, items, params, salt, fields, respond, t0)
+            return await serving.complete(request, items, params, salt, fields, respond, t0, priority=priority)
 
-        streams = await serving.open(request, items, params, salt, fields)
+        streams = await serving.open(request, items, params, salt, fields, priority)
 
         def choice(d: Delta) -> dict[str, Any] | None:
             c, first = d.sample, d.first

@@ -63,6 +63,8 @@ class Fields:
             return self.documents
         if msg.startswith("prefix"):
             return self.prefix
+        if msg.startswith("priority"):
+            return "priority"
         if msg.startswith("structured_outputs"):  # its grammar failed to compile (on the worker thread)
             return self.structured
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):  # token ids past the vocabulary
@@ -102,18 +104,19 @@ class Serving:
 
     # ---- admission ----------------------------------------------------------------------------
     async def open(self, request: Request, items: list[tuple[str, Prompt]], params: SamplingParams, salt: str | None,
-                   fields: Fields) -> list[RequestStream]:
+                   fields: Fields, priority: int = 0) -> list[RequestStream]:
         """Admit the prompts, raced against the client leaving (for a streamed response: its
         errors come back before any byte is sent)."""
-        return await until_disconnect(request, admit(self.engine, items, params, salt, fields), self.disconnected)
+        return await until_disconnect(request, admit(self.engine, items, params, salt, fields, priority), self.disconnected)
 
     async def complete(self, request: Request, items: list[tuple[str, Prompt]], params: SamplingParams, salt: str | None,
-                       fields: Fields, respond: Callable[[list[RequestOutput]], Any], t0: float, observe: bool = True) -> Any:
+                       fields: Fields, respond: Callable[[list[RequestOutput]], Any], t0: float, observe: bool = True,
+                       priority: int = 0) -> Any:
         """A non-streamed request: admit, wait for every final output (FINAL_ONLY), build the
         response with `respond`; all of it abandoned, and the requests aborted, if the client leaves.
         `t0`: when the request arrived (latency is measured from there)."""
         async def run() -> Any:
-            streams = await admit(self.engine, items, params, salt, fields)
+            streams = await admit(self.engine, items, params, salt, fields, priority)
             try:
                 finals = [await _final(s) for s in streams]
             finally:
@@ -201,13 +204,13 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 async def admit(engine: AsyncEngine, prompts: list[tuple[str, Prompt]], params: SamplingParams, salt: str | None,
-                fields: Fields) -> list[RequestStream]:
+                fields: Fields, priority: int = 0) -> list[RequestStream]:
     """Admit every prompt (one engine round trip for all), or none: errors (400 / 503) come
     back before any byte is sent, and the requests already admitted are aborted."""
     if len(prompts) > engine.max_pending:  # each prompt is a request in flight: a 503 could never pass, retried or not
         raise OpenAIError(f"{fields.prompt} holds {len(prompts)} prompts, more than the {engine.max_pending} requests this server "
                           "takes in flight at once (--max-pending): send them in smaller batches", param=fields.prompt)
-    got = await asyncio.gather(*(engine.add(rid, p, params, salt) for rid, p in prompts), return_exceptions=True)
+    got = await asyncio.gather(*(engine.add(rid, p, params, salt, priority) for rid, p in prompts), return_exceptions=True)
     err = next((e for e in got if isinstance(e, BaseException)), None)
     if err is None:
         return got

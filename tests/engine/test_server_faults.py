@@ -295,6 +295,7 @@ COMPLETION_BAD = {
     "suffix": ["x", 5],
     "prompt_logprobs": [-1, 21, "x", 1.5, True, NAN],
     "return_tokens_as_token_ids": ["x", 1],
+    "priority": ["x", 1.5, True, 2**64, 5],  # 5: this server schedules first come, first served
     **{k: ["x", {"a": 1}] for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                                     "guided_whitespace_pattern", "structured_outputs", "bogus_field")},
 }
@@ -322,6 +323,7 @@ CHAT_BAD = {
     "top_logprobs": [21, -1, "x", 2],  # 2 without logprobs: true
     "prompt_logprobs": [-1, 21, "x", 1.5, True],
     "return_tokens_as_token_ids": ["x", 1],
+    "priority": ["x", 1.5, True, 2**64, 5],  # 5: this server schedules first come, first served
     "echo": ["x", 1],
     "include_reasoning": ["x", 1],
     "add_generation_prompt": ["x", 1],
