@@ -168,11 +168,11 @@ def get_documents(body: dict[str, Any]) -> list[str | list[int]] | None:
     return docs
 
 
-def get_stream_options(body: dict[str, Any]) -> bool:
-    """stream_options -> include_usage."""
+def get_stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """stream_options -> (include_usage, continuous_usage_stats)."""
     so = body.get("stream_options")
     if so is None:
-        return False
+        return False, False
     if not isinstance(so, dict):
         raise OpenAIError("stream_options must be an object", param="stream_options")
     if body.get("stream") is not True:  # vLLM's and OpenAI's rule: it would be silently dropped
@@ -180,10 +180,14 @@ def get_stream_options(body: dict[str, Any]) -> bool:
     for k, v in so.items():
         if k == "include_usage" and (v is None or isinstance(v, bool)):
             continue
-        if k == "continuous_usage_stats" and v in (None, False):
+        if k == "continuous_usage_stats" and (v is None or isinstance(v, bool)):
             continue
-        raise OpenAIError(f"stream_options.{k}={show(v)} is not supported (only include_usage: bool)", param="stream_options")
-    return bool(so.get("include_usage"))
+        raise OpenAIError(f"stream_options.{k}={show(v)} is not supported (include_usage and continuous_usage_stats, "
+                          "booleans)", param="stream_options")
+    include, continuous = bool(so.get("include_usage")), bool(so.get("continuous_usage_stats"))
+    if continuous and not include:  # vLLM drops it silently then
+        raise OpenAIError("stream_options.continuous_usage_stats needs include_usage: true", param="stream_options")
+    return include, continuous
 
 
 def show(v: Any) -> str:

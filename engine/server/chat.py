@@ -89,7 +89,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         priority = get_priority(body, serving.engine.engine.config.scheduling_policy)
         include_reasoning = get_bool(body, "include_reasoning", True)
         stream = get_bool(body, "stream")
-        include_usage = get_stream_options(body)
+        include_usage, continuous_usage = get_stream_options(body)
         salt = get_str(body, "cache_salt")
         want_plp = get_prompt_logprobs(body, stream, bool(field_docs or part_docs))
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -246,7 +246,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             return ch
 
         opening = [{"index": i, "delta": {"role": role, "content": echoed}, "logprobs": None, "finish_reason": None} for i in range(n)]
-        return serving.stream(streams, choice_of, frame, include_usage, t0, opening)
+        return serving.stream(streams, choice_of, frame, include_usage, t0, opening, continuous_usage=continuous_usage)
 
 
 def _reasoning_start(tok: Tokenizer, opts: ChatOptions, tmpl: ChatTemplate, messages: list[dict[str, Any]],

@@ -41,7 +41,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         echo = get_bool(body, "echo")
         lp = get_int(body, "logprobs", 0, 20)
         stream = get_bool(body, "stream")
-        include_usage = get_stream_options(body)
+        include_usage, continuous_usage = get_stream_options(body)
         want_ids = get_bool(body, "return_token_ids")
         as_ids = serving.tokens_as_ids(body)
         priority = get_priority(body, serving.engine.engine.config.scheduling_policy)
@@ -148,7 +148,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                 ch["token_ids"] = c.token_ids
             return ch
 
-        return serving.stream(streams, choice, frame, include_usage, t0)
+        return serving.stream(streams, choice, frame, include_usage, t0, continuous_usage=continuous_usage)
 
 
 def _fim_prompts(fim: FimFormat | None, tok: Tokenizer, prompts: list[str | list[int]], suffix: str, echo: bool,

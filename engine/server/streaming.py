@@ -132,15 +132,18 @@ class Serving:
     # ---- streaming --------------------------------------------------------------------------
     def stream(self, streams: list[RequestStream], choice: Callable[[Delta], dict[str, Any] | None],
                frame: Callable[..., dict[str, Any]], include_usage: bool, t0: float,
-               opening: list[dict[str, Any]] | None = None) -> StreamingResponse:
+               opening: list[dict[str, Any]] | None = None, continuous_usage: bool = False) -> StreamingResponse:
         """The SSE response of a streamed request: `opening` choices first (one event), then
         `choice(delta)` for every delta of every sample until it finishes (None: nothing to send
         yet), each in its own `frame(choices)` event; the usage event if asked for; `[DONE]`.
+        `continuous_usage` (vLLM's stream_options.continuous_usage_stats): each choice's event
+        also carries its prompt's tokens and its sample's tokens so far.
         A failure after the response started is sent as one error event, without `[DONE]`."""
 
         async def events() -> AsyncIterator[str]:
             usage, states = Usage(), [dict() for _ in streams]
             seen: set[tuple[int, int]] = set()
+            sampled: dict[tuple[int, int], int] = {}  # tokens of each sample so far (continuous usage)
             ended: set[tuple[int, int]] = set()  # samples whose finish_reason was sent
             try:
                 if opening:
@@ -154,9 +157,14 @@ class Serving:
                             continue
                         ch = choice(Delta(i, out, c, key not in seen))
                         seen.add(key)
+                        sampled[key] = sampled.get(key, 0) + len(c.token_ids)
                         if c.finish_reason is not None:
                             ended.add(key)
-                        if ch is not None:
+                        if ch is not None and continuous_usage:
+                            p = len(out.prompt_token_ids)
+                            yield sse(frame([ch], usage={"prompt_tokens": p, "completion_tokens": sampled[key],
+                                                          "total_tokens": p + sampled[key]}))
+                        elif ch is not None:
                             yield sse(frame([ch]))
                     if out.finished:
                         usage.add_prompt(out)

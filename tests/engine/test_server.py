@@ -301,3 +301,32 @@ def test_streamed_samples_finish_once_and_equal_non_streamed(live):
         assert "".join(ch["text"] for ch in mine) == c["text"]
         assert [t for ch in mine for t in ch["token_ids"]] == c["token_ids"]
         assert [x for ch in mine for x in ch["logprobs"]["token_logprobs"]] == c["logprobs"]["token_logprobs"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats(live, path):
+    """vLLM's stream_options.continuous_usage_stats: every choice's event carries its prompt's
+    tokens and its sample's tokens so far; the final usage event is the request's; without
+    include_usage it is refused (vLLM drops it silently)."""
+    body = {"messages": [{"role": "user", "content": "a b"}]} if "chat" in path else {"prompt": ["a b", "c d e"]}
+    body = {**body, "model": "test-model", "max_tokens": 4, "n": 2, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = _events(raw(live, path, body))
+    last: dict[tuple[int, int], int] = {}
+    prompts: dict[int, int] = {}
+    for e in events[:-1]:
+        for ch in e["choices"]:
+            if "chat" in path and ch["delta"].get("role"):
+                continue  # the opening event (role only) comes before any output
+            u = e["usage"]
+            key = (ch["index"], 0)
+            assert u["completion_tokens"] >= last.get(key, 0) and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+            last[key] = u["completion_tokens"]
+            prompts[ch["index"]] = u["prompt_tokens"]
+    assert sorted(last.values()) == [4] * len(last) and len(last) == (2 if "chat" in path else 4)
+    final = events[-1]["usage"]
+    assert final["completion_tokens"] == sum(last.values())
+    if "chat" not in path:  # choices 0-1 are the first prompt's, 2-3 the second's
+        assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and final["prompt_tokens"] == prompts[0] + prompts[2]
+    no_usage = raw(live, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert no_usage.status_code == 400 and no_usage.json()["error"]["param"] == "stream_options"
