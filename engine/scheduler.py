@@ -10,13 +10,12 @@ and its sampling state are kept, so the results do not change). Under the "prior
 (vLLM's `--scheduling-policy priority`) the queue is kept in (priority, arrival) order, lower
 priority values first, a preempted sequence goes back to its place in that order, and the victim
 is the last in that order among all running sequences (one scheduled earlier in the step gives
-its tokens back);
-squid's document jobs and the queries whose documents just arrived still go to the front. With KV tiers, a preempted
-sequence may first keep its partial block in a host swap slot, and an admitted sequence whose
-prefix hits lie in a lower tier is *loading*: it holds its blocks and seats but is not scheduled
-until its copy is done, while the others keep stepping; a squid document job found in a lower
-tier is loading the same way and completes when its copy is done, never computed. Owns the
-queues, not the blocks.
+its tokens back); squid's document jobs and the queries whose documents just arrived still go to
+the front. With KV tiers, a preempted sequence may first keep its partial block in a host swap
+slot, and an admitted sequence whose prefix hits lie in a lower tier is *loading*: it holds its
+blocks and seats but is not scheduled until its copy is done, while the others keep stepping; a
+squid document job found in a lower tier is loading the same way and completes when its copy is
+done, never computed. Owns the queues, not the blocks.
 """
 from __future__ import annotations
 
