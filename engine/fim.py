@@ -13,6 +13,10 @@ sequence token or a stop string). A format is three special tokens in prefix-suf
 - `deepseek`: `<｜fim▁begin｜>{prefix}<｜fim▁hole｜>{suffix}<｜fim▁end｜>` (DeepSeek-Coder), after
   its BOS.
 
+An infilling request also stops at the format's control tokens the vocabulary has (its three
+markers, and the family's pad and repository / file separators): a model that writes one has
+left the middle, and its text would otherwise run on into the next file.
+
 A checkpoint's format is the one whose three tokens are all single tokens of its tokenizer;
 none (the embedded model, a chat model without them, Code Llama's spaced `▁<PRE>` layout,
 Codestral's SPM order) means `suffix` is refused, naming the field: a guessed layout would give
@@ -34,6 +38,12 @@ FORMATS: dict[str, tuple[str, str, str]] = {
     "starcoder": ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
     "deepseek": ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
 }
+# name -> the family's other control tokens an infill stops at (where the vocabulary has them)
+STOP_TEXTS: dict[str, tuple[str, ...]] = {
+    "qwen": ("<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"),
+    "starcoder": ("<fim_pad>", "<reponame>", "<filename>", "<file_sep>"),
+    "deepseek": (),
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class FimFormat:
     prefix_id: int
     suffix_id: int
     middle_id: int
+    stop_ids: tuple[int, ...] = ()  # the control tokens an infill stops at
 
     @classmethod
     def of(cls, tok: Tokenizer) -> FimFormat | None:
@@ -51,7 +62,8 @@ class FimFormat:
         for name, texts in FORMATS.items():
             ids = [tok.tok.token_to_id(t) for t in texts]
             if all(i is not None for i in ids):
-                return cls(name, *ids)
+                extra = [tok.tok.token_to_id(t) for t in STOP_TEXTS[name]]
+                return cls(name, *ids, stop_ids=tuple(ids) + tuple(i for i in extra if i is not None))
         return None
 
     def prompt_ids(self, tok: Tokenizer, prefix: str | list[int], suffix: str) -> list[int]:

@@ -72,7 +72,13 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         if not echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0:
             raise OpenAIError("max_tokens 0 scores the prompt without generating: it needs echo: true (and logprobs for the "
                               "scores)", param="max_tokens")
-        params = sampling_params(with_defaults({**body, "max_tokens": 1} if score_only else body, defaults), logprobs=lp,
+        sampled_body = {**body, "max_tokens": 1} if score_only else body
+        given = body.get("stop_token_ids")
+        if suffix and fim is not None and (given is None or isinstance(given, list)):  # (anything else is refused below)
+            # an infill also ends at its format's control tokens (engine/fim.py)
+            given = given or []
+            sampled_body = {**sampled_body, "stop_token_ids": [*given, *(t for t in fim.stop_ids if t not in given)]}
+        params = sampling_params(with_defaults(sampled_body, defaults), logprobs=lp,
                                  prompt_logprobs=plp, output_kind=kind, structured_outputs=structured)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # every prompt of the request is a query over the same prefix and documents (computed once)

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from cuttle.engine.fim import FORMATS, FimFormat
+from cuttle.engine.fim import FORMATS, STOP_TEXTS, FimFormat
 from cuttle.engine.tokenizer import Tokenizer
 
 CODE = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * 2)\n", "class Point:\n    x: int = 0\n",
@@ -22,7 +22,7 @@ BOS = "<｜begin▁of▁sentence｜>"
 def _byte_level_checkpoint(tmp_path, family: str | None) -> Tokenizer:
     """A byte-level BPE tokenizer trained on a little code, with the family's infilling tokens
     (DeepSeek's with its BOS post-processor), written where `Tokenizer` reads it."""
-    specials = ["<|endoftext|>", *(FORMATS[family] if family else ())] + ([BOS] if family == "deepseek" else [])
+    specials = ["<|endoftext|>", *(FORMATS[family] + STOP_TEXTS[family] if family else ())] + ([BOS] if family == "deepseek" else [])
     tk = HFTokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
@@ -44,6 +44,7 @@ def test_prompt_is_the_template_string_encoded(tmp_path, family):
     tok = _byte_level_checkpoint(tmp_path, family)
     fim = FimFormat.of(tok)
     assert fim is not None and fim.name == family
+    assert fim.stop_ids == tuple(tok.tok.token_to_id(t) for t in FORMATS[family] + STOP_TEXTS[family])
     pre, suf, mid = FORMATS[family]
     for prefix, suffix in [("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"), ("", "x = 1\n"), (" for  i", " ")]:
         ids = fim.prompt_ids(tok, prefix, suffix)
@@ -74,7 +75,7 @@ def fim_live(tmp_path_factory):
 
     path = str(tmp_path_factory.mktemp("fim"))
     make_checkpoint(path, "qwen3")
-    write_tokenizer(path, 256, extra_specials=FORMATS["qwen"])  # the ids inside the model's vocabulary
+    write_tokenizer(path, 256, extra_specials=FORMATS["qwen"] + STOP_TEXTS["qwen"])  # the ids inside the model's vocabulary
     with LiveServer(path, dtype="float32", num_kv_blocks=64, max_model_len=128) as srv:
         yield srv, path
 
@@ -116,6 +117,13 @@ def test_server_infills_as_the_offline_engine(fim_live):
         [[fim.prefix_id, 5, 6, fim.suffix_id, *tok.encode("x y", False), fim.middle_id]],
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     assert by_index[0] == ids_ref.outputs[0].token_ids
+    # an infill ends at its format's control tokens (here <|fim_pad|>, forced by logit_bias), as
+    # well as at the client's own stop ids
+    pad = tok.tok.token_to_id("<|fim_pad|>")
+    forced = _post(srv.url, {**body, "logit_bias": {str(pad): 100}, "stop_token_ids": [7]}).json()["choices"][0]
+    assert forced["token_ids"] == [pad] and forced["finish_reason"] == "stop" and forced["stop_reason"] == pad
+    plain_pad = _post(srv.url, {**body, "suffix": "", "logit_bias": {str(pad): 100}}).json()["choices"][0]
+    assert plain_pad["token_ids"] == [pad] * 6 and plain_pad["finish_reason"] == "length"  # only infills stop there
     # suffix "" is a plain completion
     plain = _post(srv.url, {**body, "suffix": ""}).json()["choices"][0]
     assert plain["prompt_token_ids"] == tok.encode("a b c")
@@ -147,3 +155,10 @@ def test_server_without_infilling_tokens_names_the_field(tmp_path):
         chat = httpx.post(srv.url + "/v1/chat/completions", json={"model": "test-model", "messages": [{"role": "user", "content": "a"}],
                                                                   "suffix": "b", "max_tokens": 2}, timeout=60)
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "suffix" and "/v1/completions" in chat.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("bad", [5, "x", [1.5]])
+def test_bad_stop_token_ids_with_suffix_name_their_field(fim_live, bad):
+    srv, _ = fim_live
+    r = _post(srv.url, {"model": "test-model", "prompt": "a", "suffix": "b", "max_tokens": 2, "stop_token_ids": bad})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
