@@ -217,21 +217,27 @@ def _top_logprobs(row: torch.Tensor, token: int, token_lp: float, k: int) -> dic
     return top
 
 
+def truncation_mask(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """True where top-k, then top-p, then min-p exclude a logit of the rows x [N, V] (processed:
+    after penalties and temperature), each stage on what the previous kept: the sampler's
+    truncation, shared with the RL trainer, which scores samples under the same distribution."""
+    drop = torch.zeros_like(x, dtype=torch.bool)
+    if 0 < top_k < x.shape[-1]:
+        drop |= x < torch.topk(x, top_k, dim=-1).values[..., -1:]
+    if top_p < 1.0:
+        sorted_vals, order = torch.sort(x.masked_fill(drop, float("-inf")), dim=-1, descending=True)
+        probs = torch.softmax(sorted_vals, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p
+        drop |= torch.zeros_like(drop).scatter_(-1, order, probs.cumsum(dim=-1) - probs >= top_p)
+    if min_p > 0.0:
+        probs = torch.softmax(x.masked_fill(drop, float("-inf")), dim=-1)
+        drop |= probs < min_p * probs.max(dim=-1, keepdim=True).values
+    return drop
+
+
 def _truncate(x: torch.Tensor, rows: list[SampleRequest], random_rows: list[int]) -> None:
     """Mask (to -inf) what top-k, top-p and min-p exclude, for the rows that ask for it."""
-    ninf = float("-inf")
     for i in random_rows:
         p = rows[i].params
-        row = x[i]
-        if p.top_k > 0 and p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row.masked_fill_(row < kth, ninf)
-        if p.top_p < 1.0:
-            sorted_vals, order = torch.sort(row, descending=True)
-            probs = torch.softmax(sorted_vals, dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            drop = mass_before >= p.top_p  # keep the smallest prefix whose mass reaches top_p
-            row[order[drop]] = ninf
-        if p.min_p > 0.0:
-            probs = torch.softmax(row, dim=-1)
-            row.masked_fill_(probs < p.min_p * probs.max(), ninf)
+        if (0 < p.top_k < x.shape[-1]) or p.top_p < 1.0 or p.min_p > 0.0:
+            x[i].masked_fill_(truncation_mask(x[i][None], p.top_k, p.top_p, p.min_p)[0], float("-inf"))

@@ -12,7 +12,9 @@ no post-training quantization step. The master weights stay in `dtype` and are w
 sends (the engine re-quantizes them the same way). `sparse_attention` (the engine's
 training-free top-k spec) scores under the same rule, squid segments each on its own keys.
 `TrainerConfig.for_sampler` reads all of these from the sampler (an `LLM`, or the servers'
-/v1/rl/info).
+/v1/rl/info). Its `temperature`, `top_k`, `top_p` and `min_p` must be the rollout's: the trainer
+scores the distribution the tokens were drawn from, truncated and renormalised by the engine's own
+`truncation_mask` (the penalties and token-level controls are not replicated).
 
 Owns a training copy of the model (float32 master weights by default), its optimizer, and the
 recomputation of the sampled tokens' logprobs (`CausalLM.forward_masked` over rows of whole
@@ -48,6 +50,7 @@ from cuttle.engine.models import CausalLM, load_model
 from cuttle.engine.models.transformer import parse_sparse_attention, sparse_attention_for
 from cuttle.engine.models.linear_quant import linear_slots
 from cuttle.engine.models.moe_quant import moe_layers
+from cuttle.engine.sampler import truncation_mask
 from cuttle.moe.mxfp8 import fake_quantize_ste
 from cuttle.rl.batch import PackedBatch, TrainBatch
 from cuttle.rl.losses import LossConfig, Normalizer, loss_config, policy_loss
@@ -66,6 +69,10 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0  # max global grad norm; None disables
     temperature: float = 1.0  # must equal the rollout's, so the trainer scores the sampling distribution
+    # the rollout's truncation, likewise (SamplingParams' meanings; -1 / 1.0 / 0.0: none)
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
     max_tokens_per_row: int = 2048  # micro-batch size: whole sequences packed into one row
     dtype: str = "float32"
     old_policy: str = "behaviour"  # the ratio's denominator: "behaviour" (engine logprobs) or "start"
@@ -93,6 +100,14 @@ class TrainerConfig:
             raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
         if self.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0 (the trainer scores a sampling distribution), got {self.temperature!r}")
 
     @classmethod
     def for_sampler(cls, sampler: Any, **fields: Any) -> TrainerConfig:
@@ -198,8 +213,26 @@ class Trainer:
             logits = self.model.compute_logits(hidden[targets - 1])
         if self.config.temperature != 1.0:
             logits = logits / self.config.temperature
-        lp = torch.log_softmax(logits, dim=-1).gather(1, ids[targets][:, None]).squeeze(1)
+        tokens = ids[targets]
+        logits = self._truncated(logits, tokens)
+        lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         return lp, doc[targets], span
+
+    TRUNCATION_CHUNK = 256  # positions whose [chunk, vocab] sort is held at once (top-p)
+
+    def _truncated(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """logits with what the rollout's top-k / top-p / min-p excluded at -inf (the engine's
+        `truncation_mask`, chosen without gradient), the sampled token always kept: the engine
+        kept it, and a near-tie at the cut that rounds the other way here must not make its
+        logprob -inf."""
+        c = self.config
+        if not ((0 < c.top_k < logits.shape[-1]) or c.top_p < 1.0 or c.min_p > 0.0):
+            return logits
+        with torch.no_grad():
+            drop = torch.cat([truncation_mask(part.float(), c.top_k, c.top_p, c.min_p)
+                              for part in logits.detach().split(self.TRUNCATION_CHUNK)])
+            drop[torch.arange(len(tokens), device=drop.device), tokens] = False
+        return logits.masked_fill(drop, float("-inf"))
 
     @torch.no_grad()
     def score(self, batch: TrainBatch | PackedBatch) -> torch.Tensor:

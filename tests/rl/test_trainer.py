@@ -42,6 +42,29 @@ def test_mismatch_catches_a_wrong_temperature(moe_path, rollout):
     assert m.max_abs > 1e-2 and m.k3_kl > 1e-5
 
 
+@pytest.mark.parametrize("trunc", [{"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.1}, {"top_k": 20, "top_p": 0.9, "min_p": 0.02}])
+def test_truncated_rollouts_agree_when_the_trainer_truncates_alike(moe_path, random_prompts, trunc):
+    """Rollouts sampled with top-k / top-p / min-p (and a temperature): the trainer configured with
+    the same truncation scores them as the engine did (the engine's truncation_mask, renormalised);
+    without it the mismatch shows."""
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=256)
+    groups = sample_groups(llm, random_prompts(3, 16, seed=21), 4,
+                           SamplingParams(temperature=0.8, seed=9, max_tokens=12, ignore_eos=True, **trunc))
+    batch = TrainBatch.from_groups(groups, compute_advantages(groups, True))
+    packed = batch.packed()
+    behaviour = packed.rollout_logprobs[packed.loss_mask > 0]
+    same = mismatch(Trainer(moe_path, TrainerConfig(temperature=0.8, **trunc)).score(batch), behaviour)
+    assert same.num_tokens == 3 * 4 * 12 and same.max_abs <= 1e-5, same
+    plain = mismatch(Trainer(moe_path, TrainerConfig(temperature=0.8)).score(batch), behaviour)
+    assert plain.max_abs > 1e-2, plain
+
+
+def test_truncation_config_is_checked():
+    for bad, says in [({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"min_p": 1.5}, "min_p"), ({"temperature": 0.0}, "temperature")]:
+        with pytest.raises(ValueError, match=says):
+            TrainerConfig(**bad)
+
+
 def test_multi_turn_logprobs_agree(moe_path, random_prompts):
     llm = LLM(moe_path, dtype="float32", num_kv_blocks=128)
     trajs = [Trajectory.start(p) for p in random_prompts(2, 20, seed=5)]
