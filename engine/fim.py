@@ -55,6 +55,7 @@ class FimFormat:
     suffix_id: int
     middle_id: int
     stop_ids: tuple[int, ...] = ()  # the control tokens an infill stops at
+    head_ids: tuple[int, ...] = ()  # what the tokenizer puts before a text (DeepSeek-Coder's BOS)
 
     @classmethod
     def of(cls, tok: Tokenizer) -> FimFormat | None:
@@ -63,7 +64,8 @@ class FimFormat:
             ids = [tok.tok.token_to_id(t) for t in texts]
             if all(i is not None for i in ids):
                 extra = [tok.tok.token_to_id(t) for t in STOP_TEXTS[name]]
-                return cls(name, *ids, stop_ids=tuple(ids) + tuple(i for i in extra if i is not None))
+                return cls(name, *ids, stop_ids=tuple(ids) + tuple(i for i in extra if i is not None),
+                           head_ids=tuple(_leading_specials(tok)))
         return None
 
     def prompt_ids(self, tok: Tokenizer, prefix: str | list[int], suffix: str) -> list[int]:
@@ -71,7 +73,7 @@ class FimFormat:
         tokenizer's BOS where it adds one, ahead of the prefix token); a token-id prefix is
         taken as given (no BOS added, as for a token-id prompt)."""
         if isinstance(prefix, str):
-            head = _leading_specials(tok)
+            head = list(self.head_ids)
             body = tok.encode(prefix, add_special_tokens=False)
         else:
             head, body = [], list(prefix)

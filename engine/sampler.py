@@ -217,6 +217,11 @@ def _top_logprobs(row: torch.Tensor, token: int, token_lp: float, k: int) -> dic
     return top
 
 
+def truncates(top_k: int, top_p: float, min_p: float, vocab: int) -> bool:
+    """Whether these parameters exclude anything from a vocabulary of `vocab` logits."""
+    return 0 < top_k < vocab or top_p < 1.0 or min_p > 0.0
+
+
 def truncation_mask(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """True where top-k, then top-p, then min-p exclude a logit of the rows x [N, V] (processed:
     after penalties and temperature), each stage on what the previous kept: the sampler's
@@ -239,5 +244,5 @@ def _truncate(x: torch.Tensor, rows: list[SampleRequest], random_rows: list[int]
     """Mask (to -inf) what top-k, top-p and min-p exclude, for the rows that ask for it."""
     for i in random_rows:
         p = rows[i].params
-        if (0 < p.top_k < x.shape[-1]) or p.top_p < 1.0 or p.min_p > 0.0:
+        if truncates(p.top_k, p.top_p, p.min_p, x.shape[-1]):
             x[i].masked_fill_(truncation_mask(x[i][None], p.top_k, p.top_p, p.min_p)[0], float("-inf"))

@@ -50,7 +50,7 @@ from cuttle.engine.models import CausalLM, load_model
 from cuttle.engine.models.transformer import parse_sparse_attention, sparse_attention_for
 from cuttle.engine.models.linear_quant import linear_slots
 from cuttle.engine.models.moe_quant import moe_layers
-from cuttle.engine.sampler import truncation_mask
+from cuttle.engine.sampler import truncates, truncation_mask
 from cuttle.moe.mxfp8 import fake_quantize_ste
 from cuttle.rl.batch import PackedBatch, TrainBatch
 from cuttle.rl.losses import LossConfig, Normalizer, loss_config, policy_loss
@@ -226,7 +226,7 @@ class Trainer:
         kept it, and a near-tie at the cut that rounds the other way here must not make its
         logprob -inf."""
         c = self.config
-        if not ((0 < c.top_k < logits.shape[-1]) or c.top_p < 1.0 or c.min_p > 0.0):
+        if not truncates(c.top_k, c.top_p, c.min_p, logits.shape[-1]):
             return logits
         with torch.no_grad():
             drop = torch.cat([truncation_mask(part.float(), c.top_k, c.top_p, c.min_p)

@@ -68,8 +68,9 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
         # vLLM's scoring idiom: echo with max_tokens 0 answers the prompt (and its logprobs) alone;
         # the engine samples one token, which is dropped (usage counts it, as vLLM's does)
-        score_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
-        if not echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0:
+        no_tokens = type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+        score_only = echo and no_tokens
+        if no_tokens and not echo:
             raise OpenAIError("max_tokens 0 scores the prompt without generating: it needs echo: true (and logprobs for the "
                               "scores)", param="max_tokens")
         sampled_body = {**body, "max_tokens": 1} if score_only else body

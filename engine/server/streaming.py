@@ -157,15 +157,15 @@ class Serving:
                             continue
                         ch = choice(Delta(i, out, c, key not in seen))
                         seen.add(key)
-                        sampled[key] = sampled.get(key, 0) + len(c.token_ids)
                         if c.finish_reason is not None:
                             ended.add(key)
-                        if ch is not None and continuous_usage:
+                        extra = {}
+                        if continuous_usage:
+                            sampled[key] = sampled.get(key, 0) + len(c.token_ids)
                             p = len(out.prompt_token_ids)
-                            yield sse(frame([ch], usage={"prompt_tokens": p, "completion_tokens": sampled[key],
-                                                          "total_tokens": p + sampled[key]}))
-                        elif ch is not None:
-                            yield sse(frame([ch]))
+                            extra["usage"] = {"prompt_tokens": p, "completion_tokens": sampled[key], "total_tokens": p + sampled[key]}
+                        if ch is not None:
+                            yield sse(frame([ch], **extra))
                     if out.finished:
                         usage.add_prompt(out)
                 if include_usage:
