@@ -69,7 +69,7 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0  # max global grad norm; None disables
     temperature: float = 1.0  # must equal the rollout's, so the trainer scores the sampling distribution
-    # the rollout's truncation, likewise (SamplingParams' meanings; -1 / 1.0 / 0.0: none)
+    # the rollout's truncation, likewise (SamplingParams' meanings; -1 or 0 / 1.0 / 0.0: none)
     top_k: int = -1
     top_p: float = 1.0
     min_p: float = 0.0
@@ -100,8 +100,8 @@ class TrainerConfig:
             raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
         if self.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cuttle.engine import LLM, SamplingParams
+from cuttle.engine.sampler import truncates
 from cuttle.rl import TrainBatch, Trajectory, compute_advantages, extend_trajectories, mismatch, sample_groups
 from cuttle.rl.trainer import Trainer, TrainerConfig
 
@@ -60,7 +61,9 @@ def test_truncated_rollouts_agree_when_the_trainer_truncates_alike(moe_path, ran
 
 
 def test_truncation_config_is_checked():
-    for bad, says in [({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"min_p": 1.5}, "min_p"), ({"temperature": 0.0}, "temperature")]:
+    off = TrainerConfig(top_k=0)  # 0 is off, as in SamplingParams (a rollout's params copy over as they are)
+    assert not truncates(off.top_k, off.top_p, off.min_p, 1000)
+    for bad, says in [({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"min_p": 1.5}, "min_p"), ({"temperature": 0.0}, "temperature")]:
         with pytest.raises(ValueError, match=says):
             TrainerConfig(**bad)
 
