@@ -68,16 +68,17 @@ class FimFormat:
                            head_ids=tuple(_leading_specials(tok)))
         return None
 
-    def prompt_ids(self, tok: Tokenizer, prefix: str | list[int], suffix: str) -> list[int]:
+    def prompt_ids(self, tok: Tokenizer, prefix: str | list[int], suffix: str, head: bool = True) -> list[int]:
         """The infilling prompt: a text prefix is encoded as a text prompt is (with the
         tokenizer's BOS where it adds one, ahead of the prefix token); a token-id prefix is
-        taken as given (no BOS added, as for a token-id prompt)."""
+        taken as given (no BOS added, as for a token-id prompt). `head=False` leaves the BOS
+        out: the query after squid documents, whose layout starts with it instead."""
         if isinstance(prefix, str):
-            head = list(self.head_ids)
+            lead = list(self.head_ids) if head else []
             body = tok.encode(prefix, add_special_tokens=False)
         else:
-            head, body = [], list(prefix)
-        return [*head, self.prefix_id, *body, self.suffix_id, *tok.encode(suffix, add_special_tokens=False), self.middle_id]
+            lead, body = [], list(prefix)
+        return [*lead, self.prefix_id, *body, self.suffix_id, *tok.encode(suffix, add_special_tokens=False), self.middle_id]
 
 
 def _leading_specials(tok: Tokenizer) -> list[int]:

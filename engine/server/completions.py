@@ -59,7 +59,10 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         if suffix:  # "" is no suffix: a plain completion, as OpenAI's null
             # encoded off the event loop (a text prompt is encoded on the engine thread; a long
             # one here would stall every other client's stream)
-            prompts = await asyncio.get_running_loop().run_in_executor(None, _fim_prompts, fim, tok, prompts, suffix, echo, squid)
+            prompts, prefixes = await asyncio.get_running_loop().run_in_executor(
+                None, _fim_prompts, fim, tok, prompts, suffix, echo, squid, prefix)
+        else:
+            prefixes = [prefix] * len(prompts)
         if squid and echo and lp is not None:
             raise OpenAIError("echo with logprobs needs the prompt's logprobs, which are not computed for prompts with documents",
                               param="documents")
@@ -84,7 +87,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         rid = f"cmpl-{uuid.uuid4().hex}"
         # every prompt of the request is a query over the same prefix and documents (computed once)
         items: list[tuple[str, Prompt]] = [
-            (f"{rid}-{i}", _squid_prompt(p, prefix, documents) if squid else p) for i, p in enumerate(prompts)]
+            (f"{rid}-{i}", _squid_prompt(p, prefixes[i], documents) if squid else p) for i, p in enumerate(prompts)]
         fields = Fields("prompt", structured=structured_field or "structured_outputs")
         # echo repeats the `prompt` field as sent (with documents: the query, not the documents)
         echoed = [(p if isinstance(p, str) else tok.decode(p, False)) if echo else "" for p in prompts]
@@ -159,9 +162,13 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
 
 
 def _fim_prompts(fim: FimFormat | None, tok: Tokenizer, prompts: list[str | list[int]], suffix: str, echo: bool,
-                squid: bool) -> list[str | list[int]]:
+                 squid: bool, prefix: Any) -> tuple[list[str | list[int]], list[Any]]:
     """Each prompt as the prefix of an infilling prompt ending in `suffix`, or a 400 naming the
-    field where the model has no infilling tokens or another field excludes it."""
+    field where the model has no infilling tokens or another field excludes it; and each one's
+    squid prefix. With documents (repository-level infilling: the other files, each cached on
+    its own) the infilling prompt is the query after them, and the BOS a text prompt starts with
+    (DeepSeek-Coder's) starts the layout instead: it becomes the squid prefix where none is sent,
+    as a text query's BOS does (engine/squid.py `parse_prompt`)."""
     if fim is None:
         known = "; ".join(f"{name}: {' '.join(t)}" for name, t in FORMATS.items())
         raise OpenAIError("suffix (fill in the middle) needs a model trained on infilling, whose tokenizer has one of the "
@@ -169,9 +176,11 @@ def _fim_prompts(fim: FimFormat | None, tok: Tokenizer, prompts: list[str | list
     if echo:
         raise OpenAIError("suffix cannot be combined with echo (the prompt sent is the prefix, not the infilling prompt)",
                           param="suffix")
-    if squid:
-        raise OpenAIError("suffix cannot be combined with documents or prefix", param="suffix")
-    return [fim.prompt_ids(tok, p, suffix) for p in prompts]
+    if not squid:
+        return [fim.prompt_ids(tok, p, suffix) for p in prompts], [None] * len(prompts)
+    queries = [fim.prompt_ids(tok, p, suffix, head=False) for p in prompts]
+    heads = [list(fim.head_ids) if prefix is None and isinstance(p, str) and fim.head_ids else prefix for p in prompts]
+    return queries, heads
 
 
 def _squid_prompt(query: str | list[int], prefix: Any, documents: list[str | list[int]] | None) -> dict[str, Any]:

@@ -124,14 +124,55 @@ def test_server_infills_as_the_offline_engine(fim_live):
     assert forced["token_ids"] == [pad] and forced["finish_reason"] == "stop" and forced["stop_reason"] == pad
     plain_pad = _post(srv.url, {**body, "suffix": "", "logit_bias": {str(pad): 100}}).json()["choices"][0]
     assert plain_pad["token_ids"] == [pad] * 6 and plain_pad["finish_reason"] == "length"  # only infills stop there
+    # repository-level infilling: the other files as squid documents (each cached on its own),
+    # the infilling prompt as the query after them
+    files = ["d e f g", "h i"]
+    squid = _post(srv.url, {**body, "documents": files}).json()["choices"][0]
+    ref = llm.generate({"documents": files, "prompt": want}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert squid["token_ids"] == ref.outputs[0].token_ids and squid["prompt_token_ids"] == ref.prompt_token_ids
+    assert squid["token_ids"] != ch["token_ids"]  # the documents are read
     # suffix "" is a plain completion
     plain = _post(srv.url, {**body, "suffix": ""}).json()["choices"][0]
     assert plain["prompt_token_ids"] == tok.encode("a b c")
 
 
+@pytest.mark.parametrize("family", list(FORMATS))
+def test_query_after_documents_is_the_template_string_after_them(tmp_path, family):
+    """Repository-level infilling: with squid documents the infilling prompt is the query, and
+    the layout equals the one the template string sent as the query gives (a text query's BOS
+    starts the layout, before the documents, not the query)."""
+    from cuttle.engine.server.completions import _fim_prompts, _squid_prompt
+    from cuttle.engine.squid import parse_prompt
+
+    tok = _byte_level_checkpoint(tmp_path, family)
+    fim = FimFormat.of(tok)
+    pre, suf, mid = FORMATS[family]
+
+    def layout(p: dict) -> tuple[list[int], list[list[int]], list[int]]:
+        lay, query, _ = parse_prompt(p, tok.encode, lambda ids, field: None, "concat", 8)
+        return lay.prefix, lay.documents, query
+
+    text_docs = ["def f():\n    pass\n", "x = 1\n"]
+    code, suffix = "def add(a, b):\n    ", "\nprint(add(1, 2))\n"
+    bos = [tok.tok.token_to_id(BOS)] if family == "deepseek" else []
+    for docs in (text_docs, [tok.encode(d, False) for d in text_docs]):
+        for prefix in (None, "import os\n", [9, 10]):
+            extra = {} if prefix is None else {"prefix": prefix}
+            queries, heads = _fim_prompts(fim, tok, [code, tok.encode(code, False)], suffix, False, True, prefix)
+            want = layout({**extra, "documents": docs, "prompt": f"{pre}{code}{suf}{suffix}{mid}"})
+            assert layout(_squid_prompt(queries[0], heads[0], docs)) == want
+            head = [] if isinstance(prefix, list) else bos  # (token ids are taken as given)
+            assert want[0][:len(head)] == head and want[2][0] == fim.prefix_id  # a BOS heads the layout, not the query
+            # a token-id prompt is placed as given: the layout's head is what the documents and
+            # the prefix give (a BOS only where one of them is text)
+            by_ids = layout(_squid_prompt(queries[1], heads[1], docs))
+            assert by_ids[1:] == want[1:]
+            assert by_ids[0] == layout({**extra, "documents": docs, "prompt": [1]})[0]
+
+
 @pytest.mark.parametrize("extra,says", [
     ({"echo": True}, "echo"),
-    ({"documents": ["a b"]}, "documents"),
     ({"suffix": 5}, "string"),
 ])
 def test_server_refuses_what_infilling_cannot_do(fim_live, extra, says):
