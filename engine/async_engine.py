@@ -31,6 +31,7 @@ log = logging.getLogger("cuttle.engine")
 # how often a stalled loop (requests waiting on blocks that sessions pin) re-tries a step when no
 # command arrives: it used to step flat out, a core busy for nothing beside the agents' tools
 STALL_POLL_S = 0.05
+GRAMMAR_WORKERS = 2  # grammar compiles run side by side (each is one thread inside xgrammar)
 
 
 class QueueFullError(RuntimeError):
@@ -112,6 +113,10 @@ class AsyncEngine:
         # closed, an abort) can free: the loop then waits for commands instead of stepping flat out
         self._stalled = False
         self._closing = False  # begin_shutdown: new requests are refused
+        # grammar compiles get their own workers: a few slow schemas (seconds each on a large
+        # vocabulary, and xgrammar cannot be interrupted) then queue behind each other, never in
+        # front of the default executor's other work (a long prompt's infilling tokenization)
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(max_workers=GRAMMAR_WORKERS, thread_name_prefix="cuttle-grammar")
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -153,6 +158,7 @@ class AsyncEngine:
         """Stop after aborting everything in flight (graceful drain is the server's job)."""
         self._stop.set()
         self._cmds.put(lambda: None)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -216,7 +222,8 @@ class AsyncEngine:
         is cached, so `add_request` finds it there; a spec that does not compile raises here
         exactly what `add_request` would."""
         if params.structured_outputs is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.controls.compile, params.structured_outputs)
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.controls.compile,
+                                                             params.structured_outputs)
 
     async def _admit(self, request_id: str, add: Callable[[], Any]) -> RequestStream:
         if self._thread is None:

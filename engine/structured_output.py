@@ -177,7 +177,14 @@ class StructuredOutput:
         self._compiler: Any = None
         self._json_safe: np.ndarray | None = None  # bitmask row: tokens free of raw control characters
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
-        self._lock = threading.Lock()  # the compiler and its cache (the server may compile from another thread)
+        # specs being compiled, each by the first thread that asked: another asking for the same
+        # spec waits for that compile, while a cache hit or a different spec never waits for it
+        self._compiling: dict[tuple, Future] = {}
+        # the cache and the in-flight table, held only to look up and to store: a compile (xgrammar
+        # releases the GIL; a hostile schema runs for seconds on a large vocabulary) holding it would
+        # stall the engine thread's admission of any structured request, and with it every decode
+        self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()  # building the vocabulary's tables, once
         self._controls: weakref.WeakKeyDictionary[Request, Controls] = weakref.WeakKeyDictionary()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -232,25 +239,49 @@ class StructuredOutput:
             self._controls[req] = ctl
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `spec`, from the cache or compiled now (a ValueError naming the
+        field if it does not compile). Thread-safe; concurrent compiles of different specs run
+        side by side, and one of the same spec is shared."""
         key = spec.key()
         with self._lock:
             hit = self._compiled.get(key)
             if hit is not None:
                 self._compiled.move_to_end(key)
                 return hit
-            grammar = build_grammar(spec)
-            if self._compiler is None:
-                self._compiler = self._build_compiler()
-            try:
-                compiled = self._compiler.compile_grammar(grammar)
-            except RuntimeError as e:  # xgrammar's own checks failing on a spec it parsed (seen on some patterns)
-                raise ValueError(f"structured_outputs.{spec.kind} does not compile (xgrammar: "
-                                 f"{str(e).strip()[:300]})") from None
-            _check_admits_output(compiled, spec)
+            pending = self._compiling.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._compiling[key] = Future()
+        assert pending is not None
+        if not owner:
+            return pending.result()  # (re-raises the owner's ValueError)
+        try:
+            compiled = self._compile_new(spec)
+        except BaseException as e:
+            with self._lock:
+                del self._compiling[key]
+            pending.set_exception(e)
+            raise
+        with self._lock:
             self._compiled[key] = compiled
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
-            return compiled
+            del self._compiling[key]
+        pending.set_result(compiled)
+        return compiled
+
+    def _compile_new(self, spec: StructuredOutputsParams) -> Any:
+        grammar = build_grammar(spec)
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+        try:
+            compiled = self._compiler.compile_grammar(grammar)
+        except RuntimeError as e:  # xgrammar's own checks failing on a spec it parsed (seen on some patterns)
+            raise ValueError(f"structured_outputs.{spec.kind} does not compile (xgrammar: "
+                             f"{str(e).strip()[:300]})") from None
+        _check_admits_output(compiled, spec)
+        return compiled
 
     def _build_compiler(self) -> Any:
         """xgrammar's view of the vocabulary: each token's text as the tokenizer stores it (the

@@ -722,3 +722,73 @@ def test_async_engine_compiles_a_grammar_off_the_engine_thread(embedded, monkeyp
     # engine's own compile in add_request is then a cache hit (the bad spec fails before that)
     assert threads[0] != "cuttle-engine" and threads[1] == "cuttle-engine" and threads[2] != "cuttle-engine", threads
     assert len(threads) == 3
+
+
+def test_a_slow_compile_stalls_no_other_compile(embedded, monkeypatch):
+    """A compile runs outside the cache's lock: while one spec compiles (seconds for a hostile
+    schema on a large vocabulary), a cached spec is returned at once (the engine thread's
+    admission of any structured request) and another spec compiles beside it; two threads
+    asking for the same spec share one compile, and its failure reaches both."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from concurrent.futures import Future
+
+    from cuttle.engine import structured_output
+
+    waiting = threading.Event()
+
+    class Shared(Future):  # an in-flight compile, telling when another thread waits for it
+        def result(self, timeout=None):
+            waiting.set()
+            return super().result(timeout)
+
+    monkeypatch.setattr(structured_output, "Future", Shared)
+    controls = embedded.engine.controls
+    cached = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    controls.compile(cached)  # (also builds the vocabulary's tables)
+    real, started, release, calls, fail = controls._compiler, threading.Event(), threading.Event(), [], []
+
+    class Held:  # the real compiler, with compiles of the "slow..." regexes held until released
+        def compile_grammar(self, grammar):
+            slow = '"s" "l" "o" "w"' in str(grammar)
+            calls.append(slow)
+            if slow:
+                started.set()
+                assert release.wait(30)
+                if fail:
+                    raise RuntimeError("held compile failed")
+            return real.compile_grammar(grammar)
+
+    controls._compiler = Held()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            slow = [pool.submit(controls.compile, StructuredOutputsParams(regex="slowslow[0-9]+")) for _ in range(2)]
+            assert started.wait(30)
+            t0 = time.monotonic()
+            assert controls.compile(cached) is not None
+            other = controls.compile(StructuredOutputsParams(regex="[a-f]{3}z"))
+            waited = time.monotonic() - t0
+            assert other is not None and waited < 2.0 and not any(f.done() for f in slow), waited
+            release.set()
+            assert slow[0].result(30) is slow[1].result(30)
+        assert calls.count(True) == 1  # the second asker waited for the first one's compile
+        # a spec failing to compile, asked for by two threads at once: one compile, the error in both
+        release.clear()
+        waiting.clear()
+        started.clear()
+        fail.append(True)
+        with ThreadPoolExecutor(2) as pool:
+            bad = [pool.submit(controls.compile, StructuredOutputsParams(regex="slowslow[a-z]+")) for _ in range(2)]
+            assert started.wait(30)
+            assert waiting.wait(30)  # the second asker is waiting for the first one's compile
+            release.set()
+            for f in bad:
+                with pytest.raises(ValueError, match="structured_outputs.regex does not compile .*held compile failed"):
+                    f.result(30)
+        assert calls.count(True) == 2 and not controls._compiling
+    finally:
+        controls._compiler = real
+        release.set()
+
