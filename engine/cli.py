@@ -71,6 +71,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
                         '"disable_by_batch_size": 4}\' (the last: no drafts in steps of more running sequences; '
                         'default 4, null: never; vLLM\'s default is never)')
+    g.add_argument("--enable-sleep-mode", action="store_true", default=None,
+                   help="allow POST /sleep and /wake_up: an idle engine gives its KV cache's memory back to a colocated "
+                        "trainer (docs/server.md, 'Sleep mode')")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="each request's tokens and logprobs independent of what else runs beside it, of prompt "
                         "chunking and of preemption (CPU kernels; docs/architecture.md, 'Batch invariance')")
@@ -81,7 +84,7 @@ _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                    "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb", "kv_read_in_place",
                    "sparse_attention")
 _ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "cpu_graph_max_batch", "cpu_graph_hot_batches",
-                   "generation_config", "batch_invariant", "speculative_config", "scheduling_policy")
+                   "generation_config", "batch_invariant", "speculative_config", "scheduling_policy", "enable_sleep_mode")
 
 
 def _json_dict(text: str) -> dict:

@@ -342,6 +342,9 @@ class EngineConfig:
     quantize_lm_head: bool = False  # with quantization="mxfp8": the lm_head too (a tied one gets an MXFP8 copy; docs/moe.md)
     squid_positions: str | None = None  # squid documents: "shared" | "concat"; None: the model's config.json says, else "concat"
     max_documents: int = 64  # documents one request may carry
+    # vLLM's: LLM.sleep / wake_up (and the server's /sleep, /wake_up) work only with this on, so that
+    # no client of a server started without it can put it to sleep (engine/sleep_mode.py)
+    enable_sleep_mode: bool = False
     # KV tiers under the device pool (docs/kv_tiers.md), all off by default. The host tier's size is
     # vLLM's `kv_offloading_size` (GiB); `num_host_kv_blocks` gives it in blocks instead (tests).
     # The disk tier (`kv_cache_dir`, bounded by `kv_cache_dir_gb`, LMCache's local-disk tier) sits

@@ -105,6 +105,23 @@ class LLM:
         self.engine.update_weights(named_tensors, in_flight)
         return self.engine.weight_version
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: give back the KV cache's memory (and on an accelerator the weights',
+        kept in host memory) while a colocated trainer runs; `wake_up` restores it. Level 1 only
+        (engine/sleep_mode.py)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` gave back: all, or `tags` among "weights" and "kv_cache"."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix and document, in every tier (the next request starts cold)."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],

@@ -39,6 +39,8 @@ from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.scheduler import Scheduler
 from cuttle.engine.sequence import Request, Sequence
 from cuttle.engine.session import Sessions
+from cuttle.engine.sleep_mode import (SLEEP_LEVELS, WAKE_TAGS, EngineAsleepError, Slept, free_storage, offload_weights, restore_storage,
+                                      restore_weights)
 from cuttle.engine.spec_decode import Proposer, SpecConfig
 from cuttle.engine.squid import Squid, parse_prompt
 from cuttle.engine.structured_output import StructuredOutput
@@ -100,6 +102,7 @@ class LLMEngine:
                                    config.scheduling_policy)
         self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
         self.requests: dict[str, Request] = {}
+        self._slept = Slept(0)  # what sleep() gave back (nothing: awake)
         self._rng = random.Random(config.seed)
         self.weight_version = 0
         self._weights_tag = b""  # the disk tier's name for the weights (the checkpoint's until an update)
@@ -188,6 +191,7 @@ class LLMEngine:
         preempted last); any other value than 0 is refused under "fcfs"."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_awake("a request")
         if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be an integer in [-2**63, 2**63 - 1], got {priority!r}")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -310,6 +314,7 @@ class LLMEngine:
     # ---- agent sessions (engine/session.py) --------------------------------------------------
     def open_session(self, prompt: str | list[int]) -> str:
         """A session over `prompt` (text is encoded once, here); returns its id."""
+        self._check_awake("a session")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_ids(ids, "prompt")
         return self.sessions.open(ids).session_id
@@ -356,6 +361,63 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # ---- sleep mode (engine/sleep_mode.py) ----------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Give back the KV pool's memory (and on an accelerator the weights', kept in host memory)
+        until `wake_up`; the prefix cache is emptied. Only when idle: no request unfinished and no
+        session open (their KV would be lost)."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep needs enable_sleep_mode=True (--enable-sleep-mode), as in vLLM")
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be 1 (free the KV cache, keep the weights), got {level!r}; level 2 (discard "
+                             "the weights) is not supported")
+        if self._slept.asleep:
+            raise ValueError("the engine is already asleep: wake_up() first")
+        if self.requests:
+            raise ValueError(f"{len(self.requests)} request(s) are unfinished: let them finish or abort them before sleep")
+        if self.sessions.table:
+            raise ValueError(f"{len(self.sessions.table)} session(s) are open and hold KV: close them before sleep")
+        if self.tiers is not None:
+            self.tiers.drain()  # no copy may still be reading the pool
+        self.block_manager.reset_prefix_cache()  # the blocks' content is about to go
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()  # they hold the pool's (and the weights') addresses
+        slept = Slept(level, kv=free_storage(self.runner.kv.tensors))
+        if self.device.type != "cpu":
+            slept.weights = offload_weights(self.runner.model)
+        self._slept = slept
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Restore what `sleep` gave back: `tags` None for all, or a subset of "weights" and
+        "kv_cache" (vLLM's: wake the weights, update them, then the KV cache)."""
+        tags = list(WAKE_TAGS) if tags is None else list(tags)
+        bad = [t for t in tags if t not in WAKE_TAGS]
+        if bad or isinstance(tags, str):
+            raise ValueError(f"wake_up tags must be among {list(WAKE_TAGS)}, got {bad or tags!r}")
+        slept = self._slept
+        if "weights" in tags and slept.weights:
+            restore_weights(slept.weights)
+            slept.weights = []
+        if "kv_cache" in tags and slept.kv:
+            restore_storage(slept.kv)
+            slept.kv = []
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()
+
+    def is_sleeping(self) -> bool:
+        return self._slept.asleep
+
+    def _check_awake(self, what: str) -> None:
+        if self._slept.asleep:
+            asleep = " and ".join(n for n, gone in (("weights", self._slept.weights), ("KV cache", self._slept.kv)) if gone)
+            raise EngineAsleepError(f"the engine is asleep (its {asleep} given back by sleep()): wake_up() before {what}")
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix and document, in every tier (vLLM's, e.g. for benchmarks that
+        must start cold); blocks in use stay valid for their holders. Returns True."""
+        self.block_manager.reset_prefix_cache()
+        return True
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -589,6 +651,8 @@ class LLMEngine:
         """
         if in_flight not in ("abort", "finish"):
             raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
+        if self._slept.weights:  # (the KV cache may sleep on: vLLM's wake weights, update, wake KV)
+            raise EngineAsleepError("the engine's weights are asleep: wake_up(tags=['weights']) before update_weights")
         ended: list[RequestOutput] = []
         if in_flight == "finish":
             stalls = 0

@@ -11,6 +11,8 @@ work"). Never decides *what* to move: `engine/kv/tiers.py` does.
 """
 from __future__ import annotations
 
+import ctypes
+
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,8 +27,17 @@ from cuttle.engine.kv.storage import KVStorage
 def byte_views(storage: KVStorage) -> list[np.ndarray]:
     """uint8 views over the pool's memory, the KV tensor's ([layers, 2, blocks, block_size,
     kv_heads, head_dim * itemsize]) then each companion's, blocks on dimension 2 of each (numpy has
-    no bf16; bytes are all a copy needs). CPU tensors only."""
-    return [t.view(torch.uint8).numpy() for t in storage.tensors]
+    no bf16; bytes are all a copy needs). CPU tensors only. Made from the address, not with
+    `Tensor.numpy()`, which marks the storage as never resizable for good: sleep mode
+    (engine/sleep_mode.py) frees the pool by resizing its storage. So a view must not outlive the
+    call that made it (none is kept)."""
+    out = []
+    for t in storage.tensors:
+        b = t.view(torch.uint8)
+        assert b.is_contiguous() and b.device.type == "cpu"
+        buf = (ctypes.c_uint8 * b.numel()).from_address(b.data_ptr())
+        out.append(np.frombuffer(buf, dtype=np.uint8).reshape(b.shape))
+    return out
 
 
 def block_payload(views: list[np.ndarray], block: int) -> np.ndarray:

@@ -22,6 +22,7 @@ from cuttle.engine.metrics import ServerMetrics
 from cuttle.engine.openai_protocol import OpenAIError
 from cuttle.engine.server.body import MAX_BODY_BYTES
 from cuttle.engine.reasoning_parsers import REASONING_PARSERS
+from cuttle.engine.server.admin_routes import ADMIN_PATHS, add_admin_routes
 from cuttle.engine.server.chat import add_chat_routes
 from cuttle.engine.server.chat_prompt import ChatOptions
 from cuttle.engine.server.completions import add_completion_routes
@@ -34,13 +35,14 @@ log = logging.getLogger("cuttle.server")
 
 
 class _Auth:
-    """Bearer-token check for /v1 routes, as a plain ASGI middleware (see the module docstring)."""
+    """Bearer-token check for /v1 routes and the engine-state routes (admin_routes.py), as a plain
+    ASGI middleware (see the module docstring)."""
 
     def __init__(self, app, api_key: str | None):
         self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if self.expected is not None and scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in ADMIN_PATHS):
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if auth != self.expected:
                 err = OpenAIError("invalid or missing API key", 401, "authentication_error", code="invalid_api_key")
@@ -116,4 +118,5 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     add_chat_routes(app, serving, tok, chat_opts)
     add_token_routes(app, serving, tok, chat_opts, llm.max_model_len)
     add_rl_routes(app, engine, max_body_bytes, serving.disconnected)
+    add_admin_routes(app, engine)
     return app

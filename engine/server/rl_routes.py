@@ -32,6 +32,7 @@ from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.server.body import MAX_BODY_BYTES, json_body
 from cuttle.engine.server.streaming import Fields, Serving
+from cuttle.engine.sleep_mode import EngineAsleepError
 
 
 def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_BODY_BYTES,
@@ -90,6 +91,8 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
             version = await engine.update_weights(tensors.items(), in_flight)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
+        except EngineAsleepError as e:
+            raise OpenAIError(str(e), 503, "server_asleep") from None
         return {"weight_version": version}
 
     @app.get("/v1/rl/weight_version")

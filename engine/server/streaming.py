@@ -31,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from cuttle.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
+from cuttle.engine.sleep_mode import EngineAsleepError
 from cuttle.engine.metrics import ServerMetrics
 from cuttle.engine.openai_protocol import OpenAIError, Usage, get_bool
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
@@ -232,6 +233,8 @@ async def admit(engine: AsyncEngine, prompts: list[tuple[str, Prompt]], params: 
         raise OpenAIError(msg, param=fields.of(str(err))) from None
     if isinstance(err, QueueFullError):
         raise OpenAIError(f"server is at capacity: {err}", 503, "server_busy") from None
+    if isinstance(err, EngineAsleepError):
+        raise OpenAIError(str(err), 503, "server_asleep") from None
     raise err
 
 

@@ -1,0 +1,166 @@
+"""Sleep mode (engine/sleep_mode.py; vLLM's LLM.sleep / wake_up / is_sleeping) and
+reset_prefix_cache: the KV pool's memory goes back to the OS while asleep (measured as the
+process's resident memory), requests are refused meanwhile, and after waking the engine gives
+the same tokens as before it slept, from a cold cache; the server's routes in vLLM's shapes."""
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from cuttle.engine import LLM, SamplingParams
+from cuttle.engine.sleep_mode import EngineAsleepError, offload_weights, restore_weights
+
+POOL_GB = 0.25
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT = [5 + (i * 7) % 200 for i in range(40)]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_path):
+    return LLM(qwen3_path, dtype="float32", kv_cache_memory_gb=POOL_GB, enable_sleep_mode=True)
+
+
+def _tokens(llm: LLM, prompt=PROMPT) -> list[int]:
+    return llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_sleep_gives_the_pool_back_and_waking_gives_the_same_tokens_cold(llm):
+    engine = llm.engine
+    want = _tokens(llm)
+    pool_mb = sum(t.untyped_storage().nbytes() for t in engine.runner.kv.tensors) / 2**20
+    assert pool_mb >= 100  # (the pool is capped at max_num_seqs full-length sequences)
+    before = _rss_mb()
+    llm.sleep()
+    assert llm.is_sleeping() and all(t.untyped_storage().nbytes() == 0 for t in engine.runner.kv.tensors)
+    assert before - _rss_mb() >= 0.8 * pool_mb, (before, _rss_mb(), pool_mb)  # back to the OS, not kept in the heap
+    with pytest.raises(EngineAsleepError, match="wake_up"):
+        llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    with pytest.raises(EngineAsleepError):
+        llm.open_session(PROMPT)
+    with pytest.raises(ValueError, match="already asleep"):
+        llm.sleep()
+    # vLLM's RL order: wake the weights, update them, then the KV cache (on CPU the weights
+    # never left, so the first wake has nothing to do and the engine still sleeps)
+    llm.wake_up(["weights"])
+    assert llm.is_sleeping()
+    version = llm.update_weights([(n, p.detach().clone()) for n, p in engine.runner.model.named_parameters()])
+    llm.wake_up(["kv_cache"])
+    assert not llm.is_sleeping() and llm.weight_version == version
+    computed = engine.stats()["prefill_tokens_computed"]
+    assert _tokens(llm) == want
+    assert engine.stats()["prefill_tokens_computed"] - computed == len(PROMPT)  # nothing was served from before the sleep
+    llm.wake_up()  # awake already: nothing to do
+
+
+def test_reset_prefix_cache_starts_the_next_request_cold(llm):
+    engine = llm.engine
+    prompt = [9 + (i * 5) % 180 for i in range(48)]
+    want = _tokens(llm, prompt)
+    hit = engine.stats()["cached_tokens"]
+    assert _tokens(llm, prompt) == want and engine.stats()["cached_tokens"] > hit
+    assert llm.reset_prefix_cache() is True
+    hit, computed = engine.stats()["cached_tokens"], engine.stats()["prefill_tokens_computed"]
+    assert _tokens(llm, prompt) == want
+    assert engine.stats()["cached_tokens"] == hit and engine.stats()["prefill_tokens_computed"] - computed == len(prompt)
+
+
+def test_sleep_refusals(llm, qwen3_path):
+    with pytest.raises(ValueError, match="level 2"):
+        llm.sleep(2)
+    with pytest.raises(ValueError, match="tags"):
+        llm.wake_up(["optimizer"])
+    engine = llm.engine
+    engine.add_request("busy", PROMPT, GREEDY)
+    with pytest.raises(ValueError, match="1 request"):
+        llm.sleep()
+    engine.abort_request("busy")
+    sid = llm.open_session(PROMPT)
+    with pytest.raises(ValueError, match="session"):
+        llm.sleep()
+    llm.close_session(sid)
+    assert not llm.is_sleeping()
+    off = LLM(qwen3_path, dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="enable_sleep_mode"):
+        off.sleep()
+
+
+def test_weights_offload_round_trip_is_bit_exact():
+    """The accelerator path (weights copied to host memory, their own memory freed, copied back)
+    on CPU tensors: every parameter and buffer back bit for bit, a tied weight still tied."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 16)
+    head = torch.nn.Linear(16, 50, bias=False)
+    head.weight = emb.weight  # tied: one tensor under two names
+    model = torch.nn.ModuleDict({"emb": emb, "head": head, "norm": torch.nn.LayerNorm(16)})
+    model.register_buffer("table", torch.randn(7, 3))
+    want = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    saved = offload_weights(model)
+    assert len(saved) == len(want)  # the tied weight once
+    assert all(t.untyped_storage().nbytes() == 0 for t, _ in saved)
+    restore_weights(saved)
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert torch.equal(t, want[n]), n
+    assert model["head"].weight is model["emb"].weight
+
+
+@pytest.fixture(scope="module")
+def live(qwen3_path):
+    from server_fixture import LiveServer
+
+    with LiveServer(qwen3_path, api_key="k", dtype="float32", num_kv_blocks=64, max_model_len=128, enable_sleep_mode=True) as srv:
+        yield srv
+
+
+def test_server_sleep_routes(live):
+    auth = {"Authorization": "Bearer k"}
+    body = {"model": "test-model", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+
+    def complete() -> httpx.Response:
+        return httpx.post(live.url + "/v1/completions", json=body, headers=auth, timeout=60)
+
+    want = complete().json()["choices"][0]["token_ids"]
+    assert httpx.post(live.url + "/sleep", timeout=30).status_code == 401  # behind the API key
+    assert httpx.get(live.url + "/is_sleeping", headers=auth, timeout=30).json() == {"is_sleeping": False}
+    for bad, param in [("/sleep?level=2", "level"), ("/sleep?level=x", "level"), ("/wake_up?tags=optimizer", "tags")]:
+        r = httpx.post(live.url + bad, headers=auth, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    assert httpx.post(live.url + "/sleep?level=1", headers=auth, timeout=30).status_code == 200
+    assert httpx.get(live.url + "/is_sleeping", headers=auth, timeout=30).json() == {"is_sleeping": True}
+    asleep = complete()
+    assert asleep.status_code == 503 and asleep.json()["error"]["type"] == "server_asleep", asleep.text
+    assert httpx.get(live.url + "/health", timeout=30).status_code == 200  # up, just asleep
+    assert httpx.post(live.url + "/wake_up?tags=weights&tags=kv_cache", headers=auth, timeout=30).status_code == 200
+    assert httpx.get(live.url + "/is_sleeping", headers=auth, timeout=30).json() == {"is_sleeping": False}
+    assert complete().json()["choices"][0]["token_ids"] == want
+    hit = live.stats()["cached_tokens"]
+    assert httpx.post(live.url + "/reset_prefix_cache", headers=auth, timeout=30).status_code == 200
+    assert complete().json()["choices"][0]["token_ids"] == want and live.stats()["cached_tokens"] == hit
+
+
+def test_server_without_sleep_mode_refuses_to_sleep(qwen3_path):
+    from server_fixture import LiveServer
+
+    with LiveServer(qwen3_path, dtype="float32", num_kv_blocks=16, max_model_len=64) as srv:
+        r = httpx.post(srv.url + "/sleep", timeout=30)
+        assert r.status_code == 400 and "--enable-sleep-mode" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+
+
+def test_sleep_with_a_host_tier(qwen3_path):
+    """With the KV host tier under the pool: its copies are waited for before the pool goes, and
+    after waking the engine serves the same tokens, nothing hit from before the sleep."""
+    llm = LLM(qwen3_path, dtype="float32", num_kv_blocks=24, num_host_kv_blocks=64, enable_sleep_mode=True)
+    prompts = [[3 + (i * k) % 190 for i in range(60)] for k in (3, 5, 7)]  # more than the pool keeps cached
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.sleep()
+    llm.wake_up()
+    computed = llm.engine.stats()["prefill_tokens_computed"]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert llm.engine.stats()["prefill_tokens_computed"] - computed == sum(map(len, prompts))
