@@ -69,6 +69,11 @@ class RolloutClient:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text}")
         return r.json()
 
+    def _post_empty(self, url: str, **kw: Any) -> None:
+        r = self._http.post(url, **kw)
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text}")
+
     def _get(self, url: str) -> dict[str, Any]:
         r = self._http.get(url)
         if r.status_code != 200:
@@ -158,6 +163,21 @@ class RolloutClient:
     def weight_version(self) -> int:
         """The lowest version across the pool (servers can lag only while an update is under way)."""
         return min(int(self._http.get(u + "/v1/rl/weight_version").json()["weight_version"]) for u in self.base_urls)
+
+    def sleep(self, level: int = 1) -> None:
+        """Put every server to sleep (`POST /sleep`; servers started with --enable-sleep-mode): a
+        trainer colocated with them gets the KV caches' memory while it trains."""
+        for u in self.base_urls:
+            self._post_empty(u + "/sleep", params={"level": level})
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake every server: all, or `tags` among "weights" and "kv_cache" (`POST /wake_up`)."""
+        for u in self.base_urls:
+            self._post_empty(u + "/wake_up", params={"tags": list(tags)} if tags is not None else None)
+
+    def is_sleeping(self) -> bool:
+        """Whether any server sleeps."""
+        return any(self._get(u + "/is_sleeping")["is_sleeping"] for u in self.base_urls)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> int:
         """Send the tensors (as one safetensors blob) to every server; returns the lowest new version."""

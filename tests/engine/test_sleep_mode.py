@@ -142,6 +142,17 @@ def test_server_sleep_routes(live):
     hit = live.stats()["cached_tokens"]
     assert httpx.post(live.url + "/reset_prefix_cache", headers=auth, timeout=30).status_code == 200
     assert complete().json()["choices"][0]["token_ids"] == want and live.stats()["cached_tokens"] == hit
+    # the RL client's side of it
+    from cuttle.rl.client import RolloutClient
+
+    with RolloutClient(live.url, api_key="k") as client:
+        client.sleep()
+        assert client.is_sleeping() and live.llm.is_sleeping()
+        client.wake_up(["kv_cache"])
+        assert not client.is_sleeping()
+        with pytest.raises(RuntimeError, match="400"):
+            client.wake_up(["optimizer"])
+    assert complete().json()["choices"][0]["token_ids"] == want
 
 
 def test_server_without_sleep_mode_refuses_to_sleep(qwen3_path):
