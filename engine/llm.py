@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from cuttle.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from cuttle.engine.config import ENGINE_DEFAULTS, EngineConfig
 from cuttle.engine.generation_config import default_sampling_params
 from cuttle.engine.llm_engine import LLMEngine
@@ -104,6 +105,43 @@ class LLM:
         matters to callers stepping `self.engine` themselves (see `LLMEngine.update_weights`)."""
         self.engine.update_weights(named_tensors, in_flight)
         return self.engine.weight_version
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (engine/beam_search.py): per prompt, the best `params.beam_width`
+        beams, each with its tokens (prompt and generated), cumulative logprob and text (the
+        tokens decoded, prompt included, as vLLM's). Every step's beams run as one batch of
+        one-token requests; the prefix cache serves what they share."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.engine
+        ids = []
+        for i, p in enumerate(prompts):
+            p = _vllm_prompt(p, i)
+            if isinstance(p, dict):
+                raise ValueError(f"prompts[{i}]: beam search takes a text or token-id prompt, not documents")
+            ids.append(engine.encode(p) if isinstance(p, str) else list(p))
+            if len(ids[-1]) + params.max_tokens > engine.max_model_len:
+                raise ValueError(f"prompts[{i}]: {len(ids[-1])} prompt tokens + max_tokens ({params.max_tokens}) exceed "
+                                 f"max_model_len ({engine.max_model_len})")
+        searches = [BeamSearch(p, params, engine.eos_token_ids) for p in ids]
+        step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True,
+                              skip_special_tokens=params.skip_special_tokens)
+        steps = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+
+        def score(token_lists: list[list[int]]) -> list[dict]:
+            steps.update(1)
+            return [out.outputs[0].logprobs[0] for out in self._run(token_lists, [step] * len(token_lists), False)]
+
+        run_beam_search(searches, score)
+        steps.close()
+        tok = self.get_tokenizer()
+        outputs = []
+        for s in searches:
+            best = s.result()
+            for b in best:
+                b.text = tok.decode(b.tokens, params.skip_special_tokens) if tok is not None else None
+            outputs.append(BeamSearchOutput(best))
+        return outputs
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode: give back the KV cache's memory (and on an accelerator the weights',

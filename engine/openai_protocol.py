@@ -43,7 +43,7 @@ STRUCTURED_FIELDS = frozenset({"guided_json", "guided_regex", "guided_choice", "
                                "structured_outputs", "response_format"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | {"model", "prompt", "stream", "stream_options", "echo", "logprobs", "return_token_ids",
                                        "cache_salt", "documents", "prefix", "suffix",
-                                       "prompt_logprobs", "return_tokens_as_token_ids", "priority"}
+                                       "prompt_logprobs", "return_tokens_as_token_ids", "priority", "use_beam_search", "length_penalty"}
 # The chat template's fields (chat_prompt.py), shared by chat and the messages form of /tokenize.
 TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
 CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
@@ -76,6 +76,8 @@ OFF_VALUES: dict[str, tuple[Any, str]] = {
 
 # Why some well-known fields are refused (any other unknown field gets a generic message).
 _REFUSED_WHY = {
+    "use_beam_search": "beam search is served on /v1/completions (and offline by LLM.beam_search)",
+    "length_penalty": "it is a beam-search field, and beam search is served on /v1/completions",
     "guided_whitespace_pattern": "cuttle's JSON has no free whitespace (separators ', ' and ': ', docs/server.md)",
     "prefix": ("prefix is a /v1/completions field; in chat the system messages are the documents' prefix "
                "(docs/server.md)"),

@@ -1,7 +1,8 @@
 """POST /v1/completions: text or token-id prompts (one or a list), `n`, `echo`, `logprobs`,
 `return_token_ids`, streaming, structured output (`response_format`, `guided_*`,
 `structured_outputs`), squid documents (`documents`, `prefix`) and fill in the middle (`suffix`,
-in the checkpoint's infilling format: engine/fim.py); docs/server.md.
+in the checkpoint's infilling format: engine/fim.py); docs/server.md. `use_beam_search` goes to
+beam_completions.py.
 
 Owns the completions wire format of a request and of its choices only; admission, waiting,
 streaming, disconnects and usage are `streaming.Serving`'s.
@@ -23,6 +24,7 @@ from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.fim import FORMATS, FimFormat
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind
+from cuttle.engine.server.beam_completions import beam_search_completion
 from cuttle.engine.server.body import read_body
 from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
 from cuttle.engine.tokenizer import Tokenizer
@@ -38,6 +40,10 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         if body.get("prompt") is None:
             raise OpenAIError("prompt is required", param="prompt")
         prompts = _prompts(body["prompt"])
+        if get_bool(body, "use_beam_search"):
+            return await beam_search_completion(request, body, prompts, serving, tok, t0)
+        if body.get("length_penalty") is not None:
+            raise OpenAIError("length_penalty applies to beam search only (use_beam_search: true)", param="length_penalty")
         echo = get_bool(body, "echo")
         lp = get_int(body, "logprobs", 0, 20)
         stream = get_bool(body, "stream")

@@ -1,0 +1,161 @@
+"""Beam search (engine/beam_search.py; vLLM's LLM.beam_search and `use_beam_search`).
+
+Oracles: transformers' own beam search on the same checkpoint (the beams, with the end token a
+token like any other), each beam's cumulative logprob against transformers scoring the whole
+sequence, greedy decoding for one beam, and vLLM's rules (EOS completes a beam, the length
+penalty's ranking, the prompt counted in the length) on hand-made candidates."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from cuttle.engine import LLM, BeamSearchParams, Logprob, SamplingParams
+from cuttle.engine.beam_search import BeamSearch, beam_score
+
+PROMPTS = [[5 + (i * 7) % 200 for i in range(12)], [3, 9, 27, 81, 17, 51, 153]]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_path):
+    return LLM(qwen3_path, dtype="float32", num_kv_blocks=256, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def hf(qwen3_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(qwen3_path, torch_dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beams_equal_transformers_beam_search(llm, hf, width):
+    steps = 6
+    outs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
+                              max_new_tokens=steps, eos_token_id=None, pad_token_id=0, length_penalty=1.0,
+                              early_stopping=False)
+        assert [b.tokens for b in out.sequences] == ref.tolist()
+        for b in out.sequences:
+            assert b.finish_reason == "length" and len(b.logprobs) == steps
+            with torch.no_grad():
+                lp = hf(torch.tensor([b.tokens])).logits[0].float().log_softmax(-1)
+            want = sum(lp[i - 1, b.tokens[i]].item() for i in range(len(prompt), len(b.tokens)))
+            assert abs(b.cum_logprob - want) <= 1e-4, (b.cum_logprob, want)
+        scores = [b.cum_logprob for b in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_one_beam_is_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    beams = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=8, ignore_eos=True))
+    for p, g, b in zip(PROMPTS, greedy, beams):
+        assert b.sequences[0].tokens == p + g.outputs[0].token_ids
+        assert b.sequences[0].text == llm.get_tokenizer().decode(b.sequences[0].tokens, True)
+
+
+def _top(pairs: dict[int, float]) -> dict[int, Logprob]:
+    return {t: Logprob(lp, r + 1) for r, (t, lp) in enumerate(pairs.items())}
+
+
+def test_vllm_rules_on_hand_made_candidates():
+    eos = 99
+    prompt = [1, 2, 3]
+    s = BeamSearch(prompt, BeamSearchParams(beam_width=2, max_tokens=3), {eos})
+    assert s.pending() == [prompt]
+    s.advance([_top({10: -0.1, eos: -0.5, 11: -1.0, 12: -3.0})])  # EOS completes a beam: two others live
+    assert [b.tokens for b in s.beams] == [prompt + [10], prompt + [11]]
+    assert [(b.tokens, b.finish_reason, b.stop_reason) for b in s.completed] == [(prompt + [eos], "stop", eos)]
+    s.advance([_top({20: -0.2, 21: -4.0, eos: -5.0, 22: -6.0}), _top({30: -0.1, 31: -0.2, 32: -9.0, 33: -9.5})])
+    # live, by cumulative logprob: 10 20 (-0.3), 11 30 (-1.1); 11 31 (-1.2) and the rest drop
+    assert [(b.tokens[3:], round(b.cum_logprob, 6)) for b in s.beams] == [([10, 20], -0.3), ([11, 30], -1.1)]
+    assert len(s.completed) == 2  # 10 EOS (-5.1) joined
+    s.advance([_top({40: -2.0, 41: -3.0, 42: -4.0, 43: -5.0}), _top({50: -0.1, 51: -7.0, 52: -8.0, 53: -9.0})])
+    assert s.done and s.pending() == []
+    best = s.result()
+    # scores: cum / len ** 1.0, the prompt counted, a final EOS not: [1 2 3 EOS] -0.5 / 3 = -0.167
+    # beats [1 2 3 11 30 50] -1.2 / 6 = -0.2 and [1 2 3 10 20 40] -2.3 / 6
+    assert [b.tokens[3:] for b in best] == [[eos], [11, 30, 50]]
+    assert [b.finish_reason for b in best] == ["stop", "length"]
+    assert s.generated(best[0]) == [] and s.generated(best[1]) == [11, 30, 50]
+    assert beam_score(prompt + [eos], -0.5, {eos}, 1.0) == pytest.approx(-0.5 / 3)
+    # a length penalty of 0 ranks by the cumulative logprob alone
+    s0 = BeamSearch(prompt, BeamSearchParams(beam_width=1, max_tokens=2, length_penalty=0.0), {eos})
+    s0.advance([_top({10: -0.1, eos: -0.5})])
+    s0.advance([_top({20: -0.1, 21: -0.2})])
+    assert s0.result()[0].tokens == prompt + [10, 20]
+    # include_stop_str_in_output keeps the EOS in the generated ids
+    s1 = BeamSearch(prompt, BeamSearchParams(beam_width=1, max_tokens=1, include_stop_str_in_output=True), {eos})
+    s1.advance([_top({eos: -0.1, 10: -0.2})])
+    assert s1.generated(s1.result()[0]) == [eos]
+    # ignore_eos: the end token is a token like any other
+    s2 = BeamSearch(prompt, BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True), {eos})
+    s2.advance([_top({eos: -0.1, 10: -0.2})])
+    assert not s2.completed and s2.beams[0].tokens == prompt + [eos]
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"beam_width": 0}, "beam_width"), ({"beam_width": 11}, "beam_width"), ({"beam_width": True}, "beam_width"),
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": 0.7}, "temperature"), ({"length_penalty": float("nan")}, "length_penalty"),
+])
+def test_params_are_checked(kw, field):
+    with pytest.raises(ValueError, match=field):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **kw})
+
+
+def test_prompt_too_long_and_documents_are_refused(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.beam_search([[5] * 10], BeamSearchParams(beam_width=2, max_tokens=llm.engine.max_model_len))
+    with pytest.raises(ValueError, match="documents"):
+        llm.beam_search([{"documents": [[5, 6]], "prompt": [7]}], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+@pytest.fixture(scope="module")
+def live(qwen3_path):
+    from server_fixture import LiveServer
+
+    with LiveServer(qwen3_path, dtype="float32", num_kv_blocks=256, max_model_len=128) as srv:
+        yield srv
+
+
+def _post(live, body: dict) -> httpx.Response:
+    return httpx.post(live.url + "/v1/completions", json={"model": "test-model", **body}, timeout=60)
+
+
+def test_server_use_beam_search_equals_offline(live, llm):
+    r = _post(live, {"prompt": PROMPTS, "use_beam_search": True, "n": 3, "max_tokens": 5, "ignore_eos": True,
+                     "return_token_ids": True, "length_penalty": 0.5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    offline = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, length_penalty=0.5))
+    tok = llm.get_tokenizer()
+    for i, (p, out) in enumerate(zip(PROMPTS, offline)):
+        mine = [c for c in choices if c["index"] // 3 == i]
+        assert [c["token_ids"] for c in mine] == [b.tokens[len(p):] for b in out.sequences]
+        assert [c["text"] for c in mine] == [tok.decode(b.tokens[len(p):], True) for b in out.sequences]
+        assert all(c["finish_reason"] == "length" and c["prompt_token_ids"] == p for c in mine)
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+    assert usage["prompt_tokens"] == sum(map(len, PROMPTS))
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"top_p": 0.5}, "top_p"), ({"temperature": 0.8}, "temperature"),
+    ({"n": 11}, "n"), ({"stop": ["x"]}, "stop"), ({"echo": True}, "echo"), ({"documents": [[5, 6]]}, "documents"),
+    ({"length_penalty": "long"}, "length_penalty"), ({"use_beam_search": "yes"}, "use_beam_search"),
+])
+def test_server_refuses_what_beam_search_cannot_do(live, extra, param):
+    r = _post(live, {"prompt": [5, 6, 7], "use_beam_search": True, "n": 2, "max_tokens": 3, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert _post(live, {"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
+
+
+def test_length_penalty_without_beam_search_is_refused(live):
+    r = _post(live, {"prompt": [5, 6, 7], "max_tokens": 2, "length_penalty": 0.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
+    # use_beam_search false is plain sampling
+    assert _post(live, {"prompt": [5, 6, 7], "max_tokens": 2, "use_beam_search": False}).status_code == 200
+    assert json.loads(_post(live, {"prompt": [5, 6, 7], "max_tokens": 2, "use_beam_search": False}).text)["choices"]
