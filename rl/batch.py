@@ -72,6 +72,9 @@ class PackedBatch:
     weight_version   [N] int64   the oldest weight version that sampled any of its tokens
     layouts          N entries   each sequence's squid layout, or None (plain causal); None: all plain
     token_versions   [T] int64   the weight version that sampled each token (-1 where loss_mask is 0)
+    output_starts    [T] int64   where a trained token's sample (one engine request's output) begins,
+                                 as an index in its sequence (-1 where loss_mask is 0; UNKNOWN_START
+                                 where the trajectory did not record it)
     """
 
     input_ids: torch.Tensor
@@ -85,6 +88,7 @@ class PackedBatch:
     weight_version: torch.Tensor
     layouts: list[SquidLayout | None] | None = None
     token_versions: torch.Tensor | None = None
+    output_starts: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -129,6 +133,7 @@ class TrainBatch:
     layouts          N entries      each sequence's squid layout, or None (plain causal); None: all plain
     token_versions   [N, S] int64   the weight version that sampled each token (-1 where loss_mask is
                                     0); a partial rollout carried across an update has several
+    output_starts    [N, S] int64   where a trained token's sample begins in its row (PackedBatch's)
 
     `attention_mask` only marks real tokens; the attention itself is `dense_masks()`.
     """
@@ -144,6 +149,7 @@ class TrainBatch:
     weight_version: torch.Tensor
     layouts: list[SquidLayout | None] | None = None
     token_versions: torch.Tensor | None = None
+    output_starts: torch.Tensor | None = None
 
     @classmethod
     def from_trajectories(
@@ -168,6 +174,7 @@ class TrainBatch:
         loss_mask = torch.zeros(n, s)
         rollout = torch.zeros(n, s)
         token_versions = torch.full((n, s), -1, dtype=torch.long)
+        output_starts = torch.full((n, s), -1, dtype=torch.long)
         versions = []
         for i, (t, (ids, pos, c)) in enumerate(zip(trajectories, rows)):
             k = len(ids)
@@ -181,6 +188,7 @@ class TrainBatch:
             rollout[i, c:k] = torch.tensor(t.logprobs, dtype=torch.float32)
             token_versions[i, c:k] = torch.tensor([v if m else -1 for v, m in zip(t.weight_versions, t.loss_mask)],
                                                   dtype=torch.long)
+            output_starts[i, c:k] = torch.tensor(_output_starts(t), dtype=torch.long) + torch.tensor(t.loss_mask) * c
             sampled = [v for v, m in zip(t.weight_versions, t.loss_mask) if m]
             versions.append(min(sampled) if sampled else -1)
         layouts = [t.layout for t in trajectories]
@@ -192,6 +200,7 @@ class TrainBatch:
             torch.tensor(versions, dtype=torch.long),
             layouts if any(lay is not None for lay in layouts) else None,
             token_versions,
+            output_starts,
         )
 
     @classmethod
@@ -249,4 +258,20 @@ class TrainBatch:
             self.input_ids[keep], self.position_ids[keep], cu, self.loss_mask[keep], self.rollout_logprobs[keep],
             self.advantages, self.rewards, self.group_ids, self.weight_version, self.layouts,
             None if self.token_versions is None else self.token_versions[keep],
+            None if self.output_starts is None else self.output_starts[keep],
         )
+
+
+UNKNOWN_START = -(2**62)  # a trained token whose trajectory did not record where its sample began
+
+
+def _output_starts(t: Trajectory) -> list[int]:
+    """Per token of `t`: where its sample begins in `t.token_ids` for a trained token (the last
+    recorded sample start at or before it), -1 for the others, UNKNOWN_START for trained tokens of
+    a trajectory built without `append_sample` (no starts recorded)."""
+    out, starts, j = [], t.sample_starts, -1
+    for i, m in enumerate(t.loss_mask):
+        while j + 1 < len(starts) and starts[j + 1] <= i:
+            j += 1
+        out.append(-1 if not m else starts[j] if j >= 0 else UNKNOWN_START)
+    return out

@@ -12,9 +12,10 @@ no post-training quantization step. The master weights stay in `dtype` and are w
 sends (the engine re-quantizes them the same way). `sparse_attention` (the engine's
 training-free top-k spec) scores under the same rule, squid segments each on its own keys.
 `TrainerConfig.for_sampler` reads all of these from the sampler (an `LLM`, or the servers'
-/v1/rl/info). Its `temperature`, `top_k`, `top_p` and `min_p` must be the rollout's: the trainer
-scores the distribution the tokens were drawn from, truncated and renormalised by the engine's own
-`truncation_mask` (the penalties and token-level controls are not replicated).
+/v1/rl/info). Its `temperature`, `top_k`, `top_p`, `min_p` and penalties must be the rollout's:
+the trainer scores the distribution the tokens were drawn from, penalised as the engine's sampler
+does (counts per engine request: `TrainBatch.output_starts`), truncated and renormalised by the
+engine's own `truncation_mask` (the token-level controls are not replicated).
 
 Owns a training copy of the model (float32 master weights by default), its optimizer, and the
 recomputation of the sampled tokens' logprobs (`CausalLM.forward_masked` over rows of whole
@@ -73,6 +74,11 @@ class TrainerConfig:
     top_k: int = -1
     top_p: float = 1.0
     min_p: float = 0.0
+    # the rollout's penalties, likewise (applied first, as the engine's sampler does): repetition over
+    # the sample's whole context, presence / frequency over its own request's output so far
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     max_tokens_per_row: int = 2048  # micro-batch size: whole sequences packed into one row
     dtype: str = "float32"
     old_policy: str = "behaviour"  # the ratio's denominator: "behaviour" (engine logprobs) or "start"
@@ -106,6 +112,11 @@ class TrainerConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10] (1: none), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0: none), got {getattr(self, name)!r}")
         if not self.temperature > 0.0:
             raise ValueError(f"temperature must be > 0 (the trainer scores a sampling distribution), got {self.temperature!r}")
 
@@ -211,12 +222,49 @@ class Trainer:
             hidden = self._forward(ids[None], pos[None], mask[None], segments)[0]
             # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
             logits = self.model.compute_logits(hidden[targets - 1])
+        logits = self._penalized(logits, batch, a, b, ids, targets)
         if self.config.temperature != 1.0:
             logits = logits / self.config.temperature
         tokens = ids[targets]
         logits = self._truncated(logits, tokens)
         lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         return lp, doc[targets], span
+
+    def _penalized(self, logits: torch.Tensor, batch: PackedBatch, a: int, b: int, ids: torch.Tensor,
+                   targets: torch.Tensor) -> torch.Tensor:
+        """logits [L, V] (of the row's trained tokens `targets`) after the rollout's penalties, as
+        the engine's `apply_penalties` computes them for the same token: repetition divides a
+        positive logit (multiplies a negative one) of every token in the sample's context so far
+        (its request's prompt, here everything before it in its sequence, and its output so far),
+        then presence / frequency subtract from each token its request's output has produced so
+        far. Out of place (gather, then scatter), so gradients flow through the penalised logits."""
+        c = self.config
+        rep, counting = c.repetition_penalty != 1.0, bool(c.presence_penalty or c.frequency_penalty)
+        if not (rep or counting):
+            return logits
+        cu = batch.cu_seqlens.tolist()
+        seq_start = torch.repeat_interleave(torch.tensor([s - cu[a] for s in cu[a:b]]), torch.tensor(batch.seq_lens[a:b]))
+        row = ids.cpu()
+        t_list, s_list = targets.cpu().tolist(), seq_start[targets.cpu()].tolist()
+        if rep:
+            seen = [torch.unique(row[s:t]) for t, s in zip(t_list, s_list)]
+            idx = _padded(seen, logits.device)
+            vals = logits.gather(1, idx)
+            logits = logits.scatter(1, idx, torch.where(vals > 0, vals / c.repetition_penalty, vals * c.repetition_penalty))
+        if counting:
+            if batch.output_starts is None:
+                raise ValueError("presence_penalty / frequency_penalty need the batch's output_starts (where each sample "
+                                 "began); build it with TrainBatch.from_trajectories / from_groups")
+            starts = batch.output_starts[cu[a]:cu[b]][targets.cpu()]
+            if bool((starts < 0).any()):
+                raise ValueError("presence_penalty / frequency_penalty need to know where each sample began: a trajectory "
+                                 "built without append_sample records no sample starts")
+            uniq = [torch.unique(row[s + o:t], return_counts=True) for t, s, o in zip(t_list, s_list, starts.tolist())]
+            idx = _padded([u for u, _ in uniq], logits.device)
+            counts = _padded([n for _, n in uniq], logits.device).to(logits.dtype)  # (padded as idx: 0 where empty)
+            vals = logits.gather(1, idx)
+            logits = logits.scatter(1, idx, vals - (c.frequency_penalty * counts + c.presence_penalty * (counts > 0).to(logits.dtype)))
+        return logits
 
     TRUNCATION_CHUNK = 256  # positions whose [chunk, vocab] sort is held at once (top-p)
 
@@ -340,3 +388,15 @@ class _MXFP8RoundTrip(nn.Module):
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return fake_quantize_ste(w, self.from_dtype)
+
+
+def _padded(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[L, max len] of 1-D int tensors, each row padded with copies of its first entry (so a scatter
+    writes that entry's own value again), an empty row all 0 (index 0 with a count of 0: a no-op)."""
+    width = max((len(r) for r in rows), default=0) or 1
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, :len(r)] = r
+            out[i, len(r):] = r[0]
+    return out.to(device)

@@ -66,6 +66,9 @@ class Trajectory:
     num_turns: int = 0
     finish_reason: str | None = None
     layout: SquidLayout | None = None
+    # where each appended sample (one engine request's output) begins in token_ids: the engine's
+    # presence / frequency penalties count a request's own output, so the trainer needs them
+    sample_starts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # one entry per token in each per-token field; a mask is 0 or 1 (a 2 would weigh a token twice)
@@ -94,6 +97,7 @@ class Trajectory:
         if len(sample.logprobs) != len(sample.token_ids):
             raise ValueError("a sample appended to a trajectory needs one logprob per token (SamplingParams.logprobs=0)")
         n = len(sample.token_ids)
+        self.sample_starts.append(len(self.token_ids))
         self.token_ids.extend(sample.token_ids)
         self.loss_mask.extend([1] * n)
         self.logprobs.extend(sample.logprobs)

@@ -75,6 +75,8 @@ def test_sleep_refusals(llm, qwen3_path):
         llm.sleep(2)
     with pytest.raises(ValueError, match="tags"):
         llm.wake_up(["optimizer"])
+    with pytest.raises(ValueError, match="string"):
+        llm.wake_up("weights")
     engine = llm.engine
     engine.add_request("busy", PROMPT, GREEDY)
     with pytest.raises(ValueError, match="1 request"):

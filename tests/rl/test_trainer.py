@@ -11,6 +11,7 @@ from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.sampler import truncates
 from cuttle.rl import TrainBatch, Trajectory, compute_advantages, extend_trajectories, mismatch, sample_groups
 from cuttle.rl.trainer import Trainer, TrainerConfig
+from cuttle.rl.types import Sample
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +61,58 @@ def test_truncated_rollouts_agree_when_the_trainer_truncates_alike(moe_path, ran
     assert plain.max_abs > 1e-2, plain
 
 
+PENALTIES = [{"repetition_penalty": 1.3}, {"presence_penalty": 0.8}, {"frequency_penalty": 0.5},
+             {"repetition_penalty": 0.8, "presence_penalty": -0.4, "frequency_penalty": 0.6, "top_k": 20}]
+
+
+@pytest.mark.parametrize("pen", PENALTIES)
+def test_penalised_rollouts_agree_when_the_trainer_penalises_alike(moe_path, random_prompts, pen):
+    """Rollouts sampled with the repetition / presence / frequency penalties, single-turn groups
+    and multi-turn trajectories (each turn its own engine request, whose output the counts
+    restart from): the trainer configured alike scores them as the engine did; without the
+    penalties the mismatch shows."""
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=256)
+    sp = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, **pen)
+    groups = sample_groups(llm, random_prompts(2, 16, seed=23), 3, sp)
+    trajs = [Trajectory.start(p) for p in random_prompts(2, 14, seed=29)]
+    extend_trajectories(llm, trajs, sp)
+    for t in trajs:
+        t.append_context([40, 41, 42])
+    extend_trajectories(llm, trajs, sp)
+    assert [t.sample_starts for t in trajs] == [[14, 29], [14, 29]]
+    cfg = {"temperature": 0.9, **pen}
+    for batch, n in [(TrainBatch.from_groups(groups, compute_advantages(groups, True)), 2 * 3 * 12),
+                     (TrainBatch.from_trajectories(trajs, [1.0, -1.0], [0, 1]), 2 * 24)]:
+        packed = batch.packed()
+        behaviour = packed.rollout_logprobs[packed.loss_mask > 0]
+        same = mismatch(Trainer(moe_path, TrainerConfig(**cfg)).score(batch), behaviour)
+        assert same.num_tokens == n and same.max_abs <= 1e-5, (pen, same)
+        plain = {k: v for k, v in cfg.items() if "penalty" not in k}
+        assert mismatch(Trainer(moe_path, TrainerConfig(**plain)).score(batch), behaviour).max_abs > 1e-2
+
+
+def test_penalties_carry_gradients_and_need_sample_starts(moe_path):
+    trainer = Trainer(moe_path, TrainerConfig(repetition_penalty=1.2, frequency_penalty=0.3, lr=1e-3, grad_clip=None))
+    t = Trajectory.start([5, 6, 7, 5])
+    t.append_sample(Sample([6, 5, 6, 9], [-1.0] * 4, "length", 0))
+    batch = TrainBatch.from_trajectories([t], [1.0], [0])
+    assert batch.output_starts[0].tolist() == [-1] * 4 + [4] * 4
+    before = trainer.score(batch)
+    trainer.step(batch)
+    assert (trainer.score(batch) - before).sum() > 0  # a positive advantage raised the sample's logprobs
+    bare = Trajectory([5, 6, 7, 5, 6, 5], [0, 0, 0, 0, 1, 1], [0.0] * 6, [-1] * 4 + [0, 0])  # no append_sample: no starts
+    with pytest.raises(ValueError, match="where each sample began"):
+        trainer.score(TrainBatch.from_trajectories([bare], [1.0], [0]))
+    rep_only = Trainer(moe_path, TrainerConfig(repetition_penalty=1.2))
+    assert rep_only.score(TrainBatch.from_trajectories([bare], [1.0], [0])).numel() == 2  # needs no starts
+
+
 def test_truncation_config_is_checked():
     off = TrainerConfig(top_k=0)  # 0 is off, as in SamplingParams (a rollout's params copy over as they are)
     assert not truncates(off.top_k, off.top_p, off.min_p, 1000)
-    for bad, says in [({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"min_p": 1.5}, "min_p"), ({"temperature": 0.0}, "temperature")]:
+    for bad, says in [({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                      ({"frequency_penalty": -3}, "frequency_penalty"), ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
+                      ({"top_p": 0.0}, "top_p"), ({"min_p": 1.5}, "min_p"), ({"temperature": 0.0}, "temperature")]:
         with pytest.raises(ValueError, match=says):
             TrainerConfig(**bad)
 
