@@ -391,10 +391,12 @@ class LLMEngine:
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """Restore what `sleep` gave back: `tags` None for all, or a subset of "weights" and
         "kv_cache" (vLLM's: wake the weights, update them, then the KV cache)."""
+        if isinstance(tags, str):
+            raise ValueError(f"wake_up tags must be a list among {list(WAKE_TAGS)}, got the string {tags!r}")
         tags = list(WAKE_TAGS) if tags is None else list(tags)
         bad = [t for t in tags if t not in WAKE_TAGS]
-        if bad or isinstance(tags, str):
-            raise ValueError(f"wake_up tags must be among {list(WAKE_TAGS)}, got {bad or tags!r}")
+        if bad:
+            raise ValueError(f"wake_up tags must be among {list(WAKE_TAGS)}, got {bad!r}")
         slept = self._slept
         if "weights" in tags and slept.weights:
             restore_weights(slept.weights)

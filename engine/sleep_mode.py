@@ -79,6 +79,7 @@ def offload_weights(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.T
         host = t.detach().to("cpu", copy=True)
         out.append((t, host))
         t.untyped_storage().resize_(0)
+    release_host_memory()
     return out
 
 
@@ -91,7 +92,11 @@ def restore_weights(offloaded: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def release_host_memory() -> None:
-    """Return freed heap memory to the OS (glibc's malloc_trim; a no-op elsewhere)."""
+    """Return freed memory to the OS / the driver: glibc's heap (malloc_trim; a no-op elsewhere),
+    and CUDA's caching allocator's unused blocks (otherwise still reserved by this process, where a
+    colocated trainer in another process cannot have them)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
