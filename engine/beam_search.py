@@ -4,9 +4,13 @@
 Owns the search itself (which beams live, which are complete, their scores and the final order),
 as a state machine a driver feeds: `BeamSearch.pending()` lists the token lists to extend this
 step, the driver asks the engine for each one's next-token log-probabilities (one token, greedy,
-`logprobs = 2 * beam_width`: a request like any other, so the prefix cache serves every beam's
-shared past and only its last, partial block is computed again), and `advance()` takes them. The
-offline driver is `LLM.beam_search`, the server's `server/completions.py`.
+`logprobs = 2 * beam_width`), and `advance()` takes them. The offline driver (`LLM.beam_search`)
+keeps every beam's KV: each beam is an engine session
+(engine/session.py) whose turn gives its candidates, and a kept candidate forks its parent's
+session with the sampled token replaced by its own, so a step computes one token a beam. The
+server's driver (`server/beam_completions.py`) sends each step as one-token requests over the
+beams' whole streams, as vLLM's does (the prefix cache serves their full blocks; the partial last
+block is computed again).
 
 The rules are vLLM's (its `beam_search` and `get_beam_search_score`), so a drop-in client gets
 the same beams:
@@ -92,6 +96,7 @@ class BeamSearch:
         self.beams = [BeamSearchSequence(list(prompt_ids))]
         self.completed: list[BeamSearchSequence] = []
         self.steps = 0
+        self.origins: list[tuple[int, int]] = []  # after `advance`: (parent index, token) per live beam
 
     @property
     def done(self) -> bool:
@@ -114,8 +119,12 @@ class BeamSearch:
                 else:
                     live.append((cum, tok, beam, top))
         live.sort(key=lambda c: -c[0])  # stable: ties keep the beams' and candidates' order
-        self.beams = [BeamSearchSequence(b.tokens + [tok], b.logprobs + [top], cum)
-                      for cum, tok, b, top in live[: self.params.beam_width]]
+        kept = live[: self.params.beam_width]
+        index = {id(b): i for i, b in enumerate(self.beams)}
+        # each new live beam's parent (its index among the beams just extended) and new token: a
+        # driver that keeps a beam's KV (engine sessions) forks the parent's
+        self.origins = [(index[id(b)], tok) for _, tok, b, _ in kept]
+        self.beams = [BeamSearchSequence(b.tokens + [tok], b.logprobs + [top], cum) for cum, tok, b, top in kept]
         self.steps += 1
 
     def result(self) -> list[BeamSearchSequence]:
@@ -135,16 +144,11 @@ class BeamSearch:
         return out
 
 
-def run_beam_search(searches: list[BeamSearch], score: Callable[[list[list[int]]], list[dict[int, Logprob]]]) -> None:
-    """Drive `searches` to the end, one step of all of them at a time: `score(token_lists)` gives
-    each list's next-token candidates (2 x beam_width of them)."""
-    while (flat := _pending(searches)):
-        _advance(searches, score(flat))
-
-
 async def run_beam_search_async(searches: list[BeamSearch],
                                 score: Callable[[list[list[int]]], Awaitable[list[dict[int, Logprob]]]]) -> None:
-    """`run_beam_search` with an awaitable `score` (the server's, over the async engine)."""
+    """Drive `searches` to the end, one step of all of them at a time: `score(token_lists)` gives
+    each list's next-token candidates (2 x beam_width of them), as one-token requests over each
+    beam's whole stream (the server's driver; the prefix cache serves the full blocks)."""
     while (flat := _pending(searches)):
         _advance(searches, await score(flat))
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from cuttle.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
+from cuttle.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from cuttle.engine.config import ENGINE_DEFAULTS, EngineConfig
 from cuttle.engine.generation_config import default_sampling_params
 from cuttle.engine.llm_engine import LLMEngine
@@ -109,8 +109,9 @@ class LLM:
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's beam search (engine/beam_search.py): per prompt, the best `params.beam_width`
         beams, each with its tokens (prompt and generated), cumulative logprob and text (the
-        tokens decoded, prompt included, as vLLM's). Every step's beams run as one batch of
-        one-token requests; the prefix cache serves what they share."""
+        tokens decoded, prompt included, as vLLM's). Every beam is an engine session, so a step
+        computes one token a beam (a kept candidate forks its parent's KV); prompts are searched
+        together, as many at once as the session limit allows (2 x width sessions each)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         engine = self.engine
@@ -124,16 +125,14 @@ class LLM:
                 raise ValueError(f"prompts[{i}]: {len(ids[-1])} prompt tokens + max_tokens ({params.max_tokens}) exceed "
                                  f"max_model_len ({engine.max_model_len})")
         searches = [BeamSearch(p, params, engine.eos_token_ids) for p in ids]
-        step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True,
-                              skip_special_tokens=params.skip_special_tokens)
-        steps = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
-
-        def score(token_lists: list[list[int]]) -> list[dict]:
-            steps.update(1)
-            return [out.outputs[0].logprobs[0] for out in self._run(token_lists, [step] * len(token_lists), False)]
-
-        run_beam_search(searches, score)
-        steps.close()
+        at_once = engine.config.max_sessions // (2 * params.beam_width)
+        if at_once < 1:
+            raise ValueError(f"beam search keeps up to 2 x beam_width ({2 * params.beam_width}) engine sessions a prompt; "
+                             f"max_sessions is {engine.config.max_sessions}")
+        bar = tqdm(total=len(searches) * params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        for k in range(0, len(searches), at_once):
+            self._beam_search_sessions(searches[k:k + at_once], params, bar)
+        bar.close()
         tok = self.get_tokenizer()
         outputs = []
         for s in searches:
@@ -142,6 +141,36 @@ class LLM:
                 b.text = tok.decode(b.tokens, params.skip_special_tokens) if tok is not None else None
             outputs.append(BeamSearchOutput(best))
         return outputs
+
+    def _beam_search_sessions(self, searches: list[BeamSearch], params: BeamSearchParams, bar) -> None:
+        """Run `searches` to the end, each live beam an engine session whose stream is the beam."""
+        engine = self.engine
+        step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+        live: list[list[str]] = [[engine.open_session(s.beams[0].tokens)] for s in searches]
+        try:
+            while True:
+                work = [(s, sids) for s, sids in zip(searches, live) if not s.done]
+                if not work:
+                    return
+                flat = [sid for _, sids in work for sid in sids]
+                outs = self.generate_session(flat, step)  # each turn: its candidates; it appends its argmax
+                at = 0
+                for s, sids in work:
+                    s.advance([out.outputs[0].logprobs[0] for out in outs[at:at + len(sids)]])
+                    at += len(sids)
+                    children = []
+                    for parent, token in ([] if s.done else s.origins):  # (a finished search needs no more KV)
+                        child = engine.fork_session(sids[parent], 1)[0]
+                        engine.replace_last_session_token(child, token)
+                        children.append(child)
+                    for sid in sids:
+                        engine.close_session(sid)
+                    sids[:] = children
+                    bar.update(1)
+        finally:
+            for sids in live:
+                for sid in sids:
+                    engine.close_session(sid)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode: give back the KV cache's memory (and on an accelerator the weights',

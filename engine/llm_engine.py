@@ -327,6 +327,11 @@ class LLMEngine:
         self._check_ids(ids, "token_ids")
         self.sessions.append(session_id, ids)
 
+    def replace_last_session_token(self, session_id: str, token_id: int) -> None:
+        """The session's last token, not yet in KV (a turn's sampled one), replaced (beam search)."""
+        self._check_ids([token_id], "token_id")
+        self.sessions.replace_last(session_id, token_id)
+
     def session_token_ids(self, session_id: str) -> list[int]:
         return list(self.sessions.get(session_id).token_ids)
 

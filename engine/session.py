@@ -111,6 +111,18 @@ class Sessions:
         s.token_ids.extend(token_ids)
         s.origin = next(_origins)  # it no longer matches its siblings
 
+    def replace_last(self, session_id: str, token_id: int) -> None:
+        """Put `token_id` in place of the stream's last token, one whose KV is not computed yet
+        (what a turn leaves: its sampled token): beam search forks a turn's session once per
+        candidate it keeps and gives each its own next token. Nothing pinned changes."""
+        s = self.get(session_id)
+        if s.request is not None:
+            raise ValueError(f"session {session_id!r} has a turn in flight; change it after the turn ends")
+        if s.computed >= len(s.token_ids):
+            raise ValueError(f"session {session_id!r}: its last token's KV is computed; only an uncomputed one can be replaced")
+        s.token_ids[-1] = token_id
+        s.origin = next(_origins)  # it no longer matches its siblings
+
     def close(self, session_id: str) -> Request | None:
         """Forget the session and release its pins; returns its turn in flight (the caller aborts
         it: for siblings that share one request that ends the turn of all of them)."""

@@ -57,6 +57,18 @@ def test_one_beam_is_greedy(llm):
         assert b.sequences[0].text == llm.get_tokenizer().decode(b.sequences[0].tokens, True)
 
 
+def test_offline_search_computes_one_token_a_beam_a_step(llm):
+    """Each beam is an engine session: the prompt is computed once, then one token a live beam a
+    step (a kept candidate forks its parent's KV); no session is left open."""
+    prompt = [7 + (i * 11) % 190 for i in range(40)]
+    before = llm.engine.stats()
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
+    after = llm.engine.stats()
+    assert len(out.sequences) == 3 and after["steps"] - before["steps"] == 6
+    assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] == len(prompt) + 5 * 3
+    assert after["sessions_open"] == 0
+
+
 def _top(pairs: dict[int, float]) -> dict[int, Logprob]:
     return {t: Logprob(lp, r + 1) for r, (t, lp) in enumerate(pairs.items())}
 
