@@ -158,11 +158,13 @@ class LLM:
                 for s, sids in work:
                     s.advance([out.outputs[0].logprobs[0] for out in outs[at:at + len(sids)]])
                     at += len(sids)
-                    children = []
+                    children: list[str] = []
+                    live.append(children)  # (closed with the rest if a fork fails)
                     for parent, token in ([] if s.done else s.origins):  # (a finished search needs no more KV)
                         child = engine.fork_session(sids[parent], 1)[0]
-                        engine.replace_last_session_token(child, token)
                         children.append(child)
+                        engine.replace_last_session_token(child, token)
+                    live.pop()
                     for sid in sids:
                         engine.close_session(sid)
                     sids[:] = children
