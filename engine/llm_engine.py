@@ -102,7 +102,7 @@ class LLMEngine:
                                    config.scheduling_policy)
         self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
         self.requests: dict[str, Request] = {}
-        self._slept = Slept(0)  # what sleep() gave back (nothing: awake)
+        self._slept = Slept()  # what sleep() gave back (nothing: awake)
         self._rng = random.Random(config.seed)
         self.weight_version = 0
         self._weights_tag = b""  # the disk tier's name for the weights (the checkpoint's until an update)
@@ -388,7 +388,7 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()  # the blocks' content is about to go
         if self.runner.graphs is not None:
             self.runner.graphs.clear()  # they hold the pool's (and the weights') addresses
-        slept = Slept(level, kv=free_storage(self.runner.kv.tensors))
+        slept = Slept(kv=free_storage(self.runner.kv.tensors))
         if self.device.type != "cpu":
             slept.weights = offload_weights(self.runner.model)
         self._slept = slept

@@ -40,9 +40,8 @@ class EngineAsleepError(RuntimeError):
 class Slept:
     """What a sleeping engine has given back (and so what waking must restore)."""
 
-    level: int
     kv: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (tensor, its storage bytes)
-    weights: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (tensor, its host copy)
+    weights: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = field(default_factory=list)  # (storage, its host copy)
 
     @property
     def asleep(self) -> bool:
@@ -67,28 +66,30 @@ def restore_storage(freed: list[tuple[torch.Tensor, int]]) -> None:
         t.zero_()
 
 
-def offload_weights(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copy every parameter and buffer of `module` to host memory and free its own memory (each
-    tensor once, however many names it has)."""
+def offload_weights(module: torch.nn.Module) -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
+    """Copy the storage under every parameter and buffer of `module` to host memory, whole, and
+    free it: each storage once, however many tensors view it (a tied weight, slices of one fused
+    buffer), so every view sees its own bytes again after `restore_weights`."""
     seen: set[int] = set()
     out = []
     for t in [*module.parameters(), *module.buffers()]:
-        if id(t) in seen or t.untyped_storage().nbytes() == 0:
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
             continue
-        seen.add(id(t))
-        host = t.detach().to("cpu", copy=True)
-        out.append((t, host))
-        t.untyped_storage().resize_(0)
+        seen.add(st.data_ptr())
+        host = torch.UntypedStorage(st.nbytes(), device="cpu")
+        host.copy_(st)
+        out.append((st, host))
+        st.resize_(0)
     release_host_memory()
     return out
 
 
-def restore_weights(offloaded: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each offloaded tensor back into its own (re-grown) storage."""
-    with torch.no_grad():
-        for t, host in offloaded:
-            t.untyped_storage().resize_(host.untyped_storage().nbytes())
-            t.copy_(host)
+def restore_weights(offloaded: list[tuple[torch.UntypedStorage, torch.UntypedStorage]]) -> None:
+    """Copy each offloaded storage back into its own (re-grown) memory."""
+    for st, host in offloaded:
+        st.resize_(host.nbytes())
+        st.copy_(host)
 
 
 def release_host_memory() -> None:

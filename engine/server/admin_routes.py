@@ -27,11 +27,14 @@ def add_admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
     llm = engine.engine
 
     async def run(fn, param: str | None) -> None:
+        def then_stats() -> None:  # on the engine thread, as every other stats snapshot
+            fn()
+            engine.stats_snapshot = llm.stats()
+
         try:
-            await engine.call(fn)
+            await engine.call(then_stats)
         except ValueError as e:
             raise OpenAIError(str(e), param=param) from None
-        engine.stats_snapshot = llm.stats()
 
     @app.post("/sleep")
     async def sleep(level: str = "1") -> Response:

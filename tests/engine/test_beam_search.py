@@ -6,8 +6,6 @@ sequence, greedy decoding for one beam, and vLLM's rules (EOS completes a beam, 
 penalty's ranking, the prompt counted in the length) on hand-made candidates."""
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 import torch
@@ -169,5 +167,5 @@ def test_length_penalty_without_beam_search_is_refused(live):
     r = _post(live, {"prompt": [5, 6, 7], "max_tokens": 2, "length_penalty": 0.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
     # use_beam_search false is plain sampling
-    assert _post(live, {"prompt": [5, 6, 7], "max_tokens": 2, "use_beam_search": False}).status_code == 200
-    assert json.loads(_post(live, {"prompt": [5, 6, 7], "max_tokens": 2, "use_beam_search": False}).text)["choices"]
+    plain = _post(live, {"prompt": [5, 6, 7], "max_tokens": 2, "use_beam_search": False})
+    assert plain.status_code == 200 and plain.json()["choices"]
