@@ -51,11 +51,11 @@ from cuttle.engine.models import CausalLM, load_model
 from cuttle.engine.models.transformer import parse_sparse_attention, sparse_attention_for
 from cuttle.engine.models.linear_quant import linear_slots
 from cuttle.engine.models.moe_quant import moe_layers
-from cuttle.engine.sampler import truncates, truncation_mask
 from cuttle.moe.mxfp8 import fake_quantize_ste
 from cuttle.rl.batch import PackedBatch, TrainBatch
 from cuttle.rl.losses import LossConfig, Normalizer, loss_config, policy_loss
 from cuttle.rl.mismatch import mismatch
+from cuttle.rl.sampling_replay import SamplingReplay
 
 
 class WeightTarget(Protocol):
@@ -148,6 +148,7 @@ class Trainer:
         if self.config.moe_quant is not None or self.config.quantization is not None:
             self._quantize_on_the_fly()
         self.sparse = sparse_attention_for(self.config.sparse_attention, mc)  # refused as the engine refuses it
+        self.replay = SamplingReplay(self.config)
         # frozen by the engine's names (a parametrized weight's own name ends in `.original`)
         self.params = [p for n, p in self.model.named_parameters() if not _engine_name(n).startswith(freeze)]
         for p in self.params:
@@ -222,65 +223,9 @@ class Trainer:
             hidden = self._forward(ids[None], pos[None], mask[None], segments)[0]
             # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
             logits = self.model.compute_logits(hidden[targets - 1])
-        logits = self._penalized(logits, batch, a, b, ids, targets)
-        if self.config.temperature != 1.0:
-            logits = logits / self.config.temperature
-        tokens = ids[targets]
-        logits = self._truncated(logits, tokens)
-        lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        logits = self.replay(logits, batch, a, b, ids, targets)
+        lp = torch.log_softmax(logits, dim=-1).gather(1, ids[targets][:, None]).squeeze(1)
         return lp, doc[targets], span
-
-    def _penalized(self, logits: torch.Tensor, batch: PackedBatch, a: int, b: int, ids: torch.Tensor,
-                   targets: torch.Tensor) -> torch.Tensor:
-        """logits [L, V] (of the row's trained tokens `targets`) after the rollout's penalties, as
-        the engine's `apply_penalties` computes them for the same token: repetition divides a
-        positive logit (multiplies a negative one) of every token in the sample's context so far
-        (its request's prompt, here everything before it in its sequence, and its output so far),
-        then presence / frequency subtract from each token its request's output has produced so
-        far. Out of place (gather, then scatter), so gradients flow through the penalised logits."""
-        c = self.config
-        rep, counting = c.repetition_penalty != 1.0, bool(c.presence_penalty or c.frequency_penalty)
-        if not (rep or counting):
-            return logits
-        cu = batch.cu_seqlens.tolist()
-        seq_start = torch.repeat_interleave(torch.tensor([s - cu[a] for s in cu[a:b]]), torch.tensor(batch.seq_lens[a:b]))
-        row = ids.cpu()
-        t_list, s_list = targets.cpu().tolist(), seq_start[targets.cpu()].tolist()
-        if rep:
-            seen = [torch.unique(row[s:t]) for t, s in zip(t_list, s_list)]
-            idx = _padded(seen, logits.device)
-            vals = logits.gather(1, idx)
-            logits = logits.scatter(1, idx, torch.where(vals > 0, vals / c.repetition_penalty, vals * c.repetition_penalty))
-        if counting:
-            if batch.output_starts is None:
-                raise ValueError("presence_penalty / frequency_penalty need the batch's output_starts (where each sample "
-                                 "began); build it with TrainBatch.from_trajectories / from_groups")
-            starts = batch.output_starts[cu[a]:cu[b]][targets.cpu()]
-            if bool((starts < 0).any()):
-                raise ValueError("presence_penalty / frequency_penalty need to know where each sample began: a trajectory "
-                                 "built without append_sample records no sample starts")
-            uniq = [torch.unique(row[s + o:t], return_counts=True) for t, s, o in zip(t_list, s_list, starts.tolist())]
-            idx = _padded([u for u, _ in uniq], logits.device)
-            counts = _padded([n for _, n in uniq], logits.device).to(logits.dtype)  # (padded as idx: 0 where empty)
-            vals = logits.gather(1, idx)
-            logits = logits.scatter(1, idx, vals - (c.frequency_penalty * counts + c.presence_penalty * (counts > 0).to(logits.dtype)))
-        return logits
-
-    TRUNCATION_CHUNK = 256  # positions whose [chunk, vocab] sort is held at once (top-p)
-
-    def _truncated(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """logits with what the rollout's top-k / top-p / min-p excluded at -inf (the engine's
-        `truncation_mask`, chosen without gradient), the sampled token always kept: the engine
-        kept it, and a near-tie at the cut that rounds the other way here must not make its
-        logprob -inf."""
-        c = self.config
-        if not truncates(c.top_k, c.top_p, c.min_p, logits.shape[-1]):
-            return logits
-        with torch.no_grad():
-            drop = torch.cat([truncation_mask(part.float(), c.top_k, c.top_p, c.min_p)
-                              for part in logits.detach().split(self.TRUNCATION_CHUNK)])
-            drop[torch.arange(len(tokens), device=drop.device), tokens] = False
-        return logits.masked_fill(drop, float("-inf"))
 
     @torch.no_grad()
     def score(self, batch: TrainBatch | PackedBatch) -> torch.Tensor:
@@ -388,15 +333,3 @@ class _MXFP8RoundTrip(nn.Module):
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return fake_quantize_ste(w, self.from_dtype)
-
-
-def _padded(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[L, max len] of 1-D int tensors, each row padded with copies of its first entry (so a scatter
-    writes that entry's own value again), an empty row all 0 (index 0 with a count of 0: a no-op)."""
-    width = max((len(r) for r in rows), default=0) or 1
-    out = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if len(r):
-            out[i, :len(r)] = r
-            out[i, len(r):] = r[0]
-    return out.to(device)
