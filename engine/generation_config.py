@@ -6,16 +6,20 @@ Owns reading that file (or the directory `generation_config` names; "vllm" ignor
 ways a default meets a request: offline, `LLM.generate` without sampling params uses
 `default_sampling_params` (vLLM's `get_default_sampling_params`); on the server, a body field that
 is absent or null takes the default (`with_defaults`). Its `do_sample` is not read, as vLLM does
-not: a greedy model says so with temperature 0. The file's eos_token_id is the engine's business.
+not: a greedy model says so with temperature 0. The file's eos_token_id joins the model's EOS set
+(`model_eos_token_ids`, the ids that end a sample: the engine's, and the RL trainer's min_tokens).
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cuttle.engine.config import EngineConfig
+from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cuttle.engine.tokenizer import Tokenizer
 
 # generation_config.json key -> SamplingParams field (and request body field)
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -56,3 +60,18 @@ def with_defaults(body: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
     if "max_completion_tokens" in given:
         given.add("max_tokens")
     return {**body, **{k: v for k, v in defaults.items() if k not in given}}
+
+
+def model_eos_token_ids(model_path: str, mc: ModelConfig, tokenizer: Tokenizer | None) -> set[int]:
+    """The ids that end a sample: the model config's eos_token_id, generation_config.json's (one id
+    or a list) and the tokenizer's eos token."""
+    ids = set(mc.eos_token_ids)
+    f = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(f):
+        with open(f) as fh:
+            eos = json.load(fh).get("eos_token_id")
+        if eos is not None:
+            ids |= {eos} if isinstance(eos, int) else set(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import json
 import os
 import random
 import time
@@ -27,7 +26,7 @@ from cuttle.engine.kv.cost_model import CostModel
 from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespace_key
 from cuttle.engine.kv.tiers import KVTiers
 from cuttle.engine.kv.transfer import TransferEngine
-from cuttle.engine.generation_config import generation_defaults
+from cuttle.engine.generation_config import generation_defaults, model_eos_token_ids
 from cuttle.engine.memory_budget import checkpoint_weight_bytes, free_memory_bytes, kv_pool_bytes
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
@@ -64,9 +63,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype(mc, self.device)
         # skip_tokenizer_init: token ids in and out, no tokenizer file needed (text prompts are refused)
         self.tokenizer: Tokenizer | None = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or config.model)
-        self.eos_token_ids = set(mc.eos_token_ids) | _generation_eos(config.model)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = model_eos_token_ids(config.model, mc, self.tokenizer)
         self.generation_defaults = generation_defaults(config)  # engine/generation_config.py
 
         max_len = config.max_model_len or mc.max_position_embeddings
@@ -751,17 +748,6 @@ def keep_large_allocations_in_heap() -> None:
         libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass
-
-
-def _generation_eos(path: str) -> set[int]:
-    f = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(f):
-        return set()
-    with open(f) as fh:
-        eos = json.load(fh).get("eos_token_id")
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
 
 
 def _check_fits(field: str, nbytes: int, device: torch.device, weights: int = 0) -> None:

@@ -110,14 +110,18 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
         logits.index_put_((mask.bias_rows, mask.bias_ids), mask.bias_vals.to(logits.dtype), accumulate=True)
     if not mask.rows or apply_bitmask(logits, mask.rows, mask.bitmask):
         return
-    vocab = logits.shape[1]
-    # bit t of word w is token 32 w + t (xgrammar's layout)
-    banned = ((mask.bitmask.unsqueeze(-1) & _BITS) == 0).view(len(mask.rows), -1)[:, :vocab]
+    banned = banned_tokens(mask.bitmask, logits.shape[1])
     if len(mask.rows) == logits.shape[0]:
         logits.masked_fill_(banned, float("-inf"))
     else:
         for r, b in zip(mask.rows, banned):
             logits[r].masked_fill_(b, float("-inf"))
+
+
+def banned_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [rows, vocab]: True where a token's bit is clear in the int32 bitmask [rows, words] (bit
+    t of word w is token 32 w + t, xgrammar's layout)."""
+    return ((bitmask.unsqueeze(-1) & _BITS) == 0).view(bitmask.shape[0], -1)[:, :vocab]
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRequest], logprobs_mode: str = "processed",

@@ -134,7 +134,7 @@ class Controls:
     bad_seqs: list[tuple[int, ...]] = field(default_factory=list)  # multi-token bad words
     bias_ids: torch.Tensor | None = None
     bias_vals: torch.Tensor | None = None
-    matchers: dict[int, list[Any]] = field(default_factory=dict)  # sample index -> [matcher, tokens consumed]
+    matchers: dict[int, list[Any]] = field(default_factory=dict)  # sample index (the key) -> [matcher, tokens consumed]
 
     @property
     def masks(self) -> bool:
@@ -348,20 +348,10 @@ class StructuredOutput:
         failed: dict[int, str] = {}
         for k, (j, seq, ctl) in enumerate(masked):
             # the output is read from its end only (new tokens, a bad word's prefix): no copy of it
-            ids, start = seq.token_ids, seq.num_prompt_tokens
-            if ctl.grammar is not None:
-                err = self._fill_grammar(ctl, seq.index, ids, start, bitmask, k)
-                if err is not None:
-                    failed[j] = err
-            if ctl.allowed is not None:
-                bits[k] &= ctl.allowed
-            if ctl.banned is not None:
-                _clear_bits(bits[k], ctl.banned)
-            if ctl.bad_seqs:
-                n = len(ids)
-                hit = [s[-1] for s in ctl.bad_seqs if n - start >= len(s) - 1 and tuple(ids[n - len(s) + 1 :]) == s[:-1]]
-                if hit:
-                    _clear_bits(bits[k], np.array(hit, dtype=np.int64))
+            ids = seq.token_ids
+            err = self.fill_row(ctl, seq.index, ids, seq.num_prompt_tokens, len(ids), bitmask, bits, k)
+            if err is not None:
+                failed[j] = err
         mask = TokenMask([j for j, _, _ in masked], bitmask, failed=failed)
         biased = [(j, c) for j, _, c in picks if c.bias_ids is not None]
         if biased:
@@ -370,12 +360,31 @@ class StructuredOutput:
             mask.bias_vals = torch.cat([c.bias_vals for _, c in biased])
         return mask
 
-    def _fill_grammar(self, ctl: Controls, index: int, ids: list[int], start: int, bitmask: torch.Tensor, k: int) -> str | None:
-        entry = ctl.matchers.get(index)
+    def fill_row(self, ctl: Controls, key: int, ids: list[int], start: int, end: int, bitmask: torch.Tensor,
+                 bits: np.ndarray, k: int) -> str | None:
+        """Row k of `bitmask` (int32 [rows, width], all bits set; `bits` its uint32 view): the tokens
+        `ctl` allows at position `end` of `ids`, whose output (one engine request's) began at
+        `start`. `key` names the sample's grammar matcher, which consumes the output up to `end`
+        (calls for one key come in increasing `end`). The reason, where the grammar rejects a token
+        of that output; else None. Also the RL trainer's replay of a sampled token's mask."""
+        err = self._fill_grammar(ctl, key, ids, start, end, bitmask, k) if ctl.grammar is not None else None
+        if ctl.allowed is not None:
+            bits[k] &= ctl.allowed
+        if ctl.banned is not None:
+            _clear_bits(bits[k], ctl.banned)
+        if ctl.bad_seqs:
+            hit = [s[-1] for s in ctl.bad_seqs if end - start >= len(s) - 1 and tuple(ids[end - len(s) + 1 : end]) == s[:-1]]
+            if hit:
+                _clear_bits(bits[k], np.array(hit, dtype=np.int64))
+        return err
+
+    def _fill_grammar(self, ctl: Controls, key: int, ids: list[int], start: int, end: int, bitmask: torch.Tensor,
+                      k: int) -> str | None:
+        entry = ctl.matchers.get(key)
         if entry is None:
-            entry = ctl.matchers[index] = [xgrammar().GrammarMatcher(ctl.grammar, max_rollback_tokens=0), 0]
+            entry = ctl.matchers[key] = [xgrammar().GrammarMatcher(ctl.grammar, max_rollback_tokens=0), 0]
         matcher, done = entry
-        for t in ids[start + done :]:  # the output tokens sampled since the last fill (preemption keeps them all)
+        for t in ids[start + done : end]:  # the output tokens sampled since the last fill (preemption keeps them all)
             if not matcher.accept_token(t):
                 return f"token {t} at output position {done} is not allowed by the request's grammar"
             done += 1

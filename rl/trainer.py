@@ -12,10 +12,11 @@ no post-training quantization step. The master weights stay in `dtype` and are w
 sends (the engine re-quantizes them the same way). `sparse_attention` (the engine's
 training-free top-k spec) scores under the same rule, squid segments each on its own keys.
 `TrainerConfig.for_sampler` reads all of these from the sampler (an `LLM`, or the servers'
-/v1/rl/info). Its `temperature`, `top_k`, `top_p`, `min_p` and penalties must be the rollout's:
-the trainer scores the distribution the tokens were drawn from, penalised as the engine's sampler
-does (counts per engine request: `TrainBatch.output_starts`), truncated and renormalised by the
-engine's own `truncation_mask` (the token-level controls are not replicated).
+/v1/rl/info). Its sampling fields (`SAMPLING_FIELDS`: temperature, truncation, penalties,
+logit_bias / allowed_token_ids / bad_words / structured_outputs, min_tokens and its stop ids) must
+be the rollout's, as `for_sampler(sampler, sampling_params)` copies them: the trainer scores the
+distribution the tokens were drawn from, the engine sampler's processing replayed on its logits
+(rl/sampling_replay.py; per engine request where it counts: `TrainBatch.output_starts`).
 
 Owns a training copy of the model (float32 master weights by default), its optimizer, and the
 recomputation of the sampled tokens' logprobs (`CausalLM.forward_masked` over rows of whole
@@ -51,6 +52,7 @@ from cuttle.engine.models import CausalLM, load_model
 from cuttle.engine.models.transformer import parse_sparse_attention, sparse_attention_for
 from cuttle.engine.models.linear_quant import linear_slots
 from cuttle.engine.models.moe_quant import moe_layers
+from cuttle.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from cuttle.moe.mxfp8 import fake_quantize_ste
 from cuttle.rl.batch import PackedBatch, TrainBatch
 from cuttle.rl.losses import LossConfig, Normalizer, loss_config, policy_loss
@@ -79,6 +81,18 @@ class TrainerConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # the rollout's token-level controls, likewise (SamplingParams' meanings, applied first: the
+    # bias, then what the mask excludes); bad_words and structured_outputs need the tokenizer
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # and its min_tokens: the stop ids (stop_token_ids, and EOS unless ignore_eos) masked while its
+    # output is shorter; `eos_token_ids` None: the checkpoint's (the engine's rule)
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    eos_token_ids: list[int] | None = None
     max_tokens_per_row: int = 2048  # micro-batch size: whole sequences packed into one row
     dtype: str = "float32"
     old_policy: str = "behaviour"  # the ratio's denominator: "behaviour" (engine logprobs) or "start"
@@ -119,19 +133,48 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be in [-2, 2] (0: none), got {getattr(self, name)!r}")
         if not self.temperature > 0.0:
             raise ValueError(f"temperature must be > 0 (the trainer scores a sampling distribution), got {self.temperature!r}")
+        if self.eos_token_ids is not None:
+            self.eos_token_ids = sorted(set(self.eos_token_ids))
+        # the controls are checked (and normalised: logit_bias keys as ints) by SamplingParams' own rules
+        sp = self.rollout_params()
+        self.logit_bias, self.stop_token_ids, self.bad_words = sp.logit_bias, sp.stop_token_ids, sp.bad_words
+
+    def rollout_params(self) -> SamplingParams:
+        """The sampling fields this config replays, as the SamplingParams a rollout would set."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
+                              allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                              structured_outputs=self.structured_outputs, min_tokens=self.min_tokens, max_tokens=None,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
 
     @classmethod
-    def for_sampler(cls, sampler: Any, **fields: Any) -> TrainerConfig:
+    def for_sampler(cls, sampler: Any, sampling_params: SamplingParams | None = None, **fields: Any) -> TrainerConfig:
         """A config whose forward is the sampler's, so its logprobs are the ones the samples were
         drawn with: its `sparse_attention` and its MXFP8 weights (`moe_quant`, `quantization`,
-        `quantize_lm_head`, quantized from its dtype). `sampler`: an in-process `LLM`, or a
-        `RolloutClient` (read from the servers' /v1/rl/info). The other fields as given."""
-        info = sampler.forward_options() if hasattr(sampler, "forward_options") else sampler.engine.forward_options()
+        `quantize_lm_head`, quantized from its dtype), and its EOS ids. `sampler`: an in-process
+        `LLM`, or a `RolloutClient` (read from the servers' /v1/rl/info). With the rollout's
+        `sampling_params`, every field of it that shapes the distribution a token is drawn from
+        (`SAMPLING_FIELDS`: temperature, truncation, penalties, token controls, min_tokens and its
+        stop ids). The other fields as given, over these."""
+        served = hasattr(sampler, "forward_options")  # a RolloutClient; an LLM answers through its engine
+        info = sampler.forward_options() if served else sampler.engine.forward_options()
+        eos = sampler.eos_token_ids if served else sampler.engine.eos_token_ids
         quantized = info["moe_quant"] is not None or info["quantization"] is not None
         mirrored = {"sparse_attention": info["sparse_attention"], "moe_quant": info["moe_quant"],
                     "quantization": info["quantization"], "quantize_lm_head": info["quantize_lm_head"],
-                    "quant_dtype": info["dtype"] if quantized else None}
+                    "quant_dtype": info["dtype"] if quantized else None, "eos_token_ids": sorted(eos)}
+        if sampling_params is not None:
+            if sampling_params.greedy:
+                raise ValueError("sampling_params.temperature is 0 (greedy): the trainer scores a sampling distribution")
+            mirrored.update({name: getattr(sampling_params, name) for name in SAMPLING_FIELDS})
         return cls(**{**mirrored, **fields})
+
+
+# SamplingParams fields that shape the distribution a token is drawn from: a TrainerConfig field each
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs",
+                   "min_tokens", "stop_token_ids", "ignore_eos")
 
 
 OLD_POLICIES = ("behaviour", "start")
@@ -139,8 +182,10 @@ OLD_POLICIES = ("behaviour", "start")
 
 class Trainer:
     def __init__(self, model_path: str, config: TrainerConfig | None = None, device: str = "cpu",
-                 freeze: tuple[str, ...] = ()):
-        """`freeze`: parameter-name prefixes left untrained (e.g. ("embed",))."""
+                 freeze: tuple[str, ...] = (), tokenizer: str | None = None):
+        """`freeze`: parameter-name prefixes left untrained (e.g. ("embed",)). `tokenizer`: the
+        folder of the engine's tokenizer (default `model_path`), read only for the config's
+        bad_words / structured_outputs (to replay the engine's masks)."""
         self.config = config or TrainerConfig()
         self.device = torch.device(device)
         mc = ModelConfig.from_pretrained(model_path)
@@ -148,7 +193,7 @@ class Trainer:
         if self.config.moe_quant is not None or self.config.quantization is not None:
             self._quantize_on_the_fly()
         self.sparse = sparse_attention_for(self.config.sparse_attention, mc)  # refused as the engine refuses it
-        self.replay = SamplingReplay(self.config)
+        self.replay = SamplingReplay(self.config, model_path, mc, tokenizer)
         # frozen by the engine's names (a parametrized weight's own name ends in `.original`)
         self.params = [p for n, p in self.model.named_parameters() if not _engine_name(n).startswith(freeze)]
         for p in self.params:

@@ -329,6 +329,10 @@ def test_trainer_config_for_a_served_sampler(moe_path):
     with LiveServer(moe_path, dtype="float32", num_kv_blocks=128, sparse_attention=SPARSE, moe_quant="mxfp8") as srv, \
             RolloutClient(srv.url) as client:
         config = TrainerConfig.for_sampler(client, lr=1e-4)
+        # with the rollout's params: their sampling fields, and the servers' EOS ids min_tokens masks
+        controlled = TrainerConfig.for_sampler(client, SamplingParams(temperature=0.8, min_tokens=3, logit_bias={4: 1.0}))
+        assert (controlled.temperature, controlled.min_tokens, controlled.logit_bias, controlled.eos_token_ids) == \
+            (0.8, 3, {4: 1.0}, sorted(client.eos_token_ids)) and config.eos_token_ids == sorted(client.eos_token_ids)
     assert (config.sparse_attention, config.moe_quant, config.quantization, config.quant_dtype, config.lr) == \
         (parse_sparse_attention(SPARSE).spec(), "mxfp8", None, "float32", 1e-4)
     with LiveServer(moe_path, dtype="bfloat16", num_kv_blocks=128, quantization="mxfp8", quantize_lm_head=True) as srv, \
