@@ -1,8 +1,11 @@
 """Beam search (engine/beam_search.py) against vLLM's, on the same checkpoint and token-id prompts:
 `P` prompts, width `W`, `T` tokens, `ignore_eos`. Each engine also decodes the same prompts greedily
 in one batch for the same `T` tokens, in the same process: beam search's cost is reported as a
-multiple of that (a width-W search reads the weights once a step for all its beams, like a batch,
-but each step is a round of W x P one-token requests re-admitted with their whole prefix).
+multiple of that (a width-W search reads the weights once a step for all its beams, like a batch).
+cuttle runs each live beam as an engine session (one token a beam a step); vLLM re-admits each
+step as W x P one-token requests with their whole prefix. cuttle's server (`use_beam_search` on
+/v1/completions, `cuttle serve` in its own process) is timed twice: with sessions, and with its
+fallback where the session limit leaves no room (one-token requests, as vLLM's).
 Columns: seconds for the greedy batch and the beam search, their ratio, and how many prompts'
 best beams are the same tokens in both engines (bf16: rounding can reorder near-tied beams).
 
@@ -36,8 +39,37 @@ def run_cuttle(ckpt: str, prompts: list[list[int]], width: int, out_len: int) ->
     t = time.perf_counter()
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=out_len, ignore_eos=True))
     beam_s = time.perf_counter() - t
-    return {"engine": "cuttle", "greedy_s": greedy_s, "beam_s": beam_s,
-            "beams": [o.sequences[0].tokens[len(p):] for o, p in zip(outs, prompts)]}
+    beams = [o.sequences[0].tokens[len(p):] for o, p in zip(outs, prompts)]
+    del llm  # (the servers below load their own)
+    served = [{"engine": f"cuttle server ({how})", "greedy_s": greedy_s, **run_served(ckpt, prompts, width, out_len, sessions)}
+              for sessions, how in [(True, "sessions"), (False, "one-token requests")]]
+    for r in served:
+        if r.pop("beams") != beams:  # the same engine and kernels: the same beams
+            raise RuntimeError(f"{r['engine']}: its best beams differ from the offline search's")
+    return [{"engine": "cuttle", "greedy_s": greedy_s, "beam_s": beam_s, "beams": beams}, *served]
+
+
+def run_served(ckpt: str, prompts: list[list[int]], width: int, out_len: int, sessions: bool) -> dict:
+    """`use_beam_search` over HTTP against `cuttle serve` on the checkpoint (its own process, bf16);
+    without `sessions` it runs with --max-sessions 0, so the server takes its one-token-request driver."""
+    import httpx
+
+    from peers.servers import free_port, launch
+
+    opts = {"max_model_len": max(map(len, prompts)) + out_len + 16, "max_num_seqs": 64}
+    with launch("cuttle", ckpt, free_port(), name="bench", max_sessions=None if sessions else 0, **opts) as (base, name):
+        def search(tokens: int) -> httpx.Response:
+            body = {"model": name, "prompt": prompts, "use_beam_search": True, "n": width, "max_tokens": tokens,
+                    "ignore_eos": True, "return_token_ids": True}
+            r = httpx.post(f"{base}/completions", json=body, timeout=3600)
+            r.raise_for_status()
+            return r
+
+        search(2)  # warm-up
+        t = time.perf_counter()
+        choices = search(out_len).json()["choices"]
+        beam_s = time.perf_counter() - t
+    return {"beam_s": beam_s, "beams": [choices[i * width]["token_ids"] for i in range(len(prompts))]}
 
 
 def run_vllm(ckpt: str, prompts: list[list[int]], width: int, out_len: int) -> dict | None:
@@ -74,13 +106,15 @@ def main() -> None:
     ckpt = preset_checkpoint(args.model_preset)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 20000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
-    results = [run_cuttle(ckpt, prompts, args.width, args.output_len)]
-    print(f"cuttle: greedy {results[0]['greedy_s']:.2f} s, beam search {results[0]['beam_s']:.2f} s", flush=True)
+    results = run_cuttle(ckpt, prompts, args.width, args.output_len)
+    for r in results:
+        print(f"{r['engine']}: greedy {r['greedy_s']:.2f} s, beam search {r['beam_s']:.2f} s", flush=True)
+    same = None
     if not args.no_peer:
         peer = run_vllm(ckpt, prompts, args.width, args.output_len)
         if peer is not None:
             results.append(peer)
-    same = None if len(results) < 2 else sum(a == b for a, b in zip(results[0]["beams"], results[1]["beams"]))
+            same = sum(a == b for a, b in zip(results[0]["beams"], peer["beams"]))
     rows = [[r["engine"], f"{r['greedy_s']:.2f}", f"{r['beam_s']:.2f}", f"{r['beam_s'] / r['greedy_s']:.2f}"] for r in results]
     print(f"{machine_info()}\npreset {args.model_preset}, {args.prompts} prompts x {args.prompt_len} tokens, width {args.width}, "
           f"{args.output_len} tokens, bf16" + ("" if same is None else f"; best beams equal in both engines: {same} of {args.prompts}"))

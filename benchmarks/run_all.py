@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -93,7 +92,7 @@ def serving_model(args: argparse.Namespace) -> str:
 def run_engine(engine: str, model_path: str, args: argparse.Namespace, w: dict[str, Any], out_dir: str,
                rates: list[float] | None) -> tuple[dict[str, dict[str, Any]], list[float] | None]:
     """All workloads against one engine's server: {workload name: serving result JSON}."""
-    from peers.servers import PeerUnavailable, launch
+    from peers.servers import PeerUnavailable, free_port, launch
 
     done: dict[str, dict[str, Any]] = {}
     try:
@@ -137,12 +136,6 @@ def run_engine(engine: str, model_path: str, args: argparse.Namespace, w: dict[s
     except Exception as e:  # noqa: BLE001 - one engine that breaks must not cost the others' results
         print(f"{engine}: failed: {type(e).__name__}: {e}", flush=True)
     return done, rates
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def report(all_runs: dict[str, dict[str, dict[str, Any]]], out_dir: str) -> str:

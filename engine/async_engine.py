@@ -273,14 +273,21 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
         await self._call(run)
 
-    async def session_turn(self, request_id: str, session_ids: str | list[str], params: SamplingParams) -> RequestStream:
+    async def fork_beams(self, session_ids: list[str], origins: list[tuple[int, int]]) -> list[str]:
+        """`LLMEngine.fork_beams`, as one command (a beam search step's forks, closes and token
+        replacements between two engine steps)."""
+        return await self._call(lambda: self.engine.fork_beams(session_ids, origins))
+
+    async def session_turn(self, request_id: str, session_ids: str | list[str], params: SamplingParams,
+                           priority: int = 0) -> RequestStream:
         """One turn of the session(s), streamed like `add` (output `i` is `session_ids[i]`'s); the
         sampled ids join the session when the turn ends; closing the stream early aborts the turn
         and leaves the session as it was."""
         sids = [session_ids] if isinstance(session_ids, str) else list(session_ids)
         per_step = params.output_kind != RequestOutputKind.FINAL_ONLY
         await self._compile_grammar(params)
-        return await self._admit(request_id, lambda: self.engine.add_session_turn(request_id, sids, params, stream=per_step))
+        return await self._admit(request_id, lambda: self.engine.add_session_turn(request_id, sids, params, stream=per_step,
+                                                                                 priority=priority))
 
     async def generate(
         self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, cache_salt: str | None = None

@@ -45,6 +45,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --quantization mxfp8: the lm_head too (a tied one gets an MXFP8 copy beside the embedding)")
     g.add_argument("--squid-positions", choices=["shared", "concat"], help="where cached documents sit (docs/squid.md; default: the model's, else concat)")
     g.add_argument("--max-documents", type=int, help="documents one request may carry")
+    g.add_argument("--max-sessions", type=int,
+                   help="engine sessions open at once (each live beam of a use_beam_search request holds one; "
+                        "where none is left, beam search runs as one-token requests)")
+    g.add_argument("--max-session-kv-blocks", type=int, help="KV blocks sessions may pin (default: half the pool)")
     g.add_argument("--sparse-attention", help="training-free top-k attention, e.g. 'topk:budget=2048,block=64,dense_layers=2,summary=quest' (docs/nsa.md)")
     g.add_argument("--kv-offloading-size", type=float, help="GiB of host memory for the KV host tier under the device pool (docs/kv_tiers.md; default 0: off)")
     g.add_argument("--num-host-kv-blocks", type=int, help="host tier size in blocks (instead of --kv-offloading-size)")
@@ -84,7 +88,8 @@ _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                    "max_documents", "kv_offloading_size", "num_host_kv_blocks", "kv_cache_dir", "kv_cache_dir_gb", "kv_read_in_place",
                    "sparse_attention")
 _ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "cpu_graph_max_batch", "cpu_graph_hot_batches",
-                   "generation_config", "batch_invariant", "speculative_config", "scheduling_policy", "enable_sleep_mode")
+                   "generation_config", "batch_invariant", "speculative_config", "scheduling_policy", "enable_sleep_mode",
+                   "max_sessions", "max_session_kv_blocks")
 
 
 def _json_dict(text: str) -> dict:

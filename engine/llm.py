@@ -158,16 +158,12 @@ class LLM:
                 for s, sids in work:
                     s.advance([out.outputs[0].logprobs[0] for out in outs[at:at + len(sids)]])
                     at += len(sids)
-                    children: list[str] = []
-                    live.append(children)  # (closed with the rest if a fork fails)
-                    for parent, token in ([] if s.done else s.origins):  # (a finished search needs no more KV)
-                        child = engine.fork_session(sids[parent], 1)[0]
-                        children.append(child)
-                        engine.replace_last_session_token(child, token)
-                    live.pop()
-                    for sid in sids:
-                        engine.close_session(sid)
-                    sids[:] = children
+                    if s.done:  # a finished search needs no more KV
+                        for sid in sids:
+                            engine.close_session(sid)
+                        sids.clear()
+                    else:  # (if a fork fails, the parents stay in `sids`, closed below)
+                        sids[:] = engine.fork_beams(sids, s.origins)
                     bar.update(1)
         finally:
             for sids in live:

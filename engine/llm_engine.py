@@ -329,13 +329,34 @@ class LLMEngine:
         self._check_ids([token_id], "token_id")
         self.sessions.replace_last(session_id, token_id)
 
+    def fork_beams(self, session_ids: list[str], origins: list[tuple[int, int]]) -> list[str]:
+        """Beam search's step between turns (engine/beam_search.py): for each kept candidate
+        (parent index into `session_ids`, token), a fork of that parent whose last token, the turn's
+        argmax, is replaced by the candidate's; then the parents are closed. The new session ids, in
+        `origins`' order. If a fork fails (a session limit), the forks made are closed and the
+        parents kept; the error is raised."""
+        children: list[str] = []
+        try:
+            for parent, token in origins:
+                child = self.fork_session(session_ids[parent], 1)[0]
+                children.append(child)
+                self.replace_last_session_token(child, token)
+        except BaseException:
+            for sid in children:
+                self.close_session(sid)
+            raise
+        for sid in session_ids:
+            self.close_session(sid)
+        return children
+
     def session_token_ids(self, session_id: str) -> list[int]:
         return list(self.sessions.get(session_id).token_ids)
 
-    def add_session_turn(self, request_id: str, session_ids: list[str], params: SamplingParams, stream: bool = False) -> Request:
+    def add_session_turn(self, request_id: str, session_ids: list[str], params: SamplingParams, stream: bool = False,
+                         priority: int = 0) -> Request:
         """One turn of each session, sampled from its whole stream, as one request: sample `i` is
         session `session_ids[i]`'s (siblings forked from one session and not diverged run together,
-        n = their number). `params.n` must be 1 or that number."""
+        n = their number). `params.n` must be 1 or that number. `priority` as `add_request`'s."""
         sessions = self.sessions.turn_sessions(list(session_ids))
         if params.n not in (1, len(sessions)):
             raise ValueError(f"n ({params.n}) must be 1 or the number of sessions ({len(sessions)}): a turn samples once per session")
@@ -348,7 +369,7 @@ class LLMEngine:
             raise ValueError("truncate_prompt_tokens is not supported for session turns (a turn's prompt is the session's "
                              "whole stream, whose KV the session keeps; close it and open one on the tokens to keep)")
         params = dataclasses.replace(params, n=len(sessions))
-        req = self.add_request(request_id, list(sessions[0].token_ids), params, stream)
+        req = self.add_request(request_id, list(sessions[0].token_ids), params, stream, priority=priority)
         try:
             self.sessions.begin_turn(sessions, req)
         except ValueError:

@@ -37,6 +37,11 @@ from cuttle.engine.sequence import Request, Sequence
 _origins = itertools.count()
 
 
+class SessionLimitError(ValueError):
+    """A session or a turn refused for room alone (`max_sessions`, `max_session_kv_blocks`): a
+    caller with another way to run (the server's beam search) takes it instead."""
+
+
 @dataclass(eq=False, slots=True)
 class Session:
     session_id: str
@@ -95,7 +100,7 @@ class Sessions:
 
     def _check_room(self, n: int) -> None:
         if len(self.table) + n > self.max_sessions:
-            raise ValueError(f"{len(self.table)} sessions are open and {n} more would exceed max_sessions "
+            raise SessionLimitError(f"{len(self.table)} sessions are open and {n} more would exceed max_sessions "
                              f"({self.max_sessions}); close one first")
 
     def get(self, session_id: str) -> Session:
@@ -174,7 +179,7 @@ class Sessions:
         grow = shared + own * len(sessions)
         held = self.pinned_block_count() + sum(self.reserved.values())
         if held + grow > self.max_session_kv_blocks:
-            raise ValueError(f"this turn may pin {grow} more KV blocks; sessions hold or reserve {held} and "
+            raise SessionLimitError(f"this turn may pin {grow} more KV blocks; sessions hold or reserve {held} and "
                              f"max_session_kv_blocks is {self.max_session_kv_blocks}: close a session first")
         for s in sessions:
             s.request = req

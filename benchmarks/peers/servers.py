@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
 import signal
 import subprocess
 import sys
@@ -134,6 +135,13 @@ def command(engine: str, model_path: str, port: int, name: str, opts: dict[str, 
             # run to its max_tokens for the figures to mean anything
             "--interrupt_requests", "False",
             *_flags({"n_ctx": 4096, "n_threads": threads, "n_threads_batch": threads, **opts}, underscores=True)]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for `launch`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 2.0) -> dict[str, Any] | None:

@@ -5,9 +5,16 @@ Owns that request's fields and its response only. Beam search is deterministic a
 beams, so the fields that sample, stop early, stream or score are refused with it, each by name
 (vLLM takes some and ignores them): what it takes is `prompt`, `n` (1..10), `max_tokens`,
 `length_penalty`, `ignore_eos`, `temperature` (0 only), `include_stop_str_in_output`,
-`skip_special_tokens`, `return_token_ids`, `priority` and the ignored ones (`user`, ...). Each
-step is one round of one-token requests through `Serving.complete`, so admission limits,
-priorities and a client leaving (every beam's request aborted) work as for any request.
+`skip_special_tokens`, `return_token_ids`, `priority` and the ignored ones (`user`, ...).
+
+Each live beam is an engine session, as offline (`LLM.beam_search`): a step is one one-token turn
+a beam, which computes only the beam's new token, then one engine command forks the kept
+candidates' parents (`AsyncEngine.fork_beams`). Turns are admitted as any request is (the
+in-flight limit, `priority`); a client leaving aborts them and closes every session. Where the
+sessions' limits (`max_sessions`, `max_session_kv_blocks`) leave no room, at the start or at any
+step, the search goes on from where it stands with one-token requests over each beam's whole
+stream through `Serving.complete` (vLLM's driver; the prefix cache serves the full blocks), with
+the same result.
 """
 from __future__ import annotations
 
@@ -18,11 +25,14 @@ from typing import Any
 
 from fastapi import Request
 
+from cuttle.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from cuttle.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, run_beam_search_async
 from cuttle.engine.openai_protocol import IGNORED_FIELDS, OpenAIError, Usage, get_bool, get_float, get_int, get_priority, show
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
-from cuttle.engine.server.streaming import Fields, Serving
+from cuttle.engine.server.streaming import Fields, Serving, final_output, until_disconnect
+from cuttle.engine.session import SessionLimitError
+from cuttle.engine.sleep_mode import EngineAsleepError
 from cuttle.engine.tokenizer import Tokenizer
 
 BEAM_FIELDS = frozenset({"model", "prompt", "n", "max_tokens", "use_beam_search", "length_penalty", "ignore_eos", "temperature",
@@ -74,9 +84,13 @@ async def beam_search_completion(request: Request, body: dict[str, Any], prompts
         finals = await serving.complete(request, items, step, None, fields, lambda outs: outs, t0, observe=False, priority=priority)
         if not firsts:
             firsts.extend(finals)  # the first step's outputs: the prompts' own admission (cached tokens)
-        return [out.outputs[0].logprobs[0] for out in finals]
+        return [_candidates(out) for out in finals]
 
-    await run_beam_search_async(searches, score)
+    async def with_sessions() -> bool:
+        return await _search_in_sessions(serving.engine, searches, step, rid, priority, firsts)
+
+    if not await until_disconnect(request, with_sessions(), serving.disconnected):
+        await run_beam_search_async(searches, score)
     usage = Usage()
     choices = []
     for i, (s, first) in enumerate(zip(searches, firsts)):
@@ -91,3 +105,69 @@ async def beam_search_completion(request: Request, body: dict[str, Any], prompts
             choices.append(ch)
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name,
             "choices": choices, "usage": usage.to_openai()}
+
+
+def _candidates(out: RequestOutput) -> dict:
+    """A one-token step's candidates (token id -> Logprob); a step the engine aborted (a weight
+    update with in_flight="abort", say) ends the search with a 503."""
+    c = out.outputs[0]
+    if c.finish_reason == "abort" or not c.logprobs:
+        raise OpenAIError("a beam search step was aborted by the engine (a weight update or a shutdown?); retry the request",
+                          503, "server_busy")
+    return c.logprobs[0]
+
+
+async def _search_in_sessions(engine: AsyncEngine, searches: list[BeamSearch], step: SamplingParams, rid: str, priority: int,
+                              firsts: list[RequestOutput]) -> bool:
+    """Run `searches` with each live beam an engine session; True when they end. False, with every
+    session closed and the searches where they stand, when a session limit refuses a session or a
+    turn (`SessionLimitError`): the caller goes on another way."""
+    live: list[list[str]] = []
+    try:
+        for s in searches:
+            live.append([await engine.open_session(s.beams[0].tokens)])
+        while True:
+            work = [(s, sids) for s, sids in zip(searches, live) if not s.done]
+            if not work:
+                return True
+            flat = [sid for _, sids in work for sid in sids]
+            finals = await _turns(engine, flat, step, rid, priority)  # each appends its argmax to its session
+            if not firsts:
+                firsts.extend(finals)  # the first step's outputs: the prompts' own admission (cached tokens)
+            at = 0
+            for s, sids in work:
+                s.advance([_candidates(out) for out in finals[at:at + len(sids)]])
+                at += len(sids)
+            for s, sids in work:
+                if s.done:  # a finished search needs no more KV
+                    for sid in sids:
+                        await engine.close_session(sid)
+                    sids.clear()
+                else:  # (if a fork fails, the parents stay in `sids`, closed below)
+                    sids[:] = await engine.fork_beams(sids, s.origins)
+    except SessionLimitError:
+        return False
+    finally:
+        for sids in live:
+            for sid in sids:
+                await engine.close_session(sid)
+
+
+async def _turns(engine: AsyncEngine, sids: list[str], step: SamplingParams, rid: str, priority: int) -> list[RequestOutput]:
+    """One turn of each session (each its own request: beams have diverged), admitted together;
+    their final outputs, in order. If any is refused, the others are aborted."""
+    got = await asyncio.gather(*(engine.session_turn(f"{rid}-beam-{uuid.uuid4().hex[:12]}", sid, step, priority) for sid in sids),
+                               return_exceptions=True)
+    streams = [g for g in got if isinstance(g, RequestStream)]
+    try:
+        err = next((g for g in got if isinstance(g, BaseException)), None)
+        if isinstance(err, QueueFullError):
+            raise OpenAIError(f"server is at capacity: {err}", 503, "server_busy") from None
+        if isinstance(err, EngineAsleepError):
+            raise OpenAIError(str(err), 503, "server_asleep") from None
+        if err is not None:
+            raise err
+        return [await final_output(st) for st in streams]
+    finally:
+        for st in streams:
+            st.close()

@@ -119,7 +119,7 @@ class Serving:
         async def run() -> Any:
             streams = await admit(self.engine, items, params, salt, fields, priority)
             try:
-                finals = [await _final(s) for s in streams]
+                finals = [await final_output(s) for s in streams]
             finally:
                 for s in streams:
                     s.close()
@@ -282,7 +282,8 @@ async def until_disconnect(request: Request, work: Awaitable[Any], on_disconnect
     return task.result()
 
 
-async def _final(stream: RequestStream) -> RequestOutput:
+async def final_output(stream: RequestStream) -> RequestOutput:
+    """A non-streamed (FINAL_ONLY) request's one output, once it has finished."""
     out = None
     async for out in stream:
         pass

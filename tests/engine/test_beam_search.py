@@ -6,6 +6,8 @@ sequence, greedy decoding for one beam, and vLLM's rules (EOS completes a beam, 
 penalty's ranking, the prompt counted in the length) on hand-made candidates."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import torch
@@ -169,3 +171,47 @@ def test_length_penalty_without_beam_search_is_refused(live):
     # use_beam_search false is plain sampling
     plain = _post(live, {"prompt": [5, 6, 7], "max_tokens": 2, "use_beam_search": False})
     assert plain.status_code == 200 and plain.json()["choices"]
+
+
+def test_server_search_runs_in_sessions_one_token_a_beam_a_step(live):
+    """As offline: the prompt computed once, then one token a live beam a step; no session left."""
+    prompt = [11 + (i * 13) % 180 for i in range(40)]
+    before = live.llm.engine.stats()
+    r = _post(live, {"prompt": prompt, "use_beam_search": True, "n": 3, "max_tokens": 6, "ignore_eos": True})
+    after = live.llm.engine.stats()
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+    assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] == len(prompt) + 5 * 3
+    assert after["sessions_open"] == 0
+
+
+def test_server_search_goes_on_without_sessions_where_their_limit_leaves_no_room(qwen3_path, llm):
+    """max_sessions 2 refuses a width-3 search's forks after its first step: it goes on with
+    one-token requests over each beam's stream, with the offline result, and leaves no session."""
+    from server_fixture import LiveServer
+
+    with LiveServer(qwen3_path, dtype="float32", num_kv_blocks=256, max_model_len=128, max_sessions=2) as srv:
+        before = srv.llm.engine.stats()
+        r = _post(srv, {"prompt": PROMPTS, "use_beam_search": True, "n": 3, "max_tokens": 5, "ignore_eos": True,
+                        "return_token_ids": True})
+        after = srv.llm.engine.stats()
+    assert r.status_code == 200, r.text
+    offline = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))
+    got = [c["token_ids"] for c in r.json()["choices"]]
+    assert got == [b.tokens[len(p):] for p, out in zip(PROMPTS, offline) for b in out.sequences]
+    assert after["sessions_open"] == 0 and after["sessions_opened"] > before["sessions_opened"]
+    assert r.json()["usage"]["prompt_tokens"] == sum(map(len, PROMPTS))
+
+
+def test_a_client_leaving_mid_search_closes_its_sessions(live):
+    prompt = [9 + (i * 17) % 170 for i in range(6)]
+    before = live.llm.engine.stats()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(live.url + "/v1/completions", json={"model": "test-model", "prompt": prompt, "use_beam_search": True,
+                                                       "n": 10, "max_tokens": 120, "ignore_eos": True}, timeout=0.5)
+    deadline = time.time() + 20
+    while time.time() < deadline and (live.llm.engine.stats()["sessions_open"] or live.llm.engine.has_unfinished_requests()):
+        time.sleep(0.05)
+    after = live.llm.engine.stats()
+    assert after["sessions_open"] == 0 and not live.llm.engine.has_unfinished_requests()
+    assert after["steps"] - before["steps"] < 120  # it stopped when the client left, not at the end
+    assert _post(live, {"prompt": prompt, "max_tokens": 2}).status_code == 200
