@@ -273,10 +273,17 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
         await self._call(run)
 
-    async def fork_beams(self, session_ids: list[str], origins: list[tuple[int, int]]) -> list[str]:
-        """`LLMEngine.fork_beams`, as one command (a beam search step's forks, closes and token
-        replacements between two engine steps)."""
-        return await self._call(lambda: self.engine.fork_beams(session_ids, origins))
+    # beam search's sessions (`LLMEngine.open_beams` / `fork_beams` / `close_beams`), each one
+    # command; they change the caller's lists in place on the engine thread, so a caller cancelled
+    # while one ran still finds its sessions there, and its `close_beams` runs after it
+    async def open_beams(self, prompts: list[list[int]], live: list[list[str]]) -> None:
+        await self._call(lambda: self.engine.open_beams(prompts, live))
+
+    async def fork_beams(self, session_ids: list[str], origins: list[tuple[int, int]]) -> None:
+        await self._call(lambda: self.engine.fork_beams(session_ids, origins))
+
+    async def close_beams(self, live: list[list[str]]) -> None:
+        await self._call(lambda: self.engine.close_beams(live))
 
     async def session_turn(self, request_id: str, session_ids: str | list[str], params: SamplingParams,
                            priority: int = 0) -> RequestStream:

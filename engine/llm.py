@@ -146,8 +146,9 @@ class LLM:
         """Run `searches` to the end, each live beam an engine session whose stream is the beam."""
         engine = self.engine
         step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
-        live: list[list[str]] = [[engine.open_session(s.beams[0].tokens)] for s in searches]
+        live: list[list[str]] = []
         try:
+            engine.open_beams([s.beams[0].tokens for s in searches], live)
             while True:
                 work = [(s, sids) for s, sids in zip(searches, live) if not s.done]
                 if not work:
@@ -159,16 +160,12 @@ class LLM:
                     s.advance([out.outputs[0].logprobs[0] for out in outs[at:at + len(sids)]])
                     at += len(sids)
                     if s.done:  # a finished search needs no more KV
-                        for sid in sids:
-                            engine.close_session(sid)
-                        sids.clear()
+                        engine.close_beams([sids])
                     else:  # (if a fork fails, the parents stay in `sids`, closed below)
-                        sids[:] = engine.fork_beams(sids, s.origins)
+                        engine.fork_beams(sids, s.origins)
                     bar.update(1)
         finally:
-            for sids in live:
-                for sid in sids:
-                    engine.close_session(sid)
+            engine.close_beams(live)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode: give back the KV cache's memory (and on an accelerator the weights',

@@ -329,12 +329,20 @@ class LLMEngine:
         self._check_ids([token_id], "token_id")
         self.sessions.replace_last(session_id, token_id)
 
-    def fork_beams(self, session_ids: list[str], origins: list[tuple[int, int]]) -> list[str]:
-        """Beam search's step between turns (engine/beam_search.py): for each kept candidate
-        (parent index into `session_ids`, token), a fork of that parent whose last token, the turn's
-        argmax, is replaced by the candidate's; then the parents are closed. The new session ids, in
-        `origins`' order. If a fork fails (a session limit), the forks made are closed and the
-        parents kept; the error is raised."""
+    # ---- beam search's sessions (engine/beam_search.py): each call changes the caller's lists in
+    # place, so a caller that stopped waiting (an async one, cancelled) still finds every session
+    # id the engine holds for it and can close them
+    def open_beams(self, prompts: list[list[int]], live: list[list[str]]) -> None:
+        """A session on each prompt, appended to `live` as a one-beam list."""
+        for p in prompts:
+            live.append([self.open_session(p)])
+
+    def fork_beams(self, session_ids: list[str], origins: list[tuple[int, int]]) -> None:
+        """A beam search step between turns: for each kept candidate (parent index into
+        `session_ids`, token), a fork of that parent whose last token, the turn's argmax, is
+        replaced by the candidate's; the parents closed, and `session_ids` then holds the forks, in
+        `origins`' order. If a fork fails (a session limit), the forks made are closed, the parents
+        kept, and the error raised."""
         children: list[str] = []
         try:
             for parent, token in origins:
@@ -347,7 +355,14 @@ class LLMEngine:
             raise
         for sid in session_ids:
             self.close_session(sid)
-        return children
+        session_ids[:] = children
+
+    def close_beams(self, live: list[list[str]]) -> None:
+        """Close every session in `live`'s lists (a turn in flight is aborted) and empty them."""
+        for sids in live:
+            for sid in sids:
+                self.close_session(sid)
+            sids.clear()
 
     def session_token_ids(self, session_id: str) -> list[int]:
         return list(self.sessions.get(session_id).token_ids)

@@ -49,7 +49,7 @@ TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_gener
 CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
     "model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice", "response_format",
     "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning", "prompt_logprobs",
-    "return_tokens_as_token_ids", "priority"}
+    "return_tokens_as_token_ids", "priority", "use_beam_search", "length_penalty"}
 # /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize, vLLM's shapes.
 TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = TEMPLATE_FIELDS | {"model", "messages", "tools", "add_special_tokens", "return_token_strs"}
@@ -76,8 +76,6 @@ OFF_VALUES: dict[str, tuple[Any, str]] = {
 
 # Why some well-known fields are refused (any other unknown field gets a generic message).
 _REFUSED_WHY = {
-    "use_beam_search": "beam search is served on /v1/completions (and offline by LLM.beam_search)",
-    "length_penalty": "it is a beam-search field, and beam search is served on /v1/completions",
     "guided_whitespace_pattern": "cuttle's JSON has no free whitespace (separators ', ' and ': ', docs/server.md)",
     "prefix": ("prefix is a /v1/completions field; in chat the system messages are the documents' prefix "
                "(docs/server.md)"),

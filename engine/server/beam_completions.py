@@ -1,11 +1,14 @@
-"""/v1/completions with `use_beam_search: true` (vLLM's): `n` is the beam width, and the response
-has the best `n` beams of each prompt, best first, as its choices (engine/beam_search.py).
+"""`use_beam_search: true` (vLLM's) on /v1/completions and /v1/chat/completions: `n` is the beam
+width, and the response has the best `n` beams of each prompt (of the rendered conversation), best
+first, as its choices (engine/beam_search.py).
 
 Owns that request's fields and its response only. Beam search is deterministic and ranks whole
 beams, so the fields that sample, stop early, stream or score are refused with it, each by name
-(vLLM takes some and ignores them): what it takes is `prompt`, `n` (1..10), `max_tokens`,
-`length_penalty`, `ignore_eos`, `temperature` (0 only), `include_stop_str_in_output`,
-`skip_special_tokens`, `return_token_ids`, `priority` and the ignored ones (`user`, ...).
+(vLLM takes some and ignores them): what it takes is `n` (1..10), `max_tokens`, `length_penalty`,
+`ignore_eos`, `temperature` (0 only), `include_stop_str_in_output`, `skip_special_tokens`,
+`priority` and the ignored ones (`user`, ...); completions also `prompt` and `return_token_ids`,
+chat `messages`, `max_completion_tokens`, the template's fields and `include_reasoning` (no tools,
+documents or structured output: their grammars and parsers are per sample).
 
 Each live beam is an engine session, as offline (`LLM.beam_search`): a step is one one-token turn
 a beam, which computes only the beam's new token, then one engine command forks the kept
@@ -21,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
 
 from cuttle.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from cuttle.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, run_beam_search_async
-from cuttle.engine.openai_protocol import IGNORED_FIELDS, OpenAIError, Usage, get_bool, get_float, get_int, get_priority, show
+from cuttle.engine.openai_protocol import IGNORED_FIELDS, TEMPLATE_FIELDS, OpenAIError, Usage, get_bool, get_float, get_int, get_priority, show
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.server.streaming import Fields, Serving, final_output, until_disconnect
@@ -35,23 +39,27 @@ from cuttle.engine.session import SessionLimitError
 from cuttle.engine.sleep_mode import EngineAsleepError
 from cuttle.engine.tokenizer import Tokenizer
 
-BEAM_FIELDS = frozenset({"model", "prompt", "n", "max_tokens", "use_beam_search", "length_penalty", "ignore_eos", "temperature",
-                         "include_stop_str_in_output", "skip_special_tokens", "return_token_ids", "priority"}) | set(IGNORED_FIELDS)
+_COMMON = frozenset({"model", "n", "max_tokens", "use_beam_search", "length_penalty", "ignore_eos", "temperature",
+                     "include_stop_str_in_output", "skip_special_tokens", "priority"}) | set(IGNORED_FIELDS)
+BEAM_FIELDS = _COMMON | {"prompt", "return_token_ids"}
+# chat: the template's fields, and the reasoning split of each beam's message
+CHAT_BEAM_FIELDS = _COMMON | TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "include_reasoning"}
 
 
-def beam_params(body: dict[str, Any]) -> BeamSearchParams:
-    """The request's BeamSearchParams, or a 400 naming the field."""
+def beam_params(body: dict[str, Any], fields: frozenset[str] = BEAM_FIELDS) -> BeamSearchParams:
+    """The request's BeamSearchParams, or a 400 naming the field (`fields`: what its route takes)."""
     for name, v in body.items():
-        if v is not None and name not in BEAM_FIELDS:
+        if v is not None and name not in fields:
             raise OpenAIError(f"{name} is not supported with use_beam_search (beam search is deterministic and returns "
-                              f"whole beams; it takes {', '.join(sorted(BEAM_FIELDS - set(IGNORED_FIELDS)))})", param=name)
+                              f"whole beams; it takes {', '.join(sorted(fields - set(IGNORED_FIELDS)))})", param=name)
     temperature = get_float(body, "temperature", 0.0)
     if temperature != 0.0:
         raise OpenAIError(f"temperature must be 0 (or absent) with use_beam_search, got {show(body['temperature'])}",
                           param="temperature")
     width = get_int(body, "n", 1, MAX_BEAM_WIDTH, default=1)
     try:
-        return BeamSearchParams(beam_width=width, max_tokens=get_int(body, "max_tokens", 1, 2**31 - 1, default=16),
+        max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        return BeamSearchParams(beam_width=width, max_tokens=get_int(body, max_field, 1, 2**31 - 1, default=16),
                                 ignore_eos=get_bool(body, "ignore_eos"), length_penalty=get_float(body, "length_penalty", 1.0),
                                 include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
                                 skip_special_tokens=get_bool(body, "skip_special_tokens", True))
@@ -62,21 +70,54 @@ def beam_params(body: dict[str, Any]) -> BeamSearchParams:
 async def beam_search_completion(request: Request, body: dict[str, Any], prompts: list[str | list[int]], serving: Serving,
                                  tok: Tokenizer, t0: float) -> dict[str, Any]:
     params = beam_params(body)
-    engine = serving.engine.engine
-    priority = get_priority(body, engine.config.scheduling_policy)
     want_ids = get_bool(body, "return_token_ids")
     loop = asyncio.get_running_loop()
+    engine = serving.engine.engine
     ids = [await loop.run_in_executor(None, engine.encode, p) if isinstance(p, str) else list(p) for p in prompts]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    searches, usage = await run_beam_search(request, body, serving, ids, params, rid, t0, Fields("prompt"))
+    choices = []
+    for i, s in enumerate(searches):
+        for j, beam in enumerate(s.result()):
+            gen = s.generated(beam)
+            ch = {"index": i * params.beam_width + j, "text": tok.decode(gen, params.skip_special_tokens), "logprobs": None,
+                  "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason}
+            if want_ids:
+                ch["prompt_token_ids"], ch["token_ids"] = ids[i], gen
+            choices.append(ch)
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name,
+            "choices": choices, "usage": usage.to_openai()}
+
+
+async def beam_search_chat(request: Request, body: dict[str, Any], params: BeamSearchParams, prompt: list[int], serving: Serving,
+                           tok: Tokenizer, t0: float, message_of: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """Chat's `use_beam_search` (`params`: `beam_params(body, CHAT_BEAM_FIELDS)`): the rendered
+    conversation's best `n` beams, best first, each a message (`message_of(text)`: the role, and
+    the reasoning split where the server has a reasoning parser)."""
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    searches, usage = await run_beam_search(request, body, serving, [prompt], params, rid, t0, Fields("messages", max_field))
+    choices = [{"index": j, "message": message_of(tok.decode(searches[0].generated(beam), params.skip_special_tokens)),
+                "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason}
+               for j, beam in enumerate(searches[0].result())]
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.model_name,
+            "choices": choices, "usage": usage.to_openai()}
+
+
+async def run_beam_search(request: Request, body: dict[str, Any], serving: Serving, ids: list[list[int]],
+                          params: BeamSearchParams, rid: str, t0: float, fields: Fields) -> tuple[list[BeamSearch], Usage]:
+    """Search each token-id prompt to the end (sessions, else one-token requests; module
+    docstring); the searches, and the usage of their best beams."""
+    engine = serving.engine.engine
+    priority = get_priority(body, engine.config.scheduling_policy)
     for i, p in enumerate(ids):
         if len(p) + params.max_tokens > engine.max_model_len:
-            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            raise OpenAIError(f"{where}: {len(p)} prompt tokens + max_tokens ({params.max_tokens}) exceed max_model_len "
-                              f"({engine.max_model_len})", param="max_tokens")
+            where = fields.prompt if len(ids) == 1 else f"{fields.prompt}[{i}]"
+            raise OpenAIError(f"{where}: {len(p)} prompt tokens + {fields.max_tokens} ({params.max_tokens}) exceed max_model_len "
+                              f"({engine.max_model_len})", param=fields.max_tokens)
     searches = [BeamSearch(p, params, engine.eos_token_ids) for p in ids]
     step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True,
                           output_kind=RequestOutputKind.FINAL_ONLY)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    fields = Fields("prompt")
     firsts: list[RequestOutput] = []
 
     async def score(token_lists: list[list[int]]) -> list[dict]:
@@ -92,19 +133,10 @@ async def beam_search_completion(request: Request, body: dict[str, Any], prompts
     if not await until_disconnect(request, with_sessions(), serving.disconnected):
         await run_beam_search_async(searches, score)
     usage = Usage()
-    choices = []
-    for i, (s, first) in enumerate(zip(searches, firsts)):
+    for s, first in zip(searches, firsts):
         usage.add_prompt(first)
-        for j, beam in enumerate(s.result()):
-            gen = s.generated(beam)
-            usage.completion_tokens += len(gen)
-            ch = {"index": i * params.beam_width + j, "text": tok.decode(gen, params.skip_special_tokens), "logprobs": None,
-                  "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason}
-            if want_ids:
-                ch["prompt_token_ids"], ch["token_ids"] = ids[i], gen
-            choices.append(ch)
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name,
-            "choices": choices, "usage": usage.to_openai()}
+        usage.completion_tokens += sum(len(s.generated(beam)) for beam in s.result())
+    return searches, usage
 
 
 def _candidates(out: RequestOutput) -> dict:
@@ -124,8 +156,7 @@ async def _search_in_sessions(engine: AsyncEngine, searches: list[BeamSearch], s
     turn (`SessionLimitError`): the caller goes on another way."""
     live: list[list[str]] = []
     try:
-        for s in searches:
-            live.append([await engine.open_session(s.beams[0].tokens)])
+        await engine.open_beams([s.beams[0].tokens for s in searches], live)
         while True:
             work = [(s, sids) for s, sids in zip(searches, live) if not s.done]
             if not work:
@@ -140,17 +171,14 @@ async def _search_in_sessions(engine: AsyncEngine, searches: list[BeamSearch], s
                 at += len(sids)
             for s, sids in work:
                 if s.done:  # a finished search needs no more KV
-                    for sid in sids:
-                        await engine.close_session(sid)
-                    sids.clear()
+                    await engine.close_beams([sids])
                 else:  # (if a fork fails, the parents stay in `sids`, closed below)
-                    sids[:] = await engine.fork_beams(sids, s.origins)
+                    await engine.fork_beams(sids, s.origins)
     except SessionLimitError:
         return False
     finally:
-        for sids in live:
-            for sid in sids:
-                await engine.close_session(sid)
+        # one command, after any the caller stopped waiting for: it sees every session they made
+        await engine.close_beams(live)
 
 
 async def _turns(engine: AsyncEngine, sids: list[str], step: SamplingParams, rid: str, priority: int) -> list[RequestOutput]:

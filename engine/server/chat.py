@@ -32,6 +32,7 @@ from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.reasoning_parsers import CLOSE, CONTENT, OPEN, ReasoningParser, split_reasoning, start_state
 from cuttle.engine.sampling_params import RequestOutputKind
+from cuttle.engine.server.beam_completions import CHAT_BEAM_FIELDS, beam_params, beam_search_chat
 from cuttle.engine.server.body import read_body
 from cuttle.engine.server.chat_prompt import ChatOptions, ChatTemplate, ToolCallReplay, check_continuable, read_chat_template
 from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
@@ -57,6 +58,10 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         tmpl = read_chat_template(body, tok, opts)
         check_continuable(messages, tmpl)
         messages = replay.restore(messages, keep_last=tmpl.continue_final_message)
+        if get_bool(body, "use_beam_search"):
+            return await _beam_search(request, body, messages, bool(part_docs), tmpl, serving, tok, opts, t0)
+        if body.get("length_penalty") is not None:
+            raise OpenAIError("length_penalty applies to beam search only (use_beam_search: true)", param="length_penalty")
         field_docs = get_documents(body) or []
         structured, structured_field = structured_outputs_of(body, tok)
         tools = check_tools(body.get("tools"))
@@ -247,6 +252,29 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
 
         opening = [{"index": i, "delta": {"role": role, "content": echoed}, "logprobs": None, "finish_reason": None} for i in range(n)]
         return serving.stream(streams, choice_of, frame, include_usage, t0, opening, continuous_usage=continuous_usage)
+
+
+async def _beam_search(request: Request, body: dict[str, Any], messages: list[dict[str, Any]], has_docs: bool, tmpl: ChatTemplate,
+                       serving: Serving, tok: Tokenizer, opts: ChatOptions, t0: float) -> dict[str, Any]:
+    """`use_beam_search` on chat (engine/server/beam_completions.py): the conversation rendered as
+    for any chat request, each beam a message of the reply's role, reasoning split as any reply's."""
+    params = beam_params(body, CHAT_BEAM_FIELDS)  # first: a field beam search cannot take is named
+    if has_docs:
+        raise OpenAIError("messages: document parts cannot be combined with use_beam_search", param="messages")
+    text = tmpl.render(tok, messages, None)
+    rstate = _reasoning_start(tok, opts, tmpl, messages, None, text, "")
+    role = "assistant" if tmpl.add_generation_prompt else messages[-1]["role"]
+    include_reasoning = get_bool(body, "include_reasoning", True)
+
+    def message_of(out: str) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": role, "content": out}
+        if rstate is not None:
+            reasoning, msg["content"] = split_reasoning(out, rstate)
+            msg["reasoning_content"] = reasoning if include_reasoning else None
+        return msg
+
+    prompt = tok.encode(text, add_special_tokens=False)  # the template spells out its special tokens
+    return await beam_search_chat(request, body, params, prompt, serving, tok, t0, message_of)
 
 
 def _reasoning_start(tok: Tokenizer, opts: ChatOptions, tmpl: ChatTemplate, messages: list[dict[str, Any]],

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cuttle.engine import LLM, BeamSearchParams, Logprob, SamplingParams
+from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.beam_search import BeamSearch, beam_score
 
 PROMPTS = [[5 + (i * 7) % 200 for i in range(12)], [3, 9, 27, 81, 17, 51, 153]]
@@ -215,3 +216,72 @@ def test_a_client_leaving_mid_search_closes_its_sessions(live):
     assert after["sessions_open"] == 0 and not live.llm.engine.has_unfinished_requests()
     assert after["steps"] - before["steps"] < 120  # it stopped when the client left, not at the end
     assert _post(live, {"prompt": prompt, "max_tokens": 2}).status_code == 200
+
+
+def test_chat_use_beam_search_equals_offline_over_the_rendered_conversation(live, llm):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c d"}]
+    ids = httpx.post(live.url + "/tokenize", json={"model": "test-model", "messages": messages}, timeout=30).json()["tokens"]
+    r = httpx.post(live.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "test-model", "messages": messages, "use_beam_search": True, "n": 3,
+                         "max_completion_tokens": 5, "ignore_eos": True, "length_penalty": 0.5})
+    assert r.status_code == 200, r.text
+    offline = llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, length_penalty=0.5))[0]
+    tok = llm.get_tokenizer()
+    choices = r.json()["choices"]
+    assert [c["message"]["content"] for c in choices] == [tok.decode(b.tokens[len(ids):], True) for b in offline.sequences]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert all(c["message"]["role"] == "assistant" and c["finish_reason"] == "length" for c in choices)
+    assert r.json()["object"] == "chat.completion" and r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stream": True}, "stream"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"logprobs": True}, "logprobs"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"documents": ["x y"]}, "documents"), ({"temperature": 0.7}, "temperature"), ({"n": 11}, "n"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "name": "a.py", "text": "x y"}]}]}, "messages"),
+])
+def test_chat_refuses_what_beam_search_cannot_do(live, extra, param):
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "a"}], "use_beam_search": True, "n": 2,
+            "max_tokens": 3, **extra}
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert param in r.json()["error"]["message"]
+
+
+def test_a_search_cancelled_while_the_engine_forks_leaves_no_session(qwen3_path):
+    """The client leaves while a step's forks run on the engine thread: the forks still happen,
+    and the search's cleanup (one command queued behind them) closes them too."""
+    import asyncio
+    import threading
+
+    from cuttle.engine.async_engine import AsyncEngine
+    from cuttle.engine.server.beam_completions import _search_in_sessions
+
+    engine = LLM(qwen3_path, dtype="float32", num_kv_blocks=128).engine
+    entered, release = threading.Event(), threading.Event()
+    real = engine.fork_beams
+
+    def slow_fork(sids, origins):
+        entered.set()
+        release.wait(10)
+        real(sids, origins)
+
+    engine.fork_beams = slow_fork
+    params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    searches = [BeamSearch(p, params, engine.eos_token_ids) for p in PROMPTS]
+    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    ae = AsyncEngine(engine)
+    ae.start()
+    try:
+        async def leave_mid_fork() -> None:
+            task = asyncio.ensure_future(_search_in_sessions(ae, searches, step, "t", 0, []))
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+            task.cancel()  # the client left: the fork command has started, its await is cancelled
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(leave_mid_fork())
+        assert engine.stats()["sessions_open"] == 0
+    finally:
+        ae.shutdown()

@@ -222,7 +222,7 @@ def test_requests_that_finish_queue_no_abort(live, client, monkeypatch):
         # the test model's template reads no enable_thinking; a request's own template needs --trust-request-chat-template
         ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"), ("parallel_tool_calls", False),
         ("return_token_ids", True), ("logit_bias", {"5": 101}), ("best_of", 2), ("functions", [{"name": "f"}]),
-        ("store", True), ("reasoning_effort", "low"), ("use_beam_search", True), ("length_penalty", 0.5), ("no_such_field", 1)]],
+        ("store", True), ("reasoning_effort", "low"), ("length_penalty", 0.5), ("no_such_field", 1)]],
     *[("/v1/completions", f, v) for f, v in [
         ("guided_json", {"type": "object"}), ("guided_choice", ["a"]), ("suffix", "tail"), ("logit_bias", {"5": 101}),
         ("best_of", 3), ("priority", 1), ("length_penalty", 0.5), ("logprob_token_ids", [1]), ("no_such_field", 1)]],

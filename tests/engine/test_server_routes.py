@@ -233,3 +233,17 @@ def test_cli_serve_takes_the_model_positionally_and_checks_the_template_first(pa
     assert r.returncode != 0 and "looks like a file path" in r.stderr
     r = serve(path, "--model", str(tmp_path))
     assert r.returncode != 0 and "the model is given twice" in r.stderr
+
+
+def test_beam_search_replies_split_reasoning_as_any_reply(live):
+    """Chat's use_beam_search: one beam is the greedy reply, and its message is split into
+    reasoning and content as the greedy chat reply's is (here inside the thinking block the
+    continued assistant message opened)."""
+    body = {"model": "test-model", "messages": USER + [{"role": "assistant", "content": "<think>\nhm"}], "max_tokens": 6,
+            "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True}
+    greedy = post(live, "/v1/chat/completions", {**body, "temperature": 0}).json()["choices"][0]["message"]
+    beam = post(live, "/v1/chat/completions", {**body, "use_beam_search": True, "n": 1})
+    assert beam.status_code == 200, beam.text
+    assert beam.json()["choices"][0]["message"] == greedy and greedy["reasoning_content"]
+    lean = post(live, "/v1/chat/completions", {**body, "use_beam_search": True, "include_reasoning": False}).json()
+    assert lean["choices"][0]["message"]["reasoning_content"] is None
