@@ -14,6 +14,15 @@ Workloads (`ignore_eos`):
     column says): the cost of computing k rows that are thrown away, the worst case;
   * `nomatch`: random prompt tokens sampled at temperature 1: hardly anything to propose, the
     proposer's own overhead.
+Draft models (engine/draft_model.py, `{"model": ...}`), on the preset's random checkpoint, greedy,
+random prompts. Their speed-up depends on how often a trained draft agrees with its trained
+target, which random checkpoints cannot show (and no weights can be downloaded here); these two
+bound the machinery instead:
+  * `draft-self`: the checkpoint as its own draft: every draft kept, each draft costing a full
+    forward of the model, so tokens/s measures what the drafting rounds cost beside the k + 1
+    tokens a step they buy;
+  * `draft-tiny`: a 2-layer random draft of the preset's vocabulary (hidden 128): nothing kept,
+    the draft length adapting down to 1: the cost of a small draft that never helps.
 Per row: output tok/s without and with drafts, their ratio, drafts proposed / kept per output
 token, tokens per step. The copy bandwidth is measured in the same run (the batch-1 bound).
 
@@ -31,7 +40,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PRESETS, copy_bandwidth_gbs, machine_info, markdown_table, preset_checkpoint  # noqa: E402
+from common import (PRESETS, DEFAULT_CACHE_DIR, copy_bandwidth_gbs, machine_info, make_random_checkpoint,  # noqa: E402
+                    markdown_table, preset_checkpoint)
 
 CODE = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
@@ -93,7 +103,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--workloads", default="code,loop,rejected,nomatch")
+    ap.add_argument("--workloads", default="code,loop,rejected,nomatch,draft-self,draft-tiny")
     ap.add_argument("--batch", type=int, default=1, help="prompts run at once (each workload gets this many prompts)")
     ap.add_argument("--disable-by-batch-size", default="default",
                     help="speculative_config.disable_by_batch_size: an integer, 'none' (drafts at every batch size) "
@@ -113,15 +123,25 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
     if args.disable_by_batch_size != "default":
         spec["disable_by_batch_size"] = None if args.disable_by_batch_size == "none" else int(args.disable_by_batch_size)
+    preset_config = PRESETS[args.model_preset][0]
+    tiny = {**preset_config, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
     work = {  # model, its label, prompts, temperature, speculative_config, engine options
         "code": (DEFAULT_MODEL_DIR, "embedded model", code, 0.0, spec, {}),
         "loop": (path, args.model_preset, periodic, 0.0, spec, ids),
         "rejected": (path, args.model_preset, noise, 1.0, {**spec, "reject": True}, ids),
         "nomatch": (path, args.model_preset, noise, 1.0, spec, ids),
+        "draft-self": (path, args.model_preset, noise, 0.0, {**spec, "method": "draft_model", "model": path}, ids),
+        "draft-tiny": (path, args.model_preset, noise, 0.0, {**spec, "method": "draft_model", "model": "tiny"}, ids),
     }
     rows = []
     for name in args.workloads.split(","):
         model, label, prompts, temperature, spec_config, kw = work[name]
+        if spec_config.get("model") == "tiny":
+            spec_config = {**spec_config, "model": make_random_checkpoint(
+                os.path.join(DEFAULT_CACHE_DIR, f"{args.model_preset}-tiny-draft"), tiny)}
+        if spec_config.get("method") == "draft_model":
+            spec_config = {k: v for k, v in spec_config.items() if not k.startswith("prompt_lookup")}
         r = out["rows"][name] = compare(model, prompts, temperature, spec_config, args.dtype, args.output_len, args.rounds,
                                         args.batch, **kw)
         rows.append([name, label, f"{r['off_tok_s']:.1f}", f"{r['on_tok_s']:.1f}", f"{r['ratio']:.2f}x",

@@ -40,6 +40,7 @@ from cuttle.engine.sequence import Request, Sequence
 from cuttle.engine.session import Sessions
 from cuttle.engine.sleep_mode import (SLEEP_LEVELS, WAKE_TAGS, EngineAsleepError, Slept, free_storage, offload_weights, restore_storage,
                                       restore_weights)
+from cuttle.engine.draft_model import DraftModelProposer
 from cuttle.engine.spec_decode import Proposer, SpecConfig
 from cuttle.engine.squid import Squid, parse_prompt
 from cuttle.engine.structured_output import StructuredOutput
@@ -94,7 +95,13 @@ class LLMEngine:
             # block fills, from every token in it: a draft not kept would stay in them
             raise ValueError("speculative_config is not supported with sparse attention (an NSA model or sparse_attention): "
                              "rejected drafts would enter the blocks' compressed entries")
-        proposer = Proposer(spec, min(max_len, num_blocks * bs)) if spec is not None else None
+        proposer = None
+        if spec is not None and spec.method == "draft_model":
+            if config.enable_sleep_mode:  # the draft engine's pool and weights would stay awake
+                raise ValueError("speculative_config with a draft model cannot be combined with enable_sleep_mode")
+            proposer = DraftModelProposer(spec, min(max_len, num_blocks * bs), mc, config, self.dtype, self.device, num_blocks)
+        elif spec is not None:
+            proposer = Proposer(spec, min(max_len, num_blocks * bs))
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid, proposer,
                                    config.scheduling_policy)
         self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)

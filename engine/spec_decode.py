@@ -1,4 +1,5 @@
-"""Speculative decoding by n-gram prompt lookup (vLLM's `speculative_config={"method": "ngram"}`).
+"""Speculative decoding by n-gram prompt lookup (vLLM's `speculative_config={"method": "ngram"}`),
+and the proposer interface a draft model also implements (engine/draft_model.py).
 
 A coding model's output often repeats spans of its context (code it edits, names it defined, a
 test it quotes). The proposer finds the latest earlier occurrence of a sequence's last n tokens
@@ -19,8 +20,8 @@ rejection rule for one). Where the kernels give each row the same bits whatever 
 k + 1-row step rounds differently from a one-row step, as any batching does.
 
 Owns the config (`SpecConfig.parse`), the per-sequence suffix search (`NgramIndex`: the tokens in
-an int32 buffer, one vectorised pass a step), and `propose` (the scheduler reserves the drafts' KV
-slots and budget). The engine step (llm_engine.py) samples the rows and applies the
+an int32 buffer, one vectorised pass a step), and the `Proposer` (`prepare` for the step's decoding
+sequences, then `propose` per sequence; the scheduler reserves the drafts' KV slots and budget). The engine step (llm_engine.py) samples the rows and applies the
 rule. Requests with token controls (structured output, allowed ids, bad words, logit_bias) are
 never drafted: their masks follow a grammar state per position.
 """
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN = 4, 2  # the matched suffix: 4 tokens down to 2 (1 proposes too often)
 # no drafts in a step with more running sequences than this (vLLM's disable_by_batch_size, whose
@@ -47,6 +48,7 @@ class SpecConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # draft_model: the draft checkpoint's directory
 
     @classmethod
     def parse(cls, spec: dict[str, Any] | None) -> SpecConfig | None:
@@ -55,14 +57,24 @@ class SpecConfig:
             return None
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict (vLLM's keys), got {type(spec).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size", "model"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)} (supported: {', '.join(sorted(known))})")
-        method = spec.get("method", "ngram")
+        # vLLM's rule: a `model` without a method is a draft model
+        method = spec.get("method", "draft_model" if spec.get("model") is not None else "ngram")
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method {method!r} is not supported (supported: {', '.join(SPEC_METHODS)}: "
-                             "prompt lookup; draft models and EAGLE are not)")
+                             "prompt lookup, or a draft model; EAGLE and MTP heads are not)")
+        model = spec.get("model")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config.model (the draft checkpoint's directory) is required with method 'draft_model'")
+            stray = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(spec))
+            if stray:
+                raise ValueError(f"speculative_config.{stray[0]} is a prompt-lookup (ngram) key; a draft model takes none")
+        elif model is not None:
+            raise ValueError(f"speculative_config.model is a draft model's; method {method!r} takes none")
         if "num_speculative_tokens" not in spec:
             raise ValueError("speculative_config.num_speculative_tokens is required (drafts per step)")
         k = spec["num_speculative_tokens"]
@@ -77,7 +89,7 @@ class SpecConfig:
         off = spec.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         if off is not None and (isinstance(off, bool) or not isinstance(off, int) or off < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be None (never) or an integer >= 1, got {off!r}")
-        return cls(method, k, hi, lo, off)
+        return cls(method, k, hi, lo, off, model)
 
 
 class NgramIndex:
@@ -162,11 +174,17 @@ class Proposer:
         k = seq.draft_len or self.config.num_speculative_tokens
         seq.draft_len = min(self.config.num_speculative_tokens, k + 2) if kept == drafted else max(1, k - 1)
 
+    def prepare(self, seqs: list[Any]) -> None:
+        """Before the step's schedule: `seqs` are the running sequences that decode a token (a
+        draft model proposes for all of them at once here); prompt lookup needs nothing."""
+
     def propose(self, seq: Any, limit: int) -> list[int]:
         """Drafts for `seq`, which decodes its last token this step (as many as `room` allows)."""
         k = self.room(seq, limit)
-        if k <= 0:
-            return []
+        return self.draft(seq, k) if k > 0 else []
+
+    def draft(self, seq: Any, k: int) -> list[int]:
+        """Up to k drafts for `seq` (prompt lookup: what followed the latest match of its suffix)."""
         if seq.ngram is None:
             seq.ngram = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max, self.config.num_speculative_tokens)
         return seq.ngram.propose(seq.token_ids, k)

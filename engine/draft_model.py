@@ -1,0 +1,87 @@
+"""Speculative decoding with a draft model (vLLM's `speculative_config={"model": <small checkpoint>,
+"num_speculative_tokens": k}`): a smaller model of the same vocabulary proposes each decoding
+sequence's next tokens, greedily, and the target verifies them in one pass as it verifies n-gram
+proposals (engine/spec_decode.py: a draft is kept iff it equals the token the target samples at
+its place, so the output is that of decoding without drafts, greedy or random).
+
+Owns the draft model's engine and the step's proposals. The draft runs as an `LLMEngine` of its
+own (its own weights, KV pool and prefix cache, no tokenizer), beside the target's, never sharing
+blocks with it: each step, before the target's schedule, every decoding sequence that may take
+drafts becomes one greedy draft request over its whole token stream with `max_tokens` its draft
+length, and the draft engine runs them batched until all have proposed. The stream's full blocks
+are prefix-cache hits from the previous step's request, so a step computes the stream's partial
+last block, the target's tokens since, and the k drafts. Requests with squid documents are not
+drafted (the draft would not see the documents), nor are those the n-gram proposer skips
+(`Proposer.room`).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import torch
+
+from cuttle.engine.config import EngineConfig, ModelConfig
+from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
+from cuttle.engine.spec_decode import Proposer, SpecConfig
+
+DRAFT_BLOCK_SIZE = 4
+# the draft's requests: greedy, the draft's own EOS not ending them (the target decides that)
+_GREEDY = dict(temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=False)
+
+
+class DraftModelProposer(Proposer):
+    """`Proposer` whose drafts come from a draft model, computed for the whole step in `prepare`."""
+
+    def __init__(self, config: SpecConfig, max_model_len: int, target: ModelConfig, target_config: EngineConfig,
+                 dtype: torch.dtype, device: torch.device, num_blocks: int) -> None:
+        super().__init__(config, max_model_len)
+        from cuttle.engine.llm_engine import LLMEngine  # (the engine builds this proposer)
+
+        assert config.model is not None
+        if not os.path.isfile(os.path.join(config.model, "config.json")):
+            raise ValueError(f"speculative_config.model {config.model!r} is not a checkpoint directory (no config.json)")
+        draft_mc = ModelConfig.from_pretrained(config.model)
+        if draft_mc.vocab_size > target.vocab_size:
+            raise ValueError(f"speculative_config.model's vocabulary ({draft_mc.vocab_size} tokens) is larger than the target's "
+                             f"({target.vocab_size}): its proposals could be ids the target does not have")
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        # as many tokens of KV as the target's pool, so every running stream fits (the draft's
+        # blocks are smaller: fewer layers and heads). Small blocks: each round recomputes the
+        # stream's partial last block (its full blocks are prefix-cache hits), and on a CPU a
+        # multi-token step is compute-bound (measured, the 0.6B preset as its own draft: a
+        # round's first draft step 93-253 ms at 16-token blocks, a decode step 48 ms)
+        bs = min(DRAFT_BLOCK_SIZE, target_config.block_size)
+        self.engine = LLMEngine(EngineConfig(
+            model=config.model, dtype=dtype_name, device=str(device), block_size=bs,
+            num_kv_blocks=num_blocks * target_config.block_size // bs, max_model_len=min(max_model_len, draft_mc.max_position_embeddings),
+            max_num_seqs=target_config.max_num_seqs,
+            max_num_batched_tokens=target_config.max_num_batched_tokens, enable_prefix_caching=True,
+            skip_tokenizer_init=True, generation_config="vllm", seed=target_config.seed))
+        self._drafts: dict[int, list[int]] = {}
+        self._ids = itertools.count()
+
+    def prepare(self, seqs: list[Any]) -> None:
+        """Propose for every sequence in `seqs` (those decoding this step) that may take drafts:
+        one batched run of the draft engine."""
+        self._drafts.clear()
+        engine = self.engine
+        asked: dict[str, int] = {}
+        for seq in seqs:
+            k = self.room(seq, self.config.num_speculative_tokens)
+            if k <= 0 or seq.request.full_prompt_token_ids is not None:  # (squid documents: the draft lacks them)
+                continue
+            k = min(k, engine.max_model_len - len(seq.token_ids))  # (a draft with a shorter context)
+            if k <= 0:
+                continue
+            rid = f"draft-{next(self._ids)}"
+            engine.add_request(rid, list(seq.token_ids), SamplingParams(max_tokens=k, **_GREEDY))
+            asked[rid] = id(seq)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    self._drafts[asked[out.request_id]] = list(out.outputs[0].token_ids)
+
+    def draft(self, seq: Any, k: int) -> list[int]:
+        return self._drafts.pop(id(seq), [])[:k]

@@ -1,0 +1,107 @@
+"""Speculative decoding with a draft model (engine/draft_model.py). With batch-invariant kernels
+every output is bit-identical with and without a draft, greedy and seeded random, n > 1,
+penalties and logprobs included, whatever the draft proposes: the embedded model as its own draft
+(drafts almost always kept: steps saved) and a random model of the same vocabulary (drafts almost
+never kept). Requests the draft cannot serve (squid documents, token controls) are not drafted;
+configs the engine cannot honour are refused naming the key."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cuttle.engine import LLM, SamplingParams
+from cuttle.engine.default_model import DEFAULT_MODEL_DIR
+from cuttle.engine.sampling_params import StructuredOutputsParams
+from cuttle.engine.spec_decode import SpecConfig
+from helpers import make_checkpoint
+
+pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")),
+                                reason="the embedded default model has not been trained yet")
+CODE = ["def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n",
+        "class Queue:\n    def __init__(self, maxsize=0):\n        self.maxsize = maxsize\n",
+        "for key, value in sorted(items):\n"]
+CASES = [SamplingParams(temperature=0, max_tokens=32, logprobs=2),
+         SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=32, logprobs=1, n=2),
+         SamplingParams(temperature=1.0, seed=5, max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.4)]
+
+
+def _outputs(llm: LLM, prompts, sp) -> list:
+    return [(c.token_ids, c.finish_reason, c.cumulative_logprob,
+             None if c.logprobs is None else [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+            for r in llm.generate(prompts, sp, use_tqdm=False) for c in r.outputs]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return LLM(DEFAULT_MODEL_DIR, dtype="float32", num_kv_blocks=256, batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("draft"))
+    make_checkpoint(path, "qwen3", seed=4, vocab_size=8196)  # the embedded model's vocabulary size
+    return path
+
+
+def _drafted(draft: str, **kw) -> LLM:
+    spec = {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": None, **kw}
+    return LLM(DEFAULT_MODEL_DIR, dtype="float32", num_kv_blocks=256, batch_invariant=True, speculative_config=spec)
+
+
+def test_the_model_as_its_own_draft_keeps_drafts_and_changes_nothing(base):
+    """Greedy, the draft's proposals are the target's own argmax: (almost) all kept, and the steps
+    saved; sampled, a greedy draft is kept where the sample is the argmax."""
+    spec = _drafted(DEFAULT_MODEL_DIR)
+    steps = (base.engine.counters["steps"], spec.engine.counters["steps"])
+    assert _outputs(spec, CODE, CASES[0]) == _outputs(base, CODE, CASES[0])
+    stats = spec.engine.stats()
+    assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"] > 0
+    assert spec.engine.counters["steps"] - steps[1] < 0.5 * (base.engine.counters["steps"] - steps[0])
+    for sp in CASES[1:]:
+        assert _outputs(spec, CODE, sp) == _outputs(base, CODE, sp), sp
+    bm = spec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # nothing held for a draft
+
+
+def test_a_random_draft_is_rejected_and_changes_nothing(base, random_draft):
+    spec = _drafted(random_draft)
+    for sp in CASES:
+        assert _outputs(spec, CODE, sp) == _outputs(base, CODE, sp), sp
+    stats = spec.engine.stats()
+    assert 0 < stats["spec_draft_tokens"] and stats["spec_accepted_tokens"] < 0.3 * stats["spec_draft_tokens"]
+
+
+def test_documents_and_controls_are_not_drafted(base):
+    spec = _drafted(DEFAULT_MODEL_DIR)
+    docs = {"documents": ["def helper(x):\n    return x * 2\n"], "prompt": "def use(y):\n    return helper("}
+    choice = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    got = spec.generate([docs, "Answer: "], [sp, choice], use_tqdm=False)
+    want = base.generate([docs, "Answer: "], [sp, choice], use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want]
+    assert spec.engine.stats()["spec_draft_tokens"] == 0
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model .* is required"),
+    ({"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "prompt_lookup_max is a prompt-lookup"),
+    ({"method": "ngram", "model": "d", "num_speculative_tokens": 2}, "speculative_config.model is a draft model's"),
+    ({"model": "d"}, "num_speculative_tokens is required"),
+])
+def test_bad_draft_configs_are_refused_naming_the_key(spec, match):
+    with pytest.raises(ValueError, match=match):
+        SpecConfig.parse(spec)
+    assert SpecConfig.parse({"model": "d", "num_speculative_tokens": 3}) == SpecConfig("draft_model", 3, 4, 2, 4, "d")
+
+
+def test_drafts_the_engine_cannot_use_are_refused(tmp_path):
+    big = str(tmp_path / "big")
+    make_checkpoint(big, "qwen3", seed=1, vocab_size=9000)
+    with pytest.raises(ValueError, match="vocabulary \\(9000 tokens\\) is larger than the target's \\(8196\\)"):
+        _drafted(big)
+    with pytest.raises(ValueError, match="is not a checkpoint directory"):
+        _drafted(str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="cannot be combined with enable_sleep_mode"):
+        LLM(DEFAULT_MODEL_DIR, dtype="float32", num_kv_blocks=64, enable_sleep_mode=True,
+            speculative_config={"model": DEFAULT_MODEL_DIR, "num_speculative_tokens": 2})
