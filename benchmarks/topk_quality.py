@@ -17,7 +17,14 @@ the blocks attention actually uses, and what the sparsity costs in model quality
    dense and under top-k): e.g. the default model, its dense control and the NSA variant of the
    recipe (docs/nsa.md).
 
+4. Over squid documents: a query over a prefix and documents (docs/squid.md), every part attended
+   under its own budget (docs/nsa.md, "Squid documents under top-k"), teacher-forced over the
+   query's tokens, against dense attention over the same layout; beside it the same tokens as one
+   causal sequence, dense and under one budget. The documents are a package's modules (json's
+   decoder, encoder and scanner, cut to `--doc-tokens`), the query its `__init__.py`.
+
     .venv/bin/python benchmarks/topk_quality.py [--tokens 3072] [--files 6] [--budgets 256,512,1024]
+    .venv/bin/python benchmarks/topk_quality.py --only documents --budgets 128,256,512
     .venv/bin/python benchmarks/topk_quality.py --only retrieval --lead 128 --gap 320 --budgets 128,256 \
         --compare /tmp/dense_ctrl /tmp/nsa_model
 """
@@ -38,6 +45,7 @@ from cuttle.attention.topk import TopKConfig, block_scores, select_blocks, summa
 from cuttle.engine.config import ModelConfig  # noqa: E402
 from cuttle.engine.models.loader import load_model  # noqa: E402
 from cuttle.engine.models.transformer import Attention  # noqa: E402
+from cuttle.engine.squid import SquidLayout  # noqa: E402
 from cuttle.engine.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,7 +158,9 @@ def main() -> None:
     ap.add_argument("--names", type=int, default=8, help="made-up names in the retrieval check")
     ap.add_argument("--compare", nargs="*", default=[], metavar="DIR",
                     help="more models (same tokenizer) in the retrieval table: NSA ones with their own attention")
-    ap.add_argument("--only", choices=["recall", "gap", "retrieval"], default=None, help="run one part")
+    ap.add_argument("--only", choices=["recall", "gap", "retrieval", "documents"], default=None, help="run one part")
+    ap.add_argument("--doc-tokens", type=int, default=768, help="tokens of each document (documents part)")
+    ap.add_argument("--query-tokens", type=int, default=512, help="tokens of the query (documents part)")
     args = ap.parse_args()
     torch.manual_seed(0)
     mc = ModelConfig.from_pretrained(args.model)
@@ -172,6 +182,8 @@ def main() -> None:
         for d in args.compare:
             models[d] = load_model(d, ModelConfig.from_pretrained(d), torch.float32, torch.device("cpu")).eval()
         retrieval_table(models, tok, texts, budgets, args)
+    if args.only in (None, "documents"):
+        documents_table(model, mc, tok, budgets, args)
 
 
 def recall_table(model, texts, budgets, args, scale) -> None:
@@ -215,6 +227,52 @@ def gap_table(model, texts, budgets, args) -> None:
     print("\n### Quality gap vs dense (teacher-forced, positions past the budget)\n")
     print(markdown_table(["budget", "summary", "greedy agreement", "mean |d logprob| (next token)", "positions"], rows))
 
+
+
+def documents_table(model, mc: ModelConfig, tok: Tokenizer, budgets, args) -> None:
+    """4. top-k over squid documents vs dense over the same layout, teacher-forced over the query"""
+    lib = sysconfig.get_paths()["stdlib"]
+
+    def ids(name: str, n: int) -> list[int]:
+        with open(os.path.join(lib, name)) as f:
+            return tok.encode(f.read(), add_special_tokens=False)[:n]
+
+    prefix = tok.encode("# the json package\n", add_special_tokens=False)
+    docs = [ids(f"json/{m}.py", args.doc_tokens) for m in ("decoder", "encoder", "scanner")]
+    query = ids("json/__init__.py", args.query_tokens)
+    convention = mc.hf_config.get("squid_positions") or "concat"
+    layout = SquidLayout(prefix, docs, convention)
+    tokens = torch.tensor([layout.dense_context() + query])
+    mask, pos = layout.dense_mask_and_positions(len(query))
+    seg, shift = layout.dense_segments(len(query))
+    flat = torch.tensor([layout.flat_tokens(query)])
+    causal = torch.ones(flat.shape[1], flat.shape[1], dtype=torch.bool).tril()[None]
+    at_docs = slice(tokens.shape[1] - len(query), tokens.shape[1] - 1)  # the query's positions, each predicting the next
+    at_flat = slice(flat.shape[1] - len(query), flat.shape[1] - 1)
+    nxt = torch.tensor(query[1:])[:, None]
+
+    def run(sparse: TopKConfig | None, over_docs: bool) -> torch.Tensor:
+        with torch.no_grad():
+            if over_docs:
+                h = model.forward_masked(tokens, pos[None], mask[None], sparse=sparse, segments=seg[None], segment_shifts=shift[None])
+                return model.compute_logits(h[0][at_docs]).log_softmax(-1)
+            h = model.forward_masked(flat, torch.arange(flat.shape[1])[None], causal, sparse=sparse)
+            return model.compute_logits(h[0][at_flat]).log_softmax(-1)
+
+    dense = {True: run(None, True), False: run(None, False)}
+    rows = [[name, "dense", "1.0000", "0.0000", f"{float(dense[d].gather(1, nxt).mean()):.4f}"]
+            for d, name in ((True, "query over documents"), (False, "one causal sequence"))]
+    for budget in budgets:
+        cfg = TopKConfig(budget=budget, block=args.block, dense_layers=args.dense_layers, summary="quest")
+        for d, name in ((True, "query over documents"), (False, "one causal sequence")):
+            lp = run(cfg, d)
+            agree = float((lp.argmax(-1) == dense[d].argmax(-1)).float().mean())
+            dlp = float((lp.gather(1, nxt) - dense[d].gather(1, nxt)).abs().mean())
+            rows.append([name, f"top-k {budget}", f"{agree:.4f}", f"{dlp:.4f}", f"{float(lp.gather(1, nxt).mean()):.4f}"])
+    print(f"\n### Over squid documents ({convention} positions; prefix {len(prefix)}, documents "
+          f"{[len(d) for d in docs]}, query {len(query)} tokens; quest summaries)\n")
+    print(markdown_table(["layout", "attention", "greedy agreement vs its dense", "mean |d logprob| (next token)",
+                          "mean next-token logprob"], rows))
 
 
 def retrieval_table(models: dict, tok, texts, budgets, args) -> None:
