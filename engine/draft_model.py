@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from cuttle.engine.config import EngineConfig, ModelConfig
+from cuttle.engine.hf_cache import resolve_model
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.spec_decode import Proposer, SpecConfig
 
@@ -40,9 +41,13 @@ class DraftModelProposer(Proposer):
         from cuttle.engine.llm_engine import LLMEngine  # (the engine builds this proposer)
 
         assert config.model is not None
-        if not os.path.isfile(os.path.join(config.model, "config.json")):
+        try:  # a directory, or a Hugging Face repo id in the local cache, as the target's `model`
+            path = resolve_model(config.model)
+        except FileNotFoundError as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+        if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"speculative_config.model {config.model!r} is not a checkpoint directory (no config.json)")
-        draft_mc = ModelConfig.from_pretrained(config.model)
+        draft_mc = ModelConfig.from_pretrained(path)
         if draft_mc.vocab_size > target.vocab_size:
             raise ValueError(f"speculative_config.model's vocabulary ({draft_mc.vocab_size} tokens) is larger than the target's "
                              f"({target.vocab_size}): its proposals could be ids the target does not have")
@@ -54,7 +59,7 @@ class DraftModelProposer(Proposer):
         # round's first draft step 93-253 ms at 16-token blocks, a decode step 48 ms)
         bs = min(DRAFT_BLOCK_SIZE, target_config.block_size)
         self.engine = LLMEngine(EngineConfig(
-            model=config.model, dtype=dtype_name, device=str(device), block_size=bs,
+            model=path, dtype=dtype_name, device=str(device), block_size=bs,
             num_kv_blocks=num_blocks * target_config.block_size // bs, max_model_len=min(max_model_len, draft_mc.max_position_embeddings),
             max_num_seqs=target_config.max_num_seqs,
             max_num_batched_tokens=target_config.max_num_batched_tokens, enable_prefix_caching=True,

@@ -68,6 +68,10 @@ class SamplingReplay:
         needs_tokenizer = params.bad_words is not None or params.structured_outputs is not None
         tok = Tokenizer(tokenizer or model_path) if needs_tokenizer or config.eos_token_ids is None else None
         eos = set(config.eos_token_ids) if config.eos_token_ids is not None else model_eos_token_ids(model_path, mc, tok)
+        eos = {t for t in eos if t < mc.vocab_size}  # (as the engine's mask stage keeps them)
+        bad = next((t for t in params.stop_token_ids if t >= mc.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids must be in [0, {mc.vocab_size - 1}], got {bad}")
         # what min_tokens masks, as the engine's `_stop_ids`
         self.stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos)) if params.min_tokens else []
         self.mask_stage = StructuredOutput(tok if needs_tokenizer else None, mc.vocab_size, eos)

@@ -157,6 +157,8 @@ def test_for_sampler_mirrors_the_rollout_params_and_fields_are_checked(moe_path)
         Trainer(moe_path, TrainerConfig(logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match="allowed_token_ids must be in"):
         Trainer(moe_path, TrainerConfig(allowed_token_ids=[10**6]))
+    with pytest.raises(ValueError, match="stop_token_ids must be in"):
+        Trainer(moe_path, TrainerConfig(min_tokens=2, stop_token_ids=[10**6]))
 
 
 def test_penalty_chunks_give_the_unchunked_answer(moe_path, monkeypatch):
