@@ -105,3 +105,28 @@ def test_drafts_the_engine_cannot_use_are_refused(tmp_path):
     with pytest.raises(ValueError, match="cannot be combined with enable_sleep_mode"):
         LLM(DEFAULT_MODEL_DIR, dtype="float32", num_kv_blocks=64, enable_sleep_mode=True,
             speculative_config={"model": DEFAULT_MODEL_DIR, "num_speculative_tokens": 2})
+
+
+def test_served_with_a_draft_model_from_the_cli_json(base):
+    """`--speculative-config` JSON with a draft `model`, as vLLM's: the served tokens are the
+    offline engine's without drafts, and the draft counters move."""
+    import argparse
+    import json
+
+    import httpx
+
+    from cuttle.engine.cli import _engine_args
+    from server_fixture import LiveServer
+
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    flag = json.dumps({"model": DEFAULT_MODEL_DIR, "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    spec = p.parse_args(["--speculative-config", flag]).speculative_config
+    with LiveServer(DEFAULT_MODEL_DIR, dtype="float32", num_kv_blocks=256, batch_invariant=True, speculative_config=spec) as srv:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"model": "test-model", "prompt": CODE[0], "max_tokens": 24, "temperature": 0, "return_token_ids": True})
+        stats = srv.llm.engine.stats()
+    assert r.status_code == 200, r.text
+    want = base.generate([CODE[0]], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].token_ids
+    assert r.json()["choices"][0]["token_ids"] == want
+    assert stats["spec_accepted_tokens"] > 0
