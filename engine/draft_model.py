@@ -10,9 +10,10 @@ blocks with it: each step, before the target's schedule, every decoding sequence
 drafts becomes one greedy draft request over its whole token stream with `max_tokens` its draft
 length, and the draft engine runs them batched until all have proposed. The stream's full blocks
 are prefix-cache hits from the previous step's request, so a step computes the stream's partial
-last block, the target's tokens since, and the k drafts. Requests with squid documents are not
-drafted (the draft would not see the documents), nor are those the n-gram proposer skips
-(`Proposer.room`).
+last block, the target's tokens since, and the k drafts. A query over squid documents is drafted
+over its prompt laid out flat (prefix, documents in order, query), so the draft reads what the
+target attends (the documents' placement aside, which only changes how good its guesses are).
+Requests the n-gram proposer skips (`Proposer.room`) are skipped here too.
 """
 from __future__ import annotations
 
@@ -75,13 +76,15 @@ class DraftModelProposer(Proposer):
         asked: dict[str, int] = {}
         for seq in seqs:
             k = self.room(seq, self.config.num_speculative_tokens)
-            if k <= 0 or seq.request.full_prompt_token_ids is not None:  # (squid documents: the draft lacks them)
-                continue
-            k = min(k, engine.max_model_len - len(seq.token_ids))  # (a draft with a shorter context)
+            full = seq.request.full_prompt_token_ids
+            # a query over squid documents: the draft reads them laid out flat before it (prefix,
+            # documents in order, query), so it sees what the target attends
+            stream = list(seq.token_ids) if full is None else full + seq.output_token_ids
+            k = min(k, engine.max_model_len - len(stream))  # (a draft with a shorter context)
             if k <= 0:
                 continue
             rid = f"draft-{next(self._ids)}"
-            engine.add_request(rid, list(seq.token_ids), SamplingParams(max_tokens=k, **_GREEDY))
+            engine.add_request(rid, stream, SamplingParams(max_tokens=k, **_GREEDY))
             asked[rid] = id(seq)
         while engine.has_unfinished_requests():
             for out in engine.step():

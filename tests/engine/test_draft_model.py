@@ -2,8 +2,8 @@
 every output is bit-identical with and without a draft, greedy and seeded random, n > 1,
 penalties and logprobs included, whatever the draft proposes: the embedded model as its own draft
 (drafts almost always kept: steps saved) and a random model of the same vocabulary (drafts almost
-never kept). Requests the draft cannot serve (squid documents, token controls) are not drafted;
-configs the engine cannot honour are refused naming the key."""
+never kept). Queries over squid documents are drafted over their flat prompt; requests with token
+controls are not drafted; configs the engine cannot honour are refused naming the key."""
 from __future__ import annotations
 
 import os
@@ -72,15 +72,18 @@ def test_a_random_draft_is_rejected_and_changes_nothing(base, random_draft):
     assert 0 < stats["spec_draft_tokens"] and stats["spec_accepted_tokens"] < 0.3 * stats["spec_draft_tokens"]
 
 
-def test_documents_and_controls_are_not_drafted(base):
+def test_documents_are_drafted_over_the_flat_prompt_and_controls_are_not_drafted(base):
+    """A query over squid documents: the draft reads prefix, documents and query laid out flat; a
+    structured-output request is not drafted. Both equal the engine without a draft."""
     spec = _drafted(DEFAULT_MODEL_DIR)
     docs = {"documents": ["def helper(x):\n    return x * 2\n"], "prompt": "def use(y):\n    return helper("}
-    choice = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     sp = SamplingParams(temperature=0, max_tokens=12)
-    got = spec.generate([docs, "Answer: "], [sp, choice], use_tqdm=False)
-    want = base.generate([docs, "Answer: "], [sp, choice], use_tqdm=False)
-    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want]
-    assert spec.engine.stats()["spec_draft_tokens"] == 0
+    assert _outputs(spec, [docs], sp) == _outputs(base, [docs], sp)
+    drafted = spec.engine.stats()["spec_draft_tokens"]
+    assert drafted > 0
+    choice = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert _outputs(spec, ["Answer: "], choice) == _outputs(base, ["Answer: "], choice)
+    assert spec.engine.stats()["spec_draft_tokens"] == drafted
 
 
 @pytest.mark.parametrize("spec, match", [
