@@ -6,9 +6,11 @@ Owns that request's fields and its response only. Beam search is deterministic a
 beams, so the fields that sample, stop early, stream or score are refused with it, each by name
 (vLLM takes some and ignores them): what it takes is `n` (1..10), `max_tokens`, `length_penalty`,
 `ignore_eos`, `temperature` (0 only), `include_stop_str_in_output`, `skip_special_tokens`,
-`priority` and the ignored ones (`user`, ...); completions also `prompt` and `return_token_ids`,
-chat `messages`, `max_completion_tokens`, the template's fields and `include_reasoning` (no tools,
-documents or structured output: their grammars and parsers are per sample).
+`priority` and the ignored ones (`user`, ...); completions also `prompt`, `return_token_ids` and
+`logprobs`, chat `messages`, `max_completion_tokens`, the template's fields, `include_reasoning`,
+`logprobs` and `top_logprobs` (no tools, documents or structured output: their grammars and
+parsers are per sample). A beam's logprobs are its tokens' under the steps that chose them, each
+with the top k of that step's 2 x width candidates (as vLLM's: no more than those).
 
 Each live beam is an engine session, as offline (`LLM.beam_search`): a step is one one-token turn
 a beam, which computes only the beam's new token, then one engine command forks the kept
@@ -31,7 +33,8 @@ from fastapi import Request
 
 from cuttle.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from cuttle.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, run_beam_search_async
-from cuttle.engine.openai_protocol import IGNORED_FIELDS, TEMPLATE_FIELDS, OpenAIError, Usage, get_bool, get_float, get_int, get_priority, show
+from cuttle.engine.openai_protocol import (IGNORED_FIELDS, TEMPLATE_FIELDS, OpenAIError, Usage, chat_logprobs, completion_logprobs,
+                                           get_bool, get_float, get_int, get_priority, show, top_k_of)
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.server.streaming import Fields, Serving, final_output, until_disconnect
@@ -41,9 +44,9 @@ from cuttle.engine.tokenizer import Tokenizer
 
 _COMMON = frozenset({"model", "n", "max_tokens", "use_beam_search", "length_penalty", "ignore_eos", "temperature",
                      "include_stop_str_in_output", "skip_special_tokens", "priority"}) | set(IGNORED_FIELDS)
-BEAM_FIELDS = _COMMON | {"prompt", "return_token_ids"}
+BEAM_FIELDS = _COMMON | {"prompt", "return_token_ids", "logprobs"}
 # chat: the template's fields, and the reasoning split of each beam's message
-CHAT_BEAM_FIELDS = _COMMON | TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "include_reasoning"}
+CHAT_BEAM_FIELDS = _COMMON | TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "include_reasoning", "logprobs", "top_logprobs"}
 
 
 def beam_params(body: dict[str, Any], fields: frozenset[str] = BEAM_FIELDS) -> BeamSearchParams:
@@ -71,6 +74,7 @@ async def beam_search_completion(request: Request, body: dict[str, Any], prompts
                                  tok: Tokenizer, t0: float) -> dict[str, Any]:
     params = beam_params(body)
     want_ids = get_bool(body, "return_token_ids")
+    top = get_int(body, "logprobs", 0, 20, default=None)  # each token's step candidates, the top k of them
     loop = asyncio.get_running_loop()
     engine = serving.engine.engine
     ids = [await loop.run_in_executor(None, engine.encode, p) if isinstance(p, str) else list(p) for p in prompts]
@@ -82,6 +86,8 @@ async def beam_search_completion(request: Request, body: dict[str, Any], prompts
             gen = s.generated(beam)
             ch = {"index": i * params.beam_width + j, "text": tok.decode(gen, params.skip_special_tokens), "logprobs": None,
                   "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason}
+            if top is not None:
+                ch["logprobs"] = completion_logprobs(tok, gen, [top_k_of(d, top, t) for t, d in zip(gen, beam.logprobs)])
             if want_ids:
                 ch["prompt_token_ids"], ch["token_ids"] = ids[i], gen
             choices.append(ch)
@@ -96,10 +102,17 @@ async def beam_search_chat(request: Request, body: dict[str, Any], params: BeamS
     the reasoning split where the server has a reasoning parser)."""
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    want_lp = get_bool(body, "logprobs")
+    top_n = get_int(body, "top_logprobs", 0, 20, 0)
+    if top_n and not want_lp:
+        raise OpenAIError("top_logprobs requires logprobs: true", param="top_logprobs")
     searches, usage = await run_beam_search(request, body, serving, [prompt], params, rid, t0, Fields("messages", max_field))
-    choices = [{"index": j, "message": message_of(tok.decode(searches[0].generated(beam), params.skip_special_tokens)),
-                "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason}
-               for j, beam in enumerate(searches[0].result())]
+    choices = []
+    for j, beam in enumerate(searches[0].result()):
+        gen = searches[0].generated(beam)
+        choices.append({"index": j, "message": message_of(tok.decode(gen, params.skip_special_tokens)),
+                        "logprobs": {"content": chat_logprobs(tok, gen, beam.logprobs, top_n)} if want_lp else None,
+                        "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.model_name,
             "choices": choices, "usage": usage.to_openai()}
 

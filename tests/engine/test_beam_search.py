@@ -156,7 +156,7 @@ def test_server_use_beam_search_equals_offline(live, llm):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"top_p": 0.5}, "top_p"), ({"temperature": 0.8}, "temperature"),
+    ({"stream": True}, "stream"), ({"logprobs": 21}, "logprobs"), ({"top_p": 0.5}, "top_p"), ({"temperature": 0.8}, "temperature"),
     ({"n": 11}, "n"), ({"stop": ["x"]}, "stop"), ({"echo": True}, "echo"), ({"documents": [[5, 6]]}, "documents"),
     ({"length_penalty": "long"}, "length_penalty"), ({"use_beam_search": "yes"}, "use_beam_search"),
 ])
@@ -236,7 +236,7 @@ def test_chat_use_beam_search_equals_offline_over_the_rendered_conversation(live
 
 @pytest.mark.parametrize("extra,param", [
     ({"stream": True}, "stream"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"logprobs": True}, "logprobs"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"seed": 3}, "seed"), ({"top_logprobs": 2}, "top_logprobs"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"documents": ["x y"]}, "documents"), ({"temperature": 0.7}, "temperature"), ({"n": 11}, "n"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "name": "a.py", "text": "x y"}]}]}, "messages"),
 ])
@@ -285,3 +285,32 @@ def test_a_search_cancelled_while_the_engine_forks_leaves_no_session(qwen3_path)
         assert engine.stats()["sessions_open"] == 0
     finally:
         ae.shutdown()
+
+
+def test_beam_logprobs_are_the_steps_that_chose_them(live, llm):
+    """`logprobs: k` (completions) and `logprobs` / `top_logprobs` (chat): each token's logprob
+    under the step that chose it and that step's top k candidates, as the offline beams hold them."""
+    body = {"prompt": PROMPTS[:1], "use_beam_search": True, "n": 2, "max_tokens": 4, "ignore_eos": True, "logprobs": 3}
+    r = _post(live, body)
+    assert r.status_code == 200, r.text
+    offline = llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))[0]
+    tok = llm.get_tokenizer()
+    for c, beam in zip(r.json()["choices"], offline.sequences):
+        gen = beam.tokens[len(PROMPTS[0]):]
+        lp = c["logprobs"]
+        assert lp["tokens"] == [tok.token_text(t) for t in gen]
+        assert lp["token_logprobs"] == pytest.approx([d[t].logprob for t, d in zip(gen, beam.logprobs)], abs=1e-6)
+        assert [set(top) for top in lp["top_logprobs"]] == \
+            [{tok.token_text(k) for k, v in d.items() if v.rank <= 3 or k == t} for t, d in zip(gen, beam.logprobs)]
+    messages = [{"role": "user", "content": "a b"}]
+    ids = httpx.post(live.url + "/tokenize", json={"model": "test-model", "messages": messages}, timeout=30).json()["tokens"]
+    chat = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+        "model": "test-model", "messages": messages, "use_beam_search": True, "n": 2, "max_tokens": 3, "ignore_eos": True,
+        "logprobs": True, "top_logprobs": 2}).json()
+    offline = llm.beam_search([ids], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))[0]
+    for c, beam in zip(chat["choices"], offline.sequences):
+        gen, content = beam.tokens[len(ids):], c["logprobs"]["content"]
+        assert [x["token"] for x in content] == [tok.token_text(t) for t in gen]
+        assert [x["logprob"] for x in content] == pytest.approx([d[t].logprob for t, d in zip(gen, beam.logprobs)], abs=1e-6)
+        assert [[y["token"] for y in x["top_logprobs"]] for x in content] == \
+            [[tok.token_text(t) for t, _ in sorted(d.items(), key=lambda kv: kv[1].rank)[:2]] for d in beam.logprobs]
