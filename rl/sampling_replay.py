@@ -86,19 +86,22 @@ class SamplingReplay:
                  targets: torch.Tensor) -> torch.Tensor:
         """logits [L, V] at the row's trained tokens `targets` (indices into the row of sequences
         [a, b) of `batch`, whose token ids are `ids`) -> the processed logits [L, V]."""
-        cu = batch.cu_seqlens.tolist()
-        t_cpu = targets.cpu()
-        seq_start = torch.repeat_interleave(torch.tensor([s - cu[a] for s in cu[a:b]]), torch.tensor(batch.seq_lens[a:b]))
-        starts = None if batch.output_starts is None else batch.output_starts[cu[a]:cu[b]][t_cpu].tolist()
-        row = _Row(ids.cpu().tolist(), t_cpu.tolist(), seq_start[t_cpu].tolist(), starts)
         tokens = ids[targets]
-        logits = self._controlled(logits, row)
-        logits = self._penalized(logits, row)
-        logits = self._min_tokens(logits, row)
-        if self.config.temperature != 1.0:
-            logits = logits / self.config.temperature
+        c = self.config
+        if self.controls is not None or self.stop_ids or c.repetition_penalty != 1.0 or c.presence_penalty or c.frequency_penalty:
+            cu = batch.cu_seqlens.tolist()
+            t_cpu = targets.cpu()
+            seq_start = torch.repeat_interleave(torch.tensor([s - cu[a] for s in cu[a:b]]), torch.tensor(batch.seq_lens[a:b]))
+            starts = None if batch.output_starts is None else batch.output_starts[cu[a]:cu[b]][t_cpu].tolist()
+            row = _Row(ids.cpu().tolist(), t_cpu.tolist(), seq_start[t_cpu].tolist(), starts)
+            logits = self._controlled(logits, row)
+            logits = self._penalized(logits, row)
+            logits = self._min_tokens(logits, row)
+        if c.temperature != 1.0:
+            logits = logits / c.temperature
         logits = self._truncated(logits, tokens)
-        self._check_possible(logits, tokens, row)
+        if self.controls is not None or self.stop_ids:
+            self._check_possible(logits, tokens, row)
         return logits
 
     def _controlled(self, logits: torch.Tensor, row: _Row) -> torch.Tensor:
