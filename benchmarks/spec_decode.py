@@ -18,11 +18,13 @@ Draft models (engine/draft_model.py, `{"model": ...}`), on the preset's random c
 random prompts. Their speed-up depends on how often a trained draft agrees with its trained
 target, which random checkpoints cannot show (and no weights can be downloaded here); these two
 bound the machinery instead:
-  * `draft-self`: the checkpoint as its own draft: every draft kept, each draft costing a full
-    forward of the model, so tokens/s measures what the drafting rounds cost beside the k + 1
-    tokens a step they buy;
-  * `draft-tiny`: a 2-layer random draft of the preset's vocabulary (hidden 128): nothing kept,
-    the draft length adapting down to 1: the cost of a small draft that never helps.
+  * `draft-self`: the checkpoint as its own draft: (nearly) every draft kept, each draft costing a
+    full forward of the model, so tokens/s measures what the drafting rounds cost beside the
+    k + 1 tokens a step they buy;
+  * `draft-tiny`: a 2-layer random draft of the preset's vocabulary (hidden 128), nearly free.
+    How often it is kept is an artifact of random weights (random tied-embedding models greedily
+    repeat tokens, so the draft and the target often agree; docs/benchmarks.md), so the row shows
+    what the machinery gives at that acceptance, not what a draft model is worth.
 Per row: output tok/s without and with drafts, their ratio, drafts proposed / kept per output
 token, tokens per step. The copy bandwidth is measured in the same run (the batch-1 bound).
 

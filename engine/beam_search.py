@@ -4,13 +4,14 @@
 Owns the search itself (which beams live, which are complete, their scores and the final order),
 as a state machine a driver feeds: `BeamSearch.pending()` lists the token lists to extend this
 step, the driver asks the engine for each one's next-token log-probabilities (one token, greedy,
-`logprobs = 2 * beam_width`), and `advance()` takes them. The offline driver (`LLM.beam_search`)
-keeps every beam's KV: each beam is an engine session
-(engine/session.py) whose turn gives its candidates, and a kept candidate forks its parent's
-session with the sampled token replaced by its own, so a step computes one token a beam. The
-server's driver (`server/beam_completions.py`) sends each step as one-token requests over the
-beams' whole streams, as vLLM's does (the prefix cache serves their full blocks; the partial last
-block is computed again).
+`logprobs = 2 * beam_width`), and `advance()` takes them. Both drivers, offline
+(`LLM.beam_search`) and the server's (`server/beam_completions.py`), keep every beam's KV: each
+beam is an engine session (engine/session.py) whose turn gives its candidates, and a kept
+candidate forks its parent's session with the sampled token replaced by its own
+(`LLMEngine.fork_beams`, from `origins`), so a step computes one token a beam. Where the server's
+session limits leave no room it goes on with `run_beam_search_async`: each step one-token
+requests over the beams' whole streams, as vLLM's does (the prefix cache serves their full
+blocks; the partial last block is computed again).
 
 The rules are vLLM's (its `beam_search` and `get_beam_search_score`), so a drop-in client gets
 the same beams:

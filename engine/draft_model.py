@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cuttle.engine.config import EngineConfig, ModelConfig
+from cuttle.engine.config import DTYPES, EngineConfig, ModelConfig
 from cuttle.engine.hf_cache import resolve_model
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.spec_decode import Proposer, SpecConfig
@@ -35,6 +35,8 @@ _GREEDY = dict(temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.F
 
 class DraftModelProposer(Proposer):
     """`Proposer` whose drafts come from a draft model, computed for the whole step in `prepare`."""
+
+    prepares = True
 
     def __init__(self, config: SpecConfig, max_model_len: int, target: ModelConfig, target_config: EngineConfig,
                  dtype: torch.dtype, device: torch.device, num_blocks: int) -> None:
@@ -52,7 +54,7 @@ class DraftModelProposer(Proposer):
         if draft_mc.vocab_size > target.vocab_size:
             raise ValueError(f"speculative_config.model's vocabulary ({draft_mc.vocab_size} tokens) is larger than the target's "
                              f"({target.vocab_size}): its proposals could be ids the target does not have")
-        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        dtype_name = next(name for name, d in DTYPES.items() if d == dtype)  # the target's
         # as many tokens of KV as the target's pool, so every running stream fits (the draft's
         # blocks are smaller: fewer layers and heads). Small blocks: each round recomputes the
         # stream's partial last block (its full blocks are prefix-cache hits), and on a CPU a

@@ -114,7 +114,7 @@ class Scheduler:
         spec = self.spec
         if spec is not None and spec.config.disable_by_batch_size is not None and len(running) > spec.config.disable_by_batch_size:
             spec = None  # too many sequences this step for drafts to pay (engine/spec_decode.py)
-        if spec is not None:
+        if spec is not None and spec.prepares:
             spec.prepare([s for s in running if s.num_uncomputed_tokens == 1])
         while running and budget > 0:
             seq = running.pop(0)

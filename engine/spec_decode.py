@@ -174,6 +174,8 @@ class Proposer:
         k = seq.draft_len or self.config.num_speculative_tokens
         seq.draft_len = min(self.config.num_speculative_tokens, k + 2) if kept == drafted else max(1, k - 1)
 
+    prepares = False  # whether `prepare` does anything (the scheduler skips building its list otherwise)
+
     def prepare(self, seqs: list[Any]) -> None:
         """Before the step's schedule: `seqs` are the running sequences that decode a token (a
         draft model proposes for all of them at once here); prompt lookup needs nothing."""

@@ -16,6 +16,7 @@ config is not the rollout's, and scoring says so instead of returning -inf.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,9 +66,18 @@ class SamplingReplay:
         self.config = config
         self.vocab_size = mc.vocab_size
         params = config.rollout_params()
+        folder = tokenizer or model_path
+        # read only where a replayed rule needs it: a checkpoint without one trains as before
         needs_tokenizer = params.bad_words is not None or params.structured_outputs is not None
-        tok = Tokenizer(tokenizer or model_path) if needs_tokenizer or config.eos_token_ids is None else None
-        eos = set(config.eos_token_ids) if config.eos_token_ids is not None else model_eos_token_ids(model_path, mc, tok)
+        tok = Tokenizer(folder) if needs_tokenizer else None
+        eos: set[int] = set()  # what min_tokens masks and a grammar ends with (the engine's EOS set)
+        if (params.min_tokens and not params.ignore_eos) or params.structured_outputs is not None:
+            if config.eos_token_ids is not None:
+                eos = set(config.eos_token_ids)
+            else:
+                if tok is None and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+                    tok = Tokenizer(folder)
+                eos = model_eos_token_ids(model_path, mc, tok)
         eos = {t for t in eos if t < mc.vocab_size}  # (as the engine's mask stage keeps them)
         bad = next((t for t in params.stop_token_ids if t >= mc.vocab_size), None)
         if bad is not None:

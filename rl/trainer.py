@@ -120,22 +120,13 @@ class TrainerConfig:
             raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
         if self.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10] (1: none), got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2] (0: none), got {getattr(self, name)!r}")
-        if not self.temperature > 0.0:
+        # (before SamplingParams, which reads a temperature near 0 as greedy)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature > 0.0:
             raise ValueError(f"temperature must be > 0 (the trainer scores a sampling distribution), got {self.temperature!r}")
         if self.eos_token_ids is not None:
             self.eos_token_ids = sorted(set(self.eos_token_ids))
-        # the controls are checked (and normalised: logit_bias keys as ints) by SamplingParams' own rules
+        # every other sampling field is checked by SamplingParams' own rules, naming the field (and
+        # normalised: logit_bias keys as ints)
         sp = self.rollout_params()
         self.logit_bias, self.stop_token_ids, self.bad_words = sp.logit_bias, sp.stop_token_ids, sp.bad_words
 

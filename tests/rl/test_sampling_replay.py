@@ -14,6 +14,7 @@ from cuttle.rl import TrainBatch, Trajectory, compute_advantages, extend_traject
 from cuttle.rl.sampling_replay import SamplingReplay
 from cuttle.rl.trainer import SAMPLING_FIELDS, Trainer, TrainerConfig
 from cuttle.rl.types import Sample
+from helpers import make_checkpoint
 
 
 def _agreement(path: str, llm: LLM, batches: list[tuple[TrainBatch, int]], sp: SamplingParams) -> None:
@@ -172,3 +173,14 @@ def test_penalty_chunks_give_the_unchunked_answer(moe_path, monkeypatch):
     whole = trainer.score(batch)
     monkeypatch.setattr(SamplingReplay, "PAIRS_PER_CHUNK", 7)
     assert torch.equal(trainer.score(batch), whole)
+
+
+def test_a_checkpoint_without_a_tokenizer_trains_and_replays_min_tokens(tmp_path):
+    """The tokenizer is read only where a replayed rule needs one (bad_words, a grammar): a
+    token-id-only checkpoint builds a trainer, and min_tokens masks the config's EOS id."""
+    path = str(tmp_path / "ids_only")
+    make_checkpoint(path, "qwen3", seed=0)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "ids_only" / name).unlink(missing_ok=True)
+    Trainer(path)
+    assert Trainer(path, TrainerConfig(min_tokens=3, stop_token_ids=[7])).replay.stop_ids == [1, 7]  # (EOS 1: the config's)
