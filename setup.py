@@ -45,6 +45,7 @@ setup(
             "hypothesis",
             "transformers",
             "accelerate",  # transformers' FP8 block checkpoint loading (the oracle of test_fp8_checkpoint)
+            "peft",  # the oracle of the LoRA tests (tests/engine/test_lora.py)
             "triton",
             "openai",
             "xgrammar>=0.2.8,<0.3",

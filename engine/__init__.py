@@ -7,9 +7,10 @@ from cuttle.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSe
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.llm import LLM
 from cuttle.engine.llm_engine import LLMEngine
+from cuttle.engine.lora import LoRARequest
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
 from cuttle.engine.sampler import Logprob
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest"]

@@ -392,6 +392,12 @@ class EngineConfig:
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
     #  "disable_by_batch_size": 4}
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters (engine/lora.py), vLLM's flags: requests name a PEFT adapter (LoRARequest, the
+    # server's `model` field); at most `max_loras` adapters stay loaded (least recently used
+    # dropped; reloaded from their directory on next use), each of rank <= `max_lora_rank`
+    enable_lora: bool = False
+    max_loras: int = 8
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.model = resolve_model(self.model, self.revision)
@@ -461,6 +467,10 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head=True needs quantization='mxfp8' (the lm_head is quantized with the other linears)")
         SpecConfig.parse(self.speculative_config)  # a bad spec raises naming its field
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
 
     @property
     def has_host_tier(self) -> bool:

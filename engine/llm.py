@@ -18,6 +18,7 @@ from cuttle.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPa
 from cuttle.engine.config import ENGINE_DEFAULTS, EngineConfig
 from cuttle.engine.generation_config import default_sampling_params
 from cuttle.engine.llm_engine import LLMEngine
+from cuttle.engine.lora import LoRARegistry, LoRARequest
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import SamplingParams
 from cuttle.engine.tokenizer import validate_messages
@@ -46,6 +47,17 @@ def _vllm_prompt(p: Prompt, i: int) -> Prompt:
     if not isinstance(p["prompt"], str):
         raise ValueError(f"prompts[{i}].prompt must be text (token ids go in 'prompt_token_ids')")
     return p["prompt"]
+
+
+def _per_prompt_lora(lora_request: LoRARequest | Seq[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Seq):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or None, got {type(lora_request).__name__}")
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {n} prompts but {len(loras)} lora_requests")
+    return loras
 
 
 class LLM:
@@ -190,8 +202,11 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """`priority` (vLLM's): one per prompt, under scheduling_policy "priority" (lower first)."""
+        """`priority` (vLLM's): one per prompt, under scheduling_policy "priority" (lower first).
+        `lora_request` (vLLM's, with enable_lora): the adapter of every prompt, or one per prompt
+        (None: the base model); any mix runs batched."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text, token ids, or a dict with documents)
         prompts = [_vllm_prompt(p, i) for i, p in enumerate(prompts)]
@@ -203,7 +218,8 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
-        return self._run(prompts, params, use_tqdm, priorities)
+        loras = _per_prompt_lora(lora_request, len(prompts))
+        return self._run(prompts, params, use_tqdm, priorities, loras)
 
     def chat(
         self,
@@ -212,6 +228,7 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -224,7 +241,7 @@ class LLM:
             texts.append(tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs))
         # templates spell out BOS and the role markers: no special tokens added again
         prompts: list[Prompt] = [tok.encode(t, add_special_tokens=False) for t in texts]
-        outs = self.generate(prompts, sampling_params, use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
         for out, text in zip(outs, texts):
             out.prompt = text  # the rendered conversation, as vLLM's LLM.chat reports it
         return outs
@@ -276,12 +293,38 @@ class LLM:
         return [by_session[sid] for sid in sids]
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-             priorities: list[int] | None = None) -> list[RequestOutput]:
+             priorities: list[int] | None = None, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         prios = priorities or [0] * len(prompts)
-        return self._drive([(rid, lambda rid=rid, pr=pr, p=p, q=q: engine.add_request(rid, pr, p, priority=q))
-                            for rid, pr, p, q in zip(ids, prompts, params, prios)], use_tqdm)
+        loras = loras or [None] * len(prompts)
+        return self._drive([(rid, lambda rid=rid, pr=pr, p=p, q=q, a=a: engine.add_request(rid, pr, p, priority=q, lora_request=a))
+                            for rid, pr, p, q, a in zip(ids, prompts, params, prios, loras)], use_tqdm)
+
+    # ---- LoRA adapters (engine/lora.py) --------------------------------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Register a PEFT adapter directory under `lora_name` (its config checked now); requests
+        may then name it alone (`LoRARequest(lora_name)`)."""
+        self._loras().register(lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Forget an adapter (requests running under it finish with it)."""
+        self._loras().unregister(lora_name)
+
+    def list_loras(self) -> list[str]:
+        return self._loras().names()
+
+    def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any]) -> None:
+        """LoRA training's weight sync: an adapter from tensors in memory (PEFT names, as
+        `peft.get_peft_model_state_dict` gives them) and its adapter_config as a dict. New requests
+        naming `lora_name` run under it; its KV is keyed by these weights, so nothing computed under
+        the old adapter is reused."""
+        self._loras().load_tensors(lora_name, named_tensors, config)
+
+    def _loras(self) -> LoRARegistry:
+        if self.engine.loras is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        return self.engine.loras
 
     def _drive(self, adds: list[tuple[str, Any]], use_tqdm: bool) -> list[RequestOutput]:
         """Add every request (all or nothing), step until all finish; outputs in the order given."""

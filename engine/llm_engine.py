@@ -27,6 +27,7 @@ from cuttle.engine.kv.disk_tier import DiskTier, checkpoint_fingerprint, namespa
 from cuttle.engine.kv.tiers import KVTiers
 from cuttle.engine.kv.transfer import TransferEngine
 from cuttle.engine.generation_config import generation_defaults, model_eos_token_ids
+from cuttle.engine.lora import LoadedAdapter, LoRARegistry, LoRARequest
 from cuttle.engine.memory_budget import checkpoint_weight_bytes, free_memory_bytes, kv_pool_bytes
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
@@ -105,6 +106,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid, proposer,
                                    config.scheduling_policy)
         self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
+        # LoRA adapters (engine/lora.py): names, and the adapters loaded, that requests run under
+        self.loras: LoRARegistry | None = None
+        if config.enable_lora:
+            self.loras = LoRARegistry(mc, self.dtype, config.max_loras, config.max_lora_rank)
+            self.runner.enable_lora()
         self.requests: dict[str, Request] = {}
         self._slept = Slept()  # what sleep() gave back (nothing: awake)
         self._rng = random.Random(config.seed)
@@ -190,9 +196,12 @@ class LLMEngine:
         stream: bool = False,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | str | None = None,
     ) -> Request:
         """`priority`: under scheduling_policy "priority", lower values are scheduled first (and
-        preempted last); any other value than 0 is refused under "fcfs"."""
+        preempted last); any other value than 0 is refused under "fcfs". `lora_request`: the LoRA
+        adapter the request runs under (a `LoRARequest`, or the name of one registered), with
+        enable_lora."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check_awake("a request")
@@ -257,12 +266,15 @@ class LLMEngine:
                     f"document take blocks of their own), more than the pool's {pool} (num_kv_blocks): send fewer or "
                     "shorter documents, or a smaller max_tokens"
                 )
+        adapter = self.lora_adapter(lora_request)
         # compiles its grammar; a bad spec, or controls that leave no token to sample, refused here
         controls = self.controls.prepare(params, stop_ids=self._stop_ids(params) if params.min_tokens else ())
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         extra = self.weight_version.to_bytes(8, "little") + (cache_salt or "").encode()
+        if adapter is not None:  # KV computed under an adapter is that adapter's alone
+            extra += b"|lora|" + adapter.key
         req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed, max_tokens=max_tokens,
-                      stream=stream, weight_version=self.weight_version, layout=layout, priority=priority)
+                      stream=stream, weight_version=self.weight_version, layout=layout, priority=priority, lora=adapter)
         if layout is not None:
             req.prefix_cache_key = extra + self.squid.query_key(req)
             req.full_prompt_token_ids = layout.flat_tokens(ids)
@@ -273,6 +285,14 @@ class LLMEngine:
         self.scheduler.add(req.seqs[0])
         self.counters["prompt_tokens"] += len(ids)
         return req
+
+    def lora_adapter(self, lora_request: LoRARequest | str | None) -> LoadedAdapter | None:
+        """The loaded adapter a request names (engine/lora.py), or None for the base model."""
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise ValueError("lora_request needs LoRA enabled (enable_lora=True; --enable-lora)")
+        return self.loras.resolve(lora_request)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:

@@ -29,6 +29,7 @@ from cuttle.attention.topk_backend import TopKBackend, summary_slots_per_block
 from cuttle.attention.torch_backend import TorchAttentionBackend
 from cuttle.engine.config import EngineConfig, ModelConfig
 from cuttle.engine.kv.storage import KVStorage
+from cuttle.engine.lora import LoRABatch, LoRAContext
 from cuttle.engine.models import load_model
 from cuttle.engine.models.linear_quant import refresh_tied
 from cuttle.engine.models.moe_quant import moe_layers, pack_experts
@@ -49,6 +50,7 @@ class StepInputs:
     sample_seqs: list[Sequence]
     prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first prompt position, count) with logits
     graph: Any = None  # the decode graph whose tensors these are (`DecodeGraphs.stage`), or None
+    lora: LoRABatch | None = None  # the rows that run under LoRA adapters (engine/lora.py); None: none
     greedy: torch.Tensor | None = None  # argmax of every logits row, from that graph's replay (plain-greedy steps)
 
 
@@ -93,6 +95,7 @@ class ModelRunner:
             self.backend = TopKBackend(sparse, self.backend, self.block_size, summaries)
         # decode steps replayed from kernel graphs: CPU, the plain torch backend on native kernels
         self.graphs: DecodeGraphs | None = None
+        self.lora: LoRAContext | None = None  # `enable_lora`
         backend = self.backend
         if (device.type == "cpu" and not config.enforce_eager and config.cpu_graph_max_batch > 0
                 and isinstance(backend, TorchAttentionBackend) and backend.native):
@@ -194,8 +197,16 @@ class ModelRunner:
             return self.kv.layers
         return [(k, v, self.nsa_cache[i, 0], self.nsa_cache[i, 1]) for i, (k, v) in enumerate(self.kv.layers)]
 
+    def enable_lora(self) -> None:
+        """Let steps carry LoRA adapter rows (engine/lora.py): the projections read them through
+        one context. A step with adapter rows runs eagerly (kernel graphs hold no adapter)."""
+        self.lora = LoRAContext()
+        self.model.enable_lora(self.lora)
+
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
-        if self.graphs is not None:
+        # a sequence's rows are n (a decode with drafts: its last token and each draft)
+        lora = LoRABatch.build([(seq.request.lora, n) for seq, n in scheduled]) if self.lora is not None else None
+        if self.graphs is not None and lora is None:
             staged = self.graphs.stage(scheduled, self.host_kv is not None)
             if staged is not None:
                 return staged
@@ -265,6 +276,7 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows + sample_rows, dtype=torch.long, device=dev),
             sample_seqs=sample_seqs,
             prompt_rows=prompt_rows,
+            lora=lora,
         )
 
     def _segment_metadata(self, scheduled: list[tuple[Sequence, int]]) -> AttentionMetadata:
@@ -303,10 +315,20 @@ class ModelRunner:
             return self._run(inputs)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
+        if inputs.lora is not None:
+            assert self.lora is not None
+            self.lora.batch = inputs.lora
+            try:
+                return self._run_eager(inputs)
+            finally:
+                self.lora.batch = None
         if self.graphs is not None:
             logits = self.graphs.run(inputs)
             if logits is not None:
                 return logits
+        return self._run_eager(inputs)
+
+    def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
         self.backend.begin_step(inputs.meta)
         if inputs.logit_rows.numel() == inputs.input_ids.numel() and not inputs.prompt_rows:
             return self._all_logits(inputs.input_ids, inputs.positions, inputs.meta).cpu()  # every row: no gather

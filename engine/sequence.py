@@ -19,6 +19,7 @@ from cuttle.engine.kv.segments import Segment
 from cuttle.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from cuttle.engine.lora import LoadedAdapter
     from cuttle.engine.sampler import Logprob
     from cuttle.engine.spec_decode import NgramIndex
     from cuttle.engine.squid import DocumentJob, SquidLayout
@@ -123,6 +124,7 @@ class Request:
     full_prompt_token_ids: list[int] | None = None  # prefix + documents + prompt, as outputs report it
     job: DocumentJob | None = None  # set on the internal request that computes one document
     error: str | None = None  # why the engine ended this request on its own (see LLMEngine._fail)
+    lora: LoadedAdapter | None = None  # the LoRA adapter its rows run under (engine/lora.py)
 
     def __post_init__(self) -> None:
         if not self.prefix_cache_key:

@@ -331,7 +331,7 @@ class Squid:
 
     def _new_job(self, req: Request, key: int, tokens: list[int], prefix: KVHandle | None) -> DocumentJob:
         jreq = Request(f"{req.request_id}#doc-{key:016x}", list(tokens), SamplingParams(max_tokens=1),
-                       extra_key=req.extra_key, weight_version=req.weight_version, priority=req.priority)
+                       extra_key=req.extra_key, weight_version=req.weight_version, priority=req.priority, lora=req.lora)
         pdoc = self.bm.document_index.entries[self.keys(req)[0]] if prefix is not None else None
         job = DocumentJob(key, list(tokens), jreq.seqs[0], pdoc)
         jreq.job = job

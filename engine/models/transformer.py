@@ -32,6 +32,7 @@ from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_atte
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention, topk_attend_chunked, topk_attend_segments
 from cuttle.engine.config import ModelConfig
+from cuttle.engine.lora import LoRAContext
 from cuttle.engine.models.layers import RMSNorm, empty_param
 from cuttle.engine.models.linear_quant import dense_linear, linear  # native.gemm.linear, or the MXFP8 GEMM for quantized weights
 from cuttle.engine.models.mla import MLAttention
@@ -40,6 +41,8 @@ from cuttle.moe import FusedMoE, RoutingConfig, SharedExpert
 
 
 class Attention(nn.Module):
+    lora: LoRAContext | None = None  # set by `CausalLM.enable_lora`: adapters' deltas on q|k|v and o
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_id: int = 0):
         super().__init__()
         self.layer_id = layer_id  # told to the attention backend (per-layer caches hang on it)
@@ -62,14 +65,19 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self._project(x, self.qkv_weight, "qkv", self.qkv_bias)
         qn, kn = self.q_norm, self.k_norm
         q, k, v = qk_norm_rope(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
         )
         o, _ = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return linear(o.reshape(-1, self.q_size), self.o_weight)
+        return self._project(o.reshape(-1, self.q_size), self.o_weight, "o")
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, proj: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """An inference projection, plus the step's LoRA deltas on it (engine/lora.py)."""
+        y = linear(x, weight, bias)
+        return y if self.lora is None else self.lora.add(y, x, self.layer_id, proj)
 
     def _qkv_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Training-path projections of x [B, S, hidden]: q [B, S, H, D], k and v [B, S, Hkv, D]."""
@@ -189,7 +197,7 @@ class NSAAttention(Attention):
         return torch.stack([linear(flat[:, i], heads[i]) for i in range(h)], dim=1)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self._project(x, self.qkv_weight, "qkv", self.qkv_bias)
         qn, kn = self.q_norm, self.k_norm
         q, k, v = qk_norm_rope(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
@@ -197,7 +205,7 @@ class NSAAttention(Attention):
         )
         gates = sigmoid(linear(x, self.g_weight)).view(-1, self.num_heads, 3)  # fused: one formula per element, batch-invariant
         o = backend.forward_nsa(self.layer_id, q, k, v, gates, kv_cache, meta, self.scale, self.compress_windows)
-        return linear(o.reshape(-1, self.q_size), self.o_weight)
+        return self._project(o.reshape(-1, self.q_size), self.o_weight, "o")
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                       segments: DenseSegments | None = None) -> torch.Tensor:
@@ -232,14 +240,20 @@ class NSAAttention(Attention):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+    lora: LoRAContext | None = None  # set by `CausalLM.enable_lora`: adapters' deltas on gate|up and down
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, layer_id: int = 0):
         super().__init__()
         self.inter = inter
+        self.layer_id = layer_id
         self.gate_up_weight = empty_param(2 * inter, hidden, dtype=dtype)
         self.down_weight = empty_param(hidden, inter, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_weight)
+        if self.lora is None:
+            return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_weight)
+        h = silu_mul(self.lora.add(linear(x, self.gate_up_weight), x, self.layer_id, "gate_up"))
+        return self.lora.add(linear(h, self.down_weight), h, self.layer_id, "down")
 
 
 class DecoderLayer(nn.Module):
@@ -262,7 +276,7 @@ class DecoderLayer(nn.Module):
             if cfg.shared_expert_intermediate_size:
                 self.shared = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, cfg.shared_expert_gated)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, layer_id)
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         y = self.mlp(h)
@@ -378,6 +392,15 @@ class CausalLM(nn.Module):
         cos, sin = self.rope.delta_tables([shift])
         return rotate_partial(x, cos.to(x.device)[:, None, :].expand(x.shape[0], 1, -1),
                               sin.to(x.device)[:, None, :].expand(x.shape[0], 1, -1))
+
+    def enable_lora(self, ctx: LoRAContext) -> None:
+        """Let the attention projections and dense MLPs add the LoRA deltas `ctx` holds for a step
+        (engine/lora.py); multi-head latent attention has no such seam and is refused there."""
+        for layer in self.layers:
+            if isinstance(layer.attn, Attention):
+                layer.attn.lora = ctx
+            if isinstance(layer.mlp, DenseMLP):
+                layer.mlp.lora = ctx
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights the inference forward hands to `native.gemm.linear` (to pack them ahead)."""

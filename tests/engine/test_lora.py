@@ -1,0 +1,278 @@
+"""LoRA adapters (engine/lora.py) against the peer: transformers + peft scoring the engine's
+outputs, per adapter, with several adapters and the base model mixed in one batch (fp32); the
+prefix cache keyed by adapter; in-memory updates; eviction under a running request; documents,
+speculative decoding and kernel graphs beside adapters; and every unsupported adapter refused."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from cuttle.engine import LLM, LoRARequest, SamplingParams
+from cuttle.engine.lora import LoRABatch
+from helpers import make_checkpoint
+
+peft = pytest.importorskip("peft", reason="peft is the LoRA oracle (the test extra installs it)")
+
+TOL = 1e-4
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _adapter(base, path: str, seed: int, targets: list[str], r: int, alpha: float, rslora: bool = False):
+    """A random PEFT adapter on a copy of `base`, saved to `path`; returns the peft model."""
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora)
+    pm = peft.get_peft_model(copy.deepcopy(base), cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    pm.save_pretrained(path)
+    return pm.eval()
+
+
+def _score(model, prompt: list[int], out, tol: float = TOL) -> None:
+    """The engine's greedy tokens are the oracle's argmax, and their logprobs within tol."""
+    c = out.outputs[0]
+    with torch.no_grad():
+        lp = model(torch.tensor([prompt + c.token_ids])).logits[0].float().log_softmax(-1)
+    n = len(prompt)
+    assert lp[n - 1 : -1].argmax(-1).tolist() == c.token_ids
+    for i, t in enumerate(c.token_ids):
+        assert abs(c.logprobs[i][t].logprob - lp[n - 1 + i, t].item()) <= tol
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = str(root / "base")
+    base = make_checkpoint(base_dir, "qwen3", seed=3).eval()
+    a = _adapter(base, str(root / "a"), 1, ALL, r=8, alpha=16)
+    b = _adapter(base, str(root / "b"), 2, ["q_proj", "v_proj"], r=4, alpha=8, rslora=True)
+    return {"root": root, "base_dir": base_dir, "base": base, "a": a, "b": b, "a_dir": str(root / "a"), "b_dir": str(root / "b")}
+
+
+def _llm(path: str, **kw) -> LLM:
+    kw = {"dtype": "float32", "attention_backend": "torch", "num_kv_blocks": 96, "enable_lora": True, **kw}
+    return LLM(path, **kw)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def test_adapters_and_base_mixed_in_one_batch_match_peft(setup):
+    """Prompts under adapter a, the base, adapter b and a again, chunked so prefill and decode
+    rows of every kind share steps (a's rows are two runs: the gathered path)."""
+    llm = _llm(setup["base_dir"], max_num_batched_tokens=32)
+    ra, rb = LoRARequest("a", 1, setup["a_dir"]), LoRARequest("b", 2, setup["b_dir"])
+    prompts = _prompts(8, seed=1)
+    loras = [ra, None, rb, ra, None, rb, ra, ra]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
+    oracle = {"a": setup["a"], "b": setup["b"]}
+    for p, lr, o in zip(prompts, loras, outs):
+        if lr is None:
+            with setup["a"].disable_adapter():
+                _score(setup["a"], p, o)
+        else:
+            _score(oracle[lr.lora_name], p, o)
+    # the adapters change the continuations (else the check above could not fail)
+    assert outs[0].outputs[0].token_ids != llm.generate([prompts[0]], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_lora_batch_groups_rows_by_adapter():
+    x, y = object(), object()
+    b = LoRABatch.build([(x, 3), (None, 1), (y, 2), (x, 1), (x, 2)])
+    assert [(g[0], g[1]) for g in b.groups if isinstance(g[1], slice)] == [(y, slice(4, 6))]
+    (ax, rows), = [g for g in b.groups if g[0] is x]
+    assert rows.tolist() == [0, 1, 2, 6, 7, 8]
+    assert LoRABatch.build([(None, 4)]) is None
+
+
+def test_moe_base_with_an_attention_adapter_matches_peft(tmp_path):
+    base = make_checkpoint(str(tmp_path / "m"), "qwen3_moe", seed=5).eval()
+    pm = _adapter(base, str(tmp_path / "ad"), 7, ["q_proj", "k_proj", "v_proj", "o_proj"], r=4, alpha=4)
+    llm = _llm(str(tmp_path / "m"))
+    prompts = _prompts(3, seed=2)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0),
+                        lora_request=LoRARequest("ad", 1, str(tmp_path / "ad")), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        _score(pm, p, o)
+
+
+def test_prefix_cache_is_keyed_by_adapter(setup):
+    llm = _llm(setup["base_dir"])
+    prompt = _prompts(1, seed=3)[0] * 3  # several full blocks
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    base = llm.generate([prompt], sp, use_tqdm=False)[0]
+    ra = LoRARequest("a", 1, setup["a_dir"])
+    first = llm.generate([prompt], sp, lora_request=ra, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0  # the base's KV is not the adapter's
+    again = llm.generate([prompt], sp, lora_request=ra, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    rb = LoRARequest("b", 2, setup["b_dir"])
+    assert llm.generate([prompt], sp, lora_request=rb, use_tqdm=False)[0].num_cached_tokens == 0
+    _score(setup["a"], prompt, again)
+    assert base.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+def test_update_lora_in_memory_replaces_the_adapter_and_its_cache(setup):
+    """LoRA training's weight sync: tensors by PEFT names and the config dict."""
+    llm = _llm(setup["base_dir"])
+    prompt = _prompts(1, seed=4)[0] * 3
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    ra = LoRARequest("a", 1, setup["a_dir"])
+    llm.generate([prompt], sp, lora_request=ra, use_tqdm=False)
+    with open(os.path.join(setup["b_dir"], "adapter_config.json")) as f:
+        config = json.load(f)
+    state = peft.get_peft_model_state_dict(setup["b"])
+    llm.update_lora("a", state.items(), config)
+    out = llm.generate([prompt], sp, lora_request=LoRARequest("a"), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0  # nothing computed under the old weights reused
+    _score(setup["b"], prompt, out)
+
+
+def test_evicted_adapter_keeps_serving_its_running_request(setup):
+    """max_loras=1: loading b drops a from the registry while a request runs under a; that
+    request finishes under a, and a later request under a reloads it."""
+    llm = _llm(setup["base_dir"], max_loras=1)
+    engine = llm.engine
+    prompt = _prompts(1, seed=5)[0]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    engine.add_request("r-a", prompt, sp, lora_request=LoRARequest("a", 1, setup["a_dir"]))
+    engine.step()
+    engine.add_request("r-b", prompt, sp, lora_request=LoRARequest("b", 2, setup["b_dir"]))
+    assert list(engine.loras.loaded) == ["b"]
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    _score(setup["a"], prompt, done["r-a"])
+    _score(setup["b"], prompt, done["r-b"])
+    again = llm.generate([prompt], sp, lora_request=LoRARequest("a"), use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == done["r-a"].outputs[0].token_ids
+
+
+def test_load_and_unload_by_name(setup):
+    llm = _llm(setup["base_dir"])
+    llm.load_lora_adapter("a", setup["a_dir"])
+    assert llm.list_loras() == ["a"]
+    prompt = _prompts(1, seed=6)[0]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    _score(setup["a"], prompt, llm.generate([prompt], sp, lora_request=LoRARequest("a"), use_tqdm=False)[0])
+    llm.unload_lora_adapter("a")
+    with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
+        llm.generate([prompt], sp, lora_request=LoRARequest("a"), use_tqdm=False)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
+        llm.unload_lora_adapter("a")
+
+
+def test_documents_and_spec_decode_under_an_adapter(setup):
+    """A squid prompt's documents are computed under the request's adapter (and cached for it
+    alone); n-gram drafts under an adapter keep the outputs of plain decoding."""
+    ra = LoRARequest("a", 1, setup["a_dir"])
+    rng = random.Random(9)
+    docs = [[rng.randrange(3, 256) for _ in range(20)] for _ in range(2)]
+    q = [rng.randrange(3, 256) for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompt = {"documents": docs, "prompt": q}
+    llm = _llm(setup["base_dir"])
+    base = llm.generate([prompt], sp, use_tqdm=False)[0]
+    warm = llm.generate([prompt], sp, lora_request=ra, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == 0  # the base's documents are not the adapter's
+    hit = llm.generate([prompt], sp, lora_request=ra, use_tqdm=False)[0]
+    assert hit.num_cached_tokens > 0
+    fresh = _llm(setup["base_dir"]).generate([prompt], sp, lora_request=ra, use_tqdm=False)[0]
+    assert warm.outputs[0].token_ids == hit.outputs[0].token_ids == fresh.outputs[0].token_ids != base.outputs[0].token_ids
+
+    rep = [5, 6, 7, 8] * 6  # repetitive: prompt lookup finds drafts
+    plain = _llm(setup["base_dir"]).generate([rep], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0),
+                                             lora_request=ra, use_tqdm=False)[0]
+    spec_llm = _llm(setup["base_dir"], speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    spec = spec_llm.generate([rep], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0),
+                             lora_request=ra, use_tqdm=False)[0]
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert spec_llm.stats()["spec_draft_tokens"] > 0
+    for i, t in enumerate(plain.outputs[0].token_ids):
+        assert abs(spec.outputs[0].logprobs[i][t].logprob - plain.outputs[0].logprobs[i][t].logprob) <= 1e-5
+
+
+def test_base_requests_still_replay_kernel_graphs(setup):
+    """Adapter steps run eagerly; a LoRA-enabled engine's base-only decode steps keep their graphs."""
+    llm = _llm(setup["base_dir"], dtype="bfloat16")
+    prompts = _prompts(2, seed=7)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)
+    replayed = llm.stats()["graph_steps"]
+    if replayed == 0:
+        pytest.skip("no kernel graphs on this machine (native kernels off)")
+    lora = llm.generate(prompts, sp, lora_request=LoRARequest("a", 1, setup["a_dir"]), use_tqdm=False)
+    assert llm.stats()["graph_steps"] == replayed  # no adapter step replayed
+    assert [o.outputs[0].token_ids for o in lora] != [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+def _write(path, config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "bias": "none", **config}, f)
+    if tensors:
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return str(path)
+
+
+def _qa(layer: int = 0, module: str = "self_attn.q_proj", r: int = 4, fan_in: int = 64, rows: int = 64):
+    p = f"base_model.model.model.layers.{layer}.{module}"
+    return {f"{p}.lora_A.weight": torch.randn(r, fan_in), f"{p}.lora_B.weight": torch.randn(rows, r)}
+
+
+@pytest.mark.parametrize("config, tensors, match", [
+    ({"use_dora": True}, _qa(), "use_dora"),
+    ({"bias": "lora_only"}, _qa(), "bias='lora_only'"),
+    ({"modules_to_save": ["lm_head"]}, _qa(), "modules_to_save"),
+    ({"r": 32}, _qa(r=32), "max_lora_rank"),
+    ({"peft_type": "IA3"}, _qa(), "peft_type 'IA3'"),
+    ({}, {"base_model.model.model.embed_tokens.lora_embedding_A": torch.randn(4, 256)}, "not a LoRA weight of a supported module"),
+    ({}, _qa(module="self_attn.g_proj"), "self_attn.g_proj is not supported"),
+    ({}, _qa(layer=5), "names layer 5"),
+    ({}, _qa(rows=32), "lora_B"),
+    ({}, {k: v for k, v in _qa().items() if "lora_A" in k}, "has lora_A but not lora_B"),
+    ({}, {k: v * float("nan") for k, v in _qa().items()}, "NaN"),
+    ({}, {}, "no adapter_model.safetensors"),
+])
+def test_unsupported_adapters_are_refused(setup, tmp_path, config, tensors, match):
+    llm = _llm(setup["base_dir"])
+    path = _write(tmp_path / "bad", config, tensors)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("bad", 1, path), use_tqdm=False)
+    # the engine goes on serving
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_adapter_on_routed_experts_is_refused(tmp_path):
+    make_checkpoint(str(tmp_path / "m"), "qwen3_moe", seed=5)
+    llm = _llm(str(tmp_path / "m"))
+    path = _write(tmp_path / "ad", {}, _qa(module="mlp.gate_proj", rows=128))
+    with pytest.raises(ValueError, match="routed mixture of experts"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=1), lora_request=LoRARequest("ad", 1, path), use_tqdm=False)
+
+
+def test_lora_request_needs_enable_lora(setup):
+    llm = LLM(setup["base_dir"], dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=1), lora_request=LoRARequest("a", 1, setup["a_dir"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_loras must be an integer >= 1"):
+        LLM(setup["base_dir"], enable_lora=True, max_loras=0)
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, setup["a_dir"])
+    with pytest.raises(ValueError, match="got 2 prompts but 1 lora_requests"):
+        _llm(setup["base_dir"]).generate([[5], [6]], SamplingParams(max_tokens=1), lora_request=[None], use_tqdm=False)
