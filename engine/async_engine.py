@@ -18,11 +18,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cuttle.engine.llm_engine import LLMEngine
+from cuttle.engine.lora import LoRARequest
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,6 +34,16 @@ log = logging.getLogger("cuttle.engine")
 # command arrives: it used to step flat out, a core busy for nothing beside the agents' tools
 STALL_POLL_S = 0.05
 GRAMMAR_WORKERS = 2  # grammar compiles run side by side (each is one thread inside xgrammar)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """What a request carries besides its prompt and sampling params, as `LLMEngine.add_request`
+    takes it: the cache salt, the priority and the LoRA adapter (engine/lora.py)."""
+
+    cache_salt: str | None = None
+    priority: int = 0
+    lora_request: LoRARequest | str | None = None
 
 
 class QueueFullError(RuntimeError):
@@ -202,7 +214,7 @@ class AsyncEngine:
     # ---- the API ---------------------------------------------------------------------------
     async def add(
         self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, cache_salt: str | None = None,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | str | None = None,
     ) -> RequestStream:
         """Admit a request and return its stream of outputs once the engine has accepted it
         (raises what `add_request` raised, or QueueFullError). `prompt` is anything `add_request`
@@ -213,7 +225,8 @@ class AsyncEngine:
         per_step = params.output_kind != RequestOutputKind.FINAL_ONLY
         await self._compile_grammar(params)
         return await self._admit(request_id, lambda: self.engine.add_request(request_id, prompt, params, stream=per_step,
-                                                                            cache_salt=cache_salt, priority=priority))
+                                                                            cache_salt=cache_salt, priority=priority,
+                                                                            lora_request=lora_request))
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar on a worker thread before it is admitted: a schema can

@@ -31,7 +31,7 @@ from typing import Any
 
 from fastapi import Request
 
-from cuttle.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
+from cuttle.engine.async_engine import AsyncEngine, QueueFullError, RequestOptions, RequestStream
 from cuttle.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, run_beam_search_async
 from cuttle.engine.openai_protocol import (IGNORED_FIELDS, TEMPLATE_FIELDS, OpenAIError, Usage, chat_logprobs, completion_logprobs,
                                            get_bool, get_float, get_int, get_priority, show, top_k_of)
@@ -135,7 +135,8 @@ async def run_beam_search(request: Request, body: dict[str, Any], serving: Servi
 
     async def score(token_lists: list[list[int]]) -> list[dict]:
         items = [(f"{rid}-beam-{uuid.uuid4().hex[:12]}", t) for t in token_lists]
-        finals = await serving.complete(request, items, step, None, fields, lambda outs: outs, t0, observe=False, priority=priority)
+        finals = await serving.complete(request, items, step, RequestOptions(priority=priority), fields, lambda outs: outs, t0,
+                                        observe=False)
         if not firsts:
             firsts.extend(finals)  # the first step's outputs: the prompts' own admission (cached tokens)
         return [_candidates(out) for out in finals]

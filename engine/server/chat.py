@@ -28,6 +28,7 @@ from cuttle.engine.openai_protocol import (
     CHAT_FIELDS, OpenAIError, Usage, chat_logprobs, check_tools, get_bool, get_documents, get_int, get_priority, get_prompt_logprobs,
     get_str, get_stream_options, prompt_logprobs_wire, sampling_params, show, structured_outputs_of,
 )
+from cuttle.engine.async_engine import RequestOptions
 from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.reasoning_parsers import CLOSE, CONTENT, OPEN, ReasoningParser, split_reasoning, start_state
@@ -91,11 +92,10 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             raise OpenAIError("top_logprobs requires logprobs: true", param="top_logprobs")
         echo = get_bool(body, "echo")
         as_ids = serving.tokens_as_ids(body)
-        priority = get_priority(body, serving.engine.engine.config.scheduling_policy)
         include_reasoning = get_bool(body, "include_reasoning", True)
         stream = get_bool(body, "stream")
         include_usage, continuous_usage = get_stream_options(body)
-        salt = get_str(body, "cache_salt")
+        admission = RequestOptions(get_str(body, "cache_salt"), get_priority(body, serving.engine.engine.config.scheduling_policy))
         want_plp = get_prompt_logprobs(body, stream, bool(field_docs or part_docs))
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         # tool calls under their tools' JSON schemas (a forced call always parses; with auto, from <tool_call> on)
@@ -193,9 +193,9 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                     extra["prompt_logprobs"] = prompt_logprobs_wire(out.prompt_token_ids, out.prompt_logprobs or [], want_plp)
                 return frame(choices, usage=usage.to_openai(), **extra)
 
-            return await serving.complete(request, [(rid, prompt)], params, salt, fields, respond, t0, priority=priority)
+            return await serving.complete(request, [(rid, prompt)], params, admission, fields, respond, t0)
 
-        streams = await serving.open(request, [(rid, prompt)], params, salt, fields, priority)
+        streams = await serving.open(request, [(rid, prompt)], params, admission, fields)
         n = params.n
         reasoners = [ReasoningParser(rstate) if rstate is not None else None for _ in range(n)]
         parsers = [StreamingToolParser(parser, tools) if use_tools else None for _ in range(n)]

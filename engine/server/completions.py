@@ -20,6 +20,7 @@ from cuttle.engine.openai_protocol import (
     COMPLETION_FIELDS, OpenAIError, Usage, completion_logprobs, get_bool, get_documents, get_int, get_priority, get_prompt_logprobs, get_str,
     get_stream_options, is_token_ids, prompt_logprobs_wire, sampling_params, structured_outputs_of, top_k_of,
 )
+from cuttle.engine.async_engine import RequestOptions
 from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.fim import FORMATS, FimFormat
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
@@ -50,8 +51,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         include_usage, continuous_usage = get_stream_options(body)
         want_ids = get_bool(body, "return_token_ids")
         as_ids = serving.tokens_as_ids(body)
-        priority = get_priority(body, serving.engine.engine.config.scheduling_policy)
-        salt = get_str(body, "cache_salt")
+        admission = RequestOptions(get_str(body, "cache_salt"), get_priority(body, serving.engine.engine.config.scheduling_policy))
         documents = get_documents(body)
         prefix = body.get("prefix")
         if prefix is not None and not (isinstance(prefix, str) or is_token_ids(prefix)):
@@ -140,9 +140,9 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                         choices.append(ch)
                 return frame(choices, usage=usage.to_openai())
 
-            return await serving.complete(request, items, params, salt, fields, respond, t0, priority=priority)
+            return await serving.complete(request, items, params, admission, fields, respond, t0)
 
-        streams = await serving.open(request, items, params, salt, fields, priority)
+        streams = await serving.open(request, items, params, admission, fields)
 
         def choice(d: Delta) -> dict[str, Any] | None:
             c, first = d.sample, d.first

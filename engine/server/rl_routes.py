@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from cuttle.engine.async_engine import AsyncEngine
+from cuttle.engine.async_engine import AsyncEngine, RequestOptions
 from cuttle.engine.openai_protocol import RL_FIELDS, RL_SAMPLING_FIELDS, OpenAIError, check_fields, sampling_params
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind
@@ -77,7 +77,7 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
 
         items = [(f"rl-{base}-{i}", p) for i, p in enumerate(prompts)]
         fields = Fields("prompts", "sampling_params.max_tokens", "sampling_params.n", sampling="sampling_params.")
-        return await serving.complete(request, items, params, None, fields, respond, t0, observe=False)
+        return await serving.complete(request, items, params, RequestOptions(), fields, respond, t0, observe=False)
 
     @app.post("/v1/rl/update_weights")
     async def rl_update_weights(request: Request, in_flight: str = "abort") -> dict[str, Any]:

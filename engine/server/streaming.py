@@ -30,7 +30,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from cuttle.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
+from cuttle.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestOptions, RequestStream
 from cuttle.engine.sleep_mode import EngineAsleepError
 from cuttle.engine.metrics import ServerMetrics
 from cuttle.engine.openai_protocol import OpenAIError, Usage, get_bool
@@ -104,20 +104,19 @@ class Serving:
             self._on_disconnect()
 
     # ---- admission ----------------------------------------------------------------------------
-    async def open(self, request: Request, items: list[tuple[str, Prompt]], params: SamplingParams, salt: str | None,
-                   fields: Fields, priority: int = 0) -> list[RequestStream]:
+    async def open(self, request: Request, items: list[tuple[str, Prompt]], params: SamplingParams, opts: RequestOptions,
+                   fields: Fields) -> list[RequestStream]:
         """Admit the prompts, raced against the client leaving (for a streamed response: its
         errors come back before any byte is sent)."""
-        return await until_disconnect(request, admit(self.engine, items, params, salt, fields, priority), self.disconnected)
+        return await until_disconnect(request, admit(self.engine, items, params, opts, fields), self.disconnected)
 
-    async def complete(self, request: Request, items: list[tuple[str, Prompt]], params: SamplingParams, salt: str | None,
-                       fields: Fields, respond: Callable[[list[RequestOutput]], Any], t0: float, observe: bool = True,
-                       priority: int = 0) -> Any:
+    async def complete(self, request: Request, items: list[tuple[str, Prompt]], params: SamplingParams, opts: RequestOptions,
+                       fields: Fields, respond: Callable[[list[RequestOutput]], Any], t0: float, observe: bool = True) -> Any:
         """A non-streamed request: admit, wait for every final output (FINAL_ONLY), build the
         response with `respond`; all of it abandoned, and the requests aborted, if the client leaves.
         `t0`: when the request arrived (latency is measured from there)."""
         async def run() -> Any:
-            streams = await admit(self.engine, items, params, salt, fields, priority)
+            streams = await admit(self.engine, items, params, opts, fields)
             try:
                 finals = [await final_output(s) for s in streams]
             finally:
@@ -212,14 +211,15 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def admit(engine: AsyncEngine, prompts: list[tuple[str, Prompt]], params: SamplingParams, salt: str | None,
-                fields: Fields, priority: int = 0) -> list[RequestStream]:
+async def admit(engine: AsyncEngine, prompts: list[tuple[str, Prompt]], params: SamplingParams, opts: RequestOptions,
+                fields: Fields) -> list[RequestStream]:
     """Admit every prompt (one engine round trip for all), or none: errors (400 / 503) come
     back before any byte is sent, and the requests already admitted are aborted."""
     if len(prompts) > engine.max_pending:  # each prompt is a request in flight: a 503 could never pass, retried or not
         raise OpenAIError(f"{fields.prompt} holds {len(prompts)} prompts, more than the {engine.max_pending} requests this server "
                           "takes in flight at once (--max-pending): send them in smaller batches", param=fields.prompt)
-    got = await asyncio.gather(*(engine.add(rid, p, params, salt, priority) for rid, p in prompts), return_exceptions=True)
+    got = await asyncio.gather(*(engine.add(rid, p, params, opts.cache_salt, opts.priority, opts.lora_request) for rid, p in prompts),
+                               return_exceptions=True)
     err = next((e for e in got if isinstance(e, BaseException)), None)
     if err is None:
         return got
