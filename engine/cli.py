@@ -78,6 +78,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-sleep-mode", action="store_true", default=None,
                    help="allow POST /sleep and /wake_up: an idle engine gives its KV cache's memory back to a colocated "
                         "trainer (docs/server.md, 'Sleep mode')")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters beside the base model (--lora-modules; docs/server.md, 'LoRA adapters')")
+    g.add_argument("--max-loras", type=int, help="LoRA adapters kept loaded at once (least recently used dropped; default 8)")
+    g.add_argument("--max-lora-rank", type=int, help="the largest adapter rank accepted (default 16)")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="each request's tokens and logprobs independent of what else runs beside it, of prompt "
                         "chunking and of preemption (CPU kernels; docs/architecture.md, 'Batch invariance')")
@@ -89,7 +93,7 @@ _ENGINE_OPTIONS = ("dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                    "sparse_attention")
 _ENGINE_OPTIONS += ("revision", "tokenizer", "gpu_memory_utilization", "enforce_eager", "cpu_graph_max_batch", "cpu_graph_hot_batches",
                    "generation_config", "batch_invariant", "speculative_config", "scheduling_policy", "enable_sleep_mode",
-                   "max_sessions", "max_session_kv_blocks")
+                   "max_sessions", "max_session_kv_blocks", "enable_lora", "max_loras", "max_lora_rank")
 
 
 def _json_dict(text: str) -> dict:
@@ -100,6 +104,23 @@ def _json_dict(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules entry: 'name=path', or vLLM's JSON {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        value = _json_dict(text)
+        name, path = value.get("name"), value.get("path")
+        extra = sorted(set(value) - {"name", "path", "base_model_name"})
+        if extra:
+            raise argparse.ArgumentTypeError(f"unknown fields {extra} (name, path, base_model_name)")
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"must be name=path or a JSON object, got {text!r}")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise argparse.ArgumentTypeError(f"needs a non-empty name and path, got {text!r}")
+    return name, path
 
 
 def _build_llm(args: argparse.Namespace):
@@ -154,6 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from cuttle.engine.async_engine import AsyncEngine
     from cuttle.engine.server import create_app
     from cuttle.engine.server.chat_prompt import load_chat_template
+    from cuttle.engine.server.lora_routes import runtime_updating_from_env
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -181,7 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         app = create_app(aeng, name, args.api_key, args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                          chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
                          enable_auto_tool_choice=args.enable_auto_tool_choice,
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=dict(args.lora_modules or []),
+                         allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_updating_from_env())
     except ValueError as e:
         aeng.shutdown()
         _refuse("serve", str(e))
@@ -290,6 +313,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="a Jinja chat template used instead of the checkpoint's: a file path, or the template inline")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests carry their own chat_template (refused otherwise)")
+    s.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora), each 'name=path' or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ...}': a request's model field picks one by name")
+    s.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same)")
     s.add_argument("--max-pending", type=int, default=256, help="requests in flight before new ones get 503")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight get to finish after SIGTERM / SIGINT (new ones get 503); then they end "

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cuttle.engine.async_engine import AsyncEngine
 from cuttle.engine.metrics import ServerMetrics
 from cuttle.engine.openai_protocol import OpenAIError
+from cuttle.engine.server.lora_routes import add_lora_routes, register_lora_modules
 from cuttle.engine.server.body import MAX_BODY_BYTES
 from cuttle.engine.reasoning_parsers import REASONING_PARSERS
 from cuttle.engine.server.admin_routes import ADMIN_PATHS, add_admin_routes
@@ -54,9 +55,11 @@ class _Auth:
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, reasoning_parser: str | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = True,
-               return_tokens_as_token_ids: bool = False) -> FastAPI:
+               return_tokens_as_token_ids: bool = False, lora_modules: dict[str, str] | None = None,
+               allow_runtime_lora_updating: bool = False) -> FastAPI:
     """`chat_template`: the template's text (`chat_prompt.load_chat_template` reads the CLI's
-    path-or-inline argument), used instead of the checkpoint's."""
+    path-or-inline argument), used instead of the checkpoint's. `lora_modules`: adapter name ->
+    PEFT directory, each served under its name (engine/server/lora_routes.py)."""
     llm = engine.engine
     tok = llm.tokenizer
     parser = tool_call_parser or parser_for_template(chat_template or tok.chat_template)
@@ -69,6 +72,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     chat_opts = ChatOptions(parser, reasoning_parser, chat_template, trust_request_chat_template, enable_auto_tool_choice)
     metrics = ServerMetrics(model_name)
     serving = Serving(engine, model_name, metrics, max_body_bytes, return_tokens_as_token_ids=return_tokens_as_token_ids)
+    register_lora_modules(engine, serving, lora_modules or {})
     app = FastAPI(title="cuttle", version="0.1.0")
     app.state.engine = engine
 
@@ -111,12 +115,17 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "cuttle", "max_model_len": llm.max_model_len}]}
+        now = int(time.time())
+        base = {"id": model_name, "object": "model", "created": now, "owned_by": "cuttle", "root": model_name, "parent": None,
+                "max_model_len": llm.max_model_len}
+        # each LoRA adapter as vLLM lists it: its directory as root, the base model as parent
+        return {"object": "list", "data": [base] + [{**base, "id": name, "root": path or name, "parent": model_name}
+                                                    for name, path in serving.adapters.items()]}
 
     add_completion_routes(app, serving, tok)
     add_chat_routes(app, serving, tok, chat_opts)
     add_token_routes(app, serving, tok, chat_opts, llm.max_model_len)
     add_rl_routes(app, engine, max_body_bytes, serving.disconnected)
     add_admin_routes(app, engine)
+    add_lora_routes(app, engine, serving, allow_runtime_lora_updating)
     return app

@@ -122,6 +122,9 @@ async def run_beam_search(request: Request, body: dict[str, Any], serving: Servi
     """Search each token-id prompt to the end (sessions, else one-token requests; module
     docstring); the searches, and the usage of their best beams."""
     engine = serving.engine.engine
+    if serving.lora_of(body) is not None:  # the beams' sessions run on the base weights
+        raise OpenAIError(f"use_beam_search is not supported with a LoRA adapter (model {body['model']!r}); "
+                          f"use the base model {serving.model_name!r}", param="model")
     priority = get_priority(body, engine.config.scheduling_policy)
     for i, p in enumerate(ids):
         if len(p) + params.max_tokens > engine.max_model_len:

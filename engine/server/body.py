@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Collection
 from typing import Any
 
 from fastapi import Request
@@ -28,13 +29,16 @@ MAX_JSON_DEPTH = 64
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
-async def read_body(request: Request, limit: int, model_name: str, allowed: frozenset[str]) -> dict[str, Any]:
-    """The body of an OpenAI route: JSON within the limits, naming this server's model (or none),
-    with no field outside `allowed` that is not harmless to ignore."""
+async def read_body(request: Request, limit: int, models: Collection[str], allowed: frozenset[str]) -> dict[str, Any]:
+    """The body of an OpenAI route: JSON within the limits, naming one of the models this server
+    serves (the base model first, then its LoRA adapters) or none, with no field outside `allowed`
+    that is not harmless to ignore."""
     body = await json_body(request, limit)
     model = body.get("model")
-    if model is not None and model != model_name:
-        raise OpenAIError(f"model {show(model)} does not exist; this server serves {model_name!r}", param="model", code="model_not_found")
+    if model is not None and model not in models:
+        served = ", ".join(repr(m) for m in models)
+        raise OpenAIError(f"model {show(model)} does not exist; this server serves {served}", 404, param="model",
+                          code="model_not_found")
     check_fields(body, allowed, body.get("n", 1))
     return body
 

@@ -52,7 +52,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         t0 = time.monotonic()
-        body = await read_body(request, serving.max_body_bytes, serving.model_name, CHAT_FIELDS)
+        body = await read_body(request, serving.max_body_bytes, serving.served_models(), CHAT_FIELDS)
         if body.get("messages") is None:
             raise OpenAIError("messages is required", param="messages")
         messages, part_docs = flatten_messages(body["messages"])
@@ -95,7 +95,8 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         include_reasoning = get_bool(body, "include_reasoning", True)
         stream = get_bool(body, "stream")
         include_usage, continuous_usage = get_stream_options(body)
-        admission = RequestOptions(get_str(body, "cache_salt"), get_priority(body, serving.engine.engine.config.scheduling_policy))
+        admission = RequestOptions(get_str(body, "cache_salt"), get_priority(body, serving.engine.engine.config.scheduling_policy),
+                                   serving.lora_of(body))
         want_plp = get_prompt_logprobs(body, stream, bool(field_docs or part_docs))
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         # tool calls under their tools' JSON schemas (a forced call always parses; with auto, from <tool_call> on)
@@ -148,7 +149,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
 
         def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk" if stream else "chat.completion", "created": int(time.time()),
-                    "model": serving.model_name, "choices": choices, **extra}
+                    "model": admission.lora_request or serving.model_name, "choices": choices, **extra}
 
         def message_of(text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
             text = forced + text

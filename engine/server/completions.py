@@ -37,7 +37,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
     @app.post("/v1/completions")
     async def completions(request: Request):
         t0 = time.monotonic()
-        body = await read_body(request, serving.max_body_bytes, serving.model_name, COMPLETION_FIELDS)
+        body = await read_body(request, serving.max_body_bytes, serving.served_models(), COMPLETION_FIELDS)
         if body.get("prompt") is None:
             raise OpenAIError("prompt is required", param="prompt")
         prompts = _prompts(body["prompt"])
@@ -51,7 +51,8 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
         include_usage, continuous_usage = get_stream_options(body)
         want_ids = get_bool(body, "return_token_ids")
         as_ids = serving.tokens_as_ids(body)
-        admission = RequestOptions(get_str(body, "cache_salt"), get_priority(body, serving.engine.engine.config.scheduling_policy))
+        admission = RequestOptions(get_str(body, "cache_salt"), get_priority(body, serving.engine.engine.config.scheduling_policy),
+                                   serving.lora_of(body))
         documents = get_documents(body)
         prefix = body.get("prefix")
         if prefix is not None and not (isinstance(prefix, str) or is_token_ids(prefix)):
@@ -111,7 +112,7 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
             return prompt + ids, plps + lps
 
         def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name,
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": admission.lora_request or serving.model_name,
                     "choices": choices, **extra}
 
         if not stream:

@@ -92,6 +92,18 @@ class Serving:
         self.engine, self.model_name, self.metrics, self.max_body_bytes = engine, model_name, metrics, max_body_bytes
         self._on_disconnect = on_disconnect
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the server's default for the request field
+        # the LoRA adapters a request's `model` may name (name -> PEFT directory, "" for one sent
+        # in memory), changed on the event loop only (engine/server/lora_routes.py)
+        self.adapters: dict[str, str] = {}
+
+    def served_models(self) -> tuple[str, ...]:
+        """What a request's `model` may be: the base model's name, then each adapter's."""
+        return (self.model_name, *self.adapters)
+
+    def lora_of(self, body: dict[str, Any]) -> str | None:
+        """The adapter a request runs under: its `model` when that names one, else None (the base)."""
+        model = body.get("model")
+        return model if model is not None and model != self.model_name and model in self.adapters else None
 
     def tokens_as_ids(self, body: dict[str, Any]) -> bool:
         """Whether this request's logprobs name tokens `token_id:N` (its field, else the server's default)."""

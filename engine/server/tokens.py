@@ -36,7 +36,7 @@ def add_token_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatO
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await read_body(request, serving.max_body_bytes, serving.model_name, TOKENIZE_PROMPT_FIELDS | TOKENIZE_CHAT_FIELDS)
+        body = await read_body(request, serving.max_body_bytes, serving.served_models(), TOKENIZE_PROMPT_FIELDS | TOKENIZE_CHAT_FIELDS)
         chat = body.get("messages") is not None
         if chat == (body.get("prompt") is not None):
             raise OpenAIError("give either prompt (a text) or messages (a chat), not both", param="messages" if chat else "prompt")
@@ -64,7 +64,7 @@ def add_token_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatO
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await read_body(request, serving.max_body_bytes, serving.model_name, DETOKENIZE_FIELDS)
+        body = await read_body(request, serving.max_body_bytes, serving.served_models(), DETOKENIZE_FIELDS)
         ids = body.get("tokens")
         if not is_token_ids(ids):
             raise OpenAIError("tokens must be a list of token ids", param="tokens")

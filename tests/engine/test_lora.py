@@ -276,3 +276,67 @@ def test_lora_request_needs_enable_lora(setup):
         LoRARequest("a", 0, setup["a_dir"])
     with pytest.raises(ValueError, match="got 2 prompts but 1 lora_requests"):
         _llm(setup["base_dir"]).generate([[5], [6]], SamplingParams(max_tokens=1), lora_request=[None], use_tqdm=False)
+
+
+# ---- the server ----------------------------------------------------------------------------------
+def test_server_serves_adapters_by_model_name(setup, tmp_path):
+    """`--lora-modules`: the model field picks the adapter (the official client), completions and
+    chat equal the offline engine's under that adapter, /v1/models lists it, the base model still
+    serves, and runtime loading / unloading works when allowed (and is absent when not)."""
+    import httpx
+    import openai
+
+    from server_fixture import LiveServer
+
+    prompt = _prompts(1, seed=8)[0]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    offline = _llm(setup["base_dir"])
+    want_a = offline.generate([prompt], sp, lora_request=LoRARequest("a", 1, setup["a_dir"]), use_tqdm=False)[0].outputs[0]
+    want_b = offline.generate([prompt], sp, lora_request=LoRARequest("b", 2, setup["b_dir"]), use_tqdm=False)[0].outputs[0]
+    want_base = offline.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    kw = dict(dtype="float32", attention_backend="torch", num_kv_blocks=96, enable_lora=True)
+    with LiveServer(setup["base_dir"], name="base", app_kw={"lora_modules": {"a": setup["a_dir"]},
+                                                            "allow_runtime_lora_updating": True}, **kw) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"base", "a"} and models["a"].model_extra["parent"] == "base"
+
+        def complete(model: str) -> list[int]:
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            return r.choices[0].model_extra["token_ids"]
+
+        assert complete("a") == want_a.token_ids
+        assert complete("base") == want_base.token_ids != want_a.token_ids
+        with pytest.raises(openai.NotFoundError, match="model 'b' does not exist"):
+            complete("b")
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": setup["b_dir"]})
+        assert r.status_code == 200, r.text
+        assert complete("b") == want_b.token_ids
+        chat = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                              temperature=0)
+        assert chat.model == "b" and chat.choices[0].message.content is not None
+        bad = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(tmp_path)})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        dup = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": setup["a_dir"]})
+        assert dup.status_code == 400 and "already loaded" in dup.json()["error"]["message"]
+        assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
+        assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            complete("b")
+        beam = httpx.post(srv.url + "/v1/completions", json={"model": "a", "prompt": prompt, "use_beam_search": True, "n": 2,
+                                                               "max_tokens": 3})
+        assert beam.status_code == 400 and beam.json()["error"]["param"] == "model"
+    with LiveServer(setup["base_dir"], name="base", **kw) as srv:
+        assert httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": setup["b_dir"]}).status_code == 404
+
+
+def test_cli_lora_flags(setup):
+    from cuttle.engine.cli import _lora_module
+
+    assert _lora_module("a=/x/y") == ("a", "/x/y")
+    assert _lora_module('{"name": "a", "path": "/x", "base_model_name": "m"}') == ("a", "/x")
+    import argparse
+    for bad in ("noequals", "=/x", '{"name": "a"}', '{"name": "a", "path": "/x", "rank": 3}'):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _lora_module(bad)

@@ -108,9 +108,16 @@ def raw(live, path: str, body, headers=None) -> httpx.Response:
     return httpx.post(live.url + path, content=data, headers={"content-type": "application/json", **(headers or {})}, timeout=30)
 
 
+def test_unknown_model_is_a_404(live):
+    """As vLLM and OpenAI answer it (the official client raises NotFoundError)."""
+    r = raw(live, "/v1/completions", {"model": "nope", "prompt": "a"})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["code"] == "model_not_found" and "'test-model'" in err["message"]
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", b"{not json", None),
-    ("/v1/completions", {"model": "nope", "prompt": "a"}, "model"),
     ("/v1/completions", {"model": "test-model"}, "prompt"),
     ("/v1/chat/completions", {"model": "test-model"}, "messages"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
