@@ -12,9 +12,11 @@ knows about adapters.
 An adapter's A and B are stacked per fused projection (q|k|v's A rows one after another, B
 block-diagonal over the output slices), its scale (lora_alpha / r, or / sqrt(r) under
 use_rslora) folded into B, so a projection's delta is two GEMMs, (x A^T) B^T, per adapter in the
-step. Every GEMM goes through `native.gemm.linear`, whose result for a row does not depend on the
-other rows, so a request's output is the same alone or batched with others (and batch-invariant
-mode holds with adapters).
+step. They are kept and computed in fp32 whatever the model's dtype: a few percent of the base
+weights' bytes, and torch's fp32 GEMM runs these thin shapes (K = r, or N = r) 1.5-5x faster than
+the bf16 kernels measured here (docs/server.md, 'LoRA adapters'); the delta is added to the bf16
+projection once, rounded once. Under batch-invariant mode the GEMMs go through
+`native.gemm.linear`, whose result for a row does not depend on the other rows.
 
 It must never apply an adapter to another request's rows, nor let KV computed under one adapter be
 reused under another: the engine mixes `LoadedAdapter.key` (a hash of the adapter's weights) into
@@ -33,9 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import xxhash
 from safetensors import safe_open
 
+from cuttle.attention.native import invariance
 from cuttle.attention.native.gemm import linear
 from cuttle.engine.config import ModelConfig
 
@@ -74,7 +78,7 @@ class LoRARequest:
 @dataclass(eq=False)
 class LoadedAdapter:
     """One adapter ready to apply: per (layer, projection) the stacked A [R, in] and scaled B
-    [out, R] in the model's dtype."""
+    [out, R], fp32."""
 
     name: str
     path: str
@@ -140,11 +144,10 @@ class LoRARegistry:
     most `max_loras` at once (the least recently used dropped to make room; a request that holds
     one keeps computing with it, so dropping never changes a running request)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_loras: int, max_lora_rank: int):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_lora_rank: int):
         if cfg.mla is not None:
             raise ValueError("enable_lora: LoRA on multi-head latent attention models (kv_lora_rank) is not supported")
         self.cfg = cfg
-        self.dtype = dtype
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.paths: dict[str, str] = {}
@@ -279,16 +282,17 @@ class LoRARegistry:
             big_b = torch.zeros(self._rows[proj], col)
             for row0, rows, c0, b in blocks:
                 big_b[row0 : row0 + rows, c0 : c0 + rank] = b
-            weights[(layer, proj)] = (torch.cat(a_rows).to(self.dtype).contiguous(), big_b.to(self.dtype).contiguous())
+            weights[(layer, proj)] = (torch.cat(a_rows).contiguous(), big_b.contiguous())
         return LoadedAdapter(name, path, rank, weights)
 
 
 @dataclass(slots=True)
 class LoRABatch:
-    """A step's rows per adapter: each entry (adapter, rows), rows a slice when they are one run,
-    else an index tensor; rows of no entry run on the base weights alone."""
+    """A step's rows per adapter: each entry (adapter, rows), rows None when they are every row of
+    the step, a slice when they are one run, else an index tensor; rows of no entry run on the
+    base weights alone."""
 
-    groups: list[tuple[LoadedAdapter, slice | torch.Tensor]] = field(default_factory=list)
+    groups: list[tuple[LoadedAdapter, slice | torch.Tensor | None]] = field(default_factory=list)
 
     @staticmethod
     def build(rows: list[tuple[LoadedAdapter | None, int]]) -> LoRABatch | None:
@@ -308,7 +312,9 @@ class LoRABatch:
             return None
         batch = LoRABatch()
         for adapter, spans in runs.values():
-            if len(spans) == 1:
+            if spans == [(0, start)]:
+                batch.groups.append((adapter, None))
+            elif len(spans) == 1:
                 batch.groups.append((adapter, slice(*spans[0])))
             else:
                 batch.groups.append((adapter, torch.cat([torch.arange(a, b) for a, b in spans])))
@@ -328,13 +334,16 @@ class LoRAContext:
         batch = self.batch
         if batch is None:
             return y
+        mm = linear if invariance.on() else F.linear
         for adapter, rows in batch.groups:
             w = adapter.weights.get((layer, proj))
             if w is None:
                 continue
             a, b = w
-            if isinstance(rows, slice):
-                y[rows] += linear(linear(x[rows], a), b)
+            if rows is None:
+                y.add_(mm(mm(x.float(), a), b))
+            elif isinstance(rows, slice):
+                y[rows].add_(mm(mm(x[rows].float(), a), b))
             else:
-                y.index_add_(0, rows, linear(linear(x.index_select(0, rows), a), b))
+                y.index_add_(0, rows, mm(mm(x.index_select(0, rows).float(), a), b).to(y.dtype))
         return y

@@ -94,6 +94,7 @@ def test_lora_batch_groups_rows_by_adapter():
     (ax, rows), = [g for g in b.groups if g[0] is x]
     assert rows.tolist() == [0, 1, 2, 6, 7, 8]
     assert LoRABatch.build([(None, 4)]) is None
+    assert LoRABatch.build([(x, 2), (x, 3)]).groups == [(x, None)]  # every row: no indexing
 
 
 def test_moe_base_with_an_attention_adapter_matches_peft(tmp_path):
