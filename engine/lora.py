@@ -344,6 +344,7 @@ class LoRAContext:
                 y.add_(mm(mm(x.float(), a), b))
             elif isinstance(rows, slice):
                 y[rows].add_(mm(mm(x[rows].float(), a), b))
-            else:
-                y.index_add_(0, rows, mm(mm(x.index_select(0, rows).float(), a), b).to(y.dtype))
+            else:  # summed in fp32 and rounded once, as add_ does: the row's value whatever its grouping
+                d = mm(mm(x.index_select(0, rows).float(), a), b)
+                y.index_copy_(0, rows, (y.index_select(0, rows) + d).to(y.dtype))
         return y

@@ -341,3 +341,30 @@ def test_cli_lora_flags(setup):
     for bad in ("noequals", "=/x", '{"name": "a"}', '{"name": "a", "path": "/x", "rank": 3}'):
         with pytest.raises(argparse.ArgumentTypeError):
             _lora_module(bad)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_with_adapters(setup, tmp_path, dtype):
+    """batch_invariant=True: an adapter request's tokens and top logprobs are bit-identical alone
+    and beside other requests (other adapters, the base, long prompts chunked)."""
+    from cuttle.attention.native import kernels
+
+    if kernels().lib is None:
+        pytest.skip("native CPU kernel library not built")
+    base = make_checkpoint(str(tmp_path / "m"), "qwen3", seed=11, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=64)
+    _adapter(base, str(tmp_path / "a"), 3, ALL, r=8, alpha=16)
+    _adapter(base, str(tmp_path / "b"), 4, ["q_proj", "v_proj", "down_proj"], r=4, alpha=8)
+    ra, rb = LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b"))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (30, 200, 9, 120)]
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+
+    def run(llm, ps, loras):
+        o = llm.generate(ps, sp, lora_request=loras, use_tqdm=False)[0].outputs[0]
+        return list(o.token_ids), [sorted((t, lp.logprob) for t, lp in row.items()) for row in o.logprobs]
+
+    kw = dict(dtype=dtype, num_kv_blocks=128, enable_lora=True, batch_invariant=True)
+    alone = run(_llm(str(tmp_path / "m"), **kw), prompts[:1], [ra])
+    mixed = run(_llm(str(tmp_path / "m"), max_num_batched_tokens=64, **kw), prompts, [ra, rb, None, ra])
+    assert alone == mixed
