@@ -438,6 +438,23 @@ class AsyncEngine:
 
         return await self._call(run)
 
+    async def update_lora(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+                          in_flight: str = "finish") -> int:
+        """`LLMEngine.update_lora` between two steps (LoRA training's weight sync); returns the new
+        weight version. The requests in flight finish under the adapter they started with
+        ("finish"), or end now with finish_reason "abort"."""
+        if self._thread is None:
+            raise EngineDeadError("engine loop is not running")
+        tensors = list(named_tensors)
+
+        def run() -> int:
+            for out in self.engine.update_lora(name, tensors, config, in_flight):
+                self._deliver(out.request_id, out)
+            self.stats_snapshot = self.engine.stats()
+            return self.engine.weight_version
+
+        return await self._call(run)
+
     def _drain(self) -> None:
         """Engine thread only: step until every request in flight has finished, delivering outputs.
         A request that cannot get blocks beside the session pins would keep it stepping forever,

@@ -314,12 +314,15 @@ class LLM:
     def list_loras(self) -> list[str]:
         return self._loras().names()
 
-    def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any]) -> None:
+    def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+                    in_flight: str = "finish") -> int:
         """LoRA training's weight sync: an adapter from tensors in memory (PEFT names, as
-        `peft.get_peft_model_state_dict` gives them) and its adapter_config as a dict. New requests
-        naming `lora_name` run under it; its KV is keyed by these weights, so nothing computed under
-        the old adapter is reused."""
-        self._loras().load_tensors(lora_name, named_tensors, config)
+        `peft.get_peft_model_state_dict` gives them) and its adapter_config as a dict; returns the
+        new `weight_version` (see `LLMEngine.update_lora`). New requests naming `lora_name` run
+        under it; its KV is keyed by these weights, so nothing computed under the old adapter is
+        reused."""
+        self.engine.update_lora(lora_name, named_tensors, config, in_flight)
+        return self.engine.weight_version
 
     def _loras(self) -> LoRARegistry:
         if self.engine.loras is None:

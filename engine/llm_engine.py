@@ -739,6 +739,34 @@ class LLMEngine:
         finally:  # even a half-applied update must not leave stale packed copies behind
             drop_packed(self.runner.model)
             self.runner.prepack()
+        self._next_weight_version()
+        return ended
+
+    def update_lora(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+                    in_flight: str = "finish") -> list[RequestOutput]:
+        """LoRA training's weight sync: the adapter `name` from tensors in memory (PEFT names) and
+        its adapter_config dict (engine/lora.py), and `weight_version` bumped as by `update_weights`
+        (the policy changed). Returns the outputs of the requests that ended during the call.
+
+        `in_flight`: "finish" lets the requests in flight go on under the adapter they started with
+        (each holds its own; the base weights do not change), "abort" stops them. Either way no
+        request spans two versions."""
+        if in_flight not in ("abort", "finish"):
+            raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
+        if self.loras is None:
+            raise ValueError("update_lora needs LoRA enabled (enable_lora=True; --enable-lora)")
+        self.loras.load_tensors(name, named_tensors, config)  # checked whole before anything changes
+        ended: list[RequestOutput] = []
+        if in_flight == "abort":
+            for rid in list(self.requests):
+                out = self.abort_request(rid)
+                if out is not None:
+                    ended.append(out)
+        self._next_weight_version()
+        return ended
+
+    def _next_weight_version(self) -> None:
+        """A new policy: bump the version that keys every cache, so nothing computed before is reused."""
         self.weight_version += 1
         self.sessions.invalidate(self.weight_version)  # no session's KV under the old weights is reused
         namespace = None
@@ -747,7 +775,6 @@ class LLMEngine:
             self._weights_tag = os.urandom(16)
             namespace = self._disk_namespace()
         self.block_manager.reset_prefix_cache(namespace)
-        return ended
 
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """All or nothing: every name and shape is checked before any tensor is written, so a bad

@@ -139,6 +139,23 @@ def check_adapter_config(cfg: dict[str, Any], max_lora_rank: int, where: str) ->
     return r, float(scale)
 
 
+def projection_slots(cfg: ModelConfig) -> tuple[dict[str, tuple[str, int, int, int]], dict[str, int]]:
+    """Where each PEFT module sits in the engine's fused projections: module -> (projection, first
+    output row, rows, in features), and each projection's output rows."""
+    q, kv, inter, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.hidden_size
+    slots = {
+        "q_proj": ("qkv", 0, q, h), "k_proj": ("qkv", q, kv, h), "v_proj": ("qkv", q + kv, kv, h), "o_proj": ("o", 0, h, q),
+        "gate_proj": ("gate_up", 0, inter, h), "up_proj": ("gate_up", inter, inter, h), "down_proj": ("down", 0, h, inter),
+    }
+    return slots, {"qkv": q + 2 * kv, "o": h, "gate_up": 2 * inter, "down": h}
+
+
+def peft_key(layer: int, module: str) -> str:
+    """The PEFT name prefix of a module's LoRA weights (`<prefix>.lora_A.weight`)."""
+    block = "self_attn" if module in _ATTN_MODULES else "mlp"
+    return f"base_model.model.model.layers.{layer}.{block}.{module}"
+
+
 class LoRARegistry:
     """Adapter names (`register`: name -> PEFT directory), and the adapters loaded from them, at
     most `max_loras` at once (the least recently used dropped to make room; a request that holds
@@ -152,15 +169,7 @@ class LoRARegistry:
         self.max_lora_rank = max_lora_rank
         self.paths: dict[str, str] = {}
         self.loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        # PEFT module -> (projection, first output row, rows, in features)
-        self._slots = {
-            "q_proj": ("qkv", 0, q, cfg.hidden_size), "k_proj": ("qkv", q, kv, cfg.hidden_size),
-            "v_proj": ("qkv", q + kv, kv, cfg.hidden_size), "o_proj": ("o", 0, cfg.hidden_size, q),
-            "gate_proj": ("gate_up", 0, inter, cfg.hidden_size), "up_proj": ("gate_up", inter, inter, cfg.hidden_size),
-            "down_proj": ("down", 0, cfg.hidden_size, inter),
-        }
-        self._rows = {"qkv": q + 2 * kv, "o": cfg.hidden_size, "gate_up": 2 * inter, "down": cfg.hidden_size}
+        self._slots, self._rows = projection_slots(cfg)
 
     # ---- names ---------------------------------------------------------------------------------
     def register(self, name: str, path: str) -> None:
@@ -223,15 +232,24 @@ class LoRARegistry:
         and its adapter_config as a dict: the weight sync of LoRA training. Replaces any adapter of
         that name for new requests."""
         rank, scale = check_adapter_config(config, self.max_lora_rank, f"LoRA adapter {name!r}")
-        adapter = self.build(name, "", dict(tensors), rank, scale)
+        adapter = self._keep(self.build(name, "", dict(tensors), rank, scale))
         self.paths.pop(name, None)
-        self.loaded.pop(name, None)
-        return self._keep(adapter)
+        return adapter
 
     def _keep(self, adapter: LoadedAdapter) -> LoadedAdapter:
+        """Hold `adapter`, dropping the least recently used that can be read again from a directory
+        (an adapter sent in memory stays until replaced or unloaded: nothing could reload it)."""
+        in_memory = [n for n, a in self.loaded.items() if not a.path and n != adapter.name]
+        if not adapter.path and len(in_memory) >= self.max_loras:
+            raise ValueError(f"LoRA adapter {adapter.name!r}: {len(in_memory)} adapters sent in memory are held already, "
+                             f"max_loras is {self.max_loras} (unload one, or raise max_loras)")
         self.loaded[adapter.name] = adapter
+        self.loaded.move_to_end(adapter.name)
         while len(self.loaded) > self.max_loras:
-            self.loaded.popitem(last=False)  # running requests keep their reference
+            victim = next((n for n, a in self.loaded.items() if a.path and n != adapter.name), None)
+            if victim is None:
+                break
+            del self.loaded[victim]  # running requests keep their reference
         return adapter
 
     def build(self, name: str, path: str, tensors: dict[str, torch.Tensor], rank: int, scale: float) -> LoadedAdapter:

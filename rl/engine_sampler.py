@@ -43,6 +43,9 @@ class EngineSampler:
         self._thread = threading.Thread(target=self._loop.run_forever, name="cuttle-sampler-loop", daemon=True)
         self._thread.start()
         self._ids = itertools.count()
+        # the LoRA adapter every request runs under: the last one `update_lora` sent (the policy
+        # a LoRA trainer trains); None: the base model
+        self.lora_name: str | None = None
 
     def get_tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer
         return self.llm.get_tokenizer()
@@ -70,7 +73,7 @@ class EngineSampler:
         try:
             for prompt, p in zip(prompts, params):
                 p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                streams.append(await self._async.add(f"sampler-{next(self._ids)}", prompt, p))
+                streams.append(await self._async.add(f"sampler-{next(self._ids)}", prompt, p, lora_request=self.lora_name))
         except BaseException:
             for s in streams:
                 s.close()  # aborts: nothing stays in the engine
@@ -97,6 +100,16 @@ class EngineSampler:
         flight complete under the old weights first (a turn never spans two versions); "abort":
         they end now with finish_reason "abort"."""
         return self._run(self._async.update_weights(list(named_tensors), in_flight))
+
+    def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+                    in_flight: str = "finish") -> int:
+        """A LoRA trainer's weight sync (PEFT names and adapter_config; the engine needs
+        enable_lora): from now on every request runs under this adapter. Returns the new weight
+        version; requests in flight finish under the adapter they started with ("finish") or end
+        now ("abort")."""
+        version = self._run(self._async.update_lora(lora_name, named_tensors, config, in_flight))
+        self.lora_name = lora_name
+        return version
 
     def stats(self) -> dict[str, Any]:
         return self._run(self._async.call(self.engine.stats))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +55,8 @@ from cuttle.engine.models.moe_quant import moe_layers
 from cuttle.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from cuttle.moe.mxfp8 import fake_quantize_ste
 from cuttle.rl.batch import PackedBatch, TrainBatch
+from cuttle.engine.lora import LoRABatch, LoRAContext
+from cuttle.rl.lora import TrainableLoRA
 from cuttle.rl.losses import LossConfig, Normalizer, loss_config, policy_loss
 from cuttle.rl.mismatch import mismatch
 from cuttle.rl.sampling_replay import SamplingReplay
@@ -62,6 +64,13 @@ from cuttle.rl.sampling_replay import SamplingReplay
 
 class WeightTarget(Protocol):
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]], in_flight: str = "abort") -> int: ...
+
+
+class LoRATarget(Protocol):
+    """Where a LoRA trainer pushes its adapter (`LLM`, `EngineSampler`)."""
+
+    def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+                    in_flight: str = "finish") -> int: ...
 
 
 @dataclass(slots=True)
@@ -104,6 +113,11 @@ class TrainerConfig:
     # the engine's `sparse_attention` (training-free top-k), so sampled tokens are scored under the
     # attention they were sampled with: the same spec string or dict; None: dense attention
     sparse_attention: str | dict | None = None
+    # LoRA training (rl/lora.py): {"r": 8, "lora_alpha": 16, "target_modules": [...], "use_rslora": False};
+    # only the adapter trains (the base weights are frozen) and `push_weights` sends it to the
+    # sampler's `update_lora` under `lora_name`, whose requests then run under it
+    lora: dict[str, Any] | None = None
+    lora_name: str = "policy"
 
     def __post_init__(self) -> None:
         if self.moe_quant is not None and self.moe_quant not in MOE_QUANT_MODES:
@@ -185,8 +199,19 @@ class Trainer:
             self._quantize_on_the_fly()
         self.sparse = sparse_attention_for(self.config.sparse_attention, mc)  # refused as the engine refuses it
         self.replay = SamplingReplay(self.config, model_path, mc, tokenizer)
-        # frozen by the engine's names (a parametrized weight's own name ends in `.original`)
-        self.params = [p for n, p in self.model.named_parameters() if not _engine_name(n).startswith(freeze)]
+        self.lora: TrainableLoRA | None = None
+        if self.config.lora is not None:
+            # the adapter through the model's LoRA seam, on every row: the engine's formula
+            self.lora = TrainableLoRA(mc, self.config.lora).to(self.device)
+            ctx = LoRAContext()
+            ctx.batch = LoRABatch([(self.lora, None)])  # type: ignore[list-item]  # duck-typed adapter: `.weights`
+            self.model.enable_lora(ctx)
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            self.params = list(self.lora.parameters())
+        else:
+            # frozen by the engine's names (a parametrized weight's own name ends in `.original`)
+            self.params = [p for n, p in self.model.named_parameters() if not _engine_name(n).startswith(freeze)]
         for p in self.params:
             p.requires_grad_(True)
         c = self.config
@@ -349,9 +374,14 @@ class Trainer:
         for name, p in self.model.named_parameters():
             yield _engine_name(name), p.detach()
 
-    def push_weights(self, target: WeightTarget, in_flight: str = "abort") -> int:
-        """Load the current weights into a running engine; returns its new weight version."""
-        return target.update_weights(self.named_weights(), in_flight)
+    def push_weights(self, target: WeightTarget | LoRATarget, in_flight: str = "abort") -> int:
+        """Load the current weights into a running engine; returns its new weight version. A LoRA
+        trainer sends its adapter alone (`update_lora`, PEFT names) under `config.lora_name`; the
+        requests in flight finish under the adapter they started with unless `in_flight` is "abort"."""
+        if self.lora is not None:
+            return target.update_lora(self.config.lora_name, self.lora.peft_state().items(), self.lora.config,  # type: ignore[union-attr]
+                                      in_flight)
+        return target.update_weights(self.named_weights(), in_flight)  # type: ignore[union-attr]
 
 
 def _engine_name(name: str) -> str:

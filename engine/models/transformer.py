@@ -79,10 +79,18 @@ class Attention(nn.Module):
         y = linear(x, weight, bias)
         return y if self.lora is None else self.lora.add(y, x, self.layer_id, proj)
 
+    def _project_dense(self, x: torch.Tensor, weight: torch.Tensor, proj: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A training-path projection of x [B, S, in], plus the LoRA deltas (the RL trainer's
+        adapter, rl/lora.py) by the same formula as inference."""
+        y = dense_linear(x, weight, bias)
+        if self.lora is not None:
+            self.lora.add(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.layer_id, proj)
+        return y
+
     def _qkv_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Training-path projections of x [B, S, hidden]: q [B, S, H, D], k and v [B, S, Hkv, D]."""
         B, S, _ = x.shape
-        qkv = dense_linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self._project_dense(x, self.qkv_weight, "qkv", self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(B * S, self.num_heads, self.head_dim)
         k = k.reshape(B * S, self.num_kv_heads, self.head_dim)
@@ -115,10 +123,10 @@ class Attention(nn.Module):
                 rows = [topk_attend_segments(q[b], k[b], v[b], mask[b].reshape(S, S), segments.ids[b], sparse, self.scale,
                                              None if segments.shifts is None else segments.shifts[b], segments.unshift)
                         for b in range(B)]
-            return dense_linear(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight)
+            return self._project_dense(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight, "o")
         q, k, v = (t.transpose(1, 2) for t in self._qkv_dense(x, cos, sin))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        return dense_linear(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight)
+        return self._project_dense(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, "o")
 
 
 def sparse_attention_for(spec: str | dict | TopKConfig | None, cfg: ModelConfig) -> TopKConfig | None:
@@ -232,7 +240,7 @@ class NSAAttention(Attention):
                 continue
             ck, cv = self._compress(k[b], v[b])
             rows.append(nsa_attend(q[b], k[b], v[b], ck, cv, gates[b], pos, self.nsa, self.scale)[0])
-        return F.linear(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight)
+        return self._project_dense(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight, "o")
 
     def _compress(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every compressed entry of one sequence's (or segment's) keys and values [n, Hkv, D]."""

@@ -1,0 +1,106 @@
+"""LoRA training in the reference trainer (rl/lora.py): the adapter alone trains, the trainer's
+logprobs equal the engine's under the pushed adapter (fp32, 1e-5), the pushed adapter is PEFT's
+(transformers + peft score the engine's outputs), and what cannot be trained is refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cuttle.engine import LLM, LoRARequest, SamplingParams
+from cuttle.rl import TrainBatch, compute_advantages, mismatch, sample_groups
+from cuttle.rl.engine_sampler import EngineSampler
+from cuttle.rl.trainer import Trainer, TrainerConfig
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+SP = SamplingParams(temperature=1.0, seed=5, max_tokens=16)
+
+
+def _rewarded(groups):
+    for g in groups:
+        for i, s in enumerate(g.samples):
+            s.reward = float(i % 2 == 0)
+    return groups
+
+
+def test_lora_step_push_and_exact_logprobs(moe_path, random_prompts):
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=256, enable_lora=True)
+    sampler = EngineSampler(llm)
+    try:
+        prompts = random_prompts(4, 24, seed=21)
+        groups = _rewarded(sample_groups(sampler, prompts, 4, SP))
+        trainer = Trainer(moe_path, TrainerConfig(lr=5e-2, grad_clip=None, lora=LORA, lora_name="pi"))
+        base = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        batch = TrainBatch.from_groups(groups, compute_advantages(groups, True))
+        # untrained (B = 0): the base model's logprobs
+        packed = batch.packed()
+        assert mismatch(trainer.score(batch), packed.rollout_logprobs[packed.loss_mask > 0]).max_abs <= 1e-5
+        stats = trainer.step(batch)
+        assert stats["mismatch_max_abs"] <= 1e-5
+        assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters())  # the base is frozen
+        assert any(float(b.detach().abs().max()) > 0 for b in trainer.lora.b.values())
+        assert trainer.push_weights(sampler) == 1 and sampler.lora_name == "pi"
+        again = sample_groups(sampler, prompts, 4, SP)
+        assert again[0].samples[0].weight_version == 1
+        b2 = TrainBatch.from_groups(again, [[0.0] * 4 for _ in again])
+        p2 = b2.packed()
+        rollout = p2.rollout_logprobs[p2.loss_mask > 0]
+        assert mismatch(trainer.score(b2), rollout).max_abs <= 1e-5
+        # and the engine really sampled under the adapter: the base model scores them otherwise
+        plain = Trainer(moe_path, TrainerConfig())
+        assert mismatch(plain.score(b2), rollout).max_abs > 1e-3
+    finally:
+        sampler.close()
+
+
+def test_pushed_adapter_is_peft_s(moe_path, tmp_path):
+    """The trainer's export loads into peft; transformers + peft score the engine's greedy
+    outputs under the pushed adapter."""
+    peft = pytest.importorskip("peft", reason="peft is the LoRA oracle (the test extra installs it)")
+    import transformers
+
+    trainer = Trainer(moe_path, TrainerConfig(lora={**LORA, "use_rslora": True}, lora_name="pi"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for b in trainer.lora.b.values():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=128, enable_lora=True)
+    assert trainer.push_weights(llm) == 1
+    hf = transformers.AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, use_rslora=True, lora_dropout=0.0,
+                                                                 target_modules=LORA["target_modules"]))
+    state = trainer.lora.peft_state()
+    result = peft.set_peft_model_state_dict(pm, state)
+    assert not [k for k in result.unexpected_keys if "lora" in k]
+    pm.eval()
+    prompt = [5, 9, 33, 71, 100, 8, 14]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0),
+                       lora_request=LoRARequest("pi"), use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        lp = pm(torch.tensor([prompt + out.token_ids])).logits[0].float().log_softmax(-1)
+    n = len(prompt)
+    assert lp[n - 1 : -1].argmax(-1).tolist() == out.token_ids
+    assert max(abs(out.logprobs[i][t].logprob - lp[n - 1 + i, t].item()) for i, t in enumerate(out.token_ids)) <= 1e-4
+    # and saved by peft, the adapter loads into the engine from its directory alike
+    pm.save_pretrained(str(tmp_path / "ad"))
+    assert sorted(load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))) == sorted(state)
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                         lora_request=LoRARequest("saved", 1, str(tmp_path / "ad")), use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == out.token_ids
+
+
+def test_lora_config_is_checked(moe_path):
+    with pytest.raises(ValueError, match="routed mixture of experts"):
+        Trainer(moe_path, TrainerConfig(lora={"r": 4, "target_modules": ["q_proj", "gate_proj"]}))
+    with pytest.raises(ValueError, match="unknown fields"):
+        Trainer(moe_path, TrainerConfig(lora={"r": 4, "dropout": 0.1}))
+    with pytest.raises(ValueError, match="r must be an integer"):
+        Trainer(moe_path, TrainerConfig(lora={"r": 0}))
+    with pytest.raises(ValueError, match="target_modules"):
+        Trainer(moe_path, TrainerConfig(lora={"r": 4, "target_modules": ["lm_head"]}))
+    llm = LLM(moe_path, dtype="float32", num_kv_blocks=32)
+    trainer = Trainer(moe_path, TrainerConfig(lora=LORA))
+    with pytest.raises(ValueError, match="enable_lora"):
+        trainer.push_weights(llm)
