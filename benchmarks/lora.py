@@ -6,8 +6,9 @@ medians reported.
 The adapters are random PEFT adapters of rank `--rank` on every projection the engine adapts
 (q/k/v/o_proj, and gate/up/down_proj of dense MLPs), written once beside the preset's checkpoint.
 Each adapter row costs two extra GEMMs per projection and its steps run eagerly (kernel graphs hold
-no adapter), so the table also gives, per batch size, the floor that the extra weight bytes alone
-set at batch 1: the adapters' bytes read per step over the base weights' bytes.
+no adapter), so the base model also runs on a second engine with `enforce_eager` (the `base,
+eager` row: what the eager steps alone cost), and the table gives the adapters' bytes read per step
+over the base weights' bytes (what the extra weight bytes alone would cost a memory-bound step).
 
     python benchmarks/lora.py [--model-preset qwen3-0.6b] [--batches 1,16] [--rank 16] [--adapters 4]
 """
@@ -90,24 +91,26 @@ def main() -> None:
     out: dict = {"machine": machine_info(), "args": vars(args), "copy_gbs": copy_bandwidth_gbs(), "rows": []}
     llm = LLM(path, dtype=args.dtype, num_kv_blocks=1024, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
               skip_tokenizer_init=True, max_num_seqs=max(int(b) for b in args.batches.split(",")))
+    eager = LLM(path, dtype=args.dtype, num_kv_blocks=1024, enforce_eager=True, skip_tokenizer_init=True,
+                max_num_seqs=max(int(b) for b in args.batches.split(",")))
     loaded = llm.engine.loras.resolve(adapters[0])
     weight_bytes = sum(p.nbytes for p in llm.engine.runner.model.parameters())
     rng = random.Random(0)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [[rng.randrange(1000, 30000) for _ in range(args.prompt_len)] for _ in range(batch)]
-        kinds = {"base": [None] * batch, "one adapter": [adapters[0]] * batch,
-                 f"{args.adapters} adapters mixed": [adapters[i % args.adapters] for i in range(batch)]}
-        for loras in kinds.values():
-            run_once(llm, prompts[:1], loras[:1], 4)  # warm-up (kernel graphs, adapters loaded)
+        kinds = {"base": (llm, [None] * batch), "base, eager": (eager, [None] * batch), "one adapter": (llm, [adapters[0]] * batch),
+                 f"{args.adapters} adapters mixed": (llm, [adapters[i % args.adapters] for i in range(batch)])}
+        for engine, loras in kinds.values():
+            run_once(engine, prompts[:1], loras[:1], 4)  # warm-up (kernel graphs, adapters loaded)
         rates: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(args.rounds):
-            for kind, loras in kinds.items():
-                llm.reset_prefix_cache()  # every round prefills again
-                dt, n = run_once(llm, prompts, loras, args.output_len)
+            for kind, (engine, loras) in kinds.items():
+                engine.reset_prefix_cache()  # every round prefills again
+                dt, n = run_once(engine, prompts, loras, args.output_len)
                 rates[kind].append(n / dt)
         base = statistics.median(rates["base"])
-        distinct = {"base": 0, "one adapter": 1}
+        distinct = {"base": 0, "base, eager": 0, "one adapter": 1}
         for kind, r in rates.items():
             med = statistics.median(r)
             k = distinct.get(kind, min(batch, args.adapters))

@@ -54,7 +54,7 @@ CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
 TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = TEMPLATE_FIELDS | {"model", "messages", "tools", "add_special_tokens", "return_token_strs"}
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
-RL_FIELDS = frozenset({"prompts", "sampling_params"})
+RL_FIELDS = frozenset({"prompts", "sampling_params", "lora_name"})
 RL_SAMPLING_FIELDS = SAMPLING_FIELDS
 
 # Accepted and ignored, because ignoring them cannot change what the client gets back.

@@ -15,6 +15,7 @@ is sent (round-robin does not group prompts by document).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -53,6 +54,7 @@ class RolloutClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=headers, timeout=timeout)
         self._squid_positions: str | None = None
+        self.lora_name: str | None = None  # the adapter rollouts are drawn under: the last `update_lora` sent
 
     def close(self) -> None:
         self._http.close()
@@ -143,6 +145,8 @@ class RolloutClient:
             if not shards[i]:
                 return []
             body = {"prompts": [prompts[j] for j in shards[i]], "sampling_params": wire}
+            if self.lora_name is not None:
+                body["lora_name"] = self.lora_name
             return self._post(self.base_urls[i] + "/v1/rl/generate", json=body)["results"]
 
         with ThreadPoolExecutor(max_workers=k) as pool:
@@ -178,6 +182,18 @@ class RolloutClient:
     def is_sleeping(self) -> bool:
         """Whether any server sleeps."""
         return any(self._get(u + "/is_sleeping")["is_sleeping"] for u in self.base_urls)
+
+    def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+                    in_flight: str = "finish") -> int:
+        """LoRA training's weight sync to every server (`POST /v1/rl/update_lora`; servers started
+        with --enable-lora): from now on every rollout is sampled under this adapter. Returns the
+        lowest new version."""
+        blob = save_safetensors({n: t.detach().contiguous().cpu() for n, t in named_tensors},
+                                metadata={"adapter_config": json.dumps(config)})
+        versions = [int(self._post(u + "/v1/rl/update_lora", params={"lora_name": lora_name, "in_flight": in_flight},
+                                   content=blob)["weight_version"]) for u in self.base_urls]
+        self.lora_name = lora_name
+        return min(versions)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> int:
         """Send the tensors (as one safetensors blob) to every server; returns the lowest new version."""

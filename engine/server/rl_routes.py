@@ -7,9 +7,15 @@ POST /v1/rl/generate        {"prompts": [[ids] | {"prefix"?: [ids], "documents":
                             fields too: never text); `n` samples per prompt fork from one prefill;
                             logprobs are the engine's (processed). A trainer that disconnects
                             aborts all of its rollouts.
+                            "lora_name" (optional): the LoRA adapter the samples are drawn under
+                            (a server with --enable-lora; see update_lora).
 POST /v1/rl/update_weights  body: a safetensors file (HF or engine parameter names; not
                             subject to the JSON body limit); ?in_flight=abort|finish ->
                             {"weight_version"}
+POST /v1/rl/update_lora     ?lora_name=NAME&in_flight=finish|abort; body: a safetensors file of the
+                            adapter under PEFT's names, its adapter_config as JSON in the file's
+                            metadata ("adapter_config") -> {"weight_version"}: LoRA training's
+                            weight sync (engine/lora.py; needs --enable-lora)
 GET  /v1/rl/weight_version  -> {"weight_version"}
 GET  /v1/rl/info            -> {"weight_version", "squid_positions", "max_documents",
                             "max_model_len"}: what a trainer needs to lay out squid prompts the
@@ -19,6 +25,7 @@ Owns these routes' wire format only; admission and disconnects are `streaming.Se
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -62,6 +69,9 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
         except OpenAIError as e:
             e.param = f"sampling_params.{e.param}" if e.param else "sampling_params"
             raise
+        lora = body.get("lora_name")
+        if lora is not None and (not isinstance(lora, str) or not lora):
+            raise OpenAIError("lora_name must be a non-empty string", param="lora_name")
         base = uuid.uuid4().hex
 
         def respond(finals: list[RequestOutput]) -> dict[str, Any]:
@@ -77,7 +87,7 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
 
         items = [(f"rl-{base}-{i}", p) for i, p in enumerate(prompts)]
         fields = Fields("prompts", "sampling_params.max_tokens", "sampling_params.n", sampling="sampling_params.")
-        return await serving.complete(request, items, params, RequestOptions(), fields, respond, t0, observe=False)
+        return await serving.complete(request, items, params, RequestOptions(lora_request=lora), fields, respond, t0, observe=False)
 
     @app.post("/v1/rl/update_weights")
     async def rl_update_weights(request: Request, in_flight: str = "abort") -> dict[str, Any]:
@@ -93,6 +103,28 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int = MAX_B
             raise OpenAIError(str(e)) from None
         except EngineAsleepError as e:
             raise OpenAIError(str(e), 503, "server_asleep") from None
+        return {"weight_version": version}
+
+    @app.post("/v1/rl/update_lora")
+    async def rl_update_lora(request: Request, lora_name: str = "", in_flight: str = "finish") -> dict[str, Any]:
+        if not lora_name:
+            raise OpenAIError("lora_name is required", param="lora_name")
+        if in_flight not in ("abort", "finish"):
+            raise OpenAIError("in_flight must be 'abort' or 'finish'", param="in_flight")
+        if llm.loras is None:
+            raise OpenAIError("this server was started without --enable-lora", param="lora_name")
+        blob = await request.body()
+        try:
+            tensors = load_safetensors(blob)
+            config = json.loads(safe_metadata(blob).get("adapter_config", "null"))
+        except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+            raise OpenAIError(f"body is not a safetensors file with an adapter_config in its metadata: {e}") from None
+        if not isinstance(config, dict):
+            raise OpenAIError("the safetensors metadata must hold adapter_config, a JSON object")
+        try:
+            version = await engine.update_lora(lora_name, tensors.items(), config, in_flight)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
         return {"weight_version": version}
 
     @app.get("/v1/rl/weight_version")
@@ -116,6 +148,17 @@ _SQUID_KEYS = frozenset({"prefix", "documents", "prompt"})
 
 def _ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def safe_metadata(blob: bytes) -> dict[str, str]:
+    """The string metadata of a safetensors blob (its JSON header's `__metadata__`)."""
+    n = int.from_bytes(blob[:8], "little")
+    if not 0 < n <= len(blob) - 8:
+        raise ValueError("truncated header")
+    meta = json.loads(blob[8 : 8 + n]).get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("__metadata__ is not an object")
+    return meta
 
 
 def _check_rl_prompt(p: Any, where: str) -> None:

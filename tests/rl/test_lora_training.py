@@ -104,3 +104,38 @@ def test_lora_config_is_checked(moe_path):
     trainer = Trainer(moe_path, TrainerConfig(lora=LORA))
     with pytest.raises(ValueError, match="enable_lora"):
         trainer.push_weights(llm)
+
+
+def test_lora_weight_sync_over_http_equals_in_process(moe_path, random_prompts):
+    """`RolloutClient.update_lora` (POST /v1/rl/update_lora) against a live server: the rollouts
+    drawn after it are the in-process engine's under the same adapter, and the trainer scores them
+    within 1e-5; bad requests are 400s naming what is wrong."""
+    import httpx
+
+    from cuttle.rl.client import RolloutClient
+    from server_fixture import LiveServer
+
+    trainer = Trainer(moe_path, TrainerConfig(lora=LORA, lora_name="pi"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for b in trainer.lora.b.values():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    prompts = random_prompts(2, 16, seed=23)
+    local = LLM(moe_path, dtype="float32", num_kv_blocks=128, enable_lora=True)
+    local_sampler = EngineSampler(local)
+    try:
+        trainer.push_weights(local_sampler)
+        want = sample_groups(local_sampler, prompts, 3, SP)
+    finally:
+        local_sampler.close()
+    with LiveServer(moe_path, dtype="float32", num_kv_blocks=128, enable_lora=True) as srv, RolloutClient(srv.url) as client:
+        assert trainer.push_weights(client) == 1 and client.lora_name == "pi"
+        got = sample_groups(client, prompts, 3, SP)
+        assert [[s.token_ids for s in g.samples] for g in got] == [[s.token_ids for s in g.samples] for g in want]
+        batch = TrainBatch.from_groups(got, [[0.0] * 3 for _ in got])
+        p = batch.packed()
+        assert mismatch(trainer.score(batch), p.rollout_logprobs[p.loss_mask > 0]).max_abs <= 1e-5
+        bad = httpx.post(srv.url + "/v1/rl/update_lora", params={"lora_name": "x"}, content=b"not safetensors")
+        assert bad.status_code == 400 and "safetensors" in bad.json()["error"]["message"]
+        unknown = httpx.post(srv.url + "/v1/rl/generate", json={"prompts": [[5, 6]], "lora_name": "nope"})
+        assert unknown.status_code == 400 and "no LoRA adapter named 'nope'" in unknown.json()["error"]["message"]
