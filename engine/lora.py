@@ -3,7 +3,8 @@ weights and applied per request, any mix of adapters (and none) in one step; nev
 
 Owns: reading a PEFT adapter (adapter_config.json + adapter_model.safetensors, or tensors handed
 over in memory) and checking it against the model; the registry of adapter names and the cache of
-loaded adapters (`LoRARegistry`: least recently used dropped past `max_loras`); and the step's map
+loaded adapters (`LoRARegistry`: past `max_loras`, the least recently used one that a directory
+can give again is dropped); and the step's map
 of rows to adapters (`LoRABatch`) that the projections read through `LoRAContext`, the model's one
 seam: an attention layer's q|k|v and o projections and a dense MLP's gate|up and down add
 `LoRAContext.add(...)` to their output when a step has adapter rows; nothing else in the forward
@@ -14,7 +15,7 @@ block-diagonal over the output slices), its scale (lora_alpha / r, or / sqrt(r) 
 use_rslora) folded into B, so a projection's delta is two GEMMs, (x A^T) B^T, per adapter in the
 step. They are kept and computed in fp32 whatever the model's dtype: a few percent of the base
 weights' bytes, and torch's fp32 GEMM runs these thin shapes (K = r, or N = r) 1.5-5x faster than
-the bf16 kernels measured here (docs/server.md, 'LoRA adapters'); the delta is added to the bf16
+the bf16 kernels measured here (docs/benchmarks.md, 'LoRA adapters'); the delta is added to the bf16
 projection once, rounded once. Under batch-invariant mode the GEMMs go through
 `native.gemm.linear`, whose result for a row does not depend on the other rows.
 
@@ -43,7 +44,7 @@ from cuttle.attention.native import invariance
 from cuttle.attention.native.gemm import linear
 from cuttle.engine.config import ModelConfig
 
-# PEFT module name -> (the engine's fused projection, which slice of its output rows)
+# the PEFT modules cuttle adapts (`projection_slots`: where each sits in the fused projections)
 _ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z0-9_.]+)\.lora_(A|B)\.weight$")
