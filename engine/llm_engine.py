@@ -109,7 +109,7 @@ class LLMEngine:
         # LoRA adapters (engine/lora.py): names, and the adapters loaded, that requests run under
         self.loras: LoRARegistry | None = None
         if config.enable_lora:
-            self.loras = LoRARegistry(mc, config.max_loras, config.max_lora_rank)
+            self.loras = LoRARegistry(mc, config.max_loras, config.max_lora_rank, self.device)
             self.runner.enable_lora()
         self.requests: dict[str, Request] = {}
         self._slept = Slept()  # what sleep() gave back (nothing: awake)

@@ -92,7 +92,7 @@ class LoadedAdapter:
         for (layer, proj), (a, b) in sorted(self.weights.items()):
             h.update(f"{layer}.{proj}.{a.dtype}".encode())
             for t in (a, b):
-                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
         self.key = h.digest()
 
     @property
@@ -162,12 +162,13 @@ class LoRARegistry:
     most `max_loras` at once (the least recently used dropped to make room; a request that holds
     one keeps computing with it, so dropping never changes a running request)."""
 
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_lora_rank: int):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_lora_rank: int, device: torch.device | str = "cpu"):
         if cfg.mla is not None:
             raise ValueError("enable_lora: LoRA on multi-head latent attention models (kv_lora_rank) is not supported")
         self.cfg = cfg
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.device = torch.device(device)  # the model's: adapters live beside its weights
         self.paths: dict[str, str] = {}
         self.loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()
         self._slots, self._rows = projection_slots(cfg)
@@ -301,7 +302,7 @@ class LoRARegistry:
             big_b = torch.zeros(self._rows[proj], col)
             for row0, rows, c0, b in blocks:
                 big_b[row0 : row0 + rows, c0 : c0 + rank] = b
-            weights[(layer, proj)] = (torch.cat(a_rows).contiguous(), big_b.contiguous())
+            weights[(layer, proj)] = (torch.cat(a_rows).contiguous().to(self.device), big_b.contiguous().to(self.device))
         return LoadedAdapter(name, path, rank, weights)
 
 
@@ -314,9 +315,9 @@ class LoRABatch:
     groups: list[tuple[LoadedAdapter, slice | torch.Tensor | None]] = field(default_factory=list)
 
     @staticmethod
-    def build(rows: list[tuple[LoadedAdapter | None, int]]) -> LoRABatch | None:
-        """From each scheduled sequence's (adapter or None, rows) in batch order; None when no
-        row has an adapter."""
+    def build(rows: list[tuple[LoadedAdapter | None, int]], device: torch.device | str = "cpu") -> LoRABatch | None:
+        """From each scheduled sequence's (adapter or None, rows) in batch order (index tensors on
+        `device`, the activations'); None when no row has an adapter."""
         runs: dict[int, tuple[LoadedAdapter, list[tuple[int, int]]]] = {}
         start = 0
         for adapter, n in rows:
@@ -336,7 +337,7 @@ class LoRABatch:
             elif len(spans) == 1:
                 batch.groups.append((adapter, slice(*spans[0])))
             else:
-                batch.groups.append((adapter, torch.cat([torch.arange(a, b) for a, b in spans])))
+                batch.groups.append((adapter, torch.cat([torch.arange(a, b) for a, b in spans]).to(device)))
         return batch
 
 

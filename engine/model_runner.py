@@ -10,7 +10,8 @@ An NSA model (config.json's "nsa") also gets its compressed K/V cache here, one 
 per layer indexed by the raw cache's block ids (attention/nsa_backend.py), and the NSA backend
 around the dense one. Under `EngineConfig.sparse_attention` (training-free top-k) each sparse layer
 gets its block-summary cache the same way (attention/topk_backend.py), and the top-k backend
-around the dense one.
+around the dense one. With LoRA enabled (engine/lora.py) a step's rows under adapters go to the
+model's LoRA context for the forward; such a step runs eagerly.
 """
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
         # a sequence's rows are n (a decode with drafts: its last token and each draft)
-        lora = LoRABatch.build([(seq.request.lora, n) for seq, n in scheduled]) if self.lora is not None else None
+        lora = LoRABatch.build([(seq.request.lora, n) for seq, n in scheduled], self.device) if self.lora is not None else None
         if self.graphs is not None and lora is None:
             staged = self.graphs.stage(scheduled, self.host_kv is not None)
             if staged is not None:
