@@ -274,7 +274,9 @@ class LLMEngine:
         if adapter is not None:  # KV computed under an adapter is that adapter's alone
             extra += b"|lora|" + adapter.key
         req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed, max_tokens=max_tokens,
-                      stream=stream, weight_version=self.weight_version, layout=layout, priority=priority, lora=adapter)
+                      stream=stream, weight_version=self.weight_version, layout=layout, priority=priority, lora=adapter,
+                      lora_request=None if adapter is None else
+                      lora_request if isinstance(lora_request, LoRARequest) else LoRARequest(adapter.name))
         if layout is not None:
             req.prefix_cache_key = extra + self.squid.query_key(req)
             req.full_prompt_token_ids = layout.flat_tokens(ids)

@@ -5,8 +5,12 @@ Plain data; built by the engine from a request's sequences, never referenced bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cuttle.engine.sampler import Logprob
+
+if TYPE_CHECKING:
+    from cuttle.engine.lora import LoRARequest
 
 
 @dataclass(slots=True)
@@ -37,3 +41,5 @@ class RequestOutput:
     # Set when processing this request failed inside the engine (e.g. its detokenizer raised): the
     # request ended there (finish_reason "abort", its KV freed) while the rest of the batch went on.
     error: str | None = None
+    # vLLM's: the LoRA adapter the request ran under (engine/lora.py), None for the base model
+    lora_request: LoRARequest | None = None

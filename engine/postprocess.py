@@ -145,6 +145,7 @@ class Postprocessor:
             num_cached_document_tokens=req.seqs[0].num_reused_tokens,
             metrics={"weight_version": req.weight_version},
             error=req.error,
+            lora_request=req.lora_request,
         )
 
     def _text(self, seq: Sequence, req: Request) -> str | None:

@@ -19,7 +19,7 @@ from cuttle.engine.kv.segments import Segment
 from cuttle.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from cuttle.engine.lora import LoadedAdapter
+    from cuttle.engine.lora import LoadedAdapter, LoRARequest
     from cuttle.engine.sampler import Logprob
     from cuttle.engine.spec_decode import NgramIndex
     from cuttle.engine.squid import DocumentJob, SquidLayout
@@ -125,6 +125,7 @@ class Request:
     job: DocumentJob | None = None  # set on the internal request that computes one document
     error: str | None = None  # why the engine ended this request on its own (see LLMEngine._fail)
     lora: LoadedAdapter | None = None  # the LoRA adapter its rows run under (engine/lora.py)
+    lora_request: LoRARequest | None = None  # how the caller named it (its outputs report that)
 
     def __post_init__(self) -> None:
         if not self.prefix_cache_key:

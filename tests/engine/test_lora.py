@@ -76,6 +76,7 @@ def test_adapters_and_base_mixed_in_one_batch_match_peft(setup):
     loras = [ra, None, rb, ra, None, rb, ra, ra]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
+    assert [o.lora_request for o in outs] == loras  # vLLM's RequestOutput field
     oracle = {"a": setup["a"], "b": setup["b"]}
     for p, lr, o in zip(prompts, loras, outs):
         if lr is None:
