@@ -35,6 +35,8 @@ async def read_body(request: Request, limit: int, models: Collection[str], allow
     that is not harmless to ignore."""
     body = await json_body(request, limit)
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise OpenAIError(f"model must be a string, got {show(model)}", param="model")
     if model is not None and model not in models:
         served = ", ".join(repr(m) for m in models)
         raise OpenAIError(f"model {show(model)} does not exist; this server serves {served}", 404, param="model",
