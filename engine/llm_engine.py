@@ -822,6 +822,10 @@ class LLMEngine:
             **(self.runner.graphs.counters if self.runner.graphs is not None else {"graph_steps": 0, "graph_captures": 0, "graph_evictions": 0}),
             **self.squid.counters,
             **self.sessions.stats(),
+            # LoRA (engine/lora.py): adapters held loaded, and running sequences under one
+            **({"lora_adapters_loaded": len(self.loras.loaded),
+                "lora_requests_running": sum(1 for s in self.scheduler.running if s.request.lora is not None)}
+               if self.loras is not None else {}),
             **(self.tiers.stats() if self.tiers is not None else {}),
         }
 

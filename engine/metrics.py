@@ -79,6 +79,9 @@ class ServerMetrics:
         self.itl = Histogram("cuttle_inter_token_latency_seconds", "Time between streamed outputs", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("cuttle_e2e_request_latency_seconds", "End-to-end request latency", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.host_usage = Gauge("cuttle_kv_host_cache_usage_perc", "Fraction of host-tier KV blocks in use (0-1)", labels, registry=r)
+        # with --enable-lora only
+        self.lora_loaded = Gauge("cuttle_lora_adapters_loaded", "LoRA adapters held loaded (at most --max-loras)", labels, registry=r)
+        self.lora_running = Gauge("cuttle_lora_requests_running", "Running requests under a LoRA adapter", labels, registry=r)
         self.totals = _Totals(model_name)
         r.register(self.totals)
 
@@ -92,4 +95,7 @@ class ServerMetrics:
         self.totals.stats = stats
         if "kv_host_blocks_total" in stats:
             self.host_usage.labels(m).set(1.0 - stats["kv_host_blocks_free"] / max(stats["kv_host_blocks_total"], 1))
+        if "lora_adapters_loaded" in stats:
+            self.lora_loaded.labels(m).set(stats["lora_adapters_loaded"])
+            self.lora_running.labels(m).set(stats["lora_requests_running"])
         return generate_latest(self.registry)

@@ -309,6 +309,9 @@ def test_server_serves_adapters_by_model_name(setup, tmp_path):
             return r.choices[0].model_extra["token_ids"]
 
         assert complete("a") == want_a.token_ids
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'cuttle_lora_adapters_loaded{model_name="base"} 1.0' in metrics
+        assert 'cuttle_lora_requests_running{model_name="base"} 0.0' in metrics
         assert complete("base") == want_base.token_ids != want_a.token_ids
         with pytest.raises(openai.NotFoundError, match="model 'b' does not exist"):
             complete("b")
