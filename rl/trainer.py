@@ -67,7 +67,10 @@ class WeightTarget(Protocol):
 
 
 class LoRATarget(Protocol):
-    """Where a LoRA trainer pushes its adapter (`LLM`, `EngineSampler`)."""
+    """Where a LoRA trainer pushes its adapter (`EngineSampler`, `RolloutClient`): a sampler that
+    then draws every rollout under it (`lora_name`)."""
+
+    lora_name: str | None
 
     def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
                     in_flight: str = "finish") -> int: ...
@@ -379,6 +382,11 @@ class Trainer:
         trainer sends its adapter alone (`update_lora`, PEFT names) under `config.lora_name`; the
         requests in flight finish under the adapter they started with unless `in_flight` is "abort"."""
         if self.lora is not None:
+            if not hasattr(target, "lora_name"):
+                # an LLM's rollouts (sample_groups(llm, ...)) would go on sampling the base model
+                raise ValueError(f"a LoRA policy is pushed to a sampler whose rollouts then run under it (EngineSampler, "
+                                 f"RolloutClient), not to a {type(target).__name__}: call its update_lora and pass "
+                                 "lora_request to each generate instead")
             return target.update_lora(self.config.lora_name, self.lora.peft_state().items(), self.lora.config,  # type: ignore[union-attr]
                                       in_flight)
         return target.update_weights(self.named_weights(), in_flight)  # type: ignore[union-attr]

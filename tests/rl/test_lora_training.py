@@ -67,7 +67,9 @@ def test_pushed_adapter_is_peft_s(moe_path, tmp_path):
         for b in trainer.lora.b.values():
             b.copy_(torch.randn(b.shape, generator=g) * 0.3)
     llm = LLM(moe_path, dtype="float32", num_kv_blocks=128, enable_lora=True)
-    assert trainer.push_weights(llm) == 1
+    with pytest.raises(ValueError, match="not to a LLM"):  # its rollouts would go on sampling the base
+        trainer.push_weights(llm)
+    assert llm.update_lora("pi", trainer.lora.peft_state().items(), trainer.lora.config) == 1
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
     pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, use_rslora=True, lora_dropout=0.0,
                                                                  target_modules=LORA["target_modules"]))
@@ -102,8 +104,13 @@ def test_lora_config_is_checked(moe_path):
         Trainer(moe_path, TrainerConfig(lora={"r": 4, "target_modules": ["lm_head"]}))
     llm = LLM(moe_path, dtype="float32", num_kv_blocks=32)
     trainer = Trainer(moe_path, TrainerConfig(lora=LORA))
-    with pytest.raises(ValueError, match="enable_lora"):
-        trainer.push_weights(llm)
+    sampler = EngineSampler(llm)
+    try:
+        with pytest.raises(ValueError, match="enable_lora"):
+            trainer.push_weights(sampler)
+        assert sampler.lora_name is None  # nothing changed
+    finally:
+        sampler.close()
 
 
 def test_lora_weight_sync_over_http_equals_in_process(moe_path, random_prompts):
