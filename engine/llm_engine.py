@@ -732,10 +732,7 @@ class LLMEngine:
                 if stalls > 1:
                     raise RuntimeError(f"{self.stall_message()}; the weights were not updated")
         else:
-            for rid in list(self.requests):
-                out = self.abort_request(rid)
-                if out is not None:
-                    ended.append(out)
+            ended = self._abort_all()
         try:
             self._load_weights(named_tensors)
         finally:  # even a half-applied update must not leave stale packed copies behind
@@ -758,14 +755,14 @@ class LLMEngine:
         if self.loras is None:
             raise ValueError("update_lora needs LoRA enabled (enable_lora=True; --enable-lora)")
         self.loras.load_tensors(name, named_tensors, config)  # checked whole before anything changes
-        ended: list[RequestOutput] = []
-        if in_flight == "abort":
-            for rid in list(self.requests):
-                out = self.abort_request(rid)
-                if out is not None:
-                    ended.append(out)
+        ended = self._abort_all() if in_flight == "abort" else []
         self._next_weight_version()
         return ended
+
+    def _abort_all(self) -> list[RequestOutput]:
+        """Abort every request (a weight update's in_flight="abort"); their final outputs."""
+        outs = (self.abort_request(rid) for rid in list(self.requests))
+        return [out for out in outs if out is not None]
 
     def _next_weight_version(self) -> None:
         """A new policy: bump the version that keys every cache, so nothing computed before is reused."""

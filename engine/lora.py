@@ -45,8 +45,8 @@ from cuttle.attention.native.gemm import linear
 from cuttle.engine.config import ModelConfig
 
 # the PEFT modules cuttle adapts (`projection_slots`: where each sits in the fused projections)
-_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z0-9_.]+)\.lora_(A|B)\.weight$")
 # adapter_config.json fields that change what an adapter computes; each is honoured or refused
 _REFUSED_CONFIG = {
@@ -59,8 +59,9 @@ _REFUSED_CONFIG = {
 class LoRARequest:
     """vLLM's: which adapter a request runs under. `lora_name` names it (the server's `model`
     field); `lora_path` is a PEFT adapter directory (may be empty for a name already registered:
-    `LLM.load_lora_adapter`, `--lora-modules`). `lora_int_id` is kept for vLLM compatibility
-    (it must be >= 1); adapters are told apart by name."""
+    `LLM.load_lora_adapter`, `--lora-modules`). `lora_int_id` and `base_model_name` are kept for
+    vLLM compatibility and change nothing (the id must be >= 1): adapters are told apart by name,
+    and every adapter applies to the engine's one base model."""
 
     lora_name: str
     lora_int_id: int = 1
@@ -153,14 +154,15 @@ def projection_slots(cfg: ModelConfig) -> tuple[dict[str, tuple[str, int, int, i
 
 def peft_key(layer: int, module: str) -> str:
     """The PEFT name prefix of a module's LoRA weights (`<prefix>.lora_A.weight`)."""
-    block = "self_attn" if module in _ATTN_MODULES else "mlp"
+    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
     return f"base_model.model.model.layers.{layer}.{block}.{module}"
 
 
 class LoRARegistry:
-    """Adapter names (`register`: name -> PEFT directory), and the adapters loaded from them, at
-    most `max_loras` at once (the least recently used dropped to make room; a request that holds
-    one keeps computing with it, so dropping never changes a running request)."""
+    """Adapter names (`register`: name -> PEFT directory), and the adapters loaded, from those
+    directories or sent in memory, at most `max_loras` at once: past it the least recently used
+    one that a directory can give again is dropped (`_keep`); a request that holds one keeps
+    computing with it, so dropping never changes a running request."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_lora_rank: int, device: torch.device | str = "cpu"):
         if cfg.mla is not None:
@@ -267,7 +269,7 @@ class LoRARegistry:
             layer, block, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
             if layer >= cfg.num_layers:
                 raise ValueError(f"{where}: tensor {key!r} names layer {layer}; the model has {cfg.num_layers}")
-            ok = module in (_ATTN_MODULES if block == "self_attn" else _MLP_MODULES)
+            ok = module in (ATTENTION_MODULES if block == "self_attn" else MLP_MODULES)
             if not ok:
                 raise ValueError(f"{where}: tensor {key!r}: LoRA on {block}.{module} is not supported "
                                  "(q/k/v/o_proj of attention, gate/up/down_proj of a dense MLP)")

@@ -16,10 +16,7 @@ import torch
 from torch import nn
 
 from cuttle.engine.config import ModelConfig
-from cuttle.engine.lora import check_adapter_config, peft_key, projection_slots
-
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+from cuttle.engine.lora import ATTENTION_MODULES, MLP_MODULES, check_adapter_config, peft_key, projection_slots
 
 
 def adapter_config(lora: dict[str, Any]) -> dict[str, Any]:

@@ -113,10 +113,11 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> tuple[lis
     return toks, lps, plps
 
 
-def assert_scored_by_transformers(model, prompt: list[int], out, tol: float) -> None:
-    """An engine output (greedy, with logprobs=0 and prompt_logprobs=0) against transformers scoring
-    the whole sequence in one forward: its argmax at every generated position must be the engine's
-    token (by induction, its own greedy `generate`), and every logprob within `tol`."""
+def assert_scored_by_transformers(model, prompt: list[int], out, tol: float, prompt_logprobs: bool = True) -> None:
+    """An engine output (greedy, with logprobs=0, and prompt_logprobs=0 unless `prompt_logprobs` is
+    False) against transformers (or a peft model) scoring the whole sequence in one forward: its
+    argmax at every generated position must be the engine's token (by induction, its own greedy
+    `generate`), and every logprob within `tol`."""
     c = out.outputs[0]
     with torch.no_grad():
         hf = model(torch.tensor([prompt + c.token_ids])).logits[0].float().log_softmax(-1)
@@ -124,5 +125,5 @@ def assert_scored_by_transformers(model, prompt: list[int], out, tol: float) -> 
     assert hf[n - 1 : -1].argmax(-1).tolist() == c.token_ids
     for step, tok in enumerate(c.token_ids):
         assert abs(c.logprobs[step][tok].logprob - hf[n - 1 + step, tok].item()) <= tol
-    for pos in range(1, n):
+    for pos in range(1, n if prompt_logprobs else 1):
         assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - hf[pos - 1, prompt[pos]].item()) <= tol

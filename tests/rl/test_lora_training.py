@@ -13,6 +13,7 @@ from cuttle.engine import LLM, LoRARequest, SamplingParams
 from cuttle.rl import TrainBatch, compute_advantages, mismatch, sample_groups
 from cuttle.rl.engine_sampler import EngineSampler
 from cuttle.rl.trainer import Trainer, TrainerConfig
+from helpers import assert_scored_by_transformers
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 SP = SamplingParams(temperature=1.0, seed=5, max_tokens=16)
@@ -78,13 +79,10 @@ def test_pushed_adapter_is_peft_s(moe_path, tmp_path):
     assert not [k for k in result.unexpected_keys if "lora" in k]
     pm.eval()
     prompt = [5, 9, 33, 71, 100, 8, 14]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0),
-                       lora_request=LoRARequest("pi"), use_tqdm=False)[0].outputs[0]
-    with torch.no_grad():
-        lp = pm(torch.tensor([prompt + out.token_ids])).logits[0].float().log_softmax(-1)
-    n = len(prompt)
-    assert lp[n - 1 : -1].argmax(-1).tolist() == out.token_ids
-    assert max(abs(out.logprobs[i][t].logprob - lp[n - 1 + i, t].item()) for i, t in enumerate(out.token_ids)) <= 1e-4
+    res = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0),
+                       lora_request=LoRARequest("pi"), use_tqdm=False)[0]
+    out = res.outputs[0]
+    assert_scored_by_transformers(pm, prompt, res, 1e-4, prompt_logprobs=False)
     # and saved by peft, the adapter loads into the engine from its directory alike
     pm.save_pretrained(str(tmp_path / "ad"))
     assert sorted(load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))) == sorted(state)
