@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,7 +34,7 @@ from cuttle.engine.async_engine import RequestOptions
 from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.reasoning_parsers import CLOSE, CONTENT, OPEN, ReasoningParser, split_reasoning, start_state
-from cuttle.engine.sampling_params import RequestOutputKind
+from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.server.beam_completions import CHAT_BEAM_FIELDS, beam_params, beam_search_chat
 from cuttle.engine.server.body import read_body
 from cuttle.engine.server.chat_prompt import ChatOptions, ChatTemplate, ToolCallReplay, check_continuable, read_chat_template
@@ -44,7 +46,6 @@ from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls
 
 
 def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOptions) -> None:
-    parser = opts.tool_parser
     # assistant turns sent back with tool calls this server produced render as the model's exact text
     replay = ToolCallReplay()
     app.state.tool_call_replay = replay
@@ -63,117 +64,13 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             return await _beam_search(request, body, messages, bool(part_docs), tmpl, serving, tok, opts, t0)
         if body.get("length_penalty") is not None:
             raise OpenAIError("length_penalty applies to beam search only (use_beam_search: true)", param="length_penalty")
-        field_docs = get_documents(body) or []
-        structured, structured_field = structured_outputs_of(body, tok)
-        tools = check_tools(body.get("tools"))
-        choice = body.get("tool_choice")
-        if choice is None:
-            choice = "auto" if tools else "none"
-        forced_name = None
-        if isinstance(choice, dict):
-            fn = choice.get("function")
-            forced_name = fn.get("name") if isinstance(fn, dict) else None
-            if choice.get("type", "function") != "function" or not isinstance(forced_name, str):
-                raise OpenAIError("tool_choice must be 'auto', 'none', 'required' or {type: function, function: {name}}", param="tool_choice")
-            if not tools or forced_name not in {t["function"]["name"] for t in tools}:
-                raise OpenAIError(f"tool_choice names function {show(forced_name)}, which is not in tools", param="tool_choice")
-            choice = "named"
-        elif choice not in ("auto", "none", "required"):
-            raise OpenAIError("tool_choice must be 'auto', 'none', 'required' or {type: function, function: {name}}", param="tool_choice")
-        elif choice == "required" and not tools:
-            raise OpenAIError("tool_choice 'required' needs tools", param="tool_choice")
-        if choice == "auto" and tools and not opts.enable_auto_tool_choice:
-            raise OpenAIError('tool_choice "auto" needs a server started with --enable-auto-tool-choice (this one has '
-                              '--no-enable-auto-tool-choice); use "none", "required" or a named function', param="tool_choice")
-        use_tools = tools is not None and choice != "none"
-        want_lp = get_bool(body, "logprobs")
-        top_n = get_int(body, "top_logprobs", 0, 20, 0)
-        if top_n and not want_lp:
-            raise OpenAIError("top_logprobs requires logprobs: true", param="top_logprobs")
-        echo = get_bool(body, "echo")
-        as_ids = serving.tokens_as_ids(body)
-        include_reasoning = get_bool(body, "include_reasoning", True)
-        stream = get_bool(body, "stream")
-        include_usage, continuous_usage = get_stream_options(body)
-        admission = RequestOptions(get_str(body, "cache_salt"), get_priority(body, serving.engine.engine.config.scheduling_policy),
-                                   serving.lora_of(body))
-        want_plp = get_prompt_logprobs(body, stream, bool(field_docs or part_docs))
-        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        # tool calls under their tools' JSON schemas (a forced call always parses; with auto, from <tool_call> on)
-        tool_structure = tool_call_structure(parser, choice, forced_name, tools, tok) if use_tools else None
-        if use_tools and tool_structure is None:
-            strict = next((i for i, t in enumerate(tools) if t["function"].get("strict")), None)
-            if strict is not None:  # a promise the server can only keep under a grammar
-                raise OpenAIError(f"tools[{strict}].function.strict: true needs the tool calls generated under their schemas, which "
-                                  "this server cannot do (the xgrammar package is not installed, or its tokenizer is one xgrammar "
-                                  "cannot serve)", param="tools")
-        for i, t in enumerate(tools or ()) if tool_structure is not None else ():
-            # strict promises schema adherence (OpenAI's meaning); keywords the grammar compiles
-            # without enforcing would break it, so such a strict tool is refused, as OpenAI's strict
-            # mode refuses keywords it does not support (a tool without strict is best effort)
-            bad = unenforced_keywords(t["function"].get("parameters")) if t["function"].get("strict") else []
-            if bad:
-                raise OpenAIError(f"tools[{i}].function.parameters uses {', '.join(bad[:4])}: a keyword the tool-call grammar "
-                                  f"does not enforce ({UNENFORCED_WHAT}), so strict: true cannot be kept; drop the keyword "
-                                  "or strict", param="tools")
-        if tool_structure is not None:
-            if structured is not None:
-                raise OpenAIError(f"{structured_field} cannot be combined with tools under tool_choice {choice!r}: the tool "
-                                  "calls' grammar already constrains the output", param=structured_field)
-            structured = tool_structure
-        defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
-        params = sampling_params(with_defaults(body, defaults), "max_completion_tokens", default_max_tokens=None, logprobs=top_n if want_lp else None,
-                                 prompt_logprobs=want_plp, output_kind=kind, structured_outputs=structured)
-        max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        # required / named tool_choice: the call's opening is written for the model (prefix forcing)
-        forced = _forced_prefix(parser, choice, forced_name)
-        forced_ids = tok.encode(forced, add_special_tokens=False) if forced else []
-        render_tools = tools if use_tools else None
-        text = tmpl.render(tok, messages, render_tools)
-        rstate = _reasoning_start(tok, opts, tmpl, messages, render_tools, text, forced)
-        if field_docs or part_docs:
-            prefix_ids, query_ids = _split_after_system(tok, tmpl, messages, render_tools, text)
-            docs = [tok.encode(d, add_special_tokens=False) if isinstance(d, str) else d for d in field_docs]
-            docs += [tok.encode(_document_text(name, text), add_special_tokens=False) for name, text in part_docs]
-            prompt: Prompt = {"prefix": prefix_ids, "documents": docs, "prompt": query_ids + forced_ids}
-        else:
-            # templates already spell out BOS and role markers, so no special tokens are added again
-            prompt = tok.encode(text, add_special_tokens=False) + forced_ids
+        call = prepare_chat(body, messages, part_docs, tmpl, serving, tok, opts, replay)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        fields = Fields("messages", max_field, documents="documents" if field_docs else "messages", prefix="messages",
-                        structured="tools" if tool_structure is not None else structured_field or "structured_outputs")
-        # vLLM's response role: a new assistant turn, or the role of the message being continued
-        role = "assistant" if tmpl.add_generation_prompt else messages[-1]["role"]
-        # echo: the final message's text comes first when the reply continues it (vLLM's rule)
-        echoed = messages[-1]["content"] if echo and messages[-1]["role"] == role and isinstance(messages[-1]["content"], str) else ""
+        stream = call.params.output_kind == RequestOutputKind.DELTA
 
         def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk" if stream else "chat.completion", "created": int(time.time()),
-                    "model": admission.lora_request or serving.model_name, "choices": choices, **extra}
-
-        def message_of(text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
-            text = forced + text
-            msg: dict[str, Any] = {"role": role, "content": text}
-            if rstate is not None:
-                reasoning, text = split_reasoning(text, rstate)
-                text = text or ""
-                msg["content"] = text or None
-                msg["reasoning_content"] = reasoning if include_reasoning else None
-            called = False
-            if use_tools:
-                content, calls = parse_tool_calls(text, parser, tools)
-                if forced and not calls and not cut:  # a call cut by max_tokens is reported as cut
-                    raise OpenAIError(f"tool_choice {choice!r} was requested but the model's output is not a valid tool call: {text[:200]!r}",
-                                      500, "server_error", param="tool_choice")
-                msg["content"] = content or None
-                if calls:
-                    msg["tool_calls"] = [c.to_openai() for c in calls]
-                called = bool(calls)
-            if echoed:
-                msg["content"] = echoed + (msg["content"] or "")
-            elif called and rstate is None:
-                replay.record(text, msg["content"], msg["tool_calls"])
-            return msg, called
+                    "model": call.admission.lora_request or serving.model_name, "choices": choices, **extra}
 
         if not stream:
             def respond(finals: list[RequestOutput]) -> dict[str, Any]:
@@ -183,23 +80,82 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                 usage.add_completion(out)
                 choices = []
                 for c in out.outputs:
-                    msg, called = message_of(c.text, c.finish_reason == "length")
+                    msg, called = call.message_of(c.text, c.finish_reason == "length")
                     ch = {"index": c.index, "message": msg, "logprobs": None,
                           "finish_reason": "tool_calls" if called else c.finish_reason}
-                    if want_lp:
-                        ch["logprobs"] = {"content": chat_logprobs(tok, c.token_ids, c.logprobs or [], top_n, as_ids=as_ids)}
+                    if call.want_lp:
+                        ch["logprobs"] = {"content": chat_logprobs(tok, c.token_ids, c.logprobs or [], call.top_n, as_ids=call.as_ids)}
                     choices.append(ch)
                 extra = {}
-                if want_plp is not None:  # vLLM's field, beside the choices (one prompt)
-                    extra["prompt_logprobs"] = prompt_logprobs_wire(out.prompt_token_ids, out.prompt_logprobs or [], want_plp)
+                if call.want_plp is not None:  # vLLM's field, beside the choices (one prompt)
+                    extra["prompt_logprobs"] = prompt_logprobs_wire(out.prompt_token_ids, out.prompt_logprobs or [], call.want_plp)
                 return frame(choices, usage=usage.to_openai(), **extra)
 
-            return await serving.complete(request, [(rid, prompt)], params, admission, fields, respond, t0)
+            return await serving.complete(request, [(rid, call.prompt)], call.params, call.admission, call.fields, respond, t0)
 
-        streams = await serving.open(request, [(rid, prompt)], params, admission, fields)
-        n = params.n
-        reasoners = [ReasoningParser(rstate) if rstate is not None else None for _ in range(n)]
-        parsers = [StreamingToolParser(parser, tools) if use_tools else None for _ in range(n)]
+        streams = await serving.open(request, [(rid, call.prompt)], call.params, call.admission, call.fields)
+        include_usage, continuous_usage = get_stream_options(body)
+        opening = [{"index": i, "delta": {"role": call.role, "content": call.echoed}, "logprobs": None, "finish_reason": None}
+                   for i in range(call.params.n)]
+        return serving.stream(streams, call.delta_reader(), frame, include_usage, t0, opening, continuous_usage=continuous_usage)
+
+
+@dataclass(eq=False)
+class ChatCall:
+    """One chat request, checked and rendered: what the engine is asked for, and how each sample's
+    text becomes an assistant message (whole, or delta by delta). /v1/chat/completions and
+    /v1/responses (responses.py) frame the same messages their own way."""
+
+    prompt: Prompt
+    params: SamplingParams
+    admission: RequestOptions
+    fields: Fields
+    tok: Tokenizer
+    replay: ToolCallReplay
+    role: str  # the reply's role: a new assistant turn, or the role of the message being continued
+    echoed: str  # echo: the final message's text, which comes first when the reply continues it
+    forced: str  # the opening of a tool call written for the model (required / named tool_choice)
+    choice: str  # auto | none | required | named
+    parser: str
+    tools: list[dict[str, Any]] | None  # the tools the output is parsed for (None: tool calls are not parsed)
+    rstate: str | None  # where the reasoning parser starts (None: no reasoning split)
+    include_reasoning: bool
+    want_lp: bool
+    top_n: int
+    as_ids: bool
+    want_plp: int | None
+
+    def message_of(self, text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
+        """A whole sample's message, and whether it holds tool calls. `cut`: it ended at max_tokens."""
+        text = self.forced + text
+        msg: dict[str, Any] = {"role": self.role, "content": text}
+        if self.rstate is not None:
+            reasoning, text = split_reasoning(text, self.rstate)
+            text = text or ""
+            msg["content"] = text or None
+            msg["reasoning_content"] = reasoning if self.include_reasoning else None
+        called = False
+        if self.tools is not None:
+            content, calls = parse_tool_calls(text, self.parser, self.tools)
+            if self.forced and not calls and not cut:  # a call cut by max_tokens is reported as cut
+                raise OpenAIError(f"tool_choice {self.choice!r} was requested but the model's output is not a valid tool call: {text[:200]!r}",
+                                  500, "server_error", param="tool_choice")
+            msg["content"] = content or None
+            if calls:
+                msg["tool_calls"] = [c.to_openai() for c in calls]
+            called = bool(calls)
+        if self.echoed:
+            msg["content"] = self.echoed + (msg["content"] or "")
+        elif called and self.rstate is None:
+            self.replay.record(text, msg["content"], msg["tool_calls"])
+        return msg, called
+
+    def delta_reader(self) -> Callable[[Delta], dict[str, Any] | None]:
+        """For a streamed request: each sample's delta -> its chat choice delta (None: nothing to
+        send yet), the reasoning split and tool calls parsed as the text grows."""
+        n, tok = self.params.n, self.tok
+        reasoners = [ReasoningParser(self.rstate) if self.rstate is not None else None for _ in range(n)]
+        parsers = [StreamingToolParser(self.parser, self.tools) if self.tools is not None else None for _ in range(n)]
         output_so_far = [""] * n  # what a reasoning parser has been fed (it reads the growing text)
         content_so_far = [""] * n  # what a tool parser has been fed (the content only)
         ncalls = [0] * n
@@ -212,7 +168,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
 
         def choice_of(d: Delta) -> dict[str, Any] | None:
             c, i = d.sample, d.sample.index
-            text = forced + c.text if d.first else c.text
+            text = self.forced + c.text if d.first else c.text
             sent_text[i] += text
             final = c.finish_reason is not None
             held_ids[i] += c.token_ids
@@ -221,7 +177,7 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
             if reasoners[i] is not None:
                 output_so_far[i] += text
                 reasoning, text = reasoners[i].feed(output_so_far[i], final=final)
-                if reasoning and include_reasoning:
+                if reasoning and self.include_reasoning:
                     delta["reasoning_content"] = reasoning
             if parsers[i] is not None:
                 content_so_far[i] += text
@@ -237,22 +193,110 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                 delta["content"] = text
             finish = None
             if final:
-                if forced and ncalls[i] == 0 and c.finish_reason != "length":
+                if self.forced and ncalls[i] == 0 and c.finish_reason != "length":
                     raise OpenAIError("tool_choice requested but the model's output is not a valid tool call",
                                       500, "server_error", param="tool_choice")
                 finish = "tool_calls" if ncalls[i] else c.finish_reason
-                if ncalls[i] and rstate is None and not echoed:
-                    replay.record(sent_text[i], sent_content[i], sent_calls[i])
+                if ncalls[i] and self.rstate is None and not self.echoed:
+                    self.replay.record(sent_text[i], sent_content[i], sent_calls[i])
             if not delta and finish is None:
                 return None
             ch = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-            if want_lp and held_ids[i]:
-                ch["logprobs"] = {"content": chat_logprobs(tok, held_ids[i], held_lps[i], top_n, as_ids=as_ids)}
+            if self.want_lp and held_ids[i]:
+                ch["logprobs"] = {"content": chat_logprobs(tok, held_ids[i], held_lps[i], self.top_n, as_ids=self.as_ids)}
             held_ids[i], held_lps[i] = [], []
             return ch
 
-        opening = [{"index": i, "delta": {"role": role, "content": echoed}, "logprobs": None, "finish_reason": None} for i in range(n)]
-        return serving.stream(streams, choice_of, frame, include_usage, t0, opening, continuous_usage=continuous_usage)
+        return choice_of
+
+
+def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs: list[tuple[str | None, str]], tmpl: ChatTemplate,
+                 serving: Serving, tok: Tokenizer, opts: ChatOptions, replay: ToolCallReplay) -> ChatCall:
+    """Check a chat body's generation fields (tools, tool_choice, logprobs, sampling, structured
+    output, documents) and render its prompt; every refusal is a 400 naming the chat field."""
+    parser = opts.tool_parser
+    field_docs = get_documents(body) or []
+    structured, structured_field = structured_outputs_of(body, tok)
+    tools = check_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    forced_name = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        forced_name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(forced_name, str):
+            raise OpenAIError("tool_choice must be 'auto', 'none', 'required' or {type: function, function: {name}}", param="tool_choice")
+        if not tools or forced_name not in {t["function"]["name"] for t in tools}:
+            raise OpenAIError(f"tool_choice names function {show(forced_name)}, which is not in tools", param="tool_choice")
+        choice = "named"
+    elif choice not in ("auto", "none", "required"):
+        raise OpenAIError("tool_choice must be 'auto', 'none', 'required' or {type: function, function: {name}}", param="tool_choice")
+    elif choice == "required" and not tools:
+        raise OpenAIError("tool_choice 'required' needs tools", param="tool_choice")
+    if choice == "auto" and tools and not opts.enable_auto_tool_choice:
+        raise OpenAIError('tool_choice "auto" needs a server started with --enable-auto-tool-choice (this one has '
+                          '--no-enable-auto-tool-choice); use "none", "required" or a named function', param="tool_choice")
+    use_tools = tools is not None and choice != "none"
+    want_lp = get_bool(body, "logprobs")
+    top_n = get_int(body, "top_logprobs", 0, 20, 0)
+    if top_n and not want_lp:
+        raise OpenAIError("top_logprobs requires logprobs: true", param="top_logprobs")
+    echo = get_bool(body, "echo")
+    as_ids = serving.tokens_as_ids(body)
+    include_reasoning = get_bool(body, "include_reasoning", True)
+    stream = get_bool(body, "stream")
+    get_stream_options(body)  # checked here, before anything is admitted
+    admission = RequestOptions(get_str(body, "cache_salt"), get_priority(body, serving.engine.engine.config.scheduling_policy),
+                               serving.lora_of(body))
+    want_plp = get_prompt_logprobs(body, stream, bool(field_docs or part_docs))
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    # tool calls under their tools' JSON schemas (a forced call always parses; with auto, from <tool_call> on)
+    tool_structure = tool_call_structure(parser, choice, forced_name, tools, tok) if use_tools else None
+    if use_tools and tool_structure is None:
+        strict = next((i for i, t in enumerate(tools) if t["function"].get("strict")), None)
+        if strict is not None:  # a promise the server can only keep under a grammar
+            raise OpenAIError(f"tools[{strict}].function.strict: true needs the tool calls generated under their schemas, which "
+                              "this server cannot do (the xgrammar package is not installed, or its tokenizer is one xgrammar "
+                              "cannot serve)", param="tools")
+    for i, t in enumerate(tools or ()) if tool_structure is not None else ():
+        # strict promises schema adherence (OpenAI's meaning); keywords the grammar compiles
+        # without enforcing would break it, so such a strict tool is refused, as OpenAI's strict
+        # mode refuses keywords it does not support (a tool without strict is best effort)
+        bad = unenforced_keywords(t["function"].get("parameters")) if t["function"].get("strict") else []
+        if bad:
+            raise OpenAIError(f"tools[{i}].function.parameters uses {', '.join(bad[:4])}: a keyword the tool-call grammar "
+                              f"does not enforce ({UNENFORCED_WHAT}), so strict: true cannot be kept; drop the keyword "
+                              "or strict", param="tools")
+    if tool_structure is not None:
+        if structured is not None:
+            raise OpenAIError(f"{structured_field} cannot be combined with tools under tool_choice {choice!r}: the tool "
+                              "calls' grammar already constrains the output", param=structured_field)
+        structured = tool_structure
+    defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
+    params = sampling_params(with_defaults(body, defaults), "max_completion_tokens", default_max_tokens=None, logprobs=top_n if want_lp else None,
+                             prompt_logprobs=want_plp, output_kind=kind, structured_outputs=structured)
+    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    # required / named tool_choice: the call's opening is written for the model (prefix forcing)
+    forced = _forced_prefix(parser, choice, forced_name)
+    forced_ids = tok.encode(forced, add_special_tokens=False) if forced else []
+    render_tools = tools if use_tools else None
+    text = tmpl.render(tok, messages, render_tools)
+    rstate = _reasoning_start(tok, opts, tmpl, messages, render_tools, text, forced)
+    if field_docs or part_docs:
+        prefix_ids, query_ids = _split_after_system(tok, tmpl, messages, render_tools, text)
+        docs = [tok.encode(d, add_special_tokens=False) if isinstance(d, str) else d for d in field_docs]
+        docs += [tok.encode(_document_text(name, text), add_special_tokens=False) for name, text in part_docs]
+        prompt: Prompt = {"prefix": prefix_ids, "documents": docs, "prompt": query_ids + forced_ids}
+    else:
+        # templates already spell out BOS and role markers, so no special tokens are added again
+        prompt = tok.encode(text, add_special_tokens=False) + forced_ids
+    fields = Fields("messages", max_field, documents="documents" if field_docs else "messages", prefix="messages",
+                    structured="tools" if tool_structure is not None else structured_field or "structured_outputs")
+    role = "assistant" if tmpl.add_generation_prompt else messages[-1]["role"]
+    echoed = messages[-1]["content"] if echo and messages[-1]["role"] == role and isinstance(messages[-1]["content"], str) else ""
+    return ChatCall(prompt, params, admission, fields, tok, replay, role, echoed, forced, choice, parser, tools if use_tools else None,
+                    rstate, include_reasoning, want_lp, top_n, as_ids, want_plp)
 
 
 async def _beam_search(request: Request, body: dict[str, Any], messages: list[dict[str, Any]], has_docs: bool, tmpl: ChatTemplate,

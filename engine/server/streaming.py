@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import time
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -145,54 +146,65 @@ class Serving:
     def stream(self, streams: list[RequestStream], choice: Callable[[Delta], dict[str, Any] | None],
                frame: Callable[..., dict[str, Any]], include_usage: bool, t0: float,
                opening: list[dict[str, Any]] | None = None, continuous_usage: bool = False) -> StreamingResponse:
-        """The SSE response of a streamed request: `opening` choices first (one event), then
-        `choice(delta)` for every delta of every sample until it finishes (None: nothing to send
-        yet), each in its own `frame(choices)` event; the usage event if asked for; `[DONE]`.
-        `continuous_usage` (vLLM's stream_options.continuous_usage_stats): each choice's event
-        also carries its prompt's tokens and its sample's tokens so far.
-        A failure after the response started is sent as one error event, without `[DONE]`."""
+        """The SSE response of a streamed request: each of `frames`' objects as one event, then
+        `[DONE]`; a failure after the response started is sent as one error event, without `[DONE]`."""
 
         async def events() -> AsyncIterator[str]:
-            usage, states = Usage(), [dict() for _ in streams]
-            seen: set[tuple[int, int]] = set()
-            sampled: dict[tuple[int, int], int] = {}  # tokens of each sample so far (continuous usage)
-            ended: set[tuple[int, int]] = set()  # samples whose finish_reason was sent
-            try:
-                if opening:
-                    yield sse(frame(opening))
-                async for i, out in _merged(streams):
-                    self._observe_step(out, t0, states[i])
-                    usage.add_completion(out)
-                    for c in out.outputs:
-                        key = (i, c.index)
-                        if key in ended:  # an n > 1 request reports a finished sample until all end
-                            continue
-                        ch = choice(Delta(i, out, c, key not in seen))
-                        seen.add(key)
-                        if c.finish_reason is not None:
-                            ended.add(key)
-                        extra = {}
-                        if continuous_usage:
-                            sampled[key] = sampled.get(key, 0) + len(c.token_ids)
-                            p = len(out.prompt_token_ids)
-                            extra["usage"] = {"prompt_tokens": p, "completion_tokens": sampled[key], "total_tokens": p + sampled[key]}
-                        if ch is not None:
-                            yield sse(frame([ch], **extra))
-                    if out.finished:
-                        usage.add_prompt(out)
-                if include_usage:
-                    yield sse(frame([], usage=usage.to_openai()))
-                yield "data: [DONE]\n\n"
-            except asyncio.CancelledError:  # the client left (Starlette cancels the response)
-                self.disconnected()
-                raise
-            except Exception as e:  # noqa: BLE001 - this client's failure goes to this client only
-                yield sse({"error": as_openai_error(e).body()["error"]})
-            finally:
-                for s in streams:
-                    s.close()
+            async with aclosing(self.frames(streams, choice, frame, include_usage, t0, opening, continuous_usage)) as frames:
+                async for obj in frames:
+                    yield sse(obj)
+                    if "error" in obj:
+                        return
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def frames(self, streams: list[RequestStream], choice: Callable[[Delta], dict[str, Any] | None],
+                     frame: Callable[..., dict[str, Any]], include_usage: bool, t0: float,
+                     opening: list[dict[str, Any]] | None = None, continuous_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """The objects of a streamed request, in order: `opening` choices first (one frame), then
+        `choice(delta)` for every delta of every sample until it finishes (None: nothing to send
+        yet), each in its own `frame(choices)`; the usage frame (`frame([], usage=...)`) if asked
+        for. `continuous_usage` (vLLM's stream_options.continuous_usage_stats): each choice's frame
+        also carries its prompt's tokens and its sample's tokens so far. A failure ends the frames
+        with `{"error": ...}`. Closing the generator (the client left) aborts the requests."""
+        usage, states = Usage(), [dict() for _ in streams]
+        seen: set[tuple[int, int]] = set()
+        sampled: dict[tuple[int, int], int] = {}  # tokens of each sample so far (continuous usage)
+        ended: set[tuple[int, int]] = set()  # samples whose finish_reason was sent
+        try:
+            if opening:
+                yield frame(opening)
+            async for i, out in _merged(streams):
+                self._observe_step(out, t0, states[i])
+                usage.add_completion(out)
+                for c in out.outputs:
+                    key = (i, c.index)
+                    if key in ended:  # an n > 1 request reports a finished sample until all end
+                        continue
+                    ch = choice(Delta(i, out, c, key not in seen))
+                    seen.add(key)
+                    if c.finish_reason is not None:
+                        ended.add(key)
+                    extra = {}
+                    if continuous_usage:
+                        sampled[key] = sampled.get(key, 0) + len(c.token_ids)
+                        p = len(out.prompt_token_ids)
+                        extra["usage"] = {"prompt_tokens": p, "completion_tokens": sampled[key], "total_tokens": p + sampled[key]}
+                    if ch is not None:
+                        yield frame([ch], **extra)
+                if out.finished:
+                    usage.add_prompt(out)
+            if include_usage:
+                yield frame([], usage=usage.to_openai())
+        except asyncio.CancelledError:  # the client left (Starlette cancels the response)
+            self.disconnected()
+            raise
+        except Exception as e:  # noqa: BLE001 - this client's failure goes to this client only
+            yield {"error": as_openai_error(e).body()["error"]}
+        finally:
+            for s in streams:
+                s.close()
 
     # ---- metrics ----------------------------------------------------------------------------
     def _observe_end(self, out: RequestOutput, latency: float) -> None:
