@@ -55,6 +55,11 @@ TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "re
 TOKENIZE_CHAT_FIELDS = TEMPLATE_FIELDS | {"model", "messages", "tools", "add_special_tokens", "return_token_strs"}
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 RL_FIELDS = frozenset({"prompts", "sampling_params", "lora_name"})
+# /v1/responses (engine/server/responses.py): OpenAI's fields, and the sampling fields vLLM accepts there
+RESPONSES_FIELDS = (SAMPLING_FIELDS - {"n", "max_tokens", "truncate_prompt_tokens"}) | {
+    "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "stream", "text", "reasoning", "include",
+    "top_logprobs", "store", "previous_response_id", "truncation", "background", "service_tier", "metadata", "cache_salt",
+    "priority", "return_tokens_as_token_ids"}
 RL_SAMPLING_FIELDS = SAMPLING_FIELDS
 
 # Accepted and ignored, because ignoring them cannot change what the client gets back.

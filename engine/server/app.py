@@ -27,6 +27,7 @@ from cuttle.engine.server.admin_routes import ADMIN_PATHS, add_admin_routes
 from cuttle.engine.server.chat import add_chat_routes
 from cuttle.engine.server.chat_prompt import ChatOptions
 from cuttle.engine.server.completions import add_completion_routes
+from cuttle.engine.server.responses import add_response_routes
 from cuttle.engine.server.rl_routes import add_rl_routes
 from cuttle.engine.server.streaming import Serving
 from cuttle.engine.server.tokens import add_token_routes
@@ -124,6 +125,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     add_completion_routes(app, serving, tok)
     add_chat_routes(app, serving, tok, chat_opts)
+    add_response_routes(app, serving, tok, chat_opts)
     add_token_routes(app, serving, tok, chat_opts, llm.max_model_len)
     add_rl_routes(app, engine, max_body_bytes, serving.disconnected)
     add_admin_routes(app, engine)

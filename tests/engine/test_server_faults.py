@@ -90,6 +90,8 @@ DISCONNECT_CASES = {
     "completion-stream": ("/v1/completions", {"prompt": "a b c", "max_tokens": LONG, "ignore_eos": True, "stream": True}, 1),
     "chat": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": LONG, "ignore_eos": True}, 1),
     "chat-stream": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": LONG, "ignore_eos": True, "stream": True}, 1),
+    "responses": ("/v1/responses", {"input": CHAT, "max_output_tokens": LONG, "ignore_eos": True}, 1),
+    "responses-stream": ("/v1/responses", {"input": CHAT, "max_output_tokens": LONG, "ignore_eos": True, "stream": True}, 1),
     "rl-generate-n2": ("/v1/rl/generate", {"prompts": [[5, 6, 7]], "sampling_params": {"n": 2, "max_tokens": LONG, "ignore_eos": True}}, 2),
 }
 

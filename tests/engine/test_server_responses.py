@@ -1,0 +1,326 @@
+"""POST /v1/responses (engine/server/responses.py) against its oracle, the chat route: the same
+conversation gives the same prompt, text, reasoning split, tool calls and logprobs; the event
+stream parses as the `openai` SDK's types, in order, and adds up to the whole response; tool
+calls round-trip through input items and through `previous_response_id` as prefix-cache hits;
+the store answers GET / DELETE; every field cuttle cannot honour is a 400 naming it."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from server_fixture import LiveServer, scripted_sampler
+from thinking_checkpoint import make_thinking_checkpoint
+
+import cuttle.engine.llm_engine as llm_engine
+
+BS = 4
+WEATHER_CHAT = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+WEATHER = [{"type": "function", "name": "get_weather", "description": "weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
+THOUGHT = "<think>\nWhere is Paris?\n</think>\n\nIt is sunny."
+SCRIPTS = {301: CALL, 302: "It is sunny.", 303: THOUGHT}
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_thinking_checkpoint(str(tmp_path_factory.mktemp("qwen3_responses")))
+
+
+def _scripted(srv, mp):
+    tok = srv.llm.engine.tokenizer
+    scripts = {seed: tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for seed, text in SCRIPTS.items()}
+    mp.setattr(llm_engine, "sample", scripted_sampler(llm_engine.sample, scripts))
+
+
+@pytest.fixture(scope="module")
+def live(checkpoint):
+    with pytest.MonkeyPatch.context() as mp, LiveServer(checkpoint, dtype="float32", num_kv_blocks=512, block_size=BS,
+                                                        max_model_len=2048) as srv:
+        _scripted(srv, mp)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def thinking(checkpoint):
+    with pytest.MonkeyPatch.context() as mp, LiveServer(checkpoint, dtype="float32", num_kv_blocks=512, block_size=BS,
+                                                        max_model_len=2048, app_kw={"reasoning_parser": "qwen3"}) as srv:
+        _scripted(srv, mp)
+        yield srv
+
+
+def post(srv, body: dict, path: str = "/v1/responses") -> httpx.Response:
+    return httpx.post(srv.url + path, json={"model": "test-model", **body}, timeout=120)
+
+
+def events(srv, body: dict) -> list[dict]:
+    """A streamed response's events, each checked against the SDK's event types and its SSE name."""
+    out = []
+    with httpx.stream("POST", srv.url + "/v1/responses", json={"model": "test-model", "stream": True, **body}, timeout=120) as r:
+        assert r.status_code == 200
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                obj = json.loads(line[6:])
+                assert obj["type"] == name
+                # usage is checked apart (`checked`): the SDK requires cache_write_tokens
+                EVENTS.validate_python({**obj, "response": {**obj["response"], "usage": None}} if "response" in obj else obj)
+                if obj["type"] in ("response.completed", "response.incomplete"):
+                    checked(obj["response"])
+                out.append(obj)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    return out
+
+
+def checked(resp: dict) -> dict:
+    """The response object as the SDK's `Response` type reads it. Usage is checked apart: the SDK
+    requires `cache_write_tokens`, a count cuttle does not keep (see docs/server.md)."""
+    Response.model_validate({**resp, "usage": None})
+    u = resp["usage"]
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
+    return resp
+
+
+def chat(srv, messages: list[dict], **kw) -> dict:
+    r = post(srv, {"messages": messages, **kw}, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_same_logprobs(got: list[dict], ref: list[dict]) -> None:
+    """Same tokens and ranks, logprobs within fp32 rounding (one side may reuse the other's
+    prefix-cached KV, computed in another chunking)."""
+    def flat(lps):
+        return [(e["token"], e["bytes"], [t["bytes"] for t in e["top_logprobs"]]) for e in lps]
+
+    def values(lps):
+        return [v for e in lps for v in [e["logprob"]] + [t["logprob"] for t in e["top_logprobs"]]]
+
+    assert flat(got) == flat(ref) and len(got) > 0
+    assert values(got) == pytest.approx(values(ref), abs=1e-5)
+
+
+def message_text(resp: dict) -> str:
+    return "".join(p["text"] for i in resp["output"] if i["type"] == "message" for p in i["content"])
+
+
+def text_of_stream(evs: list[dict]) -> str:
+    return "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_equals_chat(live, stream):
+    """Instructions + a user message: the prompt, text and logprobs of the chat request with a
+    system message and that user message (greedy, no EOS, so both run the full length)."""
+    inp = [{"role": "user", "content": [{"type": "input_text", "text": "Say "}, {"type": "input_text", "text": "hello"}]}]
+    body = {"instructions": "Be brief.", "input": inp, "max_output_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    ref = chat(live, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}], max_tokens=12,
+               temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    ref_text, ref_lps = ref["choices"][0]["message"]["content"], ref["choices"][0]["logprobs"]["content"]
+    if stream:
+        evs = events(live, body)
+        assert [e["type"] for e in evs[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                                "response.content_part.added"]
+        assert [e["type"] for e in evs[-4:]] == ["response.output_text.done", "response.content_part.done",
+                                                 "response.output_item.done", "response.incomplete"]
+        resp = evs[-1]["response"]
+        assert text_of_stream(evs) == ref_text
+        assert_same_logprobs([lp for e in evs if e["type"] == "response.output_text.delta" for lp in e["logprobs"]], ref_lps)
+    else:
+        r = post(live, body)
+        assert r.status_code == 200, r.text
+        resp = r.json()
+    checked(resp)
+    assert message_text(resp) == ref_text
+    assert_same_logprobs(resp["output"][0]["content"][0]["logprobs"], ref_lps)
+    # ran to max_output_tokens: incomplete, as OpenAI reports it
+    assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert resp["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"]
+    assert resp["usage"]["output_tokens"] == 12
+    assert resp["instructions"] == "Be brief." and resp["temperature"] == 0
+
+
+def test_official_client_reads_text_and_stream(live):
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+    r = client.responses.create(model="test-model", input="Weather?", extra_body={"seed": 302})
+    assert r.output_text == "It is sunny." and r.status == "completed"
+    with client.responses.stream(model="test-model", input="Weather?", extra_body={"seed": 302}) as s:
+        deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+        final = s.get_final_response()
+    assert "".join(deltas) == final.output_text == "It is sunny."
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip_is_a_prefix_cache_hit(live, stream):
+    """A function_call item, its output sent back (as items, or after previous_response_id), and
+    the next turn's prompt hits the prefix cache for the whole first turn: the model's exact text
+    of the call is replayed, as on chat."""
+    user = [{"role": "user", "content": f"Weather in Paris? ({'streamed' if stream else 'whole'} responses)"}]
+    first = {"input": user, "tools": WEATHER}
+    if stream:
+        evs = events(live, {**first, "seed": 301})
+        resp = evs[-1]["response"]
+        assert evs[-1]["type"] == "response.completed"
+        done = [e for e in evs if e["type"] == "response.function_call_arguments.done"]
+        assert [json.loads(e["arguments"]) for e in done] == [{"city": "Paris"}]
+    else:
+        resp = post(live, {**first, "seed": 301}).json()
+    checked(resp)
+    calls = [i for i in resp["output"] if i["type"] == "function_call"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert resp["output"][-1]["type"] == "function_call"  # no text before the call, so no message item
+    prompt_then_call = resp["usage"]["input_tokens"] + resp["usage"]["output_tokens"] - 1  # less the end-of-turn token
+    answer = {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "sunny, 21 C"}
+    # the oracle: chat's count of the same conversation
+    chat_msgs = user + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": calls[0]["call_id"], "type": "function", "function": {"name": "get_weather", "arguments": calls[0]["arguments"]}}]},
+        {"role": "tool", "tool_call_id": calls[0]["call_id"], "content": "sunny, 21 C"}]
+    counted = httpx.post(live.url + "/tokenize", json={"messages": chat_msgs, "tools": WEATHER_CHAT}, timeout=60).json()["count"]
+    # items sent back: the whole first turn hits; then the same conversation by previous_response_id
+    # hits all of that prompt (the engine always computes its last token)
+    for second, hit in (({"input": user + [dict(c) for c in resp["output"]] + [answer]}, prompt_then_call // BS * BS),
+                        ({"input": [answer], "previous_response_id": resp["id"]}, (counted - 1) // BS * BS)):
+        r = post(live, {**second, "tools": WEATHER, "seed": 302})
+        assert r.status_code == 200, r.text
+        out = checked(r.json())
+        assert message_text(out) == "It is sunny."
+        assert out["usage"]["input_tokens"] == counted
+        assert out["usage"]["input_tokens_details"]["cached_tokens"] == hit
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_item_equals_chat_reasoning_content(thinking, stream):
+    body = {"input": "Weather in Paris?", "seed": 303}
+    ref = chat(thinking, [{"role": "user", "content": "Weather in Paris?"}], seed=303)["choices"][0]["message"]
+    assert ref["reasoning_content"] and ref["content"]
+    if stream:
+        evs = events(thinking, body)
+        assert "".join(e["delta"] for e in evs if e["type"] == "response.reasoning_text.delta") == ref["reasoning_content"]
+        assert text_of_stream(evs) == ref["content"]
+        resp = evs[-1]["response"]
+    else:
+        resp = post(thinking, body).json()
+    checked(resp)
+    assert [i["type"] for i in resp["output"]] == ["reasoning", "message"]
+    assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": ref["reasoning_content"]}]
+    assert message_text(resp) == ref["content"]
+    tok = thinking.llm.engine.tokenizer
+    assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == len(tok.encode(THOUGHT.split("\n\n")[0], add_special_tokens=False))
+
+
+def test_reasoning_sent_back_is_rendered_for_the_turn(thinking):
+    """A reasoning item in the input becomes the next assistant turn's reasoning_content: the
+    prompt equals chat's with that field."""
+    inp = [{"role": "user", "content": "Hi"}, {"type": "reasoning", "id": "rs_1", "summary": [],
+                                               "content": [{"type": "reasoning_text", "text": "greet back"}]},
+           {"role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+           {"role": "user", "content": "Weather?"}]
+    r = post(thinking, {"input": inp, "seed": 302, "reasoning": {"effort": "none"}})
+    assert r.status_code == 200, r.text
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "greet back"},
+            {"role": "user", "content": "Weather?"}]
+    ref = chat(thinking, msgs, seed=302, chat_template_kwargs={"enable_thinking": False})
+    assert r.json()["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"]
+    assert message_text(r.json()) == ref["choices"][0]["message"]["content"]
+
+
+def test_json_schema_text_format(live):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = post(live, {"input": "A verdict as JSON", "max_output_tokens": 40, "temperature": 0,
+                    "text": {"format": {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}}})
+    assert r.status_code == 200, r.text
+    resp = checked(r.json())
+    assert resp["status"] == "completed"
+    assert set(json.loads(message_text(resp))) == {"ok"}
+    assert resp["text"]["format"]["name"] == "verdict"
+
+
+def test_store_get_delete_and_chain(live):
+    r = post(live, {"input": "Weather?", "seed": 302}).json()
+    got = httpx.get(f"{live.url}/v1/responses/{r['id']}", timeout=30)
+    assert got.status_code == 200 and got.json() == r
+    chained = post(live, {"input": "And tomorrow?", "seed": 302, "previous_response_id": r["id"]}).json()
+    assert chained["previous_response_id"] == r["id"]
+    assert chained["usage"]["input_tokens"] > r["usage"]["input_tokens"] + r["usage"]["output_tokens"]
+    d = httpx.delete(f"{live.url}/v1/responses/{r['id']}", timeout=30)
+    assert d.json() == {"id": r["id"], "object": "response.deleted", "deleted": True}
+    assert httpx.get(f"{live.url}/v1/responses/{r['id']}", timeout=30).status_code == 404
+    gone = post(live, {"input": "x", "previous_response_id": r["id"]})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "previous_response_id"
+    unstored = post(live, {"input": "Weather?", "seed": 302, "store": False}).json()
+    assert unstored["store"] is False
+    assert httpx.get(f"{live.url}/v1/responses/{unstored['id']}", timeout=30).status_code == 404
+
+
+def test_store_is_bounded():
+    from cuttle.engine.server.responses import ResponseStore
+    s = ResponseStore(max_responses=3, max_bytes=100)
+    for i in range(5):
+        s.put({"id": f"r{i}"}, [], 10)
+    assert len(s) == 3 and s.get("r4") and s._bytes == 30
+    s.put({"id": "big"}, [], 90)  # past the byte bound: the oldest go until it fits
+    assert len(s) == 2 and s._bytes == 100 and s.get("r4") and s.get("big")
+    with pytest.raises(Exception, match="not found"):
+        s.get("r3")
+
+
+REFUSED = [
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens"),
+    ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": WEATHER}, "tool_choice"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"input": "x", "n": 2}, "n"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "abc"}, {"role": "assistant", "content": "x"}]}, "input"),
+    ({"input": "x", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+    ({}, "input"),
+]
+
+
+@pytest.mark.parametrize("body,param", REFUSED, ids=[f"{p}-{i}" for i, (_, p) in enumerate(REFUSED)])
+def test_refused_naming_the_field(live, body, param):
+    r = post(live, body)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param, r.text
+    ok = post(live, {"input": "Weather?", "seed": 302})  # and the server goes on serving
+    assert ok.status_code == 200 and message_text(ok.json()) == "It is sunny."
+
+
+def test_logprobs_refused_with_a_reasoning_split(thinking):
+    r = post(thinking, {"input": "x", "include": ["message.output_text.logprobs"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include"
+
+
+def test_effort_on_a_template_without_it(thinking):
+    """The template reads enable_thinking only: effort 'none' turns thinking off (the prompt equals
+    chat's with enable_thinking false); any other effort would change nothing and is refused."""
+    r = post(thinking, {"input": "Hi", "seed": 302, "reasoning": {"effort": "none"}})
+    ref = chat(thinking, [{"role": "user", "content": "Hi"}], seed=302, chat_template_kwargs={"enable_thinking": False})
+    assert r.json()["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"]
+    assert r.json()["reasoning"]["effort"] == "none"
+    bad = post(thinking, {"input": "Hi", "reasoning": {"effort": "low"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning"
