@@ -49,7 +49,7 @@ TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_gener
 CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
     "model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice", "response_format",
     "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning", "prompt_logprobs",
-    "return_tokens_as_token_ids", "priority", "use_beam_search", "length_penalty"}
+    "return_tokens_as_token_ids", "priority", "use_beam_search", "length_penalty", "parallel_tool_calls"}
 # /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize, vLLM's shapes.
 TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = TEMPLATE_FIELDS | {"model", "messages", "tools", "add_special_tokens", "return_token_strs"}
@@ -59,7 +59,7 @@ RL_FIELDS = frozenset({"prompts", "sampling_params", "lora_name"})
 RESPONSES_FIELDS = (SAMPLING_FIELDS - {"n", "max_tokens", "truncate_prompt_tokens"}) | {
     "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "stream", "text", "reasoning", "include",
     "top_logprobs", "store", "previous_response_id", "truncation", "background", "service_tier", "metadata", "cache_salt",
-    "priority", "return_tokens_as_token_ids"}
+    "priority", "return_tokens_as_token_ids", "parallel_tool_calls"}
 RL_SAMPLING_FIELDS = SAMPLING_FIELDS
 
 # Accepted and ignored, because ignoring them cannot change what the client gets back.
@@ -74,8 +74,6 @@ IGNORED_FIELDS: dict[str, tuple[type, str]] = {
 OFF_VALUES: dict[str, tuple[Any, str]] = {
     "best_of": (1, "best_of is not supported (use n)"),
     "suffix": ("", "suffix (fill in the middle) is a /v1/completions field"),
-    "parallel_tool_calls": (True, ("parallel_tool_calls: false is not supported: cuttle cannot stop the model from "
-                                   "emitting several tool calls in one turn")),
     "store": (False, "store: true is not supported: cuttle stores no completions"),
 }
 

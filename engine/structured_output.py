@@ -418,14 +418,15 @@ _CALL_END = "}\n</tool_call>"
 
 
 def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dict[str, Any]] | None,
-                        tokenizer: Tokenizer | None) -> StructuredOutputsParams | None:
+                        tokenizer: Tokenizer | None, parallel: bool = True) -> StructuredOutputsParams | None:
     """The structured output that makes a chat request's tool calls parse (hermes format here):
     - `named` / `required`: the server has already written the call's opening for the model
       (engine/server/chat.py `_forced_prefix`: up to `"arguments":` / `"name":`); the rest is
       the function's name (required: one of the tools), its arguments under the tool's JSON
       schema, and the call's end; then only EOS. One call per turn.
     - `auto`: free text, but once the model writes `<tool_call>` the call follows the grammar
-      (xgrammar's triggered tags).
+      (xgrammar's triggered tags); with `parallel` false (the request's parallel_tool_calls),
+      the first call ends the output (only EOS may follow it).
     The qwen3_coder format gets the same three cases in its XML form (`_qwen3_coder_calls`).
     None when there is nothing to enforce: no tools, `none`, xgrammar missing or a
     tokenizer it cannot serve (tool calls then work as they did before structured output: prefix
@@ -449,7 +450,7 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
             {"type": "const_string", "value": _CALL_END}]}
 
     if fmt == "qwen3_coder":
-        fmt_ = _qwen3_coder_calls(choice, name, tools)
+        fmt_ = _qwen3_coder_calls(choice, name, tools, parallel)
     elif choice == "named":
         [tool] = [t for t in tools if t["function"]["name"] == name]
         fmt_ = {"type": "sequence", "elements": [{"type": "const_string", "value": " "}, args(tool),
@@ -459,14 +460,14 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     else:
         fmt_ = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [
             {"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
-             "content": args(t), "end": _CALL_END} for t in tools]}
+             "content": args(t), "end": _CALL_END} for t in tools], "stop_after_first": not parallel}
     return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt_}))
 
 
 _XML_CALL_END = "\n</function>\n</tool_call>"
 
 
-def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]]) -> dict[str, Any]:
+def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """Qwen3-Coder's XML calls (`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>
     ...</function>\n</tool_call>`): the parameters follow the tool's JSON schema in xgrammar's
     `qwen_xml` style (schema order, required keys present, each value of its type; string values
@@ -486,4 +487,4 @@ def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]
         return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
     return {"type": "triggered_tags", "triggers": ["<tool_call>\n<function="], "tags": [
         {"type": "tag", "begin": f'<tool_call>\n<function={t["function"]["name"]}>\n', "content": params(t), "end": _XML_CALL_END}
-        for t in tools]}
+        for t in tools], "stop_after_first": not parallel}

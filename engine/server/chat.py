@@ -238,6 +238,9 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
         raise OpenAIError('tool_choice "auto" needs a server started with --enable-auto-tool-choice (this one has '
                           '--no-enable-auto-tool-choice); use "none", "required" or a named function', param="tool_choice")
     use_tools = tools is not None and choice != "none"
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    if not parallel and tools is None:
+        raise OpenAIError("parallel_tool_calls applies only when tools are given", param="parallel_tool_calls")
     want_lp = get_bool(body, "logprobs")
     top_n = get_int(body, "top_logprobs", 0, 20, 0)
     if top_n and not want_lp:
@@ -252,7 +255,11 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
     want_plp = get_prompt_logprobs(body, stream, bool(field_docs or part_docs))
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     # tool calls under their tools' JSON schemas (a forced call always parses; with auto, from <tool_call> on)
-    tool_structure = tool_call_structure(parser, choice, forced_name, tools, tok) if use_tools else None
+    tool_structure = tool_call_structure(parser, choice, forced_name, tools, tok, parallel) if use_tools else None
+    if use_tools and tool_structure is None and not parallel:
+        raise OpenAIError("parallel_tool_calls: false needs the tool calls generated under a grammar that ends the output after "
+                          "the first call, which this server cannot do (the xgrammar package is not installed, or its "
+                          "tokenizer is one xgrammar cannot serve)", param="parallel_tool_calls")
     if use_tools and tool_structure is None:
         strict = next((i for i, t in enumerate(tools) if t["function"].get("strict")), None)
         if strict is not None:  # a promise the server can only keep under a grammar

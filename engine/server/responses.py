@@ -215,7 +215,7 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
             "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "metadata": metadata or {}, "previous_response_id": prev,
             "max_output_tokens": body.get("max_output_tokens"), "top_logprobs": top if logprobs else None,
             "user": body.get("user"), "truncation": "disabled", "service_tier": tier or "auto", "background": False,
-            "parallel_tool_calls": True}
+            "parallel_tool_calls": get_bool(body, "parallel_tool_calls", True)}
     return _ResponsesRequest(system, history, new, len(json.dumps(body["input"])), tools, get_bool(body, "stream"),
                              get_bool(body, "store", True), logprobs, echo)
 
@@ -324,7 +324,7 @@ def _chat_body(body: dict[str, Any], req: _ResponsesRequest, template_reads: set
 _SHARED_FIELDS = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop", "stop_token_ids",
                             "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
                             "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words", "top_logprobs",
-                            "cache_salt", "priority", "return_tokens_as_token_ids"})
+                            "cache_salt", "priority", "return_tokens_as_token_ids", "parallel_tool_calls"})
 
 
 def _chat_tool(t: Any, i: int) -> dict[str, Any]:

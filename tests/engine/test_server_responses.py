@@ -324,3 +324,33 @@ def test_effort_on_a_template_without_it(thinking):
     assert r.json()["reasoning"]["effort"] == "none"
     bad = post(thinking, {"input": "Hi", "reasoning": {"effort": "low"}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning"
+
+
+CITY = [{"type": "function", "name": "get_weather",
+         "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}]
+
+
+@pytest.mark.parametrize("route", ["chat", "responses"])
+def test_parallel_tool_calls_false_ends_the_output_after_one_call(live, route):
+    """`parallel_tool_calls: false` is kept by the tool-call grammar (the first call ends the
+    output); a bias towards opening calls makes the model write several when it is true."""
+    tok = live.llm.engine.tokenizer
+    [opener] = tok.encode("<tool_call>", add_special_tokens=False)
+    kw = {"temperature": 0, "seed": 5, "logit_bias": {str(opener): 30}}
+    counts = {}
+    for parallel in (True, False):
+        if route == "chat":
+            r = chat(live, [{"role": "user", "content": "Weather?"}], tools=[{"type": "function", "function": {
+                k: v for k, v in CITY[0].items() if k != "type"}}], max_tokens=150, parallel_tool_calls=parallel, **kw)
+            counts[parallel] = len(r["choices"][0]["message"].get("tool_calls") or [])
+            if not parallel:
+                assert r["choices"][0]["finish_reason"] == "tool_calls"
+        else:
+            r = post(live, {"input": "Weather?", "tools": CITY, "max_output_tokens": 150, "parallel_tool_calls": parallel, **kw})
+            assert r.status_code == 200, r.text
+            resp = checked(r.json())
+            assert resp["parallel_tool_calls"] is parallel
+            counts[parallel] = sum(i["type"] == "function_call" for i in resp["output"])
+            if not parallel:
+                assert resp["status"] == "completed"
+    assert counts[True] >= 2 and counts[False] == 1, counts

@@ -263,6 +263,10 @@ def test_strict_tools_are_kept_under_the_grammar_and_refused_without_one(client,
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="test-model", messages=MSGS, tools=strict_tools, tool_choice="required", max_tokens=8)
     assert e.value.body["param"] == "tools" and "strict" in e.value.body["message"]
+    # parallel_tool_calls: false is kept by the grammar alone: refused without one
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, parallel_tool_calls=False, max_tokens=8)
+    assert e.value.body["param"] == "parallel_tool_calls"
     # without strict the same request is served (prefix forcing, no guarantee), as documented
     r = client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=8)
     assert r.choices[0].finish_reason in ("length", "tool_calls", "stop")
