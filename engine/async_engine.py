@@ -289,8 +289,8 @@ class AsyncEngine:
     # beam search's sessions (`LLMEngine.open_beams` / `fork_beams` / `close_beams`), each one
     # command; they change the caller's lists in place on the engine thread, so a caller cancelled
     # while one ran still finds its sessions there, and its `close_beams` runs after it
-    async def open_beams(self, prompts: list[list[int]], live: list[list[str]]) -> None:
-        await self._call(lambda: self.engine.open_beams(prompts, live))
+    async def open_beams(self, prompts: list[list[int]], live: list[list[str]], lora_request: str | None = None) -> None:
+        await self._call(lambda: self.engine.open_beams(prompts, live, lora_request))
 
     async def fork_beams(self, session_ids: list[str], origins: list[tuple[int, int]]) -> None:
         await self._call(lambda: self.engine.fork_beams(session_ids, origins))

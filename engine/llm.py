@@ -118,12 +118,16 @@ class LLM:
         self.engine.update_weights(named_tensors, in_flight)
         return self.engine.weight_version
 
-    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (engine/beam_search.py): per prompt, the best `params.beam_width`
         beams, each with its tokens (prompt and generated), cumulative logprob and text (the
         tokens decoded, prompt included, as vLLM's). Every beam is an engine session, so a step
         computes one token a beam (a kept candidate forks its parent's KV); prompts are searched
-        together, as many at once as the session limit allows (2 x width sessions each)."""
+        together, as many at once as the session limit allows (2 x width sessions each).
+        `lora_request` (vLLM's, with enable_lora): the adapter every beam runs under."""
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         engine = self.engine
@@ -143,7 +147,7 @@ class LLM:
                              f"max_sessions is {engine.config.max_sessions}")
         bar = tqdm(total=len(searches) * params.max_tokens, desc="Beam search", disable=not use_tqdm)
         for k in range(0, len(searches), at_once):
-            self._beam_search_sessions(searches[k:k + at_once], params, bar)
+            self._beam_search_sessions(searches[k:k + at_once], params, bar, lora_request)
         bar.close()
         tok = self.get_tokenizer()
         outputs = []
@@ -154,13 +158,14 @@ class LLM:
             outputs.append(BeamSearchOutput(best))
         return outputs
 
-    def _beam_search_sessions(self, searches: list[BeamSearch], params: BeamSearchParams, bar) -> None:
+    def _beam_search_sessions(self, searches: list[BeamSearch], params: BeamSearchParams, bar,
+                              lora_request: LoRARequest | None = None) -> None:
         """Run `searches` to the end, each live beam an engine session whose stream is the beam."""
         engine = self.engine
         step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
         live: list[list[str]] = []
         try:
-            engine.open_beams([s.beams[0].tokens for s in searches], live)
+            engine.open_beams([s.beams[0].tokens for s in searches], live, lora_request)
             while True:
                 work = [(s, sids) for s, sids in zip(searches, live) if not s.done]
                 if not work:
@@ -247,9 +252,10 @@ class LLM:
         return outs
 
     # ---- agent sessions (engine/session.py) --------------------------------------------------
-    def open_session(self, prompt: str | list[int]) -> str:
-        """A session over `prompt`: its KV stays pinned between turns until `close_session`."""
-        return self.engine.open_session(prompt)
+    def open_session(self, prompt: str | list[int], lora_request: LoRARequest | None = None) -> str:
+        """A session over `prompt`: its KV stays pinned between turns until `close_session`.
+        `lora_request` (with enable_lora): the adapter its turns and its forks' run under."""
+        return self.engine.open_session(prompt, lora_request)
 
     def fork_session(self, session_id: str, n: int) -> list[str]:
         """`n` sessions with the same stream (sharing its pinned KV); forks that have not diverged

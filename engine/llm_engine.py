@@ -338,12 +338,15 @@ class LLMEngine:
         return self.post.output(req)
 
     # ---- agent sessions (engine/session.py) --------------------------------------------------
-    def open_session(self, prompt: str | list[int]) -> str:
-        """A session over `prompt` (text is encoded once, here); returns its id."""
+    def open_session(self, prompt: str | list[int], lora_request: LoRARequest | str | None = None) -> str:
+        """A session over `prompt` (text is encoded once, here); returns its id. `lora_request`:
+        the adapter its turns (and its forks') run under, checked now (engine/session.py)."""
         self._check_awake("a session")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_ids(ids, "prompt")
-        return self.sessions.open(ids).session_id
+        adapter = self.lora_adapter(lora_request)
+        named = None if adapter is None else lora_request if isinstance(lora_request, LoRARequest) else LoRARequest(adapter.name)
+        return self.sessions.open(ids, named).session_id
 
     def fork_session(self, session_id: str, n: int) -> list[str]:
         return [s.session_id for s in self.sessions.fork(session_id, n)]
@@ -361,10 +364,10 @@ class LLMEngine:
     # ---- beam search's sessions (engine/beam_search.py): each call changes the caller's lists in
     # place, so a caller that stopped waiting (an async one, cancelled) still finds every session
     # id the engine holds for it and can close them
-    def open_beams(self, prompts: list[list[int]], live: list[list[str]]) -> None:
-        """A session on each prompt, appended to `live` as a one-beam list."""
+    def open_beams(self, prompts: list[list[int]], live: list[list[str]], lora_request: LoRARequest | str | None = None) -> None:
+        """A session on each prompt (under `lora_request`), appended to `live` as a one-beam list."""
         for p in prompts:
-            live.append([self.open_session(p)])
+            live.append([self.open_session(p, lora_request)])
 
     def fork_beams(self, session_ids: list[str], origins: list[tuple[int, int]]) -> None:
         """A beam search step between turns: for each kept candidate (parent index into
@@ -413,7 +416,8 @@ class LLMEngine:
             raise ValueError("truncate_prompt_tokens is not supported for session turns (a turn's prompt is the session's "
                              "whole stream, whose KV the session keeps; close it and open one on the tokens to keep)")
         params = dataclasses.replace(params, n=len(sessions))
-        req = self.add_request(request_id, list(sessions[0].token_ids), params, stream, priority=priority)
+        req = self.add_request(request_id, list(sessions[0].token_ids), params, stream, priority=priority,
+                               lora_request=sessions[0].lora_request)  # forks share their parent's adapter
         try:
             self.sessions.begin_turn(sessions, req)
         except ValueError:

@@ -15,6 +15,11 @@ group's prompt is prefilled once. KV computed under old weights is never reused:
 update every pin is dropped and the next turn recomputes the whole stream (the prefix cache was
 reset too). An aborted turn leaves the session as it was before the turn.
 
+A session may run under a LoRA adapter (engine/lora.py), named when it is opened and inherited
+by its forks: each turn runs under whatever that name resolves to then (after `update_lora`, the
+new adapter), and pins are reused only by a turn under the very adapter (its key) they were
+computed with, so a name reloaded with other weights recomputes the stream.
+
 Bounded: at most `max_sessions` open, and the distinct blocks pinned by sessions plus what the
 turns in flight may add stay within `max_session_kv_blocks`; beyond either, the call is refused
 naming the limit and nothing changes, so the engine keeps serving everything else. With the KV
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.kv.handles import KVHandle
+from cuttle.engine.lora import LoRARequest
 from cuttle.engine.sequence import Request, Sequence
 
 _origins = itertools.count()
@@ -52,6 +58,9 @@ class Session:
     origin: int = field(default_factory=lambda: next(_origins))  # equal for siblings that have not diverged
     request: Request | None = None  # the turn in flight
     num_turns: int = 0
+    lora_request: LoRARequest | None = None  # the adapter every turn runs under (None: the base model)
+    lora_key: bytes | None = None  # the adapter the pinned KV was computed with
+
 
     @property
     def pinned_blocks(self) -> list[int]:
@@ -70,11 +79,11 @@ class Sessions:
         self.counters = {"sessions_opened": 0, "session_turns": 0, "session_tokens_reused": 0}
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def open(self, token_ids: list[int]) -> Session:
+    def open(self, token_ids: list[int], lora_request: LoRARequest | None = None) -> Session:
         if not token_ids:
             raise ValueError("a session's prompt must not be empty")
         self._check_room(1)
-        s = Session(f"session-{next(self._ids)}", list(token_ids))
+        s = Session(f"session-{next(self._ids)}", list(token_ids), lora_request=lora_request)
         self.table[s.session_id] = s
         self.counters["sessions_opened"] += 1
         return s
@@ -90,7 +99,8 @@ class Sessions:
         out = []
         for _ in range(n):
             s = Session(f"session-{next(self._ids)}", list(parent.token_ids), computed=parent.computed,
-                        weight_version=parent.weight_version, origin=parent.origin)
+                        weight_version=parent.weight_version, origin=parent.origin, lora_request=parent.lora_request,
+                        lora_key=parent.lora_key)
             if parent.handle is not None:
                 s.handle = KVHandle(self.bm.pool, parent.handle.blocks)
             self.table[s.session_id] = s
@@ -188,7 +198,8 @@ class Sessions:
         self.counters["session_turns"] += 1
 
     def _usable(self, s: Session, req: Request) -> bool:
-        return s.handle is not None and s.weight_version == req.weight_version and s.computed > 0
+        return (s.handle is not None and s.weight_version == req.weight_version and s.computed > 0
+                and s.lora_key == _adapter_key(req))
 
     def owns(self, seq: Sequence) -> bool:
         return seq.request in self.turns
@@ -257,6 +268,7 @@ class Sessions:
                 s.token_ids = list(seq.token_ids)
                 s.computed = computed
                 s.weight_version = req.weight_version
+                s.lora_key = _adapter_key(req)
                 s.origin = next(_origins)
                 s.num_turns += 1
         if all(x.request is not req for x in sessions):
@@ -272,3 +284,7 @@ class Sessions:
 
     def stats(self) -> dict[str, int]:
         return {**self.counters, "sessions_open": len(self.table), "session_pinned_blocks": self.pinned_block_count()}
+
+
+def _adapter_key(req: Request) -> bytes | None:
+    return req.lora.key if req.lora is not None else None

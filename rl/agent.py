@@ -39,12 +39,15 @@ import logging
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from cuttle.engine.llm import LLM
+from cuttle.engine.lora import LoRARequest
 from cuttle.engine.sampling_params import SamplingParams
 from cuttle.engine.tokenizer import Tokenizer
 from cuttle.engine.tool_parsers import ToolCall, parser_for_template, split_tool_calls
@@ -276,8 +279,30 @@ class AgentRollout:
         self.parser = self.config.parser or parser_for_template(tokenizer.chat_template)
         self.pool = ThreadPoolExecutor(self.config.max_parallel_calls, thread_name_prefix="cuttle-agent")
         self.llm = sampler if isinstance(sampler, LLM) and self.config.use_sessions else None
+        self._lora_name: str | None = None  # on an in-process LLM: the adapter turns run under (update_lora)
         self.carried: list[AgentGroup] = []  # unfinished groups kept for the next `step` (partial rollouts)
         self.env_close_errors = 0  # environments whose close() raised (logged; the episodes keep their results)
+
+    # ---- LoRA training's weight sync (rl/lora.py) --------------------------------------------
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter every turn runs under: the last `update_lora` (None: the base model)."""
+        return self._lora_name if isinstance(self.sampler, LLM) else getattr(self.sampler, "lora_name", None)
+
+    def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+                    in_flight: str = "finish") -> int:
+        """A LoRA trainer's push through the rollout (`trainer.push_weights(rollout)`); returns the
+        new weight version. On an in-process LLM the adapter is loaded there and every later turn,
+        engine sessions included (their pins are dropped: new weights), runs under it; any other
+        sampler takes it through its own `update_lora`."""
+        if isinstance(self.sampler, LLM):
+            version = self.sampler.update_lora(lora_name, named_tensors, config, in_flight)
+            self._lora_name = lora_name
+            return version
+        update = getattr(self.sampler, "update_lora", None)
+        if update is None:
+            raise ValueError(f"a {type(self.sampler).__name__} sampler takes no LoRA adapter (it has no update_lora)")
+        return update(lora_name, named_tensors, config, in_flight)
 
     def close(self) -> None:
         self.drop_carried()
@@ -483,13 +508,14 @@ class AgentRollout:
         parameters of request i. With sessions, each episode's session is opened at its first turn
         (members forked from one) and the turn runs on it; if the engine refuses a session (its
         limits), the batch goes without."""
+        lora = LoRARequest(self._lora_name) if isinstance(self.sampler, LLM) and self._lora_name is not None else None
         if self.llm is None:
-            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], each)
+            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], each, lora)
         llm = self.llm
         try:
             for members in reqs:
                 if members[0].session is None:
-                    sid = llm.open_session(members[0].trajectory.token_ids)
+                    sid = llm.open_session(members[0].trajectory.token_ids, lora)
                     members[0].session = sid
                     for e, fork in zip(members[1:], llm.fork_session(sid, len(members) - 1) if len(members) > 1 else []):
                         e.session = fork
@@ -499,7 +525,7 @@ class AgentRollout:
             for members in reqs:
                 for e in members:
                     self._end_session(e)
-            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], each)
+            return generate_tokens(self.sampler, [m[0].trajectory.token_ids for m in reqs], each, lora)
         return [[samples_of(next(outs))[0] for _ in members] for members in reqs]
 
     def _call_tool(self, env: AgentEnvironment, call: ToolCall) -> ToolResult:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cuttle.engine.llm import LLM
+from cuttle.engine.lora import LoRARequest
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.sampling_params import SamplingParams
 from cuttle.engine.squid import SquidLayout, parse_prompt
@@ -57,11 +58,14 @@ def samples_of(out: RequestOutput) -> list[Sample]:
 
 
 def generate_tokens(sampler: LLM | TokenSampler, prompts: list[list[int] | dict[str, Any]],
-                    params: SamplingParams | list[SamplingParams]) -> list[list[Sample]]:
+                    params: SamplingParams | list[SamplingParams], lora_request: LoRARequest | None = None) -> list[list[Sample]]:
     """`params`: one for every prompt, or a list of one per prompt (per-episode seeds). A sampler
-    that does not declare `accepts_param_lists` gets one call per distinct parameters."""
+    that does not declare `accepts_param_lists` gets one call per distinct parameters.
+    `lora_request`: the adapter an in-process `LLM` samples under (other samplers hold their own)."""
     if isinstance(sampler, LLM):
-        return [samples_of(o) for o in sampler.generate(prompts, params, use_tqdm=False)]
+        return [samples_of(o) for o in sampler.generate(prompts, params, use_tqdm=False, lora_request=lora_request)]
+    if lora_request is not None:
+        raise ValueError(f"lora_request is for an in-process LLM; a {type(sampler).__name__} samples under its own lora_name")
     if isinstance(params, SamplingParams):
         return sampler.generate_tokens(prompts, params)
     if len(params) != len(prompts):

@@ -67,8 +67,9 @@ class WeightTarget(Protocol):
 
 
 class LoRATarget(Protocol):
-    """Where a LoRA trainer pushes its adapter (`EngineSampler`, `RolloutClient`): a sampler that
-    then draws every rollout under it (`lora_name`)."""
+    """Where a LoRA trainer pushes its adapter (`EngineSampler`, `RolloutClient`, or an
+    `AgentRollout`, which passes it to its sampler): a sampler that then draws every rollout
+    under it (`lora_name`)."""
 
     lora_name: str | None
 
@@ -385,8 +386,8 @@ class Trainer:
             if not hasattr(target, "lora_name"):
                 # an LLM's rollouts (sample_groups(llm, ...)) would go on sampling the base model
                 raise ValueError(f"a LoRA policy is pushed to a sampler whose rollouts then run under it (EngineSampler, "
-                                 f"RolloutClient), not to a {type(target).__name__}: call its update_lora and pass "
-                                 "lora_request to each generate instead")
+                                 f"RolloutClient, AgentRollout), not to a {type(target).__name__}: call its update_lora "
+                                 "and pass lora_request to each generate instead")
             return target.update_lora(self.config.lora_name, self.lora.peft_state().items(), self.lora.config,  # type: ignore[union-attr]
                                       in_flight)
         return target.update_weights(self.named_weights(), in_flight)  # type: ignore[union-attr]

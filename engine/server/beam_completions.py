@@ -91,7 +91,7 @@ async def beam_search_completion(request: Request, body: dict[str, Any], prompts
             if want_ids:
                 ch["prompt_token_ids"], ch["token_ids"] = ids[i], gen
             choices.append(ch)
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name,
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.lora_of(body) or serving.model_name,
             "choices": choices, "usage": usage.to_openai()}
 
 
@@ -113,7 +113,7 @@ async def beam_search_chat(request: Request, body: dict[str, Any], params: BeamS
         choices.append({"index": j, "message": message_of(tok.decode(gen, params.skip_special_tokens)),
                         "logprobs": {"content": chat_logprobs(tok, gen, beam.logprobs, top_n)} if want_lp else None,
                         "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason})
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.model_name,
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.lora_of(body) or serving.model_name,
             "choices": choices, "usage": usage.to_openai()}
 
 
@@ -122,9 +122,7 @@ async def run_beam_search(request: Request, body: dict[str, Any], serving: Servi
     """Search each token-id prompt to the end (sessions, else one-token requests; module
     docstring); the searches, and the usage of their best beams."""
     engine = serving.engine.engine
-    if serving.lora_of(body) is not None:  # the beams' sessions run on the base weights
-        raise OpenAIError(f"use_beam_search is not supported with a LoRA adapter (model {body['model']!r}); "
-                          f"use the base model {serving.model_name!r}", param="model")
+    lora = serving.lora_of(body)  # every beam runs under the request's adapter (its sessions, or its steps)
     priority = get_priority(body, engine.config.scheduling_policy)
     for i, p in enumerate(ids):
         if len(p) + params.max_tokens > engine.max_model_len:
@@ -138,14 +136,14 @@ async def run_beam_search(request: Request, body: dict[str, Any], serving: Servi
 
     async def score(token_lists: list[list[int]]) -> list[dict]:
         items = [(f"{rid}-beam-{uuid.uuid4().hex[:12]}", t) for t in token_lists]
-        finals = await serving.complete(request, items, step, RequestOptions(priority=priority), fields, lambda outs: outs, t0,
+        finals = await serving.complete(request, items, step, RequestOptions(priority=priority, lora_request=lora), fields, lambda outs: outs, t0,
                                         observe=False)
         if not firsts:
             firsts.extend(finals)  # the first step's outputs: the prompts' own admission (cached tokens)
         return [_candidates(out) for out in finals]
 
     async def with_sessions() -> bool:
-        return await _search_in_sessions(serving.engine, searches, step, rid, priority, firsts)
+        return await _search_in_sessions(serving.engine, searches, step, rid, priority, firsts, lora)
 
     if not await until_disconnect(request, with_sessions(), serving.disconnected):
         await run_beam_search_async(searches, score)
@@ -167,13 +165,13 @@ def _candidates(out: RequestOutput) -> dict:
 
 
 async def _search_in_sessions(engine: AsyncEngine, searches: list[BeamSearch], step: SamplingParams, rid: str, priority: int,
-                              firsts: list[RequestOutput]) -> bool:
+                              firsts: list[RequestOutput], lora: str | None = None) -> bool:
     """Run `searches` with each live beam an engine session; True when they end. False, with every
     session closed and the searches where they stand, when a session limit refuses a session or a
     turn (`SessionLimitError`): the caller goes on another way."""
     live: list[list[str]] = []
     try:
-        await engine.open_beams([s.beams[0].tokens for s in searches], live)
+        await engine.open_beams([s.beams[0].tokens for s in searches], live, lora)
         while True:
             work = [(s, sids) for s, sids in zip(searches, live) if not s.done]
             if not work:

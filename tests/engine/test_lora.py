@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from cuttle.attention.native import kernels
-from cuttle.engine import LLM, LoRARequest, SamplingParams
+from cuttle.engine import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from cuttle.engine.lora import LoRABatch
 from helpers import assert_scored_by_transformers, make_checkpoint
 
@@ -158,6 +158,58 @@ def test_evicted_adapter_keeps_serving_its_running_request(setup):
     assert again.outputs[0].token_ids == done["r-a"].outputs[0].token_ids
 
 
+def test_sessions_run_under_their_adapter(setup):
+    """An engine session opened under an adapter: its turns and its forks' run under it (scored by
+    peft), its pinned KV is reused from turn to turn, and when the name resolves to other weights
+    (unloaded, then loaded from another directory) the next turn recomputes the stream."""
+    llm = _llm(setup["base_dir"])
+    engine = llm.engine
+    llm.load_lora_adapter("a", setup["a_dir"])
+    prompt = _prompts(1, seed=11)[0] * 2
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+
+    def turn(sids: list[str], model) -> None:
+        before = engine.session_token_ids(sids[0])
+        for out in llm.generate_session(sids, sp):
+            _score(model, before, out)
+
+    sid = llm.open_session(prompt, LoRARequest("a"))
+    turn([sid], setup["a"])
+    llm.append_to_session(sid, [7, 8, 9])
+    reused = engine.sessions.counters["session_tokens_reused"]
+    turn([sid], setup["a"])
+    assert engine.sessions.counters["session_tokens_reused"] > reused  # the first turn's KV was pinned and reused
+    forks = llm.fork_session(sid, 2)
+    turn(forks, setup["a"])  # siblings: one request with n = 2, under the parent's adapter
+    llm.unload_lora_adapter("a")
+    llm.load_lora_adapter("a", setup["b_dir"])
+    reused = engine.sessions.counters["session_tokens_reused"]
+    turn([sid], setup["b"])
+    assert engine.sessions.counters["session_tokens_reused"] == reused  # pins under the old weights of "a": not reused
+    for s in [sid, *forks]:
+        llm.close_session(s)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'c'"):
+        llm.open_session(prompt, LoRARequest("c"))
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(setup["base_dir"], dtype="float32", num_kv_blocks=32).open_session(prompt, LoRARequest("a"))
+
+
+def test_beam_search_under_an_adapter_equals_peft_beam_search(setup):
+    """vLLM's `LLM.beam_search(..., lora_request=)`: every beam (an engine session) runs under
+    the adapter; the beams equal transformers' beam search on the peft model."""
+    llm = _llm(setup["base_dir"], max_num_seqs=32)
+    prompt = _prompts(1, seed=12)[0]
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    [out] = llm.beam_search([prompt], params, lora_request=LoRARequest("a", 1, setup["a_dir"]))
+    with torch.no_grad():
+        ref = setup["a"].get_base_model().generate(torch.tensor([prompt]), num_beams=2, num_return_sequences=2, do_sample=False,
+                                                   max_new_tokens=4, eos_token_id=None, pad_token_id=0, length_penalty=1.0,
+                                                   early_stopping=False)
+    assert [b.tokens for b in out.sequences] == ref.tolist()
+    [base] = llm.beam_search([prompt], params)
+    assert [b.tokens for b in base.sequences] != ref.tolist()
+
+
 def test_load_and_unload_by_name(setup):
     llm = _llm(setup["base_dir"])
     llm.load_lora_adapter("a", setup["a_dir"])
@@ -292,6 +344,8 @@ def test_server_serves_adapters_by_model_name(setup, tmp_path):
     want_a = offline.generate([prompt], sp, lora_request=LoRARequest("a", 1, setup["a_dir"]), use_tqdm=False)[0].outputs[0]
     want_b = offline.generate([prompt], sp, lora_request=LoRARequest("b", 2, setup["b_dir"]), use_tqdm=False)[0].outputs[0]
     want_base = offline.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    [beams] = offline.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=3), lora_request=LoRARequest("a"))
+    want_beams = [b.tokens[len(prompt):] for b in beams.sequences]
     kw = dict(dtype="float32", attention_backend="torch", num_kv_blocks=96, enable_lora=True)
     with LiveServer(setup["base_dir"], name="base", app_kw={"lora_modules": {"a": setup["a_dir"]},
                                                             "allow_runtime_lora_updating": True}, **kw) as srv:
@@ -325,9 +379,12 @@ def test_server_serves_adapters_by_model_name(setup, tmp_path):
         assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
         with pytest.raises(openai.NotFoundError):
             complete("b")
+        # beam search under the adapter: each beam a session under it, as offline
         beam = httpx.post(srv.url + "/v1/completions", json={"model": "a", "prompt": prompt, "use_beam_search": True, "n": 2,
-                                                               "max_tokens": 3})
-        assert beam.status_code == 400 and beam.json()["error"]["param"] == "model"
+                                                               "max_tokens": 3, "return_token_ids": True}, timeout=60)
+        assert beam.status_code == 200, beam.text
+        assert beam.json()["model"] == "a"
+        assert [c["token_ids"] for c in beam.json()["choices"]] == want_beams
     with LiveServer(setup["base_dir"], name="base", **kw) as srv:
         assert httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": setup["b_dir"]}).status_code == 404
 

@@ -16,7 +16,7 @@ from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.sampler import Logprob, SampleResult
 from cuttle.rl import mismatch
 from cuttle.rl.agent import AgentConfig, AgentRollout, agent_batch
-from cuttle.rl.trainer import Trainer
+from cuttle.rl.trainer import Trainer, TrainerConfig
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +82,32 @@ def test_later_turns_prefill_only_the_appended_tokens_and_logprobs_match_the_tra
     m = mismatch(Trainer(llm.engine.config.model).score(batch), packed.rollout_logprobs[packed.loss_mask > 0])
     assert m.num_tokens == packed.num_trained_tokens == 3 * 2 * len(script)
     assert m.max_abs <= 1e-5, m
+
+
+def test_lora_trainer_pushes_through_the_rollout_and_sessions_run_under_the_adapter(monkeypatch):
+    """LoRA agentic RL in process: `trainer.push_weights(rollout)` loads the adapter into the
+    rollout's LLM, every later turn (on engine sessions, pins reused between turns) runs under it,
+    and the trainer with that adapter scores the turns within 1e-5 while the base model does not."""
+    llm = LLM(dtype="float32", max_model_len=4096, num_kv_blocks=512, enable_lora=True)
+    tok = llm.get_tokenizer()
+    runner = AgentRollout(llm, lambda spec: FakeEnvironment(spec), AgentConfig(max_turns=2, max_tokens_per_turn=64))
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    trainer = Trainer(llm.engine.config.model, TrainerConfig(lora=lora, lora_name="pi"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for b in trainer.lora.b.values():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    assert trainer.push_weights(runner) == 1 and runner.lora_name == "pi"
+    script = tok.encode(call("ls"), add_special_tokens=False) + [runner.chat.end_of_turn_id]
+    monkeypatch.setattr(llm_engine, "sample", forced_sampler(script))
+    try:
+        groups = runner.run([{"seed": 1, "prompt": "fix it"}], 2, SamplingParams(temperature=1.0))
+    finally:
+        runner.close()
+    assert llm.stats()["session_tokens_reused"] > 0  # the second turns ran on the sessions' pinned KV
+    batch, _ = agent_batch(groups, scale_by_std=True, filter_truncated=False)
+    packed = batch.packed()
+    rollout = packed.rollout_logprobs[packed.loss_mask > 0]
+    assert packed.num_trained_tokens == 2 * 2 * len(script)
+    assert mismatch(trainer.score(batch), rollout).max_abs <= 1e-5
+    assert mismatch(Trainer(llm.engine.config.model).score(batch), rollout).max_abs > 1e-3
