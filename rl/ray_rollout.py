@@ -22,7 +22,8 @@ weights every worker samples with.
   workers and run again from the start.
 * Weights: `update_weights` puts the tensors in the object store once and loads them into every
   worker, between steps, and checks that all report the same new version (every sample carries
-  the version that produced it).
+  the version that produced it); `update_lora` does the same with a LoRA adapter, which every
+  worker's sampler then samples under (a LoRA trainer's `push_weights(rollout)`).
 
 Within a worker, groups run in threads of a threaded actor, each its own `AgentRollout.run`, so one
 group's tool calls overlap another's sampling. An in-process engine is wrapped in `EngineSampler`
@@ -88,6 +89,10 @@ class _LockedSampler:
     def generate_tokens(self, prompts, params):  # noqa: ANN001 - TokenSampler's signature
         with self.lock:
             return generate_tokens(self.sampler, prompts, params)
+
+    @property
+    def lora_name(self) -> str | None:
+        return getattr(self.sampler, "lora_name", None)
 
 
 class _CountedEnv:
@@ -170,6 +175,17 @@ class RolloutWorker:
         with self.locked.lock:  # never in the middle of a turn's sampling
             return self.sampler.update_weights(iter(tensors.items()))
 
+    def update_lora(self, lora_name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
+        """LoRA training's sync: the adapter to this worker's sampler, which draws every later turn
+        under it (the rollout asks the sampler for `lora_name`)."""
+        update = getattr(self.sampler, "update_lora", None)
+        if update is None:
+            raise ValueError(f"this worker's {type(self.sampler).__name__} takes no LoRA adapter (it has no update_lora)")
+        if self.thread_safe:  # between engine steps; turns in flight finish under the adapter they began with
+            return update(lora_name, iter(tensors.items()), config, in_flight="finish")
+        with self.locked.lock:  # never in the middle of a turn's sampling
+            return update(lora_name, iter(tensors.items()), config)
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"open_envs": self.open_envs, "running_groups": len(self.running), "niceness": self.niceness,
                                "env_close_errors": self.rollout.env_close_errors}
@@ -221,6 +237,7 @@ class RayRollout:
         self._carried: dict[ray.ObjectRef, _Flight] = {}  # groups running into the next step
         self._steps = 0
         self._uids = 0
+        self.lora_name: str | None = None  # the adapter every worker samples under (update_lora)
 
     def live(self) -> list[int]:
         return [i for i in range(len(self.workers)) if i not in self.dead]
@@ -309,14 +326,41 @@ class RayRollout:
             ray.wait(self._draining, num_returns=len(self._draining), timeout=timeout_s)
         self._draining = []
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load new weights into every live worker; returns the version all of them now have."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "finish") -> int:
+        """Load new weights into every live worker; returns the version all of them now have.
+        `in_flight`: see `_check_in_flight` (`trainer.push_weights(rollout)` passes one)."""
+        self._check_in_flight(in_flight)
         ref = ray.put({n: t.detach().contiguous().cpu() for n, t in named_tensors})
         live = self.live()
         versions = ray.get([self.workers[i].update_weights.remote(ref) for i in live])
         if len(set(versions)) != 1:
             raise RuntimeError(f"workers disagree on the weight version after an update: {dict(zip(live, versions))}")
         return versions[0]
+
+    def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+                    in_flight: str = "finish") -> int:
+        """LoRA training's weight sync (`trainer.push_weights(rollout)`): the adapter into every
+        live worker's sampler, which then draws every turn under it; returns the version all of
+        them now have. `in_flight`: see `_check_in_flight`."""
+        self._check_in_flight(in_flight)
+        ref = ray.put({n: t.detach().contiguous().cpu() for n, t in named_tensors})
+        live = self.live()
+        versions = ray.get([self.workers[i].update_lora.remote(lora_name, ref, config) for i in live])
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"workers disagree on the weight version after a LoRA update: {dict(zip(live, versions))}")
+        self.lora_name = lora_name
+        return versions[0]
+
+    def _check_in_flight(self, in_flight: str) -> None:
+        """Updates run between steps: the turns in flight are those of the groups carried into the
+        next step (partial rollouts), and they always finish under the weights they began with
+        (their later turns sample with the new ones). "abort" is accepted only when nothing is
+        carried, where it means the same; with carried groups, drop_carried() them first."""
+        if in_flight not in ("abort", "finish"):
+            raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
+        if in_flight == "abort" and self._carried:
+            raise ValueError(f"in_flight='abort' with {len(self._carried)} group(s) carried into the next step: a Ray rollout "
+                             "lets their turns in flight finish; call drop_carried() first to abort them, or pass 'finish'")
 
     def stats(self) -> list[dict[str, Any]]:
         return ray.get([self.workers[i].stats.remote() for i in self.live()])

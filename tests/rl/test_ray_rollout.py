@@ -71,6 +71,8 @@ def test_partial_rollouts_carry_stragglers_into_the_next_step_with_their_version
         assert res.seconds < 3.5, "the step must not wait for a 4 s tool call"
         assert sorted(res.group_ids) == [0, 2, 3] and res.aborted == [] and res.carried == rollout.carried == 1
         assert sum(s["running_groups"] for s in rollout.stats()) == 1  # still running on its worker
+        with pytest.raises(ValueError, match="drop_carried"):  # its turns in flight finish; "abort" would promise otherwise
+            rollout.update_weights([("w", torch.ones(3))], in_flight="abort")
         assert rollout.update_weights([("w", torch.ones(3))]) == 1  # while the straggler waits on its tool
         res2 = rollout.run_step([{"seed": 4, "delay": 0.05}], 2, PARAMS, groups_needed=2, partial=True, timeout_s=30)
         assert sorted(zip(res2.started_in, res2.group_ids)) == [(1, 1), (2, 0)] and res2.carried == 0
@@ -137,5 +139,42 @@ def test_a_group_is_prefilled_once_on_the_worker_that_runs_it(cluster):
         assert sorted(s["prefill_tokens_computed"] for s in stats) == sorted(prompt_lens.values())
         assert all(s["generated_tokens"] >= 4 for s in stats)
         assert all(s["num_requests_running"] == 0 and s["open_envs"] == 0 for s in stats)
+    finally:
+        rollout.shutdown()
+
+
+def embedded_lora_llm():
+    return LLM(dtype="float32", max_model_len=2048, num_kv_blocks=256, enable_lora=True)
+
+
+@pytest.mark.slow
+def test_lora_training_syncs_one_adapter_to_every_worker(cluster):
+    """`trainer.push_weights(rollout)` with a LoRA trainer: every worker's engine gets the adapter
+    (one version), the next step's turns are sampled under it (the trainer with the adapter
+    scores them within 1e-5, the base model does not)."""
+    import torch
+
+    from cuttle.rl import mismatch
+    from cuttle.rl.agent import agent_batch
+    from cuttle.rl.trainer import Trainer, TrainerConfig
+
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    trainer = Trainer(default_model_path(), TrainerConfig(lora=lora, lora_name="pi"))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for b in trainer.lora.b.values():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    rollout = RayRollout(2, embedded_lora_llm, slow_env, AgentConfig(max_turns=1, max_tokens_per_turn=8), num_cpus=0.5)
+    try:
+        assert trainer.push_weights(rollout) == 1 and rollout.lora_name == "pi"  # nothing carried: "abort" is "finish"
+        res = rollout.run_step([{"seed": 0, "prompt": "fix a"}, {"seed": 1, "prompt": "fix b"}], 2,
+                               SamplingParams(temperature=1.0, seed=2))
+        batch, _ = agent_batch(res.groups, scale_by_std=False, filter_truncated=False)
+        packed = batch.packed()
+        rollout_lps = packed.rollout_logprobs[packed.loss_mask > 0]
+        assert {v for g in res.groups for e in g.episodes
+                for v, m in zip(e.trajectory.weight_versions, e.trajectory.loss_mask) if m} == {1}
+        assert mismatch(trainer.score(batch), rollout_lps).max_abs <= 1e-5
+        assert mismatch(Trainer(default_model_path()).score(batch), rollout_lps).max_abs > 1e-3
     finally:
         rollout.shutdown()
