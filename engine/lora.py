@@ -42,6 +42,7 @@ from safetensors import safe_open
 
 from cuttle.attention.native import invariance
 from cuttle.attention.native.gemm import linear
+from cuttle.attention.native.lora_delta import add_rows
 from cuttle.engine.config import ModelConfig
 
 # the PEFT modules cuttle adapts (`projection_slots`: where each sits in the fused projections)
@@ -87,6 +88,9 @@ class LoadedAdapter:
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     key: bytes = b""  # xxh3-128 of the weights: what the prefix cache is keyed by
+    # on CPU, the same weights transposed (A^T [in, R], (sB)^T [R, out]) for the native kernel
+    # (attention/native/lora_delta.py), which reads both products as contiguous runs
+    transposed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         h = xxhash.xxh3_128()
@@ -95,10 +99,11 @@ class LoadedAdapter:
             for t in (a, b):
                 h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
         self.key = h.digest()
+        self.transposed = {k: (a.t().contiguous(), b.t().contiguous()) for k, (a, b) in self.weights.items() if a.is_cpu}
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values()) + sum(a.nbytes + b.nbytes for a, b in self.transposed.values())
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -343,6 +348,11 @@ class LoRABatch:
         return batch
 
 
+# the most rows a step may have for the native delta kernel outside batch invariance (decode
+# batches; a longer step, a prefill, is faster through torch's GEMMs)
+NATIVE_MAX_ROWS = 64
+
+
 class LoRAContext:
     """What the projections read: the step's `LoRABatch` (None: no adapter rows this step)."""
 
@@ -352,10 +362,34 @@ class LoRAContext:
         self.batch: LoRABatch | None = None
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
-        """y (the base projection of x, a fresh tensor) plus each adapter's delta on its rows."""
+        """y (the base projection of x, a fresh tensor) plus each adapter's delta on its rows.
+
+        On CPU a step of at most NATIVE_MAX_ROWS rows (decode), or any step under batch
+        invariance, takes the native kernel (attention/native/lora_delta.py): a row's value then
+        depends on that row alone, and the step can replay from a kernel graph. Longer steps
+        (prefill) take torch's fp32 GEMMs, faster there; both sum in fp32 and round once."""
         batch = self.batch
         if batch is None:
             return y
+        inv = invariance.on()
+        native = (inv or y.shape[0] <= NATIVE_MAX_ROWS) and y.is_cpu
+        mm = linear if inv else F.linear
+        for adapter, rows in batch.groups:
+            w = adapter.weights.get((layer, proj))
+            if w is None:
+                continue
+            t = getattr(adapter, "transposed", {}).get((layer, proj)) if native else None
+            if t is not None and add_rows(y, x, t[0], t[1], rows):
+                continue
+            a, b = w
+            if rows is None:
+                y.add_(mm(mm(x.float(), a), b))
+            elif isinstance(rows, slice):
+                y[rows].add_(mm(mm(x[rows].float(), a), b))
+            else:  # summed in fp32 and rounded once, as add_ does: the row's value whatever its grouping
+                d = mm(mm(x.index_select(0, rows).float(), a), b)
+                y.index_copy_(0, rows, (y.index_select(0, rows) + d).to(y.dtype))
+        return y
         mm = linear if invariance.on() else F.linear
         for adapter, rows in batch.groups:
             w = adapter.weights.get((layer, proj))

@@ -37,7 +37,7 @@ from cuttle.engine.models.moe_quant import moe_layers, pack_experts
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.models.transformer import sparse_attention_for
 from cuttle.engine.sequence import Sequence
-from cuttle.engine.step_graphs import DecodeGraphs
+from cuttle.engine.step_graphs import DecodeGraphs, adapter_key
 
 
 @dataclass(slots=True)
@@ -200,16 +200,19 @@ class ModelRunner:
 
     def enable_lora(self) -> None:
         """Let steps carry LoRA adapter rows (engine/lora.py): the projections read them through
-        one context. A step with adapter rows runs eagerly (kernel graphs hold no adapter)."""
+        one context. A decode step whose rows all run under one adapter may replay a kernel graph
+        of its own (step_graphs.py); a step mixing adapters runs eagerly."""
         self.lora = LoRAContext()
         self.model.enable_lora(self.lora)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
         # a sequence's rows are n (a decode with drafts: its last token and each draft)
         lora = LoRABatch.build([(seq.request.lora, n) for seq, n in scheduled], self.device) if self.lora is not None else None
-        if self.graphs is not None and lora is None:
-            staged = self.graphs.stage(scheduled, self.host_kv is not None)
+        adapter = adapter_key(lora)
+        if self.graphs is not None and adapter is not False:
+            staged = self.graphs.stage(scheduled, self.host_kv is not None, adapter)
             if staged is not None:
+                staged.lora = lora
                 return staged
         bs = self.block_size
         ids: list[int] = []
@@ -316,13 +319,16 @@ class ModelRunner:
             return self._run(inputs)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
-        if inputs.lora is not None:
-            assert self.lora is not None
-            self.lora.batch = inputs.lora
-            try:
-                return self._run_eager(inputs)
-            finally:
-                self.lora.batch = None
+        if inputs.lora is None:
+            return self._run_graph_or_eager(inputs)
+        assert self.lora is not None
+        self.lora.batch = inputs.lora  # read by the projections of an eager step or a capture
+        try:
+            return self._run_graph_or_eager(inputs)
+        finally:
+            self.lora.batch = None
+
+    def _run_graph_or_eager(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None:
             logits = self.graphs.run(inputs)
             if logits is not None:

@@ -52,6 +52,7 @@ from cuttle.attention.native.graph import GraphBreak, KernelGraph, capture
 from cuttle.engine.sampler import plain_greedy
 
 if TYPE_CHECKING:
+    from cuttle.engine.lora import LoRABatch
     from cuttle.engine.model_runner import StepInputs
     from cuttle.engine.sequence import Sequence
 
@@ -60,10 +61,17 @@ logger = logging.getLogger(__name__)
 # Captures of one batch size that may break (a transient cause, e.g. a routing tie routed by the
 # torch router during the capture step) before that size stays eager.
 MAX_CAPTURE_TRIES = 3
+# Graphs of steps whose rows all run under one LoRA adapter (keyed by the adapter's weights as
+# well): at most this many are kept, the least recently used dropped to make room.
+MAX_ADAPTER_GRAPHS = 8
 # A batch size above cpu_graph_max_batch is captured once it has run this many qualifying decode
 # steps within a window of HOT_WINDOW such steps (the counts restart with each window).
 HOT_STEPS = 16
 HOT_WINDOW = 64
+
+
+# (rows, torch threads, the kernel library, the LoRA adapter every row runs under: its key, or None)
+_Key = tuple[int, int, int, "bytes | None"]
 
 
 @dataclass(slots=True)
@@ -104,16 +112,16 @@ class DecodeGraphs:
         self.greedy_pick = greedy_pick
         self.max_batch = max_batch
         self.hot_batches = hot_batches
-        self._seen: dict[tuple[int, int, int], int] = {}  # qualifying steps of each larger size in this window
+        self._seen: dict[_Key, int] = {}  # qualifying steps of each larger size in this window
         self._window = 0
         self._clock = 0  # qualifying steps so far: the hot graphs' recency
         self.table_width = table_width
         self.block_size = block_size
         self._begin_step = begin_step
         self._forward = forward
-        self._graphs: dict[tuple[int, int, int], _Graph] = {}
-        self._breaks: dict[tuple[int, int, int], int] = {}
-        self._eager: set[tuple[int, int, int]] = set()
+        self._graphs: dict[_Key, _Graph] = {}
+        self._breaks: dict[_Key, int] = {}
+        self._eager: set[_Key] = set()
         self.counters = {"graph_steps": 0, "graph_captures": 0, "graph_evictions": 0}
         # The capture's dispatch mode imports torch._dynamo on its first use (~1.3 s here): pay it at
         # load, not in the middle of the first decode step a user waits on.
@@ -136,19 +144,20 @@ class DecodeGraphs:
             and m.block_tables.dim() == 2 and m.block_tables.shape[1] <= self.table_width
         )
 
-    def stage(self, scheduled: list[tuple[Sequence, int]], host_tier: bool) -> StepInputs | None:
+    def stage(self, scheduled: list[tuple[Sequence, int]], host_tier: bool, adapter: bytes | None = None) -> StepInputs | None:
         """The inputs of a decode step whose batch size has a trusted graph, written straight
         into that graph's tensors (no tensors are built for the step), or None: prepare the step
         the usual way. The step qualifies as in `qualifies`: every sequence decodes its last token
         in one causal segment of the device pool (`host_tier`: a host pool exists, so tables are
         checked for its blocks), asks for no prompt logprobs and is not a document job. The
-        returned inputs' tensors are the graph's own, so `run` replays without copying them."""
+        returned inputs' tensors are the graph's own, so `run` replays without copying them.
+        `adapter`: the key of the LoRA adapter every row runs under (None: the base model)."""
         from cuttle.engine.model_runner import StepInputs
 
         B = sum(n for _, n in scheduled)  # rows: a sequence with drafts has one per draft too
         if B > self.max_batch and not self.hot_batches:
             return None
-        g = self._graphs.get((B, torch.get_num_threads(), id(native.kernels())))
+        g = self._graphs.get((B, torch.get_num_threads(), id(native.kernels()), adapter))
         if g is None or not g.validated:
             return None
         assert g.np_ids is not None and g.np_positions is not None and g.np_lens is not None
@@ -201,7 +210,10 @@ class DecodeGraphs:
             return staged.logits
         if not self.qualifies(inputs):
             return None
-        key = (inputs.meta.num_seqs, torch.get_num_threads(), id(native.kernels()))
+        adapter = adapter_key(inputs.lora)
+        if adapter is False:
+            return None
+        key = (inputs.meta.num_seqs, torch.get_num_threads(), id(native.kernels()), adapter)
         if key in self._eager:
             return None
         g = self._graphs.get(key)
@@ -209,6 +221,8 @@ class DecodeGraphs:
         if g is None:
             if key[0] > self.max_batch and not self._hot(key):
                 return None
+            if adapter is not None:
+                self._make_room_for_adapter()
             return self._capture(key, inputs)
         g.last_used = self._clock
         self._fill(g, inputs)
@@ -230,7 +244,7 @@ class DecodeGraphs:
         self.counters["graph_steps"] += 1
         return g.logits
 
-    def _hot(self, key: tuple[int, int, int]) -> bool:
+    def _hot(self, key: _Key) -> bool:
         """Count one qualifying step of a batch size above max_batch that has no graph; True
         when it is now to be captured (room made for it: the least recently used hot graph is
         dropped if `hot_batches` are held)."""
@@ -242,13 +256,22 @@ class DecodeGraphs:
         if n < HOT_STEPS:
             return False
         del self._seen[key]
-        held = [k for k in self._graphs if k[0] > self.max_batch]
+        held = [k for k in self._graphs if k[0] > self.max_batch and k[3] is None]
         while held and len(held) >= self.hot_batches:
             oldest = min(held, key=lambda k: self._graphs[k].last_used)
             del self._graphs[oldest]
             held.remove(oldest)
             self.counters["graph_evictions"] += 1
         return True
+
+    def _make_room_for_adapter(self) -> None:
+        """Keep at most MAX_ADAPTER_GRAPHS - 1 adapter graphs before a new one is captured."""
+        held = [k for k in self._graphs if k[3] is not None]
+        while held and len(held) >= MAX_ADAPTER_GRAPHS:
+            oldest = min(held, key=lambda k: self._graphs[k].last_used)
+            del self._graphs[oldest]
+            held.remove(oldest)
+            self.counters["graph_evictions"] += 1
 
     def _fill(self, g: _Graph, inputs: StepInputs) -> None:
         m, gm = inputs.meta, g.meta
@@ -258,7 +281,7 @@ class DecodeGraphs:
         gm.slot_mapping.copy_(m.slot_mapping)
         gm.block_tables[:, : m.block_tables.shape[1]].copy_(m.block_tables)
 
-    def _capture(self, key: tuple[int, int, int], inputs: StepInputs) -> torch.Tensor | None:
+    def _capture(self, key: _Key, inputs: StepInputs) -> torch.Tensor | None:
         m = inputs.meta
         B = m.num_seqs
         meta = AttentionMetadata(
@@ -294,3 +317,13 @@ class DecodeGraphs:
         self._graphs[key] = g
         self.counters["graph_captures"] += 1
         return logits
+
+
+def adapter_key(lora: LoRABatch | None) -> bytes | None | bool:
+    """The key of the LoRA adapter every row of a step runs under, None when no row has one,
+    False when rows differ (such a step runs eagerly: a graph records one adapter's weights)."""
+    if lora is None:
+        return None
+    if len(lora.groups) != 1 or lora.groups[0][1] is not None:
+        return False
+    return lora.groups[0][0].key

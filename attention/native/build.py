@@ -59,6 +59,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "gather_rows": ([_vp, _i64, _i64, _vp, _i64, _vp, _i64, _i64], _int),
     "scatter_rows": ([_vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64], _int),
     "widen_bf16_rows": ([_vp, _i64, _vp, _i64, _i64, _i64], _int),
+    "lora_add_rows": ([_vp, _int, _i64, _vp, _int, _i64, _vp, _i64, _i64, _i64, _vp, _i64, _vp, _i64], _int),
 }
 
 _lock = threading.Lock()

@@ -255,19 +255,63 @@ def test_documents_and_spec_decode_under_an_adapter(setup):
         assert abs(spec.outputs[0].logprobs[i][t].logprob - plain.outputs[0].logprobs[i][t].logprob) <= 1e-5
 
 
-def test_base_requests_still_replay_kernel_graphs(setup):
-    """Adapter steps run eagerly; a LoRA-enabled engine's base-only decode steps keep their graphs."""
-    llm = _llm(setup["base_dir"], dtype="bfloat16")
-    prompts = _prompts(2, seed=7)
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm.generate(prompts, sp, use_tqdm=False)
-    replayed = llm.stats()["graph_steps"]
-    if replayed == 0 and kernels().lib is None:
+def test_adapter_decode_steps_replay_their_own_kernel_graphs(setup):
+    """A decode step whose rows all run under one adapter replays a kernel graph of its own (the
+    delta is a native kernel); its outputs equal the eager engine's bit for bit and are scored by
+    peft. A step mixing adapters runs eagerly, and base steps keep their graphs."""
+    if kernels().lib is None:
         pytest.skip("no kernel graphs here: the native CPU kernel library is not built")
+    llm = _llm(setup["base_dir"])
+    prompts = _prompts(2, seed=7)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    base = llm.generate(prompts, sp, use_tqdm=False)
+    replayed = llm.stats()["graph_steps"]
     assert replayed > 0
-    lora = llm.generate(prompts, sp, lora_request=LoRARequest("a", 1, setup["a_dir"]), use_tqdm=False)
-    assert llm.stats()["graph_steps"] == replayed  # no adapter step replayed
-    assert [o.outputs[0].token_ids for o in lora] != [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    ra, rb = LoRARequest("a", 1, setup["a_dir"]), LoRARequest("b", 2, setup["b_dir"])
+    outs = llm.generate(prompts, sp, lora_request=ra, use_tqdm=False)
+    assert llm.stats()["graph_steps"] > replayed  # the adapter's decode steps replayed its graphs
+    for p, o in zip(prompts, outs):
+        _score(setup["a"], p, o)
+    eager = _llm(setup["base_dir"], enforce_eager=True).generate(prompts, sp, lora_request=ra, use_tqdm=False)
+    for o, e in zip(outs, eager):
+        assert o.outputs[0].token_ids == e.outputs[0].token_ids
+        assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
+            [d[t].logprob for d, t in zip(e.outputs[0].logprobs, e.outputs[0].token_ids)]
+    replayed = llm.stats()["graph_steps"]
+    mixed = llm.generate(prompts, sp, lora_request=[ra, rb], use_tqdm=False)
+    assert llm.stats()["graph_steps"] == replayed  # two adapters in a step: eager
+    _score(setup["a"], prompts[0], mixed[0])
+    _score(setup["b"], prompts[1], mixed[1])
+    assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in base]
+
+
+def test_native_delta_kernel_equals_float64():
+    """attention/native/lora_delta.py on every row, a run of rows and scattered rows, fp32 and
+    bf16: y + (x A^T)(sB)^T against float64 (fp32 within accumulation error; bf16 rounded once
+    from it), rows outside the selection untouched, an index out of range refused."""
+    from cuttle.attention.native.lora_delta import add_rows
+
+    if kernels().lib is None:
+        pytest.skip("the native CPU kernel library is not built")
+    g = torch.Generator().manual_seed(0)
+    T, K, N, R = 9, 70, 45, 12
+    a, b = torch.randn(R, K, generator=g), torch.randn(N, R, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y0 = torch.randn(T, K, generator=g).to(dtype), torch.randn(T, N, generator=g).to(dtype)
+        for rows in (None, slice(2, 6), torch.tensor([7, 0, 4])):
+            y = y0.clone()
+            assert add_rows(y, x, a.t().contiguous(), b.t().contiguous(), rows)
+            sel = torch.arange(T) if rows is None else torch.arange(T)[rows]
+            want = y0.double()[sel] + (x.double()[sel] @ a.double().t()) @ b.double().t()
+            if dtype == torch.float32:
+                assert torch.allclose(y[sel].double(), want, rtol=0, atol=1e-4)
+            else:  # one rounding of the fp32 sum: within a bf16 ulp of the exact value
+                assert torch.allclose(y[sel].double(), want, rtol=2 ** -7, atol=1e-2)
+            rest = torch.ones(T, dtype=torch.bool)
+            rest[sel] = False
+            assert torch.equal(y[rest], y0[rest])
+    with pytest.raises(IndexError):
+        add_rows(y0.clone(), x, a.t().contiguous(), b.t().contiguous(), torch.tensor([T]))
 
 
 # ---- refusals ------------------------------------------------------------------------------------
