@@ -33,6 +33,12 @@ argmax of its logits rows after them, run only when the staged step's rows are a
 answers differently than at capture and no handler settles it, e.g. an out-of-range token id)
 returns None, and the eager rerun writes the same KV slots again (and raises what it raises).
 
+A step whose rows all run under one LoRA adapter (engine/lora.py; its delta a native kernel)
+has graphs of its own, keyed by the adapter's weights as well: a graph holds that adapter's
+tensors, so a name reloaded with the same weights replays it and other weights get another. At
+most MAX_ADAPTER_GRAPHS are kept (the least recently used dropped); a step mixing adapters, or
+adapters with the base model, runs eagerly.
+
 Graphs hold addresses of weights, packed weights and caches: `clear()` drops them all; the
 runner calls it whenever weights are loaded, moved or repacked (`ModelRunner.prepack`).
 """
