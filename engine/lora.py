@@ -390,17 +390,3 @@ class LoRAContext:
                 d = mm(mm(x.index_select(0, rows).float(), a), b)
                 y.index_copy_(0, rows, (y.index_select(0, rows) + d).to(y.dtype))
         return y
-        mm = linear if invariance.on() else F.linear
-        for adapter, rows in batch.groups:
-            w = adapter.weights.get((layer, proj))
-            if w is None:
-                continue
-            a, b = w
-            if rows is None:
-                y.add_(mm(mm(x.float(), a), b))
-            elif isinstance(rows, slice):
-                y[rows].add_(mm(mm(x[rows].float(), a), b))
-            else:  # summed in fp32 and rounded once, as add_ does: the row's value whatever its grouping
-                d = mm(mm(x.index_select(0, rows).float(), a), b)
-                y.index_copy_(0, rows, (y.index_select(0, rows) + d).to(y.dtype))
-        return y
