@@ -99,11 +99,16 @@ class LoadedAdapter:
             for t in (a, b):
                 h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
         self.key = h.digest()
+        # on CPU the transposed copies are the storage: `weights` become views of them (torch's
+        # GEMMs read a transposed weight as it is), so an adapter's memory is not doubled
         self.transposed = {k: (a.t().contiguous(), b.t().contiguous()) for k, (a, b) in self.weights.items() if a.is_cpu}
+        for k, (at, bt) in self.transposed.items():
+            self.weights[k] = (at.t(), bt.t())
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values()) + sum(a.nbytes + b.nbytes for a, b in self.transposed.values())
+        """The adapter's memory (and what a step under it reads)."""
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -348,11 +353,6 @@ class LoRABatch:
         return batch
 
 
-# the most rows a step may have for the native delta kernel outside batch invariance (decode
-# batches; a longer step, a prefill, is faster through torch's GEMMs)
-NATIVE_MAX_ROWS = 64
-
-
 class LoRAContext:
     """What the projections read: the step's `LoRABatch` (None: no adapter rows this step)."""
 
@@ -364,16 +364,16 @@ class LoRAContext:
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
         """y (the base projection of x, a fresh tensor) plus each adapter's delta on its rows.
 
-        On CPU a step of at most NATIVE_MAX_ROWS rows (decode), or any step under batch
-        invariance, takes the native kernel (attention/native/lora_delta.py): a row's value then
-        depends on that row alone, and the step can replay from a kernel graph. Longer steps
-        (prefill) take torch's fp32 GEMMs, faster there; both sum in fp32 and round once."""
+        On CPU the native kernel computes it (attention/native/lora_delta.py): a row's value then
+        depends on that row alone (any batch, chunk or thread count), a decode step can replay
+        from a kernel graph, and it ran at or above torch's fp32 GEMMs at 1 to 2048 rows here.
+        Elsewhere (an accelerator, the trainer's adapter under autograd) torch's GEMMs in fp32
+        (batch-invariant ones under invariance); both sum in fp32 and round once."""
         batch = self.batch
         if batch is None:
             return y
-        inv = invariance.on()
-        native = (inv or y.shape[0] <= NATIVE_MAX_ROWS) and y.is_cpu
-        mm = linear if inv else F.linear
+        native = y.is_cpu
+        mm = linear if invariance.on() else F.linear
         for adapter, rows in batch.groups:
             w = adapter.weights.get((layer, proj))
             if w is None:

@@ -26,39 +26,89 @@ static inline float load_as(const void *p, int dt, int64_t i) {
     return dt == DT_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* Up to ROWS_AT_ONCE rows are computed together, 16 values of each at a time held in registers
+ * (2 x 8-wide vectors a row), so each value of at and bt is read once per block of rows, not
+ * once per row. Which path (vector or scalar tail) computes a value depends only on its column,
+ * and every value's sum runs in the same order as for a row alone: blocking changes no value. */
+#define ROWS_AT_ONCE 4
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+/* out[r][c0..c0+16) (stride ld) = sum over i in order of s[r][i] * w[i * W + c0 ..] for nr rows */
+static inline __attribute__((always_inline)) void tile16(const float *s, int64_t s_stride, const float *w, int64_t W,
+                                                         int64_t c0, int64_t I, const int nr, float *out, int64_t ld) {
+    v8 lo[ROWS_AT_ONCE] = {0}, hi[ROWS_AT_ONCE] = {0};
+    for (int64_t i = 0; i < I; i++) {
+        const v8 w0 = *(const v8 *)(w + i * W + c0), w1 = *(const v8 *)(w + i * W + c0 + 8);
+        for (int r = 0; r < nr; r++) {
+            const float sv = s[r * s_stride + i];
+            lo[r] += sv * w0;
+            hi[r] += sv * w1;
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        *(v8 *)(out + r * ld + c0) = lo[r];
+        *(v8 *)(out + r * ld + c0 + 8) = hi[r];
+    }
+}
+
+/* the columns past the last whole tile, one at a time in the same order */
+static inline void tail(const float *s, int64_t s_stride, const float *w, int64_t W, int64_t c0, int64_t I, int nr,
+                        float *out, int64_t ld) {
+    for (int64_t c = c0; c < W; c++)
+        for (int r = 0; r < nr; r++) {
+            float acc = 0.f;
+            for (int64_t i = 0; i < I; i++) acc += s[r * s_stride + i] * w[i * W + c];
+            out[r * ld + c] = acc;
+        }
+}
+
+static void block_delta(const void *x, int x_dtype, int64_t x_stride, const int64_t *xr, int nr, int64_t K, int64_t N,
+                        const float *at, int64_t R, const float *bt, float *xf, float *t, float *acc) {
+    for (int r = 0; r < nr; r++)
+        for (int64_t k = 0; k < K; k++) xf[r * K + k] = load_as(x, x_dtype, xr[r] * x_stride + k);
+    const int64_t R16 = R & ~(int64_t)15, N16 = N & ~(int64_t)15;
+    switch (nr) { /* a constant row count a call: the accumulators stay in registers */
+#define TILES(NR)                                                                        \
+    case NR:                                                                             \
+        for (int64_t j = 0; j < R16; j += 16) tile16(xf, K, at, R, j, K, NR, t, R);      \
+        tail(xf, K, at, R, R16, K, NR, t, R);                                            \
+        for (int64_t n = 0; n < N16; n += 16) tile16(t, R, bt, N, n, R, NR, acc, N);     \
+        tail(t, R, bt, N, N16, R, NR, acc, N);                                           \
+        break;
+        TILES(1)
+        TILES(2)
+        TILES(3)
+        TILES(4)
+#undef TILES
+    }
+}
+
 int lora_add_rows(void *y, int y_dtype, int64_t y_stride, const void *x, int x_dtype, int64_t x_stride, const int64_t *rows,
                   int64_t M, int64_t K, int64_t N, const float *at, int64_t R, const float *bt, int64_t y_rows) {
     if (R < 1 || R > LORA_MAX_RANK) return -2;
     if (rows)
         for (int64_t i = 0; i < M; i++)
             if (rows[i] < 0 || rows[i] >= y_rows) return -3;
+    const int64_t blocks = (M + ROWS_AT_ONCE - 1) / ROWS_AT_ONCE;
     int failed = 0;
 #pragma omp parallel if (M * (K + N) * R >= PARALLEL_WORK)
     {
-        float *t = malloc(sizeof(float) * (size_t)(R + N));
+        float *t = malloc(sizeof(float) * (size_t)(ROWS_AT_ONCE * (R + N + K)));
         if (!t) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for
-        for (int64_t i = 0; i < M; i++) {
+        for (int64_t blk = 0; blk < blocks; blk++) {
             if (!t) continue;
-            float *acc = t + R;
-            const int64_t xr = rows ? rows[i] : i, yr = rows ? rows[i] : i;
-            for (int64_t j = 0; j < R; j++) t[j] = 0.f;
-            for (int64_t k = 0; k < K; k++) {
-                const float xv = load_as(x, x_dtype, xr * x_stride + k);
-                const float *a = at + k * R;
-                for (int64_t j = 0; j < R; j++) t[j] += xv * a[j];
-            }
-            for (int64_t n = 0; n < N; n++) acc[n] = 0.f;
-            for (int64_t j = 0; j < R; j++) {
-                const float tj = t[j];
-                const float *b = bt + j * N;
-                for (int64_t n = 0; n < N; n++) acc[n] += tj * b[n];
-            }
-            for (int64_t n = 0; n < N; n++)
-                store_as(y, y_dtype, yr * y_stride + n, load_as(y, y_dtype, yr * y_stride + n) + acc[n]);
+            float *acc = t + ROWS_AT_ONCE * R, *xf = acc + ROWS_AT_ONCE * N;
+            int64_t xr[ROWS_AT_ONCE];
+            const int nr = (int)(M - blk * ROWS_AT_ONCE < ROWS_AT_ONCE ? M - blk * ROWS_AT_ONCE : ROWS_AT_ONCE);
+            for (int r = 0; r < nr; r++) xr[r] = rows ? rows[blk * ROWS_AT_ONCE + r] : blk * ROWS_AT_ONCE + r;
+            block_delta(x, x_dtype, x_stride, xr, nr, K, N, at, R, bt, xf, t, acc);
+            for (int r = 0; r < nr; r++)
+                for (int64_t n = 0; n < N; n++)
+                    store_as(y, y_dtype, xr[r] * y_stride + n, load_as(y, y_dtype, xr[r] * y_stride + n) + acc[r * N + n]);
         }
         free(t);
     }

@@ -294,9 +294,9 @@ def test_native_delta_kernel_equals_float64():
     if kernels().lib is None:
         pytest.skip("the native CPU kernel library is not built")
     g = torch.Generator().manual_seed(0)
-    T, K, N, R = 9, 70, 45, 12
-    a, b = torch.randn(R, K, generator=g), torch.randn(N, R, generator=g)
-    for dtype in (torch.float32, torch.bfloat16):
+    T, K, N = 9, 70, 45
+    for R, dtype in ((12, torch.float32), (20, torch.float32), (12, torch.bfloat16), (20, torch.bfloat16)):
+        a, b = torch.randn(R, K, generator=g), torch.randn(N, R, generator=g)
         x, y0 = torch.randn(T, K, generator=g).to(dtype), torch.randn(T, N, generator=g).to(dtype)
         for rows in (None, slice(2, 6), torch.tensor([7, 0, 4])):
             y = y0.clone()
@@ -310,6 +310,13 @@ def test_native_delta_kernel_equals_float64():
             rest = torch.ones(T, dtype=torch.bool)
             rest[sel] = False
             assert torch.equal(y[rest], y0[rest])
+        # rows are computed 4 at a time: a row alone gets the same bits as within a block
+        y = y0.clone()
+        add_rows(y, x, a.t().contiguous(), b.t().contiguous())
+        for i in range(T):
+            alone = y0[i:i + 1].clone()
+            add_rows(alone, x[i:i + 1], a.t().contiguous(), b.t().contiguous())
+            assert torch.equal(alone[0], y[i])
     with pytest.raises(IndexError):
         add_rows(y0.clone(), x, a.t().contiguous(), b.t().contiguous(), torch.tensor([T]))
 
