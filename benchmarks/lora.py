@@ -5,9 +5,10 @@ medians reported.
 
 The adapters are random PEFT adapters of rank `--rank` on every projection the engine adapts
 (q/k/v/o_proj, and gate/up/down_proj of dense MLPs), written once beside the preset's checkpoint.
-Each adapter row costs two extra GEMMs per projection and its steps run eagerly (kernel graphs hold
-no adapter), so the base model also runs on a second engine with `enforce_eager` (the `base,
-eager` row: what the eager steps alone cost), and the table gives the adapters' bytes read per step
+Each adapter row costs the delta's two products per projection (a native kernel on CPU); decode
+steps under one adapter replay kernel graphs of their own, steps mixing adapters run eagerly, so
+the base model also runs on a second engine with `enforce_eager` (the `base, eager` row: what the
+eager steps alone cost), and the table gives the adapters' bytes read per step
 over the base weights' bytes (what the extra weight bytes alone would cost a memory-bound step).
 
     python benchmarks/lora.py [--model-preset qwen3-0.6b] [--batches 1,16] [--rank 16] [--adapters 4]
