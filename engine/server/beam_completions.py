@@ -133,6 +133,7 @@ async def run_beam_search(request: Request, body: dict[str, Any], serving: Servi
     step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True,
                           output_kind=RequestOutputKind.FINAL_ONLY)
     firsts: list[RequestOutput] = []
+    version: list[int] = []  # the weights the search runs under (its first step's)
 
     async def score(token_lists: list[list[int]]) -> list[dict]:
         items = [(f"{rid}-beam-{uuid.uuid4().hex[:12]}", t) for t in token_lists]
@@ -140,10 +141,10 @@ async def run_beam_search(request: Request, body: dict[str, Any], serving: Servi
                                         observe=False)
         if not firsts:
             firsts.extend(finals)  # the first step's outputs: the prompts' own admission (cached tokens)
-        return [_candidates(out) for out in finals]
+        return [_candidates(out, version) for out in finals]
 
     async def with_sessions() -> bool:
-        return await _search_in_sessions(serving.engine, searches, step, rid, priority, firsts, lora)
+        return await _search_in_sessions(serving.engine, searches, step, rid, priority, firsts, version, lora)
 
     if not await until_disconnect(request, with_sessions(), serving.disconnected):
         await run_beam_search_async(searches, score)
@@ -154,18 +155,26 @@ async def run_beam_search(request: Request, body: dict[str, Any], serving: Servi
     return searches, usage
 
 
-def _candidates(out: RequestOutput) -> dict:
-    """A one-token step's candidates (token id -> Logprob); a step the engine aborted (a weight
-    update with in_flight="abort", say) ends the search with a 503."""
+def _candidates(out: RequestOutput, version: list[int]) -> dict:
+    """A one-token step's candidates (token id -> Logprob). A step the engine aborted (a weight
+    update with in_flight="abort", say) ends the search with a 503, and so does a step under other
+    weights than the search's first (an update landed between two steps): no search spans two
+    weight versions, as no request does. `version`: the search's, set by its first step."""
     c = out.outputs[0]
     if c.finish_reason == "abort" or not c.logprobs:
         raise OpenAIError("a beam search step was aborted by the engine (a weight update or a shutdown?); retry the request",
+                          503, "server_busy")
+    v = int(out.metrics["weight_version"])
+    if not version:
+        version.append(v)
+    elif version[0] != v:
+        raise OpenAIError(f"the weights changed during this beam search (version {version[0]} -> {v}); retry the request",
                           503, "server_busy")
     return c.logprobs[0]
 
 
 async def _search_in_sessions(engine: AsyncEngine, searches: list[BeamSearch], step: SamplingParams, rid: str, priority: int,
-                              firsts: list[RequestOutput], lora: str | None = None) -> bool:
+                              firsts: list[RequestOutput], version: list[int], lora: str | None = None) -> bool:
     """Run `searches` with each live beam an engine session; True when they end. False, with every
     session closed and the searches where they stand, when a session limit refuses a session or a
     turn (`SessionLimitError`): the caller goes on another way."""
@@ -182,7 +191,7 @@ async def _search_in_sessions(engine: AsyncEngine, searches: list[BeamSearch], s
                 firsts.extend(finals)  # the first step's outputs: the prompts' own admission (cached tokens)
             at = 0
             for s, sids in work:
-                s.advance([_candidates(out) for out in finals[at:at + len(sids)]])
+                s.advance([_candidates(out, version) for out in finals[at:at + len(sids)]])
                 at += len(sids)
             for s, sids in work:
                 if s.done:  # a finished search needs no more KV

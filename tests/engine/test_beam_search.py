@@ -274,7 +274,7 @@ def test_a_search_cancelled_while_the_engine_forks_leaves_no_session(qwen3_path)
     ae.start()
     try:
         async def leave_mid_fork() -> None:
-            task = asyncio.ensure_future(_search_in_sessions(ae, searches, step, "t", 0, []))
+            task = asyncio.ensure_future(_search_in_sessions(ae, searches, step, "t", 0, [], []))
             await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
             task.cancel()  # the client left: the fork command has started, its await is cancelled
             release.set()
@@ -314,3 +314,38 @@ def test_beam_logprobs_are_the_steps_that_chose_them(live, llm):
         assert [x["logprob"] for x in content] == pytest.approx([d[t].logprob for t, d in zip(gen, beam.logprobs)], abs=1e-6)
         assert [[y["token"] for y in x["top_logprobs"]] for x in content] == \
             [[tok.token_text(t) for t, _ in sorted(d.items(), key=lambda kv: kv[1].rank)[:2]] for d in beam.logprobs]
+
+
+def test_a_weight_update_during_a_search_is_a_503_and_closes_its_sessions(live):
+    """A weight update (in_flight="abort") while a server beam search runs: the search ends with
+    a 503 (its turn in flight was aborted, or its next step ran under the new weights: no search
+    spans two versions), every session it held is closed, and the server serves the next request."""
+    import threading
+
+    from safetensors.torch import save
+
+    prompt = [11 + (i * 13) % 170 for i in range(6)]
+    got = {}
+
+    def search() -> None:
+        got["r"] = httpx.post(live.url + "/v1/completions", json={"model": "test-model", "prompt": prompt, "use_beam_search": True,
+                                                                  "n": 8, "max_tokens": 100, "ignore_eos": True}, timeout=120)
+
+    t = threading.Thread(target=search)
+    t.start()
+    engine = live.llm.engine
+    deadline = time.time() + 30
+    while time.time() < deadline and engine.stats()["sessions_open"] == 0:
+        time.sleep(0.01)
+    name, w = next(iter(engine.runner.model.named_parameters()))
+    r = httpx.post(live.url + "/v1/rl/update_weights", params={"in_flight": "abort"}, content=save({name: w.detach().clone()}),
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    t.join(120)
+    assert got["r"].status_code == 503, got["r"].text
+    assert "retry" in got["r"].json()["error"]["message"]
+    deadline = time.time() + 20
+    while time.time() < deadline and (engine.stats()["sessions_open"] or engine.has_unfinished_requests()):
+        time.sleep(0.05)
+    assert engine.stats()["sessions_open"] == 0 and not engine.has_unfinished_requests()
+    assert _post(live, {"prompt": prompt, "max_tokens": 2}).status_code == 200
