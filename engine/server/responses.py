@@ -72,7 +72,8 @@ class ResponseStore:
         return len(self._items)
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new_bytes: int) -> None:
-        """`new_bytes`: what this response adds (its input items and output); earlier turns of the
+        """`new_bytes`: what this response adds (the response object with its output, echoed
+        fields and metadata, and its input items); earlier turns of the
         conversation are shared with the responses that hold them."""
         self._items[response["id"]] = _Stored(response, conversation, new_bytes)
         self._bytes += new_bytes
@@ -207,6 +208,10 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise OpenAIError("metadata must be an object of strings", param="metadata")
+    if metadata and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
+        # OpenAI's limits; the server keeps metadata with a stored response
+        raise OpenAIError("metadata holds at most 16 pairs, keys of at most 64 characters and values of at most 512",
+                          param="metadata")
     tools = body.get("tools") or []
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
@@ -495,7 +500,7 @@ def _reasoning_tokens(tok: Tokenizer, token_ids: list[int], call: ChatCall, text
 
 def _keep(store: ResponseStore, req: _ResponsesRequest, out: _Output, response: dict[str, Any]) -> None:
     if req.store and response["status"] in ("completed", "incomplete"):
-        store.put(response, req.history + req.new + [out.message], req.new_bytes + len(json.dumps(out.items)))
+        store.put(response, req.history + req.new + [out.message], req.new_bytes + len(json.dumps(response)))
 
 
 # ---- streaming --------------------------------------------------------------------------------

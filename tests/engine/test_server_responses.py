@@ -261,6 +261,17 @@ def test_store_get_delete_and_chain(live):
     assert httpx.get(f"{live.url}/v1/responses/{unstored['id']}", timeout=30).status_code == 404
 
 
+def test_store_counts_what_a_response_holds(live):
+    """The store's bound counts the whole response kept (tools and metadata echoed in it), not only
+    its items: tools that never reach the prompt (tool_choice none) cannot grow memory past it."""
+    store = live.app.state.response_store
+    before = store._bytes
+    tools = [{**WEATHER[0], "name": f"tool_{i}", "description": "d" * 100} for i in range(2000)]
+    r = post(live, {"input": "Weather?", "seed": 302, "tools": tools, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+    assert store._bytes - before >= len(json.dumps(r.json())) >= 200_000
+
+
 def test_store_is_bounded():
     from cuttle.engine.server.responses import ResponseStore
     s = ResponseStore(max_responses=3, max_bytes=100)
@@ -297,6 +308,8 @@ REFUSED = [
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "abc"}, {"role": "assistant", "content": "x"}]}, "input"),
     ({"input": "x", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
     ({}, "input"),
 ]
 
