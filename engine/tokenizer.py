@@ -63,6 +63,7 @@ class Tokenizer:
         self._compiled = self._env.from_string(self.chat_template) if self.chat_template else None
         self._other: OrderedDict[str, Any] = OrderedDict()  # other templates, compiled (LRU)
         self._variables: dict[str, frozenset[str]] = {}
+        self._developer: dict[str, bool] = {}  # template source -> whether it renders a developer message
         self._token_text: dict[int, str] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -140,6 +141,10 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         messages = [_alias_reasoning(m) for m in messages]
+        if any(isinstance(m, dict) and m.get("role") == "developer" for m in messages) and not self._renders_developer(chat_template):
+            # OpenAI's developer role is its system role: a template that would drop the message
+            # (Qwen3's renders system, user, assistant and tool only) gets it as a system message
+            messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
         final = None
         if continue_final_message:
             if not messages or not isinstance(messages[-1].get("content"), str):
@@ -165,6 +170,24 @@ class Tokenizer:
             # a template that trims the content's trailing blanks also trimmed the marker's space
             text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
         return text
+
+    def _renders_developer(self, chat_template: str | None) -> bool:
+        """Whether the template writes a developer message's content (probed once per template)."""
+        source = self.chat_template if chat_template is None else chat_template
+        known = self._developer.get(source or "")
+        if known is None:
+            probe = "\x1fdeveloper-probe\x1f"
+            try:
+                text = self.compile_template(chat_template).render(
+                    messages=[{"role": "developer", "content": probe}, {"role": "user", "content": "hi"}], tools=None,
+                    add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                known = probe in text
+            except TemplateError:  # a template that refuses the role outright: send it as system
+                known = False
+            self._developer[source or ""] = known
+            if len(self._developer) > 32:
+                self._developer.pop(next(iter(self._developer)))
+        return known
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         validate_messages(messages)

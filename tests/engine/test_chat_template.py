@@ -91,3 +91,18 @@ def test_chat_template_argument_is_a_path_or_inline(tmp_path):
     with pytest.raises(ValueError, match="looks like a file path"):
         load_chat_template(str(tmp_path / "missing.jinja"))
     assert load_chat_template(None) is None
+
+
+def test_developer_messages_render_as_system_where_the_template_drops_them(tokenizers):
+    """OpenAI's developer role is its system role. Qwen3's template renders system, user,
+    assistant and tool only, and transformers renders a developer message there as nothing (the
+    instructions silently lost); cuttle renders it as the system message. A template that writes
+    the developer role keeps it."""
+    tok, hf = tokenizers
+    dev = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    sysm = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    assert "Answer in French." not in hf.apply_chat_template(dev, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(dev) == tok.apply_chat_template(sysm) == hf.apply_chat_template(
+        sysm, tokenize=False, add_generation_prompt=True)
+    own = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert tok.apply_chat_template(dev, chat_template=own) == "<developer>Answer in French.<user>Hi"

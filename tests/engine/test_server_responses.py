@@ -367,3 +367,15 @@ def test_parallel_tool_calls_false_ends_the_output_after_one_call(live, route):
             if not parallel:
                 assert resp["status"] == "completed"
     assert counts[True] >= 2 and counts[False] == 1, counts
+
+
+def test_developer_items_reach_the_prompt_as_system(live):
+    """Codex-style input: a developer message. This template renders no developer role, so the
+    message is rendered as the system message (not dropped, as the template alone would)."""
+    inp = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+           {"role": "user", "content": "Weather?"}]
+    r = post(live, {"input": inp, "seed": 302})
+    assert r.status_code == 200, r.text
+    ref = chat(live, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}], seed=302)
+    bare = chat(live, [{"role": "user", "content": "Weather?"}], seed=302)
+    assert r.json()["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"] > bare["usage"]["prompt_tokens"]
