@@ -100,8 +100,9 @@ def main() -> None:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [[rng.randrange(1000, 30000) for _ in range(args.prompt_len)] for _ in range(batch)]
-        kinds = {"base": (llm, [None] * batch), "base, eager": (eager, [None] * batch), "one adapter": (llm, [adapters[0]] * batch),
-                 f"{args.adapters} adapters mixed": (llm, [adapters[i % args.adapters] for i in range(batch)])}
+        kinds = {"base": (llm, [None] * batch), "base, eager": (eager, [None] * batch), "one adapter": (llm, [adapters[0]] * batch)}
+        if batch > 1:  # adapters are mixed across a batch's requests: one request is the one-adapter row
+            kinds[f"{min(batch, args.adapters)} adapters mixed"] = (llm, [adapters[i % args.adapters] for i in range(batch)])
         for engine, loras in kinds.values():
             run_once(engine, prompts[:1], loras[:1], 4)  # warm-up (kernel graphs, adapters loaded)
         rates: dict[str, list[float]] = {k: [] for k in kinds}
