@@ -57,6 +57,7 @@ class _Stored:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]  # chat messages, this response's output included, instructions excluded
     size: int
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # this request's input, as items with ids
 
 
 class ResponseStore:
@@ -71,11 +72,12 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new_bytes: int) -> None:
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new_bytes: int,
+            input_items: list[dict[str, Any]] | None = None) -> None:
         """`new_bytes`: what this response adds (the response object with its output, echoed
         fields and metadata, and its input items); earlier turns of the
         conversation are shared with the responses that hold them."""
-        self._items[response["id"]] = _Stored(response, conversation, new_bytes)
+        self._items[response["id"]] = _Stored(response, conversation, new_bytes, input_items or [])
         self._bytes += new_bytes
         while self._items and (len(self._items) > self.max_responses or self._bytes > self.max_bytes):
             _, old = self._items.popitem(last=False)
@@ -101,6 +103,34 @@ def add_response_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Ch
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
         return store.get(response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(request: Request, response_id: str) -> dict[str, Any]:
+        """OpenAI's list of a stored response's input items (its own request's, with ids), paged
+        by `limit` (1..100, default 20), `order` (desc, the default, or asc) and `after` (an id)."""
+        items = store.get(response_id).input_items
+        q = request.query_params
+        unknown = set(q) - {"limit", "order", "after", "include"}
+        if unknown:
+            raise OpenAIError(f"unknown query parameter(s) {sorted(unknown)}", param=sorted(unknown)[0])
+        if q.getlist("include"):
+            raise OpenAIError("include is not supported on input_items (the items are returned whole)", param="include")
+        limit = q.get("limit", "20")
+        if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
+            raise OpenAIError(f"limit must be an integer in 1..100, got {limit!r}", param="limit")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise OpenAIError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        ordered = items if order == "asc" else items[::-1]
+        after = q.get("after")
+        if after is not None:
+            at = next((i for i, it in enumerate(ordered) if it["id"] == after), None)
+            if at is None:
+                raise OpenAIError(f"after {after!r} is not an input item of response {response_id!r}", param="after")
+            ordered = ordered[at + 1:]
+        page = ordered[: int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > len(page)}
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
@@ -165,7 +195,7 @@ class _ResponsesRequest:
     system: list[dict[str, Any]]  # the instructions, as a system message
     history: list[dict[str, Any]]  # the previous response's conversation
     new: list[dict[str, Any]]  # this request's input items
-    new_bytes: int
+    raw_input: Any  # the input field as sent
     tools: list[dict[str, Any]]  # as sent (Responses shape)
     stream: bool
     store: bool
@@ -221,7 +251,7 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
             "max_output_tokens": body.get("max_output_tokens"), "top_logprobs": top if logprobs else None,
             "user": body.get("user"), "truncation": "disabled", "service_tier": tier or "auto", "background": False,
             "parallel_tool_calls": get_bool(body, "parallel_tool_calls", True)}
-    return _ResponsesRequest(system, history, new, len(json.dumps(body["input"])), tools, get_bool(body, "stream"),
+    return _ResponsesRequest(system, history, new, body["input"], tools, get_bool(body, "stream"),
                              get_bool(body, "store", True), logprobs, echo)
 
 
@@ -289,6 +319,31 @@ def _input_messages(items: Any, known_calls: set[str]) -> list[dict[str, Any]]:
                               "reasoning)", param="input")
     if reasoning is not None:
         raise OpenAIError("input: a reasoning item must be followed by the assistant turn it belongs to", param="input")
+    return out
+
+
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(raw: Any) -> list[dict[str, Any]]:
+    """A request's input (already checked by `_input_messages`) as OpenAI lists it back: items
+    with ids (the client's, or new ones), a string as one user message, message content as parts."""
+    if isinstance(raw, str):
+        raw = [{"role": "user", "content": raw}]
+    out = []
+    for item in raw:
+        kind = item.get("type", "message")
+        it = {**item, "type": kind}
+        if kind == "message":
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            parts = [{"type": part, "text": item["content"]}] if isinstance(item["content"], str) else item["content"]
+            # an assistant's text parts as an output message holds them (with their annotations)
+            it["content"] = [{"annotations": [], **p} if p.get("type") == "output_text" else p for p in parts]
+            it.setdefault("status", "completed")
+        elif kind in ("function_call", "function_call_output"):
+            it.setdefault("status", "completed")
+        it["id"] = item.get("id") if isinstance(item.get("id"), str) else f"{_ITEM_PREFIX[kind]}_{uuid.uuid4().hex}"
+        out.append(it)
     return out
 
 
@@ -500,7 +555,8 @@ def _reasoning_tokens(tok: Tokenizer, token_ids: list[int], call: ChatCall, text
 
 def _keep(store: ResponseStore, req: _ResponsesRequest, out: _Output, response: dict[str, Any]) -> None:
     if req.store and response["status"] in ("completed", "incomplete"):
-        store.put(response, req.history + req.new + [out.message], req.new_bytes + len(json.dumps(response)))
+        items = input_items(req.raw_input)
+        store.put(response, req.history + req.new + [out.message], len(json.dumps(items)) + len(json.dumps(response)), items)
 
 
 # ---- streaming --------------------------------------------------------------------------------

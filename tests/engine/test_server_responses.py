@@ -379,3 +379,32 @@ def test_developer_items_reach_the_prompt_as_system(live):
     ref = chat(live, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}], seed=302)
     bare = chat(live, [{"role": "user", "content": "Weather?"}], seed=302)
     assert r.json()["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"] > bare["usage"]["prompt_tokens"]
+
+
+def test_input_items_of_a_stored_response(live):
+    """GET /v1/responses/{id}/input_items: the request's own input as items with ids (a client's
+    id kept), as the SDK's `ResponseItemList` reads them, paged by limit / order / after, and the
+    official client's `input_items.list` walks every page."""
+    from openai.types.responses.response_item_list import ResponseItemList
+
+    inp = [{"role": "developer", "content": "Be brief."}, {"type": "message", "id": "msg_mine", "role": "user",
+                                                          "content": [{"type": "input_text", "text": "Weather?"}]},
+           {"role": "assistant", "content": "Where?"}, {"role": "user", "content": "Paris"}]
+    r = post(live, {"input": inp, "seed": 302}).json()
+    url = f"{live.url}/v1/responses/{r['id']}/input_items"
+    whole = httpx.get(url, timeout=30).json()
+    ResponseItemList.model_validate(whole)
+    assert [i["role"] for i in whole["data"]] == ["user", "assistant", "user", "developer"]  # newest first
+    assert whole["data"][2]["id"] == "msg_mine" and whole["has_more"] is False
+    assert whole["data"][0]["content"] == [{"type": "input_text", "text": "Paris"}]
+    assert whole["data"][1]["content"] == [{"annotations": [], "type": "output_text", "text": "Where?"}]
+    page = httpx.get(url, params={"order": "asc", "limit": 2}, timeout=30).json()
+    assert [i["role"] for i in page["data"]] == ["developer", "user"] and page["has_more"] is True
+    rest = httpx.get(url, params={"order": "asc", "after": page["last_id"]}, timeout=30).json()
+    assert [i["role"] for i in rest["data"]] == ["assistant", "user"] and rest["has_more"] is False
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+    assert [i.id for i in client.responses.input_items.list(r["id"], limit=1, order="asc")] == [i["id"] for i in whole["data"][::-1]]
+    for bad, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        e = httpx.get(url, params=bad, timeout=30)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param
+    assert httpx.get(f"{live.url}/v1/responses/resp_nope/input_items", timeout=30).status_code == 404
