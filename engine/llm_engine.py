@@ -275,8 +275,7 @@ class LLMEngine:
             extra += b"|lora|" + adapter.key
         req = Request(request_id, ids, params, prompt=text, extra_key=extra, seed=seed, max_tokens=max_tokens,
                       stream=stream, weight_version=self.weight_version, layout=layout, priority=priority, lora=adapter,
-                      lora_request=None if adapter is None else
-                      lora_request if isinstance(lora_request, LoRARequest) else LoRARequest(adapter.name))
+                      lora_request=_named(lora_request, adapter))
         if layout is not None:
             req.prefix_cache_key = extra + self.squid.query_key(req)
             req.full_prompt_token_ids = layout.flat_tokens(ids)
@@ -344,9 +343,7 @@ class LLMEngine:
         self._check_awake("a session")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_ids(ids, "prompt")
-        adapter = self.lora_adapter(lora_request)
-        named = None if adapter is None else lora_request if isinstance(lora_request, LoRARequest) else LoRARequest(adapter.name)
-        return self.sessions.open(ids, named).session_id
+        return self.sessions.open(ids, _named(lora_request, self.lora_adapter(lora_request))).session_id
 
     def fork_session(self, session_id: str, n: int) -> list[str]:
         return [s.session_id for s in self.sessions.fork(session_id, n)]
@@ -858,3 +855,10 @@ def _check_fits(field: str, nbytes: int, device: torch.device, weights: int = 0)
                 f"upper bound under quantization)") if weights else ""
         raise ValueError(f"{field} asks for {nbytes / 2**30:.2f} GiB of KV cache, more than the {free / 2**30:.2f} GiB free on "
                          f"{device.type}{less}")
+
+
+def _named(lora_request: LoRARequest | str | None, adapter: LoadedAdapter | None) -> LoRARequest | None:
+    """How a caller named the adapter it resolved to (a name alone becomes a LoRARequest)."""
+    if adapter is None:
+        return None
+    return lora_request if isinstance(lora_request, LoRARequest) else LoRARequest(adapter.name)

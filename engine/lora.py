@@ -13,11 +13,13 @@ knows about adapters.
 An adapter's A and B are stacked per fused projection (q|k|v's A rows one after another, B
 block-diagonal over the output slices), its scale (lora_alpha / r, or / sqrt(r) under
 use_rslora) folded into B, so a projection's delta is two GEMMs, (x A^T) B^T, per adapter in the
-step. They are kept and computed in fp32 whatever the model's dtype: a few percent of the base
-weights' bytes, and torch's fp32 GEMM runs these thin shapes (K = r, or N = r) 1.5-5x faster than
-the bf16 kernels measured here (docs/benchmarks.md, 'LoRA adapters'); the delta is added to the bf16
-projection once, rounded once. Under batch-invariant mode the GEMMs go through
-`native.gemm.linear`, whose result for a row does not depend on the other rows.
+step. They are kept and computed in fp32 whatever the model's dtype (a few percent of the base
+weights' bytes; these thin shapes, K = r or N = r, ran faster in fp32 than in the bf16 kernels
+here, docs/benchmarks.md 'LoRA adapters'), and the delta is added to the projection once, rounded
+once. On CPU it is a native kernel (attention/native/lora_delta.py; A^T and (sB)^T are the stored
+copies there), whose result for a row depends on that row alone, so decode steps under one
+adapter can replay kernel graphs; elsewhere torch's GEMMs, batch-invariant ones
+(`native.gemm.linear`) under batch-invariant mode.
 
 It must never apply an adapter to another request's rows, nor let KV computed under one adapter be
 reused under another: the engine mixes `LoadedAdapter.key` (a hash of the adapter's weights) into
@@ -366,7 +368,8 @@ class LoRAContext:
 
         On CPU the native kernel computes it (attention/native/lora_delta.py): a row's value then
         depends on that row alone (any batch, chunk or thread count), a decode step can replay
-        from a kernel graph, and it ran at or above torch's fp32 GEMMs at 1 to 2048 rows here.
+        from a kernel graph, and it kept pace with torch's fp32 GEMMs from 1 to 512 rows and ran
+        ~3x faster at 2048 here (benchmarks/lora_kernel.py).
         Elsewhere (an accelerator, the trainer's adapter under autograd) torch's GEMMs in fp32
         (batch-invariant ones under invariance); both sum in fp32 and round once."""
         batch = self.batch

@@ -61,7 +61,6 @@ class Session:
     lora_request: LoRARequest | None = None  # the adapter every turn runs under (None: the base model)
     lora_key: bytes | None = None  # the adapter the pinned KV was computed with
 
-
     @property
     def pinned_blocks(self) -> list[int]:
         return self.handle.blocks if self.handle is not None else []

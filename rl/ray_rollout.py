@@ -175,7 +175,7 @@ class RolloutWorker:
         with self.locked.lock:  # never in the middle of a turn's sampling
             return self.sampler.update_weights(iter(tensors.items()))
 
-    def update_lora(self, lora_name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
+    def update_lora(self, lora_name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
         """LoRA training's sync: the adapter to this worker's sampler, which draws every later turn
         under it (the rollout asks the sampler for `lora_name`)."""
         update = getattr(self.sampler, "update_lora", None)
@@ -330,12 +330,7 @@ class RayRollout:
         """Load new weights into every live worker; returns the version all of them now have.
         `in_flight`: see `_check_in_flight` (`trainer.push_weights(rollout)` passes one)."""
         self._check_in_flight(in_flight)
-        ref = ray.put({n: t.detach().contiguous().cpu() for n, t in named_tensors})
-        live = self.live()
-        versions = ray.get([self.workers[i].update_weights.remote(ref) for i in live])
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"workers disagree on the weight version after an update: {dict(zip(live, versions))}")
-        return versions[0]
+        return self._to_every_worker("update_weights", named_tensors)
 
     def update_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
                     in_flight: str = "finish") -> int:
@@ -343,12 +338,18 @@ class RayRollout:
         live worker's sampler, which then draws every turn under it; returns the version all of
         them now have. `in_flight`: see `_check_in_flight`."""
         self._check_in_flight(in_flight)
+        version = self._to_every_worker("update_lora", named_tensors, lora_name, config)
+        self.lora_name = lora_name
+        return version
+
+    def _to_every_worker(self, method: str, named_tensors: Iterable[tuple[str, torch.Tensor]], *args: Any) -> int:
+        """The tensors put in the object store once, `method` of every live worker called with
+        them; the one weight version they all report."""
         ref = ray.put({n: t.detach().contiguous().cpu() for n, t in named_tensors})
         live = self.live()
-        versions = ray.get([self.workers[i].update_lora.remote(lora_name, ref, config) for i in live])
+        versions = ray.get([getattr(self.workers[i], method).remote(*args, ref) for i in live])
         if len(set(versions)) != 1:
-            raise RuntimeError(f"workers disagree on the weight version after a LoRA update: {dict(zip(live, versions))}")
-        self.lora_name = lora_name
+            raise RuntimeError(f"workers disagree on the weight version after {method}: {dict(zip(live, versions))}")
         return versions[0]
 
     def _check_in_flight(self, in_flight: str) -> None:

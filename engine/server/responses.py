@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from cuttle.engine.openai_protocol import RESPONSES_FIELDS, OpenAIError, Usage, chat_logprobs, get_bool, get_int, get_str, show
+from cuttle.engine.openai_protocol import CHAT_FIELDS, RESPONSES_FIELDS, OpenAIError, Usage, chat_logprobs, get_bool, get_int, get_str, show
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.reasoning_parsers import CLOSE, split_reasoning
 from cuttle.engine.server.body import read_body
@@ -48,6 +48,8 @@ from cuttle.engine.tokenizer import Tokenizer
 _CHAT_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                "response_format": "text", "logprobs": "include", "chat_template_kwargs": "reasoning"}
 _LOGPROBS = "message.output_text.logprobs"  # the one `include` value cuttle produces
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning.effort values
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}  # item ids
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_BYTES = 256 * 2**20
 
@@ -322,9 +324,6 @@ def _input_messages(items: Any, known_calls: set[str]) -> list[dict[str, Any]]:
     return out
 
 
-_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
-
-
 def input_items(raw: Any) -> list[dict[str, Any]]:
     """A request's input (already checked by `_input_messages`) as OpenAI lists it back: items
     with ids (the client's, or new ones), a string as one user message, message content as parts."""
@@ -380,11 +379,9 @@ def _chat_body(body: dict[str, Any], req: _ResponsesRequest, template_reads: set
     return chat
 
 
-# sampling and admission fields that mean the same on both routes (vLLM's extensions included)
-_SHARED_FIELDS = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop", "stop_token_ids",
-                            "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
-                            "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words", "top_logprobs",
-                            "cache_salt", "priority", "return_tokens_as_token_ids", "parallel_tool_calls"})
+# the fields that mean the same on both routes (sampling, vLLM's extensions, admission); tools,
+# tool_choice and stream are converted by `_chat_body`
+_SHARED_FIELDS = (RESPONSES_FIELDS & CHAT_FIELDS) - {"tools", "tool_choice", "stream"}
 
 
 def _chat_tool(t: Any, i: int) -> dict[str, Any]:
@@ -458,9 +455,6 @@ def _reasoning_kwargs(reasoning: Any, template_reads: set[str]) -> dict[str, Any
                       param="reasoning")
 
 
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-
-
 def _renamed(build: Callable[[], Any]) -> Any:
     """Run a chat check, its errors naming the Responses fields."""
     try:
@@ -485,8 +479,7 @@ class _Output:
         self.message: dict[str, Any] = {"role": "assistant", "content": ""}  # the turn, for the conversation
 
     def new_item(self, kind: str, **fields: Any) -> dict[str, Any]:
-        prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
-        item = {"id": f"{prefix}_{uuid.uuid4().hex}", "type": kind, **fields}
+        item = {"id": f"{_ITEM_PREFIX[kind]}_{uuid.uuid4().hex}", "type": kind, **fields}
         self.items.append(item)
         return item
 
@@ -594,6 +587,7 @@ async def _events(frames: AsyncIterator[dict[str, Any]], out: _Output, store: Re
         item.update(content=[part], status=status)
         evs.append(event("response.output_item.done", output_index=idx, item=item))
         open_item, text = None, ""
+        lps.clear()  # the part above holds its own copy
         return evs
 
     def opened(kind: str) -> list[str]:
