@@ -311,6 +311,9 @@ def _input_messages(items: Any, known_calls: set[str]) -> list[dict[str, Any]]:
             if item.get("encrypted_content") is not None:
                 raise OpenAIError(f"{where}.encrypted_content is not supported: send the reasoning item's content as cuttle "
                                   "returned it", param="input")
+            if item.get("summary"):  # another provider's summary of hidden reasoning: not text this model wrote
+                raise OpenAIError(f"{where}.summary is not supported: cuttle renders a reasoning item's content (the "
+                                  "model's own reasoning text); send the summary empty", param="input")
             parts = item.get("content") or []
             if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str)
                                                      for p in parts):

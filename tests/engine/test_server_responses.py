@@ -307,6 +307,8 @@ REFUSED = [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "abc"}, {"role": "assistant", "content": "x"}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]}, {"role": "assistant", "content": "x"}]},
+     "input"),
     ({"input": "x", "previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
