@@ -31,6 +31,8 @@ from cuttle.engine.lora import LoadedAdapter, LoRARegistry, LoRARequest
 from cuttle.engine.memory_budget import checkpoint_weight_bytes, free_memory_bytes, kv_pool_bytes
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
+from cuttle.engine.models.loader import WeightCoverage
+from cuttle.engine.models.moe_quant import unpack_experts
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.postprocess import Postprocessor
@@ -39,8 +41,8 @@ from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.scheduler import Scheduler
 from cuttle.engine.sequence import Request, Sequence
 from cuttle.engine.session import Sessions
-from cuttle.engine.sleep_mode import (SLEEP_LEVELS, WAKE_TAGS, EngineAsleepError, Slept, free_storage, offload_weights, restore_storage,
-                                      restore_weights)
+from cuttle.engine.sleep_mode import (SLEEP_LEVELS, WAKE_TAGS, EngineAsleepError, Slept, discard_weights, free_storage, offload_weights,
+                                      regrow_weights, restore_storage, restore_weights)
 from cuttle.engine.draft_model import DraftModelProposer
 from cuttle.engine.spec_decode import Proposer, SpecConfig
 from cuttle.engine.squid import Squid, parse_prompt
@@ -113,6 +115,7 @@ class LLMEngine:
             self.runner.enable_lora()
         self.requests: dict[str, Request] = {}
         self._slept = Slept()  # what sleep() gave back (nothing: awake)
+        self._reload: WeightCoverage | None = None  # after sleep(level=2) and waking: what update_weights has written again
         self._rng = random.Random(config.seed)
         self.weight_version = 0
         self._weights_tag = b""  # the disk tier's name for the weights (the checkpoint's until an update)
@@ -432,14 +435,15 @@ class LLMEngine:
 
     # ---- sleep mode (engine/sleep_mode.py) ----------------------------------------------------
     def sleep(self, level: int = 1) -> None:
-        """Give back the KV pool's memory (and on an accelerator the weights', kept in host memory)
-        until `wake_up`; the prefix cache is emptied. Only when idle: no request unfinished and no
-        session open (their KV would be lost)."""
+        """Give back the KV pool's memory until `wake_up`; the prefix cache is emptied. Level 1
+        keeps the weights (on an accelerator in host memory), level 2 discards them: after waking,
+        `update_weights` must write every weight (in any number of calls) before the engine serves
+        again. Only when idle: no request unfinished and no session open (their KV would be lost)."""
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep needs enable_sleep_mode=True (--enable-sleep-mode), as in vLLM")
         if isinstance(level, bool) or level not in SLEEP_LEVELS:
-            raise ValueError(f"sleep level must be 1 (free the KV cache, keep the weights), got {level!r}; level 2 (discard "
-                             "the weights) is not supported")
+            raise ValueError(f"sleep level must be 1 (free the KV cache, keep the weights) or 2 (also discard the weights, "
+                             f"to be sent again by update_weights), got {level!r}")
         if self._slept.asleep:
             raise ValueError("the engine is already asleep: wake_up() first")
         if self.requests:
@@ -452,8 +456,14 @@ class LLMEngine:
         if self.runner.graphs is not None:
             self.runner.graphs.clear()  # they hold the pool's (and the weights') addresses
         slept = Slept(kv=free_storage(self.runner.kv.tensors))
-        if self.device.type != "cpu":
-            slept.weights = offload_weights(self.runner.model)
+        model = self.runner.model
+        if level == 2:
+            unpack_experts(model)  # held in the plain form the loader writes
+            drop_packed(model)
+            slept.discarded = discard_weights(model)
+            self._reload = None  # (set on waking: nothing can be written while discarded)
+        elif self.device.type != "cpu":
+            slept.weights = offload_weights(model)
         self._slept = slept
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
@@ -469,6 +479,10 @@ class LLMEngine:
         if "weights" in tags and slept.weights:
             restore_weights(slept.weights)
             slept.weights = []
+        if "weights" in tags and slept.discarded:
+            regrow_weights(slept.discarded, self.device)
+            slept.discarded = []
+            self._reload = WeightCoverage(self.runner.model)
         if "kv_cache" in tags and slept.kv:
             restore_storage(slept.kv)
             slept.kv = []
@@ -480,8 +494,14 @@ class LLMEngine:
 
     def _check_awake(self, what: str) -> None:
         if self._slept.asleep:
-            asleep = " and ".join(n for n, gone in (("weights", self._slept.weights), ("KV cache", self._slept.kv)) if gone)
+            slept = self._slept
+            asleep = " and ".join(n for n, gone in (("weights", slept.weights or slept.discarded), ("KV cache", slept.kv)) if gone)
             raise EngineAsleepError(f"the engine is asleep (its {asleep} given back by sleep()): wake_up() before {what}")
+        if self._reload is not None:
+            missing = self._reload.missing()
+            raise EngineAsleepError(f"the weights discarded by sleep(level=2) are not all loaded again: update_weights has "
+                                    f"not written {len(missing)} of {len(self._reload.targets)} tensors (e.g. {missing[:4]}); "
+                                    f"send them all before {what}")
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix and document, in every tier (vLLM's, e.g. for benchmarks that
@@ -721,7 +741,7 @@ class LLMEngine:
         """
         if in_flight not in ("abort", "finish"):
             raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
-        if self._slept.weights:  # (the KV cache may sleep on: vLLM's wake weights, update, wake KV)
+        if self._slept.weights or self._slept.discarded:  # (the KV cache may sleep on: vLLM's wake weights, update, wake KV)
             raise EngineAsleepError("the engine's weights are asleep: wake_up(tags=['weights']) before update_weights")
         ended: list[RequestOutput] = []
         if in_flight == "finish":
@@ -736,9 +756,12 @@ class LLMEngine:
             ended = self._abort_all()
         try:
             self._load_weights(named_tensors)
+            if self._reload is not None and not self._reload.missing():
+                self._reload = None  # every discarded weight written again: serving resumes
         finally:  # even a half-applied update must not leave stale packed copies behind
             drop_packed(self.runner.model)
-            self.runner.prepack()
+            if self._reload is None:  # (while weights are still missing, packing them would be wasted work)
+                self.runner.prepack()
         self._next_weight_version()
         return ended
 
@@ -803,7 +826,9 @@ class LLMEngine:
         with torch.no_grad():
             for p, t in native:
                 p.copy_(t)
-        load_weights(model, hf, strict=False, source="update_weights")
+                if self._reload is not None:
+                    self._reload.record_whole(p)
+        load_weights(model, hf, strict=False, source="update_weights", coverage=self._reload)
 
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager

@@ -10,9 +10,15 @@ Owns what each level frees and how waking restores it; the engine (llm_engine.py
   forgotten in every tier (the host tier keeps its memory). The weights are kept: on CPU they
   already live in host memory, so nothing moves; on an accelerator each parameter and buffer is
   copied to host memory and its device memory freed, then copied back, bit for bit, on waking.
-- Level 2 (vLLM: the weights discarded, to be reloaded by the trainer) is refused: the CPU
-  engine holds some weights only in derived forms (packed experts, huge-page copies) that an
-  update could not rebuild from nothing.
+- Level 2 (vLLM's: the weights discarded too, for a trainer that will send them all again): as
+  level 1, and every parameter and buffer of the model is given back, packed copies included
+  (packed experts are unpacked first, so each layer is held in its plain form, whose shapes the
+  loader writes). Each keeps its shape over a one-element stand-in (`expand`: reads see zeros,
+  writes fail), so nothing that holds a Parameter object is rebuilt. Waking the weights gives
+  each one fresh zeroed memory, which only `update_weights` fills: until every weight has been
+  written (loader.WeightCoverage, counted across calls) the engine refuses requests, so a partial
+  sync can never be sampled from. Derived state that is not a weight (RoPE tables, LoRA
+  adapters, a draft model) is kept.
 
 The pool is freed by shrinking its storage to zero bytes: every view of it (the per-layer K/V,
 the companions' views the attention backends hold) stays the same tensor object and sees the new
@@ -28,7 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-SLEEP_LEVELS = (1,)
+from cuttle.attention.native import hugepages
+
+SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
 
 
@@ -42,10 +50,22 @@ class Slept:
 
     kv: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (tensor, its storage bytes)
     weights: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = field(default_factory=list)  # (storage, its host copy)
+    discarded: list[Discarded] = field(default_factory=list)  # level 2: the weights given back, values and all
 
     @property
     def asleep(self) -> bool:
-        return bool(self.kv or self.weights)
+        return bool(self.kv or self.weights or self.discarded)
+
+
+@dataclass
+class Discarded:
+    """One model tensor given back by `discard_weights`: where it goes back, and its form."""
+
+    module: torch.nn.Module
+    name: str
+    parameter: bool  # a Parameter (its `.data` is swapped, the object kept) or a buffer
+    shape: torch.Size
+    dtype: torch.dtype
 
 
 def free_storage(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
@@ -90,6 +110,44 @@ def restore_weights(offloaded: list[tuple[torch.UntypedStorage, torch.UntypedSto
     for st, host in offloaded:
         st.resize_(host.nbytes())
         st.copy_(host)
+
+
+def discard_weights(module: torch.nn.Module) -> list[Discarded]:
+    """Give back every parameter's and buffer's memory (each tensor once, however many names hold
+    it), leaving a stand-in of the same shape and dtype; the caller has dropped derived copies."""
+    out: list[Discarded] = []
+    seen: set[int] = set()
+    with torch.no_grad():
+        for mod in module.modules():
+            for slots, parameter in ((mod._parameters, True), (mod._buffers, False)):
+                for name, t in list(slots.items()):
+                    if t is None:
+                        continue
+                    stand_in = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+                    if parameter:
+                        if id(t) in seen:  # a tied Parameter: its object is shared, swapped once
+                            continue
+                        seen.add(id(t))
+                        out.append(Discarded(mod, name, True, t.shape, t.dtype))
+                        t.data = stand_in
+                    else:
+                        out.append(Discarded(mod, name, False, t.shape, t.dtype))
+                        slots[name] = stand_in
+    release_host_memory()
+    return out
+
+
+def regrow_weights(discarded: list[Discarded], device: torch.device) -> None:
+    """Fresh zeroed memory for every discarded tensor (large CPU ones in huge pages, where they
+    would be moved anyway); the values come from update_weights."""
+    with torch.no_grad():
+        for d in discarded:
+            fresh = hugepages.empty(d.shape, d.dtype) if device.type == "cpu" else torch.empty(d.shape, dtype=d.dtype, device=device)
+            fresh.zero_()
+            if d.parameter:
+                d.module._parameters[d.name].data = fresh
+            else:
+                d.module._buffers[d.name] = fresh
 
 
 def release_host_memory() -> None:

@@ -97,15 +97,25 @@ def checkpoint_is_quantized(path: str) -> bool:
     return False
 
 
+Region = tuple  # (expert index, first row, end row): the part of a model tensor one write covered; () for all of it
+
+
+def _region(index: int | None, rows: slice | None) -> Region:
+    return () if index is None and rows is None else (index, *((rows.start, rows.stop) if rows is not None else (None, None)))
+
+
 class _Filler:
     """Copies checkpoint tensors into (slices of) model tensors and records what was covered;
-    `check_only`: checks the shapes and records, writing nothing (a weight update's first pass)."""
+    `check_only`: checks the shapes and records, writing nothing (a weight update's first pass).
+    Coverage is kept per region, so a tensor given twice counts once (`filled` may be a
+    `WeightCoverage`'s, carried across loads)."""
 
-    def __init__(self, check_only: bool = False) -> None:
+    def __init__(self, check_only: bool = False, filled: dict[str, dict[Region, int]] | None = None) -> None:
         self.check_only = check_only
-        self.filled: dict[str, int] = {}  # model tensor name -> number of elements filled
+        self.filled: dict[str, dict[Region, int]] = {} if filled is None else filled  # model tensor -> region -> elements
 
     def put(self, name: str, dst: torch.Tensor, src: torch.Tensor, ckpt_name: str, rows: slice | None = None, index: int | None = None) -> None:
+        region = _region(index, rows)
         if index is not None:
             dst = dst[index]
         if rows is not None:
@@ -115,10 +125,59 @@ class _Filler:
         if not self.check_only:
             with torch.no_grad():
                 dst.copy_(src)
-        self.count(name, src.numel())
+        self.count(name, src.numel(), region)
 
-    def count(self, name: str, numel: int) -> None:
-        self.filled[name] = self.filled.get(name, 0) + numel
+    def count(self, name: str, numel: int, region: Region = ()) -> None:
+        self.filled.setdefault(name, {})[region] = numel
+
+    def covered(self, name: str) -> int:
+        """Elements of `name` written (all of them once its whole was; the regions' sum otherwise:
+        the regions one layout writes do not overlap)."""
+        regions = self.filled.get(name, {})
+        return regions[()] if () in regions else sum(regions.values())
+
+
+def _targets(model: CausalLM) -> tuple[dict[str, torch.Tensor], dict[int, FusedMoE], dict[str, MXLinearWeight]]:
+    """Every tensor a load writes, by the engine's name (tied names twice), with the MXFP8 expert
+    layers and MXFP8 linears among them. Experts held packed are unpacked first (writes need the
+    plain tensors; the engine packs them again afterwards, ModelRunner.prepack)."""
+    unpack_experts(model)
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    quantized = {i: layer for i, layer in moe_layers(model).items() if layer.quant == "mxfp8"}
+    for i, layer in quantized.items():
+        for field in _QUANTIZED_DTYPES:
+            targets[f"layers.{i}.mlp.{field}"] = getattr(layer, field)
+    mx_linears = quantized_linears(model)  # MXFP8 linears: written through write_quantized_linear
+    if model.cfg.tie_word_embeddings:
+        mx_linears.pop("lm_head", None)  # a tied MXFP8 lm_head is derived from the embedding (linear_quant.refresh_tied)
+    targets.update({n: w.data for n, w in mx_linears.items()})
+    return targets, quantized, mx_linears
+
+
+def _missing(targets: dict[str, torch.Tensor], filler: _Filler, cfg: ModelConfig) -> list[str]:
+    return [n for n, t in targets.items() if filler.covered(n) != t.numel() and not (cfg.tie_word_embeddings and n == "lm_head")]
+
+
+class WeightCoverage:
+    """Which of a model's weights have been written, over any number of loads: after
+    `sleep(level=2)` discarded them, the engine takes the weights back through update_weights
+    calls (a trainer sends them in buckets) and serves again only once none is missing."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.cfg = model.cfg
+        self.targets, _, _ = _targets(model)
+        self.filler = _Filler(filled={})
+        self._names_of: dict[int, list[str]] = {}  # a tensor's names (a tied embedding has two)
+        for n, t in self.targets.items():
+            self._names_of.setdefault(id(t), []).append(n)
+
+    def record_whole(self, tensor: torch.Tensor) -> None:
+        """`tensor` (one of the model's own, by the engine's name) was written whole."""
+        for n in self._names_of.get(id(tensor), []):
+            self.filler.count(n, tensor.numel())
+
+    def missing(self) -> list[str]:
+        return _missing(self.targets, self.filler, self.cfg)
 
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, moe_quant: str | None = None,
@@ -146,7 +205,7 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
 
 
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False, source: str = "weights",
-                 check_only: bool = False) -> list[str]:
+                 check_only: bool = False, coverage: WeightCoverage | None = None) -> list[str]:
     """Copy HF-named tensors into the model's (fused) parameters, in place.
 
     `strict`: every parameter must be covered (loading a checkpoint); otherwise any subset may be
@@ -157,26 +216,16 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     `model.embed_tokens.weight`, which it must then equal. Expert tensors for an MXFP8 layer are
     quantized as they are written (MXFP8 ones are copied). Returns the names that have no place in this model and were skipped
     (e.g. `rotary_emb.inv_freq` buffers of old checkpoints, DeepSeek's multi-token-prediction
-    layers); a name that maps to a parameter but has the wrong shape is an error.
+    layers); a name that maps to a parameter but has the wrong shape is an error. `coverage`
+    (written loads only) records what this load covered, added to what earlier loads did.
     """
     cfg = model.cfg
-    # experts held packed (an engine's model, moe_quant.pack_experts) are written as plain tensors;
-    # the engine packs them again afterwards (ModelRunner.prepack)
-    unpack_experts(model)
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    quantized = {i: layer for i, layer in moe_layers(model).items() if layer.quant == "mxfp8"}
-    for i, layer in quantized.items():
-        for field in _QUANTIZED_DTYPES:
-            targets[f"layers.{i}.mlp.{field}"] = getattr(layer, field)
-    mx_linears = quantized_linears(model)  # MXFP8 linears: written through write_quantized_linear
-    if cfg.tie_word_embeddings:
-        mx_linears.pop("lm_head", None)  # a tied MXFP8 lm_head is derived from the embedding (linear_quant.refresh_tied)
-    targets.update({n: w.data for n, w in mx_linears.items()})
+    targets, quantized, mx_linears = _targets(model)
     table = _layer_table(cfg)
     extra_layers = int(cfg.hf_config.get("num_nextn_predict_layers", 0)) if cfg.mla is not None else 0
     if cfg.hf_config.get(FLA_MARK):  # an fla-org NSA checkpoint: its names, renamed to Llama's
         tensors = fla_tensors(tensors)
-    filler = _Filler(check_only)
+    filler = _Filler(check_only, filled=coverage.filler.filled if coverage is not None and not check_only else None)
     unused: list[str] = []
     tied_head: tuple[torch.Tensor, str] | None = None  # an update's lm_head.weight on a tied model
     embed_given: torch.Tensor | None = None
@@ -220,7 +269,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
                 if pname not in targets:
                     raise ValueError(f"tensor {name!r} has no place in layer {i} of this {cfg.architecture} model")
                 if pname in mx_linears:
-                    filler.count(pname, _write_linear(mx_linears[pname], t, name, rows, check_only=check_only))
+                    filler.count(pname, _write_linear(mx_linears[pname], t, name, rows, check_only=check_only), _region(None, rows))
                 else:
                     filler.put(pname, targets[pname], t, name, rows=rows)
             else:
@@ -242,7 +291,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
                 f"{foreign[:8]}{' ...' if len(foreign) > 8 else ''} (a quantized or adapter checkpoint? cuttle refuses "
                 "rather than dropping them)"
             )
-        missing = [n for n, prm in targets.items() if filler.filled.get(n, 0) != prm.numel() and not (cfg.tie_word_embeddings and n == "lm_head")]
+        missing = _missing(targets, filler, cfg)
         if missing:
             raise ValueError(f"checkpoint {source!r} does not provide: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return unused
@@ -281,8 +330,8 @@ def _load_expert_tensor(
         raise ValueError(f"tensor {name!r} is an expert weight but layer {i} is not a MoE layer here")
     if quantized is not None:
         data, scale = _write_quantized(quantized, which, t, name, index=index, rows=rows, check_only=filler.check_only)
-        filler.count(p + which + "_mx", data.numel())
-        filler.count(p + which + "_scale", scale.numel())
+        filler.count(p + which + "_mx", data.numel(), _region(index, rows))
+        filler.count(p + which + "_scale", scale.numel(), _region(index, rows))
     else:
         filler.put(p + which, targets[p + which], t, name, rows=rows, index=index)
     return True

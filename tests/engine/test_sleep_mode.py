@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cuttle.engine import LLM, SamplingParams
+from cuttle.engine.models.loader import iter_tensors
 from cuttle.engine.sleep_mode import EngineAsleepError, offload_weights, restore_weights
 
 POOL_GB = 0.25
@@ -71,8 +72,9 @@ def test_reset_prefix_cache_starts_the_next_request_cold(llm):
 
 
 def test_sleep_refusals(llm, qwen3_path):
-    with pytest.raises(ValueError, match="level 2"):
-        llm.sleep(2)
+    for bad in (3, 0, True):
+        with pytest.raises(ValueError, match="level must be 1 .* or 2"):
+            llm.sleep(bad)
     with pytest.raises(ValueError, match="tags"):
         llm.wake_up(["optimizer"])
     with pytest.raises(ValueError, match="string"):
@@ -138,7 +140,7 @@ def test_server_sleep_routes(live):
     want = complete().json()["choices"][0]["token_ids"]
     assert httpx.post(live.url + "/sleep", timeout=30).status_code == 401  # behind the API key
     assert httpx.get(live.url + "/is_sleeping", headers=auth, timeout=30).json() == {"is_sleeping": False}
-    for bad, param in [("/sleep?level=2", "level"), ("/sleep?level=x", "level"), ("/wake_up?tags=optimizer", "tags")]:
+    for bad, param in [("/sleep?level=3", "level"), ("/sleep?level=x", "level"), ("/wake_up?tags=optimizer", "tags")]:
         r = httpx.post(live.url + bad, headers=auth, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
     assert httpx.post(live.url + "/sleep?level=1", headers=auth, timeout=30).status_code == 200
@@ -185,3 +187,89 @@ def test_sleep_with_a_host_tier(qwen3_path):
     computed = llm.engine.stats()["prefill_tokens_computed"]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     assert llm.engine.stats()["prefill_tokens_computed"] - computed == sum(map(len, prompts))
+
+
+def _held_bytes(engine) -> int:
+    """Bytes of memory under the model's parameters and buffers (and packed experts)."""
+    model = engine.runner.model
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total + sum(layer.expert_weight_bytes() for layer in model.modules() if getattr(layer, "packed", None) is not None)
+
+
+def _scored(llm: LLM, prompt=PROMPT) -> tuple[list[int], list[float]]:
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    c = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    return c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+
+
+LEVEL_2 = [("qwen3", None, "float32"), ("llama", None, "float32"), ("qwen3_moe", None, "bfloat16"),
+           ("qwen3_moe", "mxfp8", "bfloat16"), ("qwen3", "mxfp8", "bfloat16")]
+
+
+@pytest.mark.parametrize("arch,quantization,dtype", LEVEL_2, ids=[f"{a}-{q}-{d}" for a, q, d in LEVEL_2])
+def test_level_2_discards_the_weights_and_serves_again_only_once_all_are_sent(tmp_path, arch, quantization, dtype):
+    """vLLM's level 2 (verl's colocated default): the weights are given back too; after waking,
+    update_weights in buckets (HF names, as a trainer sends them) must cover every weight before
+    the engine serves, a bucket sent twice counting once; then the engine gives the tokens and
+    logprobs it gave before, bit for bit (packed experts, MXFP8 linears and a tied MXFP8 lm_head
+    rebuilt from what was sent)."""
+    from helpers import make_checkpoint
+
+    make_checkpoint(str(tmp_path), arch, tie_word_embeddings=(quantization == "mxfp8" and arch == "qwen3"))
+    llm = LLM(str(tmp_path), dtype=dtype, quantization=quantization, num_kv_blocks=32, enable_sleep_mode=True)
+    engine = llm.engine
+    want = _scored(llm)
+    held = _held_bytes(engine)
+    llm.sleep(2)
+    assert llm.is_sleeping() and _held_bytes(engine) < held / 100  # one element a tensor is left
+    with pytest.raises(EngineAsleepError, match="wake_up"):
+        llm.update_weights([])
+    llm.wake_up(["weights"])
+    sent = dict(iter_tensors(str(tmp_path)))  # the trainer's tensors, by HF name
+    q0, kv0 = "model.layers.0.self_attn.q_proj.weight", ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight")
+    rest = [(n, t) for n, t in sent.items() if n not in kv0]
+    half = len(rest) // 2
+    llm.update_weights(rest[:half])
+    llm.update_weights(rest[:half])  # sent twice: still half
+    # q sent twice is as many elements as q|k|v (4 query heads, 2 KV heads): still not k or v
+    llm.update_weights([*rest[half:], (q0, sent[q0])])
+    llm.wake_up(["kv_cache"])
+    assert not llm.is_sleeping()  # (as vLLM's: awake, but not serving until every weight is back)
+    with pytest.raises(EngineAsleepError, match=r"not all loaded again.*not written 1 of \d+ tensors.*layers\.0\.attn\."):
+        llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    with pytest.raises(EngineAsleepError, match="not all loaded"):
+        llm.open_session(PROMPT)
+    llm.update_weights([(n, sent[n]) for n in kv0])
+    assert _scored(llm) == want
+
+
+def test_level_2_takes_the_engine_names_and_gives_the_memory_back(tmp_path):
+    """A trainer on cuttle's own model code sends the engine's parameter names; a tied embedding
+    sent under either of its names covers both. The weights' memory leaves the process while
+    asleep (resident memory measured) and is held again after waking."""
+    from helpers import make_checkpoint
+
+    make_checkpoint(str(tmp_path), "qwen3", vocab_size=32768, hidden_size=256, tie_word_embeddings=True)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, enable_sleep_mode=True)
+    engine = llm.engine
+    want = _scored(llm)
+    own = [(n, p.detach().clone()) for n, p in engine.runner.model.named_parameters(remove_duplicate=False)]
+    assert {"embed", "lm_head"} <= {n for n, _ in own}
+    held_mb = _held_bytes(engine) / 2**20
+    assert held_mb >= 30
+    before = _rss_mb()
+    llm.sleep(2)
+    assert before - _rss_mb() >= 0.8 * held_mb, (before, _rss_mb(), held_mb)
+    llm.wake_up()
+    without_embed = [(n, t) for n, t in own if n not in ("embed", "lm_head")]
+    llm.update_weights(without_embed)
+    with pytest.raises(EngineAsleepError, match="embed"):
+        llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    llm.update_weights([(n, t) for n, t in own if n == "lm_head"])  # the tied name: the embedding
+    assert _scored(llm) == want
+    assert _held_bytes(engine) / 2**20 >= 0.99 * held_mb
