@@ -186,8 +186,9 @@ class LLM:
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode: give back the KV cache's memory (and on an accelerator the weights',
-        kept in host memory) while a colocated trainer runs; `wake_up` restores it. Level 1 only
-        (engine/sleep_mode.py)."""
+        kept in host memory) while a colocated trainer runs; `wake_up` restores it. Level 2
+        discards the weights too: `update_weights` must then send every one before the engine
+        serves again (engine/sleep_mode.py)."""
         self.engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -170,7 +170,8 @@ class RolloutClient:
 
     def sleep(self, level: int = 1) -> None:
         """Put every server to sleep (`POST /sleep`; servers started with --enable-sleep-mode): a
-        trainer colocated with them gets the KV caches' memory while it trains."""
+        trainer colocated with them gets the KV caches' memory while it trains (`level=2`: the
+        weights' too; `update_weights` must then send them all before the servers serve again)."""
         for u in self.base_urls:
             self._post_empty(u + "/sleep", params={"level": level})
 

@@ -1,7 +1,8 @@
 """The engine-state routes, in vLLM's shapes (outside /v1, as vLLM serves them, but behind the
 API key: they change the server for every client):
 
-POST /sleep?level=1            the idle engine gives its KV cache's memory back (engine/sleep_mode.py);
+POST /sleep?level=1|2          the idle engine gives its KV cache's memory back (engine/sleep_mode.py),
+                               at level 2 its weights too (sent again by /v1/rl/update_weights);
                                needs --enable-sleep-mode; refused while requests run or sessions are open
 POST /wake_up[?tags=weights&tags=kv_cache]   restore all, or the tags named
 GET  /is_sleeping              -> {"is_sleeping": bool}

@@ -167,6 +167,32 @@ def test_server_sleep_routes(live):
     assert complete().json()["choices"][0]["token_ids"] == want
 
 
+def test_server_level_2_through_the_rl_client(live, qwen3_path):
+    """A colocated trainer's cycle against a server, level 2: sleep, wake the weights, send them
+    (one safetensors blob per call, here in two), wake the KV cache; a 503 while any is missing."""
+    from cuttle.rl.client import RolloutClient
+
+    auth = {"Authorization": "Bearer k"}
+    body = {"model": "test-model", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+
+    def complete() -> httpx.Response:
+        return httpx.post(live.url + "/v1/completions", json=body, headers=auth, timeout=60)
+
+    want = complete().json()["choices"][0]["token_ids"]
+    sent = list(iter_tensors(qwen3_path))
+    with RolloutClient(live.url, api_key="k") as client:
+        client.sleep(level=2)
+        assert client.is_sleeping()
+        client.wake_up(["weights"])
+        client.update_weights(sent[:3])
+        client.wake_up(["kv_cache"])
+        partial = complete()
+        assert partial.status_code == 503 and "not all loaded again" in partial.json()["error"]["message"], partial.text
+        client.update_weights(sent[3:])
+    assert complete().json()["choices"][0]["token_ids"] == want
+
+
 def test_server_without_sleep_mode_refuses_to_sleep(qwen3_path):
     from server_fixture import LiveServer
 
