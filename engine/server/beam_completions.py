@@ -46,7 +46,8 @@ _COMMON = frozenset({"model", "n", "max_tokens", "use_beam_search", "length_pena
                      "include_stop_str_in_output", "skip_special_tokens", "priority"}) | set(IGNORED_FIELDS)
 BEAM_FIELDS = _COMMON | {"prompt", "return_token_ids", "logprobs"}
 # chat: the template's fields, and the reasoning split of each beam's message
-CHAT_BEAM_FIELDS = _COMMON | TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "include_reasoning", "logprobs", "top_logprobs"}
+CHAT_BEAM_FIELDS = _COMMON | TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "include_reasoning", "logprobs", "top_logprobs",
+                                                 "return_token_ids"}
 
 
 def beam_params(body: dict[str, Any], fields: frozenset[str] = BEAM_FIELDS) -> BeamSearchParams:
@@ -106,15 +107,16 @@ async def beam_search_chat(request: Request, body: dict[str, Any], params: BeamS
     top_n = get_int(body, "top_logprobs", 0, 20, 0)
     if top_n and not want_lp:
         raise OpenAIError("top_logprobs requires logprobs: true", param="top_logprobs")
+    want_ids = get_bool(body, "return_token_ids")
     searches, usage = await run_beam_search(request, body, serving, [prompt], params, rid, t0, Fields("messages", max_field))
     choices = []
     for j, beam in enumerate(searches[0].result()):
         gen = searches[0].generated(beam)
         choices.append({"index": j, "message": message_of(tok.decode(gen, params.skip_special_tokens)),
                         "logprobs": {"content": chat_logprobs(tok, gen, beam.logprobs, top_n)} if want_lp else None,
-                        "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason})
+                        "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason, **({"token_ids": gen} if want_ids else {})})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.lora_of(body) or serving.model_name,
-            "choices": choices, "usage": usage.to_openai()}
+            "choices": choices, "usage": usage.to_openai(), **({"prompt_token_ids": prompt} if want_ids else {})}
 
 
 async def run_beam_search(request: Request, body: dict[str, Any], serving: Serving, ids: list[list[int]],

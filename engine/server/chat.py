@@ -85,8 +85,12 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
                           "finish_reason": "tool_calls" if called else c.finish_reason}
                     if call.want_lp:
                         ch["logprobs"] = {"content": chat_logprobs(tok, c.token_ids, c.logprobs or [], call.top_n, as_ids=call.as_ids)}
+                    if call.want_ids:
+                        ch["token_ids"] = c.token_ids
                     choices.append(ch)
                 extra = {}
+                if call.want_ids:  # vLLM's: the prompt's ids, beside the choices (a forced tool-call opening included)
+                    extra["prompt_token_ids"] = out.prompt_token_ids
                 if call.want_plp is not None:  # vLLM's field, beside the choices (one prompt)
                     extra["prompt_logprobs"] = prompt_logprobs_wire(out.prompt_token_ids, out.prompt_logprobs or [], call.want_plp)
                 return frame(choices, usage=usage.to_openai(), **extra)
@@ -97,7 +101,10 @@ def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOp
         include_usage, continuous_usage = get_stream_options(body)
         opening = [{"index": i, "delta": {"role": call.role, "content": call.echoed}, "logprobs": None, "finish_reason": None}
                    for i in range(call.params.n)]
-        return serving.stream(streams, call.delta_reader(), frame, include_usage, t0, opening, continuous_usage=continuous_usage)
+        # with return_token_ids the opening (role) chunk waits for the first output, whose prompt ids it carries
+        prompt_ids = (lambda out: {"prompt_token_ids": out.prompt_token_ids}) if call.want_ids else None
+        return serving.stream(streams, call.delta_reader(), frame, include_usage, t0, opening, continuous_usage=continuous_usage,
+                              opening_extra=prompt_ids)
 
 
 @dataclass(eq=False)
@@ -124,6 +131,7 @@ class ChatCall:
     top_n: int
     as_ids: bool
     want_plp: int | None
+    want_ids: bool = False  # return_token_ids: each choice's sampled ids (streamed: each chunk's), and the prompt's
 
     def message_of(self, text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
         """A whole sample's message, and whether it holds tool calls. `cut`: it ended at max_tokens."""
@@ -204,6 +212,8 @@ class ChatCall:
             ch = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
             if self.want_lp and held_ids[i]:
                 ch["logprobs"] = {"content": chat_logprobs(tok, held_ids[i], held_lps[i], self.top_n, as_ids=self.as_ids)}
+            if self.want_ids:  # the ids of the text this chunk sends (held ones with it), so the chunks' ids add up
+                ch["token_ids"] = held_ids[i]
             held_ids[i], held_lps[i] = [], []
             return ch
 
@@ -303,7 +313,7 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
     role = "assistant" if tmpl.add_generation_prompt else messages[-1]["role"]
     echoed = messages[-1]["content"] if echo and messages[-1]["role"] == role and isinstance(messages[-1]["content"], str) else ""
     return ChatCall(prompt, params, admission, fields, tok, replay, role, echoed, forced, choice, parser, tools if use_tools else None,
-                    rstate, include_reasoning, want_lp, top_n, as_ids, want_plp)
+                    rstate, include_reasoning, want_lp, top_n, as_ids, want_plp, get_bool(body, "return_token_ids"))
 
 
 async def _beam_search(request: Request, body: dict[str, Any], messages: list[dict[str, Any]], has_docs: bool, tmpl: ChatTemplate,

@@ -163,6 +163,8 @@ def add_completion_routes(app: FastAPI, serving: Serving, tok: Tokenizer) -> Non
                 ch["logprobs"] = completion_logprobs(tok, ids, lps, as_ids=as_ids)
             if want_ids:
                 ch["token_ids"] = c.token_ids
+                if d.first:  # vLLM's: the prompt's ids once, with the first chunk of each choice
+                    ch["prompt_token_ids"] = d.out.prompt_token_ids
             return ch
 
         return serving.stream(streams, choice, frame, include_usage, t0, continuous_usage=continuous_usage)

@@ -145,12 +145,13 @@ class Serving:
     # ---- streaming --------------------------------------------------------------------------
     def stream(self, streams: list[RequestStream], choice: Callable[[Delta], dict[str, Any] | None],
                frame: Callable[..., dict[str, Any]], include_usage: bool, t0: float,
-               opening: list[dict[str, Any]] | None = None, continuous_usage: bool = False) -> StreamingResponse:
+               opening: list[dict[str, Any]] | None = None, continuous_usage: bool = False,
+               opening_extra: Callable[[RequestOutput], dict[str, Any]] | None = None) -> StreamingResponse:
         """The SSE response of a streamed request: each of `frames`' objects as one event, then
         `[DONE]`; a failure after the response started is sent as one error event, without `[DONE]`."""
 
         async def events() -> AsyncIterator[str]:
-            async with aclosing(self.frames(streams, choice, frame, include_usage, t0, opening, continuous_usage)) as frames:
+            async with aclosing(self.frames(streams, choice, frame, include_usage, t0, opening, continuous_usage, opening_extra)) as frames:
                 async for obj in frames:
                     yield sse(obj)
                     if "error" in obj:
@@ -161,8 +162,11 @@ class Serving:
 
     async def frames(self, streams: list[RequestStream], choice: Callable[[Delta], dict[str, Any] | None],
                      frame: Callable[..., dict[str, Any]], include_usage: bool, t0: float,
-                     opening: list[dict[str, Any]] | None = None, continuous_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
-        """The objects of a streamed request, in order: `opening` choices first (one frame), then
+                     opening: list[dict[str, Any]] | None = None, continuous_usage: bool = False,
+                     opening_extra: Callable[[RequestOutput], dict[str, Any]] | None = None) -> AsyncIterator[dict[str, Any]]:
+        """The objects of a streamed request, in order: `opening` choices first (one frame; with
+        `opening_extra`, sent with the first output and carrying its fields, as vLLM sends chat's
+        `prompt_token_ids`), then
         `choice(delta)` for every delta of every sample until it finishes (None: nothing to send
         yet), each in its own `frame(choices)`; the usage frame (`frame([], usage=...)`) if asked
         for. `continuous_usage` (vLLM's stream_options.continuous_usage_stats): each choice's frame
@@ -173,9 +177,12 @@ class Serving:
         sampled: dict[tuple[int, int], int] = {}  # tokens of each sample so far (continuous usage)
         ended: set[tuple[int, int]] = set()  # samples whose finish_reason was sent
         try:
-            if opening:
+            if opening and opening_extra is None:
                 yield frame(opening)
             async for i, out in _merged(streams):
+                if opening and opening_extra is not None:
+                    yield frame(opening, **opening_extra(out))
+                    opening = None
                 self._observe_step(out, t0, states[i])
                 usage.add_completion(out)
                 for c in out.outputs:

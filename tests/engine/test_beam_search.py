@@ -223,12 +223,13 @@ def test_chat_use_beam_search_equals_offline_over_the_rendered_conversation(live
     ids = httpx.post(live.url + "/tokenize", json={"model": "test-model", "messages": messages}, timeout=30).json()["tokens"]
     r = httpx.post(live.url + "/v1/chat/completions", timeout=60,
                    json={"model": "test-model", "messages": messages, "use_beam_search": True, "n": 3,
-                         "max_completion_tokens": 5, "ignore_eos": True, "length_penalty": 0.5})
+                         "max_completion_tokens": 5, "ignore_eos": True, "length_penalty": 0.5, "return_token_ids": True})
     assert r.status_code == 200, r.text
     offline = llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, length_penalty=0.5))[0]
     tok = llm.get_tokenizer()
     choices = r.json()["choices"]
     assert [c["message"]["content"] for c in choices] == [tok.decode(b.tokens[len(ids):], True) for b in offline.sequences]
+    assert r.json()["prompt_token_ids"] == ids and [c["token_ids"] for c in choices] == [b.tokens[len(ids):] for b in offline.sequences]
     assert [c["index"] for c in choices] == [0, 1, 2]
     assert all(c["message"]["role"] == "assistant" and c["finish_reason"] == "length" for c in choices)
     assert r.json()["object"] == "chat.completion" and r.json()["usage"]["prompt_tokens"] == len(ids)

@@ -228,7 +228,7 @@ def test_requests_that_finish_queue_no_abort(live, client, monkeypatch):
         ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " "), ("structured_outputs", {"json": {}}),
         # the test model's template reads no enable_thinking; a request's own template needs --trust-request-chat-template
         ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"), ("parallel_tool_calls", False),
-        ("return_token_ids", True), ("logit_bias", {"5": 101}), ("best_of", 2), ("functions", [{"name": "f"}]),
+        ("logit_bias", {"5": 101}), ("best_of", 2), ("functions", [{"name": "f"}]),
         ("store", True), ("reasoning_effort", "low"), ("length_penalty", 0.5), ("no_such_field", 1)]],
     *[("/v1/completions", f, v) for f, v in [
         ("guided_json", {"type": "object"}), ("guided_choice", ["a"]), ("suffix", "tail"), ("logit_bias", {"5": 101}),
@@ -288,6 +288,51 @@ def test_streams_carry_only_new_tokens(live, monkeypatch):
     assert max(len(c.text) for c in per_step) < len(whole["choices"][0]["text"]) / 8
     assert [t for e in events for ch in e["choices"] for t in ch["token_ids"]] == whole["choices"][0]["token_ids"]
     assert events[-1]["usage"] == whole["usage"]
+
+
+def test_chat_return_token_ids(live, qwen3_path):
+    """vLLM's `return_token_ids` on chat (RL frameworks read the exact ids rather than tokenizing
+    the text again): the prompt's ids beside the choices are the rendered template's
+    (transformers' apply_chat_template), each choice's ids are the ones sampled (what a completion
+    of those prompt ids samples, same seed); streamed, the first chunk alone carries the prompt's
+    ids and the chunks' ids add up to the whole; without the field, neither appears."""
+    from transformers import PreTrainedTokenizerFast
+
+    messages = [{"role": "user", "content": "a b c"}]
+    body = {"model": "test-model", "messages": messages, "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 2,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": True}
+    whole = raw(live, "/v1/chat/completions", body).json()
+    hf = PreTrainedTokenizerFast(tokenizer_file=f"{qwen3_path}/tokenizer.json", eos_token="<|im_end|>",
+                                 chat_template=live.llm.engine.tokenizer.chat_template)
+    want_prompt = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert whole["prompt_token_ids"] == list(want_prompt) and whole["usage"]["prompt_tokens"] == len(want_prompt)
+    completion = raw(live, "/v1/completions", {"model": "test-model", "prompt": whole["prompt_token_ids"], "max_tokens": 12,
+                                               "temperature": 1.0, "seed": 5, "n": 2, "ignore_eos": True, "return_token_ids": True}).json()
+    by_index = {c["index"]: c for c in completion["choices"]}
+    for ch in whole["choices"]:
+        assert len(ch["token_ids"]) == 12 and ch["token_ids"] == by_index[ch["index"]]["token_ids"]
+        assert ch["message"]["content"] == by_index[ch["index"]]["text"]
+        assert [e["token"] for e in ch["logprobs"]["content"]] == [live.llm.engine.tokenizer.decode([t], False) for t in ch["token_ids"]]
+    events = _events(raw(live, "/v1/chat/completions", {**body, "stream": True}))
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"] and all("prompt_token_ids" not in e for e in events[1:])
+    assert [ch["delta"].get("role") for ch in events[0]["choices"]] == ["assistant", "assistant"]
+    for ch in whole["choices"]:
+        mine = [c for e in events[1:] for c in e["choices"] if c["index"] == ch["index"]]
+        assert [t for c in mine for t in c["token_ids"]] == ch["token_ids"]
+    plain = raw(live, "/v1/chat/completions", {**body, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and all("token_ids" not in ch for ch in plain["choices"])
+    # streamed completions: each choice's first chunk carries its prompt's ids, as vLLM's
+    cevents = _events(raw(live, "/v1/completions", {"model": "test-model", "prompt": ["a b", "c d e"], "max_tokens": 3,
+                                                     "stream": True, "return_token_ids": True, "ignore_eos": True}))
+    firsts = {}
+    for e in cevents:
+        for c in e["choices"]:
+            if c["index"] not in firsts:
+                firsts[c["index"]] = c.get("prompt_token_ids")
+            else:
+                assert "prompt_token_ids" not in c
+    tok = live.llm.engine.tokenizer
+    assert firsts == {0: tok.encode("a b"), 1: tok.encode("c d e")}
 
 
 def test_streamed_samples_finish_once_and_equal_non_streamed(live):

@@ -21,7 +21,8 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
 # compact arguments: not how the template writes a call (json.dumps, `{"city": "Paris"}`), yet what
 # the auto tool-call grammar allows (its fixed opening, then at most one space between JSON tokens)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
-SCRIPTS = {301: CALL, 302: "It is sunny."}
+FORCED = '<tool_call>\n{"name":'  # tool_choice required's opening, written for the model (chat._forced_prefix, hermes)
+SCRIPTS = {301: CALL, 302: "It is sunny.", 303: CALL[len(FORCED):]}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,32 @@ def test_second_turn_hits_the_prefix_cache_for_the_whole_first_turn(live, stream
     forged["tool_calls"][0]["id"] = "call_" + "0" * 24
     missed = second_turn(live, client, forged, stream)
     assert usage.prompt_tokens // BS * BS <= missed < first // BS * BS - BS
+
+
+@pytest.mark.parametrize("choice,seed", [("auto", 301), ("required", 303)])
+def test_return_token_ids_of_a_tool_call(live, choice, seed):
+    """return_token_ids with tools: the prompt's ids and the sampled ids, whole and streamed, are
+    exactly what the model read and wrote (the scripted call). Streamed, the tool parser holds the
+    call's text until it parses: its ids come with the chunk that sends it, so the chunks' ids
+    still add up. Under `required` the call's opening is written for the model: it ends the
+    prompt's ids, and the sampled ids are the rest of the call."""
+    tok = live.llm.engine.tokenizer
+    messages = [{"role": "user", "content": f"Weather in Rome? ({choice})"}]
+    body = {"model": "test-model", "messages": messages, "tools": WEATHER, "tool_choice": choice, "seed": seed,
+            "max_tokens": 200, "return_token_ids": True}
+    whole = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()
+    rendered = httpx.post(live.url + "/tokenize", json={"messages": messages, "tools": WEATHER}, timeout=60).json()["tokens"]
+    forced = tok.encode(FORCED, add_special_tokens=False) if choice == "required" else []
+    assert whole["prompt_token_ids"] == rendered + forced
+    assert whole["choices"][0]["token_ids"] == tok.encode(SCRIPTS[seed], add_special_tokens=False) + [tok.eos_token_id]
+    assert whole["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    lines = httpx.post(live.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    chunks = [c for e in events[1:] for c in e["choices"]]
+    assert [t for c in chunks for t in c["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert max(len(c["token_ids"]) for c in chunks) > 1  # ids held with the call's text ...
+    assert all(c["delta"] or c["finish_reason"] for c in chunks if c["token_ids"])  # ... sent with it (or the finish)
 
 
 def test_replay_refuses_anything_it_did_not_produce():
