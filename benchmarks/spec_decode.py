@@ -21,6 +21,10 @@ bound the machinery instead:
   * `draft-self`: the checkpoint as its own draft: (nearly) every draft kept, each draft costing a
     full forward of the model, so tokens/s measures what the drafting rounds cost beside the
     k + 1 tokens a step they buy;
+  * `draft-sampled`: the embedded model as its own draft on the code prompts, sampling at
+    temperature 1 (seeded): the draft samples with the uniforms the target will draw, so the
+    same distribution keeps (nearly) every draft; the kept column is the figure (greedy drafts
+    were kept only where the sample was the argmax);
   * `draft-tiny`: a 2-layer random draft of the preset's vocabulary (hidden 128), nearly free.
     How often it is kept is an artifact of random weights (random tied-embedding models greedily
     repeat tokens, so the draft and the target often agree; docs/benchmarks.md), so the row shows
@@ -105,7 +109,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--workloads", default="code,loop,rejected,nomatch,draft-self,draft-tiny")
+    ap.add_argument("--workloads", default="code,loop,rejected,nomatch,draft-self,draft-sampled,draft-tiny")
     ap.add_argument("--batch", type=int, default=1, help="prompts run at once (each workload gets this many prompts)")
     ap.add_argument("--disable-by-batch-size", default="default",
                     help="speculative_config.disable_by_batch_size: an integer, 'none' (drafts at every batch size) "
@@ -134,6 +138,8 @@ def main() -> None:
         "rejected": (path, args.model_preset, noise, 1.0, {**spec, "reject": True}, ids),
         "nomatch": (path, args.model_preset, noise, 1.0, spec, ids),
         "draft-self": (path, args.model_preset, noise, 0.0, {**spec, "method": "draft_model", "model": path}, ids),
+        "draft-sampled": (DEFAULT_MODEL_DIR, "embedded model", code, 1.0, {**spec, "method": "draft_model", "model": DEFAULT_MODEL_DIR},
+                          {}),
         "draft-tiny": (path, args.model_preset, noise, 0.0, {**spec, "method": "draft_model", "model": "tiny"}, ids),
     }
     rows = []

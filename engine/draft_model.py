@@ -1,13 +1,23 @@
 """Speculative decoding with a draft model (vLLM's `speculative_config={"model": <small checkpoint>,
 "num_speculative_tokens": k}`): a smaller model of the same vocabulary proposes each decoding
-sequence's next tokens, greedily, and the target verifies them in one pass as it verifies n-gram
-proposals (engine/spec_decode.py: a draft is kept iff it equals the token the target samples at
-its place, so the output is that of decoding without drafts, greedy or random).
+sequence's next tokens and the target verifies them in one pass as it verifies n-gram proposals
+(engine/spec_decode.py: a draft is kept iff it equals the token the target samples at its place,
+so the output is that of decoding without drafts, greedy or random).
+
+A greedy request is drafted greedily. A sampled one is drafted by sampling the draft's own
+distribution, processed as the target's (temperature, top-k / top-p / min-p, penalties, the
+target's outputs counted as outputs), with the very uniforms the target sample will draw at those positions (its seed, sample index and
+output positions; both invert their CDF in vocabulary order). The two draws are coupled: where
+the draft's distribution is the target's the draft is the target's sample, and the closer they
+are the likelier a match, so a sampled request keeps about as many drafts as the distributions
+allow rather than only those that happen to be the target's argmax (measured: the model as its
+own draft at temperature 1 keeps nearly every draft, where greedy drafts were kept about as often
+as the sample was the argmax). What the target samples never depends on the drafts.
 
 Owns the draft model's engine and the step's proposals. The draft runs as an `LLMEngine` of its
 own (its own weights, KV pool and prefix cache, no tokenizer), beside the target's, never sharing
 blocks with it: each step, before the target's schedule, every decoding sequence that may take
-drafts becomes one greedy draft request over its whole token stream with `max_tokens` its draft
+drafts becomes one draft request over its whole token stream with `max_tokens` its draft
 length, and the draft engine runs them batched until all have proposed. The stream's full blocks
 are prefix-cache hits from the previous step's request, so a step computes the stream's partial
 last block, the target's tokens since, and the k drafts. A query over squid documents is drafted
@@ -29,8 +39,20 @@ from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.spec_decode import Proposer, SpecConfig
 
 DRAFT_BLOCK_SIZE = 4
-# the draft's requests: greedy, the draft's own EOS not ending them (the target decides that)
-_GREEDY = dict(temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=False)
+# the draft's requests: the draft's own EOS not ending them (the target decides that)
+_DRAFTING = dict(ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=False)
+
+
+def _draft_params(p: SamplingParams, k: int, seed: int) -> SamplingParams:
+    """The draft request for a target sample under `p`: its penalties, and greedy for a greedy
+    one; else its temperature and truncation under the target's seed (`Request.draws_at` makes the
+    draws and the penalties' output counts the target's). min_tokens and stop ids stay the
+    target's business: they change a draft's quality, never the output."""
+    same = dict(max_tokens=k, repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, **_DRAFTING)
+    if p.greedy:
+        return SamplingParams(temperature=0.0, **same)
+    return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seed, **same)
 
 
 class DraftModelProposer(Proposer):
@@ -86,7 +108,8 @@ class DraftModelProposer(Proposer):
             if k <= 0:
                 continue
             rid = f"draft-{next(self._ids)}"
-            engine.add_request(rid, stream, SamplingParams(max_tokens=k, **_GREEDY))
+            req = engine.add_request(rid, stream, _draft_params(seq.request.sampling_params, k, seq.request.seed))
+            req.draws_at = (seq.index, seq.num_output_tokens)  # the uniforms the target sample draws next
             asked[rid] = id(seq)
         while engine.has_unfinished_requests():
             for out in engine.step():

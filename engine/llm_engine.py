@@ -654,11 +654,14 @@ class LLMEngine:
         req = seq.request
         p = req.sampling_params
         output = seq.output_token_ids + seq.draft[:offset] if offset and p.has_penalties else seq.output_token_ids
+        index, first = req.draws_at or (seq.index, 0)
+        if first and p.has_penalties:  # a draft's request: its prompt ends with the target's outputs, which count as output
+            output = req.prompt_token_ids[len(req.prompt_token_ids) - first:] + output
         return SampleRequest(
             params=p,
             seed=req.seed,
-            index=seq.index,
-            step=seq.num_output_tokens + offset,
+            index=index,
+            step=first + seq.num_output_tokens + offset,
             # the whole prompt a squid query reads (prefix + documents + query), as vLLM's prompt
             prompt_ids=(req.full_prompt_token_ids or req.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
             output_ids=output if p.has_penalties else [],

@@ -126,6 +126,10 @@ class Request:
     error: str | None = None  # why the engine ended this request on its own (see LLMEngine._fail)
     lora: LoadedAdapter | None = None  # the LoRA adapter its rows run under (engine/lora.py)
     lora_request: LoRARequest | None = None  # how the caller named it (its outputs report that)
+    # (sample index, output position) its draws start at, in its seed's uniforms: a draft model's
+    # request draws the ones its target sample will draw (engine/draft_model.py), and the last
+    # `output position` tokens of its prompt (the target's outputs) count as output for penalties
+    draws_at: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.prefix_cache_key:
