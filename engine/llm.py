@@ -118,6 +118,14 @@ class LLM:
         self.engine.update_weights(named_tensors, in_flight)
         return self.engine.weight_version
 
+    def reload_weights(self, path: str | None = None) -> int:
+        """Read every weight again from the model's checkpoint directory, or from `path` (another
+        checkpoint of the same model); returns the new `weight_version`. vLLM spells it
+        `collective_rpc("reload_weights")`; after `sleep(level=2)` and `wake_up(["weights"])` it
+        brings the discarded weights back (see `LLMEngine.reload_weights`)."""
+        self.engine.reload_weights(path)
+        return self.engine.weight_version
+
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = False,
                     lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (engine/beam_search.py): per prompt, the best `params.beam_width`

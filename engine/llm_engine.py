@@ -31,7 +31,9 @@ from cuttle.engine.lora import LoadedAdapter, LoRARegistry, LoRARequest
 from cuttle.engine.memory_budget import checkpoint_weight_bytes, free_memory_bytes, kv_pool_bytes
 from cuttle.engine.model_runner import ModelRunner
 from cuttle.engine.models import load_weights
-from cuttle.engine.models.loader import WeightCoverage
+from cuttle.engine.hf_cache import resolve_model
+from cuttle.engine.models.fp8_checkpoint import dequantized_tensors
+from cuttle.engine.models.loader import WeightCoverage, iter_tensors
 from cuttle.engine.models.moe_quant import unpack_experts
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.outputs import RequestOutput
@@ -767,6 +769,24 @@ class LLMEngine:
                 self.runner.prepack()
         self._next_weight_version()
         return ended
+
+    def reload_weights(self, path: str | None = None, in_flight: str = "abort") -> list[RequestOutput]:
+        """Every weight read again from a checkpoint directory (vLLM's
+        `collective_rpc("reload_weights")`): the engine's own by default, or another of the same
+        model (a trainer's saved step; a local HF cache repo id too), through `update_weights`, so
+        after `sleep(level=2)` it makes the engine whole again. The checkpoint must cover every
+        weight and hold nothing foreign, checked before anything is written (as at load)."""
+        if self._slept.weights or self._slept.discarded:
+            raise EngineAsleepError("the engine's weights are asleep: wake_up(tags=['weights']) before reload_weights")
+        path = self.config.model if path is None else resolve_model(path)
+        model = self.runner.model
+
+        def tensors() -> Iterable[tuple[str, torch.Tensor]]:  # memory-mapped, read twice (checked, then written)
+            ts = iter_tensors(path)
+            return dequantized_tensors(ts, model.cfg.fp8_quant, path) if model.cfg.fp8_quant is not None else ts
+
+        load_weights(model, tensors(), strict=True, source=path, check_only=True)
+        return self.update_weights(tensors(), in_flight)
 
     def update_lora(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
                     in_flight: str = "finish") -> list[RequestOutput]:

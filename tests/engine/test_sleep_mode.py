@@ -299,3 +299,40 @@ def test_level_2_takes_the_engine_names_and_gives_the_memory_back(tmp_path):
     llm.update_weights([(n, t) for n, t in own if n == "lm_head"])  # the tied name: the embedding
     assert _scored(llm) == want
     assert _held_bytes(engine) / 2**20 >= 0.99 * held_mb
+
+
+def test_reload_weights_from_a_checkpoint(tmp_path):
+    """vLLM's collective_rpc("reload_weights"): after level 2 the engine reads its own checkpoint
+    again and gives what it gave before; another checkpoint of the same model makes it equal an
+    engine loaded from that one; a checkpoint that lacks a weight is refused, naming it, before
+    anything is written."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from helpers import make_checkpoint
+
+    own, other, short = (str(tmp_path / d) for d in ("own", "other", "short"))
+    make_checkpoint(own, "qwen3_moe")
+    make_checkpoint(other, "qwen3_moe", seed=1)
+    llm = LLM(own, dtype="bfloat16", num_kv_blocks=32, enable_sleep_mode=True)
+    want = _scored(llm)
+    llm.sleep(2)
+    llm.wake_up()
+    with pytest.raises(EngineAsleepError, match="not all loaded"):
+        llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    version = llm.reload_weights()
+    assert version == llm.weight_version and _scored(llm) == want
+    llm.reload_weights(other)
+    theirs = _scored(LLM(other, dtype="bfloat16", num_kv_blocks=32))
+    assert _scored(llm) == theirs != want
+    shutil.copytree(own, short)
+    tensors = dict(iter_tensors(own))
+    del tensors["model.layers.1.mlp.gate.weight"]
+    save_file({n: t.contiguous() for n, t in tensors.items()}, f"{short}/model.safetensors")
+    with pytest.raises(ValueError, match=r"does not provide.*layers\.1\.mlp\.gate_weight"):
+        llm.reload_weights(short)
+    assert _scored(llm) == theirs  # nothing was written
+    llm.sleep(2)
+    with pytest.raises(EngineAsleepError, match="wake_up"):
+        llm.reload_weights()
