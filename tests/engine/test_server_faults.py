@@ -333,7 +333,7 @@ CHAT_BAD = {
     "add_generation_prompt": ["x", 1],
     "continue_final_message": ["x", 1, True],  # true with add_generation_prompt (default true)
     "chat_template_kwargs": ["x", [], {"a": 1}, {"messages": []}],  # not an object; a key the template never reads; reserved
-    "return_token_ids": [True],
+    "return_token_ids": ["x", 1],
     "use_beam_search": ["x", 1],
     "length_penalty": [0.5],  # (a beam-search field: refused without use_beam_search)
     **{k: ["x", {"a": 1}] for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
