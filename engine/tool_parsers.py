@@ -7,6 +7,13 @@ turn out to be part of a tool call, and its deltas always add up to the whole-te
 the text is split. Every parsed call keeps the exact block the model wrote (`ToolCall.text`,
 `<tool_call>` to `</tool_call>`), so a caller that must reproduce the model's tokens (an agent's
 next turn, an RL trajectory) never has to re-serialize the arguments.
+
+Streamed, a call is sent whole once its block closes, or, with `incremental` (for calls the
+tool-call grammar generates, whose text is known to parse), as it is written: its id and name
+once its opening is complete, then its arguments piece by piece (engine/tool_args.py), adding up
+to the whole-text parse's string. A call cut off before its end (max_tokens) is then a call with
+its arguments so far, `complete` false, in the streamed and the whole-text result alike
+(`StreamingToolParser.feed_deltas(text, final=True)` is that whole-text result).
 """
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from cuttle.engine.tool_args import JsonArguments, XmlArguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -34,6 +43,7 @@ class ToolCall:
     arguments: str  # a JSON object, as text (the OpenAI wire format)
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
     text: str = ""  # the model's exact block, "<tool_call>...</tool_call>" (not sent on the wire)
+    complete: bool = True  # False: cut off before its end (its arguments are those written so far)
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -130,16 +140,129 @@ def _partial_suffix(text: str, token: str) -> int:
     return 0
 
 
-class StreamingToolParser:
-    """Feed the growing text; get content deltas and completed tool calls as they become certain."""
+# A call's opening, up to its arguments: hermes `{"name": "N", "arguments": `, qwen3_coder `<function=N>`
+_HERMES_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_CODER_OPENING = re.compile(r"\s*<function=([^>\n]+)>")
 
-    def __init__(self, fmt: str = "hermes", tools: list[dict[str, Any]] | None = None):
+
+@dataclass(slots=True)
+class CallDelta:
+    """A piece of a streamed tool call: the call (its id and name go out with its first piece),
+    its index among the text's calls, and the arguments text this piece adds."""
+
+    call: ToolCall
+    index: int
+    arguments: str
+    first: bool = False
+
+
+@dataclass(slots=True)
+class _OpenCall:  # a call being streamed (incremental mode)
+    call: ToolCall
+    index: int
+    start: int  # where its block starts in the text
+    args_at: int  # where its arguments start
+    emitter: JsonArguments | XmlArguments
+    fed: int  # text[:fed] has been given to the emitter
+
+
+class StreamingToolParser:
+    """Feed the growing text; get content deltas and tool calls as they become certain: whole
+    calls (`feed`), or pieces of calls (`feed_deltas`; with `incremental`, as they are written)."""
+
+    def __init__(self, fmt: str = "hermes", tools: list[dict[str, Any]] | None = None, incremental: bool = False):
         if fmt not in PARSERS:
             raise ValueError(f"tool-call parser must be one of {', '.join(PARSERS)}, got {fmt!r}")
         self.fmt = fmt
         self.tools = tools
+        self.incremental = incremental
         self.sent = 0  # text[:sent] has been accounted for (as content or as calls)
         self.calls: list[ToolCall] = []
+        self._open: _OpenCall | None = None
+
+    def feed_deltas(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
+        """Content and call pieces for the text so far (`final`: it is all there is). Without
+        `incremental`, each call comes as one piece once its block closes."""
+        if not self.incremental:
+            first = len(self.calls)
+            content, calls = self.feed(text, final)
+            return content, [CallDelta(c, first + k, c.arguments, first=True) for k, c in enumerate(calls)]
+        content, deltas = "", []
+        while True:
+            if self._open is None:
+                rest = text[self.sent:]
+                start = rest.find(OPEN)
+                if start == -1:
+                    hold = 0 if final else _partial_suffix(rest, OPEN)
+                    content += rest[: len(rest) - hold]
+                    self.sent += len(rest) - hold
+                    break
+                content += rest[:start]
+                self.sent += start
+                if not self._begin(text, deltas):  # not a call that can be streamed (yet): whole, as `feed` does
+                    end = text.find(CLOSE, self.sent)
+                    if end == -1:
+                        if final:  # an unterminated block that never began a call is just text
+                            content += text[self.sent:]
+                            self.sent = len(text)
+                        break
+                    block = text[self.sent:end + len(CLOSE)]
+                    call = _parse_block(block[len(OPEN):-len(CLOSE)], self.fmt, self.tools)
+                    if call is None:
+                        content += block
+                    else:
+                        call.text = block
+                        self.calls.append(call)
+                        deltas.append(CallDelta(call, len(self.calls) - 1, call.arguments, first=True))
+                    self.sent += len(block)
+                    continue
+            if not self._advance(text, deltas, final):
+                break
+        return content, deltas
+
+    def _begin(self, text: str, deltas: list[CallDelta]) -> bool:
+        """Open a streamed call at `text[self.sent:]` (a `<tool_call>`) once its opening is complete."""
+        at = self.sent + len(OPEN)
+        if self.fmt == "hermes":
+            m = _HERMES_OPENING.match(text, at)
+            if m is None:
+                return False
+            try:
+                name = json.loads(m.group(1))
+            except json.JSONDecodeError:
+                return False
+            emitter: JsonArguments | XmlArguments = JsonArguments()
+        else:
+            m = _CODER_OPENING.match(text, at)
+            if m is None:
+                return False
+            name = m.group(1).strip()
+            emitter = XmlArguments(_param_types(self.tools, name))
+        call = ToolCall(name, "")
+        self.calls.append(call)
+        self._open = _OpenCall(call, len(self.calls) - 1, self.sent, m.end(), emitter, m.end())
+        deltas.append(CallDelta(call, self._open.index, "", first=True))
+        return True
+
+    def _advance(self, text: str, deltas: list[CallDelta], final: bool) -> bool:
+        """Feed the open call what was written since; True once its block has closed."""
+        o = self._open
+        assert o is not None
+        if not o.emitter.done:
+            piece = o.emitter.feed(text[o.fed:])
+            o.fed = len(text)
+            if piece:
+                o.call.arguments += piece
+                deltas.append(CallDelta(o.call, o.index, piece))
+        end = text.find(CLOSE, o.args_at + o.emitter.end) if o.emitter.done else -1
+        if end == -1:
+            if final:  # cut off: a call with the arguments written so far
+                o.call.complete, o.call.text = False, text[o.start:]
+                self.sent, self._open = len(text), None
+            return False
+        o.call.text = text[o.start:end + len(CLOSE)]
+        self.sent, self._open = end + len(CLOSE), None
+        return True
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         content = ""

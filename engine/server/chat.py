@@ -42,7 +42,7 @@ from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
 from cuttle.engine.grammar_support import UNENFORCED_WHAT, unenforced_keywords
 from cuttle.engine.structured_output import tool_call_structure
 from cuttle.engine.tokenizer import Tokenizer, validate_messages
-from cuttle.engine.tool_parsers import StreamingToolParser, parse_tool_calls
+from cuttle.engine.tool_parsers import CallDelta, StreamingToolParser, parse_tool_calls
 
 
 def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOptions) -> None:
@@ -132,6 +132,8 @@ class ChatCall:
     as_ids: bool
     want_plp: int | None
     want_ids: bool = False  # return_token_ids: each choice's sampled ids (streamed: each chunk's), and the prompt's
+    # the tool calls run under their grammar, so they parse: streamed as they are written (tool_parsers)
+    incremental_calls: bool = False
 
     def message_of(self, text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
         """A whole sample's message, and whether it holds tool calls. `cut`: it ended at max_tokens."""
@@ -144,14 +146,20 @@ class ChatCall:
             msg["reasoning_content"] = reasoning if self.include_reasoning else None
         called = False
         if self.tools is not None:
-            content, calls = parse_tool_calls(text, self.parser, self.tools)
+            if self.incremental_calls:  # as streamed: a call cut off is a call with its arguments so far
+                parser = StreamingToolParser(self.parser, self.tools, incremental=True)
+                content, _ = parser.feed_deltas(text, final=True)
+                calls = parser.calls
+                content = content.strip() if calls else content
+            else:
+                content, calls = parse_tool_calls(text, self.parser, self.tools)
             if self.forced and not calls and not cut:  # a call cut by max_tokens is reported as cut
                 raise OpenAIError(f"tool_choice {self.choice!r} was requested but the model's output is not a valid tool call: {text[:200]!r}",
                                   500, "server_error", param="tool_choice")
             msg["content"] = content or None
             if calls:
                 msg["tool_calls"] = [c.to_openai() for c in calls]
-            called = bool(calls)
+            called = bool(calls) and all(c.complete for c in calls)  # (a cut call keeps the sample's own finish reason)
         if self.echoed:
             msg["content"] = self.echoed + (msg["content"] or "")
         elif called and self.rstate is None:
@@ -163,16 +171,15 @@ class ChatCall:
         send yet), the reasoning split and tool calls parsed as the text grows."""
         n, tok = self.params.n, self.tok
         reasoners = [ReasoningParser(self.rstate) if self.rstate is not None else None for _ in range(n)]
-        parsers = [StreamingToolParser(self.parser, self.tools) if self.tools is not None else None for _ in range(n)]
+        parsers = [StreamingToolParser(self.parser, self.tools, self.incremental_calls) if self.tools is not None else None
+                   for _ in range(n)]
         output_so_far = [""] * n  # what a reasoning parser has been fed (it reads the growing text)
         content_so_far = [""] * n  # what a tool parser has been fed (the content only)
-        ncalls = [0] * n
         # logprobs of tokens whose text is not sent yet (held for a stop string, a tag or a tool call)
         held_ids: list[list[int]] = [[] for _ in range(n)]
         held_lps: list[list] = [[] for _ in range(n)]
-        # for the replay: the model's text, the content and the calls sent, per choice
+        # for the replay: the model's text and the content sent, per choice
         sent_text, sent_content = [""] * n, [""] * n
-        sent_calls: list[list[dict[str, Any]]] = [[] for _ in range(n)]
 
         def choice_of(d: Delta) -> dict[str, Any] | None:
             c, i = d.sample, d.sample.index
@@ -187,26 +194,26 @@ class ChatCall:
                 reasoning, text = reasoners[i].feed(output_so_far[i], final=final)
                 if reasoning and self.include_reasoning:
                     delta["reasoning_content"] = reasoning
+            calls = parsers[i].calls if parsers[i] is not None else []
             if parsers[i] is not None:
                 content_so_far[i] += text
-                content, calls = parsers[i].feed(content_so_far[i], final=final)
+                content, pieces = parsers[i].feed_deltas(content_so_far[i], final=final)
                 if content:
                     delta["content"] = content
-                if calls:
-                    delta["tool_calls"] = [tc.to_openai(ncalls[i] + k) for k, tc in enumerate(calls)]
-                    ncalls[i] += len(calls)
-                    sent_calls[i] += [tc.to_openai() for tc in calls]
+                if pieces:
+                    delta["tool_calls"] = _call_deltas(pieces)
                 sent_content[i] += content or ""
             elif text:
                 delta["content"] = text
             finish = None
             if final:
-                if self.forced and ncalls[i] == 0 and c.finish_reason != "length":
+                if self.forced and not calls and c.finish_reason != "length":
                     raise OpenAIError("tool_choice requested but the model's output is not a valid tool call",
                                       500, "server_error", param="tool_choice")
-                finish = "tool_calls" if ncalls[i] else c.finish_reason
-                if ncalls[i] and self.rstate is None and not self.echoed:
-                    self.replay.record(sent_text[i], sent_content[i], sent_calls[i])
+                called = bool(calls) and all(tc.complete for tc in calls)  # (a cut call keeps the sample's finish reason)
+                finish = "tool_calls" if called else c.finish_reason
+                if called and self.rstate is None and not self.echoed:
+                    self.replay.record(sent_text[i], sent_content[i], [tc.to_openai() for tc in calls])
             if not delta and finish is None:
                 return None
             ch = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -218,6 +225,21 @@ class ChatCall:
             return ch
 
         return choice_of
+
+
+def _call_deltas(pieces: list[CallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's streamed tool_calls entries for one chunk's call pieces: a call's first entry
+    carries its id, type and name, later ones only arguments text (vLLM's shape); pieces of one
+    call in the same chunk are joined."""
+    out: dict[int, dict[str, Any]] = {}
+    for p in pieces:
+        entry = out.get(p.index)
+        if entry is None:
+            entry = out[p.index] = {"index": p.index, "function": {"arguments": ""}}
+            if p.first:
+                entry.update(id=p.call.id, type="function", function={"name": p.call.name, "arguments": ""})
+        entry["function"]["arguments"] += p.arguments
+    return list(out.values())
 
 
 def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs: list[tuple[str | None, str]], tmpl: ChatTemplate,
@@ -313,7 +335,8 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
     role = "assistant" if tmpl.add_generation_prompt else messages[-1]["role"]
     echoed = messages[-1]["content"] if echo and messages[-1]["role"] == role and isinstance(messages[-1]["content"], str) else ""
     return ChatCall(prompt, params, admission, fields, tok, replay, role, echoed, forced, choice, parser, tools if use_tools else None,
-                    rstate, include_reasoning, want_lp, top_n, as_ids, want_plp, get_bool(body, "return_token_ids"))
+                    rstate, include_reasoning, want_lp, top_n, as_ids, want_plp, get_bool(body, "return_token_ids"),
+                    incremental_calls=tool_structure is not None)
 
 
 async def _beam_search(request: Request, body: dict[str, Any], messages: list[dict[str, Any]], has_docs: bool, tmpl: ChatTemplate,

@@ -165,9 +165,10 @@ def add_response_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Ch
             def respond(finals: list[RequestOutput]) -> dict[str, Any]:
                 [final] = finals
                 [c] = final.outputs
-                msg, _ = call.message_of(c.text, c.finish_reason == "length")
+                msg, called = call.message_of(c.text, c.finish_reason == "length")
                 out.take_message(msg, c.finish_reason, c.logprobs and chat_logprobs(tok, c.token_ids, c.logprobs, call.top_n,
-                                                                                    as_ids=call.as_ids))
+                                                                                    as_ids=call.as_ids),
+                                 cut_call=bool(msg.get("tool_calls")) and not called)
                 usage = Usage()
                 usage.add_prompt(final)
                 usage.add_completion(final)
@@ -486,8 +487,10 @@ class _Output:
         self.items.append(item)
         return item
 
-    def take_message(self, msg: dict[str, Any], finish: str | None, logprobs: list[dict[str, Any]] | None) -> None:
-        """A whole sample's chat message (ChatCall.message_of) as output items."""
+    def take_message(self, msg: dict[str, Any], finish: str | None, logprobs: list[dict[str, Any]] | None,
+                     cut_call: bool = False) -> None:
+        """A whole sample's chat message (ChatCall.message_of) as output items; `cut_call`: its
+        last tool call was cut off (its item is incomplete, its arguments those written)."""
         self.finish = finish
         status = "incomplete" if finish == "length" else "completed"
         if msg.get("reasoning_content"):
@@ -498,9 +501,9 @@ class _Output:
             if self.req.logprobs:
                 part["logprobs"] = logprobs or []
             self.new_item("message", role="assistant", status=status, content=[part])
-        for c in calls:
+        for k, c in enumerate(calls):
             self.new_item("function_call", call_id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"],
-                          status="completed")
+                          status="incomplete" if cut_call and k == len(calls) - 1 else "completed")
         self.message = {k: v for k, v in msg.items() if k in ("role", "content", "reasoning_content", "tool_calls") and v is not None}
         self.message["content"] = self.message.get("content") or ""
 
@@ -579,6 +582,13 @@ async def _events(frames: AsyncIterator[dict[str, Any]], out: _Output, store: Re
         if item is None:
             return evs
         idx, status = out.items.index(item), "incomplete" if out.finish == "length" else "completed"
+        if item["type"] == "function_call":  # its arguments came as deltas; a call cut off is incomplete
+            evs.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                             arguments=item["arguments"], name=item["name"]))
+            item["status"] = "incomplete" if out.finish not in ("tool_calls", None) and item is out.items[-1] else "completed"
+            evs.append(event("response.output_item.done", output_index=idx, item=item))
+            open_item = None
+            return evs
         if item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             evs.append(event("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text))
@@ -655,15 +665,15 @@ async def _events(frames: AsyncIterator[dict[str, Any]], out: _Output, store: Re
             elif ch.get("logprobs") and open_item is not None and open_item["type"] == "message":
                 lps.extend(ch["logprobs"]["content"])  # tokens whose text was held and then cut (a stop string)
             for tc in delta.get("tool_calls") or ():
-                for ev in close():
-                    yield ev
                 fn = tc["function"]
-                item = out.new_item("function_call", call_id=tc["id"], name=fn["name"], arguments="", status="in_progress")
-                idx = len(out.items) - 1
-                yield event("response.output_item.added", output_index=idx, item=dict(item))
-                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=fn["arguments"])
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=idx, arguments=fn["arguments"],
-                            name=fn["name"])
-                item.update(arguments=fn["arguments"], status="completed")
-                yield event("response.output_item.done", output_index=idx, item=item)
-                calls_all.append({"id": tc["id"], "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+                if "id" in tc:  # a call's first piece: its item opens
+                    for ev in close():
+                        yield ev
+                    open_item = out.new_item("function_call", call_id=tc["id"], name=fn["name"], arguments="", status="in_progress")
+                    yield event("response.output_item.added", output_index=len(out.items) - 1, item=dict(open_item))
+                    calls_all.append({"id": tc["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}})
+                if fn["arguments"]:
+                    open_item["arguments"] += fn["arguments"]
+                    calls_all[-1]["function"]["arguments"] += fn["arguments"]
+                    yield event("response.function_call_arguments.delta", item_id=open_item["id"], output_index=len(out.items) - 1,
+                                delta=fn["arguments"])

@@ -75,16 +75,20 @@ def post(live, route: str, body: dict) -> httpx.Response:
 def streamed(client, **kw) -> tuple[str, str, list, str | None]:
     """(reasoning, content, tool calls as (name, arguments), finish_reason) of a streamed chat."""
     reasoning = content = ""
-    calls, finish = [], None
+    calls: dict[int, list] = {}
+    finish = None
     for chunk in client.chat.completions.create(stream=True, **kw):
         if not chunk.choices:
             continue
         d = chunk.choices[0].delta
         reasoning += (d.model_extra or {}).get("reasoning_content") or ""
         content += d.content or ""
-        calls += [(c.function.name, json.loads(c.function.arguments)) for c in d.tool_calls or []]
+        for c in d.tool_calls or []:  # a call's first piece names it, the rest add arguments
+            if c.id is not None:
+                calls[c.index] = [c.function.name, ""]
+            calls[c.index][1] += c.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    return reasoning, content, calls, finish
+    return reasoning, content, [(name, json.loads(args)) for name, args in (calls[i] for i in sorted(calls))], finish
 
 
 def test_thinking_then_tool_call_whole_and_streamed(client):

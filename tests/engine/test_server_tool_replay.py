@@ -64,15 +64,17 @@ def test_second_turn_hits_the_prefix_cache_for_the_whole_first_turn(live, stream
     client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
     kw = dict(model="test-model", messages=user(stream), tools=WEATHER, seed=301, max_tokens=200)
     if stream:
-        calls, content = [], ""
+        calls, content = {}, ""
         for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
             if chunk.usage is not None:
                 usage = chunk.usage
             for c in chunk.choices:
                 content += c.delta.content or ""
-                calls += [{"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": t.function.arguments}}
-                          for t in c.delta.tool_calls or []]
-        assistant = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                for t in c.delta.tool_calls or []:  # a call's first piece names it, the rest add arguments
+                    if t.id is not None:
+                        calls[t.index] = {"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": ""}}
+                    calls[t.index]["function"]["arguments"] += t.function.arguments or ""
+        assistant = {"role": "assistant", "content": content or None, "tool_calls": [calls[i] for i in sorted(calls)]}
     else:
         r = client.chat.completions.create(**kw)
         usage = r.usage
@@ -139,3 +141,51 @@ def test_replay_refuses_anything_it_did_not_produce():
     for k in range(2):  # bounded: the oldest turn is forgotten
         replay.record("t", None, [{"id": f"call_{k}", "function": {"name": "f", "arguments": "{}"}}])
     assert len(replay) == 2 and replay.restore([msg]) == [msg]
+
+
+def _chat_stream(live, body) -> tuple[list[dict], str | None]:
+    lines = httpx.post(live.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    pieces = [tc for e in events for c in e["choices"] for tc in c["delta"].get("tool_calls") or []]
+    finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    return pieces, finish[-1] if finish else None
+
+
+def test_a_call_streams_as_written_and_a_cut_call_is_reported_as_cut(live):
+    """Under the tool-call grammar a streamed call sends its id and name once its opening is
+    written, then its arguments as the model writes them (several pieces adding up to the whole
+    response's arguments); cut by max_tokens inside its arguments, the call is reported with the
+    arguments written so far and finish_reason length, whole and streamed alike. /v1/responses
+    streams the same pieces as function_call_arguments.delta events."""
+    tok = live.llm.engine.tokenizer
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": WEATHER, "seed": 301,
+            "max_tokens": 200}
+    whole = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    args = whole["message"]["tool_calls"][0]["function"]["arguments"]
+    assert args == '{"city": "Paris"}' and whole["finish_reason"] == "tool_calls"  # written as json.dumps writes it
+    pieces, finish = _chat_stream(live, body)
+    assert pieces[0]["id"].startswith("call_") and pieces[0]["function"]["name"] == "get_weather" and "id" not in pieces[1]
+    assert "".join(p["function"]["arguments"] for p in pieces) == args and len(pieces) > 3 and finish == "tool_calls"
+    # cut inside the arguments
+    ids = tok.encode(CALL, add_special_tokens=False)
+    n = next(k for k in range(len(ids)) if '"city":"P' in tok.decode(ids[:k], False))
+    cut = httpx.post(live.url + "/v1/chat/completions", json={**body, "max_tokens": n}, timeout=60).json()["choices"][0]
+    cut_args = cut["message"]["tool_calls"][0]["function"]["arguments"]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] is None
+    assert args.startswith(cut_args) and cut_args.startswith('{"city": "P') and cut_args != args
+    pieces, finish = _chat_stream(live, {**body, "max_tokens": n})
+    assert "".join(p["function"]["arguments"] for p in pieces) == cut_args and finish == "length"
+    # the Responses API: the same pieces as argument deltas, the item incomplete when cut
+    rbody = {"model": "test-model", "input": "Weather in Oslo?", "seed": 301, "max_output_tokens": 200,
+             "tools": [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in WEATHER]}
+    for limit, want, status in ((200, args, "completed"), (n, cut_args, "incomplete")):
+        text = httpx.post(live.url + "/v1/responses", json={**rbody, "max_output_tokens": limit, "stream": True}, timeout=60).text
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+        deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+        [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+        assert "".join(deltas) == done["arguments"] == want and len(deltas) > 1
+        [item] = [e["item"] for e in events if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"]
+        assert item["status"] == status and item["arguments"] == want
+        stored = httpx.post(live.url + "/v1/responses", json={**rbody, "max_output_tokens": limit}, timeout=60).json()
+        [fc] = [i for i in stored["output"] if i["type"] == "function_call"]
+        assert (fc["arguments"], fc["status"]) == (want, status)

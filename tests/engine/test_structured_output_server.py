@@ -122,14 +122,21 @@ def test_forced_tool_call_always_parses_and_validates(client, tool_choice):
 
 def test_auto_tool_calls_follow_the_schema_once_opened(client):
     """With tool_choice auto the model writes freely; pushed (logit_bias) to open calls, every call
-    it opens is a valid call of one of the tools."""
+    it opens is a valid call of one of the tools. A call that max_tokens cuts off is the last,
+    with the arguments written so far and finish_reason length (as OpenAI reports it)."""
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     r = client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice="auto", temperature=1.0, seed=2, n=4,
                                        max_tokens=120, logit_bias={"8192": 100})
-    calls = 0
+    calls = cut = 0
     for ch in r.choices:
-        for call in ch.message.tool_calls or []:
-            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        for k, call in enumerate(ch.message.tool_calls or []):
+            try:
+                args = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                assert ch.finish_reason == "length" and k == len(ch.message.tool_calls) - 1, call
+                cut += 1
+                continue
+            jsonschema.validate(args, schemas[call.function.name])
             calls += 1
     assert calls >= 4
 

@@ -107,3 +107,73 @@ def test_split_reports_malformed_blocks_verbatim():
     assert parsed.malformed == [broken, cut]
     assert parsed.content == f"a {broken} b  c {cut}".strip()
     assert split_tool_calls(HERMES).malformed == []
+
+
+# calls as the tool-call grammar writes them, with what a JSON writer may do inside the arguments:
+# compact or spaced separators, escapes (\u, \/, surrogate pairs), raw non-ASCII, numbers Python
+# writes back differently (1E3, -0, 2.50), nesting, a string VALUE
+GRAMMAR_CALLS = [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "write_file", "arguments": {"path":"a/b.py","text":"def f():\\n    return \\"é\\u00e9\\ud83d\\ude00 \\/\\"\\n","n":1E3,'
+               '"xs":[ -0 ,2.50,true,null,{}],"o":{"k":[]}}}\n</tool_call>\nDone.'),
+    ("hermes", '<tool_call>\n{"name": "say", "arguments": "plain \\u00e9 text"}\n</tool_call>'
+               '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>'),
+    ("qwen3_coder", CODER),
+    ("qwen3_coder", "<tool_call>\n<function=run_tests>\n<parameter=selection>\n  indented \"q\" é\n\n</parameter>\n"
+                    "<parameter=count>\nnot a number\n</parameter>\n</function>\n</tool_call>"),
+]
+
+
+@pytest.mark.parametrize("fmt,text", GRAMMAR_CALLS)
+@pytest.mark.parametrize("seed", range(10))
+def test_incremental_calls_add_up_to_the_whole_parse(fmt, text, seed):
+    """Streamed with `incremental` (calls under the grammar), a call's id and name come once its
+    opening is complete and its arguments piece by piece; for any split the pieces add up to the
+    whole-text parse's arguments, and the content to its content."""
+    rng = random.Random(seed)
+    cuts = list(range(1, len(text))) if seed == 0 else sorted(rng.sample(range(1, len(text)), k=rng.randint(1, 40)))
+    parser = StreamingToolParser(fmt, TOOLS, incremental=True)
+    content, args, firsts = "", {}, []
+    for c in cuts + [len(text)]:
+        d, pieces = parser.feed_deltas(text[:c], final=c == len(text))
+        assert c == len(text) or "<tool_call" not in d
+        content += d
+        for p in pieces:
+            if p.first:
+                firsts.append((p.index, p.call.name))
+            args[p.index] = args.get(p.index, "") + p.arguments
+    whole_content, whole_calls = parse_tool_calls(text, fmt, TOOLS)
+    assert firsts == [(i, c.name) for i, c in enumerate(whole_calls)]
+    assert [args[i] for i in range(len(whole_calls))] == [c.arguments for c in whole_calls]
+    assert [(c.text, c.complete) for c in parser.calls] == [(c.text, True) for c in whole_calls]
+    assert content.strip() == whole_content
+    if seed == 0:  # a character at a time: the arguments really come in many pieces
+        assert max(len(a) for a in args.values()) > 1 and len(cuts) > 10
+
+
+@pytest.mark.parametrize("fmt,text", GRAMMAR_CALLS)
+def test_a_call_cut_off_is_a_call_with_its_arguments_so_far(fmt, text):
+    """Cut anywhere after a call's opening (max_tokens), the call is reported with the arguments
+    written so far, `complete` false: the same streamed (any split) as whole (`final` at once);
+    cut before its opening is complete, the text is content, as without calls."""
+    for n in range(1, len(text)):
+        cut = text[:n]
+        whole = StreamingToolParser(fmt, TOOLS, incremental=True)
+        content, _ = whole.feed_deltas(cut, final=True)
+        streamed = StreamingToolParser(fmt, TOOLS, incremental=True)
+        s_content, args = "", {}
+        for c in range(1, n + 1, 3):
+            d, pieces = streamed.feed_deltas(cut[:c], final=False)
+            s_content += d
+            for p in pieces:
+                args[p.index] = args.get(p.index, "") + p.arguments
+        d, pieces = streamed.feed_deltas(cut, final=True)
+        s_content += d
+        for p in pieces:
+            args[p.index] = args.get(p.index, "") + p.arguments
+        assert s_content == content
+        assert [(c.name, c.arguments, c.complete) for c in streamed.calls] == [(c.name, c.arguments, c.complete) for c in whole.calls]
+        assert [args[i] for i in range(len(whole.calls))] == [c.arguments for c in whole.calls]
+        assert all(c.complete for c in whole.calls[:-1])
+        full = parse_tool_calls(text, fmt, TOOLS)[1]
+        for c, f in zip(whole.calls, full):  # what was written is the start of the finished arguments
+            assert f.arguments.startswith(c.arguments) and c.name == f.name
