@@ -44,8 +44,9 @@ def start_state(parser: str, prompt_tail: str, enable_thinking: bool | None = No
     return CONTENT if enable_thinking is False else AWAIT
 
 
-def _partial_suffix(text: str, token: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `token`."""
+def partial_suffix(text: str, token: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `token`: what a streaming
+    parser holds back, since it could still become the tag (this module's, tool_parsers', tool_args')."""
     for n in range(min(len(token) - 1, len(text)), 0, -1):
         if token.startswith(text[-n:]):
             return n
@@ -79,7 +80,7 @@ class ReasoningParser:
             rest = text[self.sent :]
             end = rest.find(CLOSE)
             if end == -1:
-                hold = 0 if final else _partial_suffix(rest, CLOSE)
+                hold = 0 if final else partial_suffix(rest, CLOSE)
                 reasoning = rest[: len(rest) - hold]
                 self.sent += len(reasoning)
                 return reasoning, ""

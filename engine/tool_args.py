@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 
+from cuttle.engine.reasoning_parsers import partial_suffix
+
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _PARAM_OPEN, _PARAM_CLOSE, _FUNCTION_CLOSE = "<parameter=", "</parameter>", "</function>"
 _SEPARATORS = " \t\r\n"  # the whitespace a qwen3_coder tag may have beside it (tool_parsers._PARAM)
@@ -32,14 +34,6 @@ _SEPARATORS = " \t\r\n"  # the whitespace a qwen3_coder tag may have beside it (
 def _escaped(text: str) -> str:
     """`text` as it stands inside a JSON string that json.dumps writes."""
     return json.dumps(text)[1:-1] if text else ""
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class JsonArguments:
@@ -171,7 +165,7 @@ class XmlArguments:
             self.done, self.end = True, self.fed + f + len(_FUNCTION_CLOSE)
             return False
         if p == -1:
-            keep = max(_held_prefix(self.buf, _PARAM_OPEN), _held_prefix(self.buf, _FUNCTION_CLOSE))
+            keep = max(partial_suffix(self.buf, _PARAM_OPEN), partial_suffix(self.buf, _FUNCTION_CLOSE))
             self._take(len(self.buf) - keep)
             return False
         close = self.buf.find(">", p)
@@ -198,7 +192,7 @@ class XmlArguments:
         string = self.types.get(self.value_of, "string") == "string"
         e = self.buf.find(_PARAM_CLOSE)
         if e == -1:
-            keep = _held_prefix(self.buf, _PARAM_CLOSE)
+            keep = partial_suffix(self.buf, _PARAM_CLOSE)
             if len(self.buf) > keep and self.buf[len(self.buf) - keep - 1] in _SEPARATORS:
                 keep += 1  # perhaps the separator before the closing tag
             piece = self.buf[:len(self.buf) - keep]

@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from cuttle.engine.reasoning_parsers import partial_suffix
 from cuttle.engine.tool_args import JsonArguments, XmlArguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -132,14 +133,6 @@ def parse_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]]
     return parsed.content, parsed.calls
 
 
-def _partial_suffix(text: str, token: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `token`."""
-    for n in range(min(len(token) - 1, len(text)), 0, -1):
-        if token.startswith(text[-n:]):
-            return n
-    return 0
-
-
 # A call's opening, up to its arguments: hermes `{"name": "N", "arguments": `, qwen3_coder `<function=N>`
 _HERMES_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 _CODER_OPENING = re.compile(r"\s*<function=([^>\n]+)>")
@@ -190,31 +183,18 @@ class StreamingToolParser:
         content, deltas = "", []
         while True:
             if self._open is None:
-                rest = text[self.sent:]
-                start = rest.find(OPEN)
-                if start == -1:
-                    hold = 0 if final else _partial_suffix(rest, OPEN)
-                    content += rest[: len(rest) - hold]
-                    self.sent += len(rest) - hold
+                before, found = self._to_next_call(text, final)
+                content += before
+                if not found:
                     break
-                content += rest[:start]
-                self.sent += start
                 if not self._begin(text, deltas):  # not a call that can be streamed (yet): whole, as `feed` does
-                    end = text.find(CLOSE, self.sent)
-                    if end == -1:
-                        if final:  # an unterminated block that never began a call is just text
-                            content += text[self.sent:]
-                            self.sent = len(text)
-                        break
-                    block = text[self.sent:end + len(CLOSE)]
-                    call = _parse_block(block[len(OPEN):-len(CLOSE)], self.fmt, self.tools)
-                    if call is None:
-                        content += block
-                    else:
-                        call.text = block
+                    text_of, call, closed = self._whole_block(text, final)
+                    content += text_of
+                    if call is not None:
                         self.calls.append(call)
                         deltas.append(CallDelta(call, len(self.calls) - 1, call.arguments, first=True))
-                    self.sent += len(block)
+                    if not closed:
+                        break
                     continue
             if not self._advance(text, deltas, final):
                 break
@@ -264,32 +244,47 @@ class StreamingToolParser:
         self.sent, self._open = end + len(CLOSE), None
         return True
 
+    def _to_next_call(self, text: str, final: bool) -> tuple[str, bool]:
+        """The content up to the next `<tool_call>` (self.sent moves to it), and whether there is
+        one; without one, all of the rest that cannot still become one."""
+        rest = text[self.sent:]
+        start = rest.find(OPEN)
+        if start == -1:
+            hold = 0 if final else partial_suffix(rest, OPEN)
+            self.sent += len(rest) - hold
+            return rest[: len(rest) - hold], False
+        self.sent += start
+        return rest[:start], True
+
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         content = ""
         new_calls: list[ToolCall] = []
         while True:
-            rest = text[self.sent :]
-            start = rest.find(OPEN)
-            if start == -1:
-                hold = 0 if final else _partial_suffix(rest, OPEN)
-                content += rest[: len(rest) - hold]
-                self.sent += len(rest) - hold
+            before, found = self._to_next_call(text, final)
+            content += before
+            if not found:
                 break
-            content += rest[:start]
-            self.sent += start
-            end = rest.find(CLOSE, start)
-            if end == -1:
-                if final:  # an unterminated call is just text
-                    content += text[self.sent :]
-                    self.sent = len(text)
-                break
-            block_end = end + len(CLOSE)
-            call = _parse_block(rest[start + len(OPEN) : end], self.fmt, self.tools)
-            if call is None:
-                content += rest[start:block_end]
-            else:
-                call.text = rest[start:block_end]
+            text_of, call, closed = self._whole_block(text, final)
+            content += text_of
+            if call is not None:
                 new_calls.append(call)
-            self.sent += block_end - start
+            if not closed:
+                break
         self.calls += new_calls
         return content, new_calls
+
+    def _whole_block(self, text: str, final: bool) -> tuple[str, ToolCall | None, bool]:
+        """The block opening at self.sent, once closed: (the content it is, its call, whether it
+        closed). A block that does not parse is content; an unterminated one is held, or content
+        when `final`."""
+        end = text.find(CLOSE, self.sent)
+        if end == -1:
+            held, self.sent = (text[self.sent:], len(text)) if final else ("", self.sent)
+            return held, None, False
+        block = text[self.sent:end + len(CLOSE)]
+        self.sent += len(block)
+        call = _parse_block(block[len(OPEN):-len(CLOSE)], self.fmt, self.tools)
+        if call is None:
+            return block, None, True
+        call.text = block
+        return "", call, True

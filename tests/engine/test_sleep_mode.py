@@ -129,14 +129,19 @@ def live(qwen3_path):
         yield srv
 
 
-def test_server_sleep_routes(live):
-    auth = {"Authorization": "Bearer k"}
+AUTH = {"Authorization": "Bearer k"}
+
+
+def _completer(live):
+    """A greedy completion of PROMPT on the live server (token ids returned)."""
     body = {"model": "test-model", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
+    return lambda: httpx.post(live.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
 
-    def complete() -> httpx.Response:
-        return httpx.post(live.url + "/v1/completions", json=body, headers=auth, timeout=60)
 
+def test_server_sleep_routes(live):
+    auth = AUTH
+    complete = _completer(live)
     want = complete().json()["choices"][0]["token_ids"]
     assert httpx.post(live.url + "/sleep", timeout=30).status_code == 401  # behind the API key
     assert httpx.get(live.url + "/is_sleeping", headers=auth, timeout=30).json() == {"is_sleeping": False}
@@ -172,13 +177,7 @@ def test_server_level_2_through_the_rl_client(live, qwen3_path):
     (one safetensors blob per call, here in two), wake the KV cache; a 503 while any is missing."""
     from cuttle.rl.client import RolloutClient
 
-    auth = {"Authorization": "Bearer k"}
-    body = {"model": "test-model", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-
-    def complete() -> httpx.Response:
-        return httpx.post(live.url + "/v1/completions", json=body, headers=auth, timeout=60)
-
+    complete = _completer(live)
     want = complete().json()["choices"][0]["token_ids"]
     sent = list(iter_tensors(qwen3_path))
     with RolloutClient(live.url, api_key="k") as client:
