@@ -53,9 +53,9 @@ def _drafted(draft: str, **kw) -> LLM:
 def test_the_model_as_its_own_draft_keeps_drafts_and_changes_nothing(base):
     """Greedy, the draft's proposals are the target's own argmax: (almost) all kept, and the steps
     saved. Sampled, the draft samples its own distribution with the uniforms the target will draw:
-    the same distribution, so (almost) all kept too (greedy drafts were kept 27 % of the time at
-    temperature 1, where the sample happened to be the argmax). Penalties are the draft's too,
-    counting the target's outputs (without them: 54 % kept in the penalized case)."""
+    the same distribution, so (almost) all kept too (greedy drafts were kept only where the sample
+    happened to be the argmax: 0.25 in docs/benchmarks.md). Penalties are the draft's too,
+    counting the target's outputs (without them the penalized case kept 27 of 50 here)."""
     spec = _drafted(DEFAULT_MODEL_DIR)
     steps = (base.engine.counters["steps"], spec.engine.counters["steps"])
     assert _outputs(spec, CODE, CASES[0]) == _outputs(base, CODE, CASES[0])
