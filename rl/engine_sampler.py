@@ -111,6 +111,18 @@ class EngineSampler:
         self.lora_name = lora_name
         return version
 
+    def sleep(self, level: int = 1) -> None:
+        """The engine's sleep mode (`LLM.sleep`), between two of its steps: the KV cache's memory
+        (level 2: the weights' too) given back while a colocated trainer runs; refused while a
+        request is in flight."""
+        self._run(self._async.call(lambda: self.engine.sleep(level)))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._run(self._async.call(lambda: self.engine.wake_up(tags)))
+
+    def is_sleeping(self) -> bool:
+        return self._run(self._async.call(self.engine.is_sleeping))
+
     def stats(self) -> dict[str, Any]:
         return self._run(self._async.call(self.engine.stats))
 

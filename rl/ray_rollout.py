@@ -186,6 +186,23 @@ class RolloutWorker:
         with self.locked.lock:  # never in the middle of a turn's sampling
             return update(lora_name, iter(tensors.items()), config)
 
+    def sleep(self, level: int) -> None:
+        """The sampler's sleep mode (an engine's, or a served one's through its client); only
+        between steps: the engine refuses while turns run."""
+        self._sleep_mode("sleep")(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self._sleep_mode("wake_up")(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._sleep_mode("is_sleeping")())
+
+    def _sleep_mode(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.sampler, name, None)
+        if fn is None:
+            raise ValueError(f"this worker's {type(self.sampler).__name__} has no sleep mode (no {name})")
+        return fn
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"open_envs": self.open_envs, "running_groups": len(self.running), "niceness": self.niceness,
                                "env_close_errors": self.rollout.env_close_errors}
@@ -362,6 +379,25 @@ class RayRollout:
         if in_flight == "abort" and self._carried:
             raise ValueError(f"in_flight='abort' with {len(self._carried)} group(s) carried into the next step: a Ray rollout "
                              "lets their turns in flight finish; call drop_carried() first to abort them, or pass 'finish'")
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode on every live worker's engine (built with enable_sleep_mode=True), for
+        a trainer colocated with the workers: the KV caches' memory (level 2: the weights' too,
+        which `update_weights` must then send whole) given back until `wake_up`. Between steps
+        only: refused while groups are carried into the next step (their turns hold KV)."""
+        if self._carried:
+            raise ValueError(f"{len(self._carried)} group(s) are carried into the next step and hold KV: run them out "
+                             "or drop_carried() before sleep")
+        ray.get([self.workers[i].sleep.remote(level) for i in self.live()])
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Every live worker's `wake_up(tags)`: all, or "weights" / "kv_cache" (vLLM's RL order:
+        weights, `update_weights`, then the KV cache)."""
+        ray.get([self.workers[i].wake_up.remote(list(tags) if tags is not None else None) for i in self.live()])
+
+    def is_sleeping(self) -> bool:
+        """Whether any live worker's engine sleeps."""
+        return any(ray.get([self.workers[i].is_sleeping.remote() for i in self.live()]))
 
     def stats(self) -> list[dict[str, Any]]:
         return ray.get([self.workers[i].stats.remote() for i in self.live()])

@@ -86,6 +86,8 @@ def test_partial_rollouts_carry_stragglers_into_the_next_step_with_their_version
         # a straggler carried and then dropped is aborted and its environment closed
         res3 = rollout.run_step([{"seed": 5, "delay": 60.0}, {"seed": 6}], 1, PARAMS, groups_needed=1, partial=True,
                                 timeout_s=30)
+        with pytest.raises(ValueError, match="carried"):  # its KV is in use: no sleep for the workers now
+            rollout.sleep()
         assert res3.group_ids == [1] and rollout.drop_carried() == 1
         rollout.drain(timeout_s=10)
         assert [(s["open_envs"], s["running_groups"]) for s in rollout.stats()] == [(0, 0), (0, 0)]
@@ -178,3 +180,45 @@ def test_lora_training_syncs_one_adapter_to_every_worker(cluster):
         assert mismatch(Trainer(default_model_path()).score(batch), rollout_lps).max_abs > 1e-3
     finally:
         rollout.shutdown()
+
+
+def embedded_sleepy_llm():
+    return LLM(dtype="float32", max_model_len=2048, num_kv_blocks=256, enable_sleep_mode=True)
+
+
+@pytest.mark.slow
+def test_a_colocated_trainer_puts_the_workers_to_sleep_between_steps(cluster):
+    """RayRollout.sleep / wake_up / is_sleeping on every worker's engine: level 2 between steps,
+    the weights sent back by update_weights (vLLM's order: weights, update, KV cache), and the next
+    step samples what the first did (greedy) under the new version; a worker whose sampler has no
+    sleep mode refuses, naming it."""
+    from cuttle.engine.models.loader import iter_tensors
+
+    config = AgentConfig(max_turns=1, max_tokens_per_turn=8)
+    greedy = SamplingParams(temperature=0.0)
+    specs = [{"seed": 0, "prompt": "fix a"}, {"seed": 1, "prompt": "fix b"}]
+    rollout = RayRollout(2, embedded_sleepy_llm, slow_env, config, num_cpus=0.5)
+    try:
+        first = rollout.run_step(specs, 1, greedy)
+        rollout.sleep(2)
+        assert rollout.is_sleeping()
+        rollout.wake_up(["weights"])
+        version = rollout.update_weights(list(iter_tensors(default_model_path())))
+        rollout.wake_up(["kv_cache"])
+        assert not rollout.is_sleeping() and version == 1
+        second = rollout.run_step(specs, 1, greedy)
+
+        def tokens(res):
+            return {gi: [e.trajectory.token_ids for e in g.episodes] for gi, g in zip(res.group_ids, res.groups)}
+
+        assert tokens(second) == tokens(first)
+        assert {v for g in second.groups for e in g.episodes for v, m in zip(e.trajectory.weight_versions,
+                                                                             e.trajectory.loss_mask) if m} == {1}
+    finally:
+        rollout.shutdown()
+    scripted_rollout = RayRollout(1, scripted, slow_env, num_cpus=0.5)
+    try:
+        with pytest.raises(Exception, match="no sleep mode"):
+            scripted_rollout.sleep()
+    finally:
+        scripted_rollout.shutdown()
