@@ -157,6 +157,14 @@ def test_official_client_reads_text_and_stream(live):
         deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
         final = s.get_final_response()
     assert "".join(deltas) == final.output_text == "It is sunny."
+    # a function call streams its arguments as written: the client's accumulator rebuilds the item
+    with client.responses.stream(model="test-model", input="Weather in Paris? (sdk stream)", tools=WEATHER,
+                                 extra_body={"seed": 301}) as s:
+        pieces = [e.delta for e in s if e.type == "response.function_call_arguments.delta"]
+        final = s.get_final_response()
+    [call] = [i for i in final.output if i.type == "function_call"]
+    assert len(pieces) > 1 and "".join(pieces) == call.arguments and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.status == "completed" and call.name == "get_weather"
 
 
 @pytest.mark.parametrize("stream", [False, True])
