@@ -235,9 +235,9 @@ def _call_deltas(pieces: list[CallDelta]) -> list[dict[str, Any]]:
     for p in pieces:
         entry = out.get(p.index)
         if entry is None:
-            entry = out[p.index] = {"index": p.index, "function": {"arguments": ""}}
-            if p.first:
-                entry.update(id=p.call.id, type="function", function={"name": p.call.name, "arguments": ""})
+            entry = out[p.index] = ({"index": p.index, "id": p.call.id, "type": "function",
+                                     "function": {"name": p.call.name, "arguments": ""}} if p.first
+                                    else {"index": p.index, "function": {"arguments": ""}})
         entry["function"]["arguments"] += p.arguments
     return list(out.values())
 
