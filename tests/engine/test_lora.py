@@ -474,3 +474,26 @@ def test_batch_invariant_with_adapters(setup, tmp_path, dtype):
     alone = run(_llm(str(tmp_path / "m"), **kw), prompts[:1], [ra])
     mixed = run(_llm(str(tmp_path / "m"), max_num_batched_tokens=64, **kw), prompts, [ra, rb, None, ra])
     assert alone == mixed
+
+
+def test_adapters_survive_a_level_2_sleep(setup):
+    """sleep(level=2) discards the base weights, not the adapters: after reload_weights the
+    adapter's outputs are peft's again (and equal those before the sleep), base rows beside them."""
+    llm = _llm(setup["base_dir"], enable_sleep_mode=True, attention_backend="auto")
+    prompts = _prompts(2, seed=6)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    ra = LoRARequest("a", 1, setup["a_dir"])
+
+    def run():
+        outs = llm.generate(prompts, sp, lora_request=[ra, None], use_tqdm=False)
+        return outs, [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                      for o in outs]
+
+    _, before = run()
+    llm.sleep(2)
+    llm.wake_up()
+    llm.reload_weights()
+    outs, after = run()
+    assert after == before
+    _score(setup["a"], prompts[0], outs[0])
+    _score(setup["base"], prompts[1], outs[1])
