@@ -759,14 +759,18 @@ class LLMEngine:
                     raise RuntimeError(f"{self.stall_message()}; the weights were not updated")
         else:
             ended = self._abort_all()
+        written: list[torch.Tensor] | None = []
         try:
-            self._load_weights(named_tensors)
+            self._load_weights(named_tensors, written)
             if self._reload is not None and not self._reload.missing():
                 self._reload = None  # every discarded weight written again: serving resumes
-        finally:  # even a half-applied update must not leave stale packed copies behind
-            drop_packed(self.runner.model)
+        except BaseException:
+            written = None
+            raise
+        finally:  # stale packed copies go: those of what was written (of everything, if the update failed part way)
+            drop_packed(self.runner.model if written is None else written)
             if self._reload is None:  # (while weights are still missing, packing them would be wasted work)
-                self.runner.prepack()
+                self.runner.prepack()  # packs what is not packed: the written tensors, the expert layers they unpacked
         self._next_weight_version()
         return ended
 
@@ -822,7 +826,7 @@ class LLMEngine:
             namespace = self._disk_namespace()
         self.block_manager.reset_prefix_cache(namespace)
 
-    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], written: list[torch.Tensor]) -> None:
         """All or nothing: every name and shape is checked before any tensor is written, so a bad
         update (a foreign name, a wrong shape) leaves the old weights whole (the iterable is held
         in full for that: references to the caller's tensors)."""
@@ -849,9 +853,10 @@ class LLMEngine:
         with torch.no_grad():
             for p, t in native:
                 p.copy_(t)
+                written.append(p)
                 if self._reload is not None:
                     self._reload.record_whole(p)
-        load_weights(model, hf, strict=False, source="update_weights", coverage=self._reload)
+        load_weights(model, hf, strict=False, source="update_weights", coverage=self._reload, written=written)
 
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager

@@ -62,11 +62,12 @@ def _bias_f32(bias: torch.Tensor) -> torch.Tensor:
     return derived(bias, _PACKED_ATTR, lambda b: b.float().contiguous())
 
 
-def drop_packed(module: torch.nn.Module) -> None:
-    """Forget every packed or derived weight copy held by `module`'s parameters (remade on next
-    use): this module's and the expert kernels' `_PACKED_ATTR`, and any other attribute a caller
-    keeps on a parameter under the `_cuttle_` prefix (NSA's per-head phi weights)."""
-    for p in module.parameters():
+def drop_packed(module: torch.nn.Module | list[torch.Tensor]) -> None:
+    """Forget every packed or derived weight copy held by `module`'s parameters, or by the given
+    tensors (remade on next use): this module's and the expert kernels' `_PACKED_ATTR`, and any
+    other attribute a caller keeps on a parameter under the `_cuttle_` prefix (NSA's per-head phi
+    weights)."""
+    for p in module.parameters() if isinstance(module, torch.nn.Module) else module:
         for attr in [a for a in vars(p) if a.startswith("_cuttle_")]:
             delattr(p, attr)
 

@@ -137,13 +137,25 @@ class _Filler:
         return regions[()] if () in regions else sum(regions.values())
 
 
-def _targets(model: CausalLM) -> tuple[dict[str, torch.Tensor], dict[int, FusedMoE], dict[str, MXLinearWeight]]:
+def expert_layers_named(names: Iterable[str]) -> set[int]:
+    """The layers whose routed experts tensors of these names (HF or engine names) write."""
+    out = set()
+    for name in names:
+        m = _NATIVE_EXPERTS.match(name) or (_LAYER.match(name) if is_expert_tensor(name) else None)
+        if m is not None:
+            out.add(int(m.group(1)))
+    return out
+
+
+def _targets(model: CausalLM, expert_layers: set[int] | None = None) -> tuple[dict[str, torch.Tensor], dict[int, FusedMoE],
+                                                                             dict[str, MXLinearWeight]]:
     """Every tensor a load writes, by the engine's name (tied names twice), with the MXFP8 expert
-    layers and MXFP8 linears among them. Experts held packed are unpacked first (writes need the
-    plain tensors; the engine packs them again afterwards, ModelRunner.prepack)."""
-    unpack_experts(model)
+    layers and MXFP8 linears among them. Experts held packed are unpacked first, all of them or
+    those of `expert_layers` (writes need the plain tensors; the engine packs them again
+    afterwards, ModelRunner.prepack); a layer left packed has no expert targets."""
+    unpack_experts(model, expert_layers)
     targets = dict(model.named_parameters(remove_duplicate=False))
-    quantized = {i: layer for i, layer in moe_layers(model).items() if layer.quant == "mxfp8"}
+    quantized = {i: layer for i, layer in moe_layers(model).items() if layer.quant == "mxfp8" and layer.packed is None}
     for i, layer in quantized.items():
         for field in _QUANTIZED_DTYPES:
             targets[f"layers.{i}.mlp.{field}"] = getattr(layer, field)
@@ -205,7 +217,8 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
 
 
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False, source: str = "weights",
-                 check_only: bool = False, coverage: WeightCoverage | None = None) -> list[str]:
+                 check_only: bool = False, coverage: WeightCoverage | None = None,
+                 written: list[torch.Tensor] | None = None) -> list[str]:
     """Copy HF-named tensors into the model's (fused) parameters, in place.
 
     `strict`: every parameter must be covered (loading a checkpoint); otherwise any subset may be
@@ -217,10 +230,13 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     quantized as they are written (MXFP8 ones are copied). Returns the names that have no place in this model and were skipped
     (e.g. `rotary_emb.inv_freq` buffers of old checkpoints, DeepSeek's multi-token-prediction
     layers); a name that maps to a parameter but has the wrong shape is an error. `coverage`
-    (written loads only) records what this load covered, added to what earlier loads did.
+    (written loads only) records what this load covered, added to what earlier loads did;
+    `written` receives the model tensors written (their packed copies are then stale). A
+    non-strict load given a list unpacks only the expert layers its names write.
     """
     cfg = model.cfg
-    targets, quantized, mx_linears = _targets(model)
+    layers = expert_layers_named(n for n, _ in tensors) if not strict and isinstance(tensors, list) else None
+    targets, quantized, mx_linears = _targets(model, layers)
     table = _layer_table(cfg)
     extra_layers = int(cfg.hf_config.get("num_nextn_predict_layers", 0)) if cfg.mla is not None else 0
     if cfg.hf_config.get(FLA_MARK):  # an fla-org NSA checkpoint: its names, renamed to Llama's
@@ -283,6 +299,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
         elif tuple(t.shape) != tuple(embed_given.shape) or not torch.equal(t, embed_given):
             raise ValueError(f"{name!r} differs from 'model.embed_tokens.weight' in this update, but this model ties "
                              "them (tie_word_embeddings): give one, or both equal")
+    if written is not None and not check_only:
+        written.extend({id(targets[n]): targets[n] for n in filler.filled if n in targets}.values())
     if strict:
         foreign = [n for n in unused if not any(r.match(n) for r in IGNORED_TENSORS) and not _is_mtp_layer(n, cfg)]
         if foreign:

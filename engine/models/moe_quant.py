@@ -33,10 +33,12 @@ def pack_experts(model: CausalLM) -> int:
     return sum(layer.pack_() for layer in moe_layers(model).values())
 
 
-def unpack_experts(model: CausalLM) -> None:
-    """Give every packed routed-expert layer its plain tensors back (exact), e.g. before a write."""
-    for layer in moe_layers(model).values():
-        layer.unpack_()
+def unpack_experts(model: CausalLM, layers: set[int] | None = None) -> None:
+    """Give every packed routed-expert layer (or those of `layers`) its plain tensors back
+    (exact), e.g. before a write."""
+    for i, layer in moe_layers(model).items():
+        if layers is None or i in layers:
+            layer.unpack_()
 
 
 def prepare_quantized_experts(model: CausalLM, mode: str = "mxfp8") -> None:

@@ -158,3 +158,27 @@ def test_engine_packs_at_load_and_update_not_in_a_request(ckpts, quant, monkeypa
     made.clear()
     assert _generate(llm) == want_b
     assert made == []
+
+
+@pytest.mark.parametrize("quant", [None, "mxfp8"])
+def test_an_update_repacks_only_the_expert_layers_it_writes(ckpts, quant) -> None:
+    """A trainer's weight sync comes in buckets: an update that writes layer 1's experts unpacks
+    and repacks layer 1 alone (layer 0 keeps its packed copy, the same object), one that writes
+    no expert repacks none, and after the buckets the engine equals one loaded from the new
+    weights, bit for bit."""
+    kw = dict(dtype="float32", num_kv_blocks=64, moe_quant=quant)
+    llm = LLM(ckpts["a"], **kw)
+    want_b = _generate(LLM(ckpts["b"], **kw))
+    layers = list(moe_quant.moe_layers(llm.engine.runner.model).values())
+    other = load_file(os.path.join(ckpts["b"], "model.safetensors"))
+    packed = [layer.packed for layer in layers]
+    norm = [(n, t) for n, t in other.items() if n == "model.norm.weight"]
+    llm.update_weights(norm)
+    assert [layer.packed for layer in layers] == packed and all(p is not None for p in packed)
+    layer1 = [(n, t) for n, t in other.items() if n.startswith("model.layers.1.mlp.experts.")]
+    assert layer1
+    llm.update_weights(layer1)
+    assert layers[0].packed is packed[0] and layers[1].packed is not None and layers[1].packed is not packed[1]
+    llm.update_weights([(n, t) for n, t in other.items() if n != "model.norm.weight" and not n.startswith("model.layers.1.mlp.experts.")])
+    assert all(layer.packed is not None for layer in layers)
+    assert _generate(llm) == want_b
