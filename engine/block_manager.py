@@ -259,7 +259,9 @@ class BlockManager:
             if block.hash != NO_HASH:
                 continue
             parent = self._block(table[i - 1]).hash if i > 0 else NO_HASH
-            self.prefix_index.register(block, parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), extra)
+            if self.prefix_index.register(block, parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), extra) and \
+                    (i + 1) * bs <= seq.num_prompt_tokens:
+                seq.request.cache_written_tokens += bs  # prompt KV this request put in the cache
 
     def reset_prefix_cache(self, disk_namespace: int | None = None) -> None:
         """Forget every cached block and document (e.g. after a weight update), in every tier;

@@ -369,22 +369,26 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     cached_document_tokens: int = 0
+    cache_write_tokens: int = 0
 
     def add_prompt(self, out: RequestOutput) -> None:
         self.prompt_tokens += len(out.prompt_token_ids)
         self.cached_tokens += out.num_cached_tokens
         self.cached_document_tokens += out.num_cached_document_tokens
+        self.cache_write_tokens += out.num_cache_written_tokens
 
     def add_completion(self, out: RequestOutput) -> None:
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
 
     def to_openai(self) -> dict[str, Any]:
         # cached_tokens: prefix-cache hits plus squid prefix / document tokens served from the
-        # document cache; cached_document_tokens: those of them from the document cache
+        # document cache; cached_document_tokens: those of them from the document cache;
+        # cache_write_tokens (the Responses API's name): prompt tokens this request put in the prefix cache
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens,
-                                          "cached_document_tokens": self.cached_document_tokens}}
+                                          "cached_document_tokens": self.cached_document_tokens,
+                                          "cache_write_tokens": self.cache_write_tokens}}
 
 
 # JSON has no infinity: a logprob of -inf (a token the processed distribution excludes: top_k,

@@ -37,6 +37,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens not computed: prefix-cache hits + num_cached_document_tokens
     num_cached_document_tokens: int = 0  # squid prefix and document tokens served from the document cache
+    # prompt tokens (in full blocks) this request computed and put in the prefix cache, for later requests to hit
+    num_cache_written_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     # Set when processing this request failed inside the engine (e.g. its detokenizer raised): the
     # request ended there (finish_reason "abort", its KV freed) while the rest of the batch went on.

@@ -143,6 +143,7 @@ class Postprocessor:
             finished=finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens + req.seqs[0].num_reused_tokens,
             num_cached_document_tokens=req.seqs[0].num_reused_tokens,
+            num_cache_written_tokens=req.cache_written_tokens,
             metrics={"weight_version": req.weight_version},
             error=req.error,
             lora_request=req.lora_request,

@@ -130,6 +130,7 @@ class Request:
     # request draws the ones its target sample will draw (engine/draft_model.py), and the last
     # `output position` tokens of its prompt (the target's outputs) count as output for penalties
     draws_at: tuple[int, int] | None = None
+    cache_written_tokens: int = 0  # prompt tokens in full blocks this request put in the prefix cache
 
     def __post_init__(self) -> None:
         if not self.prefix_cache_key:

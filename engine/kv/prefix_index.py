@@ -48,12 +48,13 @@ class PrefixIndex:
             parent = h
         return hits
 
-    def register(self, block: Block, parent: int, tokens: tuple[int, ...], extra_key: bytes) -> None:
-        """Record a full block whose KV is computed. The first block with a given hash stays the
-        one found (a duplicate computed meanwhile keeps its hash only for the chain)."""
+    def register(self, block: Block, parent: int, tokens: tuple[int, ...], extra_key: bytes) -> bool:
+        """Record a full block whose KV is computed; True when it is now the one found for its
+        hash. The first block with a given hash stays the one found (a duplicate computed
+        meanwhile keeps its hash only for the chain)."""
         block.hash = hash_block(parent, tokens, extra_key)
         block.token_ids = tokens
-        self.hash_to_block.setdefault(block.hash, block.block_id)
+        return self.hash_to_block.setdefault(block.hash, block.block_id) == block.block_id
 
     def insert(self, block: Block, block_hash: int, tokens: tuple[int, ...]) -> None:
         """Record a block whose hash is already known (a copy arriving from another tier)."""

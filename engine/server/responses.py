@@ -521,8 +521,10 @@ class _Output:
         if status != "in_progress":
             out["completed_at"] = int(time.time()) if status == "completed" else None
         if usage is not None:
-            cached = usage["prompt_tokens_details"]["cached_tokens"]
-            out["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            details = usage["prompt_tokens_details"]
+            out["usage"] = {"input_tokens": usage["prompt_tokens"],
+                            "input_tokens_details": {"cached_tokens": details["cached_tokens"],
+                                                     "cache_write_tokens": details["cache_write_tokens"]},
                             "output_tokens": usage["completion_tokens"],
                             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                             "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}

@@ -183,6 +183,9 @@ def test_tool_call_round_trip_is_a_prefix_cache_hit(live, stream):
     else:
         resp = post(live, {**first, "seed": 301}).json()
     checked(resp)
+    # the prompt's full blocks not found in the cache are written to it (cache_write_tokens)
+    details, n_in = resp["usage"]["input_tokens_details"], resp["usage"]["input_tokens"]
+    assert details["cache_write_tokens"] == n_in // BS * BS - details["cached_tokens"] > 0
     calls = [i for i in resp["output"] if i["type"] == "function_call"]
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
     assert resp["output"][-1]["type"] == "function_call"  # no text before the call, so no message item

@@ -47,3 +47,24 @@ def test_unseeded_requests_differ(qwen3_path):
     p = prompt(20)
     outs = llm.generate([p, p], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+
+
+def test_cache_writes_are_the_prompt_blocks_a_request_adds_to_the_prefix_cache(qwen3_path):
+    """RequestOutput.num_cache_written_tokens (the Responses API's cache_write_tokens): the prompt
+    tokens, in full blocks, that a request computed and put in the prefix cache. A fresh prompt
+    writes its full blocks; the same prompt again hits them and writes nothing (its last block,
+    recomputed for the last token, is already cached); a longer one writes only its new blocks;
+    n samples write the shared prompt once."""
+    llm = LLM(qwen3_path, dtype="float32", num_kv_blocks=256, block_size=16)
+    p = prompt(100, seed=9)  # 6 full blocks and 4 tokens
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)  # its outputs fill blocks too: not prompt
+    first = llm.generate([p], sp, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, first.num_cache_written_tokens) == (0, 96)
+    again = llm.generate([p], sp, use_tqdm=False)[0]
+    assert (again.num_cached_tokens, again.num_cache_written_tokens) == (96, 0)
+    longer = llm.generate([p + prompt(60, seed=10)], sp, use_tqdm=False)[0]  # 160 tokens: 10 full blocks
+    assert (longer.num_cached_tokens, longer.num_cache_written_tokens) == (96, 64)
+    group = llm.generate([prompt(64, seed=11)], SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8), use_tqdm=False)[0]
+    assert (group.num_cached_tokens, group.num_cache_written_tokens) == (0, 64)
+    off = LLM(qwen3_path, dtype="float32", num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
+    assert off.generate([p], sp, use_tqdm=False)[0].num_cache_written_tokens == 0
