@@ -186,6 +186,15 @@ class RolloutWorker:
         with self.locked.lock:  # never in the middle of a turn's sampling
             return update(lora_name, iter(tensors.items()), config)
 
+    def reload_weights(self, path: str | None) -> int:
+        """The sampler's engine reads its weights from a checkpoint directory (this worker's
+        view of the path); returns the new version."""
+        reload = getattr(self.sampler, "reload_weights", None)
+        if reload is None:
+            raise ValueError(f"this worker's {type(self.sampler).__name__} cannot reload weights from a checkpoint "
+                             "(no reload_weights): send them with update_weights")
+        return reload(path)
+
     def sleep(self, level: int) -> None:
         """The sampler's sleep mode (an engine's, or a served one's through its client); only
         between steps: the engine refuses while turns run."""
@@ -379,6 +388,18 @@ class RayRollout:
         if in_flight == "abort" and self._carried:
             raise ValueError(f"in_flight='abort' with {len(self._carried)} group(s) carried into the next step: a Ray rollout "
                              "lets their turns in flight finish; call drop_carried() first to abort them, or pass 'finish'")
+
+    def reload_weights(self, path: str | None = None) -> int:
+        """Every live worker's engine reads every weight from a checkpoint directory (the model's
+        own by default; a trainer's saved step, on a path each worker can read), so the weights
+        need not travel through the object store; returns the version all of them now have.
+        As `update_weights` with "finish": turns in flight (of groups carried into the next step)
+        finish under the weights they began with."""
+        live = self.live()
+        versions = ray.get([self.workers[i].reload_weights.remote(path) for i in live])
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"workers disagree on the weight version after reload_weights: {dict(zip(live, versions))}")
+        return versions[0]
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode on every live worker's engine (built with enable_sleep_mode=True), for

@@ -214,11 +214,19 @@ def test_a_colocated_trainer_puts_the_workers_to_sleep_between_steps(cluster):
         assert tokens(second) == tokens(first)
         assert {v for g in second.groups for e in g.episodes for v, m in zip(e.trajectory.weight_versions,
                                                                              e.trajectory.loss_mask) if m} == {1}
+        # or from a checkpoint on disk, read by every worker itself (nothing through the object store)
+        rollout.sleep(2)
+        rollout.wake_up()
+        assert rollout.reload_weights() == 2
+        third = rollout.run_step(specs, 1, greedy)
+        assert tokens(third) == tokens(first)
     finally:
         rollout.shutdown()
     scripted_rollout = RayRollout(1, scripted, slow_env, num_cpus=0.5)
     try:
         with pytest.raises(Exception, match="no sleep mode"):
             scripted_rollout.sleep()
+        with pytest.raises(Exception, match="cannot reload weights"):
+            scripted_rollout.reload_weights()
     finally:
         scripted_rollout.shutdown()
