@@ -17,8 +17,9 @@ Owns what each level frees and how waking restores it; the engine (llm_engine.py
   writes fail), so nothing that holds a Parameter object is rebuilt. Waking the weights gives
   each one fresh zeroed memory, which only `update_weights` fills: until every weight has been
   written (loader.WeightCoverage, counted across calls) the engine refuses requests, so a partial
-  sync can never be sampled from. Derived state that is not a weight (RoPE tables, LoRA
-  adapters, a draft model) is kept.
+  sync can never be sampled from. What is not a base weight (RoPE tables, LoRA
+  adapters) is kept. (An engine with a draft model cannot sleep at all: its pool would stay
+  awake, so enable_sleep_mode is refused there.)
 
 The pool is freed by shrinking its storage to zero bytes: every view of it (the per-layer K/V,
 the companions' views the attention backends hold) stays the same tensor object and sees the new
