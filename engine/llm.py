@@ -126,6 +126,23 @@ class LLM:
         self.engine.reload_weights(path)
         return self.engine.weight_version
 
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's `LLM.collective_rpc` for the worker methods cuttle has: "reload_weights" (vLLM's
+        sleep-mode RL recipe: `sleep(level=2)`, `wake_up(["weights"])`,
+        `collective_rpc("reload_weights")`, `wake_up(["kv_cache"])`). cuttle runs one in-process
+        worker, so the list holds one result. Any other method (or a callable) is refused: cuttle
+        has no vLLM worker to run it on."""
+        def reload_weights(path: str | None = None) -> None:
+            self.engine.reload_weights(path)
+
+        supported = {"reload_weights": reload_weights}
+        if not isinstance(method, str) or method not in supported:
+            raise ValueError(f"collective_rpc: method {method!r} is not supported (cuttle runs one in-process worker; "
+                             f"supported: {', '.join(supported)})")
+        if timeout is not None:  # nothing could stop the call part way
+            raise ValueError("collective_rpc: timeout is not supported (the call runs in this process, to its end)")
+        return [supported[method](*args, **(kwargs or {}))]
+
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = False,
                     lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (engine/beam_search.py): per prompt, the best `params.beam_width`

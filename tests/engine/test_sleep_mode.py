@@ -335,3 +335,23 @@ def test_reload_weights_from_a_checkpoint(tmp_path):
     llm.sleep(2)
     with pytest.raises(EngineAsleepError, match="wake_up"):
         llm.reload_weights()
+
+
+def test_vllm_sleep_mode_recipe_runs_verbatim(tmp_path):
+    """vLLM's documented RL recipe for level 2, as written for vLLM: sleep(level=2),
+    wake_up(tags=["weights"]), collective_rpc("reload_weights"), wake_up(tags=["kv_cache"]); then
+    the same outputs. Methods cuttle has no worker for, and a timeout it could not keep, are refused."""
+    from helpers import make_checkpoint
+
+    make_checkpoint(str(tmp_path), "qwen3")
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32, enable_sleep_mode=True)
+    want = _scored(llm)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    assert llm.collective_rpc("reload_weights") == [None]
+    llm.wake_up(tags=["kv_cache"])
+    assert _scored(llm) == want and llm.weight_version == 1
+    with pytest.raises(ValueError, match="'init_device' is not supported.*reload_weights"):
+        llm.collective_rpc("init_device")
+    with pytest.raises(ValueError, match="timeout"):
+        llm.collective_rpc("reload_weights", timeout=5)
