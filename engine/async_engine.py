@@ -423,6 +423,16 @@ class AsyncEngine:
         weights first and streamed as usual. Requests submitted meanwhile wait in the command
         queue and start under the new version.
         """
+        return await self._between_steps(lambda: self.engine.update_weights(named_tensors, "abort"), in_flight)
+
+    async def reload_weights(self, path: str | None = None, in_flight: str = "finish") -> int:
+        """`LLMEngine.reload_weights` between two steps, the requests in flight treated as by
+        `update_weights`; returns the new weight version."""
+        return await self._between_steps(lambda: self.engine.reload_weights(path, "abort"), in_flight)
+
+    async def _between_steps(self, load: Callable[[], list[RequestOutput]], in_flight: str) -> int:
+        """Run a weight load on the engine thread between steps: after the requests in flight
+        finish (streamed as usual) or, with "abort", delivering the aborted ones' final outputs."""
         if in_flight not in ("abort", "finish"):
             raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
         if self._thread is None:
@@ -431,7 +441,7 @@ class AsyncEngine:
         def run() -> int:
             if in_flight == "finish":
                 self._drain()
-            for out in self.engine.update_weights(named_tensors, "abort"):
+            for out in load():
                 self._deliver(out.request_id, out)
             self.stats_snapshot = self.engine.stats()
             return self.engine.weight_version

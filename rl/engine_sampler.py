@@ -113,9 +113,9 @@ class EngineSampler:
 
     def reload_weights(self, path: str | None = None) -> int:
         """Every weight read again from a checkpoint directory (`LLM.reload_weights`), between two
-        engine steps, the requests in flight finished first; returns the new weight version."""
-        self._run(self._async.call(lambda: self.engine.reload_weights(path, in_flight="finish")))
-        return self.engine.weight_version
+        engine steps, the requests in flight finished first (and streamed to their callers);
+        returns the new weight version."""
+        return self._run(self._async.reload_weights(path, "finish"))
 
     def sleep(self, level: int = 1) -> None:
         """The engine's sleep mode (`LLM.sleep`), between two of its steps: the KV cache's memory

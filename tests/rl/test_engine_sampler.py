@@ -57,3 +57,28 @@ def test_threads_sharing_the_sampler_get_what_the_engine_gives_alone(moe_path, r
         assert sampler.generate_tokens([prompts[1]], params[1])[0][0].weight_version == 1
     finally:
         sampler.close()
+
+
+def test_a_reload_lets_the_turn_in_flight_finish_and_stream(moe_path, random_prompts):
+    """reload_weights while a turn decodes: the turn is stepped to its end under version 0 and its
+    caller gets it (the engine thread delivers it, as for update_weights), then the next samples
+    with version 1."""
+    sampler = EngineSampler(LLM(moe_path, dtype="float32", num_kv_blocks=128))
+    try:
+        prompt = random_prompts(1, 17, seed=3)[0]
+        box: dict[str, list] = {}
+        long = SamplingParams(temperature=1.0, seed=1, max_tokens=40, ignore_eos=True)
+        t = threading.Thread(target=lambda: box.setdefault("s", sampler.generate_tokens([prompt], long)[0]))
+        t.start()
+        deadline = time.monotonic() + 30
+        while sampler.stats()["num_requests_running"] == 0:
+            assert time.monotonic() < deadline, "the turn never started"
+            time.sleep(0.01)
+        assert sampler.reload_weights() == 1
+        t.join(60)
+        assert not t.is_alive(), "the turn in flight was never delivered"
+        [s] = box["s"]
+        assert (s.weight_version, s.finish_reason, len(s.token_ids)) == (0, "length", 40)
+        assert sampler.generate_tokens([prompt], long)[0][0].weight_version == 1
+    finally:
+        sampler.close()
