@@ -193,7 +193,10 @@ class RolloutWorker:
         if reload is None:
             raise ValueError(f"this worker's {type(self.sampler).__name__} cannot reload weights from a checkpoint "
                              "(no reload_weights): send them with update_weights")
-        return reload(path)
+        if self.thread_safe:  # between engine steps; turns in flight finish under the old weights
+            return reload(path)
+        with self.locked.lock:  # never in the middle of a turn's sampling
+            return reload(path)
 
     def sleep(self, level: int) -> None:
         """The sampler's sleep mode (an engine's, or a served one's through its client); only
@@ -372,8 +375,12 @@ class RayRollout:
         """The tensors put in the object store once, `method` of every live worker called with
         them; the one weight version they all report."""
         ref = ray.put({n: t.detach().contiguous().cpu() for n, t in named_tensors})
+        return self._one_version(method, *args, ref)
+
+    def _one_version(self, method: str, *args: Any) -> int:
+        """`method(*args)` on every live worker; the one weight version they all report."""
         live = self.live()
-        versions = ray.get([getattr(self.workers[i], method).remote(*args, ref) for i in live])
+        versions = ray.get([getattr(self.workers[i], method).remote(*args) for i in live])
         if len(set(versions)) != 1:
             raise RuntimeError(f"workers disagree on the weight version after {method}: {dict(zip(live, versions))}")
         return versions[0]
@@ -395,11 +402,7 @@ class RayRollout:
         need not travel through the object store; returns the version all of them now have.
         As `update_weights` with "finish": turns in flight (of groups carried into the next step)
         finish under the weights they began with."""
-        live = self.live()
-        versions = ray.get([self.workers[i].reload_weights.remote(path) for i in live])
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"workers disagree on the weight version after reload_weights: {dict(zip(live, versions))}")
-        return versions[0]
+        return self._one_version("reload_weights", path)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode on every live worker's engine (built with enable_sleep_mode=True), for
