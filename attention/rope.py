@@ -155,7 +155,13 @@ class RotaryEmbedding:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by position: (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin)."""
+    """x [T, H, D] rotated by position: (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin), in x's dtype
+    as transformers computes it. Tables narrower than D/2 (partial rotary, GLM-4.5) rotate the
+    first 2 * cos.shape[-1] dims and pass the rest through, as transformers' NeoX-style partial
+    rotation does."""
+    half = cos.shape[-1]
+    if 2 * half < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., : 2 * half], cos, sin), x[..., 2 * half :]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

@@ -31,7 +31,12 @@ MODEL_TYPES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
+# families whose MoE layers are DeepSeek-V3's: sigmoid routing with an expert-choice bias, groups,
+# ungated shared experts (`mlp.shared_experts`), dense layers before `first_k_dense_replace`, and
+# multi-token-prediction layers after the decoder's in their checkpoints
+DEEPSEEK_MOE_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 MOE_QUANT_MODES = ("mxfp8",)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (vLLM's --scheduling-policy)
@@ -83,6 +88,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     hf_config: dict[str, Any] = field(repr=False)
+    num_mtp_layers: int = 0  # checkpoint layers after the decoder's (multi-token prediction): skipped at load
     fp8_quant: Fp8BlockQuant | None = None  # FP8 block-scaled weights, dequantized at load (engine/models/fp8_checkpoint.py)
 
     @classmethod
@@ -122,8 +128,9 @@ class ModelConfig:
         shared_inter, shared_gated = 0, False
         if arch == "Qwen2MoeForCausalLM":
             shared_inter, shared_gated = int(hf.get("shared_expert_intermediate_size") or 0), True
-        elif arch == "DeepseekV3ForCausalLM":
-            shared_inter = moe_inter * int(hf.get("n_shared_experts") or 0)
+        elif arch in DEEPSEEK_MOE_ARCHITECTURES:
+            # transformers' DeepseekV3Config and Glm4MoeConfig both default n_shared_experts to 1
+            shared_inter = moe_inter * int(hf.get("n_shared_experts", 1) or 0)
         mla = None
         if arch == "DeepseekV3ForCausalLM":
             q_rank = hf.get("q_lora_rank")
@@ -141,7 +148,7 @@ class ModelConfig:
         else:
             num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
             head_dim = int(hf.get("head_dim") or hidden // num_heads)
-            rotary_dim = head_dim
+            rotary_dim = _rotary_dim(hf, rope, arch, head_dim, path)
         if arch == "Qwen2MoeForCausalLM":
             attention_bias = bool(hf.get("qkv_bias", True))
         else:
@@ -163,7 +170,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=_scaled_max_positions(int(hf.get("max_position_embeddings", 4096)), rope_scaling),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm", False))),
             attention_bias=attention_bias,
             moe_layers=moe_layers,
             moe_intermediate_size=moe_inter,
@@ -174,7 +181,31 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             hf_config=hf,
             fp8_quant=fp8_block_quant(hf, path),
+            # transformers' Glm4MoeConfig defaults to one such layer; DeepSeek-V3's configs state theirs
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers", int(arch == "Glm4MoeForCausalLM")) or 0)
+            if arch in DEEPSEEK_MOE_ARCHITECTURES else 0,
         )
+
+
+def _rotary_dim(hf: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: int, path: str) -> int:
+    """How many leading dims of each q/k head RoPE rotates (NeoX halves of that span, the rest
+    passed through): head_dim x partial_rotary_factor, read top-level or from rope_parameters
+    (transformers 5 moves it there). GLM-4.5 rotates half (its config class's default); the other
+    families rotate whole heads in transformers, so a factor below 1 there is refused rather than
+    computed as no checkpoint of theirs was trained."""
+    where = path or "config"
+    default = 0.5 if arch == "Glm4MoeForCausalLM" else 1.0
+    factor = next((f for f in (hf.get("partial_rotary_factor"), rope.get("partial_rotary_factor")) if f is not None), default)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1] in {where}, got {factor!r}")
+    if factor != 1 and arch != "Glm4MoeForCausalLM":
+        raise ValueError(f"partial_rotary_factor={factor} in {where} is not supported for {arch} (transformers rotates "
+                         "whole heads there); supported for Glm4MoeForCausalLM")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ValueError(f"partial_rotary_factor={factor} in {where} rotates {dim} of head_dim {head_dim} dims; it must be "
+                         "an even number of at least 2")
+    return dim
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")

@@ -1,5 +1,5 @@
 """Thinking text split out of a model's output: `<think>...</think>` becomes `reasoning_content`,
-the rest `content` (vLLM's `--reasoning-parser qwen3` / `deepseek_r1`), whole or streamed.
+the rest `content` (vLLM's `--reasoning-parser qwen3` / `deepseek_r1` / `glm45`), whole or streamed.
 
 Owns only text -> (reasoning, content). Where the output starts is decided from the prompt's
 tail (what the chat template wrote after the conversation: the generation prompt, or the final
@@ -10,6 +10,8 @@ message being continued), so the same parser serves every template style:
 - no tag in the tail: `deepseek_r1` starts in reasoning (as vLLM's parser: no `</think>`, all
   thinking); `qwen3` waits for the model's first non-blank text: `<think>` opens reasoning,
   anything else is content (and with `enable_thinking: false` it is content from the start).
+  `glm45` is the same rule: GLM-4.5 writes its own `<think>` after `<|assistant|>` (its template
+  closes an empty block for `enable_thinking: false`; GLM-4.7's leaves one open).
 Reasoning ends at the first `</think>`; everything after it is content, whatever it contains. An
 unclosed block (the model ran out of tokens) is all reasoning. The tool-call parser is fed the
 content only, so thinking text never becomes a tool call.
@@ -21,7 +23,7 @@ final feed).
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45")
 
 # Where the parser is in the output.
 AWAIT = "await"  # qwen3, no tag in the prompt's tail: the model's first text decides

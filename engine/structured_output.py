@@ -427,11 +427,12 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     - `auto`: free text, but once the model writes `<tool_call>` the call follows the grammar
       (xgrammar's triggered tags); with `parallel` false (the request's parallel_tool_calls),
       the first call ends the output (only EOS may follow it).
-    The qwen3_coder format gets the same three cases in its XML form (`_qwen3_coder_calls`).
+    The qwen3_coder and glm45 formats get the same three cases in their XML forms
+    (`_qwen3_coder_calls`, `_glm45_calls`).
     None when there is nothing to enforce: no tools, `none`, xgrammar missing or a
     tokenizer it cannot serve (tool calls then work as they did before structured output: prefix
     forcing, no guarantee that the call parses)."""
-    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder"):
+    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder", "glm45"):
         return None
     try:
         xgrammar()
@@ -451,6 +452,8 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
 
     if fmt == "qwen3_coder":
         fmt_ = _qwen3_coder_calls(choice, name, tools, parallel)
+    elif fmt == "glm45":
+        fmt_ = _glm45_calls(choice, name, tools, parallel)
     elif choice == "named":
         [tool] = [t for t in tools if t["function"]["name"] == name]
         fmt_ = {"type": "sequence", "elements": [{"type": "const_string", "value": " "}, args(tool),
@@ -487,4 +490,29 @@ def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]
         return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
     return {"type": "triggered_tags", "triggers": ["<tool_call>\n<function="], "tags": [
         {"type": "tag", "begin": f'<tool_call>\n<function={t["function"]["name"]}>\n', "content": params(t), "end": _XML_CALL_END}
+        for t in tools], "stop_after_first": not parallel}
+
+
+def _glm45_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """GLM-4.5's calls (`<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...
+    </tool_call>`; GLM-4.7 writes no newlines): the pairs follow the tool's JSON schema in
+    xgrammar's `glm_xml` style (schema order, required keys present, each value of its type;
+    string values are raw text), which admits the newlines or none. `named` continues after the
+    server's `<tool_call>NAME`, `required` after `<tool_call>` (chat.py `_forced_prefix`); `auto`
+    applies once the model opens a call."""
+
+    def params(t: dict[str, Any]) -> dict[str, Any]:
+        schema = t["function"].get("parameters") or {"type": "object"}
+        return {"type": "json_schema", "json_schema": schema, "style": "glm_xml", "max_whitespace_cnt": 1}
+
+    end = {"type": "const_string", "value": "</tool_call>"}
+    if choice == "named":
+        [tool] = [t for t in tools if t["function"]["name"] == name]
+        return {"type": "sequence", "elements": [params(tool), end]}
+    if choice == "required":
+        alts = [{"type": "sequence", "elements": [{"type": "const_string", "value": t["function"]["name"]}, params(t), end]}
+                for t in tools]
+        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
+    return {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [
+        {"type": "tag", "begin": f'<tool_call>{t["function"]["name"]}', "content": params(t), "end": "</tool_call>"}
         for t in tools], "stop_after_first": not parallel}

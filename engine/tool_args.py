@@ -14,6 +14,10 @@ the finished call, so streamed argument deltas add up to exactly that string:
   (the one whitespace beside each tag is the format's separator, so the last one is held until
   the closing tag shows whether it is), typed values (the tool's schema type is not "string")
   held until their closing tag, then `json.loads`ed, or kept as a string when they are not JSON.
+- `GlmArguments` (the glm45 format, `<arg_key>K</arg_key><arg_value>VALUE</arg_value>` pairs up
+  to `</tool_call>`, with or without GLM-4.5's newlines between tags): the same object by the same
+  rules (xgrammar's glm_xml style, like qwen_xml, takes one whitespace character beside each
+  value tag as a separator, outside the value's schema bounds).
 
 Both assume text the tool-call grammar admits (engine/structured_output.tool_call_structure):
 valid JSON, each key once. On other text their pieces could differ from a whole parse (json.loads
@@ -131,6 +135,9 @@ class XmlArguments:
     """The qwen3_coder parameters of one call (the text after `<function=NAME>`), fed as it grows;
     `done` once `</function>` has been read, `end` the number of fed characters up to its end."""
 
+    VALUE_CLOSE = _PARAM_CLOSE
+    SEPARATORS = _SEPARATORS  # the one character beside a value tag that is not the value's
+
     def __init__(self, types: dict[str, str]) -> None:
         self.types = types  # parameter -> its schema type (absent: "string")
         self.buf = ""  # fed text not decided yet
@@ -172,11 +179,7 @@ class XmlArguments:
         if close == -1:
             self._take(p)
             return False
-        name = self.buf[p + len(_PARAM_OPEN):close].strip()
-        string = self.types.get(name, "string") == "string"
-        out.append(("{" if not self.keys else ", ") + json.dumps(name) + ": " + ('"' if string else ""))
-        self.keys += 1
-        self.value_of, self.started, self.typed = name, False, ""
+        self._open_value(out, self.buf[p + len(_PARAM_OPEN):close].strip())
         self._take(close + 1)
         return True
 
@@ -187,13 +190,13 @@ class XmlArguments:
             if not self.buf:
                 return False
             self.started = True
-            if self.buf[0] in _SEPARATORS:
+            if self.buf[0] in self.SEPARATORS:
                 self._take(1)
         string = self.types.get(self.value_of, "string") == "string"
-        e = self.buf.find(_PARAM_CLOSE)
+        e = self.buf.find(self.VALUE_CLOSE)
         if e == -1:
-            keep = partial_suffix(self.buf, _PARAM_CLOSE)
-            if len(self.buf) > keep and self.buf[len(self.buf) - keep - 1] in _SEPARATORS:
+            keep = partial_suffix(self.buf, self.VALUE_CLOSE)
+            if len(self.buf) > keep and self.buf[len(self.buf) - keep - 1] in self.SEPARATORS:
                 keep += 1  # perhaps the separator before the closing tag
             piece = self.buf[:len(self.buf) - keep]
             if string:
@@ -203,7 +206,7 @@ class XmlArguments:
             self._take(len(piece))
             return False
         piece = self.buf[:e]
-        if piece and piece[-1] in _SEPARATORS:
+        if piece and piece[-1] in self.SEPARATORS:
             piece = piece[:-1]
         if string:
             out.append(_escaped(piece) + '"')
@@ -215,5 +218,47 @@ class XmlArguments:
                 value = raw
             out.append(json.dumps(value))
         self.value_of = None
-        self._take(e + len(_PARAM_CLOSE))
+        self._take(e + len(self.VALUE_CLOSE))
+        return True
+
+    def _open_value(self, out: list[str], name: str) -> None:
+        """Write the key of the value that follows, and start reading it."""
+        string = self.types.get(name, "string") == "string"
+        out.append(("{" if not self.keys else ", ") + json.dumps(name) + ": " + ('"' if string else ""))
+        self.keys += 1
+        self.value_of, self.started, self.typed = name, False, ""
+
+
+_KEY_OPEN, _KEY_CLOSE, _VALUE_OPEN, _CALL_CLOSE = "<arg_key>", "</arg_key>", "<arg_value>", "</tool_call>"
+
+
+class GlmArguments(XmlArguments):
+    """The glm45 arguments of one call (the text after its name), fed as it grows; `done` once
+    `</tool_call>` is in sight, `end` the number of fed characters before it (the streaming parser
+    reads the closing tag itself)."""
+
+    VALUE_CLOSE = "</arg_value>"
+
+    def _tag(self, out: list[str]) -> bool:
+        """Between pairs: the next `<arg_key>K</arg_key>` and the `<arg_value>` after it, or the
+        call's end (text elsewhere is no value's: the whole-text parse skips it too)."""
+        k, f = self.buf.find(_KEY_OPEN), self.buf.find(_CALL_CLOSE)
+        if f != -1 and (k == -1 or f < k):
+            out.append("}" if self.keys else "{}")
+            self.done, self.end = True, self.fed + f
+            return False
+        if k == -1:
+            keep = max(partial_suffix(self.buf, _KEY_OPEN), partial_suffix(self.buf, _CALL_CLOSE))
+            self._take(len(self.buf) - keep)
+            return False
+        self._take(k)
+        close = self.buf.find(_KEY_CLOSE)
+        v = self.buf.find(_VALUE_OPEN, close) if close != -1 else -1
+        if v == -1:
+            return False
+        if self.buf[close + len(_KEY_CLOSE):v].strip():  # not a pair: skipped as the whole-text parse skips it
+            self._take(len(_KEY_OPEN))
+            return True
+        self._open_value(out, self.buf[len(_KEY_OPEN):close].strip())
+        self._take(v + len(_VALUE_OPEN))
         return True

@@ -1,6 +1,7 @@
 """Tool calls parsed out of a model's text: the Qwen3 / Hermes `<tool_call>{json}</tool_call>`
-format and the Qwen3-Coder `<tool_call><function=NAME><parameter=P>value</parameter></function>`
-format, whole or streamed.
+format, the Qwen3-Coder `<tool_call><function=NAME><parameter=P>value</parameter></function>`
+format and GLM-4.5's `<tool_call>NAME<arg_key>P</arg_key><arg_value>value</arg_value></tool_call>`
+(GLM-4.5 / 4.6 put newlines between the tags, GLM-4.7 none: both parse), whole or streamed.
 
 Owns only text -> (content, tool calls). The streaming parser never emits text that could still
 turn out to be part of a tool call, and its deltas always add up to the whole-text parse, however
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cuttle.engine.reasoning_parsers import partial_suffix
-from cuttle.engine.tool_args import JsonArguments, XmlArguments
+from cuttle.engine.tool_args import GlmArguments, JsonArguments, XmlArguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -35,7 +36,13 @@ _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 # within its schema's maxLength.
 _PARAM = re.compile(r"<parameter=([^>\n]+)>[ \t\r\n]?(.*?)[ \t\r\n]?</parameter>", re.S)
 
-PARSERS = ("hermes", "qwen3_coder")
+# GLM: the name runs to the first newline or tag; keys hold no tag; one whitespace character beside
+# each value tag is a separator, as for qwen3_coder (xgrammar's glm_xml style admits it there and
+# leaves it out of the value's schema bounds)
+_GLM_NAME = re.compile(r"\s*([^\s<]+)\s*$")
+_GLM_PAIR = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>[ \t\r\n]?(.*?)[ \t\r\n]?</arg_value>", re.S)
+
+PARSERS = ("hermes", "qwen3_coder", "glm45")
 
 
 @dataclass(slots=True)
@@ -55,6 +62,8 @@ class ToolCall:
 
 def parser_for_template(chat_template: str | None) -> str:
     """The format a checkpoint's chat template teaches its model."""
+    if chat_template and "<arg_key>" in chat_template:
+        return "glm45"
     return "qwen3_coder" if chat_template and "<function=" in chat_template else "hermes"
 
 
@@ -76,13 +85,20 @@ def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> Too
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
-    m = _FUNCTION.search(body)
-    if m is None:
-        return None
-    name = m.group(1).strip()
+    if fmt == "glm45":
+        first = body.find("<arg_key>")
+        n = _GLM_NAME.match(body[: first if first != -1 else len(body)])
+        if n is None:
+            return None
+        name, pairs = n.group(1), _GLM_PAIR.findall(body, first if first != -1 else len(body))
+    else:
+        m = _FUNCTION.search(body)
+        if m is None:
+            return None
+        name, pairs = m.group(1).strip(), _PARAM.findall(m.group(2))
     types = _param_types(tools, name)
     args: dict[str, Any] = {}
-    for pname, raw in _PARAM.findall(m.group(2)):
+    for pname, raw in pairs:
         pname = pname.strip()
         value: Any = raw
         if types.get(pname, "string") != "string":
@@ -136,6 +152,7 @@ def parse_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]]
 # A call's opening, up to its arguments: hermes `{"name": "N", "arguments": `, qwen3_coder `<function=N>`
 _HERMES_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 _CODER_OPENING = re.compile(r"\s*<function=([^>\n]+)>")
+_GLM_OPENING = re.compile(r"\s*([^\s<]+)(?=\s|<)")  # complete once something follows the name
 
 
 @dataclass(slots=True)
@@ -155,7 +172,7 @@ class _OpenCall:  # a call being streamed (incremental mode)
     index: int
     start: int  # where its block starts in the text
     args_at: int  # where its arguments start
-    emitter: JsonArguments | XmlArguments
+    emitter: JsonArguments | XmlArguments | GlmArguments
     fed: int  # text[:fed] has been given to the emitter
 
 
@@ -211,7 +228,13 @@ class StreamingToolParser:
                 name = json.loads(m.group(1))
             except json.JSONDecodeError:
                 return False
-            emitter: JsonArguments | XmlArguments = JsonArguments()
+            emitter: JsonArguments | XmlArguments | GlmArguments = JsonArguments()
+        elif self.fmt == "glm45":
+            m = _GLM_OPENING.match(text, at)
+            if m is None:
+                return False
+            name = m.group(1)
+            emitter = GlmArguments(_param_types(self.tools, name))
         else:
             m = _CODER_OPENING.match(text, at)
             if m is None:

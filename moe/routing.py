@@ -6,9 +6,11 @@ way transformers would). Must never touch expert weights or import from `cuttle.
 
   qwen3_moe, qwen2_moe, olmoe   softmax(fp32) -> top-k -> renormalize if norm_topk_prob (default False)
   mixtral                       softmax(fp32) -> top-k -> always renormalize
-  deepseek_v3                   sigmoid(fp32 logits); e_score_correction_bias only picks experts;
+  deepseek_v3, glm4_moe         sigmoid(fp32 logits); e_score_correction_bias only picks experts;
                                 keep topk_group of n_group groups scored by their top-2 sum; weights
-                                are the unbiased scores, renormalized (+1e-20), x routed_scaling_factor
+                                are the unbiased scores, renormalized (+1e-20), x routed_scaling_factor;
+                                layers from first_k_dense_replace on (default 3 for DeepSeek-V3
+                                configs, 1 for GLM-4.5's, as the config classes say)
   anything else                 softmax -> top-k -> renormalize unless norm_topk_prob is false
 """
 from __future__ import annotations
@@ -22,6 +24,8 @@ from cuttle.attention.native.fused import sigmoid
 from cuttle.attention.native.gemm import linear
 
 ScoringFunc = Literal["softmax", "sigmoid"]
+# model types routed as DeepSeek-V3 -> their config class's default first_k_dense_replace
+_DEEPSEEK_ROUTED = {"deepseek_v3": 3, "glm4_moe": 1}
 
 
 @dataclass(slots=True)
@@ -43,7 +47,7 @@ class RoutingConfig:
             raise ValueError("MoE config has no num_experts / n_routed_experts / num_local_experts")
         model_type = config.get("model_type")
         top_k = int(config["num_experts_per_tok"])
-        if model_type == "deepseek_v3":
+        if model_type in _DEEPSEEK_ROUTED:  # GLM-4.5's router is transformers' DeepseekV3TopkRouter
             return cls(
                 num_experts=int(num_experts),
                 top_k=top_k,
@@ -110,8 +114,9 @@ def _grouped_sigmoid_topk(
 
 def is_moe_layer(config: dict[str, Any], layer_idx: int) -> bool:
     """Whether decoder layer `layer_idx` has routed experts (else it has a dense MLP), per HF fields."""
-    if config.get("model_type") == "deepseek_v3":
-        return layer_idx >= int(config.get("first_k_dense_replace", 3))
+    model_type = config.get("model_type")
+    if model_type in _DEEPSEEK_ROUTED:
+        return layer_idx >= int(config.get("first_k_dense_replace", _DEEPSEEK_ROUTED[model_type]))
     if layer_idx in (config.get("mlp_only_layers") or []):
         return False
     return (layer_idx + 1) % int(config.get("decoder_sparse_step", 1)) == 0

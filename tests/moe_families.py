@@ -1,5 +1,6 @@
 """Tiny random transformers models of the MoE families cuttle loads (Qwen2-MoE with its shared
-expert, Mixtral, DeepSeek-V3 with MLA in two variants), for the engine tests."""
+expert, Mixtral, DeepSeek-V3 with MLA in two variants, GLM-4.5 with and without q/k norms), for the
+engine tests."""
 from __future__ import annotations
 
 import torch
@@ -48,6 +49,18 @@ def family_model(family: str):
             kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=32,
             rope_interleave=False, attention_bias=True, **_COMMON)
         cls = transformers.DeepseekV3ForCausalLM
+    elif family == "glm4_moe":  # GLM-4.5: half the head rotated, qkv bias, q/k norms, DeepSeek routing over groups
+        cfg = transformers.Glm4MoeConfig(
+            num_key_value_heads=2, head_dim=24, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            attention_bias=True, use_qk_norm=True, rope_theta=10000.0, **_COMMON)
+        cls = transformers.Glm4MoeForCausalLM
+    elif family == "glm4_moe_air":  # GLM-4.5-Air's switches: no q/k norm, one group, a quarter rotated, 2 shared
+        cfg = transformers.Glm4MoeConfig(
+            num_key_value_heads=4, head_dim=16, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2,
+            num_experts_per_tok=3, first_k_dense_replace=2, routed_scaling_factor=1.0, attention_bias=True,
+            use_qk_norm=False, partial_rotary_factor=0.25, **_COMMON)
+        cls = transformers.Glm4MoeForCausalLM
     else:
         raise ValueError(family)
     return randomize_(cls(cfg).float().eval(), 0.15, seed=11)

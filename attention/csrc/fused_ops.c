@@ -280,12 +280,13 @@ int fused_rms_norm(const void *x, int64_t x_stride, const void *delta, int64_t d
 /* ---- q/k RMSNorm + RoPE --------------------------------------------------------------------
  * qkv: rows of [q_heads | k_heads | v heads] x head_dim (row stride row_stride, in dtype dt); the
  * q and k heads are rewritten in place: optionally RMSNorm per head (q_w / k_w, [head_dim]; NULL:
- * none), then NeoX rotate-half RoPE with the row's cos/sin ([rows, head_dim / 2] in dt, row
- * stride cs_stride): (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin), each product, difference and
- * sum rounded to dt as torch's apply_rope computes them. */
-INLINE void norm_rope_head(void *h, int dt, int64_t d, const void *w, float eps, const void *c, const void *s, int lanes) {
+ * none), then NeoX rotate-half RoPE over the first rotary_dim dims with the row's cos/sin
+ * ([rows, rotary_dim / 2] in dt, row stride cs_stride): (x1, x2) -> (x1*cos - x2*sin, x2*cos +
+ * x1*sin), each product, difference and sum rounded to dt as torch's apply_rope computes them; the
+ * dims past rotary_dim (partial rotary, GLM-4.5) are passed through. */
+INLINE void norm_rope_head(void *h, int dt, int64_t d, int64_t half, const void *w, float eps, const void *c, const void *s,
+                           int lanes) {
     float buf[MAX_HEAD_DIM];
-    const int64_t half = d / 2;
     int64_t i = 0;
     if (w) {
         const float r = inv_rms(h, dt, d, eps, lanes);
@@ -326,17 +327,21 @@ INLINE void norm_rope_head(void *h, int dt, int64_t d, const void *w, float eps,
         st(h, dt, i, a - b);
         st(h, dt, half + i, e + f);
     }
+    /* partial rotary: the dims past the rotated span keep their (normed) values */
+    if (w)
+        for (i = 2 * half; i < d; i++) st(h, dt, i, buf[i]);
 }
 
 int fused_qk_norm_rope(void *qkv, int dt, int64_t row_stride, int64_t rows, int64_t q_heads, int64_t k_heads,
-                       int64_t head_dim, const void *q_w, const void *k_w, float eps, const void *cos,
+                       int64_t head_dim, int64_t rotary_dim, const void *q_w, const void *k_w, float eps, const void *cos,
                        const void *sin, int64_t cs_stride, int lanes) {
     if (head_dim <= 0 || head_dim % 2 || head_dim > MAX_HEAD_DIM || (dt != DT_F32 && dt != DT_BF16)) return -1;
+    if (rotary_dim <= 0 || rotary_dim % 2 || rotary_dim > head_dim) return -1;
     const int64_t heads = q_heads + k_heads, items = rows * heads;
 #pragma omp parallel for schedule(static) if (items * head_dim >= PAR_MIN)
     for (int64_t it = 0; it < items; it++) {
         const int64_t r = it / heads, h = it % heads;
-        norm_rope_head(row_at_mut(qkv, dt, r * row_stride + h * head_dim), dt, head_dim, h < q_heads ? q_w : k_w,
+        norm_rope_head(row_at_mut(qkv, dt, r * row_stride + h * head_dim), dt, head_dim, rotary_dim / 2, h < q_heads ? q_w : k_w,
                        eps, row_at(cos, dt, r * cs_stride), row_at(sin, dt, r * cs_stride), lanes);
     }
     return 0;

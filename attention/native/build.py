@@ -53,7 +53,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "argmax_rows_f32_if": ([_vp, _vp, _i64, _i64, _i64, _vp], None),
     "apply_token_bitmask_f32": ([_vp, _i64, _i64, _vp, _i64, _vp, _i64], None),
     "fused_rms_norm": ([_vp, _i64, _vp, _i64, _vp, _vp, _vp, _int, _i64, _i64, _float, _int], _int),
-    "fused_qk_norm_rope": ([_vp, _int, _i64, _i64, _i64, _i64, _i64, _vp, _vp, _float, _vp, _vp, _i64, _int], _int),
+    "fused_qk_norm_rope": ([_vp, _int, _i64, _i64, _i64, _i64, _i64, _i64, _vp, _vp, _float, _vp, _vp, _i64, _int], _int),
     "fused_silu_mul": ([_vp, _i64, _vp, _int, _i64, _i64, _int, _int], _int),
     "fused_sigmoid": ([_vp, _vp, _int, _i64], _int),
     "gather_rows": ([_vp, _i64, _i64, _vp, _i64, _vp, _i64, _i64], _int),

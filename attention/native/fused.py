@@ -127,20 +127,22 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None,  # q/k RMSNorm weights [head_dim] (Qwen3), or None for none
     k_weight: torch.Tensor | None,
     eps: float,
-    cos: torch.Tensor,  # [T, 1, head_dim / 2] in the activation dtype (RotaryEmbedding.tables)
+    cos: torch.Tensor,  # [T, 1, rotary_dim / 2] in the activation dtype (RotaryEmbedding.tables)
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split qkv into q [T, Hq, D], k, v [T, Hkv, D], with q and k RMSNormed per head (when
-    weights are given) and rotated. The native path rewrites q and k inside `qkv` and returns
+    weights are given) and rotated over their first 2 * cos.shape[-1] dims (all of them but for
+    partial rotary, GLM-4.5's; the rest pass through). The native path rewrites q and k inside `qkv` and returns
     views of it (row stride of qkv); the torch path returns new q, k."""
     ks = kernels()
     lib = ks.lib
     T = qkv.shape[0]
     q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
     norms = (q_weight, k_weight) if q_weight is not None else ()
-    cs = _table_rows(cos, T, head_dim // 2) if lib is not None and qkv.dim() == 2 and _native(qkv, cos, sin, *norms) else None
+    half = cos.shape[-1]
+    cs = _table_rows(cos, T, half) if lib is not None and qkv.dim() == 2 and _native(qkv, cos, sin, *norms) else None
     if (
-        cs is None or _table_rows(sin, T, head_dim // 2) != cs or qkv.stride(1) != 1 or T == 0
+        cs is None or _table_rows(sin, T, half) != cs or half == 0 or 2 * half > head_dim or qkv.stride(1) != 1 or T == 0
         or qkv.shape[1] != q_size + 2 * kv_size or head_dim % 2 or head_dim > 1024
         or (q_weight is None) != (k_weight is None)
         or (q_weight is not None and not (_vector_ok(q_weight, head_dim) and _vector_ok(k_weight, head_dim)))
@@ -153,7 +155,7 @@ def qk_norm_rope(
             k = rms_norm(k, k_weight, eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(-1, kv_heads, head_dim)
     rc = lib.fused_qk_norm_rope(
-        qkv.data_ptr(), _DT[qkv.dtype], qkv.stride(0), T, q_heads, kv_heads, head_dim,
+        qkv.data_ptr(), _DT[qkv.dtype], qkv.stride(0), T, q_heads, kv_heads, head_dim, 2 * half,
         q_weight.data_ptr() if q_weight is not None else None, k_weight.data_ptr() if k_weight is not None else None,
         eps, cos.data_ptr(), sin.data_ptr(), cs, ks.sum_lanes,
     )

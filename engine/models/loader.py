@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from cuttle.engine.config import ModelConfig
+from cuttle.engine.config import DEEPSEEK_MOE_ARCHITECTURES, ModelConfig
 from cuttle.engine.models.fp8_checkpoint import dequantized_tensors
 from cuttle.engine.models.linear_quant import (MXLinearWeight, prepare_quantized_linears, quantized_linears, refresh_tied,
                                                write_quantized_linear)
@@ -74,7 +74,7 @@ IGNORED_TENSORS = (
     # (per layer, or once under `model.` as transformers' in-memory state dicts name them)
     re.compile(r"^model\.(?:layers\.\d+\.self_attn\.)?rotary_emb\.(?:original_)?inv_freq$"),
 )
-# (Also skipped, by rule rather than by name: DeepSeek-V3's multi-token-prediction layers, indices
+# (Also skipped, by rule rather than by name: DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, indices
 # num_hidden_layers .. + num_nextn_predict_layers, which decoding does not use; and `lm_head.weight`
 # of a checkpoint whose config ties it to the embedding.)
 
@@ -238,7 +238,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     layers = expert_layers_named(n for n, _ in tensors) if not strict and isinstance(tensors, list) else None
     targets, quantized, mx_linears = _targets(model, layers)
     table = _layer_table(cfg)
-    extra_layers = int(cfg.hf_config.get("num_nextn_predict_layers", 0)) if cfg.mla is not None else 0
+    extra_layers = cfg.num_mtp_layers
     if cfg.hf_config.get(FLA_MARK):  # an fla-org NSA checkpoint: its names, renamed to Llama's
         tensors = fla_tensors(tensors)
     filler = _Filler(check_only, filled=coverage.filler.filled if coverage is not None and not check_only else None)
@@ -276,7 +276,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
             i, rest = int(m.group(1)), m.group(2)
             if i >= cfg.num_layers + extra_layers:
                 raise ValueError(f"tensor {name!r} is for layer {i} but the config has {cfg.num_layers} layers")
-            if i >= cfg.num_layers:  # DeepSeek multi-token-prediction modules: not used for decoding
+            if i >= cfg.num_layers:  # DeepSeek's / GLM's multi-token-prediction modules: not used for decoding
                 unused.append(name)
             elif _load_expert_tensor(model, i, rest, t, name, targets, filler, quantized.get(i)):
                 continue
@@ -317,7 +317,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
 
 def _is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
     m = _LAYER.match(name)
-    return cfg.mla is not None and m is not None and int(m.group(1)) >= cfg.num_layers
+    return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
 
 
 def _load_expert_tensor(
@@ -474,7 +474,7 @@ def _hf_name_used(cfg: ModelConfig, rest: str) -> bool:
     if rest.startswith("block_sparse_moe.") or rest == "mlp.gate.weight":
         return rest.startswith("block_sparse_moe.") == (cfg.architecture == "MixtralForCausalLM")
     if rest.startswith(("mlp.shared_expert.", "mlp.shared_experts.")):
-        return rest.startswith("mlp.shared_experts.") == (cfg.architecture == "DeepseekV3ForCausalLM")
+        return rest.startswith("mlp.shared_experts.") == (cfg.architecture in DEEPSEEK_MOE_ARCHITECTURES)
     if cfg.mla is not None and rest.startswith(("self_attn.q_proj.", "self_attn.q_a_proj.")):
         return rest.startswith("self_attn.q_a_proj.") == (cfg.mla.q_lora_rank is not None)
     return True

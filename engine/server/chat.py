@@ -462,6 +462,8 @@ def _forced_prefix(parser: str, choice: str, name: str | None) -> str:
     """The opening of a tool call written for the model. It stops before a space or quote: BPE
     merges those with what follows, and a prefix cut inside such a merge reads as text the model
     never saw in training."""
+    if parser == "glm45":  # GLM's template writes the name right after the tag
+        return {"named": f"<tool_call>{name}", "required": "<tool_call>"}.get(choice, "")
     if choice == "named":
         return f'<tool_call>\n{{"name": "{name}", "arguments":' if parser == "hermes" else f"<tool_call>\n<function={name}>\n"
     if choice == "required":

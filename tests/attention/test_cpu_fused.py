@@ -179,6 +179,40 @@ def test_qk_norm_rope_strided_rows(dtype, native_calls) -> None:
     assert native_calls == {"fused_qk_norm_rope": 1}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,hq,hk,d,rot", [(1, 16, 8, 128, 64), (33, 4, 2, 64, 32), (5, 3, 1, 20, 8), (7, 2, 2, 96, 2)])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_partial_rotary(dtype, T, hq, hk, d, rot, qk_norm, native_calls) -> None:
+    """Partial rotary (GLM-4.5): the first `rot` dims of each head rotated, the rest normed only.
+    Oracle: transformers' GLM-4-MoE apply_rotary_pos_emb (cos/sin repeated over both halves)."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
+
+    g = _gen(T * d + rot)
+    rope = RotaryEmbedding(rot, 4096, 1e6, None, torch.device("cpu"))
+    cos, sin = rope.tables(torch.randint(0, 4096, (T,), generator=g), dtype)
+    assert cos.shape[-1] == rot // 2
+    qkv = (torch.randn(T, (hq + 2 * hk) * d, generator=g) * 2).to(dtype)
+    qw = kw = None
+    if qk_norm:
+        qw, kw = ((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2))
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.reshape(T, hq, d), k.reshape(T, hk, d)
+    if qk_norm:
+        q, k = fused.rms_norm_torch(q, qw, 1e-6), fused.rms_norm_torch(k, kw, 1e-6)
+    full_cos, full_sin = (torch.cat((t[:, 0], t[:, 0]), dim=-1)[None] for t in (cos, sin))  # [1, T, rot]
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], full_cos, full_sin)
+    work = qkv.clone()
+    got_q, got_k, got_v = fused.qk_norm_rope(work, hq, hk, d, qw, kw, 1e-6, cos, sin)
+    assert_same(got_q.contiguous(), q_ref[0].transpose(0, 1).contiguous())
+    assert_same(got_k.contiguous(), k_ref[0].transpose(0, 1).contiguous())
+    assert torch.equal(got_v.contiguous(), v.reshape(T, hk, d))
+    assert native_calls == {"fused_qk_norm_rope": 1}
+    # the torch path (training, other devices) computes the same
+    tq, tk, _ = _torch_qk_norm_rope(qkv, hq, hk, d, qw, kw, 1e-6, cos, sin)
+    assert_same(tq, got_q.contiguous())
+    assert_same(tk, got_k.contiguous())
+
+
 def test_rope_rounding_matters_in_bf16(native_calls) -> None:
     """The kernel rounds x1*cos and x2*sin to bf16 before subtracting (as torch's bf16 ops do);
     computing in fp32 and rounding once would differ from torch on some elements."""

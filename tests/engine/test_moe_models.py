@@ -33,7 +33,7 @@ from moe_families import family_model, randomize_
 TOL = 1e-4
 PROMPTS = [parity_prompts()[i] for i in (0, 2, 3, 5, 7)]  # 3, 16, 17, 40 and 70 tokens
 
-FAMILIES = ["qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3_full_q"]
+FAMILIES = ["qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3_full_q", "glm4_moe", "glm4_moe_air"]
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,58 @@ def test_family_configs_pick_the_right_layers(families):
     ds = ModelConfig.from_pretrained(families["deepseek_v3_full_q"]["path"])
     assert ds.moe_layers == [1, 2] and ds.shared_expert_intermediate_size == 64 and not ds.shared_expert_gated
     assert (ds.num_kv_heads, ds.head_dim, ds.rotary_dim) == (4, 32, 8)  # cache holds V (32) > q.k (24)
+    glm = ModelConfig.from_pretrained(families["glm4_moe"]["path"])
+    assert glm.moe_layers == [1, 2] and glm.shared_expert_intermediate_size == 32 and not glm.shared_expert_gated
+    assert (glm.head_dim, glm.rotary_dim, glm.qk_norm, glm.attention_bias, glm.num_mtp_layers) == (24, 12, True, True, 1)
+    air = ModelConfig.from_pretrained(families["glm4_moe_air"]["path"])
+    assert air.moe_layers == [2] and air.shared_expert_intermediate_size == 64
+    assert (air.head_dim, air.rotary_dim, air.qk_norm) == (16, 4, False)
+
+
+def test_glm_checkpoint_skips_its_mtp_layer(families, tmp_path):
+    """GLM-4.5 checkpoints carry their multi-token-prediction layer after the decoder's
+    (`model.layers.{num_hidden_layers}.*`: eh_proj, enorm, hnorm, shared_head and a whole MoE
+    layer); decoding does not use it, so a strict load skips it, and a layer past it is refused."""
+    from safetensors.torch import load_file, save_file
+
+    src = families["glm4_moe"]["path"]
+    cfg = ModelConfig.from_pretrained(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    mtp.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
+                "model.layers.3.hnorm.weight": torch.ones(64), "model.layers.3.shared_head.norm.weight": torch.ones(64),
+                "model.layers.3.shared_head.head.weight": torch.zeros(256, 64)})
+    path = str(tmp_path / "with_mtp")
+    os.makedirs(path)
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(src, name), os.path.join(path, name))
+    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"))
+    plain = load_model(src, cfg, torch.float32, torch.device("cpu"))
+    with_mtp = load_model(path, cfg, torch.float32, torch.device("cpu"))
+    for (name, a), b in zip(plain.named_parameters(), with_mtp.parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="layer 4 but the config has 3 layers"):
+        load_weights(with_mtp, [("model.layers.4.enorm.weight", torch.ones(64))], strict=True)
+
+
+def test_partial_rotary_is_glm_only(tmp_path):
+    """transformers rotates whole heads for the other families: a partial_rotary_factor there is
+    refused by name rather than served as no checkpoint of theirs was trained; a bad factor is
+    refused for GLM too."""
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 64}
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 in config is not supported for Qwen3ForCausalLM"):
+        ModelConfig.from_hf({**base, "partial_rotary_factor": 0.5})
+    assert ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 1.0}}).rotary_dim == 8
+    glm = {**base, "architectures": ["Glm4MoeForCausalLM"], "n_routed_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 16}
+    assert ModelConfig.from_hf(glm).rotary_dim == 4  # the config class's default: half of head_dim 8
+    for bad in (0, 1.5, "half", True):
+        with pytest.raises(ValueError, match="partial_rotary_factor must be a number in"):
+            ModelConfig.from_hf({**glm, "partial_rotary_factor": bad})
+    with pytest.raises(ValueError, match="rotates 1 of head_dim 8 dims"):
+        ModelConfig.from_hf({**glm, "partial_rotary_factor": 0.125})
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -111,8 +163,8 @@ def test_transformers_in_memory_names_load_the_same_model(families, family):
     disk = dict(from_disk.named_parameters())
     for name, p in fresh.named_parameters():
         assert torch.equal(p, disk[name]), name
-    if family.startswith("deepseek"):
-        assert fresh.layers[1].mlp.e_score_correction_bias.abs().sum() > 0
+    if family.startswith(("deepseek", "glm4")):
+        assert fresh.layers[-1].mlp.e_score_correction_bias.abs().sum() > 0
 
 
 # ---- MXFP8 experts ---------------------------------------------------------------------------

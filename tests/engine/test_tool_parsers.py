@@ -16,6 +16,12 @@ CODER = (
     "<tool_call>\n<function=run_tests>\n<parameter=selection>\ntests/test_app.py::test_x\n</parameter>\n"
     "<parameter=verbose>\ntrue\n</parameter>\n<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>"
 )
+# GLM-4.5 / 4.6's layout (newlines between the tags), then GLM-4.7's (none) in one text
+GLM = (
+    "I'll run them.<tool_call>run_tests\n<arg_key>selection</arg_key>\n<arg_value>tests/test_app.py::test_x</arg_value>\n"
+    "<arg_key>verbose</arg_key>\n<arg_value>true</arg_value>\n<arg_key>count</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    "<tool_call>run_tests<arg_key>selection</arg_key><arg_value> two  words\n</arg_value></tool_call>"
+)
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {
     "selection": {"type": "string"}, "verbose": {"type": "boolean"}, "count": {"type": "integer"}}}}}]
 
@@ -32,6 +38,24 @@ def test_qwen3_coder_whole_uses_schema_types():
     assert content == ""
     assert calls[0].name == "run_tests"
     assert json.loads(calls[0].arguments) == {"selection": "tests/test_app.py::test_x", "verbose": True, "count": 3}
+
+
+def test_glm45_whole_both_layouts():
+    """String values are the text between the value tags less one whitespace character beside
+    each tag (the separator xgrammar's glm_xml style admits there, as for qwen3_coder); typed
+    ones follow the tool's schema."""
+    content, calls = parse_tool_calls(GLM, "glm45", TOOLS)
+    assert content == "I'll run them."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("run_tests", {"selection": "tests/test_app.py::test_x", "verbose": True, "count": 3}),
+        ("run_tests", {"selection": "two  words"})]
+    assert "".join(c.text for c in calls) == GLM[len("I'll run them."):]
+    _, [bare] = parse_tool_calls("<tool_call>list_files\n</tool_call>", "glm45")
+    assert (bare.name, bare.arguments) == ("list_files", "{}")
+    # no name, or text between the name and the first pair, is not a call: the block stays content
+    for broken in ("<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+                   "<tool_call>run now<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"):
+        assert parse_tool_calls(broken, "glm45") == (broken, [])
 
 
 @pytest.mark.parametrize("before,after,value", [
@@ -55,7 +79,7 @@ def test_plain_text_and_broken_calls_stay_content():
     assert calls == [] and content == broken
 
 
-@pytest.mark.parametrize("fmt,text", [("hermes", HERMES), ("qwen3_coder", CODER), ("hermes", "no calls at all <tool_ca"),
+@pytest.mark.parametrize("fmt,text", [("hermes", HERMES), ("qwen3_coder", CODER), ("glm45", GLM), ("hermes", "no calls at all <tool_ca"),
                                       ("hermes", "text <tool_call>\n{\"name\": \"x\", \"argu")])
 @pytest.mark.parametrize("seed", range(12))
 def test_streaming_equals_whole_for_any_split(fmt, text, seed):
@@ -82,6 +106,7 @@ def test_streaming_equals_whole_for_any_split(fmt, text, seed):
 def test_parser_choice_from_template():
     assert parser_for_template("... <function=example> ...") == "qwen3_coder"
     assert parser_for_template("{{ '<tool_call>' }}") == "hermes"
+    assert parser_for_template("<tool_call>{{ tc.name }}\n{% for k, v in a %}<arg_key>{{ k }}</arg_key>") == "glm45"
     with pytest.raises(ValueError, match="tool-call parser"):
         parse_tool_calls("x", "pythonic")
 
@@ -120,6 +145,9 @@ GRAMMAR_CALLS = [
     ("qwen3_coder", CODER),
     ("qwen3_coder", "<tool_call>\n<function=run_tests>\n<parameter=selection>\n  indented \"q\" é\n\n</parameter>\n"
                     "<parameter=count>\nnot a number\n</parameter>\n</function>\n</tool_call>"),
+    ("glm45", GLM),
+    ("glm45", "<tool_call>run_tests\n<arg_key>count</arg_key>\n<arg_value>not a number</arg_value>\n<arg_key>selection</arg_key>\n"
+              "<arg_value>  \"q\" é <arg_key>\ud83d\ude00</arg_value>\n</tool_call> after"),
 ]
 
 
