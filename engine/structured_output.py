@@ -439,6 +439,10 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
         check_tokenizer(tokenizer)
     except ValueError:
         return None
+    if tokenizer is not None and _special_markers(tokenizer, fmt):
+        # xgrammar never emits a special token inside a grammar: the calls would be spelled in
+        # pieces the model was not trained on, so they are left unconstrained (as without xgrammar)
+        return None
 
     def args(t: dict[str, Any]) -> dict[str, Any]:
         schema = schema_with_explicit_dots(t["function"].get("parameters") or {"type": "object"})
@@ -468,6 +472,14 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
 
 
 _XML_CALL_END = "\n</function>\n</tool_call>"
+# the format's markers that checkpoints hold as single tokens
+_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_call>", "</tool_call>"),
+            "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
+
+
+def _special_markers(tokenizer: Tokenizer, fmt: str) -> list[str]:
+    """The format's markers the tokenizer marks special (GLM-4.5's may be)."""
+    return [m for m in _MARKERS[fmt] if tokenizer.tok.token_to_id(m) in tokenizer.special_ids]
 
 
 def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:

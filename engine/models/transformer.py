@@ -1,8 +1,9 @@
 """The decoder-only transformer behind every supported architecture.
 
-Llama-3, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 differ only in switches read
-from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, routed-MoE MLPs on some layers,
-a shared expert beside the routed ones, multi-head latent attention), so they share one
+Llama-3, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 differ only in
+switches read from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, partial rotary,
+routed-MoE MLPs on some layers, a shared expert beside the routed ones, multi-head latent
+attention), so they share one
 definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
 slices HF tensors into them. At a few rows (small-batch decode) they go through the native
 weight-streaming kernel of `cuttle.attention.native.gemm.linear`, else `F.linear`. The small

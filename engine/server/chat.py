@@ -291,13 +291,13 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
     if use_tools and tool_structure is None and not parallel:
         raise OpenAIError("parallel_tool_calls: false needs the tool calls generated under a grammar that ends the output after "
                           "the first call, which this server cannot do (the xgrammar package is not installed, or its "
-                          "tokenizer is one xgrammar cannot serve)", param="parallel_tool_calls")
+                          "tokenizer is one xgrammar cannot serve or marks the call markers special)", param="parallel_tool_calls")
     if use_tools and tool_structure is None:
         strict = next((i for i, t in enumerate(tools) if t["function"].get("strict")), None)
         if strict is not None:  # a promise the server can only keep under a grammar
             raise OpenAIError(f"tools[{strict}].function.strict: true needs the tool calls generated under their schemas, which "
                               "this server cannot do (the xgrammar package is not installed, or its tokenizer is one xgrammar "
-                              "cannot serve)", param="tools")
+                              "cannot serve or marks the call markers special)", param="tools")
     for i, t in enumerate(tools or ()) if tool_structure is not None else ():
         # strict promises schema adherence (OpenAI's meaning); keywords the grammar compiles
         # without enforcing would break it, so such a strict tool is refused, as OpenAI's strict
@@ -315,6 +315,11 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
     defaults = serving.engine.engine.generation_defaults  # the model's generation_config.json
     params = sampling_params(with_defaults(body, defaults), "max_completion_tokens", default_max_tokens=None, logprobs=top_n if want_lp else None,
                              prompt_logprobs=want_plp, output_kind=kind, structured_outputs=structured)
+    if use_tools and body.get("skip_special_tokens") is None:
+        # a checkpoint may mark its call markers special (GLM-4.5's <tool_call> / <arg_key>): skipped,
+        # its calls could not be parsed (vLLM's tool parsers turn skipping off likewise); the stop
+        # token's text stays out either way
+        params.skip_special_tokens = False
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # required / named tool_choice: the call's opening is written for the model (prefix forcing)
     forced = _forced_prefix(parser, choice, forced_name)

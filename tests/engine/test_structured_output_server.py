@@ -309,3 +309,39 @@ def test_auto_glm45_calls_follow_the_schema_once_opened(glm_client):
             calls += 1
         assert "<arg_key>" not in (ch.message.content or "")
     assert calls >= 4
+
+
+def test_call_markers_marked_special_are_read_and_left_unconstrained(tmp_path):
+    """A checkpoint whose tokenizer marks its call markers special (GLM-4.5's may): with tools the
+    output is decoded with them (vLLM's parsers do the same), so the model's own `<tool_call>`
+    reaches the parser; without tools, or with `skip_special_tokens` given, they are skipped as
+    asked. The calls are not put under the grammar there (xgrammar never emits a special token:
+    the markers would be spelled in pieces the model never saw), so `strict` is refused, naming
+    `tools`, as on a server without xgrammar."""
+    import os
+
+    src = default_model_path()
+    for name in os.listdir(src):
+        if name != "tokenizer.json":
+            os.symlink(os.path.join(src, name), tmp_path / name)
+    tok = json.load(open(os.path.join(src, "tokenizer.json")))
+    for a in tok["added_tokens"]:
+        if a["content"] in ("<tool_call>", "</tool_call>"):
+            a["special"] = True
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    with LiveServer(str(tmp_path), dtype="float32", num_kv_blocks=256, max_num_seqs=8) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        auto = dict(model="test-model", messages=MSGS, tools=TOOLS, tool_choice="auto", temperature=1.0, seed=2, max_tokens=24,
+                    logit_bias={"8192": 100, "8193": 100}, extra_body={"return_token_ids": True})
+        r = c.chat.completions.create(**auto).choices[0]
+        assert 8192 in r.token_ids
+        assert "<tool_call>" in (r.message.content or "") or r.message.tool_calls  # read, not skipped
+        skipped = c.chat.completions.create(**{**auto, "extra_body": {"return_token_ids": True, "skip_special_tokens": True}}).choices[0]
+        assert 8192 in skipped.token_ids and "<tool_call>" not in (skipped.message.content or "") and not skipped.message.tool_calls
+        plain = c.chat.completions.create(model="test-model", messages=MSGS, max_tokens=24, temperature=1.0, seed=2,
+                                          logit_bias={"8192": 100}, extra_body={"return_token_ids": True}).choices[0]
+        assert 8192 in plain.token_ids and "<tool_call>" not in (plain.message.content or "")  # no tools: skipped, as before
+        strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="test-model", messages=MSGS, tools=strict, tool_choice="required", max_tokens=8)
+        assert e.value.body["param"] == "tools"
