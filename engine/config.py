@@ -32,6 +32,7 @@ MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "MistralForCausalLM": "mistral",
 }
 # families whose MoE layers are DeepSeek-V3's: sigmoid routing with an expert-choice bias, groups,
 # ungated shared experts (`mlp.shared_experts`), dense layers before `first_k_dense_replace`, and
@@ -89,6 +90,7 @@ class ModelConfig:
     bos_token_id: int | None
     hf_config: dict[str, Any] = field(repr=False)
     num_mtp_layers: int = 0  # checkpoint layers after the decoder's (multi-token prediction): skipped at load
+    sliding_window: int | None = None  # Mistral / Mixtral: each token sees the last W positions (the engine caps max_model_len at W)
     fp8_quant: Fp8BlockQuant | None = None  # FP8 block-scaled weights, dequantized at load (engine/models/fp8_checkpoint.py)
 
     @classmethod
@@ -184,7 +186,20 @@ class ModelConfig:
             # transformers' Glm4MoeConfig defaults to one such layer; DeepSeek-V3's configs state theirs
             num_mtp_layers=int(hf.get("num_nextn_predict_layers", int(arch == "Glm4MoeForCausalLM")) or 0)
             if arch in DEEPSEEK_MOE_ARCHITECTURES else 0,
+            sliding_window=_sliding_window(hf, arch, path),
         )
+
+
+def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
+    """Mistral's and Mixtral's `sliding_window` (None: every position is attended). cuttle attends
+    every position, which equals attending the last W only while sequences fit in W, so the
+    engine serves such a model with max_model_len at most W (llm_engine.py)."""
+    w = hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+    if w is None:
+        return None
+    if isinstance(w, bool) or not isinstance(w, int) or w < 2:
+        raise ValueError(f"sliding_window must be null or an integer >= 2 in {path or 'config'}, got {w!r}")
+    return w
 
 
 def _rotary_dim(hf: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: int, path: str) -> int:
@@ -276,9 +291,8 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} in {where} is not supported (supported: silu)")
-    # Sliding-window attention would change every output past the window.
-    if arch == "MixtralForCausalLM" and hf.get("sliding_window") is not None:
-        raise ValueError(f"sliding_window={hf['sliding_window']} in {where} is not supported")
+    # Sliding-window attention would change every output past the window (Mistral / Mixtral are
+    # served within their window instead: `_sliding_window`).
     if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and hf.get("use_sliding_window"):
         raise ValueError(f"use_sliding_window in {where} is not supported")
     # A quantized checkpoint loaded as if it were not one drops its scales and computes garbage.

@@ -75,6 +75,13 @@ class LLMEngine:
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({mc.max_position_embeddings})")
+        if mc.sliding_window is not None and max_len > mc.sliding_window:
+            # every position is attended here, which equals the model's window only while a sequence fits in it
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len ({max_len}) exceeds the model's sliding_window ({mc.sliding_window}): cuttle "
+                                 "attends every position, the same as the window only within it; give max_model_len <= "
+                                 f"{mc.sliding_window}")
+            max_len = mc.sliding_window
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype, config.sparse_attention)
         if config.num_kv_blocks is not None:

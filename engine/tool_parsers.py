@@ -60,11 +60,28 @@ class ToolCall:
         return d
 
 
+# markers of tool-call formats cuttle does not parse -> what they are (a template writing one of
+# them and none of ours teaches its model a format the parsers would never find a call in)
+FOREIGN_FORMATS = {
+    "[TOOL_CALLS]": "Mistral's [TOOL_CALLS]",
+    "<｜tool▁calls▁begin｜>": "DeepSeek's <｜tool▁calls▁begin｜>",
+    "<|tool_calls_section_begin|>": "Kimi-K2's <|tool_calls_section_begin|>",
+    "<|python_tag|>": "Llama 3.1's JSON / <|python_tag|>",
+}
+
+
 def parser_for_template(chat_template: str | None) -> str:
     """The format a checkpoint's chat template teaches its model."""
     if chat_template and "<arg_key>" in chat_template:
         return "glm45"
     return "qwen3_coder" if chat_template and "<function=" in chat_template else "hermes"
+
+
+def foreign_tool_format(chat_template: str | None) -> str | None:
+    """The tool-call format the template teaches when it is one cuttle does not parse, else None."""
+    if not chat_template or "<tool_call>" in chat_template:
+        return None
+    return next((what for marker, what in FOREIGN_FORMATS.items() if marker in chat_template), None)
 
 
 def _param_types(tools: list[dict[str, Any]] | None, name: str) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """The decoder-only transformer behind every supported architecture.
 
-Llama-3, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 differ only in
+Llama-3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 differ only in
 switches read from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, partial rotary,
 routed-MoE MLPs on some layers, a shared expert beside the routed ones, multi-head latent
 attention), so they share one

@@ -31,7 +31,7 @@ from cuttle.engine.server.responses import add_response_routes
 from cuttle.engine.server.rl_routes import add_rl_routes
 from cuttle.engine.server.streaming import Serving
 from cuttle.engine.server.tokens import add_token_routes
-from cuttle.engine.tool_parsers import PARSERS, parser_for_template
+from cuttle.engine.tool_parsers import PARSERS, foreign_tool_format, parser_for_template
 
 log = logging.getLogger("cuttle.server")
 
@@ -63,14 +63,18 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     PEFT directory, each served under its name (engine/server/lora_routes.py)."""
     llm = engine.engine
     tok = llm.tokenizer
-    parser = tool_call_parser or parser_for_template(chat_template or tok.chat_template)
+    template = chat_template or tok.chat_template
+    parser = tool_call_parser or parser_for_template(template)
+    # a template teaching a format no parser reads: requests with tools are refused (chat.py)
+    foreign = None if tool_call_parser else foreign_tool_format(template)
     if parser not in PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
     if chat_template is not None:
         tok.compile_template(chat_template)  # a template that does not compile fails the start, not every request
-    chat_opts = ChatOptions(parser, reasoning_parser, chat_template, trust_request_chat_template, enable_auto_tool_choice)
+    chat_opts = ChatOptions(parser, reasoning_parser, chat_template, trust_request_chat_template, enable_auto_tool_choice,
+                            foreign_tool_format=foreign)
     metrics = ServerMetrics(model_name)
     serving = Serving(engine, model_name, metrics, max_body_bytes, return_tokens_as_token_ids=return_tokens_as_token_ids)
     register_lora_modules(engine, serving, lora_modules or {})

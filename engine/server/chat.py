@@ -270,6 +270,10 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
         raise OpenAIError('tool_choice "auto" needs a server started with --enable-auto-tool-choice (this one has '
                           '--no-enable-auto-tool-choice); use "none", "required" or a named function', param="tool_choice")
     use_tools = tools is not None and choice != "none"
+    if use_tools and opts.foreign_tool_format is not None and body.get("chat_template") is None:
+        raise OpenAIError(f"this model's chat template writes tool calls in {opts.foreign_tool_format} format, which cuttle "
+                          "does not parse (hermes, qwen3_coder and glm45 it does): its calls would come back as text; start "
+                          "the server with --tool-call-parser to choose one, or send tool_choice 'none'", param="tools")
     parallel = get_bool(body, "parallel_tool_calls", True)
     if not parallel and tools is None:
         raise OpenAIError("parallel_tool_calls applies only when tools are given", param="parallel_tool_calls")

@@ -30,10 +30,11 @@ class ChatOptions:
     """The server's chat settings (the `cuttle serve` flags)."""
 
     tool_parser: str = "hermes"
-    reasoning_parser: str | None = None  # qwen3 | deepseek_r1 (reasoning_parsers.py)
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | glm45 (reasoning_parsers.py)
     chat_template: str | None = None  # --chat-template's text (None: the checkpoint's)
     trust_request_chat_template: bool = False  # a request's own chat_template is refused unless set
     enable_auto_tool_choice: bool = True  # tool_choice "auto" parses tool calls (vLLM needs the flag; cuttle's default)
+    foreign_tool_format: str | None = None  # the template teaches a tool-call format no parser reads: tools are refused
 
 
 @dataclass(slots=True)

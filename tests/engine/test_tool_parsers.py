@@ -111,6 +111,15 @@ def test_parser_choice_from_template():
         parse_tool_calls("x", "pythonic")
 
 
+def test_foreign_formats_are_named():
+    from cuttle.engine.tool_parsers import foreign_tool_format
+
+    assert foreign_tool_format("{{ '[TOOL_CALLS]' + tool_calls|tojson }}") == "Mistral's [TOOL_CALLS]"
+    assert "DeepSeek" in foreign_tool_format("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>")
+    assert foreign_tool_format("{{ '<tool_call>' }} ... [TOOL_CALLS]") is None  # one of ours is there
+    assert foreign_tool_format("{{ messages }}") is None and foreign_tool_format(None) is None
+
+
 def test_calls_keep_the_exact_block_the_model_wrote():
     # spacing and key order the canonical re-serialisation would change: the text keeps them
     text = 'ok <tool_call>\n{"arguments": {"path":"a.py"},  "name": "read_file"}\n</tool_call>\n' + CODER
