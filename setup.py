@@ -46,6 +46,7 @@ setup(
             "transformers",
             "accelerate",  # transformers' FP8 block checkpoint loading (the oracle of test_fp8_checkpoint)
             "peft",  # the oracle of the LoRA tests (tests/engine/test_lora.py)
+            "mistral_common",  # the oracle of Mistral's infilling prompt, and its vocabularies (tests/engine/test_fim_mistral.py)
             "triton",
             "openai",
             "xgrammar>=0.2.8,<0.3",

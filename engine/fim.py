@@ -13,13 +13,21 @@ sequence token or a stop string). A format is three special tokens in prefix-suf
 - `deepseek`: `<｜fim▁begin｜>{prefix}<｜fim▁hole｜>{suffix}<｜fim▁end｜>` (DeepSeek-Coder), after
   its BOS.
 
+and one in suffix-prefix order with no middle marker:
+
+- `mistral`: `<s>[SUFFIX]{suffix}[PREFIX]{prefix}` (Codestral, Devstral: mistral_common's
+  `encode_fim`), the suffix encoded as mistral_common encodes an infill (`"☺" + suffix` with its
+  first two tokens dropped: a SentencePiece vocabulary's dummy-prefix space goes with them), the
+  middle written after the prefix. Checked against mistral_common on its own Tekken and
+  SentencePiece v3 vocabularies, converted to tokenizer.json as the HF repos ship them.
+
 An infilling request also stops at the format's control tokens the vocabulary has (its three
 markers, and the family's pad and repository / file separators): a model that writes one has
 left the middle, and its text would otherwise run on into the next file.
 
 A checkpoint's format is the one whose three tokens are all single tokens of its tokenizer;
-none (the embedded model, a chat model without them, Code Llama's spaced `▁<PRE>` layout,
-Codestral's SPM order) means `suffix` is refused, naming the field: a guessed layout would give
+none (the embedded model, a chat model without them, Code Llama's spaced `▁<PRE>` layout) means
+`suffix` is refused, naming the field: a guessed layout would give
 plausible but untrained text. The ids equal the tokenizer's encoding of the documented template
 string as a whole (added tokens split text before the pre-tokenizer, so the pieces are encoded
 alone), which tests check against `tokenizers` and transformers.
@@ -44,6 +52,10 @@ STOP_TEXTS: dict[str, tuple[str, ...]] = {
     "starcoder": ("<fim_pad>", "<reponame>", "<filename>", "<file_sep>"),
     "deepseek": (),
 }
+# Mistral's infilling tokens (prefix, suffix, middle: all three are in its vocabularies; the
+# prompt uses the first two) and the BOS its prompts always start with
+MISTRAL = ("[PREFIX]", "[SUFFIX]", "[MIDDLE]")
+MISTRAL_BOS = "<s>"
 
 
 @dataclass(frozen=True)
@@ -55,7 +67,7 @@ class FimFormat:
     suffix_id: int
     middle_id: int
     stop_ids: tuple[int, ...] = ()  # the control tokens an infill stops at
-    head_ids: tuple[int, ...] = ()  # what the tokenizer puts before a text (DeepSeek-Coder's BOS)
+    head_ids: tuple[int, ...] = ()  # what the tokenizer puts before a text (DeepSeek-Coder's BOS), or the format's own (Mistral's)
 
     @classmethod
     def of(cls, tok: Tokenizer) -> FimFormat | None:
@@ -66,6 +78,9 @@ class FimFormat:
                 extra = [tok.tok.token_to_id(t) for t in STOP_TEXTS[name]]
                 return cls(name, *ids, stop_ids=tuple(ids) + tuple(i for i in extra if i is not None),
                            head_ids=tuple(_leading_specials(tok)))
+        ids = [tok.tok.token_to_id(t) for t in (*MISTRAL, MISTRAL_BOS)]
+        if all(i is not None for i in ids):
+            return cls("mistral", *ids[:3], stop_ids=tuple(ids[:3]), head_ids=(ids[3],))
         return None
 
     def prompt_ids(self, tok: Tokenizer, prefix: str | list[int], suffix: str, head: bool = True) -> list[int]:
@@ -78,6 +93,9 @@ class FimFormat:
             body = tok.encode(prefix, add_special_tokens=False)
         else:
             lead, body = [], list(prefix)
+        if self.name == "mistral":  # mistral_common's encode_fim: BOS, suffix first, the middle after the prefix
+            infill = tok.encode("☺" + suffix, add_special_tokens=False)[2:] if suffix else []
+            return [*lead, self.suffix_id, *infill, self.prefix_id, *body]
         return [*lead, self.prefix_id, *body, self.suffix_id, *tok.encode(suffix, add_special_tokens=False), self.middle_id]
 
 

@@ -22,7 +22,7 @@ from cuttle.engine.openai_protocol import (
 )
 from cuttle.engine.async_engine import RequestOptions
 from cuttle.engine.generation_config import with_defaults
-from cuttle.engine.fim import FORMATS, FimFormat
+from cuttle.engine.fim import FORMATS, MISTRAL, FimFormat
 from cuttle.engine.outputs import CompletionOutput, RequestOutput
 from cuttle.engine.sampling_params import RequestOutputKind
 from cuttle.engine.server.beam_completions import beam_search_completion
@@ -179,7 +179,7 @@ def _fim_prompts(fim: FimFormat | None, tok: Tokenizer, prompts: list[str | list
     (DeepSeek-Coder's) starts the layout instead: it becomes the squid prefix where none is sent,
     as a text query's BOS does (engine/squid.py `parse_prompt`)."""
     if fim is None:
-        known = "; ".join(f"{name}: {' '.join(t)}" for name, t in FORMATS.items())
+        known = "; ".join([*(f"{name}: {' '.join(t)}" for name, t in FORMATS.items()), f"mistral: {' '.join(MISTRAL[:2])}"])
         raise OpenAIError("suffix (fill in the middle) needs a model trained on infilling, whose tokenizer has one of the "
                           f"infilling token sets ({known}); this model's tokenizer has none", param="suffix")
     if echo:
