@@ -47,6 +47,7 @@ setup(
             "accelerate",  # transformers' FP8 block checkpoint loading (the oracle of test_fp8_checkpoint)
             "peft",  # the oracle of the LoRA tests (tests/engine/test_lora.py)
             "mistral_common",  # the oracle of Mistral's infilling prompt, and its vocabularies (tests/engine/test_fim_mistral.py)
+            "sentencepiece",  # mistral_common's and transformers' reading of a SentencePiece vocabulary (same test)
             "triton",
             "openai",
             "xgrammar>=0.2.8,<0.3",
