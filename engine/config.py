@@ -33,6 +33,7 @@ MODEL_TYPES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MistralForCausalLM": "mistral",
+    "Starcoder2ForCausalLM": "starcoder2",
 }
 # families whose MoE layers are DeepSeek-V3's: sigmoid routing with an expert-choice bias, groups,
 # ungated shared experts (`mlp.shared_experts`), dense layers before `first_k_dense_replace`, and
@@ -90,7 +91,10 @@ class ModelConfig:
     bos_token_id: int | None
     hf_config: dict[str, Any] = field(repr=False)
     num_mtp_layers: int = 0  # checkpoint layers after the decoder's (multi-token prediction): skipped at load
-    sliding_window: int | None = None  # Mistral / Mixtral: each token sees the last W positions (the engine caps max_model_len at W)
+    sliding_window: int | None = None  # Mistral / Mixtral / StarCoder2: each token sees the last W positions (the engine caps max_model_len at W)
+    layer_norm: bool = False  # StarCoder2: LayerNorm with bias where the others have RMSNorm
+    gelu_mlp: bool = False  # StarCoder2: c_fc -> gelu(tanh) -> c_proj, not gated, instead of silu(gate) * up
+    proj_bias: bool = False  # StarCoder2 (use_bias): biases on o_proj and the MLP's projections too
     fp8_quant: Fp8BlockQuant | None = None  # FP8 block-scaled weights, dequantized at load (engine/models/fp8_checkpoint.py)
 
     @classmethod
@@ -151,8 +155,11 @@ class ModelConfig:
             num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
             head_dim = int(hf.get("head_dim") or hidden // num_heads)
             rotary_dim = _rotary_dim(hf, rope, arch, head_dim, path)
+        starcoder2 = arch == "Starcoder2ForCausalLM"
         if arch == "Qwen2MoeForCausalLM":
             attention_bias = bool(hf.get("qkv_bias", True))
+        elif starcoder2:
+            attention_bias = bool(hf.get("use_bias", True))
         else:
             attention_bias = bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM"))
         eos = hf.get("eos_token_id")
@@ -167,11 +174,11 @@ class ModelConfig:
             head_dim=head_dim,
             rotary_dim=rotary_dim,
             intermediate_size=int(hf.get("intermediate_size", 0)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf.get("norm_epsilon", 1e-5)) if starcoder2 else float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_scaled_max_positions(int(hf.get("max_position_embeddings", 4096)), rope_scaling),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", starcoder2)),  # Starcoder2Config ties by default
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm", False))),
             attention_bias=attention_bias,
             moe_layers=moe_layers,
@@ -187,14 +194,17 @@ class ModelConfig:
             num_mtp_layers=int(hf.get("num_nextn_predict_layers", int(arch == "Glm4MoeForCausalLM")) or 0)
             if arch in DEEPSEEK_MOE_ARCHITECTURES else 0,
             sliding_window=_sliding_window(hf, arch, path),
+            layer_norm=starcoder2,
+            gelu_mlp=starcoder2,
+            proj_bias=starcoder2 and attention_bias,
         )
 
 
 def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
-    """Mistral's and Mixtral's `sliding_window` (None: every position is attended). cuttle attends
+    """Mistral's, Mixtral's and StarCoder2's `sliding_window` (None: every position is attended). cuttle attends
     every position, which equals attending the last W only while sequences fit in W, so the
     engine serves such a model with max_model_len at most W (llm_engine.py)."""
-    w = hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+    w = hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM") else None
     if w is None:
         return None
     if isinstance(w, bool) or not isinstance(w, int) or w < 2:
@@ -288,9 +298,10 @@ def _rope_scaling(raw: dict[str, Any] | None, hf: dict[str, Any], path: str) -> 
 def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
     """Reject config features the decoder does not implement, rather than compute something else."""
     where = path or "config"
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} in {where} is not supported (supported: silu)")
+    act = hf.get("hidden_act", "gelu_pytorch_tanh" if arch == "Starcoder2ForCausalLM" else "silu")
+    want = "gelu_pytorch_tanh" if arch == "Starcoder2ForCausalLM" else "silu"
+    if act != want:
+        raise ValueError(f"hidden_act {act!r} in {where} is not supported for {arch} (supported: {want})")
     # Sliding-window attention would change every output past the window (Mistral / Mixtral are
     # served within their window instead: `_sliding_window`).
     if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and hf.get("use_sliding_window"):

@@ -288,6 +288,9 @@ class LoRARegistry:
             if block == "mlp" and layer in cfg.moe_layers:
                 raise ValueError(f"{where}: tensor {key!r}: layer {layer}'s MLP is a routed mixture of experts; "
                                  "LoRA on experts is not supported")
+            if block == "mlp" and cfg.gelu_mlp:  # StarCoder2's c_fc / c_proj: no seam for deltas there
+                raise ValueError(f"{where}: tensor {key!r}: this model's MLP is StarCoder2's ungated c_fc / c_proj; "
+                                 "LoRA on it is not supported (attention's q/k/v/o_proj are)")
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
                 raise ValueError(f"{where}: tensor {key!r} must be a 2-D floating-point tensor")
             parts.setdefault((layer, self._slots[module][0]), {}).setdefault(module, {})[ab] = t

@@ -61,6 +61,9 @@ class TrainableLoRA(nn.Module):
                 if m in MLP_MODULES and layer in cfg.moe_layers:
                     raise ValueError(f"lora.target_modules {m!r}: layer {layer}'s MLP is a routed mixture of experts; "
                                      "LoRA on experts is not supported (target the attention modules)")
+                if m in MLP_MODULES and cfg.gelu_mlp:
+                    raise ValueError(f"lora.target_modules {m!r}: this model's MLP is StarCoder2's ungated c_fc / c_proj; "
+                                     "LoRA on it is not supported (target the attention modules)")
                 self.modules_of.setdefault((layer, self.slots[m][0]), []).append(m)
         for mods in self.modules_of.values():
             mods.sort(key=lambda m: self.slots[m][1])

@@ -1,8 +1,11 @@
-"""Building blocks shared by the attention variants and the decoder: RMSNorm with HF semantics and
-the uninitialized, frozen parameter every model weight starts as (the loader fills it).
+"""Building blocks shared by the attention variants and the decoder: RMSNorm with HF semantics,
+LayerNorm with a bias (StarCoder2), and the uninitialized, frozen parameter every model weight
+starts as (the loader fills it).
 
 RMSNorm runs through `cuttle.attention.native.fused.rms_norm`: one native kernel on CPU tensors
-(bit-identical to the torch formula), the torch formula elsewhere and under autograd.
+(bit-identical to the torch formula), the torch formula elsewhere and under autograd. LayerNorm is
+torch's `layer_norm`, as transformers' `nn.LayerNorm` computes it. Both take the residual add
+that precedes them (`add`): one fused kernel for RMSNorm, the add then the norm for LayerNorm.
 
 Owns no model structure and never reads a config.
 """
@@ -11,7 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cuttle.attention.native.fused import rms_norm
+import torch.nn.functional as F
+
+from cuttle.attention.native.fused import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +29,27 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, the norm of it), in one pass."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim with weight and bias (transformers' `nn.LayerNorm`)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + delta
+        return x, self(x)
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

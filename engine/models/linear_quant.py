@@ -119,7 +119,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor | MXLinearWeight, bias: t
 def linear_slots(model: CausalLM) -> list[tuple[nn.Module, str, str]]:
     """(module, attribute, engine parameter name) of every linear weight `quantization` covers (the
     lm_head aside); the trainer quantizes the same ones on the fly (`cuttle.rl.trainer`)."""
-    from cuttle.engine.models.transformer import Attention, DenseMLP, NSAAttention
+    from cuttle.engine.models.transformer import Attention, DenseMLP, GeluMLP, NSAAttention
 
     slots: list[tuple[nn.Module, str, str]] = []
     for i, layer in enumerate(model.layers):
@@ -131,6 +131,8 @@ def linear_slots(model: CausalLM) -> list[tuple[nn.Module, str, str]]:
         if isinstance(layer.mlp, DenseMLP):
             slots += [(layer.mlp, "gate_up_weight", f"layers.{i}.mlp.gate_up_weight"),
                       (layer.mlp, "down_weight", f"layers.{i}.mlp.down_weight")]
+        if isinstance(layer.mlp, GeluMLP):
+            slots += [(layer.mlp, "fc_weight", f"layers.{i}.mlp.fc_weight"), (layer.mlp, "proj_weight", f"layers.{i}.mlp.proj_weight")]
     return slots
 
 

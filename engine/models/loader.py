@@ -261,6 +261,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
             filler.put("embed", targets["embed"], t, name)
         elif name == "model.norm.weight":
             filler.put("norm.weight", targets["norm.weight"], t, name)
+        elif name == "model.norm.bias" and "norm.bias" in targets:  # StarCoder2's LayerNorm
+            filler.put("norm.bias", targets["norm.bias"], t, name)
         elif name in mx_linears:  # the engine's own name (a trainer on this model code)
             filler.count(name, _write_linear(mx_linears[name], t, name, check_only=check_only))
         elif (n := _NATIVE_EXPERTS.match(name)) is not None and int(n.group(1)) in quantized:
@@ -385,6 +387,14 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
         "mlp.gate.weight": ("mlp.gate_weight", None),
         "block_sparse_moe.gate.weight": ("mlp.gate_weight", None),
         "mlp.gate.e_score_correction_bias": ("mlp.e_score_correction_bias", None),
+        # StarCoder2: LayerNorm biases, o_proj's bias, the ungated MLP
+        "input_layernorm.bias": ("input_norm.bias", None),
+        "post_attention_layernorm.bias": ("post_attn_norm.bias", None),
+        "self_attn.o_proj.bias": ("attn.o_bias", None),
+        "mlp.c_fc.weight": ("mlp.fc_weight", None),
+        "mlp.c_fc.bias": ("mlp.fc_bias", None),
+        "mlp.c_proj.weight": ("mlp.proj_weight", None),
+        "mlp.c_proj.bias": ("mlp.proj_bias", None),
     }
     si = cfg.shared_expert_intermediate_size
     for shared in ("shared_expert", "shared_experts"):  # Qwen2-MoE, DeepSeek-V3
@@ -437,6 +447,9 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm.weight}
     covered = {"embed": model.embed.numel(), "norm.weight": model.norm.weight.numel()}
+    if "norm.bias" in params:
+        out["model.norm.bias"] = model.norm.bias
+        covered["norm.bias"] = model.norm.bias.numel()
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head
         covered["lm_head"] = model.lm_head.numel()

@@ -1,9 +1,9 @@
 """The decoder-only transformer behind every supported architecture.
 
-Llama-3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 differ only in
-switches read from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, partial rotary,
-routed-MoE MLPs on some layers, a shared expert beside the routed ones, multi-head latent
-attention), so they share one
+Llama-3, Mistral, StarCoder2, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5
+differ only in switches read from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, partial
+rotary, LayerNorm and an ungated gelu MLP with biases, routed-MoE MLPs on some layers, a shared
+expert beside the routed ones, multi-head latent attention), so they share one
 definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
 slices HF tensors into them. At a few rows (small-batch decode) they go through the native
 weight-streaming kernel of `cuttle.attention.native.gemm.linear`, else `F.linear`. The small
@@ -28,13 +28,13 @@ from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native import rows
 from cuttle.attention.native.gemm import derived
-from cuttle.attention.native.fused import add_rms_norm, qk_norm_rope, sigmoid, silu_mul
+from cuttle.attention.native.fused import qk_norm_rope, sigmoid, silu_mul
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention, topk_attend_chunked, topk_attend_segments
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.lora import LoRAContext
-from cuttle.engine.models.layers import RMSNorm, empty_param
+from cuttle.engine.models.layers import LayerNorm, RMSNorm, empty_param
 from cuttle.engine.models.linear_quant import dense_linear, linear  # native.gemm.linear, or the MXFP8 GEMM for quantized weights
 from cuttle.engine.models.mla import MLAttention
 from cuttle.engine.models.nsa_config import nsa_config
@@ -53,6 +53,7 @@ class Attention(nn.Module):
         self.qkv_weight = empty_param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
         self.qkv_bias = empty_param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
         self.o_weight = empty_param(cfg.hidden_size, self.q_size, dtype=dtype)
+        self.o_bias = empty_param(cfg.hidden_size, dtype=dtype) if cfg.proj_bias else None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -73,7 +74,7 @@ class Attention(nn.Module):
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
         )
         o, _ = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self._project(o.reshape(-1, self.q_size), self.o_weight, "o")
+        return self._project(o.reshape(-1, self.q_size), self.o_weight, "o", self.o_bias)
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, proj: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """An inference projection, plus the step's LoRA deltas on it (engine/lora.py)."""
@@ -124,10 +125,10 @@ class Attention(nn.Module):
                 rows = [topk_attend_segments(q[b], k[b], v[b], mask[b].reshape(S, S), segments.ids[b], sparse, self.scale,
                                              None if segments.shifts is None else segments.shifts[b], segments.unshift)
                         for b in range(B)]
-            return self._project_dense(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight, "o")
+            return self._project_dense(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight, "o", self.o_bias)
         q, k, v = (t.transpose(1, 2) for t in self._qkv_dense(x, cos, sin))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self._project_dense(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, "o")
+        return self._project_dense(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, "o", self.o_bias)
 
 
 def sparse_attention_for(spec: str | dict | TopKConfig | None, cfg: ModelConfig) -> TopKConfig | None:
@@ -265,10 +266,28 @@ class DenseMLP(nn.Module):
         return self.lora.add(linear(h, self.down_weight), h, self.layer_id, "down")
 
 
+class GeluMLP(nn.Module):
+    """StarCoder2's MLP: c_fc (+ bias) -> gelu (tanh approximation) -> c_proj (+ bias), not gated."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.fc_weight = empty_param(inter, hidden, dtype=dtype)
+        self.fc_bias = empty_param(inter, dtype=dtype) if bias else None
+        self.proj_weight = empty_param(hidden, inter, dtype=dtype)
+        self.proj_bias = empty_param(hidden, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(F.gelu(linear(x, self.fc_weight, self.fc_bias), approximate="tanh"), self.proj_weight, self.proj_bias)
+
+
+def _norm(cfg: ModelConfig, dtype: torch.dtype) -> RMSNorm | LayerNorm:
+    return (LayerNorm if cfg.layer_norm else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, nsa: NSAConfig | None = None):
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_norm = _norm(cfg, dtype)
         self.attn: nn.Module
         if cfg.mla is not None:
             self.attn = MLAttention(cfg, dtype, layer_id)
@@ -276,7 +295,7 @@ class DecoderLayer(nn.Module):
             self.attn = NSAAttention(cfg, nsa, dtype, layer_id)
         else:
             self.attn = Attention(cfg, dtype, layer_id)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attn_norm = _norm(cfg, dtype)
         # `mlp` is the routed FusedMoE or the dense MLP; a shared expert sits beside the routed one
         self.shared: SharedExpert | None = None
         if layer_id in cfg.moe_layers:
@@ -284,6 +303,8 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, routing, dtype)
             if cfg.shared_expert_intermediate_size:
                 self.shared = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, cfg.shared_expert_gated)
+        elif cfg.gelu_mlp:
+            self.mlp = GeluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.proj_bias, dtype)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, layer_id)
 
@@ -299,9 +320,9 @@ class DecoderLayer(nn.Module):
         if delta is None:
             h = self.input_norm(x)
         else:
-            x, h = add_rms_norm(x, delta, self.input_norm.weight, self.input_norm.eps)
+            x, h = self.input_norm.add(x, delta)
         a = self.attn(h, cos, sin, kv_cache, meta, backend)
-        x, h = add_rms_norm(x, a, self.post_attn_norm.weight, self.post_attn_norm.eps)
+        x, h = self.post_attn_norm.add(x, a)
         return x, self._ffn(h)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -324,7 +345,7 @@ class CausalLM(nn.Module):
         self.nsa = nsa_config(cfg.hf_config)  # None: dense attention
         self.embed = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, self.nsa) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = _norm(cfg, dtype)
         self.lm_head = self.embed if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
 
@@ -346,7 +367,7 @@ class CausalLM(nn.Module):
             x, delta = layer(x, cos, sin, kv, meta, backend, delta)
         if delta is None:
             return self.norm(x)
-        return add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
+        return self.norm.add(x, delta)[1]
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         """Training / scoring path with autograd: rows [B, S] packing several documents each.
@@ -423,6 +444,8 @@ class CausalLM(nn.Module):
                 out += [layer.attn.a_weight, layer.attn.q_b_weight, layer.attn.kv_b_weight, layer.attn.o_weight]
             if isinstance(layer.mlp, DenseMLP):
                 out += [layer.mlp.gate_up_weight, layer.mlp.down_weight]
+            if isinstance(layer.mlp, GeluMLP):
+                out += [layer.mlp.fc_weight, layer.mlp.proj_weight]
         return [w for w in out if isinstance(w, torch.Tensor)]  # MXFP8 weights (linear_quant) are not packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
