@@ -1,7 +1,11 @@
 """Tool calls parsed out of a model's text: the Qwen3 / Hermes `<tool_call>{json}</tool_call>`
 format, the Qwen3-Coder `<tool_call><function=NAME><parameter=P>value</parameter></function>`
 format and GLM-4.5's `<tool_call>NAME<arg_key>P</arg_key><arg_value>value</arg_value></tool_call>`
-(GLM-4.5 / 4.6 put newlines between the tags, GLM-4.7 none: both parse), whole or streamed.
+(GLM-4.5 / 4.6 put newlines between the tags, GLM-4.7 none: both parse), and DeepSeek's, whose
+calls sit in a `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` section, each
+`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>` (DeepSeek-V3,
+`deepseek_v3`) or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` (DeepSeek-V3.1,
+`deepseek_v31`); the section markers are neither content nor calls. Whole or streamed.
 
 Owns only text -> (content, tool calls). The streaming parser never emits text that could still
 turn out to be part of a tool call, and its deltas always add up to the whole-text parse, however
@@ -28,7 +32,15 @@ from cuttle.engine.reasoning_parsers import partial_suffix
 from cuttle.engine.tool_args import GlmArguments, JsonArguments, XmlArguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_DS_OPEN, _DS_CLOSE, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+# format -> (a call's opening, its closing), and the markers of a section around the calls
+TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "glm45": (OPEN, CLOSE),
+        "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE)}
+SECTIONS = {"deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+            "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")}
+_BLOCKS = {fmt: re.compile(re.escape(o) + "(.*?)" + re.escape(c), re.S) for fmt, (o, c) in TAGS.items()}
+_DS_V3_CALL = re.compile(r"\s*function" + re.escape(_DS_SEP) + r"([^\n]+)\n```json\n(.*)\n```\s*$", re.S)
+_DS_V31_CALL = re.compile(r"\s*([^\s<]+?)\s*" + re.escape(_DS_SEP) + r"(.*)$", re.S)
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 # One whitespace character next to each tag is the format's separator, not the value's: the
 # template writes a newline there, and the structured-output grammar (xgrammar's qwen_xml style)
@@ -42,7 +54,8 @@ _PARAM = re.compile(r"<parameter=([^>\n]+)>[ \t\r\n]?(.*?)[ \t\r\n]?</parameter>
 _GLM_NAME = re.compile(r"\s*([^\s<]+)\s*$")
 _GLM_PAIR = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>[ \t\r\n]?(.*?)[ \t\r\n]?</arg_value>", re.S)
 
-PARSERS = ("hermes", "qwen3_coder", "glm45")
+PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31")
+_STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "glm45")  # formats whose arguments stream as written (tool_args.py)
 
 
 @dataclass(slots=True)
@@ -64,7 +77,6 @@ class ToolCall:
 # them and none of ours teaches its model a format the parsers would never find a call in)
 FOREIGN_FORMATS = {
     "[TOOL_CALLS]": "Mistral's [TOOL_CALLS]",
-    "<｜tool▁calls▁begin｜>": "DeepSeek's <｜tool▁calls▁begin｜>",
     "<|tool_calls_section_begin|>": "Kimi-K2's <|tool_calls_section_begin|>",
     "<|python_tag|>": "Llama 3.1's JSON / <|python_tag|>",
 }
@@ -74,12 +86,14 @@ def parser_for_template(chat_template: str | None) -> str:
     """The format a checkpoint's chat template teaches its model."""
     if chat_template and "<arg_key>" in chat_template:
         return "glm45"
+    if chat_template and "<｜tool▁calls▁begin｜>" in chat_template:
+        return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     return "qwen3_coder" if chat_template and "<function=" in chat_template else "hermes"
 
 
 def foreign_tool_format(chat_template: str | None) -> str | None:
     """The tool-call format the template teaches when it is one cuttle does not parse, else None."""
-    if not chat_template or "<tool_call>" in chat_template:
+    if not chat_template or "<tool_call>" in chat_template or "<｜tool▁calls▁begin｜>" in chat_template:
         return None
     return next((what for marker, what in FOREIGN_FORMATS.items() if marker in chat_template), None)
 
@@ -93,6 +107,17 @@ def _param_types(tools: list[dict[str, Any]] | None, name: str) -> dict[str, str
 
 
 def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
+    if fmt in ("deepseek_v3", "deepseek_v31"):
+        m = (_DS_V3_CALL if fmt == "deepseek_v3" else _DS_V31_CALL).match(body)
+        if m is None:
+            return None
+        try:
+            args = json.loads(m.group(2))
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        return ToolCall(m.group(1).strip(), json.dumps(args))
     if fmt == "hermes":
         try:
             obj = json.loads(body.strip())
@@ -142,7 +167,8 @@ def split_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]]
     malformed: list[str] = []
     content_parts: list[str] = []
     pos = 0
-    for m in _BLOCK.finditer(text):
+    opening, closing = TAGS[fmt]
+    for m in _BLOCKS[fmt].finditer(text):
         call = _parse_block(m.group(1), fmt, tools)
         if call is None:
             malformed.append(m.group(0))
@@ -152,12 +178,19 @@ def split_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]]
         calls.append(call)
         pos = m.end()
     content_parts.append(text[pos:])
-    last_close = text.rfind(CLOSE)
-    unterminated = text.find(OPEN, last_close + len(CLOSE) if last_close >= 0 else 0)
+    last_close = text.rfind(closing)
+    unterminated = text.find(opening, last_close + len(closing) if last_close >= 0 else 0)
     if unterminated != -1:
         malformed.append(text[unterminated:])
-    content = "".join(content_parts)
+    content = _drop_sections("".join(content_parts), fmt)
     return ParsedOutput(content.strip() if calls else content, calls, malformed)
+
+
+def _drop_sections(text: str, fmt: str) -> str:
+    """`text` without the format's section markers (DeepSeek's), which are never content."""
+    for marker in SECTIONS.get(fmt, ()):
+        text = text.replace(marker, "")
+    return text
 
 
 def parse_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
@@ -202,6 +235,7 @@ class StreamingToolParser:
             raise ValueError(f"tool-call parser must be one of {', '.join(PARSERS)}, got {fmt!r}")
         self.fmt = fmt
         self.tools = tools
+        self.opening, self.closing = TAGS[fmt]
         self.incremental = incremental
         self.sent = 0  # text[:sent] has been accounted for (as content or as calls)
         self.calls: list[ToolCall] = []
@@ -236,7 +270,9 @@ class StreamingToolParser:
 
     def _begin(self, text: str, deltas: list[CallDelta]) -> bool:
         """Open a streamed call at `text[self.sent:]` (a `<tool_call>`) once its opening is complete."""
-        at = self.sent + len(OPEN)
+        at = self.sent + len(self.opening)
+        if self.fmt not in _STREAMED_ARGUMENTS:  # no arguments emitter: sent whole, as `feed` does
+            return False
         if self.fmt == "hermes":
             m = _HERMES_OPENING.match(text, at)
             if m is None:
@@ -274,27 +310,27 @@ class StreamingToolParser:
             if piece:
                 o.call.arguments += piece
                 deltas.append(CallDelta(o.call, o.index, piece))
-        end = text.find(CLOSE, o.args_at + o.emitter.end) if o.emitter.done else -1
+        end = text.find(self.closing, o.args_at + o.emitter.end) if o.emitter.done else -1
         if end == -1:
             if final:  # cut off: a call with the arguments written so far
                 o.call.complete, o.call.text = False, text[o.start:]
                 self.sent, self._open = len(text), None
             return False
-        o.call.text = text[o.start:end + len(CLOSE)]
-        self.sent, self._open = end + len(CLOSE), None
+        o.call.text = text[o.start:end + len(self.closing)]
+        self.sent, self._open = end + len(self.closing), None
         return True
 
     def _to_next_call(self, text: str, final: bool) -> tuple[str, bool]:
         """The content up to the next `<tool_call>` (self.sent moves to it), and whether there is
         one; without one, all of the rest that cannot still become one."""
         rest = text[self.sent:]
-        start = rest.find(OPEN)
+        start = rest.find(self.opening)
         if start == -1:
-            hold = 0 if final else partial_suffix(rest, OPEN)
+            hold = 0 if final else max(partial_suffix(rest, m) for m in (self.opening, *SECTIONS.get(self.fmt, ())))
             self.sent += len(rest) - hold
-            return rest[: len(rest) - hold], False
+            return _drop_sections(rest[: len(rest) - hold], self.fmt), False
         self.sent += start
-        return rest[:start], True
+        return _drop_sections(rest[:start], self.fmt), True
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         content = ""
@@ -317,14 +353,14 @@ class StreamingToolParser:
         """The block opening at self.sent, once closed: (the content it is, its call, whether it
         closed). A block that does not parse is content; an unterminated one is held, or content
         when `final`."""
-        end = text.find(CLOSE, self.sent)
+        end = text.find(self.closing, self.sent)
         if end == -1:
-            held, self.sent = (text[self.sent:], len(text)) if final else ("", self.sent)
+            held, self.sent = (_drop_sections(text[self.sent:], self.fmt), len(text)) if final else ("", self.sent)
             return held, None, False
-        block = text[self.sent:end + len(CLOSE)]
+        block = text[self.sent:end + len(self.closing)]
         self.sent += len(block)
-        call = _parse_block(block[len(OPEN):-len(CLOSE)], self.fmt, self.tools)
+        call = _parse_block(block[len(self.opening):-len(self.closing)], self.fmt, self.tools)
         if call is None:
-            return block, None, True
+            return _drop_sections(block, self.fmt), None, True
         call.text = block
         return "", call, True

@@ -473,6 +473,11 @@ def _forced_prefix(parser: str, choice: str, name: str | None) -> str:
     never saw in training."""
     if parser == "glm45":  # GLM's template writes the name right after the tag
         return {"named": f"<tool_call>{name}", "required": "<tool_call>"}.get(choice, "")
+    if parser in ("deepseek_v3", "deepseek_v31"):  # no grammar here (tool_call_structure): the opening only
+        head = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + ("function<｜tool▁sep｜>" if parser == "deepseek_v3" else "")
+        if choice == "named":
+            return head + (f"{name}\n```json\n" if parser == "deepseek_v3" else f"{name}<｜tool▁sep｜>")
+        return head if choice == "required" else ""
     if choice == "named":
         return f'<tool_call>\n{{"name": "{name}", "arguments":' if parser == "hermes" else f"<tool_call>\n<function={name}>\n"
     if choice == "required":

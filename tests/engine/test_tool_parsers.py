@@ -22,6 +22,12 @@ GLM = (
     "<arg_key>verbose</arg_key>\n<arg_value>true</arg_value>\n<arg_key>count</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
     "<tool_call>run_tests<arg_key>selection</arg_key><arg_value> two  words\n</arg_value></tool_call>"
 )
+# DeepSeek-V3's layout (function / ```json fences) and V3.1's (NAME<｜tool▁sep｜>ARGS), two calls in one section
+DS_V3 = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>run_tests\n```json\n"
+         '{"selection": "tests/a.py", "count": 3}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>run_tests\n'
+         '```json\n{"verbose": true}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DS_V31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>run_tests<｜tool▁sep｜>{"selection": "é \\"x\\"", "count": 3}<｜tool▁call▁end｜>'
+          '<｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜> then text')
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {
     "selection": {"type": "string"}, "verbose": {"type": "boolean"}, "count": {"type": "integer"}}}}}]
 
@@ -58,6 +64,24 @@ def test_glm45_whole_both_layouts():
         assert parse_tool_calls(broken, "glm45") == (broken, [])
 
 
+def test_deepseek_whole_both_layouts():
+    """The calls of a section, the section markers neither content nor calls; arguments as
+    json.dumps writes them; a call that does not parse stays content, its markers with it."""
+    content, calls = parse_tool_calls(DS_V3, "deepseek_v3", TOOLS)
+    assert content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run_tests", {"selection": "tests/a.py", "count": 3}),
+                                                                  ("run_tests", {"verbose": True})]
+    content, calls = parse_tool_calls(DS_V31, "deepseek_v31", TOOLS)
+    assert content == "then text"
+    assert [(c.name, c.arguments) for c in calls] == [("run_tests", '{"selection": "\\u00e9 \\"x\\"", "count": 3}'), ("add", '{"a": 2}')]
+    assert all(c.text.startswith("<｜tool▁call▁begin｜>") and c.text.endswith("<｜tool▁call▁end｜>") for c in calls)
+    broken = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{not json}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    parsed = split_tool_calls(broken, "deepseek_v31")
+    assert parsed.calls == [] and parsed.content == "<｜tool▁call▁begin｜>add<｜tool▁sep｜>{not json}<｜tool▁call▁end｜>"
+    assert parsed.malformed == [parsed.content]
+    assert parse_tool_calls(DS_V31, "deepseek_v3", TOOLS)[1] == []  # V3.1's layout is not V3's
+
+
 @pytest.mark.parametrize("before,after,value", [
     ("\n", "\n", "a b "),   # the template's layout: a value's own trailing space is kept
     ("", " ", "abc"),         # the grammar's other separators: one space / tab / CR beside a tag
@@ -79,7 +103,9 @@ def test_plain_text_and_broken_calls_stay_content():
     assert calls == [] and content == broken
 
 
-@pytest.mark.parametrize("fmt,text", [("hermes", HERMES), ("qwen3_coder", CODER), ("glm45", GLM), ("hermes", "no calls at all <tool_ca"),
+@pytest.mark.parametrize("fmt,text", [("hermes", HERMES), ("qwen3_coder", CODER), ("glm45", GLM), ("deepseek_v3", DS_V3),
+                                      ("deepseek_v31", DS_V31), ("deepseek_v31", "no call <｜tool▁calls▁begin｜>just text"),
+                                      ("hermes", "no calls at all <tool_ca"),
                                       ("hermes", "text <tool_call>\n{\"name\": \"x\", \"argu")])
 @pytest.mark.parametrize("seed", range(12))
 def test_streaming_equals_whole_for_any_split(fmt, text, seed):
@@ -92,7 +118,7 @@ def test_streaming_equals_whole_for_any_split(fmt, text, seed):
     for c in cuts + [len(text)]:
         final = c == len(text)
         d, new = parser.feed(text[:c], final=final)
-        assert final or "<tool_call" not in d  # a possible call is never leaked as content mid-stream
+        assert final or ("<tool_call" not in d and "<｜tool" not in d)  # a possible call is never leaked as content mid-stream
         content += d
         calls += new
     whole_content, whole_calls = parse_tool_calls(text, fmt, TOOLS)
@@ -107,6 +133,9 @@ def test_parser_choice_from_template():
     assert parser_for_template("... <function=example> ...") == "qwen3_coder"
     assert parser_for_template("{{ '<tool_call>' }}") == "hermes"
     assert parser_for_template("<tool_call>{{ tc.name }}\n{% for k, v in a %}<arg_key>{{ k }}</arg_key>") == "glm45"
+    v3 = "'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json'"
+    assert parser_for_template(v3) == "deepseek_v3"
+    assert parser_for_template("'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>'") == "deepseek_v31"
     with pytest.raises(ValueError, match="tool-call parser"):
         parse_tool_calls("x", "pythonic")
 
@@ -115,7 +144,8 @@ def test_foreign_formats_are_named():
     from cuttle.engine.tool_parsers import foreign_tool_format
 
     assert foreign_tool_format("{{ '[TOOL_CALLS]' + tool_calls|tojson }}") == "Mistral's [TOOL_CALLS]"
-    assert "DeepSeek" in foreign_tool_format("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>")
+    assert "Kimi-K2" in foreign_tool_format("<|tool_calls_section_begin|><|tool_call_begin|>")
+    assert foreign_tool_format("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") is None  # DeepSeek's is parsed
     assert foreign_tool_format("{{ '<tool_call>' }} ... [TOOL_CALLS]") is None  # one of ours is there
     assert foreign_tool_format("{{ messages }}") is None and foreign_tool_format(None) is None
 
@@ -214,3 +244,19 @@ def test_a_call_cut_off_is_a_call_with_its_arguments_so_far(fmt, text):
         full = parse_tool_calls(text, fmt, TOOLS)[1]
         for c, f in zip(whole.calls, full):  # what was written is the start of the finished arguments
             assert f.arguments.startswith(c.arguments) and c.name == f.name
+
+
+@pytest.mark.parametrize("fmt", ["deepseek_v3", "deepseek_v31", "glm45"])
+def test_forced_openings_parse_with_what_the_model_writes_after_them(fmt):
+    """The server writes a required / named call's opening for the model (chat._forced_prefix) and
+    parses it with the output: each format's opening plus a well-formed rest is that call."""
+    from cuttle.engine.server.chat import _forced_prefix
+
+    rest = {"deepseek_v3": ('{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', 'add\n```json\n{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+            "deepseek_v31": ('{"a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', 'add<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+            "glm45": ("\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+                      "add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>")}[fmt]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    for choice, after in zip(("named", "required"), rest):
+        content, [call] = parse_tool_calls(_forced_prefix(fmt, choice, "add") + after, fmt, tools)
+        assert (content, call.name, json.loads(call.arguments)) == ("", "add", {"a": 1})
