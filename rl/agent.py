@@ -246,10 +246,20 @@ def _ordered_blocks(turn: AgentTurn) -> list[ToolCall | str]:
     return sorted([*turn.calls, *turn.malformed], key=lambda b: turn.text.find(b.text if isinstance(b, ToolCall) else b))
 
 
-def _placeholder(block: ToolCall | str, submit: str | None) -> ToolResult:
+# what a malformed call is told to look like, in the parser's format
+_CALL_SHAPES = {
+    "hermes": '<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>',
+    "qwen3_coder": "<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>",
+    "glm45": "<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>",
+    "deepseek_v3": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>",
+    "deepseek_v31": "<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>",
+}
+
+
+def _placeholder(block: ToolCall | str, submit: str | None, parser: str = "hermes") -> ToolResult:
     if isinstance(block, str):
-        return ToolResult("", False, "Error: malformed tool call; write <tool_call>\n{\"name\": ..., \"arguments\": "
-                          f"{{...}}}}\n</tool_call>. Got: {clip_output(block, 200)}", 0.0)
+        return ToolResult("", False, f"Error: malformed tool call; write {_CALL_SHAPES[parser]}. Got: {clip_output(block, 200)}",
+                          0.0)
     if block.name == submit:
         return ToolResult(SUBMIT, True, "submitted", 0.0)
     return ToolResult(block.name, False, "", 0.0)
@@ -491,7 +501,7 @@ class AgentRollout:
             else:
                 finish = None
             blocks = _ordered_blocks(t)
-            t.results = [_placeholder(b, self.submit) for b in blocks]  # calls are filled in when they are back
+            t.results = [_placeholder(b, self.submit, self.parser) for b in blocks]  # calls are filled in when they are back
             jobs = []
             if finish in (None, "submitted"):  # a submitting turn's other calls still change the workspace
                 jobs = [(i, self.pool.submit(self._call_tool, e.env, b)) for i, b in enumerate(blocks)
