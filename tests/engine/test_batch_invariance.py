@@ -3,7 +3,7 @@ invariance"): a request's greedy tokens and top logprobs are bit-identical wheth
 beside other requests (one of them long), prefilled in chunks of 64 beside them (alone its
 300-token prompt is one chunk, which the default engine sends through SDPA), preempted and
 recomputed, or on a prefix-cache hit. fp32 and bf16; Qwen3-MoE, dense Qwen3, Qwen2-MoE (shared
-expert), DeepSeek-V3 (MLA, sigmoid routing); MXFP8 weights; NSA and training-free top-k. Controls: the same runs without the switch differ in fp32 (the fp32 GEMMs),
+expert), DeepSeek-V3 (MLA, sigmoid routing), GLM-4.5 (partial rotary); MXFP8 weights; NSA and training-free top-k. Controls: the same runs without the switch differ in fp32 (the fp32 GEMMs),
 and in bf16 for the long prompt (SDPA vs the native rows). Tiny random checkpoints (no download)."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
         make_checkpoint(out[name], arch, **SHAPE)
     out["nsa"] = str(tmp_path_factory.mktemp("nsa"))
     make_nsa_checkpoint(out["nsa"], hidden_size=128, head_dim=64)
-    for family in ("qwen2_moe", "deepseek_v3"):  # a shared expert's sigmoid gate; MLA and sigmoid routing
+    for family in ("qwen2_moe", "deepseek_v3", "glm4_moe"):  # a shared expert's sigmoid gate; MLA and sigmoid routing; partial rotary
         out[family] = str(tmp_path_factory.mktemp(family))
         family_model(family).save_pretrained(out[family])
         write_tokenizer(out[family], 256)
@@ -74,6 +74,7 @@ CASES = {
     "Qwen2-MoE (shared expert) fp32": ("qwen2_moe", dict(dtype="float32")),
     "DeepSeek-V3 (MLA) fp32": ("deepseek_v3", dict(dtype="float32")),
     "DeepSeek-V3 (MLA) bf16": ("deepseek_v3", dict(dtype="bfloat16")),
+    "GLM-4.5 (partial rotary, q/k norms) bf16": ("glm4_moe", dict(dtype="bfloat16")),
 }
 
 
