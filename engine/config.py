@@ -91,7 +91,7 @@ class ModelConfig:
     bos_token_id: int | None
     hf_config: dict[str, Any] = field(repr=False)
     num_mtp_layers: int = 0  # checkpoint layers after the decoder's (multi-token prediction): skipped at load
-    sliding_window: int | None = None  # Mistral / Mixtral / StarCoder2: each token sees the last W positions (the engine caps max_model_len at W)
+    sliding_window: int | None = None  # Mistral / Mixtral / StarCoder2 / Qwen2: each token sees the last W positions (the engine caps max_model_len at W)
     layer_norm: bool = False  # StarCoder2: LayerNorm with bias where the others have RMSNorm
     gelu_mlp: bool = False  # StarCoder2: c_fc -> gelu(tanh) -> c_proj, not gated, instead of silu(gate) * up
     proj_bias: bool = False  # StarCoder2 (use_bias): biases on o_proj and the MLP's projections too
@@ -201,10 +201,15 @@ class ModelConfig:
 
 
 def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
-    """Mistral's, Mixtral's and StarCoder2's `sliding_window` (None: every position is attended). cuttle attends
+    """Mistral's, Mixtral's, StarCoder2's and Qwen2's `sliding_window` (None: every position is attended). cuttle attends
     every position, which equals attending the last W only while sequences fit in W, so the
     engine serves such a model with max_model_len at most W (llm_engine.py)."""
-    w = hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM") else None
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        # Qwen2's window applies only with use_sliding_window (then to the layers from
+        # max_window_layers on; all of them equal full attention within the window)
+        w = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    else:
+        w = hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM") else None
     if w is None:
         return None
     if isinstance(w, bool) or not isinstance(w, int) or w < 2:
@@ -302,10 +307,8 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
     want = "gelu_pytorch_tanh" if arch == "Starcoder2ForCausalLM" else "silu"
     if act != want:
         raise ValueError(f"hidden_act {act!r} in {where} is not supported for {arch} (supported: {want})")
-    # Sliding-window attention would change every output past the window (Mistral / Mixtral are
-    # served within their window instead: `_sliding_window`).
-    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and hf.get("use_sliding_window"):
-        raise ValueError(f"use_sliding_window in {where} is not supported")
+    # (Sliding-window attention would change every output past the window: such models are
+    # served within their window instead, `_sliding_window`.)
     # A quantized checkpoint loaded as if it were not one drops its scales and computes garbage.
     # cuttle's own MXFP8 expert checkpoints carry no quantization_config (their safetensors header
     # says so; see cuttle.moe.checkpoint); FP8 block-scaled ones are read by `fp8_block_quant`;
