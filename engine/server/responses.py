@@ -1,5 +1,6 @@
 """POST /v1/responses (OpenAI's Responses API, as coding agents such as Codex CLI and the Agents
-SDK speak it), with GET / DELETE /v1/responses/{id} for stored responses.
+SDK speak it), with GET / DELETE /v1/responses/{id} for stored responses and POST
+/v1/responses/{id}/cancel for background ones.
 
 Owns the Responses wire format: input items -> chat messages, Responses tools / tool_choice /
 `text.format` / `reasoning` -> their chat equivalents, the assistant message a sample becomes ->
@@ -20,9 +21,16 @@ memory, with the conversation each one ended; it is lost when the server stops. 
 `previous_response_id` continues that conversation (its `instructions` are not carried over, as
 in OpenAI's API); the replay of the model's exact text (chat_prompt.ToolCallReplay) keeps the
 continuation a prefix-cache hit.
+
+`background: true` answers at once with the response `in_progress` (the request admitted, so its
+errors are still this request's): the generation runs as a task on the event loop, and its final
+state (completed / incomplete, `failed` with the error, or `cancelled`) replaces the pending one
+in the store, where GET reads it. Cancel (or DELETE) stops the task, which aborts the engine
+request. Not with `stream` (refused), and only with `store`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -41,7 +49,8 @@ from cuttle.engine.reasoning_parsers import CLOSE, split_reasoning
 from cuttle.engine.server.body import read_body
 from cuttle.engine.server.chat import ChatCall, flatten_messages, prepare_chat
 from cuttle.engine.server.chat_prompt import ChatOptions, ToolCallReplay, read_chat_template
-from cuttle.engine.server.streaming import Delta, Fields, Serving
+from cuttle.engine.async_engine import RequestStream
+from cuttle.engine.server.streaming import Delta, Fields, Serving, admit, as_openai_error, final_output
 from cuttle.engine.tokenizer import Tokenizer
 
 # Responses field -> the chat field prepare_chat reads (its errors are renamed back)
@@ -79,6 +88,9 @@ class ResponseStore:
         """`new_bytes`: what this response adds (the response object with its output, echoed
         fields and metadata, and its input items); earlier turns of the
         conversation are shared with the responses that hold them."""
+        old = self._items.pop(response["id"], None)  # a background response's final state replaces its pending one
+        if old is not None:
+            self._bytes -= old.size
         self._items[response["id"]] = _Stored(response, conversation, new_bytes, input_items or [])
         self._bytes += new_bytes
         while self._items and (len(self._items) > self.max_responses or self._bytes > self.max_bytes):
@@ -134,10 +146,26 @@ def add_response_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Ch
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > len(page)}
 
+    running: dict[str, asyncio.Task] = {}  # background responses still being generated, by id
+    app.state.background_responses = running
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
+        store.get(response_id)
+        await _stop(running, response_id)  # a background response being generated is cancelled first
         store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        """OpenAI's cancel of a background response: one being generated stops (its requests are
+        aborted, status `cancelled`); a finished one is returned as it is."""
+        stored = store.get(response_id)
+        if not stored.response.get("background"):
+            raise OpenAIError(f"response {show(response_id)} was not created with background: true; only background responses "
+                              "can be cancelled", param="response_id")
+        await _stop(running, response_id)
+        return store.get(response_id).response
 
     @app.post("/v1/responses")
     async def create(request: Request):
@@ -160,6 +188,13 @@ def add_response_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Ch
                              structured="tools" if call.tools is not None and call.params.structured_outputs is not None else "text")
         rid = f"resp_{uuid.uuid4().hex}"
         out = _Output(rid, call, req, serving.model_name if call.admission.lora_request is None else call.admission.lora_request)
+
+        if req.background:  # admitted now (its errors are this request's), generated while the client is away
+            streams = await admit(serving.engine, [(rid, call.prompt)], call.params, call.admission, call.fields)
+            pending = out.response(None, 0, status="in_progress")
+            store.put(pending, [], len(json.dumps(pending)), input_items(req.raw_input))
+            running[rid] = asyncio.ensure_future(_background(serving, store, req, out, call, tok, streams[0], running, t0))
+            return pending
 
         if not req.stream:
             def respond(finals: list[RequestOutput]) -> dict[str, Any]:
@@ -204,13 +239,18 @@ class _ResponsesRequest:
     store: bool
     logprobs: bool
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
+    background: bool = False  # answered at once (in_progress); the result is fetched from the store
 
 
 def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesRequest:
     if body.get("input") is None:
         raise OpenAIError("input is required", param="input")
-    if body.get("background"):
-        raise OpenAIError("background: true is not supported: cuttle answers a response on its connection", param="background")
+    background = get_bool(body, "background")
+    if background and get_bool(body, "stream"):
+        raise OpenAIError("background: true with stream: true is not supported (a background response is fetched with GET "
+                          "/v1/responses/{id} once it completes)", param="background")
+    if background and not get_bool(body, "store", True):
+        raise OpenAIError("background: true needs store: true (the response is fetched from the store)", param="background")
     truncation = body.get("truncation")
     if truncation not in (None, "disabled"):
         raise OpenAIError(f"truncation {show(truncation)} is not supported: cuttle never drops input items (use 'disabled'; a "
@@ -236,7 +276,11 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
     history: list[dict[str, Any]] = []
     prev = get_str(body, "previous_response_id")
     if prev is not None:
-        history = store.get(prev, param="previous_response_id").conversation
+        earlier = store.get(prev, param="previous_response_id")
+        if earlier.response["status"] not in ("completed", "incomplete"):
+            raise OpenAIError(f"previous_response_id {show(prev)} is {earlier.response['status']}: only a completed or incomplete "
+                              "response continues a conversation", param="previous_response_id")
+        history = earlier.conversation
     new = _input_messages(body["input"], _call_ids(history))
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
@@ -252,10 +296,10 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
             "text": {"format": text.get("format") or {"type": "text"}, "verbosity": text.get("verbosity") or "medium"},
             "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "metadata": metadata or {}, "previous_response_id": prev,
             "max_output_tokens": body.get("max_output_tokens"), "top_logprobs": top if logprobs else None,
-            "user": body.get("user"), "truncation": "disabled", "service_tier": tier or "auto", "background": False,
+            "user": body.get("user"), "truncation": "disabled", "service_tier": tier or "auto", "background": background,
             "parallel_tool_calls": get_bool(body, "parallel_tool_calls", True)}
     return _ResponsesRequest(system, history, new, body["input"], tools, get_bool(body, "stream"),
-                             get_bool(body, "store", True), logprobs, echo)
+                             get_bool(body, "store", True), logprobs, echo, background)
 
 
 def _call_ids(messages: list[dict[str, Any]]) -> set[str]:
@@ -552,6 +596,49 @@ def _reasoning_tokens(tok: Tokenizer, token_ids: list[int], call: ChatCall, text
         else:
             lo = mid + 1
     return lo
+
+
+async def _background(serving: Serving, store: ResponseStore, req: _ResponsesRequest, out: _Output, call: ChatCall, tok: Tokenizer,
+                      stream: RequestStream, running: dict[str, asyncio.Task], t0: float) -> None:
+    """A background response's generation: its final state replaces the pending one in the store
+    (completed / incomplete, failed with the error, or cancelled with what was kept: nothing)."""
+    try:
+        final = await final_output(stream)
+        if serving.metrics is not None:
+            serving._observe_end(final, time.monotonic() - t0)
+        [c] = final.outputs
+        msg, called = call.message_of(c.text, c.finish_reason == "length")
+        out.take_message(msg, c.finish_reason, c.logprobs and chat_logprobs(tok, c.token_ids, c.logprobs, call.top_n, as_ids=call.as_ids),
+                         cut_call=bool(msg.get("tool_calls")) and not called)
+        usage = Usage()
+        usage.add_prompt(final)
+        usage.add_completion(final)
+        response = out.response(usage.to_openai(), _reasoning_tokens(tok, c.token_ids, call, c.text))
+        _keep(store, req, out, response)
+    except asyncio.CancelledError:
+        _replace(store, out.response(None, 0, status="cancelled"))
+    except Exception as e:  # noqa: BLE001 - the client reads it from the response
+        err = as_openai_error(e)
+        _replace(store, out.response(None, 0, status="failed", error={"code": err.code or "server_error", "message": str(err)}))
+    finally:
+        stream.close()  # aborts the request if it is still running (cancelled)
+        running.pop(out.rid, None)
+
+
+def _replace(store: ResponseStore, response: dict[str, Any]) -> None:
+    """A background response's final state without output, where its pending one still is."""
+    try:
+        stored = store.get(response["id"])
+    except OpenAIError:
+        return  # deleted meanwhile
+    store.put(response, stored.conversation, len(json.dumps(response)), stored.input_items)
+
+
+async def _stop(running: dict[str, asyncio.Task], response_id: str) -> None:
+    task = running.get(response_id)
+    if task is not None:
+        task.cancel()
+        await asyncio.wait((task,))
 
 
 def _keep(store: ResponseStore, req: _ResponsesRequest, out: _Output, response: dict[str, Any]) -> None:

@@ -300,7 +300,8 @@ REFUSED = [
     ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background": True, "stream": True}, "background"),
+    ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
@@ -421,3 +422,66 @@ def test_input_items_of_a_stored_response(live):
         e = httpx.get(url, params=bad, timeout=30)
         assert e.status_code == 400 and e.json()["error"]["param"] == param
     assert httpx.get(f"{live.url}/v1/responses/resp_nope/input_items", timeout=30).status_code == 404
+
+
+def _until_done(srv, rid: str, timeout: float = 60.0) -> dict:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = httpx.get(f"{srv.url}/v1/responses/{rid}").json()
+        if r["status"] != "in_progress":
+            return r
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} still in progress")
+
+
+def test_background_response_is_fetched_when_done(live):
+    """background: true answers at once, in_progress; GET later has the same response a
+    foreground request gives (same text, usage), and it continues a conversation like any other.
+    Through the official client: create(background=True), retrieve, cancel."""
+    import openai
+
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+    body = {"input": "What is the weather?", "seed": 302, "temperature": 1.0, "max_output_tokens": 40}
+    fg = checked(post(live, body).json())
+    started = client.responses.create(model="test-model", background=True, **{k: v for k, v in body.items() if k != "seed"},
+                                      extra_body={"seed": 302})
+    assert started.status in ("in_progress", "completed") and started.background is True
+    done = _until_done(live, started.id)
+    assert done["status"] == "completed" and done["background"] is True
+    assert message_text(done) == message_text(fg) == "It is sunny."
+    assert done["usage"]["output_tokens"] == fg["usage"]["output_tokens"]
+    assert client.responses.retrieve(started.id).status == "completed"
+    assert client.responses.cancel(started.id).status == "completed"  # finished: returned as it is
+    nxt = checked(post(live, {"input": "And tomorrow?", "previous_response_id": started.id, "seed": 302}).json())
+    assert message_text(nxt) == "It is sunny."
+
+
+def test_background_response_cancelled_mid_generation(live):
+    """Cancel stops a background response being generated: status cancelled, its engine request
+    aborted (the KV pool is whole again), and it cannot be continued; cancelling a foreground
+    response is refused; a pending response cannot be continued either."""
+    free = live.llm.engine.block_manager.num_free_blocks
+    r = post(live, {"input": "Write a lot.", "seed": 9, "temperature": 1.0, "max_output_tokens": 1800, "ignore_eos": True,
+                    "background": True}).json()
+    assert r["status"] == "in_progress"
+    early = post(live, {"input": "x", "previous_response_id": r["id"]})
+    gone = httpx.post(f"{live.url}/v1/responses/{r['id']}/cancel").json()
+    assert gone["status"] == "cancelled" and gone["output"] == [] and gone["usage"] is None
+    assert httpx.get(f"{live.url}/v1/responses/{r['id']}").json()["status"] == "cancelled"
+    if early.status_code != 200:  # (it may have finished first on a fast machine: then it was served)
+        assert early.json()["error"]["param"] == "previous_response_id" and "in_progress" in early.json()["error"]["message"]
+    after = post(live, {"input": "x", "previous_response_id": r["id"]})
+    assert after.status_code == 400 and "cancelled" in after.json()["error"]["message"]
+    import time
+
+    for _ in range(100):
+        if live.llm.engine.block_manager.num_free_blocks == free:
+            break
+        time.sleep(0.05)
+    assert live.llm.engine.block_manager.num_free_blocks == free
+    fg = post(live, {"input": "x", "seed": 302}).json()
+    refused = httpx.post(f"{live.url}/v1/responses/{fg['id']}/cancel")
+    assert refused.status_code == 400 and "background" in refused.json()["error"]["message"]
+    assert httpx.post(f"{live.url}/v1/responses/resp_nope/cancel").status_code == 404
