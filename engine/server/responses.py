@@ -199,17 +199,7 @@ def add_response_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Ch
         if not req.stream:
             def respond(finals: list[RequestOutput]) -> dict[str, Any]:
                 [final] = finals
-                [c] = final.outputs
-                msg, called = call.message_of(c.text, c.finish_reason == "length")
-                out.take_message(msg, c.finish_reason, c.logprobs and chat_logprobs(tok, c.token_ids, c.logprobs, call.top_n,
-                                                                                    as_ids=call.as_ids),
-                                 cut_call=bool(msg.get("tool_calls")) and not called)
-                usage = Usage()
-                usage.add_prompt(final)
-                usage.add_completion(final)
-                response = out.response(usage.to_openai(), _reasoning_tokens(tok, c.token_ids, call, c.text))
-                _keep(store, req, out, response)
-                return response
+                return _finished(final, out, call, tok, store, req)
 
             return await serving.complete(request, [(rid, call.prompt)], call.params, call.admission, call.fields, respond, t0)
 
@@ -598,6 +588,20 @@ def _reasoning_tokens(tok: Tokenizer, token_ids: list[int], call: ChatCall, text
     return lo
 
 
+def _finished(final: RequestOutput, out: _Output, call: ChatCall, tok: Tokenizer, store: ResponseStore, req: _ResponsesRequest) -> dict[str, Any]:
+    """The response a finished (non-streamed) sample makes, kept in the store when asked."""
+    [c] = final.outputs
+    msg, called = call.message_of(c.text, c.finish_reason == "length")
+    out.take_message(msg, c.finish_reason, c.logprobs and chat_logprobs(tok, c.token_ids, c.logprobs, call.top_n, as_ids=call.as_ids),
+                     cut_call=bool(msg.get("tool_calls")) and not called)
+    usage = Usage()
+    usage.add_prompt(final)
+    usage.add_completion(final)
+    response = out.response(usage.to_openai(), _reasoning_tokens(tok, c.token_ids, call, c.text))
+    _keep(store, req, out, response)
+    return response
+
+
 async def _background(serving: Serving, store: ResponseStore, req: _ResponsesRequest, out: _Output, call: ChatCall, tok: Tokenizer,
                       stream: RequestStream, running: dict[str, asyncio.Task], t0: float) -> None:
     """A background response's generation: its final state replaces the pending one in the store
@@ -606,15 +610,7 @@ async def _background(serving: Serving, store: ResponseStore, req: _ResponsesReq
         final = await final_output(stream)
         if serving.metrics is not None:
             serving._observe_end(final, time.monotonic() - t0)
-        [c] = final.outputs
-        msg, called = call.message_of(c.text, c.finish_reason == "length")
-        out.take_message(msg, c.finish_reason, c.logprobs and chat_logprobs(tok, c.token_ids, c.logprobs, call.top_n, as_ids=call.as_ids),
-                         cut_call=bool(msg.get("tool_calls")) and not called)
-        usage = Usage()
-        usage.add_prompt(final)
-        usage.add_completion(final)
-        response = out.response(usage.to_openai(), _reasoning_tokens(tok, c.token_ids, call, c.text))
-        _keep(store, req, out, response)
+        _finished(final, out, call, tok, store, req)
     except asyncio.CancelledError:
         _replace(store, out.response(None, 0, status="cancelled"))
     except Exception as e:  # noqa: BLE001 - the client reads it from the response

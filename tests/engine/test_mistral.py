@@ -17,7 +17,7 @@ import torch
 
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from helpers import parity_prompts, write_tokenizer
+from helpers import assert_scored_by_transformers, parity_prompts, write_tokenizer
 from moe_families import randomize_
 
 WINDOW = 80
@@ -52,16 +52,7 @@ def test_mistral_token_exact_vs_transformers(mistral):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0),
                         use_tqdm=False)
     for prompt, o in zip(prompts, outs):
-        c = o.outputs[0]
-        seq = prompt + list(c.token_ids)
-        with torch.no_grad():
-            hf = model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
-        n = len(prompt)
-        assert hf[n - 1:-1].argmax(-1).tolist() == list(c.token_ids)
-        for step, tok in enumerate(c.token_ids):
-            assert abs(c.logprobs[step][tok].logprob - hf[n - 1 + step, tok].item()) <= 1e-4
-        for pos in range(1, n):
-            assert abs(o.prompt_logprobs[pos][prompt[pos]].logprob - hf[pos - 1, prompt[pos]].item()) <= 1e-4
+        assert_scored_by_transformers(model, prompt, o, 1e-4)
     assert max(len(p) + 12 for p in prompts) == WINDOW
     # the window is real in the oracle: past it, transformers' outputs leave full attention's
     import transformers

@@ -19,7 +19,7 @@ from cuttle.engine.config import ModelConfig
 from cuttle.engine.models import load_model
 from cuttle.engine.models.loader import hf_state_dict, iter_tensors
 from cuttle.engine.models.transformer import GeluMLP
-from helpers import parity_prompts, write_tokenizer
+from helpers import assert_scored_by_transformers, parity_prompts, write_tokenizer
 from moe_families import randomize_
 
 WINDOW = 96
@@ -59,16 +59,7 @@ def test_starcoder2_token_exact_vs_transformers(starcoder2):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0),
                         use_tqdm=False)
     for prompt, o in zip(prompts, outs):
-        c = o.outputs[0]
-        seq = prompt + list(c.token_ids)
-        with torch.no_grad():
-            hf = model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
-        n = len(prompt)
-        assert hf[n - 1:-1].argmax(-1).tolist() == list(c.token_ids)
-        for step, tok in enumerate(c.token_ids):
-            assert abs(c.logprobs[step][tok].logprob - hf[n - 1 + step, tok].item()) <= 1e-4
-        for pos in range(1, n):
-            assert abs(o.prompt_logprobs[pos][prompt[pos]].logprob - hf[pos - 1, prompt[pos]].item()) <= 1e-4
+        assert_scored_by_transformers(model, prompt, o, 1e-4)
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 12  # varied continuations, not one token repeated
 
 
