@@ -42,7 +42,7 @@ from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
 from cuttle.engine.grammar_support import UNENFORCED_WHAT, unenforced_keywords
 from cuttle.engine.structured_output import tool_call_structure
 from cuttle.engine.tokenizer import Tokenizer, validate_messages
-from cuttle.engine.tool_parsers import CallDelta, StreamingToolParser, parse_tool_calls
+from cuttle.engine.tool_parsers import PARSERS, CallDelta, StreamingToolParser, parse_tool_calls
 
 
 def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOptions) -> None:
@@ -272,7 +272,7 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
     use_tools = tools is not None and choice != "none"
     if use_tools and opts.foreign_tool_format is not None and body.get("chat_template") is None:
         raise OpenAIError(f"this model's chat template writes tool calls in {opts.foreign_tool_format} format, which cuttle "
-                          "does not parse (hermes, qwen3_coder and glm45 it does): its calls would come back as text; start "
+                          f"does not parse ({', '.join(PARSERS)} it does): its calls would come back as text; start "
                           "the server with --tool-call-parser to choose one, or send tool_choice 'none'", param="tools")
     parallel = get_bool(body, "parallel_tool_calls", True)
     if not parallel and tools is None:
