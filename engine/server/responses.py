@@ -31,7 +31,12 @@ request. Not with `stream` (refused), and only with `store`.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import json
+import os
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -56,7 +61,12 @@ from cuttle.engine.tokenizer import Tokenizer
 # Responses field -> the chat field prepare_chat reads (its errors are renamed back)
 _CHAT_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                "response_format": "text", "logprobs": "include", "chat_template_kwargs": "reasoning"}
-_LOGPROBS = "message.output_text.logprobs"  # the one `include` value cuttle produces
+_LOGPROBS = "message.output_text.logprobs"  # the `include` values cuttle produces
+_SEALED = "reasoning.encrypted_content"
+# the key reasoning items are sealed with (`encrypted_content`): CUTTLE_REASONING_KEY keeps sealed
+# items valid across restarts and replicas; else one per server process
+_SEAL_KEY = os.environ.get("CUTTLE_REASONING_KEY", "").encode() or secrets.token_bytes(32)
+_SEAL_TAG = "cuttle-rs1"
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning.effort values
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}  # item ids
 MAX_STORED_RESPONSES = 1024
@@ -230,6 +240,7 @@ class _ResponsesRequest:
     logprobs: bool
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
     background: bool = False  # answered at once (in_progress); the result is fetched from the store
+    sealed: bool = False  # reasoning items carry `encrypted_content` (include reasoning.encrypted_content)
 
 
 def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesRequest:
@@ -252,10 +263,9 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
     if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
         raise OpenAIError("include must be a list of strings", param="include")
     for x in include:
-        if x != _LOGPROBS:
-            why = ("reasoning items carry their text in `content`, sent back as is" if x == "reasoning.encrypted_content"
-                   else "it names output that cuttle does not produce")
-            raise OpenAIError(f"include {show(x)} is not supported ({why}); cuttle can include {_LOGPROBS!r}", param="include")
+        if x not in (_LOGPROBS, _SEALED):
+            raise OpenAIError(f"include {show(x)} is not supported (it names output that cuttle does not produce); cuttle can "
+                              f"include {_LOGPROBS!r} and {_SEALED!r}", param="include")
     logprobs = _LOGPROBS in include
     top = get_int(body, "top_logprobs", 0, 20, 0)
     if top and not logprobs:
@@ -289,7 +299,7 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
             "user": body.get("user"), "truncation": "disabled", "service_tier": tier or "auto", "background": background,
             "parallel_tool_calls": get_bool(body, "parallel_tool_calls", True)}
     return _ResponsesRequest(system, history, new, body["input"], tools, get_bool(body, "stream"),
-                             get_bool(body, "store", True), logprobs, echo, background)
+                             get_bool(body, "store", True), logprobs, echo, background, _SEALED in include)
 
 
 def _call_ids(messages: list[dict[str, Any]]) -> set[str]:
@@ -343,9 +353,6 @@ def _input_messages(items: Any, known_calls: set[str]) -> list[dict[str, Any]]:
                 raise OpenAIError(f"{where}: no function call with call_id {show(call_id)} precedes this output", param="input")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, "tool", where + ".output")})
         elif kind == "reasoning":
-            if item.get("encrypted_content") is not None:
-                raise OpenAIError(f"{where}.encrypted_content is not supported: send the reasoning item's content as cuttle "
-                                  "returned it", param="input")
             if item.get("summary"):  # another provider's summary of hidden reasoning: not text this model wrote
                 raise OpenAIError(f"{where}.summary is not supported: cuttle renders a reasoning item's content (the "
                                   "model's own reasoning text); send the summary empty", param="input")
@@ -353,7 +360,14 @@ def _input_messages(items: Any, known_calls: set[str]) -> list[dict[str, Any]]:
             if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str)
                                                      for p in parts):
                 raise OpenAIError(f"{where}.content must be a list of {{type: reasoning_text, text}}", param="input")
-            reasoning = (reasoning or "") + "".join(p["text"] for p in parts)
+            said = "".join(p["text"] for p in parts)
+            if item.get("encrypted_content") is not None:  # a stateless client's round trip: the sealed text is the turn's
+                sealed = unseal_reasoning(item["encrypted_content"], f"{where}.encrypted_content")
+                if parts and said != sealed:
+                    raise OpenAIError(f"{where}: content differs from the text its encrypted_content seals; send them as "
+                                      "returned, or one of them", param="input")
+                said = sealed
+            reasoning = (reasoning or "") + said
         else:
             raise OpenAIError(f"{where}.type {show(kind)} is not supported (message, function_call, function_call_output, "
                               "reasoning)", param="input")
@@ -528,7 +542,8 @@ class _Output:
         self.finish = finish
         status = "incomplete" if finish == "length" else "completed"
         if msg.get("reasoning_content"):
-            self.new_item("reasoning", summary=[], content=[{"type": "reasoning_text", "text": msg["reasoning_content"]}], status=status)
+            self.new_item("reasoning", summary=[], content=[{"type": "reasoning_text", "text": msg["reasoning_content"]}], status=status,
+                          **({"encrypted_content": seal_reasoning(msg["reasoning_content"])} if self.req.sealed else {}))
         calls = msg.get("tool_calls") or []
         if msg.get("content") or not calls:
             part = {"type": "output_text", "text": msg.get("content") or "", "annotations": []}
@@ -637,6 +652,31 @@ async def _stop(running: dict[str, asyncio.Task], response_id: str) -> None:
         await asyncio.wait((task,))
 
 
+def seal_reasoning(text: str) -> str:
+    """A reasoning item's `encrypted_content`: its text, signed with the server's key so that it
+    comes back unaltered (signed, not encrypted: cuttle returns the text in `content` anyway)."""
+    body = base64.urlsafe_b64encode(text.encode()).decode()
+    mac = hmac.new(_SEAL_KEY, f"{_SEAL_TAG}:{body}".encode(), hashlib.sha256).digest()
+    return f"{_SEAL_TAG}:{body}:{base64.urlsafe_b64encode(mac).decode()}"
+
+
+def unseal_reasoning(sealed: Any, where: str) -> str:
+    """The text `seal_reasoning` sealed, or a 400 naming `where` (another server's or an altered blob)."""
+    parts = sealed.split(":") if isinstance(sealed, str) else []
+    ok = len(parts) == 3 and parts[0] == _SEAL_TAG
+    if ok:
+        want = hmac.new(_SEAL_KEY, f"{_SEAL_TAG}:{parts[1]}".encode(), hashlib.sha256).digest()
+        try:
+            ok = hmac.compare_digest(base64.urlsafe_b64decode(parts[2]), want)
+            text = base64.urlsafe_b64decode(parts[1]).decode()
+        except (ValueError, UnicodeDecodeError):
+            ok = False
+    if not ok:
+        raise OpenAIError(f"{where} was not sealed by this server (or was altered): send the reasoning item's content instead, or "
+                          "run the servers with one CUTTLE_REASONING_KEY", param="input")
+    return text
+
+
 def _keep(store: ResponseStore, req: _ResponsesRequest, out: _Output, response: dict[str, Any]) -> None:
     if req.store and response["status"] in ("completed", "incomplete"):
         items = input_items(req.raw_input)
@@ -683,6 +723,8 @@ async def _events(frames: AsyncIterator[dict[str, Any]], out: _Output, store: Re
                              logprobs=list(lps)))
         evs.append(event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part))
         item.update(content=[part], status=status)
+        if item["type"] == "reasoning" and req.sealed:
+            item["encrypted_content"] = seal_reasoning(text)
         evs.append(event("response.output_item.done", output_index=idx, item=item))
         open_item, text = None, ""
         lps.clear()  # the part above holds its own copy

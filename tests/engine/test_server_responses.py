@@ -298,7 +298,7 @@ def test_store_is_bounded():
 REFUSED = [
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools"),
-    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include"),
     ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
     ({"input": "x", "background": True, "stream": True}, "background"),
     ({"input": "x", "background": True, "store": False}, "background"),
@@ -485,3 +485,43 @@ def test_background_response_cancelled_mid_generation(live):
     refused = httpx.post(f"{live.url}/v1/responses/{fg['id']}/cancel")
     assert refused.status_code == 400 and "background" in refused.json()["error"]["message"]
     assert httpx.post(f"{live.url}/v1/responses/resp_nope/cancel").status_code == 404
+
+
+def test_sealed_reasoning_round_trips_statelessly(thinking):
+    """include reasoning.encrypted_content (a stateless client, store false): reasoning items carry
+    encrypted_content, whole and streamed alike; sent back alone it renders the turn exactly as
+    its text would; altered, from another key, or contradicting its content, a 400 naming input."""
+    import json as _json
+
+    from cuttle.engine.server import responses as mod
+
+    body = {"input": "Weather in Paris?", "seed": 303, "store": False, "include": ["reasoning.encrypted_content"]}
+    whole = post(thinking, body).json()
+    rs = whole["output"][0]
+    assert rs["type"] == "reasoning" and rs["encrypted_content"].startswith("cuttle-rs1:")
+    streamed = [e for e in events(thinking, body) if e["type"] == "response.output_item.done" and e["item"]["type"] == "reasoning"]
+    assert streamed[0]["item"]["encrypted_content"] == rs["encrypted_content"]
+    assert "encrypted_content" not in post(thinking, {**body, "include": []}).json()["output"][0]
+
+    def turn(reasoning_item: dict) -> httpx.Response:
+        inp = [{"role": "user", "content": "Hi"}, reasoning_item, {"role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+               {"role": "user", "content": "Weather?"}]
+        return post(thinking, {"input": inp, "seed": 302, "reasoning": {"effort": "none"}, "store": False})
+
+    text = rs["content"][0]["text"]
+    plain = turn({"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}).json()
+    sealed_only = turn({"type": "reasoning", "summary": [], "encrypted_content": rs["encrypted_content"]}).json()
+    both = turn({"type": "reasoning", "summary": [], "content": rs["content"], "encrypted_content": rs["encrypted_content"]}).json()
+    assert sealed_only["usage"]["input_tokens"] == plain["usage"]["input_tokens"] == both["usage"]["input_tokens"]
+    assert message_text(sealed_only) == message_text(plain)
+    tag, b64, mac = rs["encrypted_content"].split(":")
+    import base64
+
+    forged = f"{tag}:{base64.urlsafe_b64encode(b'other thoughts').decode()}:{mac}"
+    other_key = mod.seal_reasoning(text).replace(mac, base64.urlsafe_b64encode(b"x" * 32).decode())
+    for bad in (forged, other_key, "abc", 5):
+        r = turn({"type": "reasoning", "summary": [], "encrypted_content": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", _json.dumps(r.json())
+    r = turn({"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "edited"}],
+              "encrypted_content": rs["encrypted_content"]})
+    assert r.status_code == 400 and "differs" in r.json()["error"]["message"]
