@@ -59,7 +59,7 @@ RL_FIELDS = frozenset({"prompts", "sampling_params", "lora_name"})
 RESPONSES_FIELDS = (SAMPLING_FIELDS - {"n", "max_tokens", "truncate_prompt_tokens"}) | {
     "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "stream", "text", "reasoning", "include",
     "top_logprobs", "store", "previous_response_id", "truncation", "background", "service_tier", "metadata", "cache_salt",
-    "priority", "return_tokens_as_token_ids", "parallel_tool_calls"}
+    "priority", "return_tokens_as_token_ids", "parallel_tool_calls", "conversation"}
 RL_SAMPLING_FIELDS = SAMPLING_FIELDS
 
 # Accepted and ignored, because ignoring them cannot change what the client gets back.

@@ -1,6 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API, as coding agents such as Codex CLI and the Agents
 SDK speak it), with GET / DELETE /v1/responses/{id} for stored responses and POST
-/v1/responses/{id}/cancel for background ones.
+/v1/responses/{id}/cancel for background ones; a response may continue a conversation of the
+Conversations API (`conversation`, engine/server/conversations.py) and then extends it.
 
 Owns the Responses wire format: input items -> chat messages, Responses tools / tool_choice /
 `text.format` / `reasoning` -> their chat equivalents, the assistant message a sample becomes ->
@@ -55,6 +56,7 @@ from cuttle.engine.server.body import read_body
 from cuttle.engine.server.chat import ChatCall, flatten_messages, prepare_chat
 from cuttle.engine.server.chat_prompt import ChatOptions, ToolCallReplay, read_chat_template
 from cuttle.engine.async_engine import RequestStream
+from cuttle.engine.server.conversations import Conversation, ConversationStore, add_conversation_routes, check_metadata, page
 from cuttle.engine.server.streaming import Delta, Fields, Serving, admit, as_openai_error, final_output
 from cuttle.engine.tokenizer import Tokenizer
 
@@ -119,10 +121,14 @@ class ResponseStore:
         self._bytes -= self._items.pop(response_id).size
 
 
-def add_response_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOptions, store: ResponseStore | None = None) -> None:
+def add_response_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOptions, store: ResponseStore | None = None,
+                        conversations: ConversationStore | None = None) -> None:
     replay: ToolCallReplay = app.state.tool_call_replay  # shared with chat: a call made there replays here too
     store = store if store is not None else ResponseStore()
     app.state.response_store = store
+    conversations = conversations if conversations is not None else ConversationStore()
+    app.state.conversations = conversations
+    add_conversation_routes(app, conversations, serving.max_body_bytes, checked_conversation_items)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
@@ -132,29 +138,7 @@ def add_response_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Ch
     async def list_input_items(request: Request, response_id: str) -> dict[str, Any]:
         """OpenAI's list of a stored response's input items (its own request's, with ids), paged
         by `limit` (1..100, default 20), `order` (desc, the default, or asc) and `after` (an id)."""
-        items = store.get(response_id).input_items
-        q = request.query_params
-        unknown = set(q) - {"limit", "order", "after", "include"}
-        if unknown:
-            raise OpenAIError(f"unknown query parameter(s) {sorted(unknown)}", param=sorted(unknown)[0])
-        if q.getlist("include"):
-            raise OpenAIError("include is not supported on input_items (the items are returned whole)", param="include")
-        limit = q.get("limit", "20")
-        if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
-            raise OpenAIError(f"limit must be an integer in 1..100, got {limit!r}", param="limit")
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise OpenAIError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
-        ordered = items if order == "asc" else items[::-1]
-        after = q.get("after")
-        if after is not None:
-            at = next((i for i, it in enumerate(ordered) if it["id"] == after), None)
-            if at is None:
-                raise OpenAIError(f"after {after!r} is not an input item of response {response_id!r}", param="after")
-            ordered = ordered[at + 1:]
-        page = ordered[: int(limit)]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > len(page)}
+        return page(store.get(response_id).input_items, request, "response's input items")
 
     running: dict[str, asyncio.Task] = {}  # background responses still being generated, by id
     app.state.background_responses = running
@@ -181,7 +165,7 @@ def add_response_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Ch
     async def create(request: Request):
         t0 = time.monotonic()
         body = await read_body(request, serving.max_body_bytes, serving.served_models(), RESPONSES_FIELDS)
-        req = _read_request(body, store)
+        req = _read_request(body, store, conversations)
         try:
             template_reads = set(tok.template_variables(opts.chat_template))
         except ValueError as e:
@@ -241,9 +225,10 @@ class _ResponsesRequest:
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
     background: bool = False  # answered at once (in_progress); the result is fetched from the store
     sealed: bool = False  # reasoning items carry `encrypted_content` (include reasoning.encrypted_content)
+    conversation: Conversation | None = None  # the conversation it continues and extends (`conversation`)
 
 
-def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesRequest:
+def _read_request(body: dict[str, Any], store: ResponseStore, conversations: ConversationStore) -> _ResponsesRequest:
     if body.get("input") is None:
         raise OpenAIError("input is required", param="input")
     background = get_bool(body, "background")
@@ -275,6 +260,17 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
     system = [{"role": "system", "content": instructions}] if instructions else []
     history: list[dict[str, Any]] = []
     prev = get_str(body, "previous_response_id")
+    conv_field = body.get("conversation")
+    conversation = None
+    if conv_field is not None:
+        if prev is not None:
+            raise OpenAIError("conversation and previous_response_id cannot both be given: a response continues one or the "
+                              "other", param="conversation")
+        conv_id = conv_field.get("id") if isinstance(conv_field, dict) else conv_field
+        if not isinstance(conv_id, str) or (isinstance(conv_field, dict) and set(conv_field) - {"id"}):
+            raise OpenAIError("conversation must be a conversation id or {id}", param="conversation")
+        conversation = conversations.get(conv_id, param="conversation")
+        history = _input_messages(conversation.items, set()) if conversation.items else []
     if prev is not None:
         earlier = store.get(prev, param="previous_response_id")
         if earlier.response["status"] not in ("completed", "incomplete"):
@@ -282,13 +278,7 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
                               "response continues a conversation", param="previous_response_id")
         history = earlier.conversation
     new = _input_messages(body["input"], _call_ids(history))
-    metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise OpenAIError("metadata must be an object of strings", param="metadata")
-    if metadata and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
-        # OpenAI's limits; the server keeps metadata with a stored response
-        raise OpenAIError("metadata holds at most 16 pairs, keys of at most 64 characters and values of at most 512",
-                          param="metadata")
+    metadata = check_metadata(body.get("metadata"))  # OpenAI's limits; the server keeps metadata with a stored response
     tools = body.get("tools") or []
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
@@ -297,9 +287,10 @@ def _read_request(body: dict[str, Any], store: ResponseStore) -> _ResponsesReque
             "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "metadata": metadata or {}, "previous_response_id": prev,
             "max_output_tokens": body.get("max_output_tokens"), "top_logprobs": top if logprobs else None,
             "user": body.get("user"), "truncation": "disabled", "service_tier": tier or "auto", "background": background,
-            "parallel_tool_calls": get_bool(body, "parallel_tool_calls", True)}
+            "parallel_tool_calls": get_bool(body, "parallel_tool_calls", True),
+            "conversation": {"id": conversation.id} if conversation is not None else None}
     return _ResponsesRequest(system, history, new, body["input"], tools, get_bool(body, "stream"),
-                             get_bool(body, "store", True), logprobs, echo, background, _SEALED in include)
+                             get_bool(body, "store", True), logprobs, echo, background, _SEALED in include, conversation)
 
 
 def _call_ids(messages: list[dict[str, Any]]) -> set[str]:
@@ -677,7 +668,21 @@ def unseal_reasoning(sealed: Any, where: str) -> str:
     return text
 
 
+def checked_conversation_items(existing: list[dict[str, Any]], new: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    """`new` as items with ids, once `existing + new` reads as a response's input would (a 400
+    naming `param` otherwise): the Conversations API's check (conversations.py)."""
+    try:
+        if existing or new:
+            _input_messages(existing + new, set())
+    except OpenAIError as e:
+        raise OpenAIError(e.message.replace("input", param, 1) if e.message.startswith("input") else e.message, param=param) from None
+    return input_items(new) if new else []
+
+
 def _keep(store: ResponseStore, req: _ResponsesRequest, out: _Output, response: dict[str, Any]) -> None:
+    if req.conversation is not None and response["status"] in ("completed", "incomplete"):
+        # the conversation goes on with this request's input and this response's output
+        req.conversation.items += input_items(req.raw_input) + [dict(i) for i in out.items]
     if req.store and response["status"] in ("completed", "incomplete"):
         items = input_items(req.raw_input)
         store.put(response, req.history + req.new + [out.message], len(json.dumps(items)) + len(json.dumps(response)), items)

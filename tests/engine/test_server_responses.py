@@ -311,6 +311,8 @@ REFUSED = [
     ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens"),
     ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": WEATHER}, "tool_choice"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "conversation": 5}, "conversation"),
+    ({"input": "x", "conversation": {"id": "conv_1", "x": 1}}, "conversation"),
     ({"input": "x", "parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"input": "x", "n": 2}, "n"),
     ({"input": []}, "input"),
