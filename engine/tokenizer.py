@@ -64,6 +64,7 @@ class Tokenizer:
         self._other: OrderedDict[str, Any] = OrderedDict()  # other templates, compiled (LRU)
         self._variables: dict[str, frozenset[str]] = {}
         self._developer: dict[str, bool] = {}  # template source -> whether it renders a developer message
+        self._mapping_args: dict[str, bool] = {}  # template source -> whether it needs tool-call arguments as objects
         self._token_text: dict[int, str] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -141,6 +142,10 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         messages = [_alias_reasoning(m) for m in messages]
+        if any(_string_arguments(m) for m in messages) and self._needs_mapping_arguments(chat_template):
+            # Qwen3-Coder's and GLM-4.5's templates iterate a call's arguments as an object (what
+            # transformers documents, and vLLM sends): OpenAI's JSON text becomes one for them
+            messages = [_object_arguments(m) for m in messages]
         if any(isinstance(m, dict) and m.get("role") == "developer" for m in messages) and not self._renders_developer(chat_template):
             # OpenAI's developer role is its system role: a template that would drop the message
             # (Qwen3's renders system, user, assistant and tool only) gets it as a system message
@@ -161,7 +166,7 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
                 **kwargs,
             )
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:  # (jinja's `items` filter on a non-mapping raises TypeError)
             raise ValueError(f"chat template failed: {e}") from e
         if final is not None:
             if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
@@ -170,6 +175,29 @@ class Tokenizer:
             # a template that trims the content's trailing blanks also trimmed the marker's space
             text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
         return text
+
+    def _needs_mapping_arguments(self, chat_template: str | None) -> bool:
+        """Whether the template fails on a tool call whose arguments are JSON text and renders one
+        whose arguments are an object (probed once per template)."""
+        source = self.chat_template if chat_template is None else chat_template
+        known = self._mapping_args.get(source or "")
+        if known is None:
+            compiled = self.compile_template(chat_template)
+
+            def renders(arguments: Any) -> bool:
+                call = {"id": "call_probe", "type": "function", "function": {"name": "probe", "arguments": arguments}}
+                try:
+                    compiled.render(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                    tools=None, add_generation_prompt=False, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                    return True
+                except Exception:  # noqa: BLE001 - any failure of the probe means "not this way"
+                    return False
+
+            known = not renders('{"k": 1}') and renders({"k": 1})
+            self._mapping_args[source or ""] = known
+            if len(self._mapping_args) > 32:
+                self._mapping_args.pop(next(iter(self._mapping_args)))
+        return known
 
     def _renders_developer(self, chat_template: str | None) -> bool:
         """Whether the template writes a developer message's content (probed once per template)."""
@@ -207,6 +235,30 @@ def _alias_reasoning(m: dict[str, Any]) -> dict[str, Any]:
         return m
     reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
     return m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning}
+
+
+def _string_arguments(m: Any) -> bool:
+    return isinstance(m, dict) and any(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                       and isinstance(c["function"].get("arguments"), str) for c in m.get("tool_calls") or ())
+
+
+def _object_arguments(m: Any) -> Any:
+    """`m` with each tool call's JSON-text arguments as the object they encode (text that is not
+    a JSON object stays text: the template then fails on it, naming why)."""
+    if not _string_arguments(m):
+        return m
+    calls = []
+    for c in m["tool_calls"]:
+        args = c.get("function", {}).get("arguments") if isinstance(c, dict) else None
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict):
+                c = {**c, "function": {**c["function"], "arguments": parsed}}
+        calls.append(c)
+    return {**m, "tool_calls": calls}
 
 
 def validate_messages(messages: list[dict[str, Any]]) -> None:

@@ -106,3 +106,35 @@ def test_developer_messages_render_as_system_where_the_template_drops_them(token
         sysm, tokenize=False, add_generation_prompt=True)
     own = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     assert tok.apply_chat_template(dev, chat_template=own) == "<developer>Answer in French.<user>Hi"
+
+
+# the tool-call loops of Qwen3-Coder's and GLM-4.5's templates, which iterate a call's arguments
+# as an object (`|items`, `.items()`): what transformers documents and vLLM sends them
+CODER_TEMPLATE = ("{% for m in messages %}{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>\n<function={{ tc.function.name }}>\n"
+                  "{% for k, v in tc.function.arguments|items %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}</function>\n"
+                  "</tool_call>{% endfor %}{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}")
+GLM_TEMPLATE = ("{% for m in messages %}{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{{ tc.function.name }}\n"
+                "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v | tojson if v is not string "
+                "else v }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [CODER_TEMPLATE, GLM_TEMPLATE], ids=["qwen3_coder", "glm45"])
+def test_templates_that_iterate_arguments_get_them_as_an_object(tokenizers, template):
+    """A client sends a call back with OpenAI's JSON-text arguments: a template that iterates them
+    as an object gets the object (transformers' rendering of the same call with dict arguments
+    is the oracle); Qwen3's template, which writes text as is, keeps the text; arguments that are
+    not a JSON object are a clear error, not a server error."""
+    tok, hf = tokenizers
+    args = '{"city": "Paris", "days": 3, "units": ["C"]}'
+    sent = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": args}}]},
+            {"role": "tool", "content": "21"}]
+    as_object = [sent[0], {**sent[1], "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": {
+        "city": "Paris", "days": 3, "units": ["C"]}}}]}, sent[2]]
+    got = tok.apply_chat_template(sent, chat_template=template, add_generation_prompt=False)
+    assert got == hf.apply_chat_template(as_object, chat_template=template, tokenize=False, add_generation_prompt=False)
+    assert "<parameter=days>\n3\n" in got or "<arg_value>3</arg_value>" in got
+    assert '"arguments": ' + args in tok.apply_chat_template(sent, add_generation_prompt=False)  # Qwen3's: the text as sent
+    with pytest.raises(ValueError, match="chat template failed"):
+        tok.apply_chat_template([sent[0], {**sent[1], "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}],
+                                chat_template=template, add_generation_prompt=False)
