@@ -34,7 +34,10 @@ MODEL_TYPES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "MistralForCausalLM": "mistral",
     "Starcoder2ForCausalLM": "starcoder2",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
+# families whose checkpoints name their MoE blocks `block_sparse_moe` with experts w1 / w3 / w2
+BLOCK_SPARSE_MOE_ARCHITECTURES = ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")
 # families whose MoE layers are DeepSeek-V3's: sigmoid routing with an expert-choice bias, groups,
 # ungated shared experts (`mlp.shared_experts`), dense layers before `first_k_dense_replace`, and
 # multi-token-prediction layers after the decoder's in their checkpoints
@@ -95,6 +98,7 @@ class ModelConfig:
     layer_norm: bool = False  # StarCoder2: LayerNorm with bias where the others have RMSNorm
     gelu_mlp: bool = False  # StarCoder2: c_fc -> gelu(tanh) -> c_proj, not gated, instead of silu(gate) * up
     proj_bias: bool = False  # StarCoder2 (use_bias): biases on o_proj and the MLP's projections too
+    qk_norm_whole: bool = False  # MiniMax-M2: q and k RMSNormed over all their heads at once (weights [heads * head_dim])
     fp8_quant: Fp8BlockQuant | None = None  # FP8 block-scaled weights, dequantized at load (engine/models/fp8_checkpoint.py)
 
     @classmethod
@@ -130,7 +134,8 @@ class ModelConfig:
         num_layers = int(hf["num_hidden_layers"])
         num_experts = int(hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
         moe_layers = [i for i in range(num_layers) if is_moe_layer(hf, i)] if num_experts > 0 else []
-        moe_inter = int(hf.get("moe_intermediate_size") or (hf.get("intermediate_size") if arch == "MixtralForCausalLM" else 0) or 0)
+        moe_inter = int(hf.get("moe_intermediate_size") or (hf.get("intermediate_size") if arch in BLOCK_SPARSE_MOE_ARCHITECTURES else 0)
+                        or 0)
         shared_inter, shared_gated = 0, False
         if arch == "Qwen2MoeForCausalLM":
             shared_inter, shared_gated = int(hf.get("shared_expert_intermediate_size") or 0), True
@@ -179,7 +184,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=_scaled_max_positions(int(hf.get("max_position_embeddings", 4096)), rope_scaling),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", starcoder2)),  # Starcoder2Config ties by default
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm", False))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MiniMaxM2ForCausalLM")
+            or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm", False))),
             attention_bias=attention_bias,
             moe_layers=moe_layers,
             moe_intermediate_size=moe_inter,
@@ -197,6 +203,7 @@ class ModelConfig:
             layer_norm=starcoder2,
             gelu_mlp=starcoder2,
             proj_bias=starcoder2 and attention_bias,
+            qk_norm_whole=arch == "MiniMaxM2ForCausalLM",
         )
 
 
@@ -224,13 +231,19 @@ def _rotary_dim(hf: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: i
     families rotate whole heads in transformers, so a factor below 1 there is refused rather than
     computed as no checkpoint of theirs was trained."""
     where = path or "config"
+    partial = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
+    if arch == "MiniMaxM2ForCausalLM" and hf.get("rotary_dim") is not None:  # MiniMax's own field (transformers derives the factor)
+        rd = hf["rotary_dim"]
+        if isinstance(rd, bool) or not isinstance(rd, int) or not 2 <= rd <= head_dim or rd % 2:
+            raise ValueError(f"rotary_dim must be an even integer in [2, head_dim {head_dim}] in {where}, got {rd!r}")
+        return rd
     default = 0.5 if arch == "Glm4MoeForCausalLM" else 1.0
     factor = next((f for f in (hf.get("partial_rotary_factor"), rope.get("partial_rotary_factor")) if f is not None), default)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise ValueError(f"partial_rotary_factor must be a number in (0, 1] in {where}, got {factor!r}")
-    if factor != 1 and arch != "Glm4MoeForCausalLM":
+    if factor != 1 and arch not in partial:
         raise ValueError(f"partial_rotary_factor={factor} in {where} is not supported for {arch} (transformers rotates "
-                         "whole heads there); supported for Glm4MoeForCausalLM")
+                         f"whole heads there); supported for {', '.join(partial)}")
     dim = int(head_dim * factor)
     if dim < 2 or dim % 2:
         raise ValueError(f"partial_rotary_factor={factor} in {where} rotates {dim} of head_dim {head_dim} dims; it must be "

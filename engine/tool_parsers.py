@@ -5,7 +5,9 @@ format and GLM-4.5's `<tool_call>NAME<arg_key>P</arg_key><arg_value>value</arg_v
 calls sit in a `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` section, each
 `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>` (DeepSeek-V3,
 `deepseek_v3`) or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` (DeepSeek-V3.1,
-`deepseek_v31`); the section markers are neither content nor calls. Whole or streamed.
+`deepseek_v31`); and MiniMax-M2's, `<invoke name="NAME"><parameter name="P">value</parameter></invoke>`
+calls in a `<minimax:tool_call>` section (`minimax_m2`): the section markers are neither content
+nor calls. Whole or streamed.
 
 Owns only text -> (content, tool calls). The streaming parser never emits text that could still
 turn out to be part of a tool call, and its deltas always add up to the whole-text parse, however
@@ -35,12 +37,17 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _DS_OPEN, _DS_CLOSE, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 # format -> (a call's opening, its closing), and the markers of a section around the calls
 TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "glm45": (OPEN, CLOSE),
-        "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE)}
+        "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE), "minimax_m2": ("<invoke name=", "</invoke>")}
 SECTIONS = {"deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
-            "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")}
+            "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+            "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}
 _BLOCKS = {fmt: re.compile(re.escape(o) + "(.*?)" + re.escape(c), re.S) for fmt, (o, c) in TAGS.items()}
 _DS_V3_CALL = re.compile(r"\s*function" + re.escape(_DS_SEP) + r"([^\n]+)\n```json\n(.*)\n```\s*$", re.S)
 _DS_V31_CALL = re.compile(r"\s*([^\s<]+?)\s*" + re.escape(_DS_SEP) + r"(.*)$", re.S)
+# MiniMax-M2: the rest of `<invoke name=` up to its parameters, and each parameter (one whitespace
+# character beside its tags is a separator, as for qwen3_coder)
+_MM_NAME = re.compile(r'\s*"([^"\n]+)"\s*>')
+_MM_PARAM = re.compile(r'<parameter name="([^"\n]+)">[ \t\r\n]?(.*?)[ \t\r\n]?</parameter>', re.S)
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 # One whitespace character next to each tag is the format's separator, not the value's: the
 # template writes a newline there, and the structured-output grammar (xgrammar's qwen_xml style)
@@ -54,7 +61,7 @@ _PARAM = re.compile(r"<parameter=([^>\n]+)>[ \t\r\n]?(.*?)[ \t\r\n]?</parameter>
 _GLM_NAME = re.compile(r"\s*([^\s<]+)\s*$")
 _GLM_PAIR = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>[ \t\r\n]?(.*?)[ \t\r\n]?</arg_value>", re.S)
 
-PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31")
+PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2")
 _STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "glm45")  # formats whose arguments stream as written (tool_args.py)
 
 
@@ -88,12 +95,14 @@ def parser_for_template(chat_template: str | None) -> str:
         return "glm45"
     if chat_template and "<｜tool▁calls▁begin｜>" in chat_template:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
+    if chat_template and "<minimax:tool_call>" in chat_template:
+        return "minimax_m2"
     return "qwen3_coder" if chat_template and "<function=" in chat_template else "hermes"
 
 
 def foreign_tool_format(chat_template: str | None) -> str | None:
     """The tool-call format the template teaches when it is one cuttle does not parse, else None."""
-    if not chat_template or "<tool_call>" in chat_template or "<｜tool▁calls▁begin｜>" in chat_template:
+    if not chat_template or any(m in chat_template for m in ("<tool_call>", "<｜tool▁calls▁begin｜>", "<minimax:tool_call>")):
         return None
     return next((what for marker, what in FOREIGN_FORMATS.items() if marker in chat_template), None)
 
@@ -127,7 +136,12 @@ def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> Too
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
-    if fmt == "glm45":
+    if fmt == "minimax_m2":
+        n = _MM_NAME.match(body)
+        if n is None:
+            return None
+        name, pairs = n.group(1).strip(), _MM_PARAM.findall(body, n.end())
+    elif fmt == "glm45":
         first = body.find("<arg_key>")
         n = _GLM_NAME.match(body[: first if first != -1 else len(body)])
         if n is None:

@@ -6,6 +6,8 @@ way transformers would). Must never touch expert weights or import from `cuttle.
 
   qwen3_moe, qwen2_moe, olmoe   softmax(fp32) -> top-k -> renormalize if norm_topk_prob (default False)
   mixtral                       softmax(fp32) -> top-k -> always renormalize
+  minimax_m2                    sigmoid(fp32 logits), the bias only picks experts, top-k, renormalized
+                                (DeepSeek-V3's rule with one group and no scaling); every layer
   deepseek_v3, glm4_moe         sigmoid(fp32 logits); e_score_correction_bias only picks experts;
                                 keep topk_group of n_group groups scored by their top-2 sum; weights
                                 are the unbiased scores, renormalized (+1e-20), x routed_scaling_factor;
@@ -59,6 +61,8 @@ class RoutingConfig:
             )
         if model_type == "mixtral":
             return cls(num_experts=int(num_experts), top_k=top_k, norm_topk_prob=True)
+        if model_type == "minimax_m2":  # transformers' MiniMaxM2TopKRouter: sigmoid, the bias picks, renormalized
+            return cls(num_experts=int(num_experts), top_k=top_k, norm_topk_prob=True, scoring_func="sigmoid")
         # transformers' Qwen2-MoE / Qwen3-MoE / OLMoE config classes default norm_topk_prob to False
         default_norm = model_type not in ("qwen3_moe", "qwen2_moe", "olmoe")
         return cls(

@@ -1,6 +1,6 @@
 """Tiny random transformers models of the MoE families cuttle loads (Qwen2-MoE with its shared
-expert, Mixtral, DeepSeek-V3 with MLA in two variants, GLM-4.5 with and without q/k norms), for the
-engine tests."""
+expert, Mixtral, DeepSeek-V3 with MLA in two variants, GLM-4.5 with and without q/k norms, MiniMax-M2),
+for the engine tests."""
 from __future__ import annotations
 
 import torch
@@ -61,6 +61,10 @@ def family_model(family: str):
             num_experts_per_tok=3, first_k_dense_replace=2, routed_scaling_factor=1.0, attention_bias=True,
             use_qk_norm=False, partial_rotary_factor=0.25, **_COMMON)
         cls = transformers.Glm4MoeForCausalLM
+    elif family == "minimax_m2":  # q/k RMSNormed over all heads at once, a quarter rotated, sigmoid routing with a bias
+        cfg = transformers.MiniMaxM2Config(num_key_value_heads=2, head_dim=16, rotary_dim=4, num_local_experts=8,
+                                           num_experts_per_tok=2, **{**_COMMON, "intermediate_size": 32})
+        cls = transformers.MiniMaxM2ForCausalLM
     else:
         raise ValueError(family)
     return randomize_(cls(cfg).float().eval(), 0.15, seed=11)

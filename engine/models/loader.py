@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from cuttle.engine.config import DEEPSEEK_MOE_ARCHITECTURES, ModelConfig
+from cuttle.engine.config import BLOCK_SPARSE_MOE_ARCHITECTURES, DEEPSEEK_MOE_ARCHITECTURES, ModelConfig
 from cuttle.engine.models.fp8_checkpoint import dequantized_tensors
 from cuttle.engine.models.linear_quant import (MXLinearWeight, prepare_quantized_linears, quantized_linears, refresh_tied,
                                                write_quantized_linear)
@@ -387,6 +387,8 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
         "mlp.gate.weight": ("mlp.gate_weight", None),
         "block_sparse_moe.gate.weight": ("mlp.gate_weight", None),
         "mlp.gate.e_score_correction_bias": ("mlp.e_score_correction_bias", None),
+        "block_sparse_moe.e_score_correction_bias": ("mlp.e_score_correction_bias", None),  # MiniMax-M2's
+        "mlp.e_score_correction_bias": ("mlp.e_score_correction_bias", None),  # MiniMax-M2's in transformers' memory
         # StarCoder2: LayerNorm biases, o_proj's bias, the ungated MLP
         "input_layernorm.bias": ("input_norm.bias", None),
         "post_attention_layernorm.bias": ("post_attn_norm.bias", None),
@@ -456,7 +458,7 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     elif "lm_head" in params:
         covered["lm_head"] = model.lm_head.numel()  # the embedding itself
     table = _layer_table(cfg)
-    mixtral = cfg.architecture == "MixtralForCausalLM"
+    mixtral = cfg.architecture in BLOCK_SPARSE_MOE_ARCHITECTURES
     # per-expert names of this family: Mixtral's w1/w3/w2, everyone else's {gate,up,down}_proj
     expert_names = [n for n in _EXPERT_PART if n.startswith("w") == mixtral]
     for i, layer in enumerate(model.layers):
@@ -485,7 +487,10 @@ def _hf_name_used(cfg: ModelConfig, rest: str) -> bool:
     """Of the HF names `_layer_table` accepts for one parameter, whether `rest` (the part after
     `model.layers.N.`) is the one `cfg`'s family writes."""
     if rest.startswith("block_sparse_moe.") or rest == "mlp.gate.weight":
-        return rest.startswith("block_sparse_moe.") == (cfg.architecture == "MixtralForCausalLM")
+        return rest.startswith("block_sparse_moe.") == (cfg.architecture in BLOCK_SPARSE_MOE_ARCHITECTURES)
+    if rest.endswith("e_score_correction_bias"):  # DeepSeek's and GLM's under the gate, MiniMax's beside it
+        return rest == ("block_sparse_moe.e_score_correction_bias" if cfg.architecture in BLOCK_SPARSE_MOE_ARCHITECTURES
+                        else "mlp.gate.e_score_correction_bias")
     if rest.startswith(("mlp.shared_expert.", "mlp.shared_experts.")):
         return rest.startswith("mlp.shared_experts.") == (cfg.architecture in DEEPSEEK_MOE_ARCHITECTURES)
     if cfg.mla is not None and rest.startswith(("self_attn.q_proj.", "self_attn.q_a_proj.")):

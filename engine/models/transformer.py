@@ -1,7 +1,8 @@
 """The decoder-only transformer behind every supported architecture.
 
-Llama-3, Mistral, StarCoder2, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5
-differ only in switches read from `ModelConfig` (q/k RMSNorm, attention bias, rope scaling, partial
+Llama-3, Mistral, StarCoder2, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5 and
+MiniMax-M2 differ only in switches read from `ModelConfig` (q/k RMSNorm per head or over all heads,
+attention bias, rope scaling, partial
 rotary, LayerNorm and an ungated gelu MLP with biases, routed-MoE MLPs on some layers, a shared
 expert beside the routed ones, multi-head latent attention), so they share one
 definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
@@ -28,7 +29,7 @@ from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native import rows
 from cuttle.attention.native.gemm import derived
-from cuttle.attention.native.fused import qk_norm_rope, sigmoid, silu_mul
+from cuttle.attention.native.fused import qk_norm_rope, rms_norm, sigmoid, silu_mul
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention, topk_attend_chunked, topk_attend_segments
@@ -54,8 +55,10 @@ class Attention(nn.Module):
         self.qkv_bias = empty_param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
         self.o_weight = empty_param(cfg.hidden_size, self.q_size, dtype=dtype)
         self.o_bias = empty_param(cfg.hidden_size, dtype=dtype) if cfg.proj_bias else None
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # per head (Qwen3, GLM-4.5), or over all the heads at once (MiniMax-M2)
+        self.whole_qk_norm = cfg.qk_norm_whole
+        self.q_norm = RMSNorm(self.q_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.kv_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -69,6 +72,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = self._project(x, self.qkv_weight, "qkv", self.qkv_bias)
         qn, kn = self.q_norm, self.k_norm
+        if self.whole_qk_norm:  # norms over whole rows of q and of k first; the kernel then only rotates
+            qs, ks = self.q_size, self.kv_size
+            qkv = torch.cat((rms_norm(qkv[:, :qs], qn.weight, qn.eps), rms_norm(qkv[:, qs:qs + ks], kn.weight, kn.eps),
+                             qkv[:, qs + ks:]), dim=-1)
+            qn = kn = None
         q, k, v = qk_norm_rope(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
@@ -94,9 +102,11 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         qkv = self._project_dense(x, self.qkv_weight, "qkv", self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.whole_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B * S, self.num_heads, self.head_dim)
         k = k.reshape(B * S, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.whole_qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = apply_rope(q, cos, sin).view(B, S, self.num_heads, self.head_dim)
@@ -209,6 +219,11 @@ class NSAAttention(Attention):
     def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
         qkv = self._project(x, self.qkv_weight, "qkv", self.qkv_bias)
         qn, kn = self.q_norm, self.k_norm
+        if self.whole_qk_norm:  # norms over whole rows of q and of k first; the kernel then only rotates
+            qs, ks = self.q_size, self.kv_size
+            qkv = torch.cat((rms_norm(qkv[:, :qs], qn.weight, qn.eps), rms_norm(qkv[:, qs:qs + ks], kn.weight, kn.eps),
+                             qkv[:, qs + ks:]), dim=-1)
+            qn = kn = None
         q, k, v = qk_norm_rope(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,

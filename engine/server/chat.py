@@ -473,6 +473,8 @@ def _forced_prefix(parser: str, choice: str, name: str | None) -> str:
     never saw in training."""
     if parser == "glm45":  # GLM's template writes the name right after the tag
         return {"named": f"<tool_call>{name}", "required": "<tool_call>"}.get(choice, "")
+    if parser == "minimax_m2":  # no grammar here either
+        return {"named": f'<minimax:tool_call>\n<invoke name="{name}">\n', "required": '<minimax:tool_call>\n<invoke name="'}.get(choice, "")
     if parser in ("deepseek_v3", "deepseek_v31"):  # no grammar here (tool_call_structure): the opening only
         head = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + ("function<｜tool▁sep｜>" if parser == "deepseek_v3" else "")
         if choice == "named":

@@ -37,7 +37,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
         make_checkpoint(out[name], arch, **SHAPE)
     out["nsa"] = str(tmp_path_factory.mktemp("nsa"))
     make_nsa_checkpoint(out["nsa"], hidden_size=128, head_dim=64)
-    for family in ("qwen2_moe", "deepseek_v3", "glm4_moe"):  # a shared expert's sigmoid gate; MLA and sigmoid routing; partial rotary
+    for family in ("qwen2_moe", "deepseek_v3", "glm4_moe", "minimax_m2"):  # a shared expert's sigmoid gate; MLA and sigmoid routing; partial rotary
         out[family] = str(tmp_path_factory.mktemp(family))
         family_model(family).save_pretrained(out[family])
         write_tokenizer(out[family], 256)
@@ -75,6 +75,7 @@ CASES = {
     "DeepSeek-V3 (MLA) fp32": ("deepseek_v3", dict(dtype="float32")),
     "DeepSeek-V3 (MLA) bf16": ("deepseek_v3", dict(dtype="bfloat16")),
     "GLM-4.5 (partial rotary, q/k norms) bf16": ("glm4_moe", dict(dtype="bfloat16")),
+    "MiniMax-M2 (whole-row q/k norms, sigmoid routing) bf16": ("minimax_m2", dict(dtype="bfloat16")),
 }
 
 

@@ -39,6 +39,9 @@ def _moe_family(family: str, path: str) -> None:
         model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
             num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
             num_experts_per_tok=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, **_COMMON))
+    elif family == "minimax_m2":  # block_sparse_moe with w1/w3/w2 and the routing bias beside the gate, whole-row q/k norms
+        model = transformers.MiniMaxM2ForCausalLM(transformers.MiniMaxM2Config(
+            num_key_value_heads=2, head_dim=8, rotary_dim=4, num_local_experts=4, num_experts_per_tok=2, **_COMMON))
     else:  # DeepSeek-V3: MLA with q through the LoRA bottleneck or full-rank, shared experts, a dense first layer
         full_q = family == "deepseek_v3_full_q"
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
@@ -49,7 +52,7 @@ def _moe_family(family: str, path: str) -> None:
     write_tokenizer(path, 128)
 
 
-FAMILIES = ["qwen3", "qwen3_tied", "qwen3_moe", "llama", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3_full_q", "glm4_moe"]
+FAMILIES = ["qwen3", "qwen3_tied", "qwen3_moe", "llama", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3_full_q", "glm4_moe", "minimax_m2"]
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from moe_families import family_model, randomize_
 TOL = 1e-4
 PROMPTS = [parity_prompts()[i] for i in (0, 2, 3, 5, 7)]  # 3, 16, 17, 40 and 70 tokens
 
-FAMILIES = ["qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3_full_q", "glm4_moe", "glm4_moe_air"]
+FAMILIES = ["qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3_full_q", "glm4_moe", "glm4_moe_air", "minimax_m2"]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,8 @@ def test_family_configs_pick_the_right_layers(families):
     air = ModelConfig.from_pretrained(families["glm4_moe_air"]["path"])
     assert air.moe_layers == [2] and air.shared_expert_intermediate_size == 64
     assert (air.head_dim, air.rotary_dim, air.qk_norm) == (16, 4, False)
+    mm = ModelConfig.from_pretrained(families["minimax_m2"]["path"])
+    assert mm.moe_layers == [0, 1, 2] and (mm.rotary_dim, mm.qk_norm, mm.qk_norm_whole, mm.moe_intermediate_size) == (4, True, True, 32)
 
 
 def test_glm_checkpoint_skips_its_mtp_layer(families, tmp_path):
@@ -163,7 +165,7 @@ def test_transformers_in_memory_names_load_the_same_model(families, family):
     disk = dict(from_disk.named_parameters())
     for name, p in fresh.named_parameters():
         assert torch.equal(p, disk[name]), name
-    if family.startswith(("deepseek", "glm4")):
+    if family.startswith(("deepseek", "glm4", "minimax")):
         assert fresh.layers[-1].mlp.e_score_correction_bias.abs().sum() > 0
 
 

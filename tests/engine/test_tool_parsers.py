@@ -28,6 +28,10 @@ DS_V3 = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>functi
          '```json\n{"verbose": true}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 DS_V31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>run_tests<｜tool▁sep｜>{"selection": "é \\"x\\"", "count": 3}<｜tool▁call▁end｜>'
           '<｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜> then text')
+# MiniMax-M2's: two invokes in one section, typed and string values
+MINIMAX = ('Let me run them.\n<minimax:tool_call>\n<invoke name="run_tests">\n<parameter name="selection">tests/a.py</parameter>\n'
+           '<parameter name="count">3</parameter>\n<parameter name="verbose">true</parameter>\n</invoke>\n<invoke name="run_tests">\n'
+           '<parameter name="selection">\n  two  words\n\n</parameter>\n</invoke>\n</minimax:tool_call>')
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {
     "selection": {"type": "string"}, "verbose": {"type": "boolean"}, "count": {"type": "integer"}}}}}]
 
@@ -82,6 +86,15 @@ def test_deepseek_whole_both_layouts():
     assert parse_tool_calls(DS_V31, "deepseek_v3", TOOLS)[1] == []  # V3.1's layout is not V3's
 
 
+def test_minimax_whole_uses_schema_types():
+    content, calls = parse_tool_calls(MINIMAX, "minimax_m2", TOOLS)
+    assert content == "Let me run them."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("run_tests", {"selection": "tests/a.py", "count": 3, "verbose": True}), ("run_tests", {"selection": "  two  words\n"})]
+    assert calls[0].text.startswith('<invoke name="run_tests">') and calls[0].text.endswith("</invoke>")
+    assert parse_tool_calls('<minimax:tool_call><invoke name=run_tests></invoke></minimax:tool_call>', "minimax_m2")[1] == []
+
+
 @pytest.mark.parametrize("before,after,value", [
     ("\n", "\n", "a b "),   # the template's layout: a value's own trailing space is kept
     ("", " ", "abc"),         # the grammar's other separators: one space / tab / CR beside a tag
@@ -105,6 +118,7 @@ def test_plain_text_and_broken_calls_stay_content():
 
 @pytest.mark.parametrize("fmt,text", [("hermes", HERMES), ("qwen3_coder", CODER), ("glm45", GLM), ("deepseek_v3", DS_V3),
                                       ("deepseek_v31", DS_V31), ("deepseek_v31", "no call <｜tool▁calls▁begin｜>just text"),
+                                      ("minimax_m2", MINIMAX),
                                       ("hermes", "no calls at all <tool_ca"),
                                       ("hermes", "text <tool_call>\n{\"name\": \"x\", \"argu")])
 @pytest.mark.parametrize("seed", range(12))
@@ -118,7 +132,7 @@ def test_streaming_equals_whole_for_any_split(fmt, text, seed):
     for c in cuts + [len(text)]:
         final = c == len(text)
         d, new = parser.feed(text[:c], final=final)
-        assert final or ("<tool_call" not in d and "<｜tool" not in d)  # a possible call is never leaked as content mid-stream
+        assert final or not any(m in d for m in ("<tool_call", "<｜tool", "<invoke", "<minimax"))  # a possible call never leaks mid-stream
         content += d
         calls += new
     whole_content, whole_calls = parse_tool_calls(text, fmt, TOOLS)
@@ -136,6 +150,7 @@ def test_parser_choice_from_template():
     v3 = "'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json'"
     assert parser_for_template(v3) == "deepseek_v3"
     assert parser_for_template("'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>'") == "deepseek_v31"
+    assert parser_for_template("{{ '<minimax:tool_call>' }}\n<invoke name=") == "minimax_m2"
     with pytest.raises(ValueError, match="tool-call parser"):
         parse_tool_calls("x", "pythonic")
 
@@ -246,7 +261,7 @@ def test_a_call_cut_off_is_a_call_with_its_arguments_so_far(fmt, text):
             assert f.arguments.startswith(c.arguments) and c.name == f.name
 
 
-@pytest.mark.parametrize("fmt", ["deepseek_v3", "deepseek_v31", "glm45"])
+@pytest.mark.parametrize("fmt", ["deepseek_v3", "deepseek_v31", "glm45", "minimax_m2"])
 def test_forced_openings_parse_with_what_the_model_writes_after_them(fmt):
     """The server writes a required / named call's opening for the model (chat._forced_prefix) and
     parses it with the output: each format's opening plus a well-formed rest is that call."""
@@ -255,7 +270,9 @@ def test_forced_openings_parse_with_what_the_model_writes_after_them(fmt):
     rest = {"deepseek_v3": ('{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', 'add\n```json\n{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
             "deepseek_v31": ('{"a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', 'add<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
             "glm45": ("\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
-                      "add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>")}[fmt]
+                      "add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"),
+            "minimax_m2": ('<parameter name="a">1</parameter>\n</invoke>\n</minimax:tool_call>',
+                           'add">\n<parameter name="a">1</parameter>\n</invoke>\n</minimax:tool_call>')}[fmt]
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
     for choice, after in zip(("named", "required"), rest):
         content, [call] = parse_tool_calls(_forced_prefix(fmt, choice, "add") + after, fmt, tools)
