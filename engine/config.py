@@ -322,6 +322,10 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
         raise ValueError(f"hidden_act {act!r} in {where} is not supported for {arch} (supported: {want})")
     # (Sliding-window attention would change every output past the window: such models are
     # served within their window instead, `_sliding_window`.)
+    types = hf.get("attn_type_list")
+    if arch == "MiniMaxM2ForCausalLM" and types is not None and any(t != 1 for t in types):
+        # MiniMax's 0 is its linear ("lightning") attention, which this decoder does not have
+        raise ValueError(f"attn_type_list in {where} has linear-attention layers (type 0); supported: full attention (1) only")
     # A quantized checkpoint loaded as if it were not one drops its scales and computes garbage.
     # cuttle's own MXFP8 expert checkpoints carry no quantization_config (their safetensors header
     # says so; see cuttle.moe.checkpoint); FP8 block-scaled ones are read by `fp8_block_quant`;

@@ -130,6 +130,16 @@ def test_glm_checkpoint_skips_its_mtp_layer(families, tmp_path):
         load_weights(with_mtp, [("model.layers.4.enorm.weight", torch.ones(64))], strict=True)
 
 
+def test_minimax_linear_attention_layers_are_refused(families):
+    import json as _json
+
+    with open(os.path.join(families["minimax_m2"]["path"], "config.json")) as f:
+        hf = _json.load(f)
+    assert ModelConfig.from_hf({**hf, "attn_type_list": [1, 1, 1]}).qk_norm_whole
+    with pytest.raises(ValueError, match="attn_type_list .* linear-attention layers"):
+        ModelConfig.from_hf({**hf, "attn_type_list": [0, 1, 1]})
+
+
 def test_partial_rotary_is_glm_only(tmp_path):
     """transformers rotates whole heads for the other families: a partial_rotary_factor there is
     refused by name rather than served as no checkpoint of theirs was trained; a bad factor is
