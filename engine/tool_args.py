@@ -1,6 +1,6 @@
 """A tool call's arguments written out as the model writes them, for streamed responses.
 
-Owns two emitters that take the text of one call's arguments as it grows (fed in any pieces) and
+Owns the emitters that take the text of one call's arguments as it grows (fed in any pieces) and
 return, piece by piece, the OpenAI `arguments` string the whole-text parse (tool_parsers) gives
 the finished call, so streamed argument deltas add up to exactly that string:
 
@@ -19,7 +19,7 @@ the finished call, so streamed argument deltas add up to exactly that string:
   rules (xgrammar's glm_xml style, like qwen_xml, takes one whitespace character beside each
   value tag as a separator, outside the value's schema bounds).
 
-Both assume text the tool-call grammar admits (engine/structured_output.tool_call_structure):
+All three assume text the tool-call grammar admits (engine/structured_output.tool_call_structure):
 valid JSON, each key once. On other text their pieces could differ from a whole parse (json.loads
 keeps the last of two equal keys, where these emitters have already written the first), which is
 why the streaming parser uses them only for calls generated under that grammar.

@@ -283,7 +283,8 @@ class StreamingToolParser:
         return content, deltas
 
     def _begin(self, text: str, deltas: list[CallDelta]) -> bool:
-        """Open a streamed call at `text[self.sent:]` (a `<tool_call>`) once its opening is complete."""
+        """Open a streamed call at `text[self.sent:]` (the format's call opening) once its opening
+        is complete; False for a format whose arguments are not streamed as written."""
         at = self.sent + len(self.opening)
         if self.fmt not in _STREAMED_ARGUMENTS:  # no arguments emitter: sent whole, as `feed` does
             return False
@@ -335,8 +336,9 @@ class StreamingToolParser:
         return True
 
     def _to_next_call(self, text: str, final: bool) -> tuple[str, bool]:
-        """The content up to the next `<tool_call>` (self.sent moves to it), and whether there is
-        one; without one, all of the rest that cannot still become one."""
+        """The content up to the next call's opening (`<tool_call>`, or the format's), self.sent
+        moved to it, and whether there is one; without one, all of the rest that cannot still
+        become one (or a section marker, which is dropped from content)."""
         rest = text[self.sent:]
         start = rest.find(self.opening)
         if start == -1:

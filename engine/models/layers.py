@@ -12,9 +12,8 @@ Owns no model structure and never reads a config.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from cuttle.attention.native.fused import add_rms_norm, rms_norm
 
