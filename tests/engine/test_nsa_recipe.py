@@ -6,7 +6,7 @@ forward at every position (fp32 within 1e-5)."""
 from __future__ import annotations
 
 import argparse
-import os
+import random
 
 import torch
 
@@ -20,7 +20,6 @@ from cuttle.engine.train_default_model import (
     causal_rows, evaluate, init_weights, nsa_from_dense, round_to_saved, save_causal, train, train_tokenizer,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NSA = dict(compress_block=8, compress_stride=4, select_block=16, top_n=3, init_blocks=1, local_blocks=1, window=16,
            compress_fn="linear")
 
@@ -37,9 +36,29 @@ def tiny_hf(vocab: int, nsa: bool) -> dict:
     return hf
 
 
+def code_texts() -> list[str]:
+    """Three code-like texts made here, fixed for good: the test once trained on the repository's own
+    sources, so an edit to one of them could give the trained model an exact router tie (two experts
+    equal in fp32) that the engine's rounding breaks the other way; a failure then said nothing about
+    the edit."""
+    g = random.Random(0)
+    words = ["block", "score", "keys", "query", "select", "window", "compress", "gate", "layer", "head", "index",
+             "value", "mask", "top", "local", "init", "stride", "weight", "scale", "cache"]
+    texts = []
+    for module in range(3):
+        lines = [f'"""module {module}: helpers for {g.choice(words)} {g.choice(words)}."""', "import torch", ""]
+        for f in range(40):
+            a, b, c = g.sample(words, 3)
+            lines += [f"def {a}_{b}_{f}({a}, {b}, {c}=None):", f"    # the {c} of each {a}",
+                      f"    {c} = {a}.{g.choice(['sum', 'mean', 'amax', 'softmax'])}(-1) * {b}",
+                      f"    if {c} is None:", f"        return {a}", f"    return torch.{g.choice(['cat', 'stack'])}([{a}, {c}])", ""]
+        texts.append("\n".join(lines))
+    return texts
+
+
 def test_nsa_recipe_trains_and_its_checkpoint_serves_the_training_forward(tmp_path):
     torch.manual_seed(0)
-    texts = [open(os.path.join(ROOT, p)).read() for p in ("attention/nsa.py", "attention/topk.py", "engine/models/transformer.py")]
+    texts = code_texts()
     tok = train_tokenizer(texts, 400)
     docs = [tok.encode(t).ids[:600] + [0] for t in texts]
     rows = causal_rows(docs, 96)
