@@ -2,9 +2,9 @@
 
 Llama-3, Mistral, StarCoder2, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5 and
 MiniMax-M2 differ only in switches read from `ModelConfig` (q/k RMSNorm per head or over all heads,
-attention bias, rope scaling, partial
-rotary, LayerNorm and an ungated gelu MLP with biases, routed-MoE MLPs on some layers, a shared
-expert beside the routed ones, multi-head latent attention), so they share one
+attention bias, rope scaling, partial rotary, LayerNorm and an ungated gelu MLP with biases,
+routed-MoE MLPs on some layers, a shared expert beside the routed ones, multi-head latent
+attention), so they share one
 definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
 slices HF tensors into them. At a few rows (small-batch decode) they go through the native
 weight-streaming kernel of `cuttle.attention.native.gemm.linear`, else `F.linear`. The small
@@ -70,19 +70,23 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        qkv = self._project(x, self.qkv_weight, "qkv", self.qkv_bias)
-        qn, kn = self.q_norm, self.k_norm
-        if self.whole_qk_norm:  # norms over whole rows of q and of k first; the kernel then only rotates
-            qs, ks = self.q_size, self.kv_size
-            qkv = torch.cat((rms_norm(qkv[:, :qs], qn.weight, qn.eps), rms_norm(qkv[:, qs:qs + ks], kn.weight, kn.eps),
-                             qkv[:, qs + ks:]), dim=-1)
-            qn = kn = None
+        qkv, qn, kn = self._whole_norms(self._project(x, self.qkv_weight, "qkv", self.qkv_bias))
         q, k, v = qk_norm_rope(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
         )
         o, _ = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self._project(o.reshape(-1, self.q_size), self.o_weight, "o", self.o_bias)
+
+    def _whole_norms(self, qkv: torch.Tensor) -> tuple[torch.Tensor, RMSNorm | None, RMSNorm | None]:
+        """qkv and the per-head q/k norms the fused kernel is to apply: MiniMax-M2's norms over
+        whole rows of q and of k are applied here first (two native row norms), leaving the
+        kernel only the rotation."""
+        if not self.whole_qk_norm:
+            return qkv, self.q_norm, self.k_norm
+        qs, ks, qn, kn = self.q_size, self.kv_size, self.q_norm, self.k_norm
+        return torch.cat((rms_norm(qkv[:, :qs], qn.weight, qn.eps), rms_norm(qkv[:, qs:qs + ks], kn.weight, kn.eps),
+                          qkv[:, qs + ks:]), dim=-1), None, None
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, proj: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """An inference projection, plus the step's LoRA deltas on it (engine/lora.py)."""
@@ -217,13 +221,7 @@ class NSAAttention(Attention):
         return torch.stack([linear(flat[:, i], heads[i]) for i in range(h)], dim=1)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        qkv = self._project(x, self.qkv_weight, "qkv", self.qkv_bias)
-        qn, kn = self.q_norm, self.k_norm
-        if self.whole_qk_norm:  # norms over whole rows of q and of k first; the kernel then only rotates
-            qs, ks = self.q_size, self.kv_size
-            qkv = torch.cat((rms_norm(qkv[:, :qs], qn.weight, qn.eps), rms_norm(qkv[:, qs:qs + ks], kn.weight, kn.eps),
-                             qkv[:, qs + ks:]), dim=-1)
-            qn = kn = None
+        qkv, qn, kn = self._whole_norms(self._project(x, self.qkv_weight, "qkv", self.qkv_bias))
         q, k, v = qk_norm_rope(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
