@@ -145,7 +145,7 @@ class Tokenizer:
         if any(_string_arguments(m) for m in messages) and self._needs_mapping_arguments(chat_template):
             # Qwen3-Coder's and GLM-4.5's templates iterate a call's arguments as an object (what
             # transformers documents, and vLLM sends): OpenAI's JSON text becomes one for them
-            messages = [_object_arguments(m) for m in messages]
+            messages = [_object_arguments(m, i) for i, m in enumerate(messages)]
         if any(isinstance(m, dict) and m.get("role") == "developer" for m in messages) and not self._renders_developer(chat_template):
             # OpenAI's developer role is its system role: a template that would drop the message
             # (Qwen3's renders system, user, assistant and tool only) gets it as a system message
@@ -177,23 +177,25 @@ class Tokenizer:
         return text
 
     def _needs_mapping_arguments(self, chat_template: str | None) -> bool:
-        """Whether the template fails on a tool call whose arguments are JSON text and renders one
-        whose arguments are an object (probed once per template)."""
+        """Whether the template wants a tool call's arguments as an object: it renders one, and
+        fails on JSON text (Qwen3-Coder's `|items`) or writes that text as a JSON string (Mistral's
+        `arguments|tojson`: the model would see its arguments quoted and escaped). Probed once per
+        template, with a call id of 9 letters or digits, which Mistral's templates demand."""
         source = self.chat_template if chat_template is None else chat_template
         known = self._mapping_args.get(source or "")
         if known is None:
             compiled = self.compile_template(chat_template)
 
-            def renders(arguments: Any) -> bool:
-                call = {"id": "call_probe", "type": "function", "function": {"name": "probe", "arguments": arguments}}
+            def rendered(arguments: Any) -> str | None:
+                call = {"id": "probecall", "type": "function", "function": {"name": "probe", "arguments": arguments}}
                 try:
-                    compiled.render(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}],
-                                    tools=None, add_generation_prompt=False, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-                    return True
+                    return compiled.render(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                           tools=None, add_generation_prompt=False, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
                 except Exception:  # noqa: BLE001 - any failure of the probe means "not this way"
-                    return False
+                    return None
 
-            known = not renders('{"k": 1}') and renders({"k": 1})
+            as_text = rendered('{"k": 1}')
+            known = rendered({"k": 1}) is not None and (as_text is None or '{\\"k\\": 1}' in as_text)
             self._mapping_args[source or ""] = known
             if len(self._mapping_args) > 32:
                 self._mapping_args.pop(next(iter(self._mapping_args)))
@@ -242,21 +244,24 @@ def _string_arguments(m: Any) -> bool:
                                        and isinstance(c["function"].get("arguments"), str) for c in m.get("tool_calls") or ())
 
 
-def _object_arguments(m: Any) -> Any:
-    """`m` with each tool call's JSON-text arguments as the object they encode (text that is not
-    a JSON object stays text: the template then fails on it, naming why)."""
+def _object_arguments(m: Any, i: int) -> Any:
+    """`m` (messages[i]) with each tool call's JSON-text arguments as the object they encode, for
+    a template that takes them as one; text that is not a JSON object is refused, naming it (such
+    a template would fail on it, or quote it as a string the model never saw there)."""
     if not _string_arguments(m):
         return m
     calls = []
-    for c in m["tool_calls"]:
+    for j, c in enumerate(m["tool_calls"]):
         args = c.get("function", {}).get("arguments") if isinstance(c, dict) else None
         if isinstance(args, str):
             try:
                 parsed = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
                 parsed = None
-            if isinstance(parsed, dict):
-                c = {**c, "function": {**c["function"], "arguments": parsed}}
+            if not isinstance(parsed, dict):
+                raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object as text: the chat "
+                                 f"template writes a call's arguments as an object (got {args[:60]!r})")
+            c = {**c, "function": {**c["function"], "arguments": parsed}}
         calls.append(c)
     return {**m, "tool_calls": calls}
 

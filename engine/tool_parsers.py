@@ -7,7 +7,12 @@ calls sit in a `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` s
 `deepseek_v3`) or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` (DeepSeek-V3.1,
 `deepseek_v31`); and MiniMax-M2's, `<invoke name="NAME"><parameter name="P">value</parameter></invoke>`
 calls in a `<minimax:tool_call>` section (`minimax_m2`): the section markers are neither content
-nor calls. Whole or streamed.
+nor calls; and Mistral's (`mistral`), which has no closing tag: `[TOOL_CALLS]NAME[ARGS]{json}` per
+call (tokenizers v11 on, Devstral Small 2507, Mistral Small 3.2; v11 may write `[CALL_ID]ID` before
+`[ARGS]`, and that id is the call's) or one `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`
+list (v3 / v7: Mistral-7B v0.3, Mixtral-8x22B, Mistral Small 3.1, Devstral Small 2505), a call
+ending where its JSON value does. Mistral's templates want call ids of 9 letters or digits, so its
+calls get such ids. Whole or streamed.
 
 Owns only text -> (content, tool calls). The streaming parser never emits text that could still
 turn out to be part of a tool call, and its deltas always add up to the whole-text parse, however
@@ -34,14 +39,15 @@ from cuttle.engine.reasoning_parsers import partial_suffix
 from cuttle.engine.tool_args import GlmArguments, JsonArguments, XmlArguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_MS_OPEN, _MS_ARGS, _MS_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _DS_OPEN, _DS_CLOSE, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 # format -> (a call's opening, its closing), and the markers of a section around the calls
 TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "glm45": (OPEN, CLOSE),
-        "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE), "minimax_m2": ("<invoke name=", "</invoke>")}
+        "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE), "minimax_m2": ("<invoke name=", "</invoke>"),
+        "mistral": (_MS_OPEN, "")}  # (a Mistral call ends where its JSON value does: _block_end)
 SECTIONS = {"deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
             "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
             "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}
-_BLOCKS = {fmt: re.compile(re.escape(o) + "(.*?)" + re.escape(c), re.S) for fmt, (o, c) in TAGS.items()}
 _DS_V3_CALL = re.compile(r"\s*function" + re.escape(_DS_SEP) + r"([^\n]+)\n```json\n(.*)\n```\s*$", re.S)
 _DS_V31_CALL = re.compile(r"\s*([^\s<]+?)\s*" + re.escape(_DS_SEP) + r"(.*)$", re.S)
 # MiniMax-M2: the rest of `<invoke name=` up to its parameters, and each parameter (one whitespace
@@ -61,7 +67,9 @@ _PARAM = re.compile(r"<parameter=([^>\n]+)>[ \t\r\n]?(.*?)[ \t\r\n]?</parameter>
 _GLM_NAME = re.compile(r"\s*([^\s<]+)\s*$")
 _GLM_PAIR = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>[ \t\r\n]?(.*?)[ \t\r\n]?</arg_value>", re.S)
 
-PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2")
+_MS_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}$")  # Mistral's function names (mistral_common's rule, with dots)
+
+PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral")
 _STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "glm45")  # formats whose arguments stream as written (tool_args.py)
 
 
@@ -80,10 +88,14 @@ class ToolCall:
         return d
 
 
+def mistral_call_id() -> str:
+    """A call id Mistral's templates accept: 9 letters or digits (they refuse any other)."""
+    return uuid.uuid4().hex[:9]
+
+
 # markers of tool-call formats cuttle does not parse -> what they are (a template writing one of
 # them and none of ours teaches its model a format the parsers would never find a call in)
 FOREIGN_FORMATS = {
-    "[TOOL_CALLS]": "Mistral's [TOOL_CALLS]",
     "<|tool_calls_section_begin|>": "Kimi-K2's <|tool_calls_section_begin|>",
     "<|python_tag|>": "Llama 3.1's JSON / <|python_tag|>",
 }
@@ -97,12 +109,14 @@ def parser_for_template(chat_template: str | None) -> str:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if chat_template and "<minimax:tool_call>" in chat_template:
         return "minimax_m2"
+    if chat_template and _MS_OPEN in chat_template:
+        return "mistral"
     return "qwen3_coder" if chat_template and "<function=" in chat_template else "hermes"
 
 
 def foreign_tool_format(chat_template: str | None) -> str | None:
     """The tool-call format the template teaches when it is one cuttle does not parse, else None."""
-    if not chat_template or any(m in chat_template for m in ("<tool_call>", "<｜tool▁calls▁begin｜>", "<minimax:tool_call>")):
+    if not chat_template or any(m in chat_template for m in ("<tool_call>", "<｜tool▁calls▁begin｜>", "<minimax:tool_call>", _MS_OPEN)):
         return None
     return next((what for marker, what in FOREIGN_FORMATS.items() if marker in chat_template), None)
 
@@ -113,6 +127,105 @@ def _param_types(tools: list[dict[str, Any]] | None, name: str) -> dict[str, str
         if f.get("name") == name:
             return {k: v.get("type", "string") for k, v in (f.get("parameters") or {}).get("properties", {}).items()}
     return {}
+
+
+def _json_end(text: str, i: int, limit: int) -> int | None:
+    """The end of the JSON object or array opening at text[i] (its brackets matched, strings and
+    escapes skipped), or None when it does not close before `limit`."""
+    depth, in_string, escape = 0, False, False
+    for j in range(i, limit):
+        c = text[j]
+        if in_string:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def _skip_space(text: str, i: int, limit: int) -> int:
+    while i < limit and text[i].isspace():
+        i += 1
+    return i
+
+
+def _block_end(text: str, start: int, fmt: str, final: bool) -> int | None:
+    """Where the call block opening at text[start] ends, or None while that is not known yet (or,
+    `final`, an unterminated block). A tag format's block ends with its closing tag. A Mistral one
+    ends where its JSON value does (a `[TOOL_CALLS]` inside one of its strings is text); one that
+    cannot be a call (no JSON object or array where one must start, or one never closed) ends at
+    the next `[TOOL_CALLS]`, decided only once that is certain, so the end is the same however the
+    text is cut."""
+    opening, closing = TAGS[fmt]
+    if closing:
+        e = text.find(closing, start + len(opening))
+        return None if e == -1 else e + len(closing)
+    at = start + len(opening)
+    nxt = text.find(opening, at)
+    limit = nxt if nxt != -1 else len(text)
+    i = _skip_space(text, at, limit)
+    if i < limit and text[i] != "[":
+        args = text.find(_MS_ARGS, at, limit)
+        i = _skip_space(text, args + len(_MS_ARGS), limit) if args != -1 else limit
+    if i < limit and text[i] in "{[":
+        e = _json_end(text, i, len(text))
+        if e is not None:
+            return e
+        return (nxt if nxt != -1 else None) if final else None
+    if i < limit:  # not a JSON value where one must start: malformed up to the next call
+        return nxt if nxt != -1 else (len(text) if final else None)
+    return nxt if nxt != -1 else None
+
+
+def _mistral_calls(block: str) -> list[ToolCall] | None:
+    """The calls of one Mistral block (`[TOOL_CALLS]` to the end of its JSON value), each with its
+    exact text: the block for a `NAME[ARGS]{...}` call, its own element of a list."""
+    body = block[len(_MS_OPEN):]
+    if body.lstrip().startswith("["):  # v3 / v7: one list of {"name", "arguments"} objects
+        try:
+            items = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(items, list) or not items:
+            return None
+        calls, at = [], block.index("[", len(_MS_OPEN)) + 1
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            args = item.get("arguments", {})
+            if not isinstance(args, (dict, str)):
+                return None
+            start = block.index("{", at)
+            end = _json_end(block, start, len(block))
+            assert end is not None  # the list parsed, so each element closes
+            cid = item.get("id")
+            call = ToolCall(item["name"], args if isinstance(args, str) else json.dumps(args), text=block[start:end],
+                            id=cid if isinstance(cid, str) and len(cid) == 9 and cid.isalnum() else mistral_call_id())
+            calls.append(call)
+            at = end
+        return calls
+    head, sep, raw = body.partition(_MS_ARGS)
+    name, _, cid = head.partition(_MS_CALL_ID)
+    name, cid = name.strip(), cid.strip()
+    if not sep or not _MS_NAME.match(name):
+        return None
+    try:
+        args = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(args, dict):
+        return None
+    return [ToolCall(name, json.dumps(args), id=cid if cid.isalnum() else mistral_call_id(), text=block)]
 
 
 def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
@@ -180,24 +293,37 @@ def split_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]]
     calls: list[ToolCall] = []
     malformed: list[str] = []
     content_parts: list[str] = []
-    pos = 0
-    opening, closing = TAGS[fmt]
-    for m in _BLOCKS[fmt].finditer(text):
-        call = _parse_block(m.group(1), fmt, tools)
-        if call is None:
-            malformed.append(m.group(0))
-            continue
-        call.text = m.group(0)
-        content_parts.append(text[pos : m.start()])
-        calls.append(call)
-        pos = m.end()
+    opening = TAGS[fmt][0]
+    pos = scan = 0  # text[pos:scan] is content not written yet
+    while (start := text.find(opening, scan)) != -1:
+        end = _block_end(text, start, fmt, final=True)
+        if end is None:
+            malformed.append(text[start:])
+            break
+        found = _calls_of(text[start:end], fmt, tools)
+        if found is None:
+            malformed.append(text[start:end])
+        else:
+            content_parts.append(text[pos:start])
+            calls += found
+            pos = end
+        scan = end
     content_parts.append(text[pos:])
-    last_close = text.rfind(closing)
-    unterminated = text.find(opening, last_close + len(closing) if last_close >= 0 else 0)
-    if unterminated != -1:
-        malformed.append(text[unterminated:])
     content = _drop_sections("".join(content_parts), fmt)
     return ParsedOutput(content.strip() if calls else content, calls, malformed)
+
+
+def _calls_of(block: str, fmt: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None:
+    """The calls of one whole block (opening to end), each keeping its exact text; None when the
+    block is not a call of the format."""
+    if fmt == "mistral":
+        return _mistral_calls(block)
+    opening, closing = TAGS[fmt]
+    call = _parse_block(block[len(opening):len(block) - len(closing)], fmt, tools)
+    if call is None:
+        return None
+    call.text = block
+    return [call]
 
 
 def _drop_sections(text: str, fmt: str) -> str:
@@ -270,9 +396,9 @@ class StreamingToolParser:
                 if not found:
                     break
                 if not self._begin(text, deltas):  # not a call that can be streamed (yet): whole, as `feed` does
-                    text_of, call, closed = self._whole_block(text, final)
+                    text_of, calls, closed = self._whole_block(text, final)
                     content += text_of
-                    if call is not None:
+                    for call in calls:
                         self.calls.append(call)
                         deltas.append(CallDelta(call, len(self.calls) - 1, call.arguments, first=True))
                     if not closed:
@@ -356,27 +482,25 @@ class StreamingToolParser:
             content += before
             if not found:
                 break
-            text_of, call, closed = self._whole_block(text, final)
+            text_of, calls, closed = self._whole_block(text, final)
             content += text_of
-            if call is not None:
-                new_calls.append(call)
+            new_calls += calls
             if not closed:
                 break
         self.calls += new_calls
         return content, new_calls
 
-    def _whole_block(self, text: str, final: bool) -> tuple[str, ToolCall | None, bool]:
-        """The block opening at self.sent, once closed: (the content it is, its call, whether it
+    def _whole_block(self, text: str, final: bool) -> tuple[str, list[ToolCall], bool]:
+        """The block opening at self.sent, once closed: (the content it is, its calls, whether it
         closed). A block that does not parse is content; an unterminated one is held, or content
         when `final`."""
-        end = text.find(self.closing, self.sent)
-        if end == -1:
+        end = _block_end(text, self.sent, self.fmt, final)
+        if end is None:
             held, self.sent = (_drop_sections(text[self.sent:], self.fmt), len(text)) if final else ("", self.sent)
-            return held, None, False
-        block = text[self.sent:end + len(self.closing)]
-        self.sent += len(block)
-        call = _parse_block(block[len(self.opening):-len(self.closing)], self.fmt, self.tools)
-        if call is None:
-            return _drop_sections(block, self.fmt), None, True
-        call.text = block
-        return "", call, True
+            return held, [], False
+        block = text[self.sent:end]
+        self.sent = end
+        calls = _calls_of(block, self.fmt, self.tools)
+        if calls is None:
+            return _drop_sections(block, self.fmt), [], True
+        return "", calls, True

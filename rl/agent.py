@@ -125,6 +125,7 @@ class AgentTurn:
     calls: list[ToolCall]  # parsed, each with its exact block in `.text`
     malformed: list[str]  # blocks that open a call but do not parse, verbatim
     results: list[ToolResult] = field(default_factory=list)  # one per block, in the order the model wrote them
+    content: str = ""  # the text outside the calls, as the server returns it (tool_parsers' parse in the episode's format)
 
 
 @dataclass(slots=True)
@@ -181,10 +182,10 @@ class Episode:
             if m["role"] != "assistant":
                 out.append(dict(m))
                 continue
-            parsed = split_tool_calls(next(turns).text)
-            msg: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
-            if parsed.calls:
-                msg["tool_calls"] = [c.to_openai() for c in parsed.calls]
+            turn = next(turns)  # parsed in the episode's format; its calls' ids are those the tool messages answer
+            msg: dict[str, Any] = {"role": "assistant", "content": turn.content or None}
+            if turn.calls:
+                msg["tool_calls"] = [c.to_openai() for c in turn.calls]
             out.append(msg)
         return out
 
@@ -253,6 +254,7 @@ _CALL_SHAPES = {
     "glm45": "<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>",
     "deepseek_v3": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>",
     "deepseek_v31": "<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>",
+    "mistral": '[TOOL_CALLS]NAME[ARGS]{...} (or [TOOL_CALLS][{"name": ..., "arguments": {...}}] where the template writes a list)',
     "minimax_m2": '<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n</invoke>\n</minimax:tool_call>',
 }
 
@@ -489,7 +491,7 @@ class AgentRollout:
             e.trajectory.append_sample(s)
             text, ended = self.chat.turn_text(s.token_ids)
             parsed = split_tool_calls(text, self.parser, self.tools)
-            t = AgentTurn(text, parsed.calls, parsed.malformed)
+            t = AgentTurn(text, parsed.calls, parsed.malformed, content=parsed.content)
             e.turns.append(t)
             if s.finish_reason == "length":
                 finish = "context" if len(e.trajectory.token_ids) >= cfg.max_total_tokens else "max_tokens"

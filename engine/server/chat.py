@@ -42,7 +42,7 @@ from cuttle.engine.server.streaming import Delta, Fields, Prompt, Serving
 from cuttle.engine.grammar_support import UNENFORCED_WHAT, unenforced_keywords
 from cuttle.engine.structured_output import tool_call_structure
 from cuttle.engine.tokenizer import Tokenizer, validate_messages
-from cuttle.engine.tool_parsers import PARSERS, CallDelta, StreamingToolParser, parse_tool_calls
+from cuttle.engine.tool_parsers import PARSERS, CallDelta, StreamingToolParser, mistral_call_id, parse_tool_calls
 
 
 def add_chat_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: ChatOptions) -> None:
@@ -326,7 +326,7 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
         params.skip_special_tokens = False
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # required / named tool_choice: the call's opening is written for the model (prefix forcing)
-    forced = _forced_prefix(parser, choice, forced_name)
+    forced = _forced_prefix(parser, choice, forced_name, tmpl.source or tok.chat_template)
     forced_ids = tok.encode(forced, add_special_tokens=False) if forced else []
     render_tools = tools if use_tools else None
     text = tmpl.render(tok, messages, render_tools)
@@ -467,10 +467,17 @@ def _document_part(p: dict[str, Any], i: int, j: int, role: Any) -> tuple[str | 
     return name, text
 
 
-def _forced_prefix(parser: str, choice: str, name: str | None) -> str:
+def _forced_prefix(parser: str, choice: str, name: str | None, template: str | None = None) -> str:
     """The opening of a tool call written for the model. It stops before a space or quote: BPE
     merges those with what follows, and a prefix cut inside such a merge reads as text the model
-    never saw in training."""
+    never saw in training. `template`: the chat template, which tells Mistral's two layouts apart."""
+    if parser == "mistral":  # no grammar (its markers are special tokens): the opening only
+        if template is not None and "[ARGS]" not in template:  # v3 / v7: a JSON list of calls, spaced as the template writes it
+            head = "[TOOL_CALLS] [" if "[TOOL_CALLS] " in template else "[TOOL_CALLS]["
+            return {"named": f'{head}{{"name": "{name}", "arguments":', "required": head + '{"name":'}.get(choice, "")
+        # v11 writes a call id before the arguments (the parser takes it as the call's), v13 none
+        cid = f"[CALL_ID]{mistral_call_id()}" if template is not None and "[CALL_ID]" in template else ""
+        return {"named": f"[TOOL_CALLS]{name}{cid}[ARGS]", "required": "[TOOL_CALLS]"}.get(choice, "")
     if parser == "glm45":  # GLM's template writes the name right after the tag
         return {"named": f"<tool_call>{name}", "required": "<tool_call>"}.get(choice, "")
     if parser == "minimax_m2":  # no grammar here either

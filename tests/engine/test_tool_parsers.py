@@ -32,6 +32,10 @@ DS_V31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>run_tests<｜t
 MINIMAX = ('Let me run them.\n<minimax:tool_call>\n<invoke name="run_tests">\n<parameter name="selection">tests/a.py</parameter>\n'
            '<parameter name="count">3</parameter>\n<parameter name="verbose">true</parameter>\n</invoke>\n<invoke name="run_tests">\n'
            '<parameter name="selection">\n  two  words\n\n</parameter>\n</invoke>\n</minimax:tool_call>')
+# Mistral's: v11's calls (one with its id) with text before, and v3's list, spaced as SentencePiece writes it
+MISTRAL = ('Running.[TOOL_CALLS]run_tests[CALL_ID]a1B2c3D4e[ARGS]{"selection": "t[1] ]}", "count": 3}'
+           '[TOOL_CALLS]add[ARGS] {"a": {"b": [2]}}')
+MISTRAL_LIST = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2}}, {"name": "list_files", "arguments": {}, "id": "xyz987QRS"}]'
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {
     "selection": {"type": "string"}, "verbose": {"type": "boolean"}, "count": {"type": "integer"}}}}}]
 
@@ -108,6 +112,21 @@ def test_qwen3_coder_one_whitespace_beside_each_tag_is_the_separator(before, aft
     assert json.loads(calls[0].arguments) == {"selection": value}
 
 
+def test_mistral_whole_both_layouts():
+    """v11 / v13's `[TOOL_CALLS]NAME[ARGS]{...}` calls (the model's [CALL_ID] is the call's id,
+    others get 9 letters or digits, as Mistral's templates demand) and v3 / v7's list, each
+    element a call with its own text; a call ends where its JSON value does."""
+    content, calls = parse_tool_calls(MISTRAL, "mistral", TOOLS)
+    assert content == "Running."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run_tests", {"selection": "t[1] ]}", "count": 3}),
+                                                                  ("add", {"a": {"b": [2]}})]
+    assert calls[0].id == "a1B2c3D4e" and len(calls[1].id) == 9 and calls[1].id.isalnum()
+    assert "".join(c.text for c in calls) == MISTRAL[len("Running."):]
+    content, calls = parse_tool_calls(MISTRAL_LIST, "mistral")
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 2}'), ("list_files", "{}")]
+    assert calls[1].id == "xyz987QRS" and calls[0].text == '{"name": "add", "arguments": {"a": 2}}'
+
+
 def test_plain_text_and_broken_calls_stay_content():
     text = "def f():\n    return 1  # <tool_call> is just a word here"
     assert parse_tool_calls(text) == (text, [])
@@ -118,7 +137,8 @@ def test_plain_text_and_broken_calls_stay_content():
 
 @pytest.mark.parametrize("fmt,text", [("hermes", HERMES), ("qwen3_coder", CODER), ("glm45", GLM), ("deepseek_v3", DS_V3),
                                       ("deepseek_v31", DS_V31), ("deepseek_v31", "no call <｜tool▁calls▁begin｜>just text"),
-                                      ("minimax_m2", MINIMAX),
+                                      ("minimax_m2", MINIMAX), ("mistral", MISTRAL), ("mistral", MISTRAL_LIST),
+                                      ("mistral", 'x [TOOL_CALLS]add[ARGS]"a" [TOOL_CALLS]add[ARGS]{"a": 1} [TOOL_CALLS]add[ARGS]{"a'),
                                       ("hermes", "no calls at all <tool_ca"),
                                       ("hermes", "text <tool_call>\n{\"name\": \"x\", \"argu")])
 @pytest.mark.parametrize("seed", range(12))
@@ -129,10 +149,12 @@ def test_streaming_equals_whole_for_any_split(fmt, text, seed):
         cuts = list(range(1, len(text)))  # one character at a time
     parser = StreamingToolParser(fmt, TOOLS)
     content, calls = "", []
+    # a block already known malformed is content mid-stream; anything that may still be a call never is
+    settled = any(text.index(m) + len(m) < len(text) for m in split_tool_calls(text, fmt, TOOLS).malformed)
     for c in cuts + [len(text)]:
         final = c == len(text)
         d, new = parser.feed(text[:c], final=final)
-        assert final or not any(m in d for m in ("<tool_call", "<｜tool", "<invoke", "<minimax"))  # a possible call never leaks mid-stream
+        assert final or settled or not any(m in d for m in ("<tool_call", "<｜tool", "<invoke", "<minimax", "[TOOL_CALLS]", "[ARGS]"))
         content += d
         calls += new
     whole_content, whole_calls = parse_tool_calls(text, fmt, TOOLS)
@@ -151,6 +173,7 @@ def test_parser_choice_from_template():
     assert parser_for_template(v3) == "deepseek_v3"
     assert parser_for_template("'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>'") == "deepseek_v31"
     assert parser_for_template("{{ '<minimax:tool_call>' }}\n<invoke name=") == "minimax_m2"
+    assert parser_for_template("{{- '[TOOL_CALLS]' + tool_call.function.name + '[ARGS]' }}") == "mistral"
     with pytest.raises(ValueError, match="tool-call parser"):
         parse_tool_calls("x", "pythonic")
 
@@ -158,10 +181,11 @@ def test_parser_choice_from_template():
 def test_foreign_formats_are_named():
     from cuttle.engine.tool_parsers import foreign_tool_format
 
-    assert foreign_tool_format("{{ '[TOOL_CALLS]' + tool_calls|tojson }}") == "Mistral's [TOOL_CALLS]"
+    assert foreign_tool_format("{{ '[TOOL_CALLS]' + tool_calls|tojson }}") is None  # Mistral's is parsed
+    assert "Llama 3.1" in foreign_tool_format("{{- '<|python_tag|>' + tool_call.name }}")
     assert "Kimi-K2" in foreign_tool_format("<|tool_calls_section_begin|><|tool_call_begin|>")
     assert foreign_tool_format("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") is None  # DeepSeek's is parsed
-    assert foreign_tool_format("{{ '<tool_call>' }} ... [TOOL_CALLS]") is None  # one of ours is there
+    assert foreign_tool_format("{{ '<tool_call>' }} ... <|python_tag|>") is None  # one of ours is there
     assert foreign_tool_format("{{ messages }}") is None and foreign_tool_format(None) is None
 
 
@@ -277,3 +301,12 @@ def test_forced_openings_parse_with_what_the_model_writes_after_them(fmt):
     for choice, after in zip(("named", "required"), rest):
         content, [call] = parse_tool_calls(_forced_prefix(fmt, choice, "add") + after, fmt, tools)
         assert (content, call.name, json.loads(call.arguments)) == ("", "add", {"a": 1})
+
+
+def test_cli_offers_every_parser(capsys):
+    from cuttle.engine.cli import main
+    from cuttle.engine.tool_parsers import PARSERS
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "{" + ",".join(PARSERS) + "}" in "".join(capsys.readouterr().out.split())

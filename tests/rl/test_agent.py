@@ -73,6 +73,9 @@ def test_scripted_fix_earns_reward_1_and_the_stream_is_the_template_rendering(to
         assert tok.apply_chat_template(e.openai_messages(), tools=tools, add_generation_prompt=False) == rendered
         assert [m.get("tool_calls", [{}])[0].get("function", {}).get("name") for m in e.openai_messages()
                 if m["role"] == "assistant"] == ["read_file", "edit_file", "run_tests", "submit"]
+        # each tool message answers the id its call has in that view (the ids the run gave the calls)
+        called = [c["id"] for m in e.openai_messages() if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+        assert [m["tool_call_id"] for m in e.openai_messages() if m["role"] == "tool"] == called[:3]
         # the first prompt is the system prompt with the tools and the task, with the generation prompt
         first = tok.encode(tok.apply_chat_template(e.chat.messages[:2], tools=tools), add_special_tokens=False)
         assert ids[: len(first)] == first and traj.prompt_length == len(first)
