@@ -26,7 +26,7 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -428,11 +428,11 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
       (xgrammar's triggered tags); with `parallel` false (the request's parallel_tool_calls),
       the first call ends the output (only EOS may follow it).
     The qwen3_coder and glm45 formats get the same three cases in their XML forms
-    (`_qwen3_coder_calls`, `_glm45_calls`).
+    (`_qwen3_coder_calls`, `_glm45_calls`), llama3_json in its bare JSON (`_llama3_calls`).
     None when there is nothing to enforce: no tools, `none`, xgrammar missing or a
     tokenizer it cannot serve (tool calls then work as they did before structured output: prefix
     forcing, no guarantee that the call parses)."""
-    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder", "glm45"):
+    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder", "glm45", "llama3_json"):
         return None
     try:
         xgrammar()
@@ -456,6 +456,8 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
 
     if fmt == "qwen3_coder":
         fmt_ = _qwen3_coder_calls(choice, name, tools, parallel)
+    elif fmt == "llama3_json":
+        fmt_ = _llama3_calls(choice, name, tools, parallel, args)
     elif fmt == "glm45":
         fmt_ = _glm45_calls(choice, name, tools, parallel)
     elif choice == "named":
@@ -474,12 +476,33 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
 _XML_CALL_END = "\n</function>\n</tool_call>"
 # the format's markers that checkpoints hold as single tokens
 _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_call>", "</tool_call>"),
-            "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
+            "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+            "llama3_json": ()}  # (bare JSON: nothing a vocabulary could hold special)
 
 
 def _special_markers(tokenizer: Tokenizer, fmt: str) -> list[str]:
     """The format's markers the tokenizer marks special (GLM-4.5's may be)."""
     return [m for m in _MARKERS[fmt] if tokenizer.tok.token_to_id(m) in tokenizer.special_ids]
+
+
+def _llama3_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool,
+                  args: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """Llama 3.1 / 3.2 / 3.3's calls, the reply itself: `{"name": "NAME", "parameters": ARGS}`
+    (several joined by `; `), ARGS under the tool's JSON schema. `named` continues after the
+    server's `{"name": "NAME", "parameters":`, `required` after `{"name":` (chat.py
+    `_forced_prefix`), each one call and then EOS; `auto` applies once the model writes
+    `{"name": ` (the parser reads calls at the start of the reply only)."""
+    if choice == "named":
+        [tool] = [t for t in tools if t["function"]["name"] == name]
+        return {"type": "sequence", "elements": [{"type": "const_string", "value": " "}, args(tool), {"type": "const_string", "value": "}"}]}
+    if choice == "required":
+        alts = [{"type": "sequence", "elements": [
+            {"type": "const_string", "value": f' {json.dumps(t["function"]["name"])}, "parameters": '}, args(t),
+            {"type": "const_string", "value": "}"}]} for t in tools]
+        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
+    return {"type": "triggered_tags", "triggers": ['{"name": '], "tags": [
+        {"type": "tag", "begin": f'{{"name": {json.dumps(t["function"]["name"])}, "parameters": ', "content": args(t), "end": "}"}
+        for t in tools], "stop_after_first": not parallel}
 
 
 def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:

@@ -12,7 +12,10 @@ call (tokenizers v11 on, Devstral Small 2507, Mistral Small 3.2; v11 may write `
 `[ARGS]`, and that id is the call's) or one `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`
 list (v3 / v7: Mistral-7B v0.3, Mixtral-8x22B, Mistral Small 3.1, Devstral Small 2505), a call
 ending where its JSON value does. Mistral's templates want call ids of 9 letters or digits, so its
-calls get such ids. Whole or streamed.
+calls get such ids; and Llama 3.1 / 3.2 / 3.3's (`llama3_json`): the output itself is
+`{"name": NAME, "parameters": {...}}` (several joined by `;`), after an optional `<|python_tag|>`,
+with no markers at all, so a call is only read at the start of the output (JSON later in an
+answer is content). Whole or streamed.
 
 Owns only text -> (content, tool calls). The streaming parser never emits text that could still
 turn out to be part of a tool call, and its deltas always add up to the whole-text parse, however
@@ -44,7 +47,8 @@ _DS_OPEN, _DS_CLOSE, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call�
 # format -> (a call's opening, its closing), and the markers of a section around the calls
 TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "glm45": (OPEN, CLOSE),
         "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE), "minimax_m2": ("<invoke name=", "</invoke>"),
-        "mistral": (_MS_OPEN, "")}  # (a Mistral call ends where its JSON value does: _block_end)
+        "mistral": (_MS_OPEN, ""),  # (a Mistral call ends where its JSON value does: _block_end)
+        "llama3_json": ("{", "")}  # (read at the output's start only: _llama_calls)
 SECTIONS = {"deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
             "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
             "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}
@@ -69,7 +73,10 @@ _GLM_PAIR = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>[ \t\r\n]?(.*?)
 
 _MS_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}$")  # Mistral's function names (mistral_common's rule, with dots)
 
-PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral")
+_PY_TAG = "<|python_tag|>"
+_LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')  # what makes a JSON object at the start a (perhaps broken) call
+
+PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "llama3_json")
 _STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "glm45")  # formats whose arguments stream as written (tool_args.py)
 
 
@@ -97,7 +104,7 @@ def mistral_call_id() -> str:
 # them and none of ours teaches its model a format the parsers would never find a call in)
 FOREIGN_FORMATS = {
     "<|tool_calls_section_begin|>": "Kimi-K2's <|tool_calls_section_begin|>",
-    "<|python_tag|>": "Llama 3.1's JSON / <|python_tag|>",
+    "<|python_tag|>": "Llama's <|python_tag|> calls",
 }
 
 
@@ -111,12 +118,15 @@ def parser_for_template(chat_template: str | None) -> str:
         return "minimax_m2"
     if chat_template and _MS_OPEN in chat_template:
         return "mistral"
+    if chat_template and "<|start_header_id|>" in chat_template and '"parameters": ' in chat_template \
+            and "<tool_call>" not in chat_template:
+        return "llama3_json"  # Llama 3.1 / 3.2 / 3.3: {"name": ..., "parameters": ...} as the whole reply
     return "qwen3_coder" if chat_template and "<function=" in chat_template else "hermes"
 
 
 def foreign_tool_format(chat_template: str | None) -> str | None:
     """The tool-call format the template teaches when it is one cuttle does not parse, else None."""
-    if not chat_template or any(m in chat_template for m in ("<tool_call>", "<｜tool▁calls▁begin｜>", "<minimax:tool_call>", _MS_OPEN)):
+    if not chat_template or "<tool_call>" in chat_template or parser_for_template(chat_template) != "hermes":
         return None
     return next((what for marker, what in FOREIGN_FORMATS.items() if marker in chat_template), None)
 
@@ -185,6 +195,54 @@ def _block_end(text: str, start: int, fmt: str, final: bool) -> int | None:
     if i < limit:  # not a JSON value where one must start: malformed up to the next call
         return nxt if nxt != -1 else (len(text) if final else None)
     return nxt if nxt != -1 else None
+
+
+def _llama_call(block: str) -> ToolCall | None:
+    """One Llama 3 call, `{"name": NAME, "parameters": {...}}` (`arguments` taken too)."""
+    try:
+        obj = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("parameters", obj.get("arguments", {}))
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args), text=block)
+
+
+def _llama_calls(text: str, final: bool) -> tuple[list[ToolCall], list[str], int, bool]:
+    """Llama 3's calls at the start of the output: (the calls, the malformed ones, where the
+    content starts, whether that is settled). Calls are JSON objects from the output's start (an
+    optional `<|python_tag|>` before the first, `;` between them); the first text that is not
+    one is content from there to the end. Unsettled (not `final`), the text may still hold more
+    calls, so nothing from the content's start on can be sent yet. Each answer holds for any
+    longer text, so the streamed parse equals the whole one."""
+    calls: list[ToolCall] = []
+    malformed: list[str] = []
+    at = 0
+    n = len(text)
+    while True:
+        j = _skip_space(text, at, n)
+        if calls and text.startswith(";", j):
+            j = _skip_space(text, j + 1, n)
+        elif not calls and text.startswith(_PY_TAG, j):
+            j = _skip_space(text, j + len(_PY_TAG), n)
+        rest = text[j:]
+        if not final and (not rest or (not calls and _PY_TAG.startswith(rest))):
+            return calls, malformed, at, False
+        if not rest.startswith("{"):
+            return calls, malformed, at, True
+        e = _json_end(text, j, n)
+        if e is None and not final:
+            return calls, malformed, at, False
+        call = _llama_call(text[j:e]) if e is not None else None
+        if call is None:  # JSON that is not a call is content; one that began as a call is malformed
+            if _LLAMA_CALL.match(rest):
+                malformed.append(text[j:e] if e is not None else rest)
+            return calls, malformed, at, True
+        calls.append(call)
+        at = e
 
 
 def _mistral_calls(block: str) -> list[ToolCall] | None:
@@ -290,6 +348,9 @@ def split_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]]
     """Whole text -> content, calls, and the malformed blocks (which stay part of the content)."""
     if fmt not in PARSERS:
         raise ValueError(f"tool-call parser must be one of {', '.join(PARSERS)}, got {fmt!r}")
+    if fmt == "llama3_json":
+        found, bad, at, _ = _llama_calls(text, final=True)
+        return ParsedOutput(text[at:].strip() if found else text, found, bad)
     calls: list[ToolCall] = []
     malformed: list[str] = []
     content_parts: list[str] = []
@@ -378,13 +439,14 @@ class StreamingToolParser:
         self.opening, self.closing = TAGS[fmt]
         self.incremental = incremental
         self.sent = 0  # text[:sent] has been accounted for (as content or as calls)
+        self._settled = False  # llama3_json: the content has begun, no call can follow
         self.calls: list[ToolCall] = []
         self._open: _OpenCall | None = None
 
     def feed_deltas(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         """Content and call pieces for the text so far (`final`: it is all there is). Without
         `incremental`, each call comes as one piece once its block closes."""
-        if not self.incremental:
+        if not self.incremental or self.fmt == "llama3_json":  # (no grammar writes Llama's calls: never incremental)
             first = len(self.calls)
             content, calls = self.feed(text, final)
             return content, [CallDelta(c, first + k, c.arguments, first=True) for k, c in enumerate(calls)]
@@ -475,6 +537,8 @@ class StreamingToolParser:
         return _drop_sections(rest[:start], self.fmt), True
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        if self.fmt == "llama3_json":
+            return self._feed_llama(text, final)
         content = ""
         new_calls: list[ToolCall] = []
         while True:
@@ -489,6 +553,20 @@ class StreamingToolParser:
                 break
         self.calls += new_calls
         return content, new_calls
+
+    def _feed_llama(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """Llama 3: calls as each closes while the output's start may still hold them; once the
+        content has begun, the rest of the text is content as it comes."""
+        if self._settled:
+            content, self.sent = text[self.sent:], len(text)
+            return content, []
+        calls, _, at, self._settled = _llama_calls(text, final)
+        new = calls[len(self.calls):]
+        self.calls += new
+        if not self._settled:
+            return "", new
+        content, self.sent = text[at:], len(text)
+        return content, new
 
     def _whole_block(self, text: str, final: bool) -> tuple[str, list[ToolCall], bool]:
         """The block opening at self.sent, once closed: (the content it is, its calls, whether it

@@ -471,6 +471,8 @@ def _forced_prefix(parser: str, choice: str, name: str | None, template: str | N
     """The opening of a tool call written for the model. It stops before a space or quote: BPE
     merges those with what follows, and a prefix cut inside such a merge reads as text the model
     never saw in training. `template`: the chat template, which tells Mistral's two layouts apart."""
+    if parser == "llama3_json":  # the reply is the call: {"name": "NAME", "parameters": {...}}
+        return {"named": f'{{"name": "{name}", "parameters":', "required": '{"name":'}.get(choice, "")
     if parser == "mistral":  # no grammar (its markers are special tokens): the opening only
         if template is not None and "[ARGS]" not in template:  # v3 / v7: a JSON list of calls, spaced as the template writes it
             head = "[TOOL_CALLS] [" if "[TOOL_CALLS] " in template else "[TOOL_CALLS]["

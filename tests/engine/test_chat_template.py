@@ -123,12 +123,17 @@ MISTRAL_TEMPLATE = ("{% for m in messages %}{% if m.tool_calls %}{% for tc in m.
 MISTRAL_LIST_TEMPLATE = ("{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS] [{% for tc in m.tool_calls %}"
                          "{{ tc.function|tojson }}{% endfor %}]{% else %}[{{ m.role }}]{{ m.content }}{% endif %}{% endfor %}")
 
+# Llama 3.1's layout: the call is the reply, its arguments written with tojson
+LLAMA_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{% if m.tool_calls %}"
+                  "{% set tc = m.tool_calls[0].function %}{{ '{\"name\": \"' + tc.name + '\", ' }}{{ '\"parameters\": ' }}"
+                  "{{ tc.arguments|tojson }}{{ '}' }}{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}")
 
-@pytest.mark.parametrize("template", [CODER_TEMPLATE, GLM_TEMPLATE, MISTRAL_TEMPLATE, MISTRAL_LIST_TEMPLATE],
-                         ids=["qwen3_coder", "glm45", "mistral", "mistral_list"])
+
+@pytest.mark.parametrize("template", [CODER_TEMPLATE, GLM_TEMPLATE, MISTRAL_TEMPLATE, MISTRAL_LIST_TEMPLATE, LLAMA_TEMPLATE],
+                         ids=["qwen3_coder", "glm45", "mistral", "mistral_list", "llama3"])
 def test_templates_that_iterate_arguments_get_them_as_an_object(tokenizers, template):
     """A client sends a call back with OpenAI's JSON-text arguments: a template that iterates them
-    as an object gets the object (transformers' rendering of the same call with dict arguments
+    as an object, or writes them with tojson (Mistral's, Llama's), gets the object (transformers' rendering of the same call with dict arguments
     is the oracle); Qwen3's template, which writes text as is, keeps the text; arguments that are
     not a JSON object are a clear error, not a server error."""
     tok, hf = tokenizers
@@ -141,7 +146,7 @@ def test_templates_that_iterate_arguments_get_them_as_an_object(tokenizers, temp
     got = tok.apply_chat_template(sent, chat_template=template, add_generation_prompt=False)
     assert got == hf.apply_chat_template(as_object, chat_template=template, tokenize=False, add_generation_prompt=False)
     assert "<parameter=days>\n3\n" in got or "<arg_value>3</arg_value>" in got or '"arguments": {"city": "Paris", "days": 3' in got \
-        or '[ARGS]{"city": "Paris", "days": 3' in got
+        or '[ARGS]{"city": "Paris", "days": 3' in got or '"parameters": {"city": "Paris", "days": 3' in got
     assert '"arguments": ' + args in tok.apply_chat_template(sent, add_generation_prompt=False)  # Qwen3's: the text as sent
     with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments must be a JSON object"):
         tok.apply_chat_template([sent[0], {**sent[1], "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}],

@@ -311,6 +311,24 @@ def test_auto_glm45_calls_follow_the_schema_once_opened(glm_client):
     assert calls >= 4
 
 
+@pytest.fixture(scope="module")
+def llama_client():
+    """The same model served with Llama 3.x's tool-call format: the reply is the call,
+    `{"name": NAME, "parameters": ARGS}`, its arguments under the tool's schema."""
+    with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32,
+                    app_kw={"tool_call_parser": "llama3_json"}) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
+def test_forced_llama3_json_tool_call_always_parses_and_validates(llama_client, tool_choice):
+    _check_forced_calls(llama_client, tool_choice, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}, max_tokens=120)
+    # one call only when asked: the grammar ends the reply after it (a promise kept, so not refused)
+    r = llama_client.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice=tool_choice,
+                                             parallel_tool_calls=False, temperature=1.0, seed=5, max_tokens=120).choices[0]
+    assert r.finish_reason == "tool_calls" and len(r.message.tool_calls) == 1 and not r.message.content
+
+
 def test_call_markers_marked_special_are_read_and_left_unconstrained(tmp_path):
     """A checkpoint whose tokenizer marks its call markers special (GLM-4.5's may): with tools the
     output is decoded with them (vLLM's parsers do the same), so the model's own `<tool_call>`

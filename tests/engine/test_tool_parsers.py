@@ -36,6 +36,9 @@ MINIMAX = ('Let me run them.\n<minimax:tool_call>\n<invoke name="run_tests">\n<p
 MISTRAL = ('Running.[TOOL_CALLS]run_tests[CALL_ID]a1B2c3D4e[ARGS]{"selection": "t[1] ]}", "count": 3}'
            '[TOOL_CALLS]add[ARGS] {"a": {"b": [2]}}')
 MISTRAL_LIST = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2}}, {"name": "list_files", "arguments": {}, "id": "xyz987QRS"}]'
+# Llama 3.x: the reply is the call(s), `;` between them; a <|python_tag|> may come first
+LLAMA = '{"name": "run_tests", "parameters": {"selection": "t[1] }", "count": 3}}; {"name": "add", "arguments": {"a": 2}}'
+LLAMA_TAG = '<|python_tag|>{"name": "add", "parameters": {}}'
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {
     "selection": {"type": "string"}, "verbose": {"type": "boolean"}, "count": {"type": "integer"}}}}}]
 
@@ -127,6 +130,35 @@ def test_mistral_whole_both_layouts():
     assert calls[1].id == "xyz987QRS" and calls[0].text == '{"name": "add", "arguments": {"a": 2}}'
 
 
+def test_llama3_json_whole():
+    """Llama 3.x's calls are the reply itself: JSON objects from its start (`parameters`, or
+    `arguments`), `;` between them, an optional <|python_tag|> first; JSON later in an answer,
+    or JSON that is no call, is content; a call broken or cut off is malformed content."""
+    content, calls = parse_tool_calls(LLAMA, "llama3_json")
+    assert content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run_tests", {"selection": "t[1] }", "count": 3}), ("add", {"a": 2})]
+    assert [c.text for c in calls] == [LLAMA[:LLAMA.index(";")], LLAMA[LLAMA.index(";") + 2:]]
+    assert [(c.name, c.arguments) for c in parse_tool_calls(LLAMA_TAG, "llama3_json")[1]] == [("add", "{}")]
+    for text in ('Sure: {"name": "add", "parameters": {}}', '{"result": 1}', '<|python_tag|>brave_search.call(query="x")', ""):
+        assert parse_tool_calls(text, "llama3_json") == (text, [])
+    parsed = split_tool_calls('{"name": "add", "parameters": [1]}', "llama3_json")
+    assert parsed.calls == [] and parsed.malformed == ['{"name": "add", "parameters": [1]}']
+    parsed = split_tool_calls('{"name": "add", "parameters": {}} and then some', "llama3_json")
+    assert [c.name for c in parsed.calls] == ["add"] and parsed.content == "and then some"
+    cut = split_tool_calls('{"name": "add", "parameters": {"a": 1}}; {"name": "add", "param', "llama3_json")
+    assert len(cut.calls) == 1 and cut.malformed == ['{"name": "add", "param'] and cut.content == '; {"name": "add", "param'
+
+
+def test_llama3_json_streams_content_at_once_when_the_reply_is_no_call():
+    """Text that cannot start a call is sent as it comes; a reply that may be one is held."""
+    parser = StreamingToolParser("llama3_json")
+    assert parser.feed("  <|python") == ("", [])
+    assert parser.feed('  <|python_tag|>{"name": "add", "par') == ("", [])
+    parser = StreamingToolParser("llama3_json")
+    assert parser.feed("Hello") == ("Hello", [])
+    assert parser.feed('Hello {"name": "add"') == (' {"name": "add"', [])
+
+
 def test_plain_text_and_broken_calls_stay_content():
     text = "def f():\n    return 1  # <tool_call> is just a word here"
     assert parse_tool_calls(text) == (text, [])
@@ -139,6 +171,11 @@ def test_plain_text_and_broken_calls_stay_content():
                                       ("deepseek_v31", DS_V31), ("deepseek_v31", "no call <｜tool▁calls▁begin｜>just text"),
                                       ("minimax_m2", MINIMAX), ("mistral", MISTRAL), ("mistral", MISTRAL_LIST),
                                       ("mistral", 'x [TOOL_CALLS]add[ARGS]"a" [TOOL_CALLS]add[ARGS]{"a": 1} [TOOL_CALLS]add[ARGS]{"a'),
+                                      ("llama3_json", LLAMA), ("llama3_json", "  " + LLAMA_TAG + "\n"),
+                                      ("llama3_json", 'As JSON: {"name": "add", "parameters": {}}'),
+                                      ("llama3_json", '{"result": [1, 2]} is the answer'),
+                                      ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; then {"name": "x"'),
+                                      ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"name": "bro'),
                                       ("hermes", "no calls at all <tool_ca"),
                                       ("hermes", "text <tool_call>\n{\"name\": \"x\", \"argu")])
 @pytest.mark.parametrize("seed", range(12))
@@ -174,6 +211,8 @@ def test_parser_choice_from_template():
     assert parser_for_template("'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>'") == "deepseek_v31"
     assert parser_for_template("{{ '<minimax:tool_call>' }}\n<invoke name=") == "minimax_m2"
     assert parser_for_template("{{- '[TOOL_CALLS]' + tool_call.function.name + '[ARGS]' }}") == "mistral"
+    llama = "<|start_header_id|>assistant<|end_header_id|>\n\n{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}"
+    assert parser_for_template(llama) == "llama3_json"
     with pytest.raises(ValueError, match="tool-call parser"):
         parse_tool_calls("x", "pythonic")
 
@@ -182,7 +221,7 @@ def test_foreign_formats_are_named():
     from cuttle.engine.tool_parsers import foreign_tool_format
 
     assert foreign_tool_format("{{ '[TOOL_CALLS]' + tool_calls|tojson }}") is None  # Mistral's is parsed
-    assert "Llama 3.1" in foreign_tool_format("{{- '<|python_tag|>' + tool_call.name }}")
+    assert foreign_tool_format("{{- '<|python_tag|>' + tool_call.name }}") == "Llama's <|python_tag|> calls"
     assert "Kimi-K2" in foreign_tool_format("<|tool_calls_section_begin|><|tool_call_begin|>")
     assert foreign_tool_format("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") is None  # DeepSeek's is parsed
     assert foreign_tool_format("{{ '<tool_call>' }} ... <|python_tag|>") is None  # one of ours is there
