@@ -33,7 +33,11 @@ class Tokenizer:
     def __init__(self, path: str):
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
-            raise FileNotFoundError(f"model directory {path!r} has no tokenizer.json")
+            other = next((f for f in ("tekken.json", "tiktoken.model") if os.path.isfile(os.path.join(path, f))), None)
+            how = (f" (it has {other}, a vocabulary cuttle does not read: convert it to tokenizer.json, e.g. with transformers' "
+                   f"{'convert_tekken_tokenizer' if other == 'tekken.json' else 'TikTokenConverter'}, and save it beside it)"
+                   if other else "")
+            raise FileNotFoundError(f"model directory {path!r} has no tokenizer.json{how}")
         self.tok = HFTokenizer.from_file(tok_file)
         cfg: dict[str, Any] = {}
         cfg_file = os.path.join(path, "tokenizer_config.json")

@@ -15,7 +15,10 @@ ending where its JSON value does. Mistral's templates want call ids of 9 letters
 calls get such ids; and Llama 3.1 / 3.2 / 3.3's (`llama3_json`): the output itself is
 `{"name": NAME, "parameters": {...}}` (several joined by `;`), after an optional `<|python_tag|>`,
 with no markers at all, so a call is only read at the start of the output (JSON later in an
-answer is content). Whole or streamed.
+answer is content); and Kimi-K2's (`kimi_k2`): `<|tool_call_begin|>functions.NAME:IDX
+<|tool_call_argument_begin|>{json}<|tool_call_end|>` calls in a `<|tool_calls_section_begin|>`
+section, the model's `functions.NAME:IDX` being the call's id (Kimi's templates write it back).
+Whole or streamed.
 
 Owns only text -> (content, tool calls). The streaming parser never emits text that could still
 turn out to be part of a tool call, and its deltas always add up to the whole-text parse, however
@@ -48,11 +51,15 @@ _DS_OPEN, _DS_CLOSE, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call�
 TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "glm45": (OPEN, CLOSE),
         "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE), "minimax_m2": ("<invoke name=", "</invoke>"),
         "mistral": (_MS_OPEN, ""),  # (a Mistral call ends where its JSON value does: _block_end)
-        "llama3_json": ("{", "")}  # (read at the output's start only: _llama_calls)
+        "llama3_json": ("{", ""),
+        "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>")}  # (read at the output's start only: _llama_calls)
 SECTIONS = {"deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
             "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
-            "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}
+            "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+            "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")}
 _DS_V3_CALL = re.compile(r"\s*function" + re.escape(_DS_SEP) + r"([^\n]+)\n```json\n(.*)\n```\s*$", re.S)
+# Kimi-K2: `functions.NAME:IDX` (the id), then the arguments
+_KIMI_CALL = re.compile(r"\s*((?:functions\.)?([^\s<:]+):\d+)\s*<\|tool_call_argument_begin\|>(.*)$", re.S)
 _DS_V31_CALL = re.compile(r"\s*([^\s<]+?)\s*" + re.escape(_DS_SEP) + r"(.*)$", re.S)
 # MiniMax-M2: the rest of `<invoke name=` up to its parameters, and each parameter (one whitespace
 # character beside its tags is a separator, as for qwen3_coder)
@@ -76,7 +83,7 @@ _MS_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}$")  # Mistral's function names (mi
 _PY_TAG = "<|python_tag|>"
 _LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')  # what makes a JSON object at the start a (perhaps broken) call
 
-PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "llama3_json")
+PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "llama3_json", "kimi_k2")
 _STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "glm45")  # formats whose arguments stream as written (tool_args.py)
 
 
@@ -103,7 +110,6 @@ def mistral_call_id() -> str:
 # markers of tool-call formats cuttle does not parse -> what they are (a template writing one of
 # them and none of ours teaches its model a format the parsers would never find a call in)
 FOREIGN_FORMATS = {
-    "<|tool_calls_section_begin|>": "Kimi-K2's <|tool_calls_section_begin|>",
     "<|python_tag|>": "Llama's <|python_tag|> calls",
 }
 
@@ -116,6 +122,8 @@ def parser_for_template(chat_template: str | None) -> str:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if chat_template and "<minimax:tool_call>" in chat_template:
         return "minimax_m2"
+    if chat_template and "<|tool_calls_section_begin|>" in chat_template:
+        return "kimi_k2"
     if chat_template and _MS_OPEN in chat_template:
         return "mistral"
     if chat_template and "<|start_header_id|>" in chat_template and '"parameters": ' in chat_template \
@@ -287,6 +295,15 @@ def _mistral_calls(block: str) -> list[ToolCall] | None:
 
 
 def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
+    if fmt == "kimi_k2":
+        m = _KIMI_CALL.match(body)
+        if m is None:
+            return None
+        try:
+            args = json.loads(m.group(3))
+        except json.JSONDecodeError:
+            return None
+        return ToolCall(m.group(2), json.dumps(args), id=m.group(1)) if isinstance(args, dict) else None
     if fmt in ("deepseek_v3", "deepseek_v31"):
         m = (_DS_V3_CALL if fmt == "deepseek_v3" else _DS_V31_CALL).match(body)
         if m is None:

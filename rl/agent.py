@@ -255,6 +255,8 @@ _CALL_SHAPES = {
     "deepseek_v3": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>",
     "deepseek_v31": "<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>",
     "mistral": '[TOOL_CALLS]NAME[ARGS]{...} (or [TOOL_CALLS][{"name": ..., "arguments": {...}}] where the template writes a list)',
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>"
+               "<|tool_calls_section_end|>",
     "llama3_json": '{"name": NAME, "parameters": {...}} as the whole reply',
     "minimax_m2": '<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n</invoke>\n</minimax:tool_call>',
 }

@@ -326,7 +326,7 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
         params.skip_special_tokens = False
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # required / named tool_choice: the call's opening is written for the model (prefix forcing)
-    forced = _forced_prefix(parser, choice, forced_name, tmpl.source or tok.chat_template)
+    forced = _forced_prefix(parser, choice, forced_name, tmpl.source or tok.chat_template, _calls_before(messages))
     forced_ids = tok.encode(forced, add_special_tokens=False) if forced else []
     render_tools = tools if use_tools else None
     text = tmpl.render(tok, messages, render_tools)
@@ -467,10 +467,18 @@ def _document_part(p: dict[str, Any], i: int, j: int, role: Any) -> tuple[str | 
     return name, text
 
 
-def _forced_prefix(parser: str, choice: str, name: str | None, template: str | None = None) -> str:
+def _calls_before(messages: list[dict[str, Any]]) -> int:
+    """The tool calls of the conversation so far (Kimi-K2 numbers its calls across it)."""
+    return sum(len(m.get("tool_calls") or ()) for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+
+
+def _forced_prefix(parser: str, choice: str, name: str | None, template: str | None = None, calls_before: int = 0) -> str:
     """The opening of a tool call written for the model. It stops before a space or quote: BPE
     merges those with what follows, and a prefix cut inside such a merge reads as text the model
     never saw in training. `template`: the chat template, which tells Mistral's two layouts apart."""
+    if parser == "kimi_k2":  # no grammar (special markers): the opening, the call numbered after the conversation's calls
+        head = "<|tool_calls_section_begin|><|tool_call_begin|>functions."
+        return {"named": f"{head}{name}:{calls_before}<|tool_call_argument_begin|>", "required": head}.get(choice, "")
     if parser == "llama3_json":  # the reply is the call: {"name": "NAME", "parameters": {...}}
         return {"named": f'{{"name": "{name}", "parameters":', "required": '{"name":'}.get(choice, "")
     if parser == "mistral":  # no grammar (its markers are special tokens): the opening only

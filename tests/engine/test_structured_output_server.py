@@ -366,16 +366,16 @@ def test_call_markers_marked_special_are_read_and_left_unconstrained(tmp_path):
 
 
 def test_a_template_in_a_format_no_parser_reads_refuses_tools():
-    """A chat template teaching Kimi-K2's call sections (no parser here): a request with tools is a
+    """A chat template teaching Llama's <|python_tag|> calls only (no parser here): a request with tools is a
     400 naming `tools` (its calls would come back as text), `tool_choice: none` and requests
     without tools are served, and `--tool-call-parser` given by the operator is taken as said."""
     tmpl = ("{% for m in messages %}[INST]{{ m['content'] }}[/INST]{% endfor %}"
-            "{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}{# <|tool_calls_section_begin|> #}")
+            "{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}{# <|python_tag|> #}")
     with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=128, max_num_seqs=4, app_kw={"chat_template": tmpl}) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, max_tokens=4)
-        assert e.value.body["param"] == "tools" and "Kimi-K2's" in e.value.body["message"]
+        assert e.value.body["param"] == "tools" and "Llama's <|python_tag|>" in e.value.body["message"]
         assert c.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, tool_choice="none", max_tokens=4).choices
         assert c.chat.completions.create(model="test-model", messages=MSGS, max_tokens=4).choices
     with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=128, max_num_seqs=4,

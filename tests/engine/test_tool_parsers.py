@@ -39,6 +39,10 @@ MISTRAL_LIST = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2}}, {"name": "
 # Llama 3.x: the reply is the call(s), `;` between them; a <|python_tag|> may come first
 LLAMA = '{"name": "run_tests", "parameters": {"selection": "t[1] }", "count": 3}}; {"name": "add", "arguments": {"a": 2}}'
 LLAMA_TAG = '<|python_tag|>{"name": "add", "parameters": {}}'
+# Kimi-K2's: two calls in a section, each id `functions.NAME:IDX`
+KIMI = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.run_tests:0<|tool_call_argument_begin|>'
+        '{"selection": "t.py", "count": 3}<|tool_call_end|>\n<|tool_call_begin|> functions.add:1 <|tool_call_argument_begin|>'
+        '{"a": 2}<|tool_call_end|><|tool_calls_section_end|> done')
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {
     "selection": {"type": "string"}, "verbose": {"type": "boolean"}, "count": {"type": "integer"}}}}}]
 
@@ -130,6 +134,28 @@ def test_mistral_whole_both_layouts():
     assert calls[1].id == "xyz987QRS" and calls[0].text == '{"name": "add", "arguments": {"a": 2}}'
 
 
+def test_kimi_k2_whole():
+    """The calls of a section (its markers neither content nor calls), each call's id the
+    `functions.NAME:IDX` the model wrote (Kimi's templates write it back); a call without such an
+    id, or with arguments that are not an object, stays content."""
+    content, calls = parse_tool_calls(KIMI, "kimi_k2", TOOLS)
+    assert content == "Checking.\n done"
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in calls] == [
+        ("functions.run_tests:0", "run_tests", {"selection": "t.py", "count": 3}), ("functions.add:1", "add", {"a": 2})]
+    for bad in ("<|tool_call_begin|>functions.add<|tool_call_argument_begin|>{}<|tool_call_end|>",
+                "<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>[1]<|tool_call_end|>"):
+        assert split_tool_calls(bad, "kimi_k2").malformed == [bad]
+    assert parser_for_template("{{- '<|tool_calls_section_begin|>' -}}") == "kimi_k2"
+    # a forced call is numbered after the conversation's calls, as Kimi numbers them
+    from cuttle.engine.server.chat import _calls_before, _forced_prefix
+
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "functions.a:0"}, {"id": "functions.b:1"}]},
+             {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    forced = _forced_prefix("kimi_k2", "named", "add", None, _calls_before(turns))
+    assert forced == "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:2<|tool_call_argument_begin|>"
+    assert parse_tool_calls(forced + '{"a": 1}<|tool_call_end|><|tool_calls_section_end|>', "kimi_k2")[1][0].id == "functions.add:2"
+
+
 def test_llama3_json_whole():
     """Llama 3.x's calls are the reply itself: JSON objects from its start (`parameters`, or
     `arguments`), `;` between them, an optional <|python_tag|> first; JSON later in an answer,
@@ -171,7 +197,7 @@ def test_plain_text_and_broken_calls_stay_content():
                                       ("deepseek_v31", DS_V31), ("deepseek_v31", "no call <｜tool▁calls▁begin｜>just text"),
                                       ("minimax_m2", MINIMAX), ("mistral", MISTRAL), ("mistral", MISTRAL_LIST),
                                       ("mistral", 'x [TOOL_CALLS]add[ARGS]"a" [TOOL_CALLS]add[ARGS]{"a": 1} [TOOL_CALLS]add[ARGS]{"a'),
-                                      ("llama3_json", LLAMA), ("llama3_json", "  " + LLAMA_TAG + "\n"),
+                                      ("kimi_k2", KIMI), ("llama3_json", LLAMA), ("llama3_json", "  " + LLAMA_TAG + "\n"),
                                       ("llama3_json", 'As JSON: {"name": "add", "parameters": {}}'),
                                       ("llama3_json", '{"result": [1, 2]} is the answer'),
                                       ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; then {"name": "x"'),
@@ -191,7 +217,7 @@ def test_streaming_equals_whole_for_any_split(fmt, text, seed):
     for c in cuts + [len(text)]:
         final = c == len(text)
         d, new = parser.feed(text[:c], final=final)
-        assert final or settled or not any(m in d for m in ("<tool_call", "<｜tool", "<invoke", "<minimax", "[TOOL_CALLS]", "[ARGS]"))
+        assert final or settled or not any(m in d for m in ("<tool_call", "<｜tool", "<invoke", "<minimax", "[TOOL_CALLS]", "[ARGS]", "<|tool_call"))
         content += d
         calls += new
     whole_content, whole_calls = parse_tool_calls(text, fmt, TOOLS)
@@ -222,7 +248,7 @@ def test_foreign_formats_are_named():
 
     assert foreign_tool_format("{{ '[TOOL_CALLS]' + tool_calls|tojson }}") is None  # Mistral's is parsed
     assert foreign_tool_format("{{- '<|python_tag|>' + tool_call.name }}") == "Llama's <|python_tag|> calls"
-    assert "Kimi-K2" in foreign_tool_format("<|tool_calls_section_begin|><|tool_call_begin|>")
+    assert foreign_tool_format("<|tool_calls_section_begin|><|tool_call_begin|>") is None  # Kimi-K2's is parsed
     assert foreign_tool_format("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") is None  # DeepSeek's is parsed
     assert foreign_tool_format("{{ '<tool_call>' }} ... <|python_tag|>") is None  # one of ours is there
     assert foreign_tool_format("{{ messages }}") is None and foreign_tool_format(None) is None

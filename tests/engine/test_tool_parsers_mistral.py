@@ -218,3 +218,15 @@ def test_server_with_a_mistral_template():
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="test-model", messages=bad, tools=WEATHER, max_tokens=4)
         assert e.value.body["param"] == "messages" and "length 9" in e.value.body["message"]
+
+
+def test_a_vocabulary_cuttle_does_not_read_is_named(tmp_path):
+    """A checkpoint with Mistral's tekken.json (or a tiktoken vocabulary, Kimi-K2's) and no
+    tokenizer.json: the error says which file it has and how to make the one cuttle reads."""
+    (tmp_path / "tekken.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="has tekken.json.*convert_tekken_tokenizer"):
+        Tokenizer(str(tmp_path))
+    os.remove(tmp_path / "tekken.json")
+    (tmp_path / "tiktoken.model").write_text("")
+    with pytest.raises(FileNotFoundError, match="has tiktoken.model.*TikTokenConverter"):
+        Tokenizer(str(tmp_path))
