@@ -1,6 +1,7 @@
 """Paged attention on CPU: the Python binding of `csrc/paged_decode.c` (`paged_attention_rows`),
 called by the torch backend for decode rows, short prefill chunks and the parts of a segmented
-step; tested against the torch path it replaces and against a float64 oracle.
+step; tested against the torch path it replaces and against a float64 oracle. A sliding window
+is a row's table starting at the window's block and `skips`, the keys of that block before it.
 
 A call attends query rows, each against its own block table and key count, reading K/V in place
 from the paged cache, and writes each row's output and (optionally) its log-sum-exp. Which
@@ -27,7 +28,7 @@ _ARGTYPES = [
     _vp, _int, _i64, _vp, _vp, _vp, _vp, _int,  # q, q dtype, q row stride, k, v, host k, host v, kv dtype
     _vp, _int, _i64,  # out, out dtype, out stride
     _vp, _i64, _vp, _vp,  # lse, lse row stride, q rows, out rows
-    _vp, _i64, _vp, _i64,  # tables, table stride, lens, rows
+    _vp, _i64, _vp, _vp, _i64,  # tables, table stride, lens, skips, rows
     _i64, _i64, _i64, _i64, _float, _i64,  # kv heads, group, head_dim, block_size, scale, head chunks
 ]
 _declared: ctypes.CDLL | None = None
@@ -61,6 +62,7 @@ def paged_attention_rows(
     scale: float,
     k_host: torch.Tensor | None = None,  # [host blocks, block_size, Hkv, D]: the pool of HOST_BLOCK entries
     v_host: torch.Tensor | None = None,
+    skips: torch.Tensor | None = None,  # [N] int32: each row's first skips[i] keys weigh 0 (a sliding window); None: none
 ) -> None:
     lib = kernels().lib
     assert lib is not None, "the native library is not loaded (check available())"
@@ -69,6 +71,7 @@ def paged_attention_rows(
     n = q_rows.shape[0]
     assert out_rows.shape[0] == n and tables.shape[0] == n and lens.shape[0] == n and tables.stride(1) == 1
     assert q_rows.dtype == out_rows.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32
+    assert skips is None or (skips.dtype == torch.int32 and skips.shape[0] == n and skips.is_contiguous())
     if k_host is not None:
         assert v_host is not None and k_host.dtype == k_cache.dtype and k_host.shape[1:] == k_cache.shape[1:]
         assert k_host.is_contiguous() and v_host.is_contiguous() and k_host.device.type == "cpu"
@@ -83,7 +86,8 @@ def paged_attention_rows(
         k_host.data_ptr() if k_host is not None else None, v_host.data_ptr() if v_host is not None else None,
         DTYPE_CODE[k_cache.dtype], out.data_ptr(), DTYPE_CODE[out.dtype], out.stride(0),
         lse.data_ptr() if lse is not None else None, lse.stride(0) if lse is not None else 0,
-        q_rows.data_ptr(), out_rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n,
+        q_rows.data_ptr(), out_rows.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        skips.data_ptr() if skips is not None else None, n,
         num_kv_heads, group, head_dim, block_size, scale, head_chunks,
     )
     if rc == -2:

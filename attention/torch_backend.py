@@ -17,6 +17,14 @@ attended against that segment alone (full or causal), and merged per row by the 
 
 Blocks of the host pool (`HOST_BLOCK` ids, `meta.host_kv`: read in place) are read where they
 lie: the native kernel picks the pool per block; the torch paths gather each block from its pool.
+
+Sliding windows (`set_windows`: layer -> W, Mistral's / StarCoder2's / Qwen2's): a query at
+position p attends keys p - W + 1 .. p. A windowed layer of a step whose sequences all fit in W
+runs as any other; otherwise it takes a plan of its own (`_StepPlan(meta, window)`, made once a
+step per window): native rows start at their window's block with the keys before the window in
+it skipped (`skips`, weight exactly 0), the decode gather path's bias masks them, and SDPA chunks
+read from their first window's block under a causal-and-window bias. One-segment steps only
+(segmented steps, squid's documents, are refused with windows upstream).
 """
 from __future__ import annotations
 
@@ -36,6 +44,13 @@ class TorchAttentionBackend:
         """native=False keeps every path in plain torch (the oracle the native kernel is tested against)."""
         self._plan: _StepPlan | None = None
         self.native = native and native_attention.available()
+        self.windows: dict[int, int] = {}  # layer -> sliding window W (absent: every position)
+
+    def set_windows(self, windows: dict[int, int]) -> None:
+        """The model's sliding windows, per layer id (layers not named attend every position)."""
+        if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows.values()):
+            raise ValueError(f"sliding windows must be positive integers, got {windows!r}")
+        self.windows = dict(windows)
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._plan = _StepPlan(meta)
@@ -60,8 +75,13 @@ class TorchAttentionBackend:
             self._plan = _StepPlan(meta)
         plan = self._plan
         k_host, v_host = meta.host_kv[layer] if meta.host_kv is not None else (None, None)
+        window = self.windows.get(layer)
         if meta.segments is not None:
+            if window is not None:
+                raise NotImplementedError("sliding-window attention over segmented steps (squid documents) is not built")
             return self._segmented(q, k_cache, v_cache, k_host, v_host, plan, scale)
+        if window is not None and plan.max_kv > window:
+            plan = plan.windowed(window)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -75,7 +95,7 @@ class TorchAttentionBackend:
             if native.rows is not None:
                 native_attention.paged_attention_rows(
                     q, k_cache, v_cache, out, lse, native.rows, native.rows, native.tables, native.lens,
-                    scale, k_host, v_host,
+                    scale, k_host, v_host, native.skips,
                 )
             prefills = native.prefills_left
         elif plan.has_decode:
@@ -242,11 +262,12 @@ class _NativeRows:
     block tables and lengths and a shared arange of rows: no tensor is made per step, so a
     recorded step (`native.graph`) reads whatever the metadata tensors hold when it replays."""
 
-    __slots__ = ("rows", "tables", "lens", "prefills_left", "max_qlen")
+    __slots__ = ("rows", "tables", "lens", "skips", "prefills_left", "max_qlen")
 
     def __init__(self, plan: _StepPlan, max_qlen: int | None) -> None:
         meta = plan.meta
         self.max_qlen = max_qlen
+        self.skips: torch.Tensor | None = None  # [N] int32 keys before each row's window in its first block
         # one query row per sequence (a 0-token row would make the shared arange name q / out rows
         # past the step's tokens: the general path below takes such a step row by row)
         if (meta.segments is None and meta.max_query_len == 1 and min(meta.query_lens_cpu, default=0) == 1
@@ -259,6 +280,8 @@ class _NativeRows:
                 arange = _ROWS[n] = torch.arange(n)
             self.rows, self.tables, self.lens = arange, meta.block_tables, meta.seq_lens
             self.prefills_left = []
+            if plan.window is not None:
+                self._window(plan.window, meta.block_size)
             return
         block_size = meta.block_size
         rows: list[int] = []
@@ -283,6 +306,21 @@ class _NativeRows:
             self.rows = torch.tensor(rows, device=device)
             self.tables = plan.tables[torch.tensor(unit_of_row, device=device), :nblocks].to(torch.int32).contiguous()
             self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            if plan.window is not None:
+                self._window(plan.window, block_size)
+
+    def _window(self, window: int, block_size: int) -> None:
+        """Each (causal) row's keys cut to its window: its table from the window's first block, its
+        count less that block's start, and the keys of that block before the window skipped."""
+        assert self.tables is not None and self.lens is not None
+        lens = self.lens.long()
+        first = (lens - window).clamp(min=0)
+        start_block = first // block_size
+        nb = self.tables.shape[1]
+        cols = (torch.arange(nb, device=lens.device)[None, :] + start_block[:, None]).clamp(max=nb - 1)
+        self.tables = self.tables.gather(1, cols.to(self.tables.device)).to(torch.int32).contiguous()
+        self.lens = (lens - start_block * block_size).to(torch.int32).contiguous()
+        self.skips = (first - start_block * block_size).to(torch.int32).contiguous()
 
 
 class _StepPlan:
@@ -292,10 +330,13 @@ class _StepPlan:
     segmented one (then `prefills` lists every part, since all of them may need the torch path)."""
 
     __slots__ = ("meta", "units", "tables", "decode_rows", "decode_tables", "decode_lens", "decode_max_len",
-                 "decode_slots", "decode_host", "decode_bias", "prefills", "has_decode", "_heads", "_native", "_bias")
+                 "decode_slots", "decode_host", "decode_bias", "prefills", "has_decode", "_heads", "_native", "_bias",
+                 "window", "max_kv", "_windowed")
 
-    def __init__(self, meta: AttentionMetadata) -> None:
+    def __init__(self, meta: AttentionMetadata, window: int | None = None) -> None:
         self.meta = meta
+        self.window = window  # a sliding window's plan (one-segment steps): keys p - W + 1 .. p per query p
+        self._windowed: dict[int, _StepPlan] = {}
         bs = meta.block_size
         self.decode_rows: torch.Tensor | None = None  # [Bd] int64 query row of each decode sequence
         self.decode_tables: torch.Tensor | None = None  # [Bd, nb] int32 block ids
@@ -316,14 +357,23 @@ class _StepPlan:
             self.units = list(zip(starts[:-1], sb.query_lens_cpu, sb.kv_lens_cpu, sb.causal_cpu))
             for p, (start, qlen, kv_len, causal) in enumerate(self.units):
                 self.prefills.append(_unit(self.tables, p, start, qlen, kv_len, causal, bs))
+            self.max_kv = max(sb.kv_lens_cpu, default=0)
             return
         starts = meta.query_start_loc.tolist()
         self.tables = meta.block_tables
         self.units = [(starts[b], ql, meta.seq_lens_cpu[b], True) for b, ql in enumerate(meta.query_lens_cpu)]
         self.has_decode = any(ql == 1 for ql in meta.query_lens_cpu)
+        self.max_kv = max(meta.seq_lens_cpu, default=0)
         for b, qlen in enumerate(meta.query_lens_cpu):
             if qlen != 1:
-                self.prefills.append(_unit(meta.block_tables, b, starts[b], qlen, meta.seq_lens_cpu[b], True, bs))
+                self.prefills.append(_unit(meta.block_tables, b, starts[b], qlen, meta.seq_lens_cpu[b], True, bs, window))
+
+    def windowed(self, window: int) -> _StepPlan:
+        """This step's plan under a sliding window of `window` keys, made on first use."""
+        plan = self._windowed.get(window)
+        if plan is None:
+            plan = self._windowed[window] = _StepPlan(self.meta, window)
+        return plan
 
     @property
     def parts(self) -> list[_Unit]:
@@ -352,7 +402,10 @@ class _StepPlan:
             tables = tables % HOST_BLOCK
         slots = tables[:, :, None] * bs + offs
         self.decode_slots = slots.reshape(len(self.decode_lens), 1, -1)[:, :, :max_len]
-        valid = torch.arange(max_len, device=device)[None, :] < self.decode_lens[:, None]
+        keys = torch.arange(max_len, device=device)[None, :]
+        valid = keys < self.decode_lens[:, None]
+        if self.window is not None:
+            valid &= keys >= self.decode_lens[:, None] - self.window
         bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
         self.decode_bias = bias[:, None, None, :]
 
@@ -378,8 +431,18 @@ class _StepPlan:
         return self._heads
 
 
-def _unit(tables: torch.Tensor, row: int, start: int, qlen: int, kv_len: int, causal: bool, bs: int) -> _Unit:
+def _unit(tables: torch.Tensor, row: int, start: int, qlen: int, kv_len: int, causal: bool, bs: int,
+          window: int | None = None) -> _Unit:
     nblocks = (kv_len + bs - 1) // bs
+    if window is not None and kv_len > window:
+        # from the block of the first query's window on, under causal-and-window
+        first = max(0, kv_len - qlen - window + 1)
+        b0 = first // bs
+        device = tables.device
+        qpos = torch.arange(kv_len - qlen, kv_len, device=device)[:, None]
+        kpos = torch.arange(b0 * bs, nblocks * bs, device=device)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window)  # [qlen, L]; keys past kv_len are past every query
+        return (start, qlen, tables[row, b0:nblocks].long(), kv_len - b0 * bs, causal, mask)
     blocks = tables[row, :nblocks].long()
     mask = None
     if causal and kv_len != qlen:  # a chunk after cached tokens: causal with an offset

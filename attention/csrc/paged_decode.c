@@ -116,8 +116,8 @@ extern int paged_decode_row_major; /* paged_decode_set_row_major (tests) */
  * 0.247 ms at 1000 (both layouts alternating in one process). */
 static inline __attribute__((always_inline)) void item_bf16(
     const uint16_t *q, const uint16_t *k_dev, const uint16_t *v_dev, const uint16_t *k_host, const uint16_t *v_host,
-    void *out, int out_dtype, const int32_t *table, int64_t len, int64_t block_size, int64_t token_stride, int64_t h0, int64_t nrows,
-    int64_t group, const int D, float scale, float *scores, float *acc, float *lse) {
+    void *out, int out_dtype, const int32_t *table, int64_t len, int64_t skip, int64_t block_size, int64_t token_stride, int64_t h0,
+    int64_t nrows, int64_t group, const int D, float scale, float *scores, float *acc, float *lse) {
     const int C = D / 32; /* 32-element chunks per head row */
     const int rm = nrows <= ROW_MAJOR_MAX_ROWS && paged_decode_row_major;
     const int64_t rp = (nrows + 15) & ~(int64_t)15, lp = (len + 15) & ~(int64_t)15;
@@ -149,6 +149,8 @@ static inline __attribute__((always_inline)) void item_bf16(
             for (int64_t r = 0; r < nrows; r++)
                 _mm512_storeu_ps(scores + r * lp + t0, _mm512_mul_ps(dot16_bf16(q + r * D, kp, nt, (r / group) * D, C), _mm512_set1_ps(scale)));
         }
+        for (int64_t r = 0; r < nrows; r++) /* keys before the window: no part in the max */
+            for (int64_t t = 0; t < skip; t++) scores[r * lp + t] = -INFINITY;
         for (int64_t r = 0; r < nrows; r++) {
             float *sc = scores + r * lp;
             /* softmax numerators in place, 16 tokens a vector; the sum in token order */
@@ -159,6 +161,7 @@ static inline __attribute__((always_inline)) void item_bf16(
             const float m = _mm512_reduce_max_ps(mv);
             for (int64_t t0 = 0; t0 < len; t0 += 16)
                 _mm512_storeu_ps(sc + t0, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), _mm512_set1_ps(m))));
+            for (int64_t t = 0; t < skip; t++) sc[t] = 0.f; /* (the exp floors at ~1e-38, not 0) */
             row_max[r] = m;
         }
         /* each row's sum in token order (what the token-major lanes add up), rows side by side */
@@ -201,8 +204,9 @@ static inline __attribute__((always_inline)) void item_bf16(
         /* softmax numerators e = exp(s - max) in place; sums kept for the end (len >= 1 here) */
         for (int64_t r0 = 0; r0 < rp; r0 += 16) {
             __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-            for (int64_t t = 0; t < len; t++) m = _mm512_max_ps(m, _mm512_loadu_ps(scores + t * rp + r0));
-            for (int64_t t = 0; t < len; t++) {
+            for (int64_t t = 0; t < skip; t++) _mm512_storeu_ps(scores + t * rp + r0, _mm512_setzero_ps()); /* before the window */
+            for (int64_t t = skip; t < len; t++) m = _mm512_max_ps(m, _mm512_loadu_ps(scores + t * rp + r0));
+            for (int64_t t = skip; t < len; t++) {
                 const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t * rp + r0), m));
                 _mm512_storeu_ps(scores + t * rp + r0, e);
                 sum = _mm512_add_ps(sum, e);
@@ -275,10 +279,10 @@ static inline __attribute__((always_inline)) void item_bf16(
 #define ITEM_BF16(D_)                                                                                   \
     static void item_bf16_##D_(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *kh,    \
                                const uint16_t *vh, void *out, int od, const int32_t *table, int64_t len,  \
-                               int64_t bs, int64_t ts, int64_t h0, int64_t nrows, int64_t group,          \
+                               int64_t skip, int64_t bs, int64_t ts, int64_t h0, int64_t nrows, int64_t group, \
                                float scale, float *scores, float *acc, float *qf, float *lse) {           \
         (void)qf;                                                                                       \
-        item_bf16(q, k, v, kh, vh, out, od, table, len, bs, ts, h0, nrows, group, D_, scale, scores, acc, lse); \
+        item_bf16(q, k, v, kh, vh, out, od, table, len, skip, bs, ts, h0, nrows, group, D_, scale, scores, acc, lse); \
     }
 ITEM_BF16(64)
 ITEM_BF16(128)
@@ -297,7 +301,7 @@ ITEM_BF16(256)
  * [nrows][D] in the same even/odd order, undone at the end. */
 static inline __attribute__((always_inline)) void item_bf16(
     const uint16_t *q, const uint16_t *k_dev, const uint16_t *v_dev, const uint16_t *k_host, const uint16_t *v_host,
-    void *out, int out_dtype, const int32_t *table, int64_t len, int64_t block_size, int64_t token_stride, int64_t h0,
+    void *out, int out_dtype, const int32_t *table, int64_t len, int64_t skip, int64_t block_size, int64_t token_stride, int64_t h0,
     int64_t nrows, int64_t group, const int D, float scale, float *scores, float *acc, float *qf, float *lse) {
     const int C = D / 16; /* 16-element blocks per head row */
     const int64_t rp = (nrows + 7) & ~(int64_t)7;
@@ -343,8 +347,9 @@ static inline __attribute__((always_inline)) void item_bf16(
     float inv_sum[512], row_max[512], row_sum[512];
     for (int64_t r0 = 0; r0 < rp; r0 += 8) {
         __m256 m = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < len; t++) m = _mm256_max_ps(m, _mm256_loadu_ps(scores + t * rp + r0));
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = 0; t < skip; t++) _mm256_storeu_ps(scores + t * rp + r0, _mm256_setzero_ps()); /* before the window */
+        for (int64_t t = skip; t < len; t++) m = _mm256_max_ps(m, _mm256_loadu_ps(scores + t * rp + r0));
+        for (int64_t t = skip; t < len; t++) {
             const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t * rp + r0), m));
             _mm256_storeu_ps(scores + t * rp + r0, e);
             sum = _mm256_add_ps(sum, e);
@@ -399,9 +404,9 @@ static inline __attribute__((always_inline)) void item_bf16(
 #define ITEM_BF16(D_)                                                                                   \
     static void item_bf16_##D_(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *kh,    \
                                const uint16_t *vh, void *out, int od, const int32_t *table, int64_t len,  \
-                               int64_t bs, int64_t ts, int64_t h0, int64_t nrows, int64_t group,          \
+                               int64_t skip, int64_t bs, int64_t ts, int64_t h0, int64_t nrows, int64_t group, \
                                float scale, float *scores, float *acc, float *qf, float *lse) {           \
-        item_bf16(q, k, v, kh, vh, out, od, table, len, bs, ts, h0, nrows, group, D_, scale, scores, acc, qf, lse); \
+        item_bf16(q, k, v, kh, vh, out, od, table, len, skip, bs, ts, h0, nrows, group, D_, scale, scores, acc, qf, lse); \
     }
 ITEM_BF16(64)
 ITEM_BF16(128)
@@ -420,7 +425,8 @@ int paged_decode_last_call_fast(void) { return last_call_fast; }
 /* q: [*, num_kv_heads * group, head_dim] rows (row stride q_row_stride elements); out likewise
  * (out_row_stride); lse: NULL or [*, num_kv_heads * group] fp32 (lse_row_stride). Row i reads q
  * row q_rows[i], attends to the first lens[i] tokens of block table tables[i] ([num_rows,
- * table_stride] block ids), and writes out row out_rows[i] and, when lse is given, the natural-log
+ * table_stride] block ids) but the first skips[i] of them (skips NULL: none; a sliding window
+ * starting inside the row's first block, each skipped key weighted exactly 0), and writes out row out_rows[i] and, when lse is given, the natural-log
  * log-sum-exp of its scaled scores (lse row out_rows[i]). A row with no keys (lens[i] == 0) gets
  * o = 0 and lse = -inf. The scratch is sized from the longest row, found here (not passed in:
  * a recorded call (`native.graph`) replays with the lengths of its step). Table entries flagged HOST_BLOCK read
@@ -435,7 +441,7 @@ int paged_decode_last_call_fast(void) { return last_call_fast; }
 int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const void *k_cache,
                          const void *v_cache, const void *k_host, const void *v_host, int kv_dtype, void *out, int out_dtype, int64_t out_row_stride,
                          float *lse, int64_t lse_row_stride, const int64_t *q_rows, const int64_t *out_rows,
-                         const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t num_rows,
+                         const int32_t *tables, int64_t table_stride, const int32_t *lens, const int32_t *skips, int64_t num_rows,
                          int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                          float scale, int64_t head_chunks) {
     int failed = 0;
@@ -451,7 +457,7 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
     const int64_t score_len = max_len > 0 ? max_len : 1;
 #ifdef HAVE_FAST_BF16
     typedef void (*item_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *,
-                            void *, int, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                            void *, int, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                             float *, float *, float *, float *);
     item_fn fast = NULL;
     if (q_dtype == DT_BF16 && kv_dtype == DT_BF16 && rows_per_item <= 512 && fast_path_enabled)
@@ -481,6 +487,8 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
             const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;
             if (h0 >= h1) continue;
             const int64_t nrows = (h1 - h0) * group, len = lens[s];
+            /* the row's first `skip` keys are outside its sliding window: weight 0 (skip < len) */
+            const int64_t skip = skips ? skips[s] : 0;
             const int32_t *table = tables + s * table_stride;
             const int64_t qoff = q_rows[s] * q_row_stride + h0 * group * head_dim;
             const int64_t ooff = out_rows[s] * out_row_stride + h0 * group * head_dim;
@@ -499,7 +507,7 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
                 void *o = out_dtype == DT_BF16 ? (void *)((uint16_t *)out + ooff) : (void *)((float *)out + ooff);
                 fast(((const uint16_t *)q) + qoff, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                      (const uint16_t *)k_host, (const uint16_t *)v_host, o, out_dtype,
-                     table, len, block_size, token_stride, h0, nrows, group, scale, scores, acc, qf, lse_item);
+                     table, len, skip, block_size, token_stride, h0, nrows, group, scale, scores, acc, qf, lse_item);
                 continue;
             }
 #endif
@@ -525,8 +533,9 @@ int paged_attention_rows(const void *q, int q_dtype, int64_t q_row_stride, const
             /* softmax in place (fp32, max-subtracted) */
             for (int64_t r = 0; r < nrows; r++) {
                 float *sr = scores + r * score_len, m = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < len; t++) m = sr[t] > m ? sr[t] : m;
-                for (int64_t t = 0; t < len; t++) { sr[t] = expf(sr[t] - m); sum += sr[t]; }
+                for (int64_t t = 0; t < skip; t++) sr[t] = 0.f; /* before the window */
+                for (int64_t t = skip; t < len; t++) m = sr[t] > m ? sr[t] : m;
+                for (int64_t t = skip; t < len; t++) { sr[t] = expf(sr[t] - m); sum += sr[t]; }
                 const float inv = 1.f / sum;
                 for (int64_t t = 0; t < len; t++) sr[t] *= inv;
                 if (lse_item) lse_item[r] = m + logf(sum);

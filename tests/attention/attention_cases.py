@@ -166,8 +166,9 @@ def _slots(table: list[int], positions: range, block_size: int) -> torch.Tensor:
     return torch.tensor([table[i // block_size] * block_size + i % block_size for i in positions], dtype=torch.int64)
 
 
-def naive_attention(batch: Batch) -> torch.Tensor:
-    """Dense causal attention per sequence and head, in float64, from the logical K/V alone."""
+def naive_attention(batch: Batch, window: int | None = None) -> torch.Tensor:
+    """Dense causal attention per sequence and head, in float64, from the logical K/V alone
+    (`window`: a query at p sees keys p - window + 1 .. p only)."""
     q = batch.q.double().cpu()
     out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -177,6 +178,8 @@ def naive_attention(batch: Batch) -> torch.Tensor:
         qlen = batch.meta.query_lens_cpu[b]
         ctx = fk.shape[0] - qlen
         allowed = torch.arange(fk.shape[0])[None, :] <= ctx + torch.arange(qlen)[:, None]
+        if window is not None:
+            allowed &= torch.arange(fk.shape[0])[None, :] > ctx + torch.arange(qlen)[:, None] - window
         for h in range(num_heads):
             qh = q[starts[b] : starts[b] + qlen, h]
             kh, vh = fk[:, h // group].double(), batch.full_v[b][:, h // group].double()
