@@ -94,7 +94,8 @@ class ModelConfig:
     bos_token_id: int | None
     hf_config: dict[str, Any] = field(repr=False)
     num_mtp_layers: int = 0  # checkpoint layers after the decoder's (multi-token prediction): skipped at load
-    sliding_window: int | None = None  # Mistral / Mixtral / StarCoder2 / Qwen2: each token sees the last W positions (the engine caps max_model_len at W)
+    sliding_window: int | None = None  # Mistral / Mixtral / StarCoder2 / Qwen2: each token sees the last W positions
+    sliding_window_layers: tuple[int, ...] = ()  # the layers that window (Qwen2's from max_window_layers on; the others all)
     layer_norm: bool = False  # StarCoder2: LayerNorm with bias where the others have RMSNorm
     gelu_mlp: bool = False  # StarCoder2: c_fc -> gelu(tanh) -> c_proj, not gated, instead of silu(gate) * up
     proj_bias: bool = False  # StarCoder2 (use_bias): biases on o_proj and the MLP's projections too
@@ -200,6 +201,7 @@ class ModelConfig:
             num_mtp_layers=int(hf.get("num_nextn_predict_layers", int(arch == "Glm4MoeForCausalLM")) or 0)
             if arch in DEEPSEEK_MOE_ARCHITECTURES else 0,
             sliding_window=_sliding_window(hf, arch, path),
+            sliding_window_layers=_sliding_window_layers(hf, arch, num_layers) if _sliding_window(hf, arch, path) else (),
             layer_norm=starcoder2,
             gelu_mlp=starcoder2,
             proj_bias=starcoder2 and attention_bias,
@@ -208,9 +210,10 @@ class ModelConfig:
 
 
 def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
-    """Mistral's, Mixtral's, StarCoder2's and Qwen2's `sliding_window` (None: every position is attended). cuttle attends
-    every position, which equals attending the last W only while sequences fit in W, so the
-    engine serves such a model with max_model_len at most W (llm_engine.py)."""
+    """Mistral's, Mixtral's, StarCoder2's and Qwen2's `sliding_window` (None: every position is attended): a
+    query at p attends p - W + 1 .. p in the layers `_sliding_window_layers` names. The torch
+    attention backend serves it; with another, max_model_len is capped at W, where the window
+    changes nothing (llm_engine.py)."""
     if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
         # Qwen2's window applies only with use_sliding_window (then to the layers from
         # max_window_layers on; all of them equal full attention within the window)
@@ -222,6 +225,21 @@ def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
     if isinstance(w, bool) or not isinstance(w, int) or w < 2:
         raise ValueError(f"sliding_window must be null or an integer >= 2 in {path or 'config'}, got {w!r}")
     return w
+
+
+def _sliding_window_layers(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """The layers a sliding window applies to: transformers' `layer_types` where the config gives
+    them, else Qwen2's from max_window_layers on (its config class's rule), else all."""
+    types = hf.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise ValueError(f"layer_types must list 'sliding_attention' / 'full_attention' for each of the {num_layers} layers, "
+                             f"got {types!r}")
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        first = hf.get("max_window_layers", 28)
+        return tuple(range(min(int(first), num_layers), num_layers))
+    return tuple(range(num_layers))
 
 
 def _rotary_dim(hf: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: int, path: str) -> int:
@@ -320,8 +338,6 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
     want = "gelu_pytorch_tanh" if arch == "Starcoder2ForCausalLM" else "silu"
     if act != want:
         raise ValueError(f"hidden_act {act!r} in {where} is not supported for {arch} (supported: {want})")
-    # (Sliding-window attention would change every output past the window: such models are
-    # served within their window instead, `_sliding_window`.)
     types = hf.get("attn_type_list")
     if arch == "MiniMaxM2ForCausalLM" and types is not None and any(t != 1 for t in types):
         # MiniMax's 0 is its linear ("lightning") attention, which this decoder does not have

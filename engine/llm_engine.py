@@ -75,12 +75,13 @@ class LLMEngine:
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({mc.max_position_embeddings})")
-        if mc.sliding_window is not None and max_len > mc.sliding_window:
-            # every position is attended here, which equals the model's window only while a sequence fits in it
+        if mc.sliding_window_layers and max_len > mc.sliding_window and not self._windows_served(config):
+            # this backend attends every position, which equals the model's window only while a sequence fits in it
             if config.max_model_len is not None:
-                raise ValueError(f"max_model_len ({max_len}) exceeds the model's sliding_window ({mc.sliding_window}): cuttle "
-                                 "attends every position, the same as the window only within it; give max_model_len <= "
-                                 f"{mc.sliding_window}")
+                raise ValueError(f"max_model_len ({max_len}) exceeds the model's sliding_window ({mc.sliding_window}): the "
+                                 f"{config.attention_backend} attention backend{' with sparse_attention' if config.sparse_attention else ''} "
+                                 f"attends every position, the same as the window only within it; give max_model_len <= "
+                                 f"{mc.sliding_window}, or use attention_backend='torch'")
             max_len = mc.sliding_window
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype, config.sparse_attention)
@@ -324,6 +325,12 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"{field} token ids must be integers in [0, {vocab - 1}], got {bad!r}")
 
+    def _windows_served(self, config: EngineConfig) -> bool:
+        """Whether this engine attends sliding windows as the model defines them past W: the torch
+        backend (`set_windows`), without top-k sparse attention."""
+        return (config.attention_backend == "torch" or (config.attention_backend == "auto" and self.device.type != "cuda")) \
+            and config.sparse_attention is None
+
     def _squid_prompt(self, prompt: dict, params: SamplingParams):
         """A prompt with documents (engine/squid.py): validated here, before anything is queued."""
         # documents make segmented steps; a backend without them would fail the step, and with it
@@ -333,6 +340,11 @@ class LLMEngine:
                              f"{self.runner.backend.name} backend does not yet (use attention_backend='triton' or 'torch')")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for prompts with documents")
+        mc = self.model_config
+        if mc.sliding_window_layers and self.max_model_len > mc.sliding_window:
+            raise ValueError(f"documents are not supported with this model's sliding window ({mc.sliding_window} positions) "
+                             f"attended past it (max_model_len {self.max_model_len}): serve it with max_model_len <= "
+                             f"{mc.sliding_window} to give documents")
         layout, ids, text = parse_prompt(prompt, self.encode, self._check_ids, self.squid_positions,
                                          self.config.max_documents)
         for i, d in enumerate(layout.documents):

@@ -63,6 +63,9 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.backend = get_backend(config.attention_backend, device, dtype)  # before the weights: a backend that cannot run fails fast
+        if model_config.sliding_window_layers and hasattr(self.backend, "set_windows"):
+            # (a backend without windows serves such a model within its window: llm_engine caps max_model_len)
+            self.backend.set_windows({i: model_config.sliding_window for i in model_config.sliding_window_layers})
         self.model = load_model(config.model, model_config, dtype, device, moe_quant=config.moe_quant,
                                 quantization=config.quantization, quantize_lm_head=config.quantize_lm_head).eval()
         self.prepack()
@@ -103,7 +106,8 @@ class ModelRunner:
             max_len = min(config.max_model_len or mc.max_position_embeddings, num_blocks * self.block_size)
             self.graphs = DecodeGraphs(config.cpu_graph_max_batch, -(-max_len // self.block_size) + 1, self.block_size,
                                        backend.begin_step, self._all_logits, greedy_pick=config.logprobs_mode == "processed",
-                                       hot_batches=config.cpu_graph_hot_batches)
+                                       hot_batches=config.cpu_graph_hot_batches,
+                                       window=mc.sliding_window if mc.sliding_window_layers else None)
         if config.batch_invariant:
             why = self._not_batch_invariant()
             if why:

@@ -14,7 +14,8 @@ validation). So a size that only passes through (a batch shrinking as requests f
 eager, while a steady batch (an offline wave, a server at steady concurrency) replays.
 
 A step qualifies when every scheduled sequence decodes one token in one causal segment of the
-device pool (no shared prefix or squid documents, no host-tier blocks), its logits are exactly
+device pool (no shared prefix or squid documents, no host-tier blocks, none longer than the
+model's sliding window), its logits are exactly
 its rows, and the model runs on CPU through the plain torch attention backend with the native
 kernels. A sequence with drafts (speculative decoding, engine/spec_decode.py) counts as one row
 per token it computes, each a query of its own over the keys up to it, so its step is a decode
@@ -108,13 +109,16 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, max_batch: int, table_width: int, block_size: int, begin_step: Callable[[AttentionMetadata], None],
                  forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 greedy_pick: bool = True, hot_batches: int = 0) -> None:
+                 greedy_pick: bool = True, hot_batches: int = 0, window: int | None = None) -> None:
         """`begin_step(meta)`: the attention backend's per-step planning (run before a capture, not
         recorded); `forward(input_ids, positions, meta)`: the model and the logits of every row
         (what a capture records); `greedy_pick`: whether a replay may also pick the argmax of
         plain-greedy steps (the engine's logprobs_mode is "processed", where those rows need
         nothing else); `hot_batches`: how many graphs of sizes above `max_batch` may be kept
-        (captured once they recur, see the module docstring)."""
+        (captured once they recur, see the module docstring); `window`: the model's sliding window,
+        past which a sequence's attention reads a plan made per step (torch_backend), so a step
+        with a sequence longer than it runs eagerly."""
+        self.window = window
         self.greedy_pick = greedy_pick
         self.max_batch = max_batch
         self.hot_batches = hot_batches
@@ -148,6 +152,7 @@ class DecodeGraphs:
             and (m.num_seqs <= self.max_batch or self.hot_batches > 0)
             and inputs.logit_rows.numel() == m.num_seqs and inputs.input_ids.numel() == m.num_seqs and not inputs.prompt_rows
             and m.block_tables.dim() == 2 and m.block_tables.shape[1] <= self.table_width
+            and (self.window is None or max(m.seq_lens_cpu) <= self.window)
         )
 
     def stage(self, scheduled: list[tuple[Sequence, int]], host_tier: bool, adapter: bytes | None = None) -> StepInputs | None:
@@ -178,6 +183,7 @@ class DecodeGraphs:
             req = seq.request
             draft = seq.draft
             if (n != 1 + len(draft) or p + 1 != len(seq.token_ids) or seq.shared or req.job is not None or len(table) > width
+                    or (self.window is not None and p + n > self.window)
                     or (req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens)
                     or (host_tier and any(b >= HOST_BLOCK for b in table))):
                 return None  # what this wrote so far is overwritten by the next step's inputs

@@ -425,9 +425,14 @@ class CausalLM(nn.Module):
             parts = DenseSegments(segments, segment_shifts, self._unshift)
         elif segment_shifts is not None:
             raise ValueError("segment_shifts needs segments")
+        windowed = set(self.cfg.sliding_window_layers)
+        if windowed:  # a sliding window's layers: keys within W positions of the query (the engine's rule)
+            assert self.cfg.sliding_window is not None
+            near = positions[:, :, None] - positions[:, None, :] < self.cfg.sliding_window
+            window_mask = (mask & near)[:, None]
         for i, layer in enumerate(self.layers):
-            x = layer.forward_dense(x, cos, sin, mask[:, None], sparse if sparse is not None and i >= sparse.dense_layers else None,
-                                    parts)
+            x = layer.forward_dense(x, cos, sin, window_mask if i in windowed else mask[:, None],
+                                    sparse if sparse is not None and i >= sparse.dense_layers else None, parts)
         return self.norm(x)
 
     def _unshift(self, x: torch.Tensor, shift: int) -> torch.Tensor:

@@ -3,9 +3,14 @@
 The decoder is Llama's with an explicit head_dim; checked token-exact against transformers
 (greedy, float32, chunked prefill, logprobs of every step and of the prompt) on a tiny random
 checkpoint whose head_dim is not hidden / heads. A `sliding_window` W (Mistral-7B-v0.1's 4096,
-Mixtral configs') is served within the window: cuttle attends every position, which equals the
-window while a sequence fits in it, so max_model_len defaults to W and a longer one is refused,
-naming both; transformers' own sliding-window mask is the oracle for the prompts that fill it.
+Mixtral's, StarCoder2's, Qwen2's with use_sliding_window) is attended as the model defines it, a
+query at p seeing p - W + 1 .. p, on the torch attention backend (the CPU default): the sequences
+here run well past W, through chunked prefill, prefix-cache hits, decode steps (kernel graphs
+while they fit in W, eager past it) and the training forward, with transformers' own sliding
+mask as the oracle. Qwen2's window covers the layers from max_window_layers on (or transformers'
+`layer_types`). Where windows are not served (another backend, top-k sparse attention),
+max_model_len is capped at W and a longer one refused naming both; documents (squid) past W are
+refused.
 """
 from __future__ import annotations
 
@@ -17,10 +22,11 @@ import torch
 
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
+from cuttle.engine.models.loader import load_model
 from helpers import assert_scored_by_transformers, parity_prompts, write_tokenizer
 from moe_families import randomize_
 
-WINDOW = 80
+WINDOW = 20
 
 
 def _mistral(path: str, window: int | None) -> torch.nn.Module:
@@ -42,38 +48,102 @@ def mistral(tmp_path_factory):
     return path, _mistral(path, WINDOW)
 
 
-def test_mistral_token_exact_vs_transformers(mistral):
+def _long_prompts() -> list[list[int]]:
+    """Prompts of 3 .. 110 tokens (most past the window, one not a multiple of anything)."""
+    p = parity_prompts()
+    return [p[1], p[5], p[6] + p[2], p[7] + p[4], (p[7] + p[6])[:110]]
+
+
+def test_mistral_token_exact_vs_transformers_past_the_window(mistral):
     path, model = mistral
     cfg = ModelConfig.from_pretrained(path)
-    assert (cfg.architecture, cfg.head_dim, cfg.num_kv_heads, cfg.sliding_window) == ("MistralForCausalLM", 24, 2, WINDOW)
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
-    assert llm.engine.max_model_len == WINDOW  # served within the window by default
-    prompts = [p[:WINDOW - 12] for p in parity_prompts()[2:]]  # up to 68 tokens: the sequences fill the window
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0),
-                        use_tqdm=False)
-    for prompt, o in zip(prompts, outs):
-        assert_scored_by_transformers(model, prompt, o, 1e-4)
-    assert max(len(p) + 12 for p in prompts) == WINDOW
+    assert (cfg.architecture, cfg.head_dim, cfg.num_kv_heads, cfg.sliding_window, cfg.sliding_window_layers) == (
+        "MistralForCausalLM", 24, 2, WINDOW, (0, 1, 2))
+    llm = LLM(path, dtype="float32", num_kv_blocks=96, block_size=8, max_num_batched_tokens=24)
+    assert llm.engine.max_model_len == 96 * 8  # the window is attended: no cap at W (the pool bounds it)
+    prompts = _long_prompts()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    for _ in range(2):  # the second pass hits the prefix cache: chunks start on cached blocks
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, o in zip(prompts, outs):
+            assert_scored_by_transformers(model, prompt, o, 1e-4)
+    # one short prompt decoding past W: its steps within W replay kernel graphs, later ones run eagerly
+    short = parity_prompts()[0]
+    [o] = llm.generate([short], params, use_tqdm=False)
+    assert_scored_by_transformers(model, short, o, 1e-4)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.counters["graph_steps"] > 0
     # the window is real in the oracle: past it, transformers' outputs leave full attention's
     import transformers
 
     full = transformers.MistralForCausalLM(transformers.MistralConfig(**{**model.config.to_dict(), "sliding_window": None})).float().eval()
     full.load_state_dict(model.state_dict())
-    ids = torch.tensor([(parity_prompts()[7] * 2)[:WINDOW + 8]])
+    ids = torch.tensor([prompts[-1]])
     with torch.no_grad():
         a, b = model(ids).logits[0], full(ids).logits[0]
     assert torch.allclose(a[:WINDOW], b[:WINDOW], atol=1e-5) and not torch.allclose(a[WINDOW:], b[WINDOW:], atol=1e-3)
 
 
-def test_past_the_window_is_refused_by_name(mistral):
+def test_mistral_training_path_windows_as_transformers(mistral):
+    """`forward_packed` (the trainer's forward): documents packed in one row, each past the window."""
+    path, model = mistral
+    ours = load_model(path, ModelConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
+    a, b = _long_prompts()[3], _long_prompts()[2]
+    ids = torch.tensor([a + b])
+    positions = torch.tensor([list(range(len(a))) + list(range(len(b)))])
+    docs = torch.tensor([[0] * len(a) + [1] * len(b)])
+    with torch.no_grad():
+        got = ours.compute_logits(ours.forward_packed(ids, positions, docs))[0].log_softmax(-1)
+        want = torch.cat([model(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in (a, b)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_where_windows_are_not_served_the_window_caps_max_model_len(mistral):
+    """Top-k sparse attention takes its own backend, which attends every position: the engine
+    serves the model within its window there, and a longer max_model_len is refused naming both."""
     path, _ = mistral
+    sparse = "topk:budget=64,block=8,dense_layers=1"
     with pytest.raises(ValueError, match=rf"max_model_len \(128\) exceeds the model's sliding_window \({WINDOW}\)"):
-        LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=48)
-    assert llm.engine.max_model_len == 48
-    llm = LLM(path, dtype="float32", num_kv_blocks=64)
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([[5] * (WINDOW - 4)], SamplingParams(max_tokens=8), use_tqdm=False)
+        LLM(path, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128, sparse_attention=sparse)
+    assert LLM(path, dtype="float32", num_kv_blocks=64, block_size=8, sparse_attention=sparse).engine.max_model_len == WINDOW
+
+
+def test_documents_past_the_window_are_refused(mistral):
+    path, _ = mistral
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8)
+    with pytest.raises(ValueError, match="documents are not supported with this model's sliding window"):
+        llm.generate([{"prefix": [5, 6], "documents": [[7, 8, 9]], "prompt": [10, 11]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    within = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=WINDOW)
+    assert within.generate([{"prefix": [5, 6], "documents": [[7, 8, 9]], "prompt": [10, 11]}], SamplingParams(max_tokens=2),
+                           use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_qwen2_windows_from_max_window_layers_on(tmp_path):
+    """Qwen2 with use_sliding_window: the layers from max_window_layers on window, the first ones
+    attend every position (transformers' layer_types), token-exact past the window."""
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+                                   use_sliding_window=True, sliding_window=16, max_window_layers=1, tie_word_embeddings=False,
+                                   eos_token_id=1, bos_token_id=None)
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    model = randomize_(transformers.Qwen2ForCausalLM(cfg).float().eval(), 0.15, seed=3)
+    path = str(tmp_path)
+    model.save_pretrained(path)
+    write_tokenizer(path, 256)
+    mc = ModelConfig.from_pretrained(path)
+    assert (mc.sliding_window, mc.sliding_window_layers) == (16, (1, 2))
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8, max_num_batched_tokens=24)
+    prompts = _long_prompts()[2:]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0, prompt_logprobs=0),
+                        use_tqdm=False)
+    for prompt, o in zip(prompts, outs):
+        assert_scored_by_transformers(model, prompt, o, 1e-4)
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    bad = {**hf, "layer_types": ["sliding_attention"]}
+    with pytest.raises(ValueError, match="layer_types must list"):
+        ModelConfig.from_hf(bad)
 
 
 def test_no_window_and_bad_windows(tmp_path):

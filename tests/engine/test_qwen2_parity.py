@@ -1,6 +1,6 @@
 """Qwen2 / Qwen2.5(-Coder) dense: q/k/v biases, no q/k norm, tied or untied embeddings, checked
 token-exact against transformers (greedy, float32, chunked prefill over the paged cache) on tiny
-random checkpoints; sliding-window configs are served within the window (the context capped at it)."""
+random checkpoints; sliding-window configs window the layers their config names."""
 from __future__ import annotations
 
 import json
@@ -51,21 +51,26 @@ def test_qwen2_token_exact_vs_transformers(tmp_path, tied):
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 5  # varied continuations, not one token
 
 
-def test_qwen2_sliding_window_is_served_within_the_window(tmp_path):
-    """use_sliding_window: served within the window (tests/engine/test_mistral.py says why): the
-    context defaults to it and a longer max_model_len is refused, naming both; without the switch
-    the window field is inert, as in transformers."""
+def test_qwen2_sliding_window_layers_follow_the_config(tmp_path):
+    """use_sliding_window: the window applies to the layers transformers' config names
+    (`layer_types` where given, else those from max_window_layers on), attended past W (no cap;
+    tests/engine/test_mistral.py checks the outputs); without the switch the window field is
+    inert, as in transformers."""
     _qwen2(str(tmp_path), tied=False)
     with open(os.path.join(tmp_path, "config.json")) as f:
         cfg = json.load(f)
     cfg["sliding_window"] = 32
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    assert ModelConfig.from_pretrained(str(tmp_path)).sliding_window is None
-    cfg["use_sliding_window"] = True
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    assert ModelConfig.from_pretrained(str(tmp_path)).sliding_window == 32
-    assert LLM(str(tmp_path), dtype="float32", num_kv_blocks=64).engine.max_model_len == 32
-    with pytest.raises(ValueError, match=r"max_model_len \(64\) exceeds the model's sliding_window \(32\)"):
-        LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=64)
+
+    def config(**over):
+        with open(os.path.join(tmp_path, "config.json"), "w") as f:
+            json.dump({k: v for k, v in {**cfg, **over}.items() if v is not None}, f)
+        return ModelConfig.from_pretrained(str(tmp_path))
+
+    assert config().sliding_window is None
+    n = cfg["num_hidden_layers"]
+    got = config(use_sliding_window=True, layer_types=None, max_window_layers=1)
+    assert (got.sliding_window, got.sliding_window_layers) == (32, tuple(range(1, n)))
+    got = config(use_sliding_window=True, layer_types=["full_attention"] * n)  # as saved by a config made without the switch
+    assert got.sliding_window_layers == ()
+    config(use_sliding_window=True, layer_types=None, max_window_layers=0)
+    assert LLM(str(tmp_path), dtype="float32", num_kv_blocks=64).engine.max_model_len == cfg["max_position_embeddings"] > 32

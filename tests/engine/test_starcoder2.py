@@ -1,7 +1,7 @@
 """StarCoder2 (Starcoder2ForCausalLM): LayerNorm with biases, q/k/v/o biases, an ungated
-c_fc -> gelu(tanh) -> c_proj MLP with biases, a tied lm_head, and a sliding window served within
-the window (tests/engine/test_mistral.py says why). Checked token-exact against transformers
-(greedy, float32, chunked prefill, logprobs of every step and of the prompt), its training path
+c_fc -> gelu(tanh) -> c_proj MLP with biases, a tied lm_head, and a sliding window, attended past
+it (tests/engine/test_mistral.py). Checked token-exact against transformers (greedy, float32,
+chunked prefill, logprobs of every step and of the prompt, sequences past the window), its training path
 (`forward_packed`), its HF names both ways, and MXFP8 linears (`quantization="mxfp8"`, the MLP's
 projections among them) against the torch reference.
 """
@@ -22,7 +22,7 @@ from cuttle.engine.models.transformer import GeluMLP
 from helpers import assert_scored_by_transformers, parity_prompts, write_tokenizer
 from moe_families import randomize_
 
-WINDOW = 96
+WINDOW = 24
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def starcoder2(tmp_path_factory):
 
 
 def _prompts() -> list[list[int]]:
-    return [p[:WINDOW - 12] for p in parity_prompts()[1:]]
+    return parity_prompts()[1:]  # 9 .. 70 tokens: most past the window
 
 
 def test_starcoder2_token_exact_vs_transformers(starcoder2):
@@ -54,7 +54,7 @@ def test_starcoder2_token_exact_vs_transformers(starcoder2):
     assert (cfg.layer_norm, cfg.gelu_mlp, cfg.proj_bias, cfg.attention_bias, cfg.tie_word_embeddings, cfg.sliding_window) == (
         True, True, True, True, True, WINDOW)
     llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
-    assert llm.engine.max_model_len == WINDOW
+    assert llm.engine.max_model_len == 512  # max_position_embeddings: the window is attended, no cap
     prompts = _prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0),
                         use_tqdm=False)
