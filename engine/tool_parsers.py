@@ -207,11 +207,8 @@ def _block_end(text: str, start: int, fmt: str, final: bool) -> int | None:
 
 def _llama_call(block: str) -> ToolCall | None:
     """One Llama 3 call, `{"name": NAME, "parameters": {...}}` (`arguments` taken too)."""
-    try:
-        obj = json.loads(block)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    obj = _json_object(block)
+    if obj is None or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("parameters", obj.get("arguments", {}))
     if not isinstance(args, dict):
@@ -283,38 +280,30 @@ def _mistral_calls(block: str) -> list[ToolCall] | None:
     head, sep, raw = body.partition(_MS_ARGS)
     name, _, cid = head.partition(_MS_CALL_ID)
     name, cid = name.strip(), cid.strip()
-    if not sep or not _MS_NAME.match(name):
-        return None
-    try:
-        args = json.loads(raw)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(args, dict):
+    args = _json_object(raw) if sep and _MS_NAME.match(name) else None
+    if args is None:
         return None
     return [ToolCall(name, json.dumps(args), id=cid if cid.isalnum() else mistral_call_id(), text=block)]
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    """`text` as the JSON object it holds, or None (not JSON, or JSON of another kind)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
     if fmt == "kimi_k2":
         m = _KIMI_CALL.match(body)
-        if m is None:
-            return None
-        try:
-            args = json.loads(m.group(3))
-        except json.JSONDecodeError:
-            return None
-        return ToolCall(m.group(2), json.dumps(args), id=m.group(1)) if isinstance(args, dict) else None
+        args = _json_object(m.group(3)) if m is not None else None
+        return None if args is None else ToolCall(m.group(2), json.dumps(args), id=m.group(1))
     if fmt in ("deepseek_v3", "deepseek_v31"):
         m = (_DS_V3_CALL if fmt == "deepseek_v3" else _DS_V31_CALL).match(body)
-        if m is None:
-            return None
-        try:
-            args = json.loads(m.group(2))
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(args, dict):
-            return None
-        return ToolCall(m.group(1).strip(), json.dumps(args))
+        args = _json_object(m.group(2)) if m is not None else None
+        return None if args is None else ToolCall(m.group(1).strip(), json.dumps(args))
     if fmt == "hermes":
         try:
             obj = json.loads(body.strip())

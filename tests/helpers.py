@@ -127,3 +127,42 @@ def assert_scored_by_transformers(model, prompt: list[int], out, tol: float, pro
         assert abs(c.logprobs[step][tok].logprob - hf[n - 1 + step, tok].item()) <= tol
     for pos in range(1, n if prompt_logprobs else 1):
         assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - hf[pos - 1, prompt[pos]].item()) <= tol
+
+
+def mistral_tokenizer_dir(src: str, d) -> str:
+    """A model directory `d` holding the tokenizer.json transformers makes of a Mistral vocabulary
+    `src` (a Tekken .json, or a SentencePiece model) as the HF repos ship it, with <s> / </s>;
+    returns its path (for cuttle's `Tokenizer`)."""
+    import json
+    import os
+    import shutil
+
+    if src.endswith(".json"):
+        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+
+        convert_tekken_tokenizer(src, chat_template="{{ messages }}")._tokenizer.save(os.path.join(d, "tokenizer.json"))
+    else:
+        from transformers import LlamaTokenizer
+
+        shutil.copy(src, os.path.join(d, "tokenizer.model"))
+        LlamaTokenizer.from_pretrained(str(d), legacy=False)._tokenizer.save(os.path.join(d, "tokenizer.json"))
+        os.remove(os.path.join(d, "tokenizer.model"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
+    return str(d)
+
+
+def assert_packed_forward_is_transformers(path: str, model, docs: list[list[int]], tol: float = 1e-4) -> None:
+    """cuttle's training forward (`forward_packed`, fp32) of `docs` packed in one row, positions
+    restarting per document, against transformers scoring each document alone."""
+    from cuttle.engine.config import ModelConfig
+    from cuttle.engine.models import load_model
+
+    ours = load_model(path, ModelConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
+    ids = torch.tensor([[t for d in docs for t in d]])
+    positions = torch.tensor([[p for d in docs for p in range(len(d))]])
+    doc_ids = torch.tensor([[i for i, d in enumerate(docs) for _ in d]])
+    with torch.no_grad():
+        got = ours.compute_logits(ours.forward_packed(ids, positions, doc_ids))[0].log_softmax(-1)
+        want = torch.cat([model(torch.tensor([d])).logits[0].float().log_softmax(-1) for d in docs])
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)

@@ -5,14 +5,13 @@ ship them. The prompt is BOS, [SUFFIX], the suffix encoded as an infill (no dumm
 [PREFIX], the prefix; the model writes the middle after it."""
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import pytest
 
 from cuttle.engine.fim import FimFormat
 from cuttle.engine.tokenizer import Tokenizer
+from helpers import mistral_tokenizer_dir
 
 mistral_common = pytest.importorskip("mistral_common", reason="the oracle is mistral_common (the test extra installs it)")
 from mistral_common.protocol.fim.request import FIMRequest  # noqa: E402
@@ -27,19 +26,7 @@ CASES = [("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"), ("", "x = 1\n"), ("
 @pytest.fixture(scope="module", params=list(VOCABS))
 def vocab(request, tmp_path_factory):
     src = os.path.join(DATA, VOCABS[request.param])
-    d = tmp_path_factory.mktemp(request.param)
-    if request.param == "tekken":
-        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
-
-        convert_tekken_tokenizer(src, chat_template="{{ messages }}")._tokenizer.save(str(d / "tokenizer.json"))
-    else:
-        from transformers import LlamaTokenizer
-
-        shutil.copy(src, d / "tokenizer.model")
-        LlamaTokenizer.from_pretrained(str(d), legacy=False)._tokenizer.save(str(d / "tokenizer.json"))
-        os.remove(d / "tokenizer.model")
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return Tokenizer(str(d)), MistralTokenizer.from_file(src)
+    return Tokenizer(mistral_tokenizer_dir(src, tmp_path_factory.mktemp(request.param))), MistralTokenizer.from_file(src)
 
 
 def test_mistral_fim_prompt_is_mistral_commons(vocab):

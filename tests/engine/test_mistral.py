@@ -22,8 +22,7 @@ import torch
 
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from cuttle.engine.models.loader import load_model
-from helpers import assert_scored_by_transformers, parity_prompts, write_tokenizer
+from helpers import assert_packed_forward_is_transformers, assert_scored_by_transformers, parity_prompts, write_tokenizer
 from moe_families import randomize_
 
 WINDOW = 20
@@ -86,15 +85,7 @@ def test_mistral_token_exact_vs_transformers_past_the_window(mistral):
 def test_mistral_training_path_windows_as_transformers(mistral):
     """`forward_packed` (the trainer's forward): documents packed in one row, each past the window."""
     path, model = mistral
-    ours = load_model(path, ModelConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
-    a, b = _long_prompts()[3], _long_prompts()[2]
-    ids = torch.tensor([a + b])
-    positions = torch.tensor([list(range(len(a))) + list(range(len(b)))])
-    docs = torch.tensor([[0] * len(a) + [1] * len(b)])
-    with torch.no_grad():
-        got = ours.compute_logits(ours.forward_packed(ids, positions, docs))[0].log_softmax(-1)
-        want = torch.cat([model(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in (a, b)])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert_packed_forward_is_transformers(path, model, [_long_prompts()[3], _long_prompts()[2]])
 
 
 def test_where_windows_are_not_served_the_window_caps_max_model_len(mistral):

@@ -19,7 +19,7 @@ from cuttle.engine.config import ModelConfig
 from cuttle.engine.models import load_model
 from cuttle.engine.models.loader import hf_state_dict, iter_tensors
 from cuttle.engine.models.transformer import GeluMLP
-from helpers import assert_scored_by_transformers, parity_prompts, write_tokenizer
+from helpers import assert_packed_forward_is_transformers, assert_scored_by_transformers, parity_prompts, write_tokenizer
 from moe_families import randomize_
 
 WINDOW = 24
@@ -65,15 +65,7 @@ def test_starcoder2_token_exact_vs_transformers(starcoder2):
 
 def test_starcoder2_training_path_matches_transformers(starcoder2):
     path, model = starcoder2
-    ours = load_model(path, ModelConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
-    a, b = _prompts()[1], _prompts()[4]
-    ids = torch.tensor([a + b])
-    positions = torch.tensor([list(range(len(a))) + list(range(len(b)))])
-    docs = torch.tensor([[0] * len(a) + [1] * len(b)])
-    with torch.no_grad():
-        got = ours.compute_logits(ours.forward_packed(ids, positions, docs))[0].log_softmax(-1)
-        want = torch.cat([model(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in (a, b)])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert_packed_forward_is_transformers(path, model, [_prompts()[1], _prompts()[4]])  # the second past the window
 
 
 def test_starcoder2_hf_names_both_ways(starcoder2, tmp_path):

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
 from cuttle.engine.server.chat import _forced_prefix
 from cuttle.engine.tokenizer import Tokenizer
 from cuttle.engine.tool_parsers import StreamingToolParser, parser_for_template, split_tool_calls
+from helpers import mistral_tokenizer_dir
 
 mistral_common = pytest.importorskip("mistral_common", reason="the oracle is mistral_common (the test extra installs it)")
 from mistral_common.protocol.instruct.messages import AssistantMessage  # noqa: E402
@@ -53,17 +53,7 @@ def layout(request, tmp_path_factory):
         j["special_tokens"] = specials
         src = str(d / "tekken.json")
         json.dump(j, open(src, "w"))
-        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
-
-        convert_tekken_tokenizer(src, chat_template="{{ messages }}")._tokenizer.save(str(d / "tokenizer.json"))
-    else:
-        from transformers import LlamaTokenizer
-
-        shutil.copy(src, d / "tokenizer.model")
-        LlamaTokenizer.from_pretrained(str(d), legacy=False)._tokenizer.save(str(d / "tokenizer.json"))
-        os.remove(d / "tokenizer.model")
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return Tokenizer(str(d)), MistralTokenizer.from_file(src).instruct_tokenizer, request.param
+    return Tokenizer(mistral_tokenizer_dir(src, d)), MistralTokenizer.from_file(src).instruct_tokenizer, request.param
 
 
 def _sampled(oracle, calls, content: str | None = None) -> list[int]:
