@@ -178,22 +178,33 @@ def rows_as_decode_rows(meta: AttentionMetadata, seqs: list[tuple[int, int, int,
     return torch.tensor(rows, dtype=torch.int64), tables, torch.tensor(lens, dtype=torch.int32)
 
 
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """The backend a name means on `device` ('auto': flashinfer on CUDA when installed, else triton
+    on CUDA, else torch)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+
+        return "flashinfer"
+    except ImportError:
+        return "triton"
+
+
+# the backends that attend a model's sliding windows (`set_windows`); on the others an engine
+# serves such a model within its window
+WINDOWED_BACKENDS = ("torch", "triton")
+
+
 def get_backend(name: str, device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
     """Resolve a backend name; 'auto' means flashinfer on CUDA when installed, else triton on CUDA, else torch.
     A backend that cannot run on `device` / `dtype` is refused here, before any step (an engine
     built on it used to start, report healthy, and fail every request)."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        if device.type == "cuda":
-            try:
-                import flashinfer  # noqa: F401
-
-                name = "flashinfer"
-            except ImportError:
-                name = "triton"
-        else:
-            name = "torch"
+    name = resolve_backend_name(name, device)
     if name == "torch":
         from cuttle.attention.torch_backend import TorchAttentionBackend
 

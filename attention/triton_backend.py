@@ -17,6 +17,10 @@ full-visibility parts are flagged to the kernel, and each row's parts are merged
 log-sum-exp (`merge.py`, torch ops on the device).
 
 Host-pool blocks (`HOST_BLOCK` ids, read in place) are read by the kernel from `meta.host_kv`.
+
+Sliding windows (`set_windows`: layer -> W) are the kernel's `window`: each row masks keys before
+its window and a tile's walk starts at its first row's window (one-segment steps; a segmented step
+under a window that matters is refused, as the engine refuses such documents).
 """
 from __future__ import annotations
 
@@ -42,6 +46,13 @@ class TritonAttentionBackend:
         self.split_len = split_len
         self.max_splits = max_splits
         self._plan: _StepPlan | None = None
+        self.windows: dict[int, int] = {}  # layer -> sliding window W (absent: every position)
+
+    def set_windows(self, windows: dict[int, int]) -> None:
+        """The model's sliding windows, per layer id (layers not named attend every position)."""
+        if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows.values()):
+            raise ValueError(f"sliding windows must be positive integers, got {windows!r}")
+        self.windows = dict(windows)
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._plan = self._make_plan(meta)
@@ -95,12 +106,15 @@ class TritonAttentionBackend:
                 "does not map yet: use copy-in (kv_read_in_place='never')"
             )
         sb = meta.segments
+        window = self.windows.get(layer)
         if sb is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
             self._run(plan, q, k_cache, v_cache, host, out, lse, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                      None, scale)
+                      None, scale, window)
             return out, lse
+        if window is not None and max(sb.kv_lens_cpu, default=0) > window:
+            raise NotImplementedError("sliding-window attention over segmented steps (squid documents) is not built")
         qv = sb.virtual_queries(q)
         ov = torch.empty(qv.shape, dtype=torch.float32, device=q.device)
         lv = torch.empty(qv.shape[:2], dtype=torch.float32, device=q.device)
@@ -112,20 +126,20 @@ class TritonAttentionBackend:
         self, plan: _StepPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         host: tuple[torch.Tensor | None, torch.Tensor | None], out: torch.Tensor, lse: torch.Tensor,
         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, full: torch.Tensor | None,
-        scale: float,
+        scale: float, window: int | None = None,
     ) -> None:
         args = (query_start_loc, seq_lens, block_tables, scale, self.block_n)
         if plan.decode_seqs is not None:
             paged_attention(
                 q, k_cache, v_cache, out, lse, plan.decode_seqs, plan.decode_offs, 1, *args,
-                num_splits=plan.num_splits, split_len=plan.split_len, full=full, k_host=host[0], v_host=host[1],
+                num_splits=plan.num_splits, split_len=plan.split_len, full=full, k_host=host[0], v_host=host[1], window=window,
             )
         if plan.prefill_seqs:
             group_pad = triton.next_power_of_2(q.shape[1] // k_cache.shape[2])
             block_q = max(1, self.block_m // group_pad)
             tile_seqs, tile_offs = plan.prefill_tiles(block_q)
             paged_attention(q, k_cache, v_cache, out, lse, tile_seqs, tile_offs, block_q, *args, full=full,
-                            k_host=host[0], v_host=host[1])
+                            k_host=host[0], v_host=host[1], window=window)
 
 
 class _StepPlan:

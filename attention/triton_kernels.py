@@ -60,7 +60,7 @@ def _write_kv_kernel(
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, kh_ptr, vh_ptr, out_ptr, lse_ptr,
     tile_seq_ptr, tile_qoff_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, full_ptr,
-    scale, split_len,
+    scale, split_len, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
@@ -68,7 +68,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FULL_VIS: tl.constexpr, HOST: tl.constexpr,
-    HOST_FLAG: tl.constexpr,
+    HOST_FLAG: tl.constexpr, WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,6 +105,11 @@ def _paged_attention_kernel(
     if SPLIT:
         kv_lo = split * split_len
         kv_hi = tl.minimum(kv_hi, kv_lo + split_len)
+    if WINDOW:
+        # a sliding window: the tile's first row sees keys from its position - window + 1 on, so
+        # the walk starts at the BLOCK_N step holding that key (rows mask the rest below)
+        first = tl.maximum(ctx_len + q_off - window + 1, 0)
+        kv_lo = tl.maximum(kv_lo, (first // BLOCK_N) * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -132,6 +137,8 @@ def _paged_attention_kernel(
             ).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key yet keeps m = -inf; shift by 0 so exp never sees -inf - -inf.
@@ -226,6 +233,7 @@ def paged_attention(
     full: torch.Tensor | None = None,  # [num_seqs] int32, 1 = every key visible to every row; None: all causal
     k_host: torch.Tensor | None = None,  # the host pool's caches (HOST_BLOCK entries); None: no table names one
     v_host: torch.Tensor | None = None,
+    window: int | None = None,  # a sliding window: a row at position p sees keys p - window + 1 .. p; None: all
 ) -> None:
     """Attention of the tiles' query rows over their sequences' paged K/V, written into `out`
     (and the rows' log-sum-exp into `lse`).
@@ -266,7 +274,8 @@ def paged_attention(
     common = dict(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_N=block_n,
-        DOT_PRECISION=precision, FULL_VIS=full is not None, HOST=host, HOST_FLAG=HOST_BLOCK, num_warps=num_warps,
+        DOT_PRECISION=precision, FULL_VIS=full is not None, HOST=host, HOST_FLAG=HOST_BLOCK, WINDOW=window is not None,
+        num_warps=num_warps,
     )
     kh, vh = (k_host, v_host) if host else (k_cache, v_cache)  # never read without HOST
     full_arg = full if full is not None else seq_lens  # never read without FULL_VIS
@@ -278,7 +287,7 @@ def paged_attention(
         _paged_attention_kernel[(num_tiles, num_kv_heads, 1)](
             q, k_cache, v_cache, kh, vh, out, lse,
             tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg,
-            scale, 0,
+            scale, 0, window or 0,
             q.stride(0), q.stride(1), *cache_strides,
             out.stride(0), out.stride(1), 0, lse.stride(0), 1,
             block_tables.stride(0),
@@ -291,7 +300,7 @@ def paged_attention(
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, kh, vh, part, part_lse,
         tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg,
-        scale, split_len,
+        scale, split_len, window or 0,
         q.stride(0), q.stride(1), *cache_strides,
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
         block_tables.stride(0),

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from cuttle.attention import native
+from cuttle.attention.backend import WINDOWED_BACKENDS, resolve_backend_name
 from cuttle.attention.native.gemm import drop_packed
 from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.block_manager import BlockManager
@@ -327,9 +328,8 @@ class LLMEngine:
 
     def _windows_served(self, config: EngineConfig) -> bool:
         """Whether this engine attends sliding windows as the model defines them past W: the torch
-        backend (`set_windows`), without top-k sparse attention."""
-        return (config.attention_backend == "torch" or (config.attention_backend == "auto" and self.device.type != "cuda")) \
-            and config.sparse_attention is None
+        and Triton backends (`set_windows`), without top-k sparse attention."""
+        return resolve_backend_name(config.attention_backend, self.device) in WINDOWED_BACKENDS and config.sparse_attention is None
 
     def _squid_prompt(self, prompt: dict, params: SamplingParams):
         """A prompt with documents (engine/squid.py): validated here, before anything is queued."""

@@ -25,7 +25,7 @@ from segment_cases import SEG_CASES, SegCase
 HERE = Path(__file__).parent
 TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
 SEG_TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 2e-2}
-Results = dict[tuple[str, str], dict[str, object]]
+Results = dict[tuple, dict[str, object]]
 
 
 def _python(args: list[str], interpret: bool) -> subprocess.CompletedProcess[str]:
@@ -39,7 +39,7 @@ def _worker(cuda: bool) -> Results:
     proc = _python([str(HERE / "triton_worker.py"), *(["--cuda"] if cuda else [])], interpret=not cuda)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {(row["case"], row["dtype"]): row for row in rows}
+    return {(row["case"], row["dtype"], *((row["window"],) if "window" in row else ())): row for row in rows}
 
 
 @pytest.fixture(scope="module")
@@ -121,5 +121,20 @@ def test_triton_kernels_compile_for_sm90_within_consumer_shared_memory() -> None
     proc = _python([str(HERE / "triton_compile_worker.py"), "90"], interpret=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 8
+    assert len(rows) == 10
     assert max(row["shared"] for row in rows) <= 99 * 1024, rows
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 24])
+@pytest.mark.parametrize("case", ["gqa_mixed", "mha_prefill", "gqa_decode_split"])
+def test_triton_interpreted_sliding_window_matches_the_oracle(interpreted: Results, case: str, window: int) -> None:
+    """`set_windows`: a row at p sees keys p - W + 1 .. p (decode splits and prefill tiles whose
+    walk starts at their first row's window), float32 within 1e-5 of the windowed oracle."""
+    assert interpreted[(case, "float32", window)]["err_vs_oracle"] <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [1, 5, 16, 24])
+@pytest.mark.parametrize("case", ["gqa_mixed", "mha_prefill", "gqa_decode_split"])
+def test_triton_compiled_sliding_window_matches_the_oracle(compiled: Results, case: str, window: int) -> None:
+    assert compiled[(case, "float32", window)]["err_vs_oracle"] <= 1e-5

@@ -85,6 +85,21 @@ def compare_segments(case: SegCase, dtype: torch.dtype, device: torch.device) ->
     }
 
 
+def compare_window(case: Case, window: int, dtype: torch.dtype, device: torch.device) -> dict[str, object]:
+    """A sliding window on layer 0 (NaN in every unwritten slot) against the float64 windowed oracle."""
+    batch = build_batch(case, junk=float("nan"), seed=window, dtype=dtype).to(device)
+    backend = TritonAttentionBackend(**case.triton)
+    backend.set_windows({0: window})
+    backend.begin_step(batch.meta)
+    out, _ = backend.forward(0, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    return {"case": case.name, "dtype": str(dtype).removeprefix("torch."), "window": window,
+            "err_vs_oracle": (out.double().cpu() - naive_attention(batch, window)).abs().max().item()}
+
+
+WINDOW_CASES = ("gqa_mixed", "mha_prefill", "gqa_decode_split")
+WINDOWS = (1, 5, 16, 24)
+
+
 def run(names: list[str]) -> None:
     assert INTERPRETED != CUDA, "triton was imported before TRITON_INTERPRET was set as intended"
     device = torch.device("cuda" if CUDA else "cpu")
@@ -100,6 +115,11 @@ def run(names: list[str]) -> None:
             continue
         for dtype in dtypes:
             print(json.dumps(compare_segments(case, dtype, device)), flush=True)
+    for case in CASES:
+        if case.name not in WINDOW_CASES or (names and case.name not in names):
+            continue
+        for window in WINDOWS:
+            print(json.dumps(compare_window(case, window, dtypes[0], device)), flush=True)
 
 
 if __name__ == "__main__":
