@@ -35,6 +35,7 @@ MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Starcoder2ForCausalLM": "starcoder2",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "SeedOssForCausalLM": "seed_oss",
 }
 # families whose checkpoints name their MoE blocks `block_sparse_moe` with experts w1 / w3 / w2
 BLOCK_SPARSE_MOE_ARCHITECTURES = ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")
@@ -167,7 +168,8 @@ class ModelConfig:
         elif starcoder2:
             attention_bias = bool(hf.get("use_bias", True))
         else:
-            attention_bias = bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM"))
+            # (Seed-OSS: q/k/v biases, its class's default; its o_proj / MLP biases are refused below)
+            attention_bias = bool(hf.get("attention_bias", arch in ("Qwen2ForCausalLM", "SeedOssForCausalLM")))
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         return cls(
@@ -338,6 +340,13 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
     want = "gelu_pytorch_tanh" if arch == "Starcoder2ForCausalLM" else "silu"
     if act != want:
         raise ValueError(f"hidden_act {act!r} in {where} is not supported for {arch} (supported: {want})")
+    for name, why in (("attention_out_bias", "an o_proj bias"), ("mlp_bias", "MLP biases")):
+        if arch in ("SeedOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM") and hf.get(name):
+            raise ValueError(f"{name}: true in {where} ({why}) is not supported for {arch}")
+    if arch == "LlamaForCausalLM" and hf.get("attention_bias") and not hf.get("fla_nsa"):
+        # Llama's attention_bias puts a bias on o_proj too, which this decoder's Llama has not
+        # (fla-org's NSA configs, translated to Llama's, mean q/k/v biases only: models/nsa_config.py)
+        raise ValueError(f"attention_bias: true in {where} (q/k/v and o_proj biases) is not supported for {arch}")
     types = hf.get("attn_type_list")
     if arch == "MiniMaxM2ForCausalLM" and types is not None and any(t != 1 for t in types):
         # MiniMax's 0 is its linear ("lightning") attention, which this decoder does not have

@@ -1,5 +1,6 @@
 """Thinking text split out of a model's output: `<think>...</think>` becomes `reasoning_content`,
-the rest `content` (vLLM's `--reasoning-parser qwen3` / `deepseek_r1` / `glm45`), whole or streamed.
+the rest `content` (vLLM's `--reasoning-parser qwen3` / `deepseek_r1` / `glm45`; `seed_oss` is
+qwen3's rule over Seed-OSS's `<seed:think>...</seed:think>`), whole or streamed.
 
 Owns only text -> (reasoning, content). Where the output starts is decided from the prompt's
 tail (what the chat template wrote after the conversation: the generation prompt, or the final
@@ -12,7 +13,8 @@ message being continued), so the same parser serves every template style:
   anything else is content (and with `enable_thinking: false` it is content from the start).
   `glm45` is the same rule: GLM-4.5 writes its own `<think>` after `<|assistant|>` (its template
   closes an empty block for `enable_thinking: false`; GLM-4.7's leaves one open).
-Reasoning ends at the first `</think>`; everything after it is content, whatever it contains. An
+Where the output starts is a `Start`: that state and the parser's tags. Reasoning ends at the
+first `</think>`; everything after it is content, whatever it contains. An
 unclosed block (the model ran out of tokens) is all reasoning. The tool-call parser is fed the
 content only, so thinking text never becomes a tool call.
 
@@ -22,8 +24,12 @@ final feed).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 OPEN, CLOSE = "<think>", "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45")
+# parser -> its thinking block's (opening, closing) tags
+TAGS = {"qwen3": (OPEN, CLOSE), "deepseek_r1": (OPEN, CLOSE), "glm45": (OPEN, CLOSE), "seed_oss": ("<seed:think>", "</seed:think>")}
+REASONING_PARSERS = tuple(TAGS)
 
 # Where the parser is in the output.
 AWAIT = "await"  # qwen3, no tag in the prompt's tail: the model's first text decides
@@ -32,18 +38,36 @@ REASONING = "reasoning"
 CONTENT = "content"
 
 
-def start_state(parser: str, prompt_tail: str, enable_thinking: bool | None = None) -> str:
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Where a parser starts reading an output, and the tags of its thinking block."""
+
+    state: str
+    open: str = OPEN
+    close: str = CLOSE
+
+
+def opens_thinking(parser: str, prompt_tail: str) -> bool:
+    """Whether `prompt_tail` leaves the parser's thinking block open."""
+    opening, closing = TAGS[parser]
+    return prompt_tail.rfind(opening) > prompt_tail.rfind(closing)
+
+
+def start_state(parser: str, prompt_tail: str, enable_thinking: bool | None = None) -> Start:
     """Where the output of a prompt ending in `prompt_tail` starts (see the module docstring)."""
     if parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {parser!r}")
-    opened, closed = prompt_tail.rfind(OPEN), prompt_tail.rfind(CLOSE)
+    opening, closing = TAGS[parser]
+    opened, closed = prompt_tail.rfind(opening), prompt_tail.rfind(closing)
     if opened > closed:
-        return OPENING
-    if closed != -1:
-        return CONTENT
-    if parser == "deepseek_r1":
-        return OPENING
-    return CONTENT if enable_thinking is False else AWAIT
+        state = OPENING
+    elif closed != -1:
+        state = CONTENT
+    elif parser == "deepseek_r1":
+        state = OPENING
+    else:
+        state = CONTENT if enable_thinking is False else AWAIT
+    return Start(state, opening, closing)
 
 
 def partial_suffix(text: str, token: str) -> int:
@@ -58,43 +82,46 @@ def partial_suffix(text: str, token: str) -> int:
 class ReasoningParser:
     """Feed the growing output text; get (reasoning delta, content delta) as they become certain."""
 
-    __slots__ = ("state", "sent")
+    __slots__ = ("state", "sent", "open", "close")
 
-    def __init__(self, state: str):
-        if state not in (AWAIT, OPENING, REASONING, CONTENT):
-            raise ValueError(f"unknown reasoning parser state {state!r}")
-        self.state = state
+    def __init__(self, start: Start | str):
+        """`start`: where the output starts (`start_state`), or a bare state for `<think>` tags."""
+        start = start if isinstance(start, Start) else Start(start)
+        if start.state not in (AWAIT, OPENING, REASONING, CONTENT):
+            raise ValueError(f"unknown reasoning parser state {start.state!r}")
+        self.state, self.open, self.close = start.state, start.open, start.close
         self.sent = 0  # text[:sent] has been accounted for (as reasoning, content, or a dropped tag)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         reasoning = content = ""
+        opening, closing = self.open, self.close
         if self.state in (AWAIT, OPENING):
             rest = text[self.sent :]
             lead = rest.lstrip()
-            if lead.startswith(OPEN):  # the model opens the block: the tag (and blanks before it) go
-                self.sent += len(rest) - len(lead) + len(OPEN)
+            if lead.startswith(opening):  # the model opens the block: the tag (and blanks before it) go
+                self.sent += len(rest) - len(lead) + len(opening)
                 self.state = REASONING
-            elif not final and OPEN.startswith(lead):  # blank so far, or a partial `<think>`: wait
+            elif not final and opening.startswith(lead):  # blank so far, or a partial `<think>`: wait
                 return "", ""
             else:
                 self.state = CONTENT if self.state == AWAIT else REASONING
         if self.state == REASONING:
             rest = text[self.sent :]
-            end = rest.find(CLOSE)
+            end = rest.find(closing)
             if end == -1:
-                hold = 0 if final else partial_suffix(rest, CLOSE)
+                hold = 0 if final else partial_suffix(rest, closing)
                 reasoning = rest[: len(rest) - hold]
                 self.sent += len(reasoning)
                 return reasoning, ""
             reasoning = rest[:end]
-            self.sent += end + len(CLOSE)
+            self.sent += end + len(closing)
             self.state = CONTENT
         content = text[self.sent :]
         self.sent = len(text)
         return reasoning, content
 
 
-def split_reasoning(text: str, state: str) -> tuple[str | None, str | None]:
+def split_reasoning(text: str, start: Start | str) -> tuple[str | None, str | None]:
     """Whole output -> (reasoning, content), None for an empty part (as vLLM returns them)."""
-    reasoning, content = ReasoningParser(state).feed(text, final=True)
+    reasoning, content = ReasoningParser(start).feed(text, final=True)
     return reasoning or None, content or None

@@ -432,7 +432,7 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     None when there is nothing to enforce: no tools, `none`, xgrammar missing or a
     tokenizer it cannot serve (tool calls then work as they did before structured output: prefix
     forcing, no guarantee that the call parses)."""
-    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder", "glm45", "llama3_json"):
+    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder", "seed_oss", "glm45", "llama3_json"):
         return None
     try:
         xgrammar()
@@ -454,8 +454,8 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
             {"type": "const_string", "value": f' {json.dumps(t["function"]["name"])}, "arguments": '}, args(t),
             {"type": "const_string", "value": _CALL_END}]}
 
-    if fmt == "qwen3_coder":
-        fmt_ = _qwen3_coder_calls(choice, name, tools, parallel)
+    if fmt in ("qwen3_coder", "seed_oss"):
+        fmt_ = _qwen3_coder_calls(choice, name, tools, parallel, *_XML_TAGS[fmt])
     elif fmt == "llama3_json":
         fmt_ = _llama3_calls(choice, name, tools, parallel, args)
     elif fmt == "glm45":
@@ -473,9 +473,11 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt_}))
 
 
-_XML_CALL_END = "\n</function>\n</tool_call>"
+# qwen3_coder's XML calls sit in <tool_call>, Seed-OSS's (the same XML) in <seed:tool_call>
+_XML_TAGS = {"qwen3_coder": ("<tool_call>", "</tool_call>"), "seed_oss": ("<seed:tool_call>", "</seed:tool_call>")}
 # the format's markers that checkpoints hold as single tokens
 _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_call>", "</tool_call>"),
+            "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
             "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
             "llama3_json": ()}  # (bare JSON: nothing a vocabulary could hold special)
 
@@ -505,12 +507,15 @@ def _llama3_calls(choice: str, name: str | None, tools: list[dict[str, Any]], pa
         for t in tools], "stop_after_first": not parallel}
 
 
-def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool,
+                       opening: str = "<tool_call>", closing: str = "</tool_call>") -> dict[str, Any]:
     """Qwen3-Coder's XML calls (`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>
     ...</function>\n</tool_call>`): the parameters follow the tool's JSON schema in xgrammar's
     `qwen_xml` style (schema order, required keys present, each value of its type; string values
     are raw text). `named` continues after the server's `<function=NAME>\n`, `required` after
-    `<function=` (chat.py `_forced_prefix`); `auto` applies once the model opens a call."""
+    `<function=` (chat.py `_forced_prefix`); `auto` applies once the model opens a call.
+    `opening` / `closing`: the call's outer tags (Seed-OSS writes `<seed:tool_call>`)."""
+    call_end = "\n</function>\n" + closing
 
     def params(t: dict[str, Any]) -> dict[str, Any]:
         schema = t["function"].get("parameters") or {"type": "object"}
@@ -518,13 +523,13 @@ def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]
 
     if choice == "named":
         [tool] = [t for t in tools if t["function"]["name"] == name]
-        return {"type": "sequence", "elements": [params(tool), {"type": "const_string", "value": _XML_CALL_END}]}
+        return {"type": "sequence", "elements": [params(tool), {"type": "const_string", "value": call_end}]}
     if choice == "required":
         alts = [{"type": "sequence", "elements": [{"type": "const_string", "value": f'{t["function"]["name"]}>\n'}, params(t),
-                                                  {"type": "const_string", "value": _XML_CALL_END}]} for t in tools]
+                                                  {"type": "const_string", "value": call_end}]} for t in tools]
         return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
-    return {"type": "triggered_tags", "triggers": ["<tool_call>\n<function="], "tags": [
-        {"type": "tag", "begin": f'<tool_call>\n<function={t["function"]["name"]}>\n', "content": params(t), "end": _XML_CALL_END}
+    return {"type": "triggered_tags", "triggers": [f"{opening}\n<function="], "tags": [
+        {"type": "tag", "begin": f'{opening}\n<function={t["function"]["name"]}>\n', "content": params(t), "end": call_end}
         for t in tools], "stop_after_first": not parallel}
 
 

@@ -1,6 +1,6 @@
 """Tool calls parsed out of a model's text: the Qwen3 / Hermes `<tool_call>{json}</tool_call>`
 format, the Qwen3-Coder `<tool_call><function=NAME><parameter=P>value</parameter></function>`
-format and GLM-4.5's `<tool_call>NAME<arg_key>P</arg_key><arg_value>value</arg_value></tool_call>`
+format (and Seed-OSS's, the same inside `<seed:tool_call>`, `seed_oss`) and GLM-4.5's `<tool_call>NAME<arg_key>P</arg_key><arg_value>value</arg_value></tool_call>`
 (GLM-4.5 / 4.6 put newlines between the tags, GLM-4.7 none: both parse), and DeepSeek's, whose
 calls sit in a `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` section, each
 `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>` (DeepSeek-V3,
@@ -48,7 +48,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _MS_OPEN, _MS_ARGS, _MS_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _DS_OPEN, _DS_CLOSE, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 # format -> (a call's opening, its closing), and the markers of a section around the calls
-TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "glm45": (OPEN, CLOSE),
+TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
+        "glm45": (OPEN, CLOSE),
         "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE), "minimax_m2": ("<invoke name=", "</invoke>"),
         "mistral": (_MS_OPEN, ""),  # (a Mistral call ends where its JSON value does: _block_end)
         "llama3_json": ("{", ""),
@@ -83,8 +84,8 @@ _MS_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}$")  # Mistral's function names (mi
 _PY_TAG = "<|python_tag|>"
 _LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')  # what makes a JSON object at the start a (perhaps broken) call
 
-PARSERS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "llama3_json", "kimi_k2")
-_STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "glm45")  # formats whose arguments stream as written (tool_args.py)
+PARSERS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "llama3_json", "kimi_k2")
+_STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "seed_oss", "glm45")  # formats whose arguments stream as written (tool_args.py)
 
 
 @dataclass(slots=True)
@@ -118,6 +119,8 @@ def parser_for_template(chat_template: str | None) -> str:
     """The format a checkpoint's chat template teaches its model."""
     if chat_template and "<arg_key>" in chat_template:
         return "glm45"
+    if chat_template and "<seed:tool_call>" in chat_template:
+        return "seed_oss"
     if chat_template and "<｜tool▁calls▁begin｜>" in chat_template:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if chat_template and "<minimax:tool_call>" in chat_template:

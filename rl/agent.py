@@ -251,6 +251,7 @@ def _ordered_blocks(turn: AgentTurn) -> list[ToolCall | str]:
 _CALL_SHAPES = {
     "hermes": '<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>',
     "qwen3_coder": "<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>",
+    "seed_oss": "<seed:tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</seed:tool_call>",
     "glm45": "<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>",
     "deepseek_v3": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>",
     "deepseek_v31": "<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>",

@@ -33,7 +33,7 @@ from cuttle.engine.openai_protocol import (
 from cuttle.engine.async_engine import RequestOptions
 from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import RequestOutput
-from cuttle.engine.reasoning_parsers import CLOSE, CONTENT, OPEN, ReasoningParser, split_reasoning, start_state
+from cuttle.engine.reasoning_parsers import CONTENT, TAGS, ReasoningParser, Start, opens_thinking, split_reasoning, start_state
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.server.beam_completions import CHAT_BEAM_FIELDS, beam_params, beam_search_chat
 from cuttle.engine.server.body import read_body
@@ -125,7 +125,7 @@ class ChatCall:
     choice: str  # auto | none | required | named
     parser: str
     tools: list[dict[str, Any]] | None  # the tools the output is parsed for (None: tool calls are not parsed)
-    rstate: str | None  # where the reasoning parser starts (None: no reasoning split)
+    rstate: Start | None  # where the reasoning parser starts, and its tags (None: no reasoning split)
     include_reasoning: bool
     want_lp: bool
     top_n: int
@@ -372,7 +372,7 @@ async def _beam_search(request: Request, body: dict[str, Any], messages: list[di
 
 
 def _reasoning_start(tok: Tokenizer, opts: ChatOptions, tmpl: ChatTemplate, messages: list[dict[str, Any]],
-                     tools: list[dict[str, Any]] | None, text: str, forced: str) -> str | None:
+                     tools: list[dict[str, Any]] | None, text: str, forced: str) -> Start | None:
     """Where the reasoning parser starts reading this request's output (None: no parser). A
     forced tool call opens the answer itself, so the output starts as content; forcing one while
     the template has a thinking block open would put the call inside the thinking: refused."""
@@ -380,11 +380,11 @@ def _reasoning_start(tok: Tokenizer, opts: ChatOptions, tmpl: ChatTemplate, mess
         return None
     tail = tmpl.tail(tok, messages, tools, text)
     if forced:
-        if tail.rfind(OPEN) > tail.rfind(CLOSE):
+        if opens_thinking(opts.reasoning_parser, tail):
             raise OpenAIError("a required or named tool_choice cannot be forced while the chat template opens a thinking "
                               "block (the call would be written inside it); use tool_choice 'auto', or turn thinking off "
                               "(e.g. chat_template_kwargs: {enable_thinking: false})", param="tool_choice")
-        return CONTENT
+        return Start(CONTENT, *TAGS[opts.reasoning_parser])
     return start_state(opts.reasoning_parser, tail, tmpl.kwargs.get("enable_thinking"))
 
 
@@ -497,8 +497,9 @@ def _forced_prefix(parser: str, choice: str, name: str | None, template: str | N
         if choice == "named":
             return head + (f"{name}\n```json\n" if parser == "deepseek_v3" else f"{name}<｜tool▁sep｜>")
         return head if choice == "required" else ""
+    opening = "<seed:tool_call>" if parser == "seed_oss" else "<tool_call>"  # (qwen3_coder's XML inside Seed-OSS's tag)
     if choice == "named":
-        return f'<tool_call>\n{{"name": "{name}", "arguments":' if parser == "hermes" else f"<tool_call>\n<function={name}>\n"
+        return f'<tool_call>\n{{"name": "{name}", "arguments":' if parser == "hermes" else f"{opening}\n<function={name}>\n"
     if choice == "required":
-        return '<tool_call>\n{"name":' if parser == "hermes" else "<tool_call>\n<function="
+        return '<tool_call>\n{"name":' if parser == "hermes" else f"{opening}\n<function="
     return ""

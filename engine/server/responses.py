@@ -51,7 +51,7 @@ from fastapi.responses import StreamingResponse
 
 from cuttle.engine.openai_protocol import CHAT_FIELDS, RESPONSES_FIELDS, OpenAIError, Usage, chat_logprobs, get_bool, get_int, get_str, show
 from cuttle.engine.outputs import RequestOutput
-from cuttle.engine.reasoning_parsers import CLOSE, split_reasoning
+from cuttle.engine.reasoning_parsers import split_reasoning
 from cuttle.engine.server.body import read_body
 from cuttle.engine.server.chat import ChatCall, flatten_messages, prepare_chat
 from cuttle.engine.server.chat_prompt import ChatOptions, ToolCallReplay, read_chat_template
@@ -583,11 +583,12 @@ def _reasoning_tokens(tok: Tokenizer, token_ids: list[int], call: ChatCall, text
     if not reasoning:
         return 0
     lo, hi = 1, len(token_ids)
-    if CLOSE not in tok.decode(token_ids):
+    close = call.rstate.close
+    if close not in tok.decode(token_ids):
         return len(token_ids)
     while lo < hi:
         mid = (lo + hi) // 2
-        if CLOSE in tok.decode(token_ids[:mid]):
+        if close in tok.decode(token_ids[:mid]):
             hi = mid
         else:
             lo = mid + 1

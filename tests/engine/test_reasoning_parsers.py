@@ -108,9 +108,28 @@ def test_nothing_that_could_be_a_tag_is_released_early():
     ("deepseek_r1", "<｜Assistant｜>", None, OPENING),  # vLLM's deepseek_r1: no </think> means all reasoning
     ("deepseek_r1", "<｜Assistant｜></think>", None, CONTENT),
     ("qwen3", "", None, AWAIT),
+    # Seed-OSS: qwen3's rule over its own tags (a <think> of another family is no block of its)
+    ("seed_oss", "<seed:bos>assistant\n", None, AWAIT),
+    ("seed_oss", "<seed:bos>assistant\n<seed:think>", None, OPENING),
+    ("seed_oss", "<seed:bos>assistant\n<seed:think></seed:think>", None, CONTENT),
+    ("seed_oss", "<seed:bos>assistant\n<think>", None, AWAIT),
 ])
 def test_start_state_from_the_prompt_tail(parser, tail, enable_thinking, want):
-    assert start_state(parser, tail, enable_thinking) == want
+    assert start_state(parser, tail, enable_thinking).state == want
+
+
+def test_seed_oss_splits_its_own_tags_whole_and_streamed():
+    """`<seed:think>...</seed:think>` is the reasoning; a `<think>` inside it is text; every split
+    point of the stream adds up to the whole split."""
+    start = start_state("seed_oss", "assistant\n")
+    text = "<seed:think>plan <think>a</think> more</seed:think>The answer."
+    assert split_reasoning(text, start) == ("plan <think>a</think> more", "The answer.")
+    for cut in range(1, len(text)):
+        rp = ReasoningParser(start)
+        a = rp.feed(text[:cut])
+        b = rp.feed(text, final=True)
+        assert (a[0] + b[0], a[1] + b[1]) == ("plan <think>a</think> more", "The answer."), cut
+        assert "<seed:" not in a[0] + a[1]
 
 
 def test_unknown_parser_is_refused():

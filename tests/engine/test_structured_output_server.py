@@ -312,6 +312,20 @@ def test_auto_glm45_calls_follow_the_schema_once_opened(glm_client):
 
 
 @pytest.fixture(scope="module")
+def seed_client():
+    """The same model served with Seed-OSS's tool-call format (qwen3_coder's XML inside
+    `<seed:tool_call>`), its calls under xgrammar's qwen_xml style."""
+    with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32,
+                    app_kw={"tool_call_parser": "seed_oss"}) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
+def test_forced_seed_oss_tool_call_always_parses_and_validates(seed_client, tool_choice):
+    _check_forced_calls(seed_client, tool_choice, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}, max_tokens=200)
+
+
+@pytest.fixture(scope="module")
 def llama_client():
     """The same model served with Llama 3.x's tool-call format: the reply is the call,
     `{"name": NAME, "parameters": ARGS}`, its arguments under the tool's schema."""

@@ -16,6 +16,8 @@ CODER = (
     "<tool_call>\n<function=run_tests>\n<parameter=selection>\ntests/test_app.py::test_x\n</parameter>\n"
     "<parameter=verbose>\ntrue\n</parameter>\n<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>"
 )
+# Seed-OSS's: qwen3_coder's XML inside <seed:tool_call>
+SEED = "Running.\n" + CODER.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
 # GLM-4.5 / 4.6's layout (newlines between the tags), then GLM-4.7's (none) in one text
 GLM = (
     "I'll run them.<tool_call>run_tests\n<arg_key>selection</arg_key>\n<arg_value>tests/test_app.py::test_x</arg_value>\n"
@@ -59,6 +61,19 @@ def test_qwen3_coder_whole_uses_schema_types():
     assert content == ""
     assert calls[0].name == "run_tests"
     assert json.loads(calls[0].arguments) == {"selection": "tests/test_app.py::test_x", "verbose": True, "count": 3}
+
+
+def test_seed_oss_whole_uses_schema_types():
+    """Seed-OSS's calls are qwen3_coder's XML in `<seed:tool_call>`: the same arguments; a plain
+    `<tool_call>` is not one of its calls."""
+    content, calls = parse_tool_calls(SEED, "seed_oss", TOOLS)
+    assert content == "Running." and calls[0].text.startswith("<seed:tool_call>")
+    assert json.loads(calls[0].arguments) == {"selection": "tests/test_app.py::test_x", "verbose": True, "count": 3}
+    assert parse_tool_calls(CODER, "seed_oss", TOOLS) == (CODER, [])
+    assert parser_for_template("{{- '<seed:tool_call>\\n<function=' + tc.name }}") == "seed_oss"
+    from cuttle.engine.server.chat import _forced_prefix
+
+    assert _forced_prefix("seed_oss", "named", "run_tests") == "<seed:tool_call>\n<function=run_tests>\n"
 
 
 def test_glm45_whole_both_layouts():
@@ -197,7 +212,7 @@ def test_plain_text_and_broken_calls_stay_content():
                                       ("deepseek_v31", DS_V31), ("deepseek_v31", "no call <｜tool▁calls▁begin｜>just text"),
                                       ("minimax_m2", MINIMAX), ("mistral", MISTRAL), ("mistral", MISTRAL_LIST),
                                       ("mistral", 'x [TOOL_CALLS]add[ARGS]"a" [TOOL_CALLS]add[ARGS]{"a": 1} [TOOL_CALLS]add[ARGS]{"a'),
-                                      ("kimi_k2", KIMI), ("llama3_json", LLAMA), ("llama3_json", "  " + LLAMA_TAG + "\n"),
+                                      ("kimi_k2", KIMI), ("seed_oss", SEED), ("llama3_json", LLAMA), ("llama3_json", "  " + LLAMA_TAG + "\n"),
                                       ("llama3_json", 'As JSON: {"name": "add", "parameters": {}}'),
                                       ("llama3_json", '{"result": [1, 2]} is the answer'),
                                       ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; then {"name": "x"'),
@@ -217,7 +232,7 @@ def test_streaming_equals_whole_for_any_split(fmt, text, seed):
     for c in cuts + [len(text)]:
         final = c == len(text)
         d, new = parser.feed(text[:c], final=final)
-        assert final or settled or not any(m in d for m in ("<tool_call", "<｜tool", "<invoke", "<minimax", "[TOOL_CALLS]", "[ARGS]", "<|tool_call"))
+        assert final or settled or not any(m in d for m in ("<tool_call", "<｜tool", "<invoke", "<minimax", "[TOOL_CALLS]", "[ARGS]", "<|tool_call", "<seed:"))
         content += d
         calls += new
     whole_content, whole_calls = parse_tool_calls(text, fmt, TOOLS)
