@@ -36,6 +36,7 @@ MODEL_TYPES = {
     "Starcoder2ForCausalLM": "starcoder2",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "SeedOssForCausalLM": "seed_oss",
+    "Phi3ForCausalLM": "phi3",
 }
 # families whose checkpoints name their MoE blocks `block_sparse_moe` with experts w1 / w3 / w2
 BLOCK_SPARSE_MOE_ARCHITECTURES = ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")
@@ -212,7 +213,7 @@ class ModelConfig:
 
 
 def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
-    """Mistral's, Mixtral's, StarCoder2's and Qwen2's `sliding_window` (None: every position is attended): a
+    """Mistral's, Mixtral's, StarCoder2's, Phi-3's and Qwen2's `sliding_window` (None: every position is attended): a
     query at p attends p - W + 1 .. p in the layers `_sliding_window_layers` names. The torch
     attention backend serves it; with another, max_model_len is capped at W, where the window
     changes nothing (llm_engine.py)."""
@@ -221,7 +222,8 @@ def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
         # max_window_layers on; all of them equal full attention within the window)
         w = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     else:
-        w = hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM") else None
+        w = (hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM", "Phi3ForCausalLM")
+             else None)
     if w is None:
         return None
     if isinstance(w, bool) or not isinstance(w, int) or w < 2:
@@ -251,7 +253,7 @@ def _rotary_dim(hf: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: i
     families rotate whole heads in transformers, so a factor below 1 there is refused rather than
     computed as no checkpoint of theirs was trained."""
     where = path or "config"
-    partial = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
+    partial = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Phi3ForCausalLM")  # (Phi-4-mini rotates 3/4)
     if arch == "MiniMaxM2ForCausalLM" and hf.get("rotary_dim") is not None:  # MiniMax's own field (transformers derives the factor)
         rd = hf["rotary_dim"]
         if isinstance(rd, bool) or not isinstance(rd, int) or not 2 <= rd <= head_dim or rd % 2:

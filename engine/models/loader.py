@@ -430,7 +430,14 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
     for proj, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):
         table[f"self_attn.{proj}.weight"] = ("attn.qkv_weight", rows)
         table[f"self_attn.{proj}.bias"] = ("attn.qkv_bias", rows)
+    # Phi-3 / Phi-4 write both as one tensor, rows in this decoder's order ([q; k; v], [gate; up])
+    table.update(_PHI3_FUSED)
     return table
+
+
+_PHI3_FUSED = {"self_attn.qkv_proj.weight": ("attn.qkv_weight", None), "mlp.gate_up_proj.weight": ("mlp.gate_up_weight", None)}
+_SPLIT = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
+          "mlp.up_proj.weight")
 
 
 def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
@@ -495,4 +502,6 @@ def _hf_name_used(cfg: ModelConfig, rest: str) -> bool:
         return rest.startswith("mlp.shared_experts.") == (cfg.architecture in DEEPSEEK_MOE_ARCHITECTURES)
     if cfg.mla is not None and rest.startswith(("self_attn.q_proj.", "self_attn.q_a_proj.")):
         return rest.startswith("self_attn.q_a_proj.") == (cfg.mla.q_lora_rank is not None)
+    if rest in _PHI3_FUSED or rest in _SPLIT:  # Phi-3's fused names, everyone else's split ones
+        return (rest in _PHI3_FUSED) == (cfg.architecture == "Phi3ForCausalLM")
     return True
