@@ -432,7 +432,8 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     None when there is nothing to enforce: no tools, `none`, xgrammar missing or a
     tokenizer it cannot serve (tool calls then work as they did before structured output: prefix
     forcing, no guarantee that the call parses)."""
-    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder", "seed_oss", "glm45", "llama3_json"):
+    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder", "seed_oss", "glm45", "llama3_json", "deepseek_v3",
+                                                   "deepseek_v31"):
         return None
     try:
         xgrammar()
@@ -458,6 +459,8 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
         fmt_ = _qwen3_coder_calls(choice, name, tools, parallel, *_XML_TAGS[fmt])
     elif fmt == "llama3_json":
         fmt_ = _llama3_calls(choice, name, tools, parallel, args)
+    elif fmt in ("deepseek_v3", "deepseek_v31"):
+        fmt_ = _deepseek_calls(fmt, choice, name, tools, parallel, args)
     elif fmt == "glm45":
         fmt_ = _glm45_calls(choice, name, tools, parallel)
     elif choice == "named":
@@ -474,17 +477,49 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
 
 
 # qwen3_coder's XML calls sit in <tool_call>, Seed-OSS's (the same XML) in <seed:tool_call>
+_DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 _XML_TAGS = {"qwen3_coder": ("<tool_call>", "</tool_call>"), "seed_oss": ("<seed:tool_call>", "</seed:tool_call>")}
 # the format's markers that checkpoints hold as single tokens
 _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_call>", "</tool_call>"),
             "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
             "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-            "llama3_json": ()}  # (bare JSON: nothing a vocabulary could hold special)
+            "llama3_json": (),  # (bare JSON: nothing a vocabulary could hold special)
+            "deepseek_v3": _DS_MARKERS, "deepseek_v31": _DS_MARKERS}
 
 
 def _special_markers(tokenizer: Tokenizer, fmt: str) -> list[str]:
     """The format's markers the tokenizer marks special (GLM-4.5's may be)."""
     return [m for m in _MARKERS[fmt] if tokenizer.tok.token_to_id(m) in tokenizer.special_ids]
+
+
+def _deepseek_calls(fmt: str, choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool,
+                    args: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """DeepSeek's calls in their section: V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`,
+    V3's `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`, ARGS
+    under the tool's JSON schema. `named` continues after the server's opening up to the
+    arguments, `required` after the call's opening (chat.py `_forced_prefix`), each one call and
+    the section's end, then EOS; `auto` applies once the model opens a call (the section's
+    markers around the calls stay free text)."""
+    v3 = fmt == "deepseek_v3"
+    call_end = ("\n```" if v3 else "") + "<｜tool▁call▁end｜>"
+
+    def head(t: dict[str, Any]) -> str:  # a call's text up to its arguments, after the call's opening
+        return (f'function<｜tool▁sep｜>{t["function"]["name"]}\n```json\n' if v3 else f'{t["function"]["name"]}<｜tool▁sep｜>')
+
+    def const(value: str) -> dict[str, Any]:
+        return {"type": "const_string", "value": value}
+
+    if choice == "named":
+        [tool] = [t for t in tools if t["function"]["name"] == name]
+        return {"type": "sequence", "elements": [args(tool), const(call_end + "<｜tool▁calls▁end｜>")]}
+    if choice == "required":
+        # (V3's opening already holds `function<｜tool▁sep｜>`: the rest of its head is the name)
+        alts = [{"type": "sequence", "elements": [const(head(t).removeprefix("function<｜tool▁sep｜>")), args(t),
+                                                  const(call_end + "<｜tool▁calls▁end｜>")]} for t in tools]
+        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
+    return {"type": "triggered_tags", "triggers": ["<｜tool▁call▁begin｜>"], "tags": [
+        {"type": "tag", "begin": "<｜tool▁call▁begin｜>" + head(t), "content": args(t), "end": call_end} for t in tools],
+        "stop_after_first": not parallel}
 
 
 def _llama3_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool,

@@ -85,7 +85,7 @@ _PY_TAG = "<|python_tag|>"
 _LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')  # what makes a JSON object at the start a (perhaps broken) call
 
 PARSERS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "llama3_json", "kimi_k2")
-_STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "seed_oss", "glm45")  # formats whose arguments stream as written (tool_args.py)
+_STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31")  # formats whose arguments stream as written (tool_args.py)
 
 
 @dataclass(slots=True)
@@ -413,6 +413,9 @@ def parse_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]]
 _HERMES_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 _CODER_OPENING = re.compile(r"\s*<function=([^>\n]+)>")
 _GLM_OPENING = re.compile(r"\s*([^\s<]+)(?=\s|<)")  # complete once something follows the name
+# DeepSeek's, up to the JSON arguments (as _DS_V3_CALL / _DS_V31_CALL read them)
+_DS_OPENINGS = {"deepseek_v3": re.compile(r"\s*function" + re.escape(_DS_SEP) + r"([^\n]+)\n```json\n"),
+                "deepseek_v31": re.compile(r"\s*([^\s<]+?)\s*" + re.escape(_DS_SEP))}
 
 
 @dataclass(slots=True)
@@ -500,6 +503,12 @@ class StreamingToolParser:
                 return False
             name = m.group(1)
             emitter = GlmArguments(_param_types(self.tools, name))
+        elif self.fmt in _DS_OPENINGS:
+            m = _DS_OPENINGS[self.fmt].match(text, at)
+            if m is None:
+                return False
+            name = m.group(1).strip()
+            emitter = JsonArguments()
         else:
             m = _CODER_OPENING.match(text, at)
             if m is None:

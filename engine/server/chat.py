@@ -492,7 +492,7 @@ def _forced_prefix(parser: str, choice: str, name: str | None, template: str | N
         return {"named": f"<tool_call>{name}", "required": "<tool_call>"}.get(choice, "")
     if parser == "minimax_m2":  # no grammar here either
         return {"named": f'<minimax:tool_call>\n<invoke name="{name}">\n', "required": '<minimax:tool_call>\n<invoke name="'}.get(choice, "")
-    if parser in ("deepseek_v3", "deepseek_v31"):  # no grammar here (tool_call_structure): the opening only
+    if parser in ("deepseek_v3", "deepseek_v31"):  # the opening up to the arguments (the grammar, where it applies, goes on)
         head = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + ("function<｜tool▁sep｜>" if parser == "deepseek_v3" else "")
         if choice == "named":
             return head + (f"{name}\n```json\n" if parser == "deepseek_v3" else f"{name}<｜tool▁sep｜>")

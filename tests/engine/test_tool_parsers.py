@@ -306,6 +306,9 @@ GRAMMAR_CALLS = [
     ("glm45", GLM),
     ("glm45", "<tool_call>run_tests\n<arg_key>count</arg_key>\n<arg_value>not a number</arg_value>\n<arg_key>selection</arg_key>\n"
               "<arg_value>  \"q\" é <arg_key>\ud83d\ude00</arg_value>\n</tool_call> after"),
+    ("deepseek_v3", DS_V3),
+    ("deepseek_v31", DS_V31),
+    ("seed_oss", SEED),
 ]
 
 
@@ -321,7 +324,7 @@ def test_incremental_calls_add_up_to_the_whole_parse(fmt, text, seed):
     content, args, firsts = "", {}, []
     for c in cuts + [len(text)]:
         d, pieces = parser.feed_deltas(text[:c], final=c == len(text))
-        assert c == len(text) or "<tool_call" not in d
+        assert c == len(text) or not any(m in d for m in ("<tool_call", "<｜tool", "<seed:"))
         content += d
         for p in pieces:
             if p.first:
