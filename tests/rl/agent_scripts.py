@@ -25,6 +25,29 @@ def call(name: str, **arguments: Any) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
 
+def call_in(fmt: str, name: str, **arguments: Any) -> str:
+    """A tool call as a model trained on format `fmt` writes it (engine/tool_parsers.py's formats)."""
+    args = json.dumps(arguments)
+    xml = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in arguments.items())
+    return {
+        "hermes": call(name, **arguments),
+        "qwen3_coder": f"<tool_call>\n<function={name}>\n{xml}</function>\n</tool_call>",
+        "seed_oss": f"<seed:tool_call>\n<function={name}>\n{xml}</function>\n</seed:tool_call>",
+        "glm45": f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}"
+                                                 f"</arg_value>\n" for k, v in arguments.items()) + "</tool_call>",
+        "deepseek_v3": f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```"
+                       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "deepseek_v31": f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "minimax_m2": f'<minimax:tool_call>\n<invoke name="{name}">\n' + "".join(
+            f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v)}</parameter>\n' for k, v in arguments.items())
+            + "</invoke>\n</minimax:tool_call>",
+        "mistral": f"[TOOL_CALLS]{name}[ARGS]{args}",
+        "llama3_json": f'{{"name": "{name}", "parameters": {args}}}',
+        "kimi_k2": f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>{args}"
+                   "<|tool_call_end|><|tool_calls_section_end|>",
+    }[fmt]
+
+
 def script_logprob(turn: int, i: int) -> float:
     return -0.01 * (i + 1) - turn
 
@@ -62,15 +85,16 @@ class ScriptedSampler:
         return out
 
 
-def fix_script(spec: dict[str, Any]) -> list[str]:
-    """read -> edit (the injected bug undone) -> run tests -> submit, for a synthetic task."""
+def fix_script(spec: dict[str, Any], fmt: str = "hermes") -> list[str]:
+    """read -> edit (the injected bug undone) -> run tests -> submit, for a synthetic task, the
+    calls in tool-call format `fmt`."""
     task = make_task(spec)
     m = task.metadata
     path = next(p for p, text in task.files.items() if m["mutant"] in text)
-    return [call("read_file", path=path),
-            call("edit_file", path=path, old_str=m["mutant"], new_str=m["original"]),
-            call("run_tests"),
-            call("submit")]
+    return [call_in(fmt, "read_file", path=path),
+            call_in(fmt, "edit_file", path=path, old_str=m["mutant"], new_str=m["original"]),
+            call_in(fmt, "run_tests"),
+            call_in(fmt, "submit")]
 
 
 class FakeEnvironment:

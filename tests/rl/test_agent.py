@@ -284,6 +284,23 @@ def test_an_environment_runs_one_call_at_a_time(namespaces):
     assert closed >= ends["run"]
 
 
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral",
+                                 "llama3_json", "kimi_k2"])
+def test_the_scripted_fix_in_every_tool_call_format(tok, namespaces, fmt):
+    """The same episode with the calls written in each format the parsers read (AgentConfig.parser):
+    every call runs with its arguments (the fix lands: reward 1), and the product's view of the
+    conversation carries the calls, each tool message answering its call's id."""
+    spec = {"kind": "synthetic", "seed": 1}
+    groups, _ = rollout(tok, {make_task(spec).prompt: fix_script(spec, fmt)}, sandbox_factory(), config=AgentConfig(parser=fmt),
+                        specs=[spec])
+    [e] = groups[0].episodes
+    assert (e.finish, e.error, e.reward) == ("submitted", None, 1.0), [r.content[:200] for t in e.turns for r in t.results]
+    assert [c.name for t in e.turns for c in t.calls] == ["read_file", "edit_file", "run_tests", "submit"]
+    msgs = e.openai_messages()
+    called = [c["id"] for m in msgs if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+    assert [m["tool_call_id"] for m in msgs if m["role"] == "tool"] == called[:3]
+
+
 def test_every_tool_call_format_has_its_malformed_call_hint():
     """A malformed call is told the shape of a call in the episode's format (a KeyError at the
     first malformed call otherwise), and the hint is that format's."""
