@@ -52,8 +52,8 @@ TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "seed_oss": ("<se
         "glm45": (OPEN, CLOSE),
         "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE), "minimax_m2": ("<invoke name=", "</invoke>"),
         "mistral": (_MS_OPEN, ""),  # (a Mistral call ends where its JSON value does: _block_end)
-        "llama3_json": ("{", ""),
-        "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>")}  # (read at the output's start only: _llama_calls)
+        "llama3_json": ("{", ""),  # (read at the output's start only: _LlamaCalls)
+        "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>")}
 SECTIONS = {"deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
             "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
             "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
@@ -150,28 +150,54 @@ def _param_types(tools: list[dict[str, Any]] | None, name: str) -> dict[str, str
     return {}
 
 
-def _json_end(text: str, i: int, limit: int) -> int | None:
-    """The end of the JSON object or array opening at text[i] (its brackets matched, strings and
-    escapes skipped), or None when it does not close before `limit`."""
-    depth, in_string, escape = 0, False, False
-    for j in range(i, limit):
-        c = text[j]
-        if in_string:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
+_JSON_MARKS = re.compile(r'["\\{}\[\]]')  # the only characters that move a JSON scan's state
+
+
+class _JsonScanner:
+    """Finds the end of the JSON object or array opening at `start` (brackets matched, strings and
+    escapes skipped) over a text that only grows: each call reads what is new since the last, so a
+    streamed call's arguments are scanned once in all, not once a token."""
+
+    __slots__ = ("start", "pos", "depth", "in_string", "escape")
+
+    def __init__(self, start: int) -> None:
+        self.start = self.pos = start
+        self.depth, self.in_string, self.escape = 0, False, False
+
+    def end(self, text: str, limit: int) -> int | None:
+        """The value's end if it closes before `limit`, else None (the scan resumes there)."""
+        pos = self.pos
+        if self.escape and pos < limit:  # an escape cut at the last call's limit: its character
+            pos, self.escape = pos + 1, False
+        while True:
+            m = _JSON_MARKS.search(text, pos, limit)
+            if m is None:
+                self.pos = limit
+                return None
+            c, pos = m.group(), m.end()
+            if self.in_string:
+                if c == "\\":
+                    if pos < limit:
+                        pos += 1  # the escaped character, whatever it is
+                    else:
+                        self.escape = True
+                elif c == '"':
+                    self.in_string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = pos
+                    return pos
+
+
+def _json_end(text: str, i: int, limit: int) -> int | None:
+    """The end of the JSON object or array opening at text[i], or None when it does not close
+    before `limit`."""
+    return _JsonScanner(i).end(text, limit)
 
 
 def _skip_space(text: str, i: int, limit: int) -> int:
@@ -180,13 +206,14 @@ def _skip_space(text: str, i: int, limit: int) -> int:
     return i
 
 
-def _block_end(text: str, start: int, fmt: str, final: bool) -> int | None:
+def _block_end(text: str, start: int, fmt: str, final: bool, scans: dict[int, _JsonScanner] | None = None) -> int | None:
     """Where the call block opening at text[start] ends, or None while that is not known yet (or,
     `final`, an unterminated block). A tag format's block ends with its closing tag. A Mistral one
     ends where its JSON value does (a `[TOOL_CALLS]` inside one of its strings is text); one that
     cannot be a call (no JSON object or array where one must start, or one never closed) ends at
     the next `[TOOL_CALLS]`, decided only once that is certain, so the end is the same however the
-    text is cut."""
+    text is cut. `scans`: a streaming parser's scanners of JSON values begun, by where they start
+    (resumed, not rescanned, as the text grows)."""
     opening, closing = TAGS[fmt]
     if closing:
         e = text.find(closing, start + len(opening))
@@ -199,7 +226,8 @@ def _block_end(text: str, start: int, fmt: str, final: bool) -> int | None:
         args = text.find(_MS_ARGS, at, limit)
         i = _skip_space(text, args + len(_MS_ARGS), limit) if args != -1 else limit
     if i < limit and text[i] in "{[":
-        e = _json_end(text, i, len(text))
+        scan = (scans if scans is not None else {}).setdefault(i, _JsonScanner(i))
+        e = scan.end(text, len(text))
         if e is not None:
             return e
         return (nxt if nxt != -1 else None) if final else None
@@ -219,38 +247,51 @@ def _llama_call(block: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args), text=block)
 
 
-def _llama_calls(text: str, final: bool) -> tuple[list[ToolCall], list[str], int, bool]:
-    """Llama 3's calls at the start of the output: (the calls, the malformed ones, where the
-    content starts, whether that is settled). Calls are JSON objects from the output's start (an
-    optional `<|python_tag|>` before the first, `;` between them); the first text that is not
-    one is content from there to the end. Unsettled (not `final`), the text may still hold more
-    calls, so nothing from the content's start on can be sent yet. Each answer holds for any
-    longer text, so the streamed parse equals the whole one."""
-    calls: list[ToolCall] = []
-    malformed: list[str] = []
-    at = 0
-    n = len(text)
-    while True:
-        j = _skip_space(text, at, n)
-        if calls and text.startswith(";", j):
-            j = _skip_space(text, j + 1, n)
-        elif not calls and text.startswith(_PY_TAG, j):
-            j = _skip_space(text, j + len(_PY_TAG), n)
-        rest = text[j:]
-        if not final and (not rest or (not calls and _PY_TAG.startswith(rest))):
-            return calls, malformed, at, False
-        if not rest.startswith("{"):
-            return calls, malformed, at, True
-        e = _json_end(text, j, n)
-        if e is None and not final:
-            return calls, malformed, at, False
-        call = _llama_call(text[j:e]) if e is not None else None
-        if call is None:  # JSON that is not a call is content; one that began as a call is malformed
-            if _LLAMA_CALL.match(rest):
-                malformed.append(text[j:e] if e is not None else rest)
-            return calls, malformed, at, True
-        calls.append(call)
-        at = e
+class _LlamaCalls:
+    """Llama 3's calls at the start of the output, read as the text grows (`feed`): the calls, the
+    malformed ones, where the content starts (`at`), and whether that is settled. Calls are JSON
+    objects from the output's start (an optional `<|python_tag|>` before the first, `;` between
+    them); the first text that is not one is content from there to the end. Unsettled (not
+    `final`), the text may still hold more calls, so nothing from the content's start on can be sent
+    yet. Each answer holds for any longer text, so the streamed parse equals the whole one; a
+    call's JSON is scanned once in all (`_JsonScanner`), however many feeds it takes."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self.malformed: list[str] = []
+        self.at = 0  # text[:at] is the calls so far
+        self.settled = False
+        self._scan: _JsonScanner | None = None  # the JSON value being read
+
+    def feed(self, text: str, final: bool) -> None:
+        n = len(text)
+        while not self.settled:
+            if self._scan is None:
+                j = _skip_space(text, self.at, n)
+                if self.calls and text.startswith(";", j):
+                    j = _skip_space(text, j + 1, n)
+                elif not self.calls and text.startswith(_PY_TAG, j):
+                    j = _skip_space(text, j + len(_PY_TAG), n)
+                rest = text[j:j + len(_PY_TAG)]
+                if not final and (not rest or (not self.calls and _PY_TAG.startswith(rest) and j + len(rest) == n)):
+                    return
+                if not rest.startswith("{"):
+                    self.settled = True
+                    return
+                self._scan = _JsonScanner(j)
+            j = self._scan.start
+            e = self._scan.end(text, n)
+            if e is None and not final:
+                return
+            call = _llama_call(text[j:e]) if e is not None else None
+            if call is None:  # JSON that is not a call is content; one that began as a call is malformed
+                if _LLAMA_CALL.match(text, j):
+                    self.malformed.append(text[j:e] if e is not None else text[j:])
+                self.settled = True
+                return
+            self.calls.append(call)
+            self.at, self._scan = e, None
+        return
 
 
 def _mistral_calls(block: str) -> list[ToolCall] | None:
@@ -358,8 +399,9 @@ def split_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]]
     if fmt not in PARSERS:
         raise ValueError(f"tool-call parser must be one of {', '.join(PARSERS)}, got {fmt!r}")
     if fmt == "llama3_json":
-        found, bad, at, _ = _llama_calls(text, final=True)
-        return ParsedOutput(text[at:].strip() if found else text, found, bad)
+        llama = _LlamaCalls()
+        llama.feed(text, final=True)
+        return ParsedOutput(text[llama.at:].strip() if llama.calls else text, llama.calls, llama.malformed)
     calls: list[ToolCall] = []
     malformed: list[str] = []
     content_parts: list[str] = []
@@ -451,7 +493,8 @@ class StreamingToolParser:
         self.opening, self.closing = TAGS[fmt]
         self.incremental = incremental
         self.sent = 0  # text[:sent] has been accounted for (as content or as calls)
-        self._settled = False  # llama3_json: the content has begun, no call can follow
+        self._llama = _LlamaCalls() if fmt == "llama3_json" else None
+        self._scans: dict[int, _JsonScanner] = {}  # mistral: the JSON values being read, by where they start
         self.calls: list[ToolCall] = []
         self._open: _OpenCall | None = None
 
@@ -575,22 +618,24 @@ class StreamingToolParser:
     def _feed_llama(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         """Llama 3: calls as each closes while the output's start may still hold them; once the
         content has begun, the rest of the text is content as it comes."""
-        if self._settled:
+        llama = self._llama
+        assert llama is not None
+        if llama.settled:
             content, self.sent = text[self.sent:], len(text)
             return content, []
-        calls, _, at, self._settled = _llama_calls(text, final)
-        new = calls[len(self.calls):]
+        llama.feed(text, final)
+        new = llama.calls[len(self.calls):]
         self.calls += new
-        if not self._settled:
+        if not llama.settled:
             return "", new
-        content, self.sent = text[at:], len(text)
+        content, self.sent = text[llama.at:], len(text)
         return content, new
 
     def _whole_block(self, text: str, final: bool) -> tuple[str, list[ToolCall], bool]:
         """The block opening at self.sent, once closed: (the content it is, its calls, whether it
         closed). A block that does not parse is content; an unterminated one is held, or content
         when `final`."""
-        end = _block_end(text, self.sent, self.fmt, final)
+        end = _block_end(text, self.sent, self.fmt, final, self._scans)
         if end is None:
             held, self.sent = (_drop_sections(text[self.sent:], self.fmt), len(text)) if final else ("", self.sent)
             return held, [], False
