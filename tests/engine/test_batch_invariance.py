@@ -41,6 +41,14 @@ def paths(tmp_path_factory) -> dict[str, str]:
         out[family] = str(tmp_path_factory.mktemp(family))
         family_model(family).save_pretrained(out[family])
         write_tokenizer(out[family], 256)
+    # a sliding window of 70 keys, well inside the long request: its rows start inside a block
+    import transformers
+
+    out["mistral"] = str(tmp_path_factory.mktemp("mistral"))
+    cfg = transformers.MistralConfig(vocab_size=256, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=512,
+                                     sliding_window=70, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=None, **SHAPE)
+    transformers.MistralForCausalLM(cfg).save_pretrained(out["mistral"])
+    write_tokenizer(out["mistral"], 256)
     return out
 
 
@@ -76,6 +84,7 @@ CASES = {
     "DeepSeek-V3 (MLA) bf16": ("deepseek_v3", dict(dtype="bfloat16")),
     "GLM-4.5 (partial rotary, q/k norms) bf16": ("glm4_moe", dict(dtype="bfloat16")),
     "MiniMax-M2 (whole-row q/k norms, sigmoid routing) bf16": ("minimax_m2", dict(dtype="bfloat16")),
+    "Mistral (sliding window 70 of 300 tokens) bf16": ("mistral", dict(dtype="bfloat16")),
 }
 
 
