@@ -433,7 +433,7 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     tokenizer it cannot serve (tool calls then work as they did before structured output: prefix
     forcing, no guarantee that the call parses)."""
     if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder", "seed_oss", "glm45", "llama3_json", "deepseek_v3",
-                                                   "deepseek_v31"):
+                                                   "deepseek_v31", "minimax_m2"):
         return None
     try:
         xgrammar()
@@ -461,6 +461,8 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
         fmt_ = _llama3_calls(choice, name, tools, parallel, args)
     elif fmt in ("deepseek_v3", "deepseek_v31"):
         fmt_ = _deepseek_calls(fmt, choice, name, tools, parallel, args)
+    elif fmt == "minimax_m2":
+        fmt_ = _minimax_calls(choice, name, tools, parallel)
     elif fmt == "glm45":
         fmt_ = _glm45_calls(choice, name, tools, parallel)
     elif choice == "named":
@@ -484,7 +486,7 @@ _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_ca
             "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
             "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
             "llama3_json": (),  # (bare JSON: nothing a vocabulary could hold special)
-            "deepseek_v3": _DS_MARKERS, "deepseek_v31": _DS_MARKERS}
+            "deepseek_v3": _DS_MARKERS, "deepseek_v31": _DS_MARKERS, "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}
 
 
 def _special_markers(tokenizer: Tokenizer, fmt: str) -> list[str]:
@@ -520,6 +522,30 @@ def _deepseek_calls(fmt: str, choice: str, name: str | None, tools: list[dict[st
     return {"type": "triggered_tags", "triggers": ["<｜tool▁call▁begin｜>"], "tags": [
         {"type": "tag", "begin": "<｜tool▁call▁begin｜>" + head(t), "content": args(t), "end": call_end} for t in tools],
         "stop_after_first": not parallel}
+
+
+def _minimax_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """MiniMax-M2's calls in their `<minimax:tool_call>` section (`<invoke name="NAME">` with
+    `<parameter name="KEY">VALUE</parameter>` entries): the parameters follow the tool's JSON schema
+    in xgrammar's `minimax_xml` style (string values raw text). `named` continues after the
+    server's `<invoke name="NAME">`, `required` after `<invoke name="` (chat.py `_forced_prefix`),
+    each one call and the section's end; `auto` applies once the model writes `<invoke name="`."""
+
+    def params(t: dict[str, Any]) -> dict[str, Any]:
+        schema = t["function"].get("parameters") or {"type": "object"}
+        return {"type": "json_schema", "json_schema": schema, "style": "minimax_xml", "max_whitespace_cnt": 1}
+
+    end = {"type": "const_string", "value": "</invoke>\n</minimax:tool_call>"}
+    if choice == "named":
+        [tool] = [t for t in tools if t["function"]["name"] == name]
+        return {"type": "sequence", "elements": [params(tool), end]}
+    if choice == "required":
+        alts = [{"type": "sequence", "elements": [{"type": "const_string", "value": f'{t["function"]["name"]}">\n'}, params(t), end]}
+                for t in tools]
+        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
+    return {"type": "triggered_tags", "triggers": ['<invoke name="'], "tags": [
+        {"type": "tag", "begin": f'<invoke name="{t["function"]["name"]}">\n', "content": params(t), "end": "</invoke>"}
+        for t in tools], "stop_after_first": not parallel}
 
 
 def _llama3_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool,

@@ -19,7 +19,10 @@ the finished call, so streamed argument deltas add up to exactly that string:
   rules (xgrammar's glm_xml style, like qwen_xml, takes one whitespace character beside each
   value tag as a separator, outside the value's schema bounds).
 
-All three assume text the tool-call grammar admits (engine/structured_output.tool_call_structure):
+- `MinimaxArguments` (the minimax_m2 format, `<parameter name="K">VALUE</parameter>` entries up
+  to `</invoke>`): the same object by the same rules (xgrammar's minimax_xml style).
+
+All four assume text the tool-call grammar admits (engine/structured_output.tool_call_structure):
 valid JSON, each key once. On other text their pieces could differ from a whole parse (json.loads
 keeps the last of two equal keys, where these emitters have already written the first), which is
 why the streaming parser uses them only for calls generated under that grammar.
@@ -261,4 +264,33 @@ class GlmArguments(XmlArguments):
             return True
         self._open_value(out, self.buf[len(_KEY_OPEN):close].strip())
         self._take(v + len(_VALUE_OPEN))
+        return True
+
+
+_MM_PARAM_OPEN, _MM_KEY_END, _INVOKE_CLOSE = '<parameter name="', '">', "</invoke>"
+
+
+class MinimaxArguments(XmlArguments):
+    """The minimax_m2 parameters of one call (the text after `<invoke name="NAME">`), fed as it
+    grows; `done` once `</invoke>` is in sight, `end` the number of fed characters before it (the
+    streaming parser reads the closing tag itself)."""
+
+    def _tag(self, out: list[str]) -> bool:
+        """Between parameters: the next `<parameter name="K">` or the call's end (text elsewhere is
+        no value's: the whole-text parse skips it too)."""
+        p, f = self.buf.find(_MM_PARAM_OPEN), self.buf.find(_INVOKE_CLOSE)
+        if f != -1 and (p == -1 or f < p):
+            out.append("}" if self.keys else "{}")
+            self.done, self.end = True, self.fed + f
+            return False
+        if p == -1:
+            keep = max(partial_suffix(self.buf, _MM_PARAM_OPEN), partial_suffix(self.buf, _INVOKE_CLOSE))
+            self._take(len(self.buf) - keep)
+            return False
+        close = self.buf.find(_MM_KEY_END, p + len(_MM_PARAM_OPEN))
+        if close == -1:
+            self._take(p)
+            return False
+        self._open_value(out, self.buf[p + len(_MM_PARAM_OPEN):close].strip())
+        self._take(close + len(_MM_KEY_END))
         return True

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cuttle.engine.reasoning_parsers import partial_suffix
-from cuttle.engine.tool_args import GlmArguments, JsonArguments, XmlArguments
+from cuttle.engine.tool_args import GlmArguments, JsonArguments, MinimaxArguments, XmlArguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _MS_OPEN, _MS_ARGS, _MS_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -85,7 +85,7 @@ _PY_TAG = "<|python_tag|>"
 _LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')  # what makes a JSON object at the start a (perhaps broken) call
 
 PARSERS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "llama3_json", "kimi_k2")
-_STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31")  # formats whose arguments stream as written (tool_args.py)
+_STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2")  # formats whose arguments stream as written (tool_args.py)
 
 
 @dataclass(slots=True)
@@ -477,7 +477,7 @@ class _OpenCall:  # a call being streamed (incremental mode)
     index: int
     start: int  # where its block starts in the text
     args_at: int  # where its arguments start
-    emitter: JsonArguments | XmlArguments | GlmArguments
+    emitter: JsonArguments | XmlArguments
     fed: int  # text[:fed] has been given to the emitter
 
 
@@ -501,7 +501,7 @@ class StreamingToolParser:
     def feed_deltas(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         """Content and call pieces for the text so far (`final`: it is all there is). Without
         `incremental`, each call comes as one piece once its block closes."""
-        if not self.incremental or self.fmt == "llama3_json":  # (no grammar writes Llama's calls: never incremental)
+        if not self.incremental or self.fmt == "llama3_json":  # (Llama's calls are read whole, _LlamaCalls)
             first = len(self.calls)
             content, calls = self.feed(text, final)
             return content, [CallDelta(c, first + k, c.arguments, first=True) for k, c in enumerate(calls)]
@@ -539,7 +539,7 @@ class StreamingToolParser:
                 name = json.loads(m.group(1))
             except json.JSONDecodeError:
                 return False
-            emitter: JsonArguments | XmlArguments | GlmArguments = JsonArguments()
+            emitter: JsonArguments | XmlArguments = JsonArguments()
         elif self.fmt == "glm45":
             m = _GLM_OPENING.match(text, at)
             if m is None:
@@ -552,6 +552,12 @@ class StreamingToolParser:
                 return False
             name = m.group(1).strip()
             emitter = JsonArguments()
+        elif self.fmt == "minimax_m2":
+            m = _MM_NAME.match(text, at)
+            if m is None:
+                return False
+            name = m.group(1).strip()
+            emitter = MinimaxArguments(_param_types(self.tools, name))
         else:
             m = _CODER_OPENING.match(text, at)
             if m is None:

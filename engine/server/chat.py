@@ -490,7 +490,7 @@ def _forced_prefix(parser: str, choice: str, name: str | None, template: str | N
         return {"named": f"[TOOL_CALLS]{name}{cid}[ARGS]", "required": "[TOOL_CALLS]"}.get(choice, "")
     if parser == "glm45":  # GLM's template writes the name right after the tag
         return {"named": f"<tool_call>{name}", "required": "<tool_call>"}.get(choice, "")
-    if parser == "minimax_m2":  # no grammar here either
+    if parser == "minimax_m2":  # the opening up to the parameters (the grammar, where it applies, goes on)
         return {"named": f'<minimax:tool_call>\n<invoke name="{name}">\n', "required": '<minimax:tool_call>\n<invoke name="'}.get(choice, "")
     if parser in ("deepseek_v3", "deepseek_v31"):  # the opening up to the arguments (the grammar, where it applies, goes on)
         head = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + ("function<｜tool▁sep｜>" if parser == "deepseek_v3" else "")

@@ -325,17 +325,17 @@ def test_forced_seed_oss_tool_call_always_parses_and_validates(seed_client, tool
     _check_forced_calls(seed_client, tool_choice, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}, max_tokens=200)
 
 
-@pytest.fixture(scope="module", params=["deepseek_v31", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["deepseek_v31", "deepseek_v3", "minimax_m2"])
 def deepseek_client(request):
-    """The same model served with DeepSeek's tool-call formats (their markers plain text in this
-    vocabulary, so the calls run under the grammar)."""
+    """The same model served with DeepSeek's tool-call formats and MiniMax-M2's (their markers
+    plain text in this vocabulary, so the calls run under the grammar)."""
     with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32,
                     app_kw={"tool_call_parser": request.param}) as srv:
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
-def test_forced_deepseek_tool_calls_always_parse_and_validate(deepseek_client, tool_choice):
+def test_forced_deepseek_and_minimax_tool_calls_always_parse_and_validate(deepseek_client, tool_choice):
     """Every forced call parses and validates; streamed arguments (as written, under the grammar)
     equal the whole ones; one call only when parallel_tool_calls is false."""
     _check_forced_calls(deepseek_client, tool_choice, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS},
