@@ -37,7 +37,12 @@ MODEL_TYPES = {
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "SeedOssForCausalLM": "seed_oss",
     "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
 }
+# families whose layers norm the attention's and the MLP's outputs before adding them to the residual
+# (no norm before either): OLMo 2 / 3
+POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # families whose checkpoints name their MoE blocks `block_sparse_moe` with experts w1 / w3 / w2
 BLOCK_SPARSE_MOE_ARCHITECTURES = ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")
 # families whose MoE layers are DeepSeek-V3's: sigmoid routing with an expert-choice bias, groups,
@@ -101,7 +106,8 @@ class ModelConfig:
     layer_norm: bool = False  # StarCoder2: LayerNorm with bias where the others have RMSNorm
     gelu_mlp: bool = False  # StarCoder2: c_fc -> gelu(tanh) -> c_proj, not gated, instead of silu(gate) * up
     proj_bias: bool = False  # StarCoder2 (use_bias): biases on o_proj and the MLP's projections too
-    qk_norm_whole: bool = False  # MiniMax-M2: q and k RMSNormed over all their heads at once (weights [heads * head_dim])
+    qk_norm_whole: bool = False  # MiniMax-M2, OLMo 2 / 3: q and k RMSNormed over all their heads at once (weights [heads * head_dim])
+    post_norm: bool = False  # OLMo 2 / 3: x + norm(attn(x)), then x + norm(mlp(x)); no norm before either
     fp8_quant: Fp8BlockQuant | None = None  # FP8 block-scaled weights, dequantized at load (engine/models/fp8_checkpoint.py)
 
     @classmethod
@@ -131,7 +137,7 @@ class ModelConfig:
         _check_unsupported(hf, arch, path)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
-        rope = hf.get("rope_parameters") or {}
+        rope = _layer_rope(hf, arch, path)
         rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
         rope_scaling = _rope_scaling(hf.get("rope_scaling") or rope, hf, path)
         num_layers = int(hf["num_hidden_layers"])
@@ -188,7 +194,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=_scaled_max_positions(int(hf.get("max_position_embeddings", 4096)), rope_scaling),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", starcoder2)),  # Starcoder2Config ties by default
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MiniMaxM2ForCausalLM")
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MiniMaxM2ForCausalLM", *POST_NORM_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm", False))),
             attention_bias=attention_bias,
             moe_layers=moe_layers,
@@ -208,12 +214,13 @@ class ModelConfig:
             layer_norm=starcoder2,
             gelu_mlp=starcoder2,
             proj_bias=starcoder2 and attention_bias,
-            qk_norm_whole=arch == "MiniMaxM2ForCausalLM",
+            qk_norm_whole=arch in ("MiniMaxM2ForCausalLM", *POST_NORM_ARCHITECTURES),
+            post_norm=arch in POST_NORM_ARCHITECTURES,
         )
 
 
 def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
-    """Mistral's, Mixtral's, StarCoder2's, Phi-3's and Qwen2's `sliding_window` (None: every position is attended): a
+    """Mistral's, Mixtral's, StarCoder2's, Phi-3's, OLMo 3's and Qwen2's `sliding_window` (None: every position is attended): a
     query at p attends p - W + 1 .. p in the layers `_sliding_window_layers` names. The torch
     attention backend serves it; with another, max_model_len is capped at W, where the window
     changes nothing (llm_engine.py)."""
@@ -222,13 +229,27 @@ def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
         # max_window_layers on; all of them equal full attention within the window)
         w = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     else:
-        w = (hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM", "Phi3ForCausalLM")
-             else None)
+        w = (hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM", "Phi3ForCausalLM",
+                                                  "Olmo3ForCausalLM") else None)
     if w is None:
         return None
     if isinstance(w, bool) or not isinstance(w, int) or w < 2:
         raise ValueError(f"sliding_window must be null or an integer >= 2 in {path or 'config'}, got {w!r}")
     return w
+
+
+def _layer_rope(hf: dict[str, Any], arch: str, path: str) -> dict[str, Any]:
+    """`rope_parameters` (transformers 5's field). OLMo 3 keys it by layer type; the decoder has one
+    RoPE, so those must agree (they do in its configs' defaults); differing ones are refused."""
+    rope = hf.get("rope_parameters") or {}
+    per_type = {k: v for k, v in rope.items() if k in ("sliding_attention", "full_attention")}
+    if not per_type:
+        return rope
+    first = next(iter(per_type.values()))
+    if any(v != first for v in per_type.values()):
+        raise ValueError(f"rope_parameters in {path or 'config'} differ between layer types ({per_type!r}); one RoPE for "
+                         f"every layer is supported for {arch}")
+    return first
 
 
 def _sliding_window_layers(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:

@@ -380,6 +380,7 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
     table: dict[str, tuple[str, slice | None]] = {
         "input_layernorm.weight": ("input_norm.weight", None),
         "post_attention_layernorm.weight": ("post_attn_norm.weight", None),
+        "post_feedforward_layernorm.weight": ("post_ff_norm.weight", None),  # OLMo 2 / 3
         "self_attn.o_proj.weight": ("attn.o_weight", None),
         "mlp.down_proj.weight": ("mlp.down_weight", None),
         "mlp.gate_proj.weight": ("mlp.gate_up_weight", slice(0, cfg.intermediate_size)),

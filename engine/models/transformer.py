@@ -300,7 +300,9 @@ def _norm(cfg: ModelConfig, dtype: torch.dtype) -> RMSNorm | LayerNorm:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, nsa: NSAConfig | None = None):
         super().__init__()
-        self.input_norm = _norm(cfg, dtype)
+        self.post_norm = cfg.post_norm  # OLMo: the outputs are normed, not the inputs (`post_ff_norm` too)
+        self.input_norm = _norm(cfg, dtype) if not cfg.post_norm else None
+        self.post_ff_norm = _norm(cfg, dtype) if cfg.post_norm else None
         self.attn: nn.Module
         if cfg.mla is not None:
             self.attn = MLAttention(cfg, dtype, layer_id)
@@ -329,7 +331,14 @@ class DecoderLayer(nn.Module):
         """One layer on the residual stream x, where `delta` (the previous layer's MLP output, or
         None) is still to be added; returns (x, this layer's MLP output, not yet added). Deferring
         each residual add into the norm that follows it lets one fused kernel do both; the sums
-        and their rounding are the same as adding first."""
+        and their rounding are the same as adding first. A post-norm layer (OLMo) norms the
+        attention's output before adding it, and returns its MLP's output normed."""
+        if self.post_norm:
+            assert self.post_ff_norm is not None
+            if delta is not None:
+                x = x + delta
+            x = x + self.post_attn_norm(self.attn(x, cos, sin, kv_cache, meta, backend))
+            return x, self.post_ff_norm(self._ffn(x))
         if delta is None:
             h = self.input_norm(x)
         else:
@@ -340,6 +349,11 @@ class DecoderLayer(nn.Module):
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                       sparse: TopKConfig | None = None, segments: DenseSegments | None = None) -> torch.Tensor:
+        B, S, H = x.shape
+        if self.post_norm:
+            assert self.post_ff_norm is not None and sparse is None and not isinstance(self.attn, NSAAttention)
+            x = x + self.post_attn_norm(self.attn.forward_dense(x, cos, sin, mask))
+            return x + self.post_ff_norm(self._ffn(x.reshape(B * S, H))).view(B, S, H)
         h = self.input_norm(x)
         if isinstance(self.attn, NSAAttention):
             a = self.attn.forward_dense(h, cos, sin, mask, segments)
@@ -347,7 +361,6 @@ class DecoderLayer(nn.Module):
             a = self.attn.forward_dense(h, cos, sin, mask) if sparse is None else self.attn.forward_dense(h, cos, sin, mask, sparse,
                                                                                                          segments)
         x = x + a
-        B, S, H = x.shape
         return x + self._ffn(self.post_attn_norm(x).reshape(B * S, H)).view(B, S, H)
 
 
