@@ -39,6 +39,7 @@ MODEL_TYPES = {
     "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "GraniteForCausalLM": "granite",
 }
 # families whose layers norm the attention's and the MLP's outputs before adding them to the residual
 # (no norm before either): OLMo 2 / 3
@@ -108,6 +109,13 @@ class ModelConfig:
     proj_bias: bool = False  # StarCoder2 (use_bias): biases on o_proj and the MLP's projections too
     qk_norm_whole: bool = False  # MiniMax-M2, OLMo 2 / 3: q and k RMSNormed over all their heads at once (weights [heads * head_dim])
     post_norm: bool = False  # OLMo 2 / 3: x + norm(attn(x)), then x + norm(mlp(x)); no norm before either
+    # Granite's scalings: embeddings x embedding_multiplier, each residual add of an output x
+    # residual_multiplier, attention scores x attention_multiplier (instead of 1/sqrt(head_dim)),
+    # logits / logits_scaling (1.0 / None: none)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
     fp8_quant: Fp8BlockQuant | None = None  # FP8 block-scaled weights, dequantized at load (engine/models/fp8_checkpoint.py)
 
     @classmethod
@@ -216,6 +224,7 @@ class ModelConfig:
             proj_bias=starcoder2 and attention_bias,
             qk_norm_whole=arch in ("MiniMaxM2ForCausalLM", *POST_NORM_ARCHITECTURES),
             post_norm=arch in POST_NORM_ARCHITECTURES,
+            **_granite_scalings(hf, arch, path),
         )
 
 
@@ -236,6 +245,21 @@ def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
     if isinstance(w, bool) or not isinstance(w, int) or w < 2:
         raise ValueError(f"sliding_window must be null or an integer >= 2 in {path or 'config'}, got {w!r}")
     return w
+
+
+def _granite_scalings(hf: dict[str, Any], arch: str, path: str) -> dict[str, Any]:
+    """Granite's four multipliers (transformers' GraniteConfig fields, each 1.0 by default), as
+    ModelConfig fields; other families have none."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    out: dict[str, Any] = {}
+    for key, name in (("embedding_multiplier", "embedding_multiplier"), ("residual_multiplier", "residual_multiplier"),
+                      ("attention_multiplier", "attention_scale"), ("logits_scaling", "logits_scaling")):
+        v = hf.get(key, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"{key} must be a positive number in {path or 'config'}, got {v!r}")
+        out[name] = float(v)
+    return out
 
 
 def _layer_rope(hf: dict[str, Any], arch: str, path: str) -> dict[str, Any]:

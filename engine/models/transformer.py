@@ -59,7 +59,7 @@ class Attention(nn.Module):
         self.whole_qk_norm = cfg.qk_norm_whole
         self.q_norm = RMSNorm(self.q_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.kv_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim**-0.5
 
     def forward(
         self,
@@ -301,6 +301,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, nsa: NSAConfig | None = None):
         super().__init__()
         self.post_norm = cfg.post_norm  # OLMo: the outputs are normed, not the inputs (`post_ff_norm` too)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: each output scaled before its residual add
         self.input_norm = _norm(cfg, dtype) if not cfg.post_norm else None
         self.post_ff_norm = _norm(cfg, dtype) if cfg.post_norm else None
         self.attn: nn.Module
@@ -325,7 +326,8 @@ class DecoderLayer(nn.Module):
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         y = self.mlp(h)
-        return y if self.shared is None else y + self.shared(h)
+        y = y if self.shared is None else y + self.shared(h)
+        return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
 
     def forward(self, x, cos, sin, kv_cache, meta, backend, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the residual stream x, where `delta` (the previous layer's MLP output, or
@@ -344,6 +346,8 @@ class DecoderLayer(nn.Module):
         else:
             x, h = self.input_norm.add(x, delta)
         a = self.attn(h, cos, sin, kv_cache, meta, backend)
+        if self.residual_multiplier != 1.0:
+            a = a * self.residual_multiplier
         x, h = self.post_attn_norm.add(x, a)
         return x, self._ffn(h)
 
@@ -360,7 +364,7 @@ class DecoderLayer(nn.Module):
         else:
             a = self.attn.forward_dense(h, cos, sin, mask) if sparse is None else self.attn.forward_dense(h, cos, sin, mask, sparse,
                                                                                                          segments)
-        x = x + a
+        x = x + (a if self.residual_multiplier == 1.0 else a * self.residual_multiplier)
         return x + self._ffn(self.post_attn_norm(x).reshape(B * S, H)).view(B, S, H)
 
 
@@ -387,6 +391,8 @@ class CausalLM(nn.Module):
         A layer's cache is (k, v), or (k, v, compressed k, compressed v) for an NSA model."""
         # F.embedding and the RoPE tables' rows, natively on CPU (one kernel call each)
         x = rows.gather(self.embed, input_ids)
+        if self.cfg.embedding_multiplier != 1.0:  # Granite
+            x = x * self.cfg.embedding_multiplier
         cos, sin = (rows.gather(t, positions)[:, None, :] for t in self.rope.cast_tables(x.dtype))
         delta = None
         for layer, kv in zip(self.layers, kv_caches):
@@ -424,6 +430,8 @@ class CausalLM(nn.Module):
         it in that frame as the engine does (`attention/dense_segments.py`).
         Returns hidden states [B, S, hidden]."""
         x = F.embedding(input_ids, self.embed)
+        if self.cfg.embedding_multiplier != 1.0:  # Granite
+            x = x * self.cfg.embedding_multiplier
         cos, sin = self.rope.tables(positions.reshape(-1), x.dtype)
         sparse = sparse_attention_for(sparse, self.cfg)
         parts = None
@@ -480,4 +488,5 @@ class CausalLM(nn.Module):
         return [w for w in out if isinstance(w, torch.Tensor)]  # MXFP8 weights (linear_quant) are not packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rows.to_float(linear(hidden, self.lm_head))
+        logits = rows.to_float(linear(hidden, self.lm_head))
+        return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling  # (Granite's)
