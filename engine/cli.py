@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--served-model-name", default=None, help=f"model id clients must use (default: {DEFAULT_MODEL_NAME} for the embedded model, else the checkpoint's folder name)")
     s.add_argument("--tool-call-parser", default=None, help="default: chosen from the chat template",
                    choices=["hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral",
-                            "llama3_json", "kimi_k2"])
+                            "granite", "llama3_json", "kimi_k2"])
     s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                    help="tool_choice 'auto' parses the model's tool calls (default: on; vLLM needs this flag for it, cuttle "
                         "accepts it so vLLM command lines work; --no-enable-auto-tool-choice refuses 'auto' with a 400)")

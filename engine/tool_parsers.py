@@ -17,8 +17,9 @@ calls get such ids; and Llama 3.1 / 3.2 / 3.3's (`llama3_json`): the output itse
 with no markers at all, so a call is only read at the start of the output (JSON later in an
 answer is content); and Kimi-K2's (`kimi_k2`): `<|tool_call_begin|>functions.NAME:IDX
 <|tool_call_argument_begin|>{json}<|tool_call_end|>` calls in a `<|tool_calls_section_begin|>`
-section, the model's `functions.NAME:IDX` being the call's id (Kimi's templates write it back).
-Whole or streamed.
+section, the model's `functions.NAME:IDX` being the call's id (Kimi's templates write it back);
+and Granite 3.x's (`granite`): `<|tool_call|>` and a JSON list of `{"name", "arguments"}` calls
+(or one such object), ending where its JSON value does, as Mistral's list. Whole or streamed.
 
 Owns only text -> (content, tool calls). The streaming parser never emits text that could still
 turn out to be part of a tool call, and its deltas always add up to the whole-text parse, however
@@ -52,6 +53,7 @@ TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "seed_oss": ("<se
         "glm45": (OPEN, CLOSE),
         "deepseek_v3": (_DS_OPEN, _DS_CLOSE), "deepseek_v31": (_DS_OPEN, _DS_CLOSE), "minimax_m2": ("<invoke name=", "</invoke>"),
         "mistral": (_MS_OPEN, ""),  # (a Mistral call ends where its JSON value does: _block_end)
+        "granite": ("<|tool_call|>", ""),  # (likewise)
         "llama3_json": ("{", ""),  # (read at the output's start only: _LlamaCalls)
         "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>")}
 SECTIONS = {"deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
@@ -84,7 +86,7 @@ _MS_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}$")  # Mistral's function names (mi
 _PY_TAG = "<|python_tag|>"
 _LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')  # what makes a JSON object at the start a (perhaps broken) call
 
-PARSERS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "llama3_json", "kimi_k2")
+PARSERS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "granite", "llama3_json", "kimi_k2")
 _STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2")  # formats whose arguments stream as written (tool_args.py)
 
 
@@ -129,6 +131,8 @@ def parser_for_template(chat_template: str | None) -> str:
         return "kimi_k2"
     if chat_template and _MS_OPEN in chat_template:
         return "mistral"
+    if chat_template and "<|tool_call|>" in chat_template:
+        return "granite"
     if chat_template and "<|start_header_id|>" in chat_template and '"parameters": ' in chat_template \
             and "<tool_call>" not in chat_template:
         return "llama3_json"  # Llama 3.1 / 3.2 / 3.3: {"name": ..., "parameters": ...} as the whole reply
@@ -222,7 +226,7 @@ def _block_end(text: str, start: int, fmt: str, final: bool, scans: dict[int, _J
     nxt = text.find(opening, at)
     limit = nxt if nxt != -1 else len(text)
     i = _skip_space(text, at, limit)
-    if i < limit and text[i] != "[":
+    if i < limit and text[i] != "[" and fmt == "mistral":  # NAME[ARGS]{...}: the value after [ARGS]
         args = text.find(_MS_ARGS, at, limit)
         i = _skip_space(text, args + len(_MS_ARGS), limit) if args != -1 else limit
     if i < limit and text[i] in "{[":
@@ -294,33 +298,43 @@ class _LlamaCalls:
         return
 
 
+def _list_calls(block: str, opening: str, mistral_ids: bool) -> list[ToolCall] | None:
+    """The calls of `opening` then a JSON list of `{"name", "arguments"}` objects (or one such
+    object), each call's text its own element. `mistral_ids`: a 9-character id an element carries
+    is the call's, and calls without one get such ids (Mistral's templates demand them)."""
+    try:
+        items = json.loads(block[len(opening):])
+    except json.JSONDecodeError:
+        return None
+    if isinstance(items, dict):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        return None
+    calls, at = [], len(opening)
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        args = item.get("arguments", {})
+        if not isinstance(args, (dict, str)):
+            return None
+        start = block.index("{", at)
+        end = _json_end(block, start, len(block))
+        assert end is not None  # the list parsed, so each element closes
+        call = ToolCall(item["name"], args if isinstance(args, str) else json.dumps(args), text=block[start:end])
+        if mistral_ids:
+            cid = item.get("id")
+            call.id = cid if isinstance(cid, str) and len(cid) == 9 and cid.isalnum() else mistral_call_id()
+        calls.append(call)
+        at = end
+    return calls
+
+
 def _mistral_calls(block: str) -> list[ToolCall] | None:
     """The calls of one Mistral block (`[TOOL_CALLS]` to the end of its JSON value), each with its
     exact text: the block for a `NAME[ARGS]{...}` call, its own element of a list."""
     body = block[len(_MS_OPEN):]
     if body.lstrip().startswith("["):  # v3 / v7: one list of {"name", "arguments"} objects
-        try:
-            items = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(items, list) or not items:
-            return None
-        calls, at = [], block.index("[", len(_MS_OPEN)) + 1
-        for item in items:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                return None
-            args = item.get("arguments", {})
-            if not isinstance(args, (dict, str)):
-                return None
-            start = block.index("{", at)
-            end = _json_end(block, start, len(block))
-            assert end is not None  # the list parsed, so each element closes
-            cid = item.get("id")
-            call = ToolCall(item["name"], args if isinstance(args, str) else json.dumps(args), text=block[start:end],
-                            id=cid if isinstance(cid, str) and len(cid) == 9 and cid.isalnum() else mistral_call_id())
-            calls.append(call)
-            at = end
-        return calls
+        return _list_calls(block, _MS_OPEN, mistral_ids=True)
     head, sep, raw = body.partition(_MS_ARGS)
     name, _, cid = head.partition(_MS_CALL_ID)
     name, cid = name.strip(), cid.strip()
@@ -430,6 +444,8 @@ def _calls_of(block: str, fmt: str, tools: list[dict[str, Any]] | None) -> list[
     block is not a call of the format."""
     if fmt == "mistral":
         return _mistral_calls(block)
+    if fmt == "granite":
+        return _list_calls(block, TAGS[fmt][0], mistral_ids=False)
     opening, closing = TAGS[fmt]
     call = _parse_block(block[len(opening):len(block) - len(closing)], fmt, tools)
     if call is None:

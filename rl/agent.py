@@ -258,6 +258,7 @@ _CALL_SHAPES = {
     "mistral": '[TOOL_CALLS]NAME[ARGS]{...} (or [TOOL_CALLS][{"name": ..., "arguments": {...}}] where the template writes a list)',
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>"
                "<|tool_calls_section_end|>",
+    "granite": '<|tool_call|>[{"name": NAME, "arguments": {...}}]',
     "llama3_json": '{"name": NAME, "parameters": {...}} as the whole reply',
     "minimax_m2": '<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n</invoke>\n</minimax:tool_call>',
 }

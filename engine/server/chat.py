@@ -479,6 +479,8 @@ def _forced_prefix(parser: str, choice: str, name: str | None, template: str | N
     if parser == "kimi_k2":  # no grammar (special markers): the opening, the call numbered after the conversation's calls
         head = "<|tool_calls_section_begin|><|tool_call_begin|>functions."
         return {"named": f"{head}{name}:{calls_before}<|tool_call_argument_begin|>", "required": head}.get(choice, "")
+    if parser == "granite":  # no grammar (its marker is a special token): the opening, a list of calls
+        return {"named": f'<|tool_call|>[{{"name": "{name}", "arguments":', "required": '<|tool_call|>[{"name":'}.get(choice, "")
     if parser == "llama3_json":  # the reply is the call: {"name": "NAME", "parameters": {...}}
         return {"named": f'{{"name": "{name}", "parameters":', "required": '{"name":'}.get(choice, "")
     if parser == "mistral":  # no grammar (its markers are special tokens): the opening only

@@ -45,6 +45,8 @@ LLAMA_TAG = '<|python_tag|>{"name": "add", "parameters": {}}'
 KIMI = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.run_tests:0<|tool_call_argument_begin|>'
         '{"selection": "t.py", "count": 3}<|tool_call_end|>\n<|tool_call_begin|> functions.add:1 <|tool_call_argument_begin|>'
         '{"a": 2}<|tool_call_end|><|tool_calls_section_end|> done')
+# Granite 3.x's: <|tool_call|> then a JSON list of calls
+GRANITE = 'Sure.<|tool_call|>[{"name": "add", "arguments": {"a": "[1]"}}, {"name": "run_tests", "arguments": {"count": 3}}]'
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {
     "selection": {"type": "string"}, "verbose": {"type": "boolean"}, "count": {"type": "integer"}}}}}]
 
@@ -149,6 +151,18 @@ def test_mistral_whole_both_layouts():
     assert calls[1].id == "xyz987QRS" and calls[0].text == '{"name": "add", "arguments": {"a": 2}}'
 
 
+def test_granite_whole():
+    """Granite's `<|tool_call|>` list (or one object): each element a call with its own text; a
+    list with a nameless element, or JSON that is no list of calls, stays content."""
+    content, calls = parse_tool_calls(GRANITE, "granite")
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": "[1]"}), ("run_tests", {"count": 3})]
+    assert calls[0].text == '{"name": "add", "arguments": {"a": "[1]"}}' and calls[0].id.startswith("call_")
+    assert parse_tool_calls('<|tool_call|>{"name": "add", "arguments": {}}', "granite")[1][0].name == "add"
+    for bad in ('<|tool_call|>[{"arguments": {}}]', "<|tool_call|>[1, 2]", '<|tool_call|>"add"'):
+        assert split_tool_calls(bad, "granite").malformed == [bad], bad
+    assert parser_for_template("{{- '<|tool_call|>' + message.tool_calls|tojson }}") == "granite"
+
+
 def test_kimi_k2_whole():
     """The calls of a section (its markers neither content nor calls), each call's id the
     `functions.NAME:IDX` the model wrote (Kimi's templates write it back); a call without such an
@@ -212,7 +226,7 @@ def test_plain_text_and_broken_calls_stay_content():
                                       ("deepseek_v31", DS_V31), ("deepseek_v31", "no call <｜tool▁calls▁begin｜>just text"),
                                       ("minimax_m2", MINIMAX), ("mistral", MISTRAL), ("mistral", MISTRAL_LIST),
                                       ("mistral", 'x [TOOL_CALLS]add[ARGS]"a" [TOOL_CALLS]add[ARGS]{"a": 1} [TOOL_CALLS]add[ARGS]{"a'),
-                                      ("kimi_k2", KIMI), ("seed_oss", SEED), ("llama3_json", LLAMA), ("llama3_json", "  " + LLAMA_TAG + "\n"),
+                                      ("kimi_k2", KIMI), ("granite", GRANITE), ("granite", '<|tool_call|>{"name": "add"'), ("seed_oss", SEED), ("llama3_json", LLAMA), ("llama3_json", "  " + LLAMA_TAG + "\n"),
                                       ("llama3_json", 'As JSON: {"name": "add", "parameters": {}}'),
                                       ("llama3_json", '{"result": [1, 2]} is the answer'),
                                       ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; then {"name": "x"'),
@@ -232,7 +246,7 @@ def test_streaming_equals_whole_for_any_split(fmt, text, seed):
     for c in cuts + [len(text)]:
         final = c == len(text)
         d, new = parser.feed(text[:c], final=final)
-        assert final or settled or not any(m in d for m in ("<tool_call", "<｜tool", "<invoke", "<minimax", "[TOOL_CALLS]", "[ARGS]", "<|tool_call", "<seed:"))
+        assert final or settled or not any(m in d for m in ("<tool_call", "<｜tool", "<invoke", "<minimax", "[TOOL_CALLS]", "[ARGS]", "<|tool_call", "<seed:", "<|tool_call|>"))
         content += d
         calls += new
     whole_content, whole_calls = parse_tool_calls(text, fmt, TOOLS)

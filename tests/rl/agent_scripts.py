@@ -43,6 +43,7 @@ def call_in(fmt: str, name: str, **arguments: Any) -> str:
             + "</invoke>\n</minimax:tool_call>",
         "mistral": f"[TOOL_CALLS]{name}[ARGS]{args}",
         "llama3_json": f'{{"name": "{name}", "parameters": {args}}}',
+        "granite": f'<|tool_call|>[{{"name": "{name}", "arguments": {args}}}]',
         "kimi_k2": f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>{args}"
                    "<|tool_call_end|><|tool_calls_section_end|>",
     }[fmt]

@@ -285,7 +285,7 @@ def test_an_environment_runs_one_call_at_a_time(namespaces):
 
 
 @pytest.mark.parametrize("fmt", ["qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral",
-                                 "llama3_json", "kimi_k2"])
+                                 "llama3_json", "kimi_k2", "granite"])
 def test_the_scripted_fix_in_every_tool_call_format(tok, namespaces, fmt):
     """The same episode with the calls written in each format the parsers read (AgentConfig.parser):
     every call runs with its arguments (the fix lands: reward 1), and the product's view of the
