@@ -40,6 +40,7 @@ MODEL_TYPES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "GraniteForCausalLM": "granite",
+    "CwmForCausalLM": "cwm",
 }
 # families whose layers norm the attention's and the MLP's outputs before adding them to the residual
 # (no norm before either): OLMo 2 / 3
@@ -229,7 +230,7 @@ class ModelConfig:
 
 
 def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
-    """Mistral's, Mixtral's, StarCoder2's, Phi-3's, OLMo 3's and Qwen2's `sliding_window` (None: every position is attended): a
+    """Mistral's, Mixtral's, StarCoder2's, Phi-3's, OLMo 3's, CWM's and Qwen2's `sliding_window` (None: every position is attended): a
     query at p attends p - W + 1 .. p in the layers `_sliding_window_layers` names. The torch
     attention backend serves it; with another, max_model_len is capped at W, where the window
     changes nothing (llm_engine.py)."""
@@ -239,7 +240,7 @@ def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
         w = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     else:
         w = (hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM", "Phi3ForCausalLM",
-                                                  "Olmo3ForCausalLM") else None)
+                                                  "Olmo3ForCausalLM", "CwmForCausalLM") else None)
     if w is None:
         return None
     if isinstance(w, bool) or not isinstance(w, int) or w < 2:
@@ -388,7 +389,7 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
     if act != want:
         raise ValueError(f"hidden_act {act!r} in {where} is not supported for {arch} (supported: {want})")
     for name, why in (("attention_out_bias", "an o_proj bias"), ("mlp_bias", "MLP biases")):
-        if arch in ("SeedOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM") and hf.get(name):
+        if arch in ("SeedOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "CwmForCausalLM", "GraniteForCausalLM") and hf.get(name):
             raise ValueError(f"{name}: true in {where} ({why}) is not supported for {arch}")
     if arch == "LlamaForCausalLM" and hf.get("attention_bias") and not hf.get("fla_nsa"):
         # Llama's attention_bias puts a bias on o_proj too, which this decoder's Llama has not
