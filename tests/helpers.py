@@ -166,3 +166,29 @@ def assert_packed_forward_is_transformers(path: str, model, docs: list[list[int]
         got = ours.compute_logits(ours.forward_packed(ids, positions, doc_ids))[0].log_softmax(-1)
         want = torch.cat([model(torch.tensor([d])).logits[0].float().log_softmax(-1) for d in docs])
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+def assert_generates_as_transformers(path: str, model, prompts: list[list[int]], max_tokens: int = 16, tol: float = 1e-4) -> None:
+    """The engine (fp32, chunked prefill: 24-token chunks) greedy on `prompts`, every step's and
+    every prompt position's logprob scored by `model` (transformers) within `tol`."""
+    from cuttle.engine import LLM, SamplingParams
+
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0),
+                        use_tqdm=False)
+    for prompt, o in zip(prompts, outs):
+        assert_scored_by_transformers(model, prompt, o, tol)
+
+
+def assert_hf_names_round_trip(path: str, model) -> None:
+    """The loaded model's `hf_state_dict` names and values are transformers' (a tied lm_head,
+    which is the embedding, aside)."""
+    from cuttle.engine.config import ModelConfig
+    from cuttle.engine.models import load_model
+    from cuttle.engine.models.loader import hf_state_dict
+
+    names, theirs = hf_state_dict(load_model(path, ModelConfig.from_pretrained(path), torch.float32, torch.device("cpu"))), model.state_dict()
+    tied = model.config.tie_word_embeddings
+    assert set(names) == set(theirs) - ({"lm_head.weight"} if tied else set())
+    for k, t in names.items():
+        assert torch.equal(t, theirs[k]), k

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from helpers import assert_packed_forward_is_transformers, assert_scored_by_transformers, parity_prompts, write_tokenizer
+from helpers import (assert_generates_as_transformers, assert_packed_forward_is_transformers,
+                     parity_prompts, write_tokenizer)
 from moe_families import randomize_
 
 
@@ -31,12 +31,7 @@ def test_cwm_token_exact_vs_transformers_past_the_window(cwm):
     path, model = cwm
     cfg = ModelConfig.from_pretrained(path)
     assert (cfg.sliding_window, cfg.sliding_window_layers, cfg.rope_scaling["rope_type"]) == (20, (1, 2, 3), "llama3")
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
-    prompts = parity_prompts()[1:]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=0),
-                        use_tqdm=False)
-    for prompt, o in zip(prompts, outs):
-        assert_scored_by_transformers(model, prompt, o, 1e-4)
+    assert_generates_as_transformers(path, model, parity_prompts()[1:])
 
 
 def test_cwm_training_path_matches_transformers(cwm):

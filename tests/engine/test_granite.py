@@ -9,13 +9,10 @@ import json
 import os
 
 import pytest
-import torch
 
-from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from cuttle.engine.models import load_model
-from cuttle.engine.models.loader import hf_state_dict
-from helpers import assert_packed_forward_is_transformers, assert_scored_by_transformers, parity_prompts, write_tokenizer
+from helpers import (assert_generates_as_transformers, assert_hf_names_round_trip, assert_packed_forward_is_transformers,
+                     parity_prompts, write_tokenizer)
 from moe_families import randomize_
 
 
@@ -39,21 +36,13 @@ def test_granite_token_exact_vs_transformers(granite):
     path, model = granite
     cfg = ModelConfig.from_pretrained(path)
     assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_scale, cfg.logits_scaling) == (3.0, 0.4, 0.05, 2.5)
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
-    prompts = parity_prompts()[1:]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=0),
-                        use_tqdm=False)
-    for prompt, o in zip(prompts, outs):
-        assert_scored_by_transformers(model, prompt, o, 1e-4)
+    assert_generates_as_transformers(path, model, parity_prompts()[1:])
 
 
 def test_granite_training_path_and_names(granite):
     path, model = granite
     assert_packed_forward_is_transformers(path, model, [parity_prompts()[4], parity_prompts()[7]])
-    ours = load_model(path, ModelConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
-    names, theirs = hf_state_dict(ours), model.state_dict()
-    assert set(names) == set(theirs) - {"lm_head.weight"}  # tied: the embedding is the head
-    assert all(torch.equal(t, theirs[k]) for k, t in names.items())
+    assert_hf_names_round_trip(path, model)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, "8", True])

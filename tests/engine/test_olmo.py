@@ -9,11 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from cuttle.engine.models import load_model
-from cuttle.engine.models.loader import hf_state_dict
-from helpers import assert_packed_forward_is_transformers, assert_scored_by_transformers, parity_prompts, write_tokenizer
+from helpers import (assert_generates_as_transformers, assert_hf_names_round_trip, assert_packed_forward_is_transformers,
+                     parity_prompts, write_tokenizer)
 from moe_families import randomize_
 
 
@@ -45,12 +43,7 @@ def test_olmo_token_exact_vs_transformers(olmo):
     assert cfg.post_norm and cfg.qk_norm and cfg.qk_norm_whole
     if name == "olmo3":
         assert (cfg.sliding_window, cfg.sliding_window_layers) == (24, (0, 1, 2))
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
-    prompts = parity_prompts()[1:]  # up to 70 tokens: past OLMo 3's window
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=0),
-                        use_tqdm=False)
-    for prompt, o in zip(prompts, outs):
-        assert_scored_by_transformers(model, prompt, o, 1e-4)
+    assert_generates_as_transformers(path, model, parity_prompts()[1:])  # up to 70 tokens: past OLMo 3's window
 
 
 def test_olmo_training_path_matches_transformers(olmo):
@@ -60,12 +53,7 @@ def test_olmo_training_path_matches_transformers(olmo):
 
 def test_olmo_hf_names_both_ways(olmo):
     path, model, _ = olmo
-    ours = load_model(path, ModelConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
-    names = hf_state_dict(ours)
-    theirs = model.state_dict()
-    assert set(names) == set(theirs)
-    for k, t in names.items():
-        assert torch.equal(t, theirs[k]), k
+    assert_hf_names_round_trip(path, model)
 
 
 def test_olmo3_rope_differing_between_layer_types_is_refused():

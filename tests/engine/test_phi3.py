@@ -10,13 +10,10 @@ import json
 import os
 
 import pytest
-import torch
 
-from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from cuttle.engine.models import load_model
-from cuttle.engine.models.loader import hf_state_dict
-from helpers import assert_packed_forward_is_transformers, assert_scored_by_transformers, parity_prompts, write_tokenizer
+from helpers import (assert_generates_as_transformers, assert_hf_names_round_trip, assert_packed_forward_is_transformers,
+                     parity_prompts, write_tokenizer)
 from moe_families import randomize_
 
 VARIANTS = {"phi4": dict(), "phi4_mini_partial_window": dict(partial_rotary_factor=0.75, sliding_window=24)}
@@ -43,12 +40,7 @@ def test_phi3_token_exact_vs_transformers(phi3):
     assert cfg.architecture == "Phi3ForCausalLM"
     if name == "phi4_mini_partial_window":
         assert (cfg.rotary_dim, cfg.sliding_window) == (12, 24)
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
-    prompts = parity_prompts()[1:]  # up to 70 tokens: past the window
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=0),
-                        use_tqdm=False)
-    for prompt, o in zip(prompts, outs):
-        assert_scored_by_transformers(model, prompt, o, 1e-4)
+    assert_generates_as_transformers(path, model, parity_prompts()[1:])  # up to 70 tokens: past the window
 
 
 def test_phi3_training_path_matches_transformers(phi3):
@@ -58,12 +50,7 @@ def test_phi3_training_path_matches_transformers(phi3):
 
 def test_phi3_hf_names_both_ways(phi3):
     path, model, _ = phi3
-    ours = load_model(path, ModelConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
-    names = hf_state_dict(ours)
-    theirs = model.state_dict()
-    assert set(names) == set(theirs)
-    for k, t in names.items():
-        assert torch.equal(t, theirs[k]), k
+    assert_hf_names_round_trip(path, model)  # the fused names, never the split ones
 
 
 def test_phi3_longrope_is_refused(phi3):

@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from helpers import assert_packed_forward_is_transformers, assert_scored_by_transformers, parity_prompts, write_tokenizer
+from helpers import (assert_generates_as_transformers, assert_packed_forward_is_transformers,
+                     parity_prompts, write_tokenizer)
 from moe_families import randomize_
 
 
@@ -41,12 +41,7 @@ def test_seed_oss_token_exact_vs_transformers(seed_oss):
     path, model = seed_oss
     cfg = ModelConfig.from_pretrained(path)
     assert (cfg.architecture, cfg.head_dim, cfg.attention_bias, cfg.proj_bias) == ("SeedOssForCausalLM", 24, True, False)
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
-    prompts = parity_prompts()[1:]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=0),
-                        use_tqdm=False)
-    for prompt, o in zip(prompts, outs):
-        assert_scored_by_transformers(model, prompt, o, 1e-4)
+    assert_generates_as_transformers(path, model, parity_prompts()[1:])
 
 
 def test_seed_oss_training_path_matches_transformers(seed_oss):
