@@ -130,17 +130,23 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], path: str = "") -> "ModelConfig":
+        # (imported here: engine/models imports this module)
+        from cuttle.engine.models.multimodal_text import VISION_LANGUAGE_ARCHITECTURES, text_config_of
+
         archs = hf.get("architectures") or []
         if "NSAForCausalLM" in archs:  # fla-org's NSA model: read as the Llama + "nsa" config it is
             from cuttle.engine.models.nsa_config import fla_nsa_to_hf
 
             hf = fla_nsa_to_hf(hf, path)
             archs = hf["architectures"]
+        if any(a in VISION_LANGUAGE_ARCHITECTURES for a in archs):  # Mistral Small 3.x: its text model, served alone
+            hf = text_config_of(hf, path)
+            archs = hf["architectures"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs!r} in {path or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}, "
-                "NSAForCausalLM (fla-org)"
+                f"NSAForCausalLM (fla-org), {', '.join(VISION_LANGUAGE_ARCHITECTURES)} (its text model)"
             )
         hf = {"model_type": MODEL_TYPES[arch], **hf}
         _check_unsupported(hf, arch, path)

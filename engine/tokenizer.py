@@ -49,6 +49,10 @@ class Tokenizer:
         if self.chat_template is None and os.path.isfile(tmpl_file):
             with open(tmpl_file) as f:
                 self.chat_template = f.read()
+        processor_file = os.path.join(path, "chat_template.json")  # where a vision-language repo's processor keeps it
+        if self.chat_template is None and os.path.isfile(processor_file):
+            with open(processor_file) as f:
+                self.chat_template = json.load(f).get("chat_template")
         if isinstance(self.chat_template, list):  # named templates: take the default one
             named = {t["name"]: t["template"] for t in self.chat_template}
             self.chat_template = named.get("default", next(iter(named.values())))

@@ -24,6 +24,7 @@ from cuttle.engine.models.linear_quant import (MXLinearWeight, prepare_quantized
                                                write_quantized_linear)
 from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, unpack_experts, write_quantized
 from cuttle.engine.models.nsa_config import FLA_MARK, fla_tensors
+from cuttle.engine.models.multimodal_text import TEXT_OF, text_tensors
 from cuttle.engine.models.transformer import CausalLM
 from cuttle.moe import FusedMoE
 from cuttle.moe.checkpoint import is_quantized_checkpoint
@@ -241,6 +242,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     extra_layers = cfg.num_mtp_layers
     if cfg.hf_config.get(FLA_MARK):  # an fla-org NSA checkpoint: its names, renamed to Llama's
         tensors = fla_tensors(tensors)
+    if cfg.hf_config.get(TEXT_OF):  # a vision-language checkpoint: its text model's names, the vision side dropped
+        tensors = text_tensors(tensors)
     filler = _Filler(check_only, filled=coverage.filler.filled if coverage is not None and not check_only else None)
     unused: list[str] = []
     tied_head: tuple[torch.Tensor, str] | None = None  # an update's lm_head.weight on a tied model
