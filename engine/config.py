@@ -41,6 +41,7 @@ MODEL_TYPES = {
     "Olmo3ForCausalLM": "olmo3",
     "GraniteForCausalLM": "granite",
     "CwmForCausalLM": "cwm",
+    "Ministral3ForCausalLM": "ministral3",
 }
 # families whose layers norm the attention's and the MLP's outputs before adding them to the residual
 # (no norm before either): OLMo 2 / 3
@@ -118,6 +119,9 @@ class ModelConfig:
     attention_scale: float | None = None
     logits_scaling: float = 1.0
     fp8_quant: Fp8BlockQuant | None = None  # FP8 block-scaled weights, dequantized at load (engine/models/fp8_checkpoint.py)
+    # Ministral 3: past these positions its queries are scaled by Llama 4's attention temperature
+    # (1 + beta log(1 + floor(p / n))), which the decoder has not: the engine serves it within them
+    unscaled_positions: int | None = None
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
@@ -232,6 +236,7 @@ class ModelConfig:
             qk_norm_whole=arch in ("MiniMaxM2ForCausalLM", *POST_NORM_ARCHITECTURES),
             post_norm=arch in POST_NORM_ARCHITECTURES,
             **_granite_scalings(hf, arch, path),
+            unscaled_positions=_unscaled_positions(rope, arch),
         )
 
 
@@ -246,12 +251,21 @@ def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
         w = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     else:
         w = (hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM", "Phi3ForCausalLM",
-                                                  "Olmo3ForCausalLM", "CwmForCausalLM") else None)
+                                                  "Olmo3ForCausalLM", "CwmForCausalLM", "Ministral3ForCausalLM") else None)
     if w is None:
         return None
     if isinstance(w, bool) or not isinstance(w, int) or w < 2:
         raise ValueError(f"sliding_window must be null or an integer >= 2 in {path or 'config'}, got {w!r}")
     return w
+
+
+def _unscaled_positions(rope: dict[str, Any], arch: str) -> int | None:
+    """Ministral 3's `llama_4_scaling_beta`: the positions before its query scaling starts (None:
+    no such scaling)."""
+    beta = rope.get("llama_4_scaling_beta")
+    if arch != "Ministral3ForCausalLM" or not beta:
+        return None
+    return int(rope["original_max_position_embeddings"])
 
 
 def _granite_scalings(hf: dict[str, Any], arch: str, path: str) -> dict[str, Any]:

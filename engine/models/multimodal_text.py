@@ -18,7 +18,7 @@ import torch
 TEXT_OF = "text_of"  # set in the translated config: the architecture whose text model it is
 VISION_LANGUAGE_ARCHITECTURES = ("Mistral3ForConditionalGeneration",)
 # the text models' model_type -> the causal-LM architecture cuttle serves them as
-_TEXT_ARCHITECTURES = {"mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"}
+_TEXT_ARCHITECTURES = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM", "llama": "LlamaForCausalLM"}
 _RENAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."), ("model.language_model.", "model."))
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
