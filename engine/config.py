@@ -119,9 +119,9 @@ class ModelConfig:
     attention_scale: float | None = None
     logits_scaling: float = 1.0
     fp8_quant: Fp8BlockQuant | None = None  # FP8 block-scaled weights, dequantized at load (engine/models/fp8_checkpoint.py)
-    # Ministral 3: past these positions its queries are scaled by Llama 4's attention temperature
-    # (1 + beta log(1 + floor(p / n))), which the decoder has not: the engine serves it within them
-    unscaled_positions: int | None = None
+    # Ministral 3: Llama 4's attention temperature, queries at position p scaled by
+    # 1 + beta log(1 + floor(p / n)) after RoPE ((beta, n); None: no scaling)
+    query_scaling: tuple[float, int] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
@@ -236,7 +236,7 @@ class ModelConfig:
             qk_norm_whole=arch in ("MiniMaxM2ForCausalLM", *POST_NORM_ARCHITECTURES),
             post_norm=arch in POST_NORM_ARCHITECTURES,
             **_granite_scalings(hf, arch, path),
-            unscaled_positions=_unscaled_positions(rope, arch),
+            query_scaling=_query_scaling(rope, arch),
         )
 
 
@@ -259,13 +259,13 @@ def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
     return w
 
 
-def _unscaled_positions(rope: dict[str, Any], arch: str) -> int | None:
-    """Ministral 3's `llama_4_scaling_beta`: the positions before its query scaling starts (None:
-    no such scaling)."""
+def _query_scaling(rope: dict[str, Any], arch: str) -> tuple[float, int] | None:
+    """Ministral 3's `llama_4_scaling_beta` and the positions it counts in
+    (`original_max_position_embeddings`), or None."""
     beta = rope.get("llama_4_scaling_beta")
     if arch != "Ministral3ForCausalLM" or not beta:
         return None
-    return int(rope["original_max_position_embeddings"])
+    return float(beta), int(rope["original_max_position_embeddings"])
 
 
 def _granite_scalings(hf: dict[str, Any], arch: str, path: str) -> dict[str, Any]:

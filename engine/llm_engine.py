@@ -84,13 +84,6 @@ class LLMEngine:
                                  f"attends every position, the same as the window only within it; give max_model_len <= "
                                  f"{mc.sliding_window}, or use attention_backend='torch'")
             max_len = mc.sliding_window
-        if mc.unscaled_positions is not None and max_len > mc.unscaled_positions:
-            # Ministral 3 scales its queries past these positions (Llama 4's attention temperature), not built here
-            if config.max_model_len is not None:
-                raise ValueError(f"max_model_len ({max_len}) exceeds {mc.unscaled_positions}, where this model's queries start to "
-                                 "be scaled by Llama 4's attention temperature (rope_parameters.llama_4_scaling_beta), which "
-                                 f"cuttle does not compute; give max_model_len <= {mc.unscaled_positions}")
-            max_len = mc.unscaled_positions
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype, config.sparse_attention)
         if config.num_kv_blocks is not None:

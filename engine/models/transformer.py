@@ -60,6 +60,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.q_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.kv_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim**-0.5
+        self.q_scale: torch.Tensor | None = None  # this step's per-token query scaling [tokens, 1, 1] (Ministral 3), or None
 
     def forward(
         self,
@@ -75,6 +76,8 @@ class Attention(nn.Module):
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn is not None else None,
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
         )
+        if self.q_scale is not None:
+            q = q * self.q_scale
         o, _ = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self._project(o.reshape(-1, self.q_size), self.o_weight, "o", self.o_bias)
 
@@ -113,7 +116,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.whole_qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin).view(B, S, self.num_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        q = q.view(B, S, self.num_heads, self.head_dim)
         k = apply_rope(k, cos, sin).view(B, S, self.num_kv_heads, self.head_dim)
         return q, k, v.reshape(B, S, self.num_kv_heads, self.head_dim)
 
@@ -394,6 +400,7 @@ class CausalLM(nn.Module):
         if self.cfg.embedding_multiplier != 1.0:  # Granite
             x = x * self.cfg.embedding_multiplier
         cos, sin = (rows.gather(t, positions)[:, None, :] for t in self.rope.cast_tables(x.dtype))
+        self._scale_queries(positions, x.dtype)
         delta = None
         for layer, kv in zip(self.layers, kv_caches):
             x, delta = layer(x, cos, sin, kv, meta, backend, delta)
@@ -433,6 +440,7 @@ class CausalLM(nn.Module):
         if self.cfg.embedding_multiplier != 1.0:  # Granite
             x = x * self.cfg.embedding_multiplier
         cos, sin = self.rope.tables(positions.reshape(-1), x.dtype)
+        self._scale_queries(positions.reshape(-1), x.dtype)
         sparse = sparse_attention_for(sparse, self.cfg)
         parts = None
         if segments is not None:
@@ -455,6 +463,19 @@ class CausalLM(nn.Module):
             x = layer.forward_dense(x, cos, sin, window_mask if i in windowed else mask[:, None],
                                     sparse if sparse is not None and i >= sparse.dense_layers else None, parts)
         return self.norm(x)
+
+    def _scale_queries(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """Ministral 3's query scaling for this step's tokens (Llama 4's attention temperature, as
+        transformers computes it: 1 + beta log(1 + floor(p / n)) in fp32, cast to the dtype),
+        handed to every layer's attention; None (no multiply) while every position is below n."""
+        if self.cfg.query_scaling is None:
+            return
+        beta, n = self.cfg.query_scaling
+        scale = None
+        if positions.numel() and int(positions.max()) >= n:
+            scale = (1 + beta * torch.log(1 + torch.floor(positions.float() / n))).to(dtype)[:, None, None]
+        for layer in self.layers:
+            layer.attn.q_scale = scale
 
     def _unshift(self, x: torch.Tensor, shift: int) -> torch.Tensor:
         """x [n, H, D] rotated by -shift positions (the engine's rotation of a moved segment's query)."""

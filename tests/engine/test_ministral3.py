@@ -1,16 +1,14 @@
 """Ministral 3 (Ministral3ForCausalLM; Devstral Small 2's text model): Mistral's decoder with YaRN
-rope and Llama 4's attention temperature, which scales the queries past
-`original_max_position_embeddings` and which cuttle does not compute: the engine serves it within
-those positions (max_model_len defaults to them, a longer one is refused naming the field), where
-the scaling is exactly 1. Checked token-exact against transformers there (greedy, float32,
-chunked prefill, every logprob)."""
+rope and Llama 4's attention temperature, queries at position p scaled by
+1 + beta log(1 + floor(p / original_max_position_embeddings)) after RoPE. Checked token-exact
+against transformers well past those positions (greedy, float32, chunked prefill, every logprob),
+and the training path."""
 from __future__ import annotations
 
 import pytest
 
-from cuttle.engine import LLM
 from cuttle.engine.config import ModelConfig
-from helpers import assert_generates_as_transformers, parity_prompts, write_tokenizer
+from helpers import assert_generates_as_transformers, assert_packed_forward_is_transformers, parity_prompts, write_tokenizer
 from moe_families import randomize_
 
 ORIGINAL = 96
@@ -33,15 +31,14 @@ def ministral3(tmp_path_factory):
     return path, model
 
 
-def test_ministral3_token_exact_within_its_unscaled_positions(ministral3):
+def test_ministral3_token_exact_past_its_original_positions(ministral3):
     path, model = ministral3
     cfg = ModelConfig.from_pretrained(path)
-    assert (cfg.unscaled_positions, cfg.rope_scaling["rope_type"]) == (ORIGINAL, "yarn")
-    assert LLM(path, dtype="float32", num_kv_blocks=64).engine.max_model_len == ORIGINAL
-    assert_generates_as_transformers(path, model, [p[:ORIGINAL - 16] for p in parity_prompts()[1:]])
+    assert (cfg.query_scaling, cfg.rope_scaling["rope_type"]) == ((0.1, ORIGINAL), "yarn")
+    long = [(p * 4)[:n] for p, n in zip(parity_prompts()[4:], (100, 200, 260))]  # past 96 and 192 (scalings 1.07, 1.11)
+    assert_generates_as_transformers(path, model, long + parity_prompts()[1:3], max_tokens=24)
 
 
-def test_past_them_is_refused_by_name(ministral3):
-    path, _ = ministral3
-    with pytest.raises(ValueError, match=rf"max_model_len \(200\) exceeds {ORIGINAL}.*llama_4_scaling_beta"):
-        LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=200)
+def test_ministral3_training_path_matches_transformers(ministral3):
+    path, model = ministral3
+    assert_packed_forward_is_transformers(path, model, [(parity_prompts()[7] * 3)[:210], parity_prompts()[4]])
