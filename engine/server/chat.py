@@ -468,8 +468,12 @@ def _document_part(p: dict[str, Any], i: int, j: int, role: Any) -> tuple[str | 
 
 
 def _calls_before(messages: list[dict[str, Any]]) -> int:
-    """The tool calls of the conversation so far (Kimi-K2 numbers its calls across it)."""
-    return sum(len(m.get("tool_calls") or ()) for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+    """The tool calls of the conversation so far (Kimi-K2 numbers its calls across it): the calls
+    its assistant messages carry, or the tool results, where more (a turn this server answered is
+    replayed as its text, without `tool_calls`: ToolCallReplay)."""
+    dicts = [m for m in messages if isinstance(m, dict)]
+    calls = sum(len(m.get("tool_calls") or ()) for m in dicts if m.get("role") == "assistant")
+    return max(calls, sum(m.get("role") == "tool" for m in dicts))
 
 
 def _forced_prefix(parser: str, choice: str, name: str | None, template: str | None = None, calls_before: int = 0) -> str:

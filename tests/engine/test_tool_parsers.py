@@ -183,6 +183,8 @@ def test_kimi_k2_whole():
     forced = _forced_prefix("kimi_k2", "named", "add", None, _calls_before(turns))
     assert forced == "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:2<|tool_call_argument_begin|>"
     assert parse_tool_calls(forced + '{"a": 1}<|tool_call_end|><|tool_calls_section_end|>', "kimi_k2")[1][0].id == "functions.add:2"
+    replayed = [turns[0], {"role": "assistant", "content": "<|tool_calls_section_begin|>..."}, *turns[2:]]  # (ToolCallReplay's form)
+    assert _calls_before(replayed) == 2
 
 
 def test_llama3_json_whole():
