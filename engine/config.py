@@ -104,7 +104,7 @@ class ModelConfig:
     bos_token_id: int | None
     hf_config: dict[str, Any] = field(repr=False)
     num_mtp_layers: int = 0  # checkpoint layers after the decoder's (multi-token prediction): skipped at load
-    sliding_window: int | None = None  # Mistral / Mixtral / StarCoder2 / Qwen2: each token sees the last W positions
+    sliding_window: int | None = None  # Mistral, Mixtral, StarCoder2, Phi-3, OLMo 3, CWM, Ministral 3, Qwen2: a token sees the last W positions
     sliding_window_layers: tuple[int, ...] = ()  # the layers that window (Qwen2's from max_window_layers on; the others all)
     layer_norm: bool = False  # StarCoder2: LayerNorm with bias where the others have RMSNorm
     gelu_mlp: bool = False  # StarCoder2: c_fc -> gelu(tanh) -> c_proj, not gated, instead of silu(gate) * up
