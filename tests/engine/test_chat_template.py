@@ -128,9 +128,14 @@ LLAMA_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_h
                   "{% set tc = m.tool_calls[0].function %}{{ '{\"name\": \"' + tc.name + '\", ' }}{{ '\"parameters\": ' }}"
                   "{{ tc.arguments|tojson }}{{ '}' }}{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}")
 
+# Qwen2.5's layout: hermes calls whose arguments are written with tojson whatever they are
+QWEN25_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>\n"
+                   "{\"name\": \"{{ tc.function.name }}\", \"arguments\": {{ tc.function.arguments|tojson }}}\n</tool_call>"
+                   "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}")
 
-@pytest.mark.parametrize("template", [CODER_TEMPLATE, GLM_TEMPLATE, MISTRAL_TEMPLATE, MISTRAL_LIST_TEMPLATE, LLAMA_TEMPLATE],
-                         ids=["qwen3_coder", "glm45", "mistral", "mistral_list", "llama3"])
+
+@pytest.mark.parametrize("template", [CODER_TEMPLATE, GLM_TEMPLATE, MISTRAL_TEMPLATE, MISTRAL_LIST_TEMPLATE, LLAMA_TEMPLATE, QWEN25_TEMPLATE],
+                         ids=["qwen3_coder", "glm45", "mistral", "mistral_list", "llama3", "qwen2.5"])
 def test_templates_that_iterate_arguments_get_them_as_an_object(tokenizers, template):
     """A client sends a call back with OpenAI's JSON-text arguments: a template that iterates them
     as an object, or writes them with tojson (Mistral's, Llama's), gets the object (transformers' rendering of the same call with dict arguments
@@ -146,7 +151,8 @@ def test_templates_that_iterate_arguments_get_them_as_an_object(tokenizers, temp
     got = tok.apply_chat_template(sent, chat_template=template, add_generation_prompt=False)
     assert got == hf.apply_chat_template(as_object, chat_template=template, tokenize=False, add_generation_prompt=False)
     assert "<parameter=days>\n3\n" in got or "<arg_value>3</arg_value>" in got or '"arguments": {"city": "Paris", "days": 3' in got \
-        or '[ARGS]{"city": "Paris", "days": 3' in got or '"parameters": {"city": "Paris", "days": 3' in got
+        or '[ARGS]{"city": "Paris", "days": 3' in got or '"parameters": {"city": "Paris", "days": 3' in got \
+        or '"arguments": {"city": "Paris", "days": 3' in got
     assert '"arguments": ' + args in tok.apply_chat_template(sent, add_generation_prompt=False)  # Qwen3's: the text as sent
     with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments must be a JSON object"):
         tok.apply_chat_template([sent[0], {**sent[1], "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}],
