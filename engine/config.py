@@ -31,6 +31,7 @@ MODEL_TYPES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MistralForCausalLM": "mistral",
     "Starcoder2ForCausalLM": "starcoder2",
@@ -51,7 +52,8 @@ BLOCK_SPARSE_MOE_ARCHITECTURES = ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")
 # families whose MoE layers are DeepSeek-V3's: sigmoid routing with an expert-choice bias, groups,
 # ungated shared experts (`mlp.shared_experts`), dense layers before `first_k_dense_replace`, and
 # multi-token-prediction layers after the decoder's in their checkpoints
-DEEPSEEK_MOE_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+# (DeepSeek-V2 shares the layout and multi-head latent attention, but routes by softmax: moe/routing.py)
+DEEPSEEK_MOE_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 MOE_QUANT_MODES = ("mxfp8",)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (vLLM's --scheduling-policy)
@@ -168,11 +170,11 @@ class ModelConfig:
         if arch == "Qwen2MoeForCausalLM":
             shared_inter, shared_gated = int(hf.get("shared_expert_intermediate_size") or 0), True
         elif arch in DEEPSEEK_MOE_ARCHITECTURES:
-            # transformers' DeepseekV3Config and Glm4MoeConfig both default n_shared_experts to 1
-            shared_inter = moe_inter * int(hf.get("n_shared_experts", 1) or 0)
+            # transformers' DeepseekV3Config and Glm4MoeConfig default n_shared_experts to 1, DeepseekV2Config to 2
+            shared_inter = moe_inter * int(hf.get("n_shared_experts", 2 if arch == "DeepseekV2ForCausalLM" else 1) or 0)
         mla = None
-        if arch == "DeepseekV3ForCausalLM":
-            q_rank = hf.get("q_lora_rank")
+        if arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
+            q_rank = hf.get("q_lora_rank", 1536 if arch == "DeepseekV2ForCausalLM" else None)
             mla = MLAConfig(
                 q_lora_rank=None if q_rank is None else int(q_rank),
                 kv_lora_rank=int(hf["kv_lora_rank"]),

@@ -57,6 +57,8 @@ def route_native(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | 
     selection is a (near-)tie are routed by `routing.route` itself, so the experts chosen are
     always the torch router's (bf16 logits tie often: 8 mantissa bits over many experts)."""
     sigmoid = cfg.scoring_func == "sigmoid"
+    if not sigmoid and (cfg.n_group > 1 or cfg.routed_scaling_factor != 1.0):
+        return route(logits, cfg, bias)  # DeepSeek-V2's grouped / scaled softmax: the kernel has neither
 
     def settle(weights: torch.Tensor, ids: torch.Tensor, tied: torch.Tensor) -> None:
         weights[tied], ids[tied] = route(logits[tied], cfg, bias)

@@ -8,6 +8,9 @@ way transformers would). Must never touch expert weights or import from `cuttle.
   mixtral                       softmax(fp32) -> top-k -> always renormalize
   minimax_m2                    sigmoid(fp32 logits), the bias only picks experts, top-k, renormalized
                                 (DeepSeek-V3's rule with one group and no scaling); every layer
+  deepseek_v2                   softmax(fp32 logits) -> top-k ("greedy"), or within the topk_group groups
+                                of highest max score ("group_limited_greedy"); no renormalization,
+                                x routed_scaling_factor; layers from first_k_dense_replace (default 0) on
   deepseek_v3, glm4_moe         sigmoid(fp32 logits); e_score_correction_bias only picks experts;
                                 keep topk_group of n_group groups scored by their top-2 sum; weights
                                 are the unbiased scores, renormalized (+1e-20), x routed_scaling_factor;
@@ -28,6 +31,8 @@ from cuttle.attention.native.gemm import linear
 ScoringFunc = Literal["softmax", "sigmoid"]
 # model types routed as DeepSeek-V3 -> their config class's default first_k_dense_replace
 _DEEPSEEK_ROUTED = {"deepseek_v3": 3, "glm4_moe": 1}
+# model types whose dense layers come first, up to first_k_dense_replace -> its config class's default
+_FIRST_DENSE = {**_DEEPSEEK_ROUTED, "deepseek_v2": 0}
 
 
 @dataclass(slots=True)
@@ -41,6 +46,7 @@ class RoutingConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    fp32_logits: bool = False  # a softmax router whose logits are fp32 whatever the activations (DeepSeek-V2)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "RoutingConfig":
@@ -59,6 +65,15 @@ class RoutingConfig:
                 topk_group=int(config.get("topk_group") or 1),
                 routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
             )
+        if model_type == "deepseek_v2":  # transformers' DeepseekV2TopkRouter
+            method = config.get("topk_method") or "greedy"
+            if method not in ("greedy", "group_limited_greedy"):
+                raise ValueError(f"topk_method {method!r} is not supported for deepseek_v2 (supported: greedy, group_limited_greedy)")
+            grouped = method == "group_limited_greedy"
+            return cls(num_experts=int(num_experts), top_k=top_k, norm_topk_prob=False, fp32_logits=True,
+                       n_group=int(config.get("n_group") or 1) if grouped else 1,
+                       topk_group=int(config.get("topk_group") or 1) if grouped else 1,
+                       routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
         if model_type == "mixtral":
             return cls(num_experts=int(num_experts), top_k=top_k, norm_topk_prob=True)
         if model_type == "minimax_m2":  # transformers' MiniMaxM2TopKRouter: sigmoid, the bias picks, renormalized
@@ -76,7 +91,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig
     """x @ gate_weight.T; sigmoid routers take it in fp32 (as DeepSeek-V3 does), softmax ones in x's dtype.
     Through the native linear kernels where they apply (a bf16 gate at decode is otherwise torch's
     bf16 GEMM, ~5% of a Qwen3-MoE decode step on an AVX2 CPU); fp32 sums either way."""
-    if cfg.scoring_func == "sigmoid":
+    if cfg.scoring_func == "sigmoid" or cfg.fp32_logits:
         # a bf16 gate widens exactly to fp32: the native bf16-weight GEMM on fp32 x is the fp32 product
         return linear(x.float(), gate_weight if gate_weight.dtype == torch.bfloat16 else gate_weight.float())
     return linear(x, gate_weight)
@@ -89,10 +104,16 @@ def route(
     if cfg.scoring_func == "sigmoid":
         return _grouped_sigmoid_topk(logits.float(), cfg, e_score_correction_bias)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if cfg.n_group > 1:  # DeepSeek-V2's group_limited_greedy: experts of the topk_group groups with the highest max
+        T, E = probs.shape
+        group_scores = probs.view(T, cfg.n_group, E // cfg.n_group).max(dim=-1).values
+        keep = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        probs = probs.masked_fill(~group_mask.repeat_interleave(E // cfg.n_group, dim=1), 0.0)
     weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return weights if cfg.routed_scaling_factor == 1.0 else weights * cfg.routed_scaling_factor, ids
 
 
 def _grouped_sigmoid_topk(
@@ -119,8 +140,8 @@ def _grouped_sigmoid_topk(
 def is_moe_layer(config: dict[str, Any], layer_idx: int) -> bool:
     """Whether decoder layer `layer_idx` has routed experts (else it has a dense MLP), per HF fields."""
     model_type = config.get("model_type")
-    if model_type in _DEEPSEEK_ROUTED:
-        return layer_idx >= int(config.get("first_k_dense_replace", _DEEPSEEK_ROUTED[model_type]))
+    if model_type in _FIRST_DENSE:
+        return layer_idx >= int(config.get("first_k_dense_replace", _FIRST_DENSE[model_type]))
     if layer_idx in (config.get("mlp_only_layers") or []):
         return False
     return (layer_idx + 1) % int(config.get("decoder_sparse_step", 1)) == 0
