@@ -384,6 +384,9 @@ class CausalLM(nn.Module):
         self.norm = _norm(cfg, dtype)
         self.lm_head = self.embed if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
+        if cfg.query_scaling is not None:  # Ministral 3: 1 + beta log(1 + band) per band of n positions
+            beta, n = cfg.query_scaling
+            self._query_bands = 1 + beta * torch.log(1 + torch.arange(cfg.max_position_embeddings // n + 2, dtype=torch.float32))
 
     def forward(
         self,
@@ -470,10 +473,13 @@ class CausalLM(nn.Module):
         handed to every layer's attention; None (no multiply) while every position is below n."""
         if self.cfg.query_scaling is None:
             return
-        beta, n = self.cfg.query_scaling
+        n = self.cfg.query_scaling[1]
         scale = None
         if positions.numel() and int(positions.max()) >= n:
-            scale = (1 + beta * torch.log(1 + torch.floor(positions.float() / n))).to(dtype)[:, None, None]
+            # each position's band's scale, from a table made once: torch's vectorized log would put a
+            # position's value in a scalar tail or not by the batch's size (batch invariance)
+            bands = torch.div(positions, n, rounding_mode="floor").clamp(max=self._query_bands.shape[0] - 1)
+            scale = self._query_bands.to(positions.device)[bands].to(dtype)[:, None, None]
         for layer in self.layers:
             layer.attn.q_scale = scale
 

@@ -49,6 +49,18 @@ def paths(tmp_path_factory) -> dict[str, str]:
                                      sliding_window=70, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=None, **SHAPE)
     transformers.MistralForCausalLM(cfg).save_pretrained(out["mistral"])
     write_tokenizer(out["mistral"], 256)
+    # post-norm layers (OLMo 2), Granite's multipliers, Ministral 3's query scaling past 96 positions
+    common = dict(vocab_size=256, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  eos_token_id=1, bos_token_id=None, pad_token_id=0, **SHAPE)
+    rope = {"type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 96, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1, "max_position_embeddings": 512}
+    for name, model in (("olmo2", transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common))),
+                        ("granite", transformers.GraniteForCausalLM(transformers.GraniteConfig(
+                            embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05, logits_scaling=2.5, **common))),
+                        ("ministral3", transformers.Ministral3ForCausalLM(transformers.Ministral3Config(rope_parameters=rope, **common)))):
+        out[name] = str(tmp_path_factory.mktemp(name))
+        model.save_pretrained(out[name])
+        write_tokenizer(out[name], 256)
     return out
 
 
@@ -85,6 +97,9 @@ CASES = {
     "GLM-4.5 (partial rotary, q/k norms) bf16": ("glm4_moe", dict(dtype="bfloat16")),
     "MiniMax-M2 (whole-row q/k norms, sigmoid routing) bf16": ("minimax_m2", dict(dtype="bfloat16")),
     "Mistral (sliding window 70 of 300 tokens) bf16": ("mistral", dict(dtype="bfloat16")),
+    "OLMo 2 (post-norm, whole-row q/k norms) bf16": ("olmo2", dict(dtype="bfloat16")),
+    "Granite (multipliers) bf16": ("granite", dict(dtype="bfloat16")),
+    "Ministral 3 (query scaling past 96 positions) bf16": ("ministral3", dict(dtype="bfloat16")),
 }
 
 
