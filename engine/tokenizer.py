@@ -264,7 +264,7 @@ def _object_arguments(m: Any, i: int) -> Any:
         if isinstance(args, str):
             try:
                 parsed = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # (too deeply nested JSON: RecursionError)
                 parsed = None
             if not isinstance(parsed, dict):
                 raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object as text: the chat "

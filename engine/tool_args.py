@@ -217,7 +217,7 @@ class XmlArguments:
             raw = self.typed + piece
             try:
                 value = json.loads(raw)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # (too deeply nested JSON: RecursionError)
                 value = raw
             out.append(json.dumps(value))
         self.value_of = None

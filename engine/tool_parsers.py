@@ -304,7 +304,7 @@ def _list_calls(block: str, opening: str, mistral_ids: bool) -> list[ToolCall] |
     is the call's, and calls without one get such ids (Mistral's templates demand them)."""
     try:
         items = json.loads(block[len(opening):])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # (too deeply nested JSON: RecursionError)
         return None
     if isinstance(items, dict):
         items = [items]
@@ -348,7 +348,7 @@ def _json_object(text: str) -> dict[str, Any] | None:
     """`text` as the JSON object it holds, or None (not JSON, or JSON of another kind)."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # (too deeply nested JSON: RecursionError)
         return None
     return value if isinstance(value, dict) else None
 
@@ -365,7 +365,7 @@ def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> Too
     if fmt == "hermes":
         try:
             obj = json.loads(body.strip())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (too deeply nested JSON: RecursionError)
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
@@ -395,7 +395,7 @@ def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> Too
         if types.get(pname, "string") != "string":
             try:
                 value = json.loads(raw)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # (too deeply nested JSON: RecursionError)
                 value = raw
         args[pname] = value
     return ToolCall(name, json.dumps(args))
@@ -553,7 +553,7 @@ class StreamingToolParser:
                 return False
             try:
                 name = json.loads(m.group(1))
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # (too deeply nested JSON: RecursionError)
                 return False
             emitter: JsonArguments | XmlArguments = JsonArguments()
         elif self.fmt == "glm45":

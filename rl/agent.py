@@ -239,6 +239,8 @@ def _arguments(call: ToolCall) -> dict[str, Any] | str:
         args = json.loads(call.arguments)
     except json.JSONDecodeError as err:
         return f"arguments are not valid JSON ({err.msg})"
+    except RecursionError:
+        return "arguments are nested too deeply"
     return args if isinstance(args, dict) else "arguments must be a JSON object"
 
 

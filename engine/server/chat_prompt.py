@@ -199,5 +199,5 @@ def _same_arguments(sent_back: str | dict[str, Any], ours: str) -> bool:
         return sent_back == ours
     try:  # a client may send the arguments back parsed, as an object
         return json.loads(ours) == sent_back
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # (too deeply nested JSON: RecursionError)
         return False

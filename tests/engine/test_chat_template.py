@@ -157,3 +157,7 @@ def test_templates_that_iterate_arguments_get_them_as_an_object(tokenizers, temp
     with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments must be a JSON object"):
         tok.apply_chat_template([sent[0], {**sent[1], "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}],
                                 chat_template=template, add_generation_prompt=False)
+    deep = "[" * 50000 + "]" * 50000  # nested past json's recursion limit: the same clear error, not a crash
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments must be a JSON object"):
+        tok.apply_chat_template([sent[0], {**sent[1], "tool_calls": [{**CALL, "function": {"name": "f", "arguments": deep}}]}],
+                                chat_template=template, add_generation_prompt=False)

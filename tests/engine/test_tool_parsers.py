@@ -432,3 +432,21 @@ def test_json_scan_resumed_at_any_cut_finds_the_one_shot_end():
                 if got is not None:
                     break
             assert got == want, (cut, step)
+
+
+def test_json_nested_past_the_recursion_limit_is_malformed_not_a_crash():
+    """A model can write JSON nested deeper than json.loads recurses (RecursionError): such a call
+    is malformed content in every JSON format, whole and streamed, never an exception."""
+    deep = "[" * 50000 + "]" * 50000
+    texts = {"hermes": f'<tool_call>\n{{"name": "add", "arguments": {{"a": {deep}}}}}\n</tool_call>',
+             "mistral": f'[TOOL_CALLS]add[ARGS]{{"a": {deep}}}', "llama3_json": f'{{"name": "add", "parameters": {{"a": {deep}}}}}',
+             "deepseek_v31": f"<｜tool▁call▁begin｜>add<｜tool▁sep｜>{{\"a\": {deep}}}<｜tool▁call▁end｜>",
+             "kimi_k2": f"<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{{\"a\": {deep}}}<|tool_call_end|>",
+             "granite": f'<|tool_call|>[{{"name": "add", "arguments": {{"a": {deep}}}}}]'}
+    for fmt, text in texts.items():
+        parsed = split_tool_calls(text, fmt)
+        assert parsed.calls == [] and parsed.malformed, fmt
+        streamed = StreamingToolParser(fmt)
+        content, calls = streamed.feed(text[: len(text) // 2])
+        more, later = streamed.feed(text, final=True)
+        assert calls + later == [] and content + more == text, fmt
