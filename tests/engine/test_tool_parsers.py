@@ -410,7 +410,10 @@ def test_cli_offers_every_parser(capsys):
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
-    assert "{" + ",".join(PARSERS) + "}" in "".join(capsys.readouterr().out.split())
+    from cuttle.engine.reasoning_parsers import REASONING_PARSERS
+
+    out = "".join(capsys.readouterr().out.split())
+    assert "{" + ",".join(PARSERS) + "}" in out and "{" + ",".join(REASONING_PARSERS) + "}" in out
 
 
 def test_json_scan_resumed_at_any_cut_finds_the_one_shot_end():
