@@ -200,6 +200,13 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 WINDOWED_BACKENDS = ("torch", "triton")
 
 
+def checked_windows(windows: dict[int, int]) -> dict[int, int]:
+    """A backend's `set_windows` argument (layer id -> W), checked: each W a positive integer."""
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows.values()):
+        raise ValueError(f"sliding windows must be positive integers, got {windows!r}")
+    return dict(windows)
+
+
 def get_backend(name: str, device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
     """Resolve a backend name; 'auto' means flashinfer on CUDA when installed, else triton on CUDA, else torch.
     A backend that cannot run on `device` / `dtype` is refused here, before any step (an engine

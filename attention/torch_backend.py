@@ -32,7 +32,7 @@ import torch
 
 from cuttle.attention import native_attention
 from cuttle.attention.native import invariance
-from cuttle.attention.backend import gather_pools, write_kv
+from cuttle.attention.backend import checked_windows, gather_pools, write_kv
 from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata
 
 
@@ -48,9 +48,7 @@ class TorchAttentionBackend:
 
     def set_windows(self, windows: dict[int, int]) -> None:
         """The model's sliding windows, per layer id (layers not named attend every position)."""
-        if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows.values()):
-            raise ValueError(f"sliding windows must be positive integers, got {windows!r}")
-        self.windows = dict(windows)
+        self.windows = checked_windows(windows)
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._plan = _StepPlan(meta)

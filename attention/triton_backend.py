@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from cuttle.attention.backend import checked_windows
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.triton_kernels import INTERPRETED, paged_attention, write_kv
 
@@ -50,9 +51,7 @@ class TritonAttentionBackend:
 
     def set_windows(self, windows: dict[int, int]) -> None:
         """The model's sliding windows, per layer id (layers not named attend every position)."""
-        if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows.values()):
-            raise ValueError(f"sliding windows must be positive integers, got {windows!r}")
-        self.windows = dict(windows)
+        self.windows = checked_windows(windows)
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._plan = self._make_plan(meta)

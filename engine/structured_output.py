@@ -23,10 +23,11 @@ refused with an error naming the missing package. Why xgrammar and not llguidanc
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -414,26 +415,64 @@ def _clear_bits(row: np.ndarray, ids: np.ndarray) -> None:
 
 
 # ---- tool calls ----------------------------------------------------------------------------------
-_CALL_END = "}\n</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class _CallShape:
+    """One tool-call format's text around a call's arguments, as its grammar writes it. NAME
+    stands for the tool's name, QNAME for it as a JSON string."""
+
+    style: str | None  # the arguments' xgrammar style (None: JSON)
+    named_lead: str  # a named call's text before its arguments, after the server's opening
+    required_head: str  # a required call's text before its arguments, after the server's opening
+    forced_end: str  # after a forced call's arguments (then only EOS)
+    trigger: str  # auto: what, written by the model, puts the call under the grammar
+    tag_begin: str  # auto: a call's text up to its arguments
+    tag_end: str  # auto: its text after them
+
+
+_DS_CALL_END = "<｜tool▁call▁end｜>"
+# the openings written for forced calls are chat.py's `_OPENINGS`; these continue them
+_SHAPES = {
+    "hermes": _CallShape(None, " ", ' QNAME, "arguments": ', "}\n</tool_call>", "<tool_call>",
+                         '<tool_call>\n{"name": QNAME, "arguments": ', "}\n</tool_call>"),
+    "llama3_json": _CallShape(None, " ", ' QNAME, "parameters": ', "}", '{"name": ', '{"name": QNAME, "parameters": ', "}"),
+    "qwen3_coder": _CallShape("qwen_xml", "", "NAME>\n", "\n</function>\n</tool_call>", "<tool_call>\n<function=",
+                              "<tool_call>\n<function=NAME>\n", "\n</function>\n</tool_call>"),
+    "seed_oss": _CallShape("qwen_xml", "", "NAME>\n", "\n</function>\n</seed:tool_call>", "<seed:tool_call>\n<function=",
+                           "<seed:tool_call>\n<function=NAME>\n", "\n</function>\n</seed:tool_call>"),
+    "glm45": _CallShape("glm_xml", "", "NAME", "</tool_call>", "<tool_call>", "<tool_call>NAME", "</tool_call>"),
+    "minimax_m2": _CallShape("minimax_xml", "", 'NAME">\n', "</invoke>\n</minimax:tool_call>", '<invoke name="',
+                             '<invoke name="NAME">\n', "</invoke>"),
+    "deepseek_v31": _CallShape(None, "", "NAME<｜tool▁sep｜>", _DS_CALL_END + "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                               "<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>", _DS_CALL_END),
+    "deepseek_v3": _CallShape(None, "", "NAME\n```json\n", "\n```" + _DS_CALL_END + "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                              "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n", "\n```" + _DS_CALL_END),
+}
 
 
 def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dict[str, Any]] | None,
                         tokenizer: Tokenizer | None, parallel: bool = True) -> StructuredOutputsParams | None:
-    """The structured output that makes a chat request's tool calls parse (hermes format here):
+    """The structured output that makes a chat request's tool calls parse, in the format's shape
+    (`_SHAPES`):
     - `named` / `required`: the server has already written the call's opening for the model
-      (engine/server/chat.py `_forced_prefix`: up to `"arguments":` / `"name":`); the rest is
-      the function's name (required: one of the tools), its arguments under the tool's JSON
-      schema, and the call's end; then only EOS. One call per turn.
-    - `auto`: free text, but once the model writes `<tool_call>` the call follows the grammar
-      (xgrammar's triggered tags); with `parallel` false (the request's parallel_tool_calls),
-      the first call ends the output (only EOS may follow it).
-    The qwen3_coder and glm45 formats get the same three cases in their XML forms
-    (`_qwen3_coder_calls`, `_glm45_calls`), llama3_json in its bare JSON (`_llama3_calls`).
-    None when there is nothing to enforce: no tools, `none`, xgrammar missing or a
-    tokenizer it cannot serve (tool calls then work as they did before structured output: prefix
-    forcing, no guarantee that the call parses)."""
-    if not tools or choice == "none" or fmt not in ("hermes", "qwen3_coder", "seed_oss", "glm45", "llama3_json", "deepseek_v3",
-                                                   "deepseek_v31", "minimax_m2"):
+      (engine/server/chat.py `_forced_prefix`); the rest is the function's name (required: one
+      of the tools), its arguments under the tool's JSON schema, and the call's end; then only
+      EOS. One call per turn.
+    - `auto`: free text, but once the model writes the format's trigger (`<tool_call>`, ...) the
+      call follows the grammar (xgrammar's triggered tags); with `parallel` false (the request's
+      parallel_tool_calls), the first call ends the output (only EOS may follow it).
+    JSON arguments are written with one space at most between tokens; the XML formats'
+    parameters follow the schema in xgrammar's styles (`qwen_xml` for qwen3_coder and seed_oss,
+    `glm_xml`, `minimax_xml`: schema order, required keys present, each value of its type, string
+    values raw text, one whitespace character admitted beside each value tag, which the parsers
+    take as the separator).
+    None when there is nothing to enforce: no tools, `none`, a format without a grammar here,
+    xgrammar missing, a tokenizer it cannot serve, or one that marks the format's markers special
+    (tool calls then work as they did before structured output: prefix forcing, no guarantee
+    that the call parses)."""
+    shape = _SHAPES.get(fmt)
+    if not tools or choice == "none" or shape is None:
         return None
     try:
         xgrammar()
@@ -446,41 +485,36 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
         return None
 
     def args(t: dict[str, Any]) -> dict[str, Any]:
-        schema = schema_with_explicit_dots(t["function"].get("parameters") or {"type": "object"})
-        # one space at most between JSON tokens (a code model otherwise writes indentation forever)
-        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+        if shape.style is None:
+            schema = schema_with_explicit_dots(t["function"].get("parameters") or {"type": "object"})
+            # one space at most between JSON tokens (a code model otherwise writes indentation forever)
+            return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+        schema = t["function"].get("parameters") or {"type": "object"}
+        return {"type": "json_schema", "json_schema": schema, "style": shape.style, "max_whitespace_cnt": 1}
 
-    def call_rest(t: dict[str, Any]) -> dict[str, Any]:  # after `{"name":`
-        return {"type": "sequence", "elements": [
-            {"type": "const_string", "value": f' {json.dumps(t["function"]["name"])}, "arguments": '}, args(t),
-            {"type": "const_string", "value": _CALL_END}]}
+    def text(template: str, t: dict[str, Any]) -> str:  # (one pass: a name may itself hold "NAME")
+        n = t["function"]["name"]
+        return re.sub("QNAME|NAME", lambda m: json.dumps(n) if m.group() == "QNAME" else n, template)
 
-    if fmt in ("qwen3_coder", "seed_oss"):
-        fmt_ = _qwen3_coder_calls(choice, name, tools, parallel, *_XML_TAGS[fmt])
-    elif fmt == "llama3_json":
-        fmt_ = _llama3_calls(choice, name, tools, parallel, args)
-    elif fmt in ("deepseek_v3", "deepseek_v31"):
-        fmt_ = _deepseek_calls(fmt, choice, name, tools, parallel, args)
-    elif fmt == "minimax_m2":
-        fmt_ = _minimax_calls(choice, name, tools, parallel)
-    elif fmt == "glm45":
-        fmt_ = _glm45_calls(choice, name, tools, parallel)
-    elif choice == "named":
+    def const(value: str) -> dict[str, Any]:
+        return {"type": "const_string", "value": value}
+
+    if choice == "named":
         [tool] = [t for t in tools if t["function"]["name"] == name]
-        fmt_ = {"type": "sequence", "elements": [{"type": "const_string", "value": " "}, args(tool),
-                                                  {"type": "const_string", "value": _CALL_END}]}
+        fmt_: dict[str, Any] = {"type": "sequence", "elements": [
+            *([const(shape.named_lead)] if shape.named_lead else []), args(tool), const(shape.forced_end)]}
     elif choice == "required":
-        fmt_ = call_rest(tools[0]) if len(tools) == 1 else {"type": "or", "elements": [call_rest(t) for t in tools]}
+        alts = [{"type": "sequence", "elements": [const(text(shape.required_head, t)), args(t), const(shape.forced_end)]}
+                for t in tools]
+        fmt_ = alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
     else:
-        fmt_ = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [
-            {"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
-             "content": args(t), "end": _CALL_END} for t in tools], "stop_after_first": not parallel}
+        fmt_ = {"type": "triggered_tags", "triggers": [shape.trigger], "tags": [
+            {"type": "tag", "begin": text(shape.tag_begin, t), "content": args(t), "end": shape.tag_end} for t in tools],
+            "stop_after_first": not parallel}
     return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt_}))
 
 
-# qwen3_coder's XML calls sit in <tool_call>, Seed-OSS's (the same XML) in <seed:tool_call>
-_DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
-_XML_TAGS = {"qwen3_coder": ("<tool_call>", "</tool_call>"), "seed_oss": ("<seed:tool_call>", "</seed:tool_call>")}
+_DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", _DS_CALL_END, "<｜tool▁sep｜>")
 # the format's markers that checkpoints hold as single tokens
 _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_call>", "</tool_call>"),
             "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
@@ -493,127 +527,3 @@ def _special_markers(tokenizer: Tokenizer, fmt: str) -> list[str]:
     """The format's markers the tokenizer marks special (GLM-4.5's may be)."""
     return [m for m in _MARKERS[fmt] if tokenizer.tok.token_to_id(m) in tokenizer.special_ids]
 
-
-def _deepseek_calls(fmt: str, choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool,
-                    args: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
-    """DeepSeek's calls in their section: V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`,
-    V3's `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`, ARGS
-    under the tool's JSON schema. `named` continues after the server's opening up to the
-    arguments, `required` after the call's opening (chat.py `_forced_prefix`), each one call and
-    the section's end, then EOS; `auto` applies once the model opens a call (the section's
-    markers around the calls stay free text)."""
-    v3 = fmt == "deepseek_v3"
-    call_end = ("\n```" if v3 else "") + "<｜tool▁call▁end｜>"
-
-    def head(t: dict[str, Any]) -> str:  # a call's text up to its arguments, after the call's opening
-        return (f'function<｜tool▁sep｜>{t["function"]["name"]}\n```json\n' if v3 else f'{t["function"]["name"]}<｜tool▁sep｜>')
-
-    def const(value: str) -> dict[str, Any]:
-        return {"type": "const_string", "value": value}
-
-    if choice == "named":
-        [tool] = [t for t in tools if t["function"]["name"] == name]
-        return {"type": "sequence", "elements": [args(tool), const(call_end + "<｜tool▁calls▁end｜>")]}
-    if choice == "required":
-        # (V3's opening already holds `function<｜tool▁sep｜>`: the rest of its head is the name)
-        alts = [{"type": "sequence", "elements": [const(head(t).removeprefix("function<｜tool▁sep｜>")), args(t),
-                                                  const(call_end + "<｜tool▁calls▁end｜>")]} for t in tools]
-        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
-    return {"type": "triggered_tags", "triggers": ["<｜tool▁call▁begin｜>"], "tags": [
-        {"type": "tag", "begin": "<｜tool▁call▁begin｜>" + head(t), "content": args(t), "end": call_end} for t in tools],
-        "stop_after_first": not parallel}
-
-
-def _minimax_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """MiniMax-M2's calls in their `<minimax:tool_call>` section (`<invoke name="NAME">` with
-    `<parameter name="KEY">VALUE</parameter>` entries): the parameters follow the tool's JSON schema
-    in xgrammar's `minimax_xml` style (string values raw text). `named` continues after the
-    server's `<invoke name="NAME">`, `required` after `<invoke name="` (chat.py `_forced_prefix`),
-    each one call and the section's end; `auto` applies once the model writes `<invoke name="`."""
-
-    def params(t: dict[str, Any]) -> dict[str, Any]:
-        schema = t["function"].get("parameters") or {"type": "object"}
-        return {"type": "json_schema", "json_schema": schema, "style": "minimax_xml", "max_whitespace_cnt": 1}
-
-    end = {"type": "const_string", "value": "</invoke>\n</minimax:tool_call>"}
-    if choice == "named":
-        [tool] = [t for t in tools if t["function"]["name"] == name]
-        return {"type": "sequence", "elements": [params(tool), end]}
-    if choice == "required":
-        alts = [{"type": "sequence", "elements": [{"type": "const_string", "value": f'{t["function"]["name"]}">\n'}, params(t), end]}
-                for t in tools]
-        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
-    return {"type": "triggered_tags", "triggers": ['<invoke name="'], "tags": [
-        {"type": "tag", "begin": f'<invoke name="{t["function"]["name"]}">\n', "content": params(t), "end": "</invoke>"}
-        for t in tools], "stop_after_first": not parallel}
-
-
-def _llama3_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool,
-                  args: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
-    """Llama 3.1 / 3.2 / 3.3's calls, the reply itself: `{"name": "NAME", "parameters": ARGS}`
-    (several joined by `; `), ARGS under the tool's JSON schema. `named` continues after the
-    server's `{"name": "NAME", "parameters":`, `required` after `{"name":` (chat.py
-    `_forced_prefix`), each one call and then EOS; `auto` applies once the model writes
-    `{"name": ` (the parser reads calls at the start of the reply only)."""
-    if choice == "named":
-        [tool] = [t for t in tools if t["function"]["name"] == name]
-        return {"type": "sequence", "elements": [{"type": "const_string", "value": " "}, args(tool), {"type": "const_string", "value": "}"}]}
-    if choice == "required":
-        alts = [{"type": "sequence", "elements": [
-            {"type": "const_string", "value": f' {json.dumps(t["function"]["name"])}, "parameters": '}, args(t),
-            {"type": "const_string", "value": "}"}]} for t in tools]
-        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
-    return {"type": "triggered_tags", "triggers": ['{"name": '], "tags": [
-        {"type": "tag", "begin": f'{{"name": {json.dumps(t["function"]["name"])}, "parameters": ', "content": args(t), "end": "}"}
-        for t in tools], "stop_after_first": not parallel}
-
-
-def _qwen3_coder_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool,
-                       opening: str = "<tool_call>", closing: str = "</tool_call>") -> dict[str, Any]:
-    """Qwen3-Coder's XML calls (`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>
-    ...</function>\n</tool_call>`): the parameters follow the tool's JSON schema in xgrammar's
-    `qwen_xml` style (schema order, required keys present, each value of its type; string values
-    are raw text). `named` continues after the server's `<function=NAME>\n`, `required` after
-    `<function=` (chat.py `_forced_prefix`); `auto` applies once the model opens a call.
-    `opening` / `closing`: the call's outer tags (Seed-OSS writes `<seed:tool_call>`)."""
-    call_end = "\n</function>\n" + closing
-
-    def params(t: dict[str, Any]) -> dict[str, Any]:
-        schema = t["function"].get("parameters") or {"type": "object"}
-        return {"type": "json_schema", "json_schema": schema, "style": "qwen_xml", "max_whitespace_cnt": 1}
-
-    if choice == "named":
-        [tool] = [t for t in tools if t["function"]["name"] == name]
-        return {"type": "sequence", "elements": [params(tool), {"type": "const_string", "value": call_end}]}
-    if choice == "required":
-        alts = [{"type": "sequence", "elements": [{"type": "const_string", "value": f'{t["function"]["name"]}>\n'}, params(t),
-                                                  {"type": "const_string", "value": call_end}]} for t in tools]
-        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
-    return {"type": "triggered_tags", "triggers": [f"{opening}\n<function="], "tags": [
-        {"type": "tag", "begin": f'{opening}\n<function={t["function"]["name"]}>\n', "content": params(t), "end": call_end}
-        for t in tools], "stop_after_first": not parallel}
-
-
-def _glm45_calls(choice: str, name: str | None, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """GLM-4.5's calls (`<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...
-    </tool_call>`; GLM-4.7 writes no newlines): the pairs follow the tool's JSON schema in
-    xgrammar's `glm_xml` style (schema order, required keys present, each value of its type;
-    string values are raw text), which admits the newlines or none. `named` continues after the
-    server's `<tool_call>NAME`, `required` after `<tool_call>` (chat.py `_forced_prefix`); `auto`
-    applies once the model opens a call."""
-
-    def params(t: dict[str, Any]) -> dict[str, Any]:
-        schema = t["function"].get("parameters") or {"type": "object"}
-        return {"type": "json_schema", "json_schema": schema, "style": "glm_xml", "max_whitespace_cnt": 1}
-
-    end = {"type": "const_string", "value": "</tool_call>"}
-    if choice == "named":
-        [tool] = [t for t in tools if t["function"]["name"] == name]
-        return {"type": "sequence", "elements": [params(tool), end]}
-    if choice == "required":
-        alts = [{"type": "sequence", "elements": [{"type": "const_string", "value": t["function"]["name"]}, params(t), end]}
-                for t in tools]
-        return alts[0] if len(alts) == 1 else {"type": "or", "elements": alts}
-    return {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [
-        {"type": "tag", "begin": f'<tool_call>{t["function"]["name"]}', "content": params(t), "end": "</tool_call>"}
-        for t in tools], "stop_after_first": not parallel}

@@ -151,8 +151,9 @@ class Tokenizer:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         messages = [_alias_reasoning(m) for m in messages]
         if any(_string_arguments(m) for m in messages) and self._needs_mapping_arguments(chat_template):
-            # Qwen3-Coder's and GLM-4.5's templates iterate a call's arguments as an object (what
-            # transformers documents, and vLLM sends): OpenAI's JSON text becomes one for them
+            # Qwen3-Coder's and GLM-4.5's templates iterate a call's arguments as an object, and
+            # Mistral's, Llama 3.1's and Qwen2.5's write them with tojson (what transformers
+            # documents, and vLLM sends): OpenAI's JSON text becomes one for them
             messages = [_object_arguments(m, i) for i, m in enumerate(messages)]
         if any(isinstance(m, dict) and m.get("role") == "developer" for m in messages) and not self._renders_developer(chat_template):
             # OpenAI's developer role is its system role: a template that would drop the message

@@ -212,8 +212,8 @@ def _skip_space(text: str, i: int, limit: int) -> int:
 
 def _block_end(text: str, start: int, fmt: str, final: bool, scans: dict[int, _JsonScanner] | None = None) -> int | None:
     """Where the call block opening at text[start] ends, or None while that is not known yet (or,
-    `final`, an unterminated block). A tag format's block ends with its closing tag. A Mistral one
-    ends where its JSON value does (a `[TOOL_CALLS]` inside one of its strings is text); one that
+    `final`, an unterminated block). A tag format's block ends with its closing tag. A Mistral or
+    Granite one ends where its JSON value does (a `[TOOL_CALLS]` inside one of its strings is text); one that
     cannot be a call (no JSON object or array where one must start, or one never closed) ends at
     the next `[TOOL_CALLS]`, decided only once that is certain, so the end is the same however the
     text is cut. `scans`: a streaming parser's scanners of JSON values begun, by where they start

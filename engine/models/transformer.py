@@ -1,11 +1,12 @@
 """The decoder-only transformer behind every supported architecture.
 
-Llama-3, Mistral, StarCoder2, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5 and
-MiniMax-M2 differ only in switches read from `ModelConfig` (q/k RMSNorm per head or over all heads,
-attention bias, rope scaling, partial rotary, LayerNorm and an ungated gelu MLP with biases,
-routed-MoE MLPs on some layers, a shared expert beside the routed ones, multi-head latent
-attention), so they share one
-definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
+Llama-3, Mistral, Ministral 3, StarCoder2, Phi-3, Qwen2, Seed-OSS, Qwen3, Qwen3-MoE, Qwen2-MoE,
+Mixtral, DeepSeek-V2 / V3, GLM-4.5, MiniMax-M2, OLMo 2 / 3, Granite and CWM differ only in switches
+read from `ModelConfig` (q/k RMSNorm per head or over all heads, attention bias, rope scaling,
+partial rotary, LayerNorm and an ungated gelu MLP with biases, post-norm layers, Granite's
+multipliers, Ministral 3's per-position query scaling, routed-MoE MLPs on some layers, a shared
+expert beside the routed ones, multi-head latent attention; sliding windows are the attention
+backend's), so they share one definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
 slices HF tensors into them. At a few rows (small-batch decode) they go through the native
 weight-streaming kernel of `cuttle.attention.native.gemm.linear`, else `F.linear`. The small
 ops between the projections (residual add + RMSNorm, q/k norm + RoPE, silu * up) go through the
@@ -386,7 +387,8 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
         if cfg.query_scaling is not None:  # Ministral 3: 1 + beta log(1 + band) per band of n positions
             beta, n = cfg.query_scaling
-            self._query_bands = 1 + beta * torch.log(1 + torch.arange(cfg.max_position_embeddings // n + 2, dtype=torch.float32))
+            bands = torch.arange(cfg.max_position_embeddings // n + 2, dtype=torch.float32)
+            self._query_bands = (1 + beta * torch.log(1 + bands)).to(device)
 
     def forward(
         self,
@@ -468,9 +470,11 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def _scale_queries(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
-        """Ministral 3's query scaling for this step's tokens (Llama 4's attention temperature, as
-        transformers computes it: 1 + beta log(1 + floor(p / n)) in fp32, cast to the dtype),
-        handed to every layer's attention; None (no multiply) while every position is below n."""
+        """Ministral 3's query scaling for this step's tokens (Llama 4's attention temperature:
+        1 + beta log(1 + floor(p / n)), the fp32 value of p's band cast to the dtype, as
+        transformers computes it), handed to every layer's attention; None (no multiply) while
+        every position is below n. (Reading the largest position is one sync a step, for these
+        models only.)"""
         if self.cfg.query_scaling is None:
             return
         n = self.cfg.query_scaling[1]
@@ -479,7 +483,7 @@ class CausalLM(nn.Module):
             # each position's band's scale, from a table made once: torch's vectorized log would put a
             # position's value in a scalar tail or not by the batch's size (batch invariance)
             bands = torch.div(positions, n, rounding_mode="floor").clamp(max=self._query_bands.shape[0] - 1)
-            scale = self._query_bands.to(positions.device)[bands].to(dtype)[:, None, None]
+            scale = self._query_bands[bands].to(dtype)[:, None, None]
         for layer in self.layers:
             layer.attn.q_scale = scale
 

@@ -476,36 +476,39 @@ def _calls_before(messages: list[dict[str, Any]]) -> int:
     return max(calls, sum(m.get("role") == "tool" for m in dicts))
 
 
+# parser -> (the opening of a named call, NAME standing for its name; the opening of a required one):
+# up to the arguments, where the grammar (where one applies) goes on
+_OPENINGS = {
+    "hermes": ('<tool_call>\n{"name": "NAME", "arguments":', '<tool_call>\n{"name":'),
+    "qwen3_coder": ("<tool_call>\n<function=NAME>\n", "<tool_call>\n<function="),
+    "seed_oss": ("<seed:tool_call>\n<function=NAME>\n", "<seed:tool_call>\n<function="),  # (qwen3_coder's XML)
+    "glm45": ("<tool_call>NAME", "<tool_call>"),  # GLM's template writes the name right after the tag
+    "minimax_m2": ('<minimax:tool_call>\n<invoke name="NAME">\n', '<minimax:tool_call>\n<invoke name="'),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n",
+                    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"),
+    "deepseek_v31": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"),
+    "llama3_json": ('{"name": "NAME", "parameters":', '{"name":'),  # the reply is the call
+    "granite": ('<|tool_call|>[{"name": "NAME", "arguments":', '<|tool_call|>[{"name":'),  # a list of calls
+}
+
+
 def _forced_prefix(parser: str, choice: str, name: str | None, template: str | None = None, calls_before: int = 0) -> str:
-    """The opening of a tool call written for the model. It stops before a space or quote: BPE
-    merges those with what follows, and a prefix cut inside such a merge reads as text the model
-    never saw in training. `template`: the chat template, which tells Mistral's two layouts apart."""
-    if parser == "kimi_k2":  # no grammar (special markers): the opening, the call numbered after the conversation's calls
+    """The opening of a tool call written for the model (`_OPENINGS`). It stops before a space or
+    quote: BPE merges those with what follows, and a prefix cut inside such a merge reads as text
+    the model never saw in training. Two formats depend on more: Mistral's on the template
+    (`template`: its two layouts, and v11's call ids), Kimi-K2's on the conversation (its calls are
+    numbered across it: `calls_before`)."""
+    if choice not in ("named", "required"):
+        return ""
+    if parser == "kimi_k2":
         head = "<|tool_calls_section_begin|><|tool_call_begin|>functions."
-        return {"named": f"{head}{name}:{calls_before}<|tool_call_argument_begin|>", "required": head}.get(choice, "")
-    if parser == "granite":  # no grammar (its marker is a special token): the opening, a list of calls
-        return {"named": f'<|tool_call|>[{{"name": "{name}", "arguments":', "required": '<|tool_call|>[{"name":'}.get(choice, "")
-    if parser == "llama3_json":  # the reply is the call: {"name": "NAME", "parameters": {...}}
-        return {"named": f'{{"name": "{name}", "parameters":', "required": '{"name":'}.get(choice, "")
-    if parser == "mistral":  # no grammar (its markers are special tokens): the opening only
+        return f"{head}{name}:{calls_before}<|tool_call_argument_begin|>" if choice == "named" else head
+    if parser == "mistral":
         if template is not None and "[ARGS]" not in template:  # v3 / v7: a JSON list of calls, spaced as the template writes it
             head = "[TOOL_CALLS] [" if "[TOOL_CALLS] " in template else "[TOOL_CALLS]["
-            return {"named": f'{head}{{"name": "{name}", "arguments":', "required": head + '{"name":'}.get(choice, "")
+            return f'{head}{{"name": "{name}", "arguments":' if choice == "named" else head + '{"name":'
         # v11 writes a call id before the arguments (the parser takes it as the call's), v13 none
         cid = f"[CALL_ID]{mistral_call_id()}" if template is not None and "[CALL_ID]" in template else ""
-        return {"named": f"[TOOL_CALLS]{name}{cid}[ARGS]", "required": "[TOOL_CALLS]"}.get(choice, "")
-    if parser == "glm45":  # GLM's template writes the name right after the tag
-        return {"named": f"<tool_call>{name}", "required": "<tool_call>"}.get(choice, "")
-    if parser == "minimax_m2":  # the opening up to the parameters (the grammar, where it applies, goes on)
-        return {"named": f'<minimax:tool_call>\n<invoke name="{name}">\n', "required": '<minimax:tool_call>\n<invoke name="'}.get(choice, "")
-    if parser in ("deepseek_v3", "deepseek_v31"):  # the opening up to the arguments (the grammar, where it applies, goes on)
-        head = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + ("function<｜tool▁sep｜>" if parser == "deepseek_v3" else "")
-        if choice == "named":
-            return head + (f"{name}\n```json\n" if parser == "deepseek_v3" else f"{name}<｜tool▁sep｜>")
-        return head if choice == "required" else ""
-    opening = "<seed:tool_call>" if parser == "seed_oss" else "<tool_call>"  # (qwen3_coder's XML inside Seed-OSS's tag)
-    if choice == "named":
-        return f'<tool_call>\n{{"name": "{name}", "arguments":' if parser == "hermes" else f"{opening}\n<function={name}>\n"
-    if choice == "required":
-        return '<tool_call>\n{"name":' if parser == "hermes" else f"{opening}\n<function="
-    return ""
+        return f"[TOOL_CALLS]{name}{cid}[ARGS]" if choice == "named" else "[TOOL_CALLS]"
+    named, required = _OPENINGS[parser]
+    return named.replace("NAME", str(name)) if choice == "named" else required
