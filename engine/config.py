@@ -43,6 +43,7 @@ MODEL_TYPES = {
     "GraniteForCausalLM": "granite",
     "CwmForCausalLM": "cwm",
     "Ministral3ForCausalLM": "ministral3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # families whose layers norm the attention's and the MLP's outputs before adding them to the residual
 # (no norm before either): OLMo 2 / 3
@@ -124,6 +125,14 @@ class ModelConfig:
     # Ministral 3: Llama 4's attention temperature, queries at position p scaled by
     # 1 + beta log(1 + floor(p / n)) after RoPE ((beta, n); None: no scaling)
     query_scaling: tuple[float, int] | None = None
+    # gpt-oss: a learned sink logit per attention head (softmax over the keys and the sink, whose
+    # value is zero), biases on the router and the experts, the experts' clamped SwiGLU
+    # ((alpha, limit): moe/experts_torch.py ClampedSwiGLU), and MXFP4 experts in the checkpoint
+    # (dequantized exactly as they load: engine/models/mxfp4_checkpoint.py)
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    expert_activation: tuple[float, float] | None = None
+    mxfp4_experts: bool = False
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
@@ -164,8 +173,9 @@ class ModelConfig:
         num_layers = int(hf["num_hidden_layers"])
         num_experts = int(hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
         moe_layers = [i for i in range(num_layers) if is_moe_layer(hf, i)] if num_experts > 0 else []
-        moe_inter = int(hf.get("moe_intermediate_size") or (hf.get("intermediate_size") if arch in BLOCK_SPARSE_MOE_ARCHITECTURES else 0)
-                        or 0)
+        gpt_oss = arch == "GptOssForCausalLM"
+        moe_inter = int(hf.get("moe_intermediate_size")
+                        or (hf.get("intermediate_size") if arch in BLOCK_SPARSE_MOE_ARCHITECTURES or gpt_oss else 0) or 0)
         shared_inter, shared_gated = 0, False
         if arch == "Qwen2MoeForCausalLM":
             shared_inter, shared_gated = int(hf.get("shared_expert_intermediate_size") or 0), True
@@ -234,16 +244,20 @@ class ModelConfig:
             sliding_window_layers=_sliding_window_layers(hf, arch, num_layers) if _sliding_window(hf, arch, path) else (),
             layer_norm=starcoder2,
             gelu_mlp=starcoder2,
-            proj_bias=starcoder2 and attention_bias,
+            proj_bias=(starcoder2 or gpt_oss) and attention_bias,
             qk_norm_whole=arch in ("MiniMaxM2ForCausalLM", *POST_NORM_ARCHITECTURES),
             post_norm=arch in POST_NORM_ARCHITECTURES,
             **_granite_scalings(hf, arch, path),
             query_scaling=_query_scaling(rope, arch),
+            attention_sinks=gpt_oss,
+            moe_bias=gpt_oss,
+            expert_activation=(float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))) if gpt_oss else None,
+            mxfp4_experts=_mxfp4_experts(hf, arch, path),
         )
 
 
 def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
-    """Mistral's, Mixtral's, StarCoder2's, Phi-3's, OLMo 3's, CWM's and Qwen2's `sliding_window` (None: every position is attended): a
+    """Mistral's, Mixtral's, StarCoder2's, Phi-3's, OLMo 3's, CWM's, gpt-oss's and Qwen2's `sliding_window` (None: every position is attended): a
     query at p attends p - W + 1 .. p in the layers `_sliding_window_layers` names. The torch
     attention backend serves it; with another, max_model_len is capped at W, where the window
     changes nothing (llm_engine.py)."""
@@ -253,7 +267,8 @@ def _sliding_window(hf: dict[str, Any], arch: str, path: str) -> int | None:
         w = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     else:
         w = (hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM", "Phi3ForCausalLM",
-                                                  "Olmo3ForCausalLM", "CwmForCausalLM", "Ministral3ForCausalLM") else None)
+                                                  "Olmo3ForCausalLM", "CwmForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM")
+             else None)
     if w is None:
         return None
     if isinstance(w, bool) or not isinstance(w, int) or w < 2:
@@ -428,12 +443,33 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
     qc = hf.get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else repr(qc)
+        if method == "mxfp4" and arch == "GptOssForCausalLM":
+            return  # read by _mxfp4_experts
         if method != "fp8":
             raise ValueError(
                 f"quantization_config.quant_method {method!r} in {where} is not supported: cuttle loads unquantized "
                 "checkpoints (bf16/fp16/fp32), FP8 block-scaled ones (quant_method 'fp8' with weight_block_size) and its "
                 "own MXFP8 expert checkpoints; refusing rather than loading the quantized weights without their scales"
             )
+
+
+_MXFP4_KEYS = ("quant_method", "modules_to_not_convert")
+
+
+def _mxfp4_experts(hf: dict[str, Any], arch: str, path: str) -> bool:
+    """Whether config.json says the routed experts are stored in MXFP4 (gpt-oss's released
+    checkpoints: `*_blocks` / `*_scales` beside the biases). Fields other than quant_method and
+    modules_to_not_convert are refused; a `*_blocks` tensor of any module but the experts has no
+    place in the model and is refused at load like any foreign tensor."""
+    qc = hf.get("quantization_config")
+    if arch != "GptOssForCausalLM" or not isinstance(qc, dict) or qc.get("quant_method") != "mxfp4":
+        return False
+    where = path or "config"
+    unknown = sorted(k for k in qc if k not in _MXFP4_KEYS)
+    if unknown:
+        raise ValueError(f"quantization_config fields {unknown} in {where} are not supported for quant_method 'mxfp4' "
+                         f"(known: {', '.join(_MXFP4_KEYS)})")
+    return True
 
 
 @dataclass(slots=True, frozen=True)

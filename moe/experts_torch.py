@@ -2,12 +2,16 @@
 
 Owns the expert computation for plain (bf16/fp32) and MXFP8 expert weights:
   gate_up = x @ w13[e].T; h = silu(gate) * up; y = h @ w2[e].T; out[t] = sum_j weight[t, j] * y[t, j]
+and gpt-oss's variant (`ClampedSwiGLU`, per-expert biases b13 [E, 2I] after the first GEMM and
+b2 [E, H] after the second).
 Speed on CPU comes from sorting once (one host sync for the expert offsets), gathering the token
 rows once, and doing only two matmuls per *active* expert on contiguous slices; MXFP8 weights are
 dequantized one active expert at a time, so the bf16 copy never exists for the whole layer.
 Must never import Triton or `cuttle.engine`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,20 @@ def fake_quantize(x: torch.Tensor, scale_mode: ScaleMode) -> torch.Tensor:
     return dequantize_mxfp8(data, scales, 32, x.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' GptOssExperts): the gate clamped from above and
+    the up projection on both sides at `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def fused_experts_torch(
     x: torch.Tensor,
     w13: ExpertWeight,
@@ -38,10 +56,14 @@ def fused_experts_torch(
     weights: torch.Tensor,
     ids: torch.Tensor,
     act_quant: ScaleMode | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] in x's dtype.
 
     `act_quant` set: activations entering each GEMM are MXFP8-rounded with that scale rule first.
+    `b13` [E, 2I] / `b2` [E, H]: per-expert biases; `activation`: gpt-oss's instead of silu(gate) * up.
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -61,12 +83,19 @@ def fused_experts_torch(
         if start == end:
             continue
         gate_up = xs[start:end] @ expert_matrix(w13, e, x.dtype).t()
+        if b13 is not None:
+            gate_up = gate_up + b13[e]
         gate, up = gate_up.chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        h = F.silu(gate) * up if activation is None else activation(gate, up)
         if act_quant is not None:
             h = fake_quantize(h, act_quant)
-        if grad:
-            parts.append(h @ expert_matrix(w2, e, x.dtype).t())
+        if grad or b2 is not None:
+            y_e = h @ expert_matrix(w2, e, x.dtype).t()
+            y_e = y_e if b2 is None else y_e + b2[e]
+            if grad:
+                parts.append(y_e)
+            else:
+                ys[start:end] = y_e
         else:
             torch.matmul(h, expert_matrix(w2, e, x.dtype).t(), out=ys[start:end])
     if grad:

@@ -9,6 +9,11 @@ Parameter layout (the engine's loader fills these from HF tensors):
   w13                     [E, 2*I, H]     gate_proj rows first, then up_proj rows (HF gate_up_proj)
   w2                      [E, H, I]       down_proj
   e_score_correction_bias [E] float32     only when routing.scoring_func == "sigmoid" (DeepSeek-V3)
+  gate_bias, w13_bias, w2_bias [E], [E, 2*I], [E, H]   only with bias=True (gpt-oss): the router's
+                                          logits bias and each expert's biases after its GEMMs
+
+gpt-oss layers (biases, `ClampedSwiGLU`) run the torch expert path on every device: the native and
+Triton kernels compute silu(gate) * up without biases, so `pack_` leaves such a layer as it is.
 
 MXFP8 experts: after loading, `layer.quantize_("mxfp8")` replaces the parameters w13 / w2 with the
 buffers w13_mx / w13_scale / w2_mx / w2_scale (E4M3 data, E8M0 scales, blocks of 32 along the
@@ -38,7 +43,7 @@ from torch import nn
 
 from cuttle.attention.native import moe as native_moe
 from cuttle.moe import experts_native
-from cuttle.moe.experts_torch import ExpertWeight, fused_experts_torch
+from cuttle.moe.experts_torch import ClampedSwiGLU, ExpertWeight, fused_experts_torch
 from cuttle.moe.mxfp8 import MXTensor, ScaleMode, quantize_mxfp8
 from cuttle.moe.routing import RoutingConfig, route, router_logits
 
@@ -59,7 +64,8 @@ class FusedMoE(nn.Module):
     """Routed experts of one decoder layer: x [T, H] -> sum over the top-k experts of weight * SwiGLU(x)."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, routing: RoutingConfig, dtype: torch.dtype
+        self, hidden_size: int, intermediate_size: int, routing: RoutingConfig, dtype: torch.dtype,
+        bias: bool = False, activation: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
         E = routing.num_experts
@@ -72,6 +78,12 @@ class FusedMoE(nn.Module):
         self.e_score_correction_bias: nn.Parameter | None = None
         if routing.scoring_func == "sigmoid":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+        self.gate_bias = self.w13_bias = self.w2_bias = None
+        if bias:
+            self.gate_bias = nn.Parameter(torch.empty(E, dtype=dtype), requires_grad=False)
+            self.w13_bias = nn.Parameter(torch.empty(E, 2 * intermediate_size, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(E, hidden_size, dtype=dtype), requires_grad=False)
+        self.activation = activation  # None: silu(gate) * up
         self.quant: Literal["mxfp8"] | None = None
         self.act_quant: ScaleMode | None = None
         self.packed: native_moe.PackedExperts | None = None  # set by pack_: then the only copy of the experts
@@ -116,7 +128,7 @@ class FusedMoE(nn.Module):
         on CPU, activation quantization, weights that need gradients or are not contiguous."""
         if self.packed is not None:
             return True
-        if not native_moe.available() or self.act_quant is not None:
+        if not native_moe.available() or self.act_quant is not None or not self.plain_swiglu:
             return False
         w13, w2 = self.expert_weights()
         if isinstance(w13, MXTensor) and isinstance(w2, MXTensor):
@@ -186,7 +198,15 @@ class FusedMoE(nn.Module):
             return w13.nbytes() + w2.nbytes()
         return sum(w.numel() * w.element_size() for w in (w13, w2))
 
+    @property
+    def plain_swiglu(self) -> bool:
+        """Whether the experts are silu(gate) * up without biases (what the native and Triton
+        kernels compute); gpt-oss's are not."""
+        return self.w13_bias is None and self.activation is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.plain_swiglu:
+            return self._forward_torch(x)
         if self.packed is not None:
             if experts_native.supports_packed(x, self.gate_weight, self.packed):
                 return experts_native.fused_moe_native(x, self.gate_weight, self.packed, None, self.routing, self.e_score_correction_bias)
@@ -201,10 +221,14 @@ class FusedMoE(nn.Module):
 
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """The reference path (Triton on CUDA): under autograd, activation quantization, without the
-        native kernels. A packed layer's experts are unpacked for the call."""
-        logits = router_logits(x, self.gate_weight, self.routing)
+        native kernels, and gpt-oss's experts everywhere. A packed layer's experts are unpacked
+        for the call."""
+        logits = router_logits(x, self.gate_weight, self.routing, self.gate_bias)
         weights, ids = route(logits, self.routing, self.e_score_correction_bias)
         w13, w2 = self.expert_weights()
+        if not self.plain_swiglu:
+            return fused_experts_torch(x, w13, w2, weights, ids, act_quant=self.act_quant, b13=self.w13_bias,
+                                       b2=self.w2_bias, activation=self.activation)
         if x.is_cuda:
             from cuttle.moe.experts_triton import fused_experts_triton
 

@@ -16,6 +16,8 @@ way transformers would). Must never touch expert weights or import from `cuttle.
                                 are the unbiased scores, renormalized (+1e-20), x routed_scaling_factor;
                                 layers from first_k_dense_replace on (default 3 for DeepSeek-V3
                                 configs, 1 for GLM-4.5's, as the config classes say)
+  gpt_oss                       logits with the router's bias -> softmax over the top-k logits, which is
+                                softmax(fp32) -> top-k -> renormalize (Mixtral's rule); every layer
   anything else                 softmax -> top-k -> renormalize unless norm_topk_prob is false
 """
 from __future__ import annotations
@@ -74,7 +76,7 @@ class RoutingConfig:
                        n_group=int(config.get("n_group") or 1) if grouped else 1,
                        topk_group=int(config.get("topk_group") or 1) if grouped else 1,
                        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
-        if model_type == "mixtral":
+        if model_type in ("mixtral", "gpt_oss"):
             return cls(num_experts=int(num_experts), top_k=top_k, norm_topk_prob=True)
         if model_type == "minimax_m2":  # transformers' MiniMaxM2TopKRouter: sigmoid, the bias picks, renormalized
             return cls(num_experts=int(num_experts), top_k=top_k, norm_topk_prob=True, scoring_func="sigmoid")
@@ -87,14 +89,15 @@ class RoutingConfig:
         )
 
 
-def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
-    """x @ gate_weight.T; sigmoid routers take it in fp32 (as DeepSeek-V3 does), softmax ones in x's dtype.
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ gate_weight.T (+ bias: gpt-oss's router); sigmoid routers take it in fp32 (as DeepSeek-V3 does), softmax ones in x's dtype.
     Through the native linear kernels where they apply (a bf16 gate at decode is otherwise torch's
     bf16 GEMM, ~5% of a Qwen3-MoE decode step on an AVX2 CPU); fp32 sums either way."""
     if cfg.scoring_func == "sigmoid" or cfg.fp32_logits:
         # a bf16 gate widens exactly to fp32: the native bf16-weight GEMM on fp32 x is the fp32 product
-        return linear(x.float(), gate_weight if gate_weight.dtype == torch.bfloat16 else gate_weight.float())
-    return linear(x, gate_weight)
+        return linear(x.float(), gate_weight if gate_weight.dtype == torch.bfloat16 else gate_weight.float(),
+                      None if bias is None else bias.float())
+    return linear(x, gate_weight, bias)
 
 
 def route(

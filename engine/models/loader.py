@@ -2,7 +2,8 @@
 or sharded index, memory-mapped), HF tensor names sliced into the fused parameters.
 
 Owns the name mapping from HF layouts to `CausalLM`: every family's attention (q|k|v or MLA),
-dense MLPs, routed experts (per-expert, Mixtral's w1/w2/w3, transformers-5 fused, MXFP8 as
+dense MLPs, routed experts (per-expert, Mixtral's w1/w2/w3, transformers-5 fused, gpt-oss's
+interleaved ones with biases and MXFP4 blocks (`gpt_oss_checkpoint`), MXFP8 as
 `cuttle.moe.checkpoint` writes them), routers, expert-choice biases, shared experts, and NSA
 layers' gates and compression weights. Every parameter must be filled exactly once from a tensor
 of the right shape; anything else is a clear error naming the tensor. Quantizing experts is
@@ -20,6 +21,7 @@ from safetensors import safe_open
 
 from cuttle.engine.config import BLOCK_SPARSE_MOE_ARCHITECTURES, DEEPSEEK_MOE_ARCHITECTURES, ModelConfig
 from cuttle.engine.models.fp8_checkpoint import dequantized_tensors
+from cuttle.engine.models import gpt_oss_checkpoint
 from cuttle.engine.models.linear_quant import (MXLinearWeight, prepare_quantized_linears, quantized_linears, refresh_tied,
                                                write_quantized_linear)
 from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, unpack_experts, write_quantized
@@ -60,8 +62,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # `block_sparse_moe.experts.N.{w1,w3,w2}` (w1 = gate, w3 = up, w2 = down).
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-# transformers-5 fused layout (its in-memory names, also what a trainer's weight update sends)
-_FUSED_EXPERTS = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+# transformers-5 fused layout (its in-memory names, also what a trainer's weight update sends);
+# gpt-oss's are transposed and interleaved, with biases (`gpt_oss_checkpoint`)
+_FUSED_EXPERTS = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 # the engine's own stacked expert parameters (what a trainer on this model code holds); for an
 # MXFP8 layer they are no longer parameters, so they are routed here to be re-quantized
 _NATIVE_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.(w13|w2)$")
@@ -244,6 +247,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
         tensors = fla_tensors(tensors)
     if cfg.hf_config.get(TEXT_OF):  # a vision-language checkpoint: its text model's names, the vision side dropped
         tensors = text_tensors(tensors)
+    if cfg.mxfp4_experts:  # gpt-oss: MXFP4 expert blocks and scales, dequantized as they stream in
+        tensors = gpt_oss_checkpoint.mxfp4_tensors(tensors)
     filler = _Filler(check_only, filled=coverage.filler.filled if coverage is not None and not check_only else None)
     unused: list[str] = []
     tied_head: tuple[torch.Tensor, str] | None = None  # an update's lm_head.weight on a tied model
@@ -339,6 +344,13 @@ def _load_expert_tensor(
         index: int | None = eid
     elif (f := _FUSED_EXPERTS.match(rest)) is not None:
         which, rows, index = ("w13" if f.group(1) == "gate_up_proj" else "w2"), None, None
+        if model.cfg.architecture == "GptOssForCausalLM":
+            t = gpt_oss_checkpoint.to_engine(f.group(1) + (f.group(2) or ""), t)
+        if f.group(2):  # an expert bias (gpt-oss): a plain parameter, MXFP8 layer or not
+            if p + which + "_bias" not in targets:
+                raise ValueError(f"tensor {name!r} is an expert bias, which this {model.cfg.architecture} model has no place for")
+            filler.put(p + which + "_bias", targets[p + which + "_bias"], t, name)
+            return True
     elif (q := _QUANTIZED.match(rest)) is not None:
         field = q.group(1)
         if quantized is None:
@@ -393,6 +405,9 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
         "mlp.gate.e_score_correction_bias": ("mlp.e_score_correction_bias", None),
         "block_sparse_moe.e_score_correction_bias": ("mlp.e_score_correction_bias", None),  # MiniMax-M2's
         "mlp.e_score_correction_bias": ("mlp.e_score_correction_bias", None),  # MiniMax-M2's in transformers' memory
+        "mlp.router.weight": ("mlp.gate_weight", None),  # gpt-oss's router, with its bias
+        "mlp.router.bias": ("mlp.gate_bias", None),
+        "self_attn.sinks": ("attn.sinks", None),  # gpt-oss's per-head sink logits
         # StarCoder2: LayerNorm biases, o_proj's bias, the ungated MLP
         "input_layernorm.bias": ("input_norm.bias", None),
         "post_attention_layernorm.bias": ("post_attn_norm.bias", None),
@@ -448,7 +463,7 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """The model's parameters under the HF names its family's checkpoints use: the inverse of
     `load_weights`, derived from the same name table (`_layer_table`), so that what it returns
     loads back into identical parameters. Values are views of the (fused) parameters, not copies;
-    routed experts come out per expert. MXFP8 experts have no HF layout and are refused."""
+    routed experts come out per expert (gpt-oss's in its fused, interleaved layout: copies). MXFP8 experts have no HF layout and are refused."""
     cfg = model.cfg
     if any(layer.quant == "mxfp8" for layer in moe_layers(model).values()):
         raise ValueError("hf_state_dict: this model holds MXFP8 experts, which have no HF layout")
@@ -479,7 +494,14 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
                 t = params[pname] if rows is None else params[pname][rows]
                 out[f"model.layers.{i}.{rest}"] = t
                 covered[pname] = covered.get(pname, 0) + t.numel()
-        if isinstance(layer.mlp, FusedMoE):
+        if isinstance(layer.mlp, FusedMoE) and cfg.architecture == "GptOssForCausalLM":
+            # transformers' fused, interleaved layout (new tensors, not views)
+            prefix, moe = f"model.layers.{i}.mlp.experts", layer.mlp
+            for part, pname in (("gate_up_proj", "w13"), ("gate_up_proj_bias", "w13_bias"), ("down_proj", "w2"),
+                                ("down_proj_bias", "w2_bias")):
+                out[f"{prefix}.{part}"] = gpt_oss_checkpoint.to_hf(part, getattr(moe, pname))
+                covered[f"layers.{i}.mlp.{pname}"] = getattr(moe, pname).numel()
+        elif isinstance(layer.mlp, FusedMoE):
             moe, mi = layer.mlp, cfg.moe_intermediate_size
             prefix = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
             for e in range(moe.w13.shape[0]):
@@ -497,8 +519,11 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
 def _hf_name_used(cfg: ModelConfig, rest: str) -> bool:
     """Of the HF names `_layer_table` accepts for one parameter, whether `rest` (the part after
     `model.layers.N.`) is the one `cfg`'s family writes."""
+    if rest.startswith("mlp.router."):
+        return cfg.architecture == "GptOssForCausalLM"
     if rest.startswith("block_sparse_moe.") or rest == "mlp.gate.weight":
-        return rest.startswith("block_sparse_moe.") == (cfg.architecture in BLOCK_SPARSE_MOE_ARCHITECTURES)
+        return (rest.startswith("block_sparse_moe.") == (cfg.architecture in BLOCK_SPARSE_MOE_ARCHITECTURES)
+                and cfg.architecture != "GptOssForCausalLM")
     if rest.endswith("e_score_correction_bias"):  # DeepSeek's and GLM's under the gate, MiniMax's beside it
         return rest == ("block_sparse_moe.e_score_correction_bias" if cfg.architecture in BLOCK_SPARSE_MOE_ARCHITECTURES
                         else "mlp.gate.e_score_correction_bias")

@@ -1,10 +1,11 @@
 """The decoder-only transformer behind every supported architecture.
 
 Llama-3, Mistral, Ministral 3, StarCoder2, Phi-3, Qwen2, Seed-OSS, Qwen3, Qwen3-MoE, Qwen2-MoE,
-Mixtral, DeepSeek-V2 / V3, GLM-4.5, MiniMax-M2, OLMo 2 / 3, Granite and CWM differ only in switches
-read from `ModelConfig` (q/k RMSNorm per head or over all heads, attention bias, rope scaling,
+Mixtral, DeepSeek-V2 / V3, GLM-4.5, MiniMax-M2, OLMo 2 / 3, Granite, CWM and gpt-oss differ only in
+switches read from `ModelConfig` (q/k RMSNorm per head or over all heads, attention bias, rope scaling,
 partial rotary, LayerNorm and an ungated gelu MLP with biases, post-norm layers, Granite's
-multipliers, Ministral 3's per-position query scaling, routed-MoE MLPs on some layers, a shared
+multipliers, Ministral 3's per-position query scaling, gpt-oss's attention sinks (`sink_scaled`,
+applied to any backend's output by its log-sum-exp) and biased experts, routed-MoE MLPs on some layers, a shared
 expert beside the routed ones, multi-head latent attention; sliding windows are the attention
 backend's), so they share one definition. Projections are fused for speed (q|k|v in one matmul, gate|up in one); the loader
 slices HF tensors into them. At a few rows (small-batch decode) they go through the native
@@ -41,6 +42,7 @@ from cuttle.engine.models.linear_quant import dense_linear, linear  # native.gem
 from cuttle.engine.models.mla import MLAttention
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.moe import FusedMoE, RoutingConfig, SharedExpert
+from cuttle.moe.experts_torch import ClampedSwiGLU
 
 
 class Attention(nn.Module):
@@ -62,6 +64,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.kv_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim**-0.5
         self.q_scale: torch.Tensor | None = None  # this step's per-token query scaling [tokens, 1, 1] (Ministral 3), or None
+        # gpt-oss: one learned logit per head that joins every row's softmax with a zero value
+        self.sinks = empty_param(cfg.num_heads, dtype=dtype) if cfg.attention_sinks else None
 
     def forward(
         self,
@@ -79,7 +83,9 @@ class Attention(nn.Module):
         )
         if self.q_scale is not None:
             q = q * self.q_scale
-        o, _ = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o, lse = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if self.sinks is not None:
+            o = sink_scaled(o, lse, self.sinks)
         return self._project(o.reshape(-1, self.q_size), self.o_weight, "o", self.o_bias)
 
     def _whole_norms(self, qkv: torch.Tensor) -> tuple[torch.Tensor, RMSNorm | None, RMSNorm | None]:
@@ -148,8 +154,32 @@ class Attention(nn.Module):
                         for b in range(B)]
             return self._project_dense(torch.stack(rows).reshape(B, S, self.q_size), self.o_weight, "o", self.o_bias)
         q, k, v = (t.transpose(1, 2) for t in self._qkv_dense(x, cos, sin))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        if self.sinks is not None:
+            o = _attend_with_sinks(q, k, v, mask, self.sinks, self.scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self._project_dense(o.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, "o", self.o_bias)
+
+
+def sink_scaled(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink from attention without one: a sink logit s joins a row's softmax
+    with a zero value, so its output is the backend's o times Z / (Z + e^s) = sigmoid(lse - s),
+    where lse = log Z is the log-sum-exp the backend returns for the row's keys. One seam for
+    every backend, squid's merged segments and the host tier included. o [T, H, D], lse [T, H]."""
+    return (o.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(o.dtype)
+
+
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Training-path attention with per-head sinks (gpt-oss), as transformers' eager path computes
+    it: q [B, H, S, D], k / v [B, Hkv, S, D], mask [B, 1, S, S] (True: may attend) ->
+    [B, H, S, D]; gradients reach the sinks."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def sparse_attention_for(spec: str | dict | TopKConfig | None, cfg: ModelConfig) -> TopKConfig | None:
@@ -163,6 +193,8 @@ def sparse_attention_for(spec: str | dict | TopKConfig | None, cfg: ModelConfig)
         raise ValueError("sparse_attention is for dense checkpoints; this model is natively sparse (config.json's nsa)")
     if cfg.mla is not None:
         raise ValueError("sparse_attention with multi-head latent attention (kv_lora_rank) is not supported")
+    if cfg.attention_sinks:
+        raise ValueError("sparse_attention with attention sinks (gpt-oss) is not supported")
     if sparse.dense_layers >= cfg.num_layers:
         raise ValueError(f"sparse_attention.dense_layers = {sparse.dense_layers}: the model has {cfg.num_layers} layers, "
                          "so none would be sparse")
@@ -323,7 +355,8 @@ class DecoderLayer(nn.Module):
         self.shared: SharedExpert | None = None
         if layer_id in cfg.moe_layers:
             routing = RoutingConfig.from_hf(cfg.hf_config)
-            self.mlp: nn.Module = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, routing, dtype)
+            self.mlp: nn.Module = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, routing, dtype, bias=cfg.moe_bias,
+                                           activation=None if cfg.expert_activation is None else ClampedSwiGLU(*cfg.expert_activation))
             if cfg.shared_expert_intermediate_size:
                 self.shared = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, cfg.shared_expert_gated)
         elif cfg.gelu_mlp:
