@@ -302,15 +302,16 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--served-model-name", default=None, help=f"model id clients must use (default: {DEFAULT_MODEL_NAME} for the embedded model, else the checkpoint's folder name)")
     s.add_argument("--tool-call-parser", default=None, help="default: chosen from the chat template",
                    choices=["hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral",
-                            "granite", "llama3_json", "kimi_k2"])
+                            "granite", "llama3_json", "kimi_k2", "openai"])
     s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                    help="tool_choice 'auto' parses the model's tool calls (default: on; vLLM needs this flag for it, cuttle "
                         "accepts it so vLLM command lines work; --no-enable-auto-tool-choice refuses 'auto' with a 400)")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens 'token_id:N' instead of their text (vLLM's flag; the request field "
                         "return_tokens_as_token_ids overrides it per request)")
-    s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "glm45", "seed_oss"],
-                   help="split <think>...</think> out of chat replies as reasoning_content (default: none)")
+    s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "glm45", "seed_oss", "gpt_oss"],
+                   help="split <think>...</think> out of chat replies as reasoning_content (default: none; gpt_oss, "
+                        "gpt-oss's harmony analysis channel, is the default for a harmony chat template)")
     s.add_argument("--chat-template", default=None,
                    help="a Jinja chat template used instead of the checkpoint's: a file path, or the template inline")
     s.add_argument("--trust-request-chat-template", action="store_true",

@@ -1,6 +1,8 @@
 """Thinking text split out of a model's output: `<think>...</think>` becomes `reasoning_content`,
 the rest `content` (vLLM's `--reasoning-parser qwen3` / `deepseek_r1` / `glm45`; `seed_oss` is
-qwen3's rule over Seed-OSS's `<seed:think>...</seed:think>`), whole or streamed.
+qwen3's rule over Seed-OSS's `<seed:think>...</seed:think>`), whole or streamed. `gpt_oss` reads
+gpt-oss's harmony messages instead of tags (engine/harmony.py): its analysis channel is the
+reasoning.
 
 Owns only text -> (reasoning, content). Where the output starts is decided from the prompt's
 tail (what the chat template wrote after the conversation: the generation prompt, or the final
@@ -29,13 +31,15 @@ from dataclasses import dataclass
 OPEN, CLOSE = "<think>", "</think>"
 # parser -> its thinking block's (opening, closing) tags
 TAGS = {"qwen3": (OPEN, CLOSE), "deepseek_r1": (OPEN, CLOSE), "glm45": (OPEN, CLOSE), "seed_oss": ("<seed:think>", "</seed:think>")}
-REASONING_PARSERS = tuple(TAGS)
+HARMONY_PARSER = "gpt_oss"  # harmony messages, not tags (engine/harmony.py)
+REASONING_PARSERS = (*TAGS, HARMONY_PARSER)
 
 # Where the parser is in the output.
 AWAIT = "await"  # qwen3, no tag in the prompt's tail: the model's first text decides
 OPENING = "opening"  # reasoning, but a leading `<think>` (the model opening the block itself) is dropped
 REASONING = "reasoning"
 CONTENT = "content"
+HARMONY = "harmony"  # gpt-oss: the output is harmony messages (HarmonyParser reads it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +52,9 @@ class Start:
 
 
 def opens_thinking(parser: str, prompt_tail: str) -> bool:
-    """Whether `prompt_tail` leaves the parser's thinking block open."""
+    """Whether `prompt_tail` leaves the parser's thinking block open (harmony has no such block)."""
+    if parser == HARMONY_PARSER:
+        return False
     opening, closing = TAGS[parser]
     return prompt_tail.rfind(opening) > prompt_tail.rfind(closing)
 
@@ -57,6 +63,8 @@ def start_state(parser: str, prompt_tail: str, enable_thinking: bool | None = No
     """Where the output of a prompt ending in `prompt_tail` starts (see the module docstring)."""
     if parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {parser!r}")
+    if parser == HARMONY_PARSER:
+        return Start(HARMONY, "", "")
     opening, closing = TAGS[parser]
     opened, closed = prompt_tail.rfind(opening), prompt_tail.rfind(closing)
     if opened > closed:
@@ -82,17 +90,24 @@ def partial_suffix(text: str, token: str) -> int:
 class ReasoningParser:
     """Feed the growing output text; get (reasoning delta, content delta) as they become certain."""
 
-    __slots__ = ("state", "sent", "open", "close")
+    __slots__ = ("state", "sent", "open", "close", "harmony")
 
     def __init__(self, start: Start | str):
         """`start`: where the output starts (`start_state`), or a bare state for `<think>` tags."""
         start = start if isinstance(start, Start) else Start(start)
-        if start.state not in (AWAIT, OPENING, REASONING, CONTENT):
+        if start.state not in (AWAIT, OPENING, REASONING, CONTENT, HARMONY):
             raise ValueError(f"unknown reasoning parser state {start.state!r}")
         self.state, self.open, self.close = start.state, start.open, start.close
         self.sent = 0  # text[:sent] has been accounted for (as reasoning, content, or a dropped tag)
+        self.harmony = None
+        if start.state == HARMONY:
+            from cuttle.engine.harmony import HarmonyParser  # (harmony.py imports this module)
+
+            self.harmony = HarmonyParser()
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        if self.harmony is not None:
+            return self.harmony.feed(text, final)
         reasoning = content = ""
         opening, closing = self.open, self.close
         if self.state in (AWAIT, OPENING):
@@ -125,3 +140,4 @@ def split_reasoning(text: str, start: Start | str) -> tuple[str | None, str | No
     """Whole output -> (reasoning, content), None for an empty part (as vLLM returns them)."""
     reasoning, content = ReasoningParser(start).feed(text, final=True)
     return reasoning or None, content or None
+

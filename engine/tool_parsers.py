@@ -19,7 +19,10 @@ answer is content); and Kimi-K2's (`kimi_k2`): `<|tool_call_begin|>functions.NAM
 <|tool_call_argument_begin|>{json}<|tool_call_end|>` calls in a `<|tool_calls_section_begin|>`
 section, the model's `functions.NAME:IDX` being the call's id (Kimi's templates write it back);
 and Granite 3.x's (`granite`): `<|tool_call|>` and a JSON list of `{"name", "arguments"}` calls
-(or one such object), ending where its JSON value does, as Mistral's list. Whole or streamed.
+(or one such object), ending where its JSON value does, as Mistral's list; and gpt-oss's (`openai`):
+the harmony reasoning parser (engine/harmony.py) hands each message to `functions.NAME` on as
+`<|start|>assistant to=functions.NAME<|channel|>commentary<|message|>ARGS<|call|>`, read here.
+Whole or streamed.
 
 Owns only text -> (content, tool calls). The streaming parser never emits text that could still
 turn out to be part of a tool call, and its deltas always add up to the whole-text parse, however
@@ -42,6 +45,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from cuttle.engine.harmony import CALL_OPENING
 from cuttle.engine.reasoning_parsers import partial_suffix
 from cuttle.engine.tool_args import GlmArguments, JsonArguments, MinimaxArguments, XmlArguments
 
@@ -55,7 +59,8 @@ TAGS = {"hermes": (OPEN, CLOSE), "qwen3_coder": (OPEN, CLOSE), "seed_oss": ("<se
         "mistral": (_MS_OPEN, ""),  # (a Mistral call ends where its JSON value does: _block_end)
         "granite": ("<|tool_call|>", ""),  # (likewise)
         "llama3_json": ("{", ""),  # (read at the output's start only: _LlamaCalls)
-        "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>")}
+        "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>"),
+        "openai": (CALL_OPENING, "<|call|>")}
 SECTIONS = {"deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
             "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
             "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
@@ -63,6 +68,8 @@ SECTIONS = {"deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁
 _DS_V3_CALL = re.compile(r"\s*function" + re.escape(_DS_SEP) + r"([^\n]+)\n```json\n(.*)\n```\s*$", re.S)
 # Kimi-K2: `functions.NAME:IDX` (the id), then the arguments
 _KIMI_CALL = re.compile(r"\s*((?:functions\.)?([^\s<:]+):\d+)\s*<\|tool_call_argument_begin\|>(.*)$", re.S)
+# gpt-oss (the harmony parser's canonical call): NAME, then the arguments
+_HARMONY_CALL = re.compile(r"([^\s<]+)<\|channel\|>commentary<\|message\|>(.*)$", re.S)
 _DS_V31_CALL = re.compile(r"\s*([^\s<]+?)\s*" + re.escape(_DS_SEP) + r"(.*)$", re.S)
 # MiniMax-M2: the rest of `<invoke name=` up to its parameters, and each parameter (one whitespace
 # character beside its tags is a separator, as for qwen3_coder)
@@ -86,7 +93,8 @@ _MS_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}$")  # Mistral's function names (mi
 _PY_TAG = "<|python_tag|>"
 _LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')  # what makes a JSON object at the start a (perhaps broken) call
 
-PARSERS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "granite", "llama3_json", "kimi_k2")
+PARSERS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "granite", "llama3_json", "kimi_k2",
+           "openai")
 _STREAMED_ARGUMENTS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2")  # formats whose arguments stream as written (tool_args.py)
 
 
@@ -117,8 +125,16 @@ FOREIGN_FORMATS = {
 }
 
 
+def is_harmony_template(chat_template: str | None) -> bool:
+    """Whether the template writes gpt-oss's harmony messages (its output is then read by the
+    `gpt_oss` reasoning parser and the `openai` tool-call format)."""
+    return bool(chat_template) and "<|channel|>" in chat_template and "<|message|>" in chat_template
+
+
 def parser_for_template(chat_template: str | None) -> str:
     """The format a checkpoint's chat template teaches its model."""
+    if is_harmony_template(chat_template):
+        return "openai"
     if chat_template and "<arg_key>" in chat_template:
         return "glm45"
     if chat_template and "<seed:tool_call>" in chat_template:
@@ -354,6 +370,10 @@ def _json_object(text: str) -> dict[str, Any] | None:
 
 
 def _parse_block(body: str, fmt: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
+    if fmt == "openai":
+        m = _HARMONY_CALL.match(body)
+        args = _json_object(m.group(2)) if m is not None else None
+        return None if args is None else ToolCall(m.group(1), json.dumps(args))
     if fmt == "kimi_k2":
         m = _KIMI_CALL.match(body)
         args = _json_object(m.group(3)) if m is not None else None

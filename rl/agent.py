@@ -249,6 +249,9 @@ def _ordered_blocks(turn: AgentTurn) -> list[ToolCall | str]:
     return sorted([*turn.calls, *turn.malformed], key=lambda b: turn.text.find(b.text if isinstance(b, ToolCall) else b))
 
 
+# formats whose turns the agent cannot read yet: gpt-oss's harmony messages (its turns are not
+# append-only text under its template, and they end with either of two stop tokens)
+UNREAD_FORMATS = ("openai",)
 # what a malformed call is told to look like, in the parser's format
 _CALL_SHAPES = {
     "hermes": '<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>',
@@ -295,8 +298,11 @@ class AgentRollout:
         # without one, every name goes to the environment, which refuses the ones it does not know
         self.tool_names = None if self.config.tools is None else frozenset(names)
         self.submit = SUBMIT if SUBMIT in names else None  # `submit` ends episodes only when offered
-        self.chat = ChatTokens(tokenizer, self.tools, eos_token_ids)
         self.parser = self.config.parser or parser_for_template(tokenizer.chat_template)
+        if self.parser in UNREAD_FORMATS:
+            raise ValueError(f"the agent loop does not read {self.parser!r} (gpt-oss harmony) turns yet: its multi-turn "
+                             "trajectories need the harmony renderer, not built; sample such a model through LLM or the server")
+        self.chat = ChatTokens(tokenizer, self.tools, eos_token_ids)
         self.pool = ThreadPoolExecutor(self.config.max_parallel_calls, thread_name_prefix="cuttle-agent")
         self.llm = sampler if isinstance(sampler, LLM) and self.config.use_sessions else None
         self._lora_name: str | None = None  # on an in-process LLM: the adapter turns run under (update_lora)

@@ -22,7 +22,7 @@ from cuttle.engine.metrics import ServerMetrics
 from cuttle.engine.openai_protocol import OpenAIError
 from cuttle.engine.server.lora_routes import add_lora_routes, register_lora_modules
 from cuttle.engine.server.body import MAX_BODY_BYTES
-from cuttle.engine.reasoning_parsers import REASONING_PARSERS
+from cuttle.engine.reasoning_parsers import HARMONY_PARSER, REASONING_PARSERS
 from cuttle.engine.server.admin_routes import ADMIN_PATHS, add_admin_routes
 from cuttle.engine.server.chat import add_chat_routes
 from cuttle.engine.server.chat_prompt import ChatOptions
@@ -31,7 +31,7 @@ from cuttle.engine.server.responses import add_response_routes
 from cuttle.engine.server.rl_routes import add_rl_routes
 from cuttle.engine.server.streaming import Serving
 from cuttle.engine.server.tokens import add_token_routes
-from cuttle.engine.tool_parsers import PARSERS, foreign_tool_format, parser_for_template
+from cuttle.engine.tool_parsers import PARSERS, foreign_tool_format, is_harmony_template, parser_for_template
 
 log = logging.getLogger("cuttle.server")
 
@@ -71,6 +71,11 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+    if is_harmony_template(template):  # gpt-oss: its output is harmony messages, read by one parser only
+        if reasoning_parser not in (None, HARMONY_PARSER):
+            raise ValueError(f"--reasoning-parser {reasoning_parser!r} cannot read this model's output: its chat template "
+                             f"writes gpt-oss's harmony messages (use {HARMONY_PARSER!r}, the default for it)")
+        reasoning_parser = HARMONY_PARSER
     if chat_template is not None:
         tok.compile_template(chat_template)  # a template that does not compile fails the start, not every request
     chat_opts = ChatOptions(parser, reasoning_parser, chat_template, trust_request_chat_template, enable_auto_tool_choice,

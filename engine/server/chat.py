@@ -33,7 +33,8 @@ from cuttle.engine.openai_protocol import (
 from cuttle.engine.async_engine import RequestOptions
 from cuttle.engine.generation_config import with_defaults
 from cuttle.engine.outputs import RequestOutput
-from cuttle.engine.reasoning_parsers import CONTENT, TAGS, ReasoningParser, Start, opens_thinking, split_reasoning, start_state
+from cuttle.engine.reasoning_parsers import (CONTENT, HARMONY, HARMONY_PARSER, TAGS, ReasoningParser, Start, opens_thinking,
+                                             split_reasoning, start_state)
 from cuttle.engine.sampling_params import RequestOutputKind, SamplingParams
 from cuttle.engine.server.beam_completions import CHAT_BEAM_FIELDS, beam_params, beam_search_chat
 from cuttle.engine.server.body import read_body
@@ -331,6 +332,8 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
     render_tools = tools if use_tools else None
     text = tmpl.render(tok, messages, render_tools)
     rstate = _reasoning_start(tok, opts, tmpl, messages, render_tools, text, forced)
+    if rstate is not None and rstate.state == HARMONY:
+        _keep_harmony_markers(body, params)
     if field_docs or part_docs:
         prefix_ids, query_ids = _split_after_system(tok, tmpl, messages, render_tools, text)
         docs = [tok.encode(d, add_special_tokens=False) if isinstance(d, str) else d for d in field_docs]
@@ -357,6 +360,8 @@ async def _beam_search(request: Request, body: dict[str, Any], messages: list[di
         raise OpenAIError("messages: document parts cannot be combined with use_beam_search", param="messages")
     text = tmpl.render(tok, messages, None)
     rstate = _reasoning_start(tok, opts, tmpl, messages, None, text, "")
+    if rstate is not None and rstate.state == HARMONY:
+        _keep_harmony_markers(body, params)
     role = "assistant" if tmpl.add_generation_prompt else messages[-1]["role"]
     include_reasoning = get_bool(body, "include_reasoning", True)
 
@@ -378,6 +383,8 @@ def _reasoning_start(tok: Tokenizer, opts: ChatOptions, tmpl: ChatTemplate, mess
     the template has a thinking block open would put the call inside the thinking: refused."""
     if opts.reasoning_parser is None:
         return None
+    if opts.reasoning_parser == HARMONY_PARSER:  # harmony messages: a forced call is read as the first one
+        return start_state(HARMONY_PARSER, "")
     tail = tmpl.tail(tok, messages, tools, text)
     if forced:
         if opens_thinking(opts.reasoning_parser, tail):
@@ -386,6 +393,16 @@ def _reasoning_start(tok: Tokenizer, opts: ChatOptions, tmpl: ChatTemplate, mess
                               "(e.g. chat_template_kwargs: {enable_thinking: false})", param="tool_choice")
         return Start(CONTENT, *TAGS[opts.reasoning_parser])
     return start_state(opts.reasoning_parser, tail, tmpl.kwargs.get("enable_thinking"))
+
+
+def _keep_harmony_markers(body: dict[str, Any], params: Any) -> None:
+    """gpt-oss's output is parsed by its harmony markers, which are special tokens: they stay in
+    the text (a request asking to skip them would get its reasoning, answer and calls mixed up)."""
+    if body.get("skip_special_tokens") is True:
+        raise OpenAIError("skip_special_tokens: true would drop the harmony markers (<|channel|>, <|message|>, ...) this "
+                          "model's output is split by (reasoning, content, tool calls); leave it unset or false",
+                          param="skip_special_tokens")
+    params.skip_special_tokens = False
 
 
 def _split_after_system(tok: Tokenizer, tmpl: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -489,6 +506,8 @@ _OPENINGS = {
     "deepseek_v31": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"),
     "llama3_json": ('{"name": "NAME", "parameters":', '{"name":'),  # the reply is the call
     "granite": ('<|tool_call|>[{"name": "NAME", "arguments":', '<|tool_call|>[{"name":'),  # a list of calls
+    # gpt-oss: the first harmony message's header (the prompt ends in `<|start|>assistant`)
+    "openai": ("<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>", "<|channel|>commentary to=functions."),
 }
 
 
