@@ -129,14 +129,10 @@ class ModelRunner:
             return f"needs the native CPU attention kernel (attention backend {self.backend.name!r})"
         if self.dtype == torch.bfloat16 and not (ks.packed_gemm or ks.w16_gemm):
             return "needs a native bf16 GEMM (off: CUTTLE_PACKED_GEMM=0, or a CPU without AVX512-BF16 or AVX2+FMA)"
-        torch_experts = [(name, layer) for name, layer in moe_layers(self.model).items() if layer.packed is None]
+        torch_experts = [name for name, layer in moe_layers(self.model).items() if layer.packed is None]
         if torch_experts:
-            name, layer = torch_experts[0]
-            why = ("gpt-oss's biased, clamped experts have no native kernel" if not layer.plain_swiglu
-                   else "native expert kernels off: CUTTLE_MOE_NATIVE=0, or activation quantization")
-            return f"the routed experts of layer {name} run on torch ({why})"
-        if self.model.cfg.attention_sinks:
-            return "attention sinks are applied by torch ops, whose results depend on the batch's shape"
+            return (f"the routed experts of layer {torch_experts[0]} run on torch (native expert kernels off: "
+                    "CUTTLE_MOE_NATIVE=0, or activation quantization)")
         if self.model.cfg.layer_norm or self.model.cfg.gelu_mlp:
             # torch's vectorized layer_norm / gelu put a row's elements in scalar tails or thread
             # ranges by the batch's size, as its silu does (the native silu kernel exists for that)

@@ -76,16 +76,20 @@ def route_native(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | 
 def fused_moe_native(
     x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor | MXTensor | native_moe.PackedExperts,
     w2: torch.Tensor | MXTensor | None, cfg: RoutingConfig, bias: torch.Tensor | None = None,
+    gate_bias: torch.Tensor | None = None, epilogue: native_moe.Epilogue | None = None,
 ) -> torch.Tensor:
     """The whole routed-expert forward of one layer: x [T, H] -> [T, H] in x's dtype. Expert
     weights are x's dtype, or MXFP8 (`MXTensor`, read as stored by the MXFP8 panels), or both
-    already packed (`PackedExperts` as w13, w2 None)."""
+    already packed (`PackedExperts` as w13, w2 None). gpt-oss: `gate_bias` (the router's) and
+    `epilogue` (the experts' biases and clamped SwiGLU; packed weights in a widening layout)."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
     # the logits stay torch's matmul, so the native path routes on the very logits the torch path does
-    weights, ids = route_native(router_logits(x, gate_weight, cfg), cfg, bias)
+    weights, ids = route_native(router_logits(x, gate_weight, cfg, gate_bias), cfg, bias)
     if isinstance(w13, native_moe.PackedExperts):
-        return native_moe.experts_packed(x, w13, weights, ids)
+        return native_moe.experts_packed(x, w13, weights, ids, epilogue)
+    if epilogue is not None:
+        raise ValueError("expert epilogues run on packed experts only (FusedMoE.pack_)")
     if isinstance(w13, MXTensor) and isinstance(w2, MXTensor):
         return native_moe.experts_mxfp8(x, (w13.data, w13.scale), (w2.data, w2.scale), weights, ids)
     return native_moe.experts(x, w13, w2, weights, ids)

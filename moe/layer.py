@@ -12,8 +12,10 @@ Parameter layout (the engine's loader fills these from HF tensors):
   gate_bias, w13_bias, w2_bias [E], [E, 2*I], [E, H]   only with bias=True (gpt-oss): the router's
                                           logits bias and each expert's biases after its GEMMs
 
-gpt-oss layers (biases, `ClampedSwiGLU`) run the torch expert path on every device: the native and
-Triton kernels compute silu(gate) * up without biases, so `pack_` leaves such a layer as it is.
+gpt-oss layers (biases, `ClampedSwiGLU`): on CPU `pack_` packs them in the widening layouts
+(fp32 / bf16 / MXFP8 panels; not the AVX512-BF16 dot ones) and the native kernel adds the biases and
+applies the clamped activation in its epilogues (`native_moe.Epilogue`); elsewhere (CUDA, autograd,
+without the kernel library) they run the torch expert path, the Triton kernels having no biases.
 
 MXFP8 experts: after loading, `layer.quantize_("mxfp8")` replaces the parameters w13 / w2 with the
 buffers w13_mx / w13_scale / w2_mx / w2_scale (E4M3 data, E8M0 scales, blocks of 32 along the
@@ -128,21 +130,23 @@ class FusedMoE(nn.Module):
         on CPU, activation quantization, weights that need gradients or are not contiguous."""
         if self.packed is not None:
             return True
-        if not native_moe.available() or self.act_quant is not None or not self.plain_swiglu:
+        if not native_moe.available() or self.act_quant is not None:
             return False
+        dot = self.plain_swiglu  # gpt-oss's epilogues run on the widening layouts only
         w13, w2 = self.expert_weights()
         if isinstance(w13, MXTensor) and isinstance(w2, MXTensor):
             if w13.data.device.type != "cpu" or w2.data.device.type != "cpu":
                 return False
             # the layer's activations are in its router's dtype: the dot layout only for bf16 ones
-            self.packed = native_moe.pack_mxfp8((w13.data, w13.scale), (w2.data, w2.scale), act_dtype=self.gate_weight.dtype)
+            self.packed = native_moe.pack_mxfp8((w13.data, w13.scale), (w2.data, w2.scale),
+                                                act_dtype=self.gate_weight.dtype if dot else None)
             for name in QUANTIZED_NAMES:
                 del self._buffers[name]
             return True
         if (w13.device.type != "cpu" or w13.requires_grad or w2.requires_grad or w13.dtype not in native_moe.WEIGHT_FORMAT
                 or not w13.is_contiguous() or not w2.is_contiguous()):
             return False
-        self.packed = native_moe.pack(w13, w2)
+        self.packed = native_moe.pack(w13, w2, dot=dot)
         del self._parameters["w13"], self._parameters["w2"]
         return True
 
@@ -204,8 +208,20 @@ class FusedMoE(nn.Module):
         kernels compute); gpt-oss's are not."""
         return self.w13_bias is None and self.activation is None
 
+    def epilogue(self, x: torch.Tensor) -> native_moe.Epilogue | None:
+        """gpt-oss's biases and activation for the native kernel, in x's dtype (None: plain SwiGLU)."""
+        if self.plain_swiglu:
+            return None
+        b13, b2 = self.w13_bias, self.w2_bias
+        clamp = (self.activation.alpha, self.activation.limit) if self.activation is not None else None
+        return native_moe.Epilogue(None if b13 is None else b13.to(x.dtype).contiguous(),
+                                   None if b2 is None else b2.to(x.dtype).contiguous(), clamp)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.plain_swiglu:
+            if self.packed is not None and experts_native.supports_packed(x, self.gate_weight, self.packed):
+                return experts_native.fused_moe_native(x, self.gate_weight, self.packed, None, self.routing,
+                                                       self.e_score_correction_bias, self.gate_bias, self.epilogue(x))
             return self._forward_torch(x)
         if self.packed is not None:
             if experts_native.supports_packed(x, self.gate_weight, self.packed):

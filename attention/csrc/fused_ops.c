@@ -466,3 +466,21 @@ int fused_sigmoid(const void *x, void *y, int dt, int64_t n) {
     for (int64_t i = 0; i < n; i++) st(y, dt, i, 1.0f / (1.0f + expf(-ld(x, dt, i))));
     return 0;
 }
+
+/* Attention sinks (gpt-oss): o[t, h, :] *= sigmoid(lse[t, h] - sink[h]) in place, the factor by which
+ * a sink logit joining a row's softmax (with a zero value) scales the row's output. o [rows, heads,
+ * dim] contiguous (fp32, or bf16 rounded once from the fp32 product), lse fp32 [rows, heads], sinks
+ * [heads] in o's dtype. One scalar formula per (row, head), so a row's bits do not depend on the
+ * batch around it; the torch code it replaces (fused.sink_scale's fallback) computes the same fp32
+ * factor (within an ulp: torch's vector exp), fp32 product, one rounding. */
+int fused_sink_scale(void *o, int dt, const float *lse, const void *sinks, int64_t rows, int64_t heads, int64_t dim) {
+    if (dt != DT_F32 && dt != DT_BF16) return -1;
+#pragma omp parallel for schedule(static) if (rows * heads * dim >= PAR_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float f = 1.0f / (1.0f + expf(-(lse[r * heads + h] - ld(sinks, dt, h))));
+            const int64_t base = (r * heads + h) * dim;
+            for (int64_t d = 0; d < dim; d++) st(o, dt, base + d, ld(o, dt, base + d) * f);
+        }
+    return 0;
+}

@@ -34,6 +34,12 @@
  * Numerics follow the torch expert path (moe/experts_torch.py): fp32 accumulation; with bf16
  * activations the GEMM outputs, silu and the product are rounded to bf16 where torch rounds them,
  * so the two differ only by summation order; the combine sums the top-k rows in slot order in fp32.
+ *
+ * gpt-oss's experts (moe_experts_ep): per-expert biases added to the GEMM outputs (b13 [E, 2I],
+ * gate then up; b2 [E, H]; in the activations' dtype) and its clamped SwiGLU,
+ * (min(u, L) clamped at -L, plus 1) * g' sigmoid(alpha g') with g' = min(g, L), both in the
+ * epilogues, rounded where torch's bf16 ops round. The widening formats only (F32, BF16, MXFP8):
+ * the Python side packs such layers in them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -114,7 +120,45 @@ static inline __attribute__((always_inline)) __m256 swiglu8(__m256 g, __m256 u, 
     const __m256 sv = rnd8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), bf16);
     return rnd8(_mm256_mul_ps(sv, u), bf16);
 }
+
+/* gpt-oss's activation on 8 lanes, each op rounded where torch's bf16 ops round (g, u already
+ * are): g' = min(g, L), u' = clamp(u, -L, L), (u' + 1) * (g' * sigmoid(alpha g')) */
+static inline __attribute__((always_inline)) __m256 clamped8(__m256 g, __m256 u, float alpha, float limit, int bf16) {
+    g = rnd8(_mm256_min_ps(g, _mm256_set1_ps(limit)), bf16);
+    u = rnd8(_mm256_max_ps(_mm256_min_ps(u, _mm256_set1_ps(limit)), _mm256_set1_ps(-limit)), bf16);
+    const __m256 ga = rnd8(_mm256_mul_ps(g, _mm256_set1_ps(alpha)), bf16);
+    const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), ga), _mm256_set1_ps(88.f)));
+    const __m256 sg = rnd8(_mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e)), bf16);
+    const __m256 gl = rnd8(_mm256_mul_ps(g, sg), bf16);
+    const __m256 u1 = rnd8(_mm256_add_ps(u, _mm256_set1_ps(1.f)), bf16);
+    return rnd8(_mm256_mul_ps(u1, gl), bf16);
+}
 #endif
+
+/* the epilogue spec of moe_experts_ep (NULL biases and act 0: silu(gate) * up, no biases) */
+typedef struct {
+    const void *b13, *b2; /* in the activations' dtype */
+    int act;              /* 0 silu(g) * u; 1 gpt-oss's clamped SwiGLU */
+    float alpha, limit;
+} epilogue_t;
+
+static inline float bias_at(const void *b, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)b)[i]) : ((const float *)b)[i];
+}
+
+/* one feature's stage-1 epilogue, scalar: what the vector epilogues compute, lane by lane */
+static inline float epilogue1(float g, float u, float bg, float bu, const epilogue_t *ep, int bf) {
+    g = rnd(g, bf), u = rnd(u, bf);
+    if (ep->b13) g = rnd(g + bg, bf), u = rnd(u + bu, bf);
+    if (ep->act == 1) {
+        g = rnd(fminf(g, ep->limit), bf);
+        u = rnd(fmaxf(fminf(u, ep->limit), -ep->limit), bf);
+        const float sg = rnd(1.f / (1.f + expf(-rnd(g * ep->alpha, bf))), bf);
+        return rnd(rnd(u + 1.f, bf) * rnd(g * sg, bf), bf);
+    }
+    const float sv = rnd(g / (1.f + expf(-g)), bf);
+    return rnd(sv * u, bf);
+}
 
 int64_t moe_packed_w13_numel(int64_t E, int64_t I, int64_t H) { return E * ((I + P13 - 1) / P13) * H * 2 * P13; }
 int64_t moe_packed_w2_numel(int64_t E, int64_t H, int64_t I) { return E * ((H + P2 - 1) / P2) * I * P2; }
@@ -1034,15 +1078,43 @@ done:
  * scales (NULL for fp32/bf16); out: [T, H] contiguous, out_dtype; invariant: 1 for a batch-invariant
  * call (each row's result independent of T and of the other rows).
  * Returns 0; -1 allocation failed; -2 weight format not implemented; -3 an expert id out of range. */
+static int experts_run(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
+                       const float *weights, int64_t k, const void *w13p, const void *w2p, int w_format,
+                       const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype,
+                       int invariant, const epilogue_t *ep);
+
 int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
                 const float *weights, int64_t k, const void *w13p, const void *w2p, int w_format,
                 const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype,
                 int invariant) {
+    const epilogue_t plain = {NULL, NULL, 0, 0.f, 0.f};
+    return experts_run(x, x_dtype, x_stride, T, H, ids, weights, k, w13p, w2p, w_format, w13_scale, w2_scale, E, I, out,
+                       out_dtype, invariant, &plain);
+}
+
+/* moe_experts with gpt-oss's epilogues: b13 [E, 2I] (gate then up) and b2 [E, H] in x's dtype, or
+ * NULL; act 1 for the clamped SwiGLU (alpha, limit). -2 on the dot formats (not implemented). */
+int moe_experts_ep(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
+                   const float *weights, int64_t k, const void *w13p, const void *w2p, int w_format,
+                   const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype,
+                   int invariant, const void *b13, const void *b2, int act, float alpha, float limit) {
+    if (act < 0 || act > 1) return -2;
+    const epilogue_t ep = {b13, b2, act, alpha, limit};
+    return experts_run(x, x_dtype, x_stride, T, H, ids, weights, k, w13p, w2p, w_format, w13_scale, w2_scale, E, I, out,
+                       out_dtype, invariant, &ep);
+}
+
+static int experts_run(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t H, const int64_t *ids,
+                       const float *weights, int64_t k, const void *w13p, const void *w2p, int w_format,
+                       const void *w13_scale, const void *w2_scale, int64_t E, int64_t I, void *out, int out_dtype,
+                       int invariant, const epilogue_t *ep) {
+    const int plain_ep = !ep->b13 && !ep->b2 && ep->act == 0;
     /* the dot tiles sum every row in one order at every tile height; the panel tiles do so when
      * told (`invariant`: no even/odd split at M <= 2, see panel_tile) */
     const int split = !invariant;
     if (w_format == MOE_W_BF16_DOT || w_format == MOE_W_MXFP8_DOT) {
         const int mxd = w_format == MOE_W_MXFP8_DOT;
+        if (!plain_ep) return -2;
 #ifdef MOE_DOT_BF16
 #ifndef MOE_MX_DOT
         if (mxd) return -2;
@@ -1155,14 +1227,21 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                     __m256 gv, uv;
                     memcpy(&gv, &g[m], sizeof gv);
                     memcpy(&uv, &u[m], sizeof uv);
-                    _mm256_storeu_ps(hv, swiglu8(gv, uv, bf));
+                    if (plain_ep) {
+                        _mm256_storeu_ps(hv, swiglu8(gv, uv, bf));
+                    } else {
+                        float bg[P13] = {0}, bu[P13] = {0};
+                        for (int c = 0; ep->b13 && c < nc; c++)
+                            bg[c] = bias_at(ep->b13, e * 2 * I + p * P13 + c, bf), bu[c] = bias_at(ep->b13, e * 2 * I + I + p * P13 + c, bf);
+                        gv = rnd8(gv, bf), uv = rnd8(uv, bf);
+                        if (ep->b13) gv = rnd8(_mm256_add_ps(gv, _mm256_loadu_ps(bg)), bf), uv = rnd8(_mm256_add_ps(uv, _mm256_loadu_ps(bu)), bf);
+                        _mm256_storeu_ps(hv, ep->act == 1 ? clamped8(gv, uv, ep->alpha, ep->limit, bf) : swiglu8(gv, uv, bf));
+                    }
                     memcpy(hm, hv, sizeof(float) * (size_t)nc);
 #else
-                    for (int c = 0; c < nc; c++) {
-                        const float gv = rnd(g[m][c], bf), uv = rnd(u[m][c], bf);
-                        const float sv = rnd(gv / (1.f + expf(-gv)), bf);
-                        hm[c] = rnd(sv * uv, bf);
-                    }
+                    for (int c = 0; c < nc; c++)
+                        hm[c] = epilogue1(g[m][c], u[m][c], ep->b13 ? bias_at(ep->b13, e * 2 * I + p * P13 + c, bf) : 0.f,
+                                          ep->b13 ? bias_at(ep->b13, e * 2 * I + I + p * P13 + c, bf) : 0.f, ep, bf);
 #endif
                 }
             }
@@ -1201,6 +1280,8 @@ int moe_experts(const void *x, int x_dtype, int64_t x_stride, int64_t T, int64_t
                     for (int m = 0; m < M; m++) {
                         float *y = ys + sorted[r0 + m] * H;
                         for (int c = 0; c < P2 && q * P2 + c < H; c++) y[q * P2 + c] = rnd(c < 8 ? a0[m][c] : a1[m][c - 8], bf);
+                        for (int c = 0; ep->b2 && c < P2 && q * P2 + c < H; c++)
+                            y[q * P2 + c] = rnd(y[q * P2 + c] + bias_at(ep->b2, e * H + q * P2 + c, bf), bf);
                     }
                 }
             }

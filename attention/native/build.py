@@ -56,6 +56,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "fused_qk_norm_rope": ([_vp, _int, _i64, _i64, _i64, _i64, _i64, _i64, _vp, _vp, _float, _vp, _vp, _i64, _int], _int),
     "fused_silu_mul": ([_vp, _i64, _vp, _int, _i64, _i64, _int, _int], _int),
     "fused_sigmoid": ([_vp, _vp, _int, _i64], _int),
+    "fused_sink_scale": ([_vp, _int, _vp, _vp, _i64, _i64, _i64], _int),
     "gather_rows": ([_vp, _i64, _i64, _vp, _i64, _vp, _i64, _i64], _int),
     "scatter_rows": ([_vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64], _int),
     "widen_bf16_rows": ([_vp, _i64, _vp, _i64, _i64, _i64], _int),

@@ -1,6 +1,7 @@
 """Fused elementwise ops of a decoder layer on CPU: RMSNorm (alone, or after the residual add),
-q/k per-head RMSNorm + RoPE in place on the fused qkv rows, silu(gate) * up, and the sigmoid of
-gates and routers (NSA's branch gates, a shared expert's gate, the torch sigmoid router).
+q/k per-head RMSNorm + RoPE in place on the fused qkv rows, silu(gate) * up, the sigmoid of
+gates and routers (NSA's branch gates, a shared expert's gate, the torch sigmoid router), and
+gpt-oss's attention-sink scaling of the attention output (`sink_scale`).
 
 Owns the Python side of `attention/csrc/fused_ops.c` (built into the one kernel library of
 `cuttle.attention.native.build`) and the torch code each kernel replaces, which is also its
@@ -200,3 +201,18 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     if lib.fused_sigmoid(x.data_ptr(), y.data_ptr(), _DT[x.dtype], x.numel()) != 0:
         raise ValueError(f"fused_sigmoid: dtype {x.dtype} is not supported")
     return y
+
+
+def sink_scale(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """o [T, H, D] times sigmoid(lse [T, H] - sinks [H]) per row and head, in o's dtype (the fp32
+    product rounded once): attention with a sink logit from attention without one. In place on a
+    contiguous CPU o (one scalar formula per row and head: batch-invariant); torch otherwise, or
+    under autograd."""
+    lib = kernels().lib
+    if (lib is None or o.dim() != 3 or not o.is_contiguous() or lse.dtype != torch.float32 or not lse.is_contiguous()
+            or tuple(lse.shape) != tuple(o.shape[:2]) or tuple(sinks.shape) != (o.shape[1],) or not sinks.is_contiguous()
+            or not _native(o, sinks) or not lse.is_cpu):
+        return (o.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(o.dtype)
+    if lib.fused_sink_scale(o.data_ptr(), _DT[o.dtype], lse.data_ptr(), sinks.data_ptr(), *o.shape) != 0:
+        raise ValueError(f"fused_sink_scale: dtype {o.dtype} is not supported")
+    return o

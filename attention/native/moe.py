@@ -47,6 +47,8 @@ _SIGNATURES: dict[str, tuple[list, type]] = {
     "moe_pack_mx_w2": ([_vp, _vp, _i64, _i64, _i64, _vp, _vp], _int),
     "moe_route": ([_vp, _int, _i64, _i64, _i64, _int, _int, _i64, _i64, _float, _vp, _vp, _vp, _vp], _i64),
     "moe_experts": ([_vp, _int, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _vp, _i64, _i64, _vp, _int, _int], _int),
+    "moe_experts_ep": ([_vp, _int, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _vp, _i64, _i64, _vp, _int, _int,
+                        _vp, _vp, _int, _float, _float], _int),
     "moe_dot_available": ([], _int),
     "moe_mx_dot_available": ([], _int),
     "mxfp8_scales_bf16_safe": ([_vp, _i64], _int),
@@ -62,6 +64,17 @@ MAX_EXPERTS = 4096  # moe_route keeps one token's scores on the stack
 P13, P2 = 8, 16  # features per w13 / w2 panel (csrc/moe_experts.c); `unpack` reads the layout with them
 DOT_PANEL = 64  # features per panel of the W_BF16_DOT layout (32 gate + 32 up for w13)
 _dot_wanted = True  # set_bf16_dot's switch
+
+
+@dataclass(frozen=True, slots=True)
+class Epilogue:
+    """gpt-oss's expert epilogues (`moe_experts_ep`): biases b13 [E, 2I] (gate then up) and b2
+    [E, H] in the activations' dtype (None: none), and `clamp` = (alpha, limit) for its clamped
+    SwiGLU (None: silu(gate) * up). Run on the widening formats only: `pack(..., dot=False)`."""
+
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    clamp: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -270,14 +283,14 @@ def packed_mx_w2(data: torch.Tensor, scale: torch.Tensor, fmt: int = W_MXFP8) ->
     return _cached(lambda: _pack_mx(data, scale, "w2", fmt), data, scale, layout=fmt)
 
 
-def pack(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
+def pack(w13: torch.Tensor, w2: torch.Tensor, dot: bool = True) -> PackedExperts:
     """Plain fp32/bf16 experts w13 [E, 2I, H], w2 [E, H, I] (one dtype) -> their panels, in
-    `plain_format`'s layout."""
+    `plain_format`'s layout (`dot` False: the widening layout, which an `Epilogue` needs)."""
     E, I, H = _sizes(w13, w2)
     if w2.dtype != w13.dtype:
         raise ValueError(f"expert weights w13 {w13.dtype}, w2 {w2.dtype}: one dtype expected")
     _check_weight(w13, "w13")
-    fmt = plain_format(w13.dtype)
+    fmt = plain_format(w13.dtype) if dot else WEIGHT_FORMAT[w13.dtype]
     return PackedExperts(fmt, E, I, H, _pack_w13(w13, fmt), _pack_w2(w2, fmt))
 
 
@@ -403,15 +416,30 @@ def _routing_args(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> 
     return weights.contiguous(), ids.contiguous(), k
 
 
+def _check_epilogue(ep: Epilogue, x: torch.Tensor, E: int, I: int, fmt: int) -> None:
+    H = x.shape[1]
+    if fmt in (W_BF16_DOT, W_MXFP8_DOT):
+        raise ValueError("expert epilogues (biases, clamped SwiGLU) run on the widening layouts: pack with dot=False")
+    for name, b, shape in (("b13", ep.b13, (E, 2 * I)), ("b2", ep.b2, (E, H))):
+        if b is not None and (b.dtype != x.dtype or tuple(b.shape) != shape or not b.is_contiguous() or b.device.type != "cpu"):
+            raise ValueError(f"expert bias {name}: need a contiguous CPU {x.dtype} tensor {list(shape)}, "
+                             f"got {b.dtype} {list(b.shape)}")
+
+
 def _run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, k: int, p13: torch.Tensor, p2: torch.Tensor,
-         fmt: int, s13: torch.Tensor | None, s2: torch.Tensor | None, E: int, I: int) -> torch.Tensor:
+         fmt: int, s13: torch.Tensor | None, s2: torch.Tensor | None, E: int, I: int, ep: Epilogue | None = None) -> torch.Tensor:
     T, H = x.shape
     out = torch.empty(T, H, dtype=x.dtype)
-    rc = _lib().moe_experts(
-        x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), T, H, ids.data_ptr(), weights.data_ptr(), k,
-        p13.data_ptr(), p2.data_ptr(), fmt, s13.data_ptr() if s13 is not None else None,
-        s2.data_ptr() if s2 is not None else None, E, I, out.data_ptr(), DTYPE_CODE[out.dtype], int(invariance.on()),
-    )
+    args = (x.data_ptr(), DTYPE_CODE[x.dtype], x.stride(0), T, H, ids.data_ptr(), weights.data_ptr(), k,
+            p13.data_ptr(), p2.data_ptr(), fmt, s13.data_ptr() if s13 is not None else None,
+            s2.data_ptr() if s2 is not None else None, E, I, out.data_ptr(), DTYPE_CODE[out.dtype], int(invariance.on()))
+    if ep is None:
+        rc = _lib().moe_experts(*args)
+    else:
+        _check_epilogue(ep, x, E, I, fmt)
+        alpha, limit = ep.clamp if ep.clamp is not None else (0.0, 0.0)
+        rc = _lib().moe_experts_ep(*args, ep.b13.data_ptr() if ep.b13 is not None else None,
+                                   ep.b2.data_ptr() if ep.b2 is not None else None, int(ep.clamp is not None), alpha, limit)
     if rc == -3:
         raise ValueError(f"expert ids must lie in [0, {E})")
     if rc == -2:
@@ -450,11 +478,13 @@ def experts_mxfp8(
     return _run(x, weights, ids, k, p13, p2, fmt, s13, s2, E, I)
 
 
-def experts_packed(x: torch.Tensor, p: PackedExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """`experts` / `experts_mxfp8` on weights already packed (`pack`, `pack_mxfp8`)."""
+def experts_packed(x: torch.Tensor, p: PackedExperts, weights: torch.Tensor, ids: torch.Tensor,
+                   epilogue: Epilogue | None = None) -> torch.Tensor:
+    """`experts` / `experts_mxfp8` on weights already packed (`pack`, `pack_mxfp8`); `epilogue`:
+    gpt-oss's biases and activation (widening layouts only)."""
     weights, ids, k = _routing_args(x, weights, ids)
     if x.shape[1] != p.H:
         raise ValueError(f"packed experts have hidden size {p.H}, x has {x.shape[1]}")
     if not runs_on(p.fmt, x.dtype):
         raise ValueError(f"packed expert weights (format {p.fmt}) differ from the activations' {x.dtype}")
-    return _run(x, weights, ids, k, p.w13, p.w2, p.fmt, p.s13, p.s2, p.E, p.I)
+    return _run(x, weights, ids, k, p.w13, p.w2, p.fmt, p.s13, p.s2, p.E, p.I, epilogue)

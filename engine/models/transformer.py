@@ -31,7 +31,7 @@ from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native import rows
 from cuttle.attention.native.gemm import derived
-from cuttle.attention.native.fused import qk_norm_rope, rms_norm, sigmoid, silu_mul
+from cuttle.attention.native.fused import qk_norm_rope, rms_norm, sigmoid, silu_mul, sink_scale
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention, topk_attend_chunked, topk_attend_segments
@@ -165,8 +165,9 @@ def sink_scaled(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torc
     """Attention with a sink from attention without one: a sink logit s joins a row's softmax
     with a zero value, so its output is the backend's o times Z / (Z + e^s) = sigmoid(lse - s),
     where lse = log Z is the log-sum-exp the backend returns for the row's keys. One seam for
-    every backend, squid's merged segments and the host tier included. o [T, H, D], lse [T, H]."""
-    return (o.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(o.dtype)
+    every backend, squid's merged segments and the host tier included. o [T, H, D], lse [T, H];
+    one native call on CPU (`fused.sink_scale`, in place), torch elsewhere."""
+    return sink_scale(o, lse, sinks)
 
 
 def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,

@@ -3,7 +3,8 @@ invariance"): a request's greedy tokens and top logprobs are bit-identical wheth
 beside other requests (one of them long), prefilled in chunks of 64 beside them (alone its
 300-token prompt is one chunk, which the default engine sends through SDPA), preempted and
 recomputed, or on a prefix-cache hit. fp32 and bf16; Qwen3-MoE, dense Qwen3, Qwen2-MoE (shared
-expert), DeepSeek-V3 (MLA, sigmoid routing), GLM-4.5 (partial rotary); MXFP8 weights; NSA and training-free top-k. Controls: the same runs without the switch differ in fp32 (the fp32 GEMMs),
+expert), DeepSeek-V3 (MLA, sigmoid routing), GLM-4.5 (partial rotary), gpt-oss (sinks, biased experts);
+MXFP8 weights; NSA and training-free top-k. Controls: the same runs without the switch differ in fp32 (the fp32 GEMMs),
 and in bf16 for the long prompt (SDPA vs the native rows). Tiny random checkpoints (no download)."""
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def paths(tmp_path_factory) -> dict[str, str]:
                   eos_token_id=1, bos_token_id=None, pad_token_id=0, **SHAPE)
     rope = {"type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 96, "beta_fast": 32.0,
             "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1, "max_position_embeddings": 512}
+    # gpt-oss: attention sinks, a 70-key window on alternate layers, biased experts with the clamped SwiGLU
+    oss = transformers.GptOssConfig(num_local_experts=8, num_experts_per_tok=2, sliding_window=70, swiglu_limit=1.0,
+                                    **{**common, "intermediate_size": 64})
+    out["gpt_oss"] = str(tmp_path_factory.mktemp("gpt_oss"))
+    oss_model = randomize_(transformers.GptOssForCausalLM(oss).float(), 0.1, seed=3)
+    for layer in oss_model.model.layers:
+        layer.self_attn.sinks.data.normal_(0.5, 1.0)
+    oss_model.save_pretrained(out["gpt_oss"])
+    write_tokenizer(out["gpt_oss"], 256)
     for name, model in (("olmo2", transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common))),
                         ("granite", transformers.GraniteForCausalLM(transformers.GraniteConfig(
                             embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05, logits_scaling=2.5, **common))),
@@ -100,6 +110,8 @@ CASES = {
     "OLMo 2 (post-norm, whole-row q/k norms) bf16": ("olmo2", dict(dtype="bfloat16")),
     "Granite (multipliers) bf16": ("granite", dict(dtype="bfloat16")),
     "Ministral 3 (query scaling past 96 positions) bf16": ("ministral3", dict(dtype="bfloat16")),
+    "gpt-oss (sinks, window 70, biased clamped experts) bf16": ("gpt_oss", dict(dtype="bfloat16")),
+    "gpt-oss fp32": ("gpt_oss", dict(dtype="float32")),
 }
 
 

@@ -234,12 +234,25 @@ def test_sink_scaled_is_softmax_with_a_sink():
     torch.testing.assert_close(sink_scaled(o, lse, sinks).double(), want, rtol=1e-6, atol=1e-7)
 
 
-def test_batch_invariance_is_refused_with_the_reason(gpt_oss):
-    """The experts (and sinks) run on torch ops, which sum by the batch's shape: refused, saying why."""
-    from cuttle.attention import native
 
-    if native.kernels().lib is None:
-        pytest.skip("the native CPU kernels are not built here (batch invariance needs them either way)")
-    path, _ = gpt_oss
-    with pytest.raises(ValueError, match="gpt-oss's biased, clamped experts"):
-        LLM(path, dtype="float32", num_kv_blocks=64, batch_invariant=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_replay_kernel_graphs(tmp_path, dtype):
+    """With the experts' epilogues and the sinks native, a gpt-oss decode step is native calls
+    only: it replays a kernel graph (within the window), and gives the eager engine's tokens."""
+    from cuttle.attention.native import kernels
+
+    if kernels().lib is None:
+        pytest.skip("the native CPU kernels are not built here (kernel graphs replay them)")
+    path = str(tmp_path)
+    _model(_config(sliding_window=256)).save_pretrained(path)
+    write_tokenizer(path, 256)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype=dtype, num_kv_blocks=64, enforce_eager=eager, enable_prefix_caching=False)
+        outs = llm.generate(parity_prompts()[1:4], params, use_tqdm=False)
+        runs[eager] = [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in r.items()) for r in o.outputs[0].logprobs])
+                       for o in outs]
+        if not eager:
+            assert llm.engine.runner.graphs.counters["graph_steps"] > 0
+    assert runs[False] == runs[True]
