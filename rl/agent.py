@@ -50,10 +50,12 @@ from cuttle.engine.llm import LLM
 from cuttle.engine.lora import LoRARequest
 from cuttle.engine.sampling_params import SamplingParams
 from cuttle.engine.tokenizer import Tokenizer
+from cuttle.engine.harmony import split_harmony
 from cuttle.engine.tool_parsers import ToolCall, parser_for_template, split_tool_calls
 from cuttle.rl.advantages import group_advantages
 from cuttle.rl.batch import TrainBatch
 from cuttle.rl.chat import ChatState, ChatTokens, TemplateNotAppendOnly
+from cuttle.rl.harmony_chat import HarmonyChatTokens
 from cuttle.rl.environment import AgentEnvironment, EnvFactory
 from cuttle.rl.rollout import TokenSampler, episode_seed, generate_tokens, samples_of
 from cuttle.rl.types import Sample, Trajectory
@@ -126,6 +128,9 @@ class AgentTurn:
     malformed: list[str]  # blocks that open a call but do not parse, verbatim
     results: list[ToolResult] = field(default_factory=list)  # one per block, in the order the model wrote them
     content: str = ""  # the text outside the calls, as the server returns it (tool_parsers' parse in the episode's format)
+    # the text the calls were parsed from, where it is not `text`: a harmony turn's messages as the
+    # `openai` format reads them (engine/harmony.py), its analysis left out
+    parsed: str = ""
 
 
 @dataclass(slots=True)
@@ -246,12 +251,10 @@ def _arguments(call: ToolCall) -> dict[str, Any] | str:
 
 def _ordered_blocks(turn: AgentTurn) -> list[ToolCall | str]:
     """Calls and malformed blocks in the order the model wrote them (one tool message each)."""
-    return sorted([*turn.calls, *turn.malformed], key=lambda b: turn.text.find(b.text if isinstance(b, ToolCall) else b))
+    where = turn.parsed or turn.text
+    return sorted([*turn.calls, *turn.malformed], key=lambda b: where.find(b.text if isinstance(b, ToolCall) else b))
 
 
-# formats whose turns the agent cannot read yet: gpt-oss's harmony messages (its turns are not
-# append-only text under its template, and they end with either of two stop tokens)
-UNREAD_FORMATS = ("openai",)
 # what a malformed call is told to look like, in the parser's format
 _CALL_SHAPES = {
     "hermes": '<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>',
@@ -266,6 +269,8 @@ _CALL_SHAPES = {
     "granite": '<|tool_call|>[{"name": NAME, "arguments": {...}}]',
     "llama3_json": '{"name": NAME, "parameters": {...}} as the whole reply',
     "minimax_m2": '<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n</invoke>\n</minimax:tool_call>',
+    "openai": "<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...} (a JSON object), "
+              "then <|call|>",
 }
 
 
@@ -299,10 +304,8 @@ class AgentRollout:
         self.tool_names = None if self.config.tools is None else frozenset(names)
         self.submit = SUBMIT if SUBMIT in names else None  # `submit` ends episodes only when offered
         self.parser = self.config.parser or parser_for_template(tokenizer.chat_template)
-        if self.parser in UNREAD_FORMATS:
-            raise ValueError(f"the agent loop does not read {self.parser!r} (gpt-oss harmony) turns yet: its multi-turn "
-                             "trajectories need the harmony renderer, not built; sample such a model through LLM or the server")
-        self.chat = ChatTokens(tokenizer, self.tools, eos_token_ids)
+        # gpt-oss's harmony turns: appended as sampled, tool results as harmony messages (rl/harmony_chat.py)
+        self.chat = (HarmonyChatTokens if self.parser == "openai" else ChatTokens)(tokenizer, self.tools, eos_token_ids)
         self.pool = ThreadPoolExecutor(self.config.max_parallel_calls, thread_name_prefix="cuttle-agent")
         self.llm = sampler if isinstance(sampler, LLM) and self.config.use_sessions else None
         self._lora_name: str | None = None  # on an in-process LLM: the adapter turns run under (update_lora)
@@ -503,8 +506,9 @@ class AgentRollout:
         for e, s in sampled:
             e.trajectory.append_sample(s)
             text, ended = self.chat.turn_text(s.token_ids)
-            parsed = split_tool_calls(text, self.parser, self.tools)
-            t = AgentTurn(text, parsed.calls, parsed.malformed, content=parsed.content)
+            readable = split_harmony(text)[1] if self.parser == "openai" else text
+            parsed = split_tool_calls(readable, self.parser, self.tools)
+            t = AgentTurn(text, parsed.calls, parsed.malformed, content=parsed.content, parsed=readable if readable != text else "")
             e.turns.append(t)
             if s.finish_reason == "length":
                 finish = "context" if len(e.trajectory.token_ids) >= cfg.max_total_tokens else "max_tokens"

@@ -175,14 +175,6 @@ def test_server_start_refuses_a_tag_reasoning_parser_for_harmony(live):
         create_app(live.engine, "x", reasoning_parser="qwen3")
 
 
-def test_agent_loop_refuses_harmony_turns(live):
-    """The agent loop cannot keep a harmony conversation append-only yet: refused, saying so."""
-    from cuttle.rl.agent import AgentRollout
-
-    with pytest.raises(ValueError, match="harmony"):
-        AgentRollout(live.llm, lambda *a: None)
-
-
 def test_responses_api_reads_harmony_items(live):
     """/v1/responses frames the same split: a reasoning item and the message, or a function call."""
     r = httpx.post(live.url + "/v1/responses", timeout=60,

@@ -46,6 +46,9 @@ def call_in(fmt: str, name: str, **arguments: Any) -> str:
         "granite": f'<|tool_call|>[{{"name": "{name}", "arguments": {args}}}]',
         "kimi_k2": f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>{args}"
                    "<|tool_call_end|><|tool_calls_section_end|>",
+        # gpt-oss: an analysis message, then the call as a commentary message (its <|call|> is the stop token)
+        "openai": f"<|channel|>analysis<|message|>I will call {name}.<|end|><|start|>assistant<|channel|>commentary "
+                  f"to=functions.{name} <|constrain|>json<|message|>{args}",
     }[fmt]
 
 
@@ -56,9 +59,12 @@ def script_logprob(turn: int, i: int) -> float:
 class ScriptedSampler:
     """`TokenSampler` over scripts: {key seen in the prompt: [turn text, ...]}."""
 
-    def __init__(self, tok: Tokenizer, scripts: dict[str, list[str]], end_of_turn: int = 2, weight_version: int = 0):
+    def __init__(self, tok: Tokenizer, scripts: dict[str, list[str]], end_of_turn: int = 2, weight_version: int = 0,
+                 eos_token_ids: set[int] | None = None, turn_of=None):
+        """`turn_of(prompt text)`: the turn a prompt asks for (default: its assistant turns, ChatML's)."""
         self.tok, self.scripts, self.end_of_turn, self.weight_version = tok, scripts, end_of_turn, weight_version
-        self.eos_token_ids = {0, end_of_turn}
+        self.eos_token_ids = eos_token_ids or {0, end_of_turn}
+        self.turn_of = turn_of or (lambda text: text.count(ASSISTANT) - 1)
         self.calls: list[tuple[int, int]] = []  # (number of prompts, n) per generate call
         self.sampled: list[list[int]] = []  # every sample's ids, in order
 
@@ -72,7 +78,7 @@ class ScriptedSampler:
         out = []
         for ids in prompts:
             text = self.tok.decode(ids, skip_special_tokens=False)
-            turn = text.count(ASSISTANT) - 1
+            turn = self.turn_of(text)
             key = next(k for k in self.scripts if k in text)
             script = self.scripts[key]
             body = script[min(turn, len(script) - 1)]

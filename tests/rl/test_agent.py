@@ -305,7 +305,7 @@ def test_every_tool_call_format_has_its_malformed_call_hint():
     """A malformed call is told the shape of a call in the episode's format (a KeyError at the
     first malformed call otherwise), and the hint is that format's."""
     from cuttle.engine.tool_parsers import PARSERS
-    from cuttle.rl.agent import _CALL_SHAPES, UNREAD_FORMATS, _placeholder
+    from cuttle.rl.agent import _CALL_SHAPES, _placeholder
 
-    assert set(_CALL_SHAPES) == set(PARSERS) - set(UNREAD_FORMATS)
+    assert set(_CALL_SHAPES) == set(PARSERS)
     assert "<arg_key>" in _placeholder("<tool_call>x</tool_call>", None, "glm45").content
