@@ -57,16 +57,13 @@ def route_native(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | 
     selection is a (near-)tie are routed by `routing.route` itself, so the experts chosen are
     always the torch router's (bf16 logits tie often: 8 mantissa bits over many experts)."""
     sigmoid = cfg.scoring_func == "sigmoid"
-    if not sigmoid and (cfg.n_group > 1 or cfg.routed_scaling_factor != 1.0):
-        return route(logits, cfg, bias)  # DeepSeek-V2's grouped / scaled softmax: the kernel has neither
 
     def settle(weights: torch.Tensor, ids: torch.Tensor, tied: torch.Tensor) -> None:
         weights[tied], ids[tied] = route(logits[tied], cfg, bias)
 
     weights, ids, tied = native_moe.route(
-        logits, cfg.top_k, sigmoid, cfg.norm_topk_prob, cfg.n_group if sigmoid else 1, cfg.topk_group if sigmoid else 1,
-        cfg.routed_scaling_factor if sigmoid else 1.0, bias.float().contiguous() if (sigmoid and bias is not None) else None,
-        settle=settle,
+        logits, cfg.top_k, sigmoid, cfg.norm_topk_prob, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
+        bias.float().contiguous() if (sigmoid and bias is not None) else None, settle=settle,
     )
     if tied is not None:
         settle(weights, ids, tied)

@@ -278,7 +278,9 @@ static int near_tie(float a, float b) {
 
 /* logits [T, E] (fp32 or bf16) -> weights fp32 [T, k], ids int64 [T, k], tie[T] (1: a near-tie at
  * a selection cut, see near_tie; that token's result must be taken from the torch router).
- * scoring 0: softmax (fp32) -> top-k -> divide by their sum if renorm.
+ * scoring 0: softmax (fp32); with n_group > 1 (DeepSeek-V2's group_limited_greedy) only the
+ * topk_group groups of highest max score keep theirs (the rest 0, as torch masks them) -> top-k ->
+ * divide by their sum if renorm -> times scale.
  * scoring 1 (DeepSeek-V3): s = sigmoid; choice = s + bias (bias fp32 [E] or NULL); with n_group > 1
  * keep the topk_group groups whose top-2 choices sum highest; top-k of choice; weights = s, divided
  * by (sum + 1e-20) if renorm, times scale.
@@ -308,14 +310,32 @@ int64_t moe_route(const void *logits, int l_dtype, int64_t T, int64_t E, int64_t
                 sum += s[e];
             }
             for (int64_t e = 0; e < E; e++) s[e] = s[e] / sum;
+            if (n_group > 1) {
+                const int64_t gsz = E / n_group, gk = topk_group < n_group ? topk_group + 1 : topk_group;
+                for (int64_t g = 0; g < n_group; g++) {
+                    float gm = s[g * gsz];
+                    for (int64_t e = g * gsz + 1; e < (g + 1) * gsz; e++) gm = s[e] > gm ? s[e] : gm;
+                    gs[g] = gm;
+                }
+                topk_desc(gs, n_group, gk, gsel);
+                amb |= gk > topk_group && near_tie(gs[gsel[topk_group - 1]], gs[gsel[topk_group]]);
+                for (int64_t g = 0; g < n_group; g++) {
+                    int keep = 0;
+                    for (int64_t q = 0; q < topk_group; q++) keep |= gsel[q] == g;
+                    if (!keep)
+                        for (int64_t e = g * gsz; e < (g + 1) * gsz; e++) s[e] = 0.f;
+                }
+            }
             topk_desc(s, E, kk, sel);
-            amb = kk > k && near_tie(s[sel[k - 1]], s[sel[k]]);
+            amb |= kk > k && near_tie(s[sel[k - 1]], s[sel[k]]);
             for (int64_t j = 0; j < k; j++) id[j] = sel[j], w[j] = s[sel[j]];
             if (renorm) {
                 float ws = 0.f;
                 for (int64_t j = 0; j < k; j++) ws += w[j];
                 for (int64_t j = 0; j < k; j++) w[j] = w[j] / ws;
             }
+            if (scale != 1.f)
+                for (int64_t j = 0; j < k; j++) w[j] = w[j] * scale;
         } else {
             for (int64_t e = 0; e < E; e++) {
                 s[e] = 1.f / (1.f + expf(-s[e]));

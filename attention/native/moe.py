@@ -364,8 +364,9 @@ def route(
     scale: float = 1.0, bias: torch.Tensor | None = None,
     settle: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """logits [T, E] -> (weights fp32 [T, k], ids int64 [T, k], tied rows): softmax top-k
-    (renormalized if `renorm`), or with `sigmoid` DeepSeek-V3's grouped rule (bias picks, `scale`
+    """logits [T, E] -> (weights fp32 [T, k], ids int64 [T, k], tied rows): softmax top-k (within
+    the `topk_group` groups of highest max score when `n_group` > 1, DeepSeek-V2's rule; renormalized
+    if `renorm`; times `scale`), or with `sigmoid` DeepSeek-V3's grouped rule (bias picks, `scale`
     multiplies). `tied` is None, or the int64 indices of the rows whose last kept and first dropped
     score are within 4 ulps (or equal): which of them torch.topk keeps is its own implementation
     detail, so the caller routes those rows with the torch router. `settle(weights, ids, rows)`,

@@ -3,8 +3,8 @@
 logits, no renormalization, x routed_scaling_factor, "greedy" or "group_limited_greedy" (the
 topk_group groups of highest max score). Checked token-exact against transformers in both
 routings (greedy, float32, chunked prefill, logprobs of every step and of the prompt) and the
-training path; the native router hands the grouped / scaled softmax to the torch router (the
-kernel has neither), and an unknown topk_method is refused by name."""
+training path (the native router takes the grouped / scaled softmax itself:
+tests/moe/test_moe_native.py), and an unknown topk_method is refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -66,3 +66,4 @@ def test_deepseek_v2_routing_rules():
     assert torch.equal(ids, want_ids) and torch.allclose(weights, want_w * 2.5)
     with pytest.raises(ValueError, match="topk_method 'noaux_tc' is not supported for deepseek_v2"):
         RoutingConfig.from_hf({"model_type": "deepseek_v2", "n_routed_experts": 8, "num_experts_per_tok": 3, "topk_method": "noaux_tc"})
+

@@ -32,6 +32,11 @@ FAMILIES = {
     "mixtral": {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
     "deepseek_v3": {"model_type": "deepseek_v3", "n_routed_experts": 32, "num_experts_per_tok": 6, "n_group": 8,
                     "topk_group": 3, "routed_scaling_factor": 2.5, "norm_topk_prob": True},
+    # DeepSeek-V2's softmax routers: within the groups of highest max score, scaled, not renormalized
+    "deepseek_v2": {"model_type": "deepseek_v2", "n_routed_experts": 16, "num_experts_per_tok": 4, "topk_method": "group_limited_greedy",
+                    "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5},
+    "deepseek_v2_greedy": {"model_type": "deepseek_v2", "n_routed_experts": 12, "num_experts_per_tok": 3,
+                           "routed_scaling_factor": 2.0},
 }
 
 
@@ -74,6 +79,27 @@ def test_native_router_matches_torch(family: str) -> None:
     ref_s, ref_order = ref_ids.sort(dim=-1)
     assert torch.equal(ids_s, ref_s)
     torch.testing.assert_close(weights.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v2_greedy"])
+def test_grouped_scaled_softmax_runs_in_the_kernel(family: str) -> None:
+    """DeepSeek-V2's rule is the kernel's own (no hand-off to the torch router, which a decode
+    graph could not replay): its result equals the torch router's, groups and scale included."""
+    cfg = RoutingConfig.from_hf(FAMILIES[family])
+    logits = torch.randn(200, cfg.num_experts, generator=torch.Generator().manual_seed(3)) * 2
+    weights, ids, tied = native_moe.route(logits, cfg.top_k, False, cfg.norm_topk_prob, cfg.n_group, cfg.topk_group,
+                                          cfg.routed_scaling_factor)
+    ref_w, ref_ids = route(logits, cfg)
+    rows = torch.ones(200, dtype=torch.bool)
+    if tied is not None:
+        rows[tied] = False  # (near-ties are the torch router's to break)
+    ids_s, order = ids[rows].sort(dim=-1)
+    ref_s, ref_order = ref_ids[rows].sort(dim=-1)
+    assert torch.equal(ids_s, ref_s) and int(rows.sum()) > 190
+    torch.testing.assert_close(weights[rows].gather(1, order), ref_w[rows].gather(1, ref_order), rtol=1e-6, atol=1e-7)
+    if cfg.n_group > 1:  # the groups matter: experts of one group only can be picked together with the rule off
+        plain_w, plain_ids, _ = native_moe.route(logits, cfg.top_k, False, False, 1, 1, cfg.routed_scaling_factor)
+        assert not torch.equal(plain_ids.sort(dim=-1)[0], ids.sort(dim=-1)[0])
 
 
 def test_native_router_bf16_logits() -> None:
