@@ -29,6 +29,7 @@ import torch
 
 from cuttle.attention.native.fused import sigmoid
 from cuttle.attention.native.gemm import linear
+from cuttle.attention.native.rows import to_float
 
 ScoringFunc = Literal["softmax", "sigmoid"]
 # model types routed as DeepSeek-V3 -> their config class's default first_k_dense_replace
@@ -95,7 +96,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig
     bf16 GEMM, ~5% of a Qwen3-MoE decode step on an AVX2 CPU); fp32 sums either way."""
     if cfg.scoring_func == "sigmoid" or cfg.fp32_logits:
         # a bf16 gate widens exactly to fp32: the native bf16-weight GEMM on fp32 x is the fp32 product
-        return linear(x.float(), gate_weight if gate_weight.dtype == torch.bfloat16 else gate_weight.float(),
+        return linear(to_float(x), gate_weight if gate_weight.dtype == torch.bfloat16 else gate_weight.float(),
                       None if bias is None else bias.float())
     return linear(x, gate_weight, bias)
 

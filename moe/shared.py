@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cuttle.attention.native.fused import sigmoid, silu_mul
+from cuttle.attention.native.fused import scale, sigmoid, silu_mul
 from cuttle.attention.native.gemm import linear
 
 
@@ -29,5 +29,6 @@ class SharedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(silu_mul(linear(x, self.w13)), self.w2)
         if self.gate_weight is not None:
-            y = sigmoid(linear(x, self.gate_weight)) * y  # fused: one formula per element, batch-invariant
+            # fused: one formula per element (batch-invariant), the product one native call (kernel graphs)
+            y = scale(y, sigmoid(linear(x, self.gate_weight)))
         return y

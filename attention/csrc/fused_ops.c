@@ -484,3 +484,39 @@ int fused_sink_scale(void *o, int dt, const float *lse, const void *sinks, int64
         }
     return 0;
 }
+
+/* Elementwise ops between the kernels of a decoder layer, as torch computes them (fp32, or bf16
+ * rounded once from the fp32 result), so a step that used to run them in torch gives the same
+ * bits and can replay as a kernel graph: out = x + y (`op` 0; y [rows, n] rows y_stride apart),
+ * out = x * f (`op` 1) or x / f (`op` 2) with f = the row's factor rows_f[r] (in dt) where rows_f
+ * is given, else the float `s` (torch's Python-number operand, taken as a float). x: rows x_stride
+ * apart, each n contiguous elements; out [rows, n] contiguous. One formula per element:
+ * batch-invariant. */
+int fused_elementwise(const void *x, int64_t x_stride, const void *y, int64_t y_stride, const void *rows_f, float s, void *out,
+                      int dt, int64_t rows, int64_t n, int op) {
+    if ((dt != DT_F32 && dt != DT_BF16) || op < 0 || op > 2 || (op == 0 && !y)) return -1;
+#pragma omp parallel for schedule(static) if (rows * n >= PAR_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float f = rows_f ? ld(rows_f, dt, r) : s;
+        for (int64_t j = 0; j < n; j++) {
+            const float a = ld(x, dt, r * x_stride + j);
+            const float v = op == 0 ? a + ld(y, dt, r * y_stride + j) : op == 1 ? a * f : a / f;
+            st(out, dt, r * n + j, v);
+        }
+    }
+    return 0;
+}
+
+/* RMSNorm in place over rows of n elements x_stride apart (unit inner stride): the whole-row q / k
+ * norms of MiniMax-M2 and OLMo, applied to their columns of the fused qkv rows, so no copy of the
+ * rows is made (a torch cat was one, and kept such decode steps out of kernel graphs). Same
+ * arithmetic as fused_rms_norm. */
+int fused_rms_norm_inplace(void *x, int64_t x_stride, const void *w, int dt, int64_t rows, int64_t n, float eps, int lanes) {
+    if (n <= 0 || (dt != DT_F32 && dt != DT_BF16)) return -1;
+#pragma omp parallel for schedule(static) if (rows * n >= PAR_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        void *row = row_at_mut(x, dt, r * x_stride);
+        scale_row(row, w, row, dt, n, inv_rms(row, dt, n, eps, lanes));
+    }
+    return 0;
+}

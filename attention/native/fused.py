@@ -1,7 +1,10 @@
 """Fused elementwise ops of a decoder layer on CPU: RMSNorm (alone, or after the residual add),
 q/k per-head RMSNorm + RoPE in place on the fused qkv rows, silu(gate) * up, the sigmoid of
-gates and routers (NSA's branch gates, a shared expert's gate, the torch sigmoid router), and
-gpt-oss's attention-sink scaling of the attention output (`sink_scale`).
+gates and routers (NSA's branch gates, a shared expert's gate, the torch sigmoid router),
+gpt-oss's attention-sink scaling of the attention output (`sink_scale`), and the plain adds and
+scalings some families put between the kernels (`add`, `scale`: a shared expert's output added to
+the routed one and its gate, OLMo's post-norm residual adds, Granite's multipliers, Ministral 3's
+query scaling), bit for bit as torch computes them, so those steps replay as kernel graphs.
 
 Owns the Python side of `attention/csrc/fused_ops.c` (built into the one kernel library of
 `cuttle.attention.native.build`) and the torch code each kernel replaces, which is also its
@@ -92,6 +95,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     lib.fused_rms_norm(x.data_ptr(), rows[1], None, 0, None, weight.data_ptr(), y.data_ptr(), _DT[x.dtype],
                        rows[0], n, eps, ks.sum_lanes)
     return y
+
+
+def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    """RMSNorm of x's rows in place (rows of a 2-D view with unit inner stride, e.g. columns of
+    the fused qkv rows); False, changing nothing, where the native kernel does not apply (the
+    caller then uses `rms_norm`)."""
+    ks = kernels()
+    lib = ks.lib
+    if (lib is None or x.dim() != 2 or x.stride(1) != 1 or x.shape[0] == 0 or x.shape[1] == 0 or not _native(x, weight)
+            or not _vector_ok(weight, x.shape[1])):
+        return False
+    lib.fused_rms_norm_inplace(x.data_ptr(), x.stride(0), weight.data_ptr(), _DT[x.dtype], x.shape[0], x.shape[1], eps,
+                               ks.sum_lanes)
+    return True
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,3 +233,46 @@ def sink_scale(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch
     if lib.fused_sink_scale(o.data_ptr(), _DT[o.dtype], lse.data_ptr(), sinks.data_ptr(), *o.shape) != 0:
         raise ValueError(f"fused_sink_scale: dtype {o.dtype} is not supported")
     return o
+
+
+def _flat_rows(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """(rows, elements a row, row stride) of a CPU tensor read as rows of its first dim, each row's
+    elements contiguous (a contiguous tensor, or rows of one such as q's in the fused qkv)."""
+    if x.dim() == 0 or x.numel() == 0:
+        return None
+    n = x.numel() // x.shape[0]
+    if x.is_contiguous():
+        return x.shape[0], n, n
+    if x.dim() >= 2 and x[0].is_contiguous():
+        return x.shape[0], n, x.stride(0)
+    return None
+
+
+def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y (same shape and dtype), as torch adds them; one native call on CPU."""
+    lib = kernels().lib
+    shape = _flat_rows(x)
+    if lib is None or shape is None or y.shape != x.shape or not y.is_contiguous() or not _native(x, y):
+        return x + y  # (torch's result for anything else: broadcasting, autograd, other devices)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    rows, n, stride = shape
+    lib.fused_elementwise(x.data_ptr(), stride, y.data_ptr(), n, None, 0.0, out.data_ptr(), _DT[x.dtype], rows, n, 0)
+    return out
+
+
+def scale(x: torch.Tensor, factor: float | torch.Tensor, divide: bool = False) -> torch.Tensor:
+    """x * factor (or x / factor with `divide`), as torch computes it: `factor` a Python number
+    (taken as a float, as torch takes it) or a tensor of one factor per row of x's first dim
+    (shape [rows, 1, ...], x's dtype); one native call on CPU."""
+    lib = kernels().lib
+    shape = _flat_rows(x)
+    rows_f = factor if isinstance(factor, torch.Tensor) else None
+    if (lib is None or shape is None or not _native(x) or (rows_f is not None and (
+            rows_f.numel() != shape[0] or rows_f.dim() != x.dim() or rows_f.shape[0] != shape[0] or not _native(x, rows_f)
+            or not rows_f.is_contiguous()))):
+        return x / factor if divide else x * factor
+    out = torch.empty(x.shape, dtype=x.dtype)
+    rows, n, stride = shape
+    lib.fused_elementwise(x.data_ptr(), stride, None, 0, rows_f.data_ptr() if rows_f is not None else None,
+                          0.0 if rows_f is not None else float(factor), out.data_ptr(), _DT[x.dtype], rows, n, 2 if divide else 1)
+    return out

@@ -31,7 +31,7 @@ from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native import rows
 from cuttle.attention.native.gemm import derived
-from cuttle.attention.native.fused import qk_norm_rope, rms_norm, sigmoid, silu_mul, sink_scale
+from cuttle.attention.native.fused import add, qk_norm_rope, rms_norm, rms_norm_, scale, sigmoid, silu_mul, sink_scale
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention, topk_attend_chunked, topk_attend_segments
@@ -82,7 +82,7 @@ class Attention(nn.Module):
             kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos, sin,
         )
         if self.q_scale is not None:
-            q = q * self.q_scale
+            q = scale(q, self.q_scale)  # (one native call: the step stays a kernel graph)
         o, lse = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         if self.sinks is not None:
             o = sink_scaled(o, lse, self.sinks)
@@ -90,11 +90,15 @@ class Attention(nn.Module):
 
     def _whole_norms(self, qkv: torch.Tensor) -> tuple[torch.Tensor, RMSNorm | None, RMSNorm | None]:
         """qkv and the per-head q/k norms the fused kernel is to apply: MiniMax-M2's norms over
-        whole rows of q and of k are applied here first (two native row norms), leaving the
-        kernel only the rotation."""
+        whole rows of q and of k are applied here first (two native row norms, in place on the
+        projection's fresh rows), leaving the kernel only the rotation."""
         if not self.whole_qk_norm:
             return qkv, self.q_norm, self.k_norm
         qs, ks, qn, kn = self.q_size, self.kv_size, self.q_norm, self.k_norm
+        if qkv.stride(1) == 1 and rms_norm_(qkv[:, :qs], qn.weight, qn.eps):
+            if not rms_norm_(qkv[:, qs:qs + ks], kn.weight, kn.eps):
+                raise AssertionError("rms_norm_ took q's columns but not k's")  # (same tensor, dtype and device)
+            return qkv, None, None
         return torch.cat((rms_norm(qkv[:, :qs], qn.weight, qn.eps), rms_norm(qkv[:, qs:qs + ks], kn.weight, kn.eps),
                           qkv[:, qs + ks:]), dim=-1), None, None
 
@@ -366,9 +370,11 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, layer_id)
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        # the adds and scalings between kernels are native calls too (`fused.add` / `scale`, torch's
+        # bits), so a decode step of these families replays as a kernel graph
         y = self.mlp(h)
-        y = y if self.shared is None else y + self.shared(h)
-        return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
+        y = y if self.shared is None else add(y, self.shared(h))
+        return y if self.residual_multiplier == 1.0 else scale(y, self.residual_multiplier)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the residual stream x, where `delta` (the previous layer's MLP output, or
@@ -379,8 +385,8 @@ class DecoderLayer(nn.Module):
         if self.post_norm:
             assert self.post_ff_norm is not None
             if delta is not None:
-                x = x + delta
-            x = x + self.post_attn_norm(self.attn(x, cos, sin, kv_cache, meta, backend))
+                x = add(x, delta)
+            x = add(x, self.post_attn_norm(self.attn(x, cos, sin, kv_cache, meta, backend)))
             return x, self.post_ff_norm(self._ffn(x))
         if delta is None:
             h = self.input_norm(x)
@@ -388,7 +394,7 @@ class DecoderLayer(nn.Module):
             x, h = self.input_norm.add(x, delta)
         a = self.attn(h, cos, sin, kv_cache, meta, backend)
         if self.residual_multiplier != 1.0:
-            a = a * self.residual_multiplier
+            a = scale(a, self.residual_multiplier)
         x, h = self.post_attn_norm.add(x, a)
         return x, self._ffn(h)
 
@@ -419,10 +425,12 @@ class CausalLM(nn.Module):
         self.norm = _norm(cfg, dtype)
         self.lm_head = self.embed if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
+        self._query_scales: dict[torch.dtype, torch.Tensor] = {}
         if cfg.query_scaling is not None:  # Ministral 3: 1 + beta log(1 + band) per band of n positions
             beta, n = cfg.query_scaling
             bands = torch.arange(cfg.max_position_embeddings // n + 2, dtype=torch.float32)
             self._query_bands = (1 + beta * torch.log(1 + bands)).to(device)
+            self._query_scale_table(dtype)
 
     def forward(
         self,
@@ -437,7 +445,7 @@ class CausalLM(nn.Module):
         # F.embedding and the RoPE tables' rows, natively on CPU (one kernel call each)
         x = rows.gather(self.embed, input_ids)
         if self.cfg.embedding_multiplier != 1.0:  # Granite
-            x = x * self.cfg.embedding_multiplier
+            x = scale(x, self.cfg.embedding_multiplier)
         cos, sin = (rows.gather(t, positions)[:, None, :] for t in self.rope.cast_tables(x.dtype))
         self._scale_queries(positions, x.dtype)
         delta = None
@@ -503,21 +511,25 @@ class CausalLM(nn.Module):
                                     sparse if sparse is not None and i >= sparse.dense_layers else None, parts)
         return self.norm(x)
 
+    def _query_scale_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """Ministral 3's query scale of every position [max_position_embeddings, 1] in `dtype`
+        (its band's fp32 value cast, as transformers computes it), made once per dtype: a
+        step's scales are then one native row gather (kernel graphs), and torch's vectorized log
+        cannot put a position's value in a scalar tail by the batch's size (batch invariance)."""
+        table = self._query_scales.get(dtype)
+        if table is None:
+            n = self.cfg.query_scaling[1]
+            bands = torch.arange(self.cfg.max_position_embeddings, device=self._query_bands.device) // n
+            table = self._query_scales[dtype] = self._query_bands[bands].to(dtype)[:, None].contiguous()
+        return table
+
     def _scale_queries(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
         """Ministral 3's query scaling for this step's tokens (Llama 4's attention temperature:
-        1 + beta log(1 + floor(p / n)), the fp32 value of p's band cast to the dtype, as
-        transformers computes it), handed to every layer's attention; None (no multiply) while
-        every position is below n. (Reading the largest position is one sync a step, for these
-        models only.)"""
+        1 + beta log(1 + floor(p / n))), handed to every layer's attention as [tokens, 1, 1]
+        (exactly 1 below n, where the multiply changes no bit)."""
         if self.cfg.query_scaling is None:
             return
-        n = self.cfg.query_scaling[1]
-        scale = None
-        if positions.numel() and int(positions.max()) >= n:
-            # each position's band's scale, from a table made once: torch's vectorized log would put a
-            # position's value in a scalar tail or not by the batch's size (batch invariance)
-            bands = torch.div(positions, n, rounding_mode="floor").clamp(max=self._query_bands.shape[0] - 1)
-            scale = self._query_bands[bands].to(dtype)[:, None, None]
+        scale = rows.gather(self._query_scale_table(dtype), positions.reshape(-1)).view(-1, 1, 1)
         for layer in self.layers:
             layer.attn.q_scale = scale
 
@@ -554,4 +566,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = rows.to_float(linear(hidden, self.lm_head))
-        return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling  # (Granite's)
+        return logits if self.cfg.logits_scaling == 1.0 else scale(logits, self.cfg.logits_scaling, divide=True)  # (Granite's)

@@ -1,5 +1,6 @@
 """The fused CPU kernels of attention/csrc/fused_ops.c (RMSNorm, residual add + RMSNorm, q/k
-norm + RoPE, silu * up) against the torch code they replace, in fp32 and bf16.
+norm + RoPE, silu * up, the in-place whole-row norm, the elementwise add / scale, the sink scale)
+against the torch code they replace, in fp32 and bf16.
 
 The kernels reproduce torch's rounding points and its summation order, so on the x86 torch
 builds they are matched to (AVX512 / AVX2 kernels) the results must be bit-identical; elsewhere
@@ -271,6 +272,62 @@ def test_silu_extreme_inputs(native_calls) -> None:
     assert_same(fused.silu_mul(gu)[0], want)
     assert_same(fused.silu_mul(gu.bfloat16())[0], (F.silu(x.bfloat16()) * torch.ones(1, dtype=torch.bfloat16)))
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", NORM_SHAPES[:6])
+def test_rms_norm_in_place_on_qkv_columns(dtype, rows, n, native_calls) -> None:
+    """MiniMax-M2's / OLMo's whole-row norms, in place on their columns of the fused qkv rows."""
+    g = _gen(rows + n)
+    qkv = (torch.randn(rows, 3 * n, generator=g) * 2).to(dtype)
+    w = torch.randn(n, generator=g).to(dtype)
+    want = fused.rms_norm_torch(qkv[:, n:2 * n], w, 1e-6)
+    rest = qkv[:, :n].clone(), qkv[:, 2 * n:].clone()
+    assert fused.rms_norm_(qkv[:, n:2 * n], w, 1e-6)
+    assert_same(qkv[:, n:2 * n], want)
+    assert torch.equal(qkv[:, :n], rest[0]) and torch.equal(qkv[:, 2 * n:], rest[1])  # the other columns untouched
+    assert native_calls == {"fused_rms_norm_inplace": 1}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elementwise_ops_are_torch_bit_for_bit(dtype, native_calls) -> None:
+    """add / scale (by a number, by one factor a row, a division): torch's bits, on rows of a
+    contiguous tensor and on strided rows (q's columns of the fused qkv)."""
+    g = _gen(9)
+    x, y = (torch.randn(37, 300, generator=g) * 3).to(dtype), torch.randn(37, 300, generator=g).to(dtype)
+    assert torch.equal(fused.add(x, y), x + y)
+    for s in (0.4, 1.702, 3.0, 0.05):
+        assert torch.equal(fused.scale(x, s), x * s)
+        assert torch.equal(fused.scale(x, s, divide=True), x / s)
+    rows = torch.rand(37, 1, generator=g).to(dtype) + 0.5
+    assert torch.equal(fused.scale(x, rows), x * rows)
+    qkv = torch.randn(11, 6, 64, generator=g).to(dtype)
+    q, qs = qkv[:, :4], (torch.rand(11, 1, 1, generator=g) + 1).to(dtype)
+    assert not q.is_contiguous() and torch.equal(fused.scale(q, qs), q * qs)
+    assert native_calls == {"fused_elementwise": 11}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sink_scale_is_the_torch_formula(dtype, native_calls) -> None:
+    g = _gen(4)
+    o = torch.randn(9, 4, 64, generator=g).to(dtype)
+    lse, sinks = torch.randn(9, 4, generator=g) * 3, torch.randn(4, generator=g).to(dtype)
+    want = (o.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(dtype)
+    got = fused.sink_scale(o.clone(), lse, sinks)
+    # the factor's exp is libm's, torch's a vector one: an fp32 ulp apart at most, so bf16 results
+    # agree bit for bit unless a product sits on a rounding boundary
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * torch.finfo(dtype).eps, atol=1e-7)
+    assert native_calls == {"fused_sink_scale": 1}
+
+
+def test_elementwise_fallbacks(native_calls) -> None:
+    """Broadcasting, autograd and mixed dtypes take torch (no kernel call)."""
+    x = torch.randn(4, 8)
+    assert torch.equal(fused.add(x, torch.ones(8)), x + 1)
+    w = torch.randn(4, 8, requires_grad=True)
+    assert fused.scale(w, 2.0).requires_grad
+    assert torch.equal(fused.scale(x, torch.ones(4, 1, dtype=torch.bfloat16)), x * torch.ones(4, 1, dtype=torch.bfloat16))
+    assert native_calls == {}
 
 def test_portable_build_is_exact_too(tmp_path, monkeypatch) -> None:
     """The C file built without -march=native (no AVX512: the scalar loops and the scalar Sleef
