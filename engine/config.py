@@ -448,8 +448,9 @@ def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:
         if method != "fp8":
             raise ValueError(
                 f"quantization_config.quant_method {method!r} in {where} is not supported: cuttle loads unquantized "
-                "checkpoints (bf16/fp16/fp32), FP8 block-scaled ones (quant_method 'fp8' with weight_block_size) and its "
-                "own MXFP8 expert checkpoints; refusing rather than loading the quantized weights without their scales"
+                "checkpoints (bf16/fp16/fp32), FP8 block-scaled ones (quant_method 'fp8' with weight_block_size), gpt-oss's "
+                "MXFP4 experts and its own MXFP8 expert checkpoints; refusing rather than loading the quantized weights "
+                "without their scales"
             )
 
 

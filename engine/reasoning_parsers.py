@@ -140,4 +140,3 @@ def split_reasoning(text: str, start: Start | str) -> tuple[str | None, str | No
     """Whole output -> (reasoning, content), None for an empty part (as vLLM returns them)."""
     reasoning, content = ReasoningParser(start).feed(text, final=True)
     return reasoning or None, content or None
-

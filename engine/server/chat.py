@@ -18,6 +18,8 @@ line followed by its text, ending in a newline, so its cache key includes its na
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import uuid
 from collections.abc import Callable
@@ -333,7 +335,7 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
     text = tmpl.render(tok, messages, render_tools)
     rstate = _reasoning_start(tok, opts, tmpl, messages, render_tools, text, forced)
     if rstate is not None and rstate.state == HARMONY:
-        _keep_harmony_markers(body, params)
+        params.skip_special_tokens = _keep_harmony_markers(body)
     if field_docs or part_docs:
         prefix_ids, query_ids = _split_after_system(tok, tmpl, messages, render_tools, text)
         docs = [tok.encode(d, add_special_tokens=False) if isinstance(d, str) else d for d in field_docs]
@@ -361,7 +363,7 @@ async def _beam_search(request: Request, body: dict[str, Any], messages: list[di
     text = tmpl.render(tok, messages, None)
     rstate = _reasoning_start(tok, opts, tmpl, messages, None, text, "")
     if rstate is not None and rstate.state == HARMONY:
-        _keep_harmony_markers(body, params)
+        params = dataclasses.replace(params, skip_special_tokens=_keep_harmony_markers(body))
     role = "assistant" if tmpl.add_generation_prompt else messages[-1]["role"]
     include_reasoning = get_bool(body, "include_reasoning", True)
 
@@ -395,14 +397,15 @@ def _reasoning_start(tok: Tokenizer, opts: ChatOptions, tmpl: ChatTemplate, mess
     return start_state(opts.reasoning_parser, tail, tmpl.kwargs.get("enable_thinking"))
 
 
-def _keep_harmony_markers(body: dict[str, Any], params: Any) -> None:
+def _keep_harmony_markers(body: dict[str, Any]) -> bool:
     """gpt-oss's output is parsed by its harmony markers, which are special tokens: they stay in
-    the text (a request asking to skip them would get its reasoning, answer and calls mixed up)."""
+    the text (a request asking to skip them would get its reasoning, answer and calls mixed up).
+    Returns the request's skip_special_tokens: False."""
     if body.get("skip_special_tokens") is True:
         raise OpenAIError("skip_special_tokens: true would drop the harmony markers (<|channel|>, <|message|>, ...) this "
                           "model's output is split by (reasoning, content, tool calls); leave it unset or false",
                           param="skip_special_tokens")
-    params.skip_special_tokens = False
+    return False
 
 
 def _split_after_system(tok: Tokenizer, tmpl: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
