@@ -19,7 +19,6 @@ line followed by its text, ending in a newline, so its cache key includes its na
 from __future__ import annotations
 
 import dataclasses
-
 import time
 import uuid
 from collections.abc import Callable
