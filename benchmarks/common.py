@@ -182,3 +182,14 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of fn(), after one untimed warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth_gbs, machine_info, markdown_table  # noqa: E402
+from common import best_seconds, copy_bandwidth_gbs, machine_info, markdown_table  # noqa: E402
 
 from cuttle.attention.native import moe as native_moe  # noqa: E402
 from cuttle.moe import FusedMoE, RoutingConfig  # noqa: E402
@@ -40,16 +39,6 @@ def make_layer(H: int, I: int, E: int, k: int, quant: str | None) -> FusedMoE:
     if quant:
         layer.quantize_("mxfp8")
     return layer
-
-
-def best_seconds(fn, iters: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def touched_bytes(layer: FusedMoE, x: torch.Tensor) -> int:

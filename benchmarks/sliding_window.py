@@ -13,28 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, machine_info, markdown_table  # noqa: E402
+from common import best_seconds, copy_bandwidth_gbs, machine_info, markdown_table  # noqa: E402
 
 from cuttle.attention import native_attention  # noqa: E402
 from cuttle.attention.metadata import AttentionMetadata  # noqa: E402
 from cuttle.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def run(context: int, batch: int, window: int, repeats: int) -> dict:
@@ -66,7 +55,7 @@ def run(context: int, batch: int, window: int, repeats: int) -> dict:
     per_token = 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
     return dict(context=context, batch=batch, full_bytes=batch * context * per_token,
                 window_bytes=batch * min(context, window) * per_token,
-                t_full=_time(step(full), repeats), t_window=_time(step(windowed), repeats))
+                t_full=best_seconds(step(full), repeats), t_window=best_seconds(step(windowed), repeats))
 
 
 def main() -> None:

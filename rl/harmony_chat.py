@@ -23,17 +23,20 @@ from __future__ import annotations
 from typing import Any
 
 from cuttle.engine.tokenizer import Tokenizer
-from cuttle.rl.chat import ChatState, TemplateNotAppendOnly
+from cuttle.rl.chat import ChatState, ChatTokens, TemplateNotAppendOnly
 
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>")
 
 
-class HarmonyChatTokens:
-    """`ChatTokens`' interface (start, turn_text, append_turn, finish_turn) for harmony turns."""
+class HarmonyChatTokens(ChatTokens):
+    """`ChatTokens` for harmony turns: its rendering of the first prompt and its `finish_turn`,
+    its own end of turn (two stop tokens) and its own appended messages."""
 
     def __init__(self, tokenizer: Tokenizer, tools: list[dict[str, Any]] | None, eos_token_ids: set[int] | list[int]):
+        # (not ChatTokens.__init__: its end-of-turn probe reads a template that renders a turn verbatim)
         self.tok = tokenizer
         self.tools = tools
+        self.eos_token_ids = set(eos_token_ids)
         ids = {}
         for m in MARKERS:
             enc = tokenizer.encode(m, add_special_tokens=False)
@@ -46,16 +49,13 @@ class HarmonyChatTokens:
         self.end_of_turn_id = ids["<|call|>"]  # the end of a turn the conversation continues from
         self.answer_id = ids["<|return|>"]
 
-    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt)
-
     def start(self, messages: list[dict[str, Any]]) -> tuple[ChatState, list[int]]:
         """The first prompt: the conversation rendered by the template, encoded once."""
-        text = self._render(messages, True)
-        if not text.endswith("<|start|>assistant"):
-            raise ValueError(f"the chat template's generation prompt ends with {text[-30:]!r}, not harmony's "
+        state, ids = super().start(messages)
+        if not state.text.endswith("<|start|>assistant"):
+            raise ValueError(f"the chat template's generation prompt ends with {state.text[-30:]!r}, not harmony's "
                              "'<|start|>assistant'")
-        return ChatState(list(messages), text), self.tok.encode(text, add_special_tokens=False)
+        return state, ids
 
     def turn_text(self, sampled_ids: list[int]) -> tuple[str, bool]:
         """(the model's text of a turn without its stop token, whether it ended with `<|call|>` or `<|return|>`)."""
@@ -90,12 +90,3 @@ class HarmonyChatTokens:
         if role == "user":
             return f"<|start|>user<|message|>{content}<|end|>"
         raise ValueError(f"a {role!r} message cannot follow a turn in a harmony conversation (tool or user)")
-
-    def finish_turn(self, state: ChatState, sampled_ids: list[int]) -> None:
-        """Record a last turn (nothing is appended after it)."""
-        content, _ = self.turn_text(sampled_ids)
-        start = len(state.text)
-        state.text += self.tok.decode(sampled_ids, skip_special_tokens=False)
-        state.sampled_spans.append((start, len(state.text)))
-        state.messages = state.messages + [{"role": "assistant", "content": content}]
-        state.num_turns += 1

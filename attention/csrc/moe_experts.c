@@ -276,6 +276,21 @@ static int near_tie(float a, float b) {
     return a - b <= 4.8e-7f * m;
 }
 
+/* The group rule of both routers: keep the topk_group groups of highest score gs[g] (n_group groups
+ * of gsz experts), set every value v of the other groups to `fill`; returns whether the cut between
+ * kept and dropped groups is a near-tie. gsel: room for topk_group + 1 indices. */
+static int keep_groups(float *v, const float *gs, int64_t n_group, int64_t topk_group, int64_t gsz, float fill, int64_t *gsel) {
+    const int64_t gk = topk_group < n_group ? topk_group + 1 : topk_group;
+    topk_desc(gs, n_group, gk, gsel);
+    for (int64_t g = 0; g < n_group; g++) {
+        int keep = 0;
+        for (int64_t q = 0; q < topk_group; q++) keep |= gsel[q] == g;
+        if (!keep)
+            for (int64_t e = g * gsz; e < (g + 1) * gsz; e++) v[e] = fill;
+    }
+    return gk > topk_group && near_tie(gs[gsel[topk_group - 1]], gs[gsel[topk_group]]);
+}
+
 /* logits [T, E] (fp32 or bf16) -> weights fp32 [T, k], ids int64 [T, k], tie[T] (1: a near-tie at
  * a selection cut, see near_tie; that token's result must be taken from the torch router).
  * scoring 0: softmax (fp32); with n_group > 1 (DeepSeek-V2's group_limited_greedy) only the
@@ -311,20 +326,13 @@ int64_t moe_route(const void *logits, int l_dtype, int64_t T, int64_t E, int64_t
             }
             for (int64_t e = 0; e < E; e++) s[e] = s[e] / sum;
             if (n_group > 1) {
-                const int64_t gsz = E / n_group, gk = topk_group < n_group ? topk_group + 1 : topk_group;
+                const int64_t gsz = E / n_group;
                 for (int64_t g = 0; g < n_group; g++) {
                     float gm = s[g * gsz];
                     for (int64_t e = g * gsz + 1; e < (g + 1) * gsz; e++) gm = s[e] > gm ? s[e] : gm;
                     gs[g] = gm;
                 }
-                topk_desc(gs, n_group, gk, gsel);
-                amb |= gk > topk_group && near_tie(gs[gsel[topk_group - 1]], gs[gsel[topk_group]]);
-                for (int64_t g = 0; g < n_group; g++) {
-                    int keep = 0;
-                    for (int64_t q = 0; q < topk_group; q++) keep |= gsel[q] == g;
-                    if (!keep)
-                        for (int64_t e = g * gsz; e < (g + 1) * gsz; e++) s[e] = 0.f;
-                }
+                amb |= keep_groups(s, gs, n_group, topk_group, gsz, 0.f, gsel); /* (torch masks with 0 here) */
             }
             topk_desc(s, E, kk, sel);
             amb |= kk > k && near_tie(s[sel[k - 1]], s[sel[k]]);
@@ -342,20 +350,13 @@ int64_t moe_route(const void *logits, int l_dtype, int64_t T, int64_t E, int64_t
                 choice[e] = bias ? s[e] + bias[e] : s[e];
             }
             if (n_group > 1) {
-                const int64_t gsz = E / n_group, gk = topk_group < n_group ? topk_group + 1 : topk_group;
+                const int64_t gsz = E / n_group;
                 for (int64_t g = 0; g < n_group; g++) {
                     int64_t two[2];
                     topk_desc(choice + g * gsz, gsz, 2, two);
                     gs[g] = choice[g * gsz + two[0]] + choice[g * gsz + two[1]];
                 }
-                topk_desc(gs, n_group, gk, gsel);
-                amb |= gk > topk_group && near_tie(gs[gsel[topk_group - 1]], gs[gsel[topk_group]]);
-                for (int64_t g = 0; g < n_group; g++) {
-                    int keep = 0;
-                    for (int64_t q = 0; q < topk_group; q++) keep |= gsel[q] == g;
-                    if (!keep)
-                        for (int64_t e = g * gsz; e < (g + 1) * gsz; e++) choice[e] = -INFINITY;
-                }
+                amb |= keep_groups(choice, gs, n_group, topk_group, gsz, -INFINITY, gsel);
             }
             topk_desc(choice, E, kk, sel);
             amb |= kk > k && near_tie(choice[sel[k - 1]], choice[sel[k]]);

@@ -258,23 +258,31 @@ def test_decode_steps_replay_kernel_graphs(tmp_path, dtype):
     assert runs[False] == runs[True]
 
 
-@pytest.mark.parametrize("moe_quant", [None, "mxfp8"])
-def test_trainer_scores_what_the_engine_samples(gpt_oss, moe_quant):
-    """The RL trainer (torch expert path, autograd) scores the engine's samples (native expert
-    epilogues, native sink scale) within 1e-5 in fp32, bf16 experts or MXFP8 ones quantized on
-    the fly; a trainer without the quantization differs (the check can fail)."""
-    from cuttle.rl import TrainBatch, compute_advantages, mismatch, sample_groups
-    from cuttle.rl.trainer import Trainer, TrainerConfig
+def _sampled_batch(llm, seed: int):
+    """A batch of the engine's samples (3 prompts x 2, 12 tokens each, rewards 0 and 1) and the
+    behaviour logprobs of its trained tokens."""
+    from cuttle.rl import TrainBatch, compute_advantages, sample_groups
 
-    path, _ = gpt_oss
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, moe_quant=moe_quant)
-    groups = sample_groups(llm, parity_prompts()[2:5], 2, SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))
+    groups = sample_groups(llm, parity_prompts()[2:5], 2, SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True))
     for g in groups:
         for i, s in enumerate(g.samples):
             s.reward = float(i)
     batch = TrainBatch.from_groups(groups, compute_advantages(groups, True))
     packed = batch.packed()
-    behaviour = packed.rollout_logprobs[packed.loss_mask > 0]
+    return batch, packed.rollout_logprobs[packed.loss_mask > 0]
+
+
+@pytest.mark.parametrize("moe_quant", [None, "mxfp8"])
+def test_trainer_scores_what_the_engine_samples(gpt_oss, moe_quant):
+    """The RL trainer (torch expert path, autograd) scores the engine's samples (native expert
+    epilogues, native sink scale) within 1e-5 in fp32, bf16 experts or MXFP8 ones quantized on
+    the fly; a trainer without the quantization differs (the check can fail)."""
+    from cuttle.rl import mismatch
+    from cuttle.rl.trainer import Trainer, TrainerConfig
+
+    path, _ = gpt_oss
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, moe_quant=moe_quant)
+    batch, behaviour = _sampled_batch(llm, seed=3)
     trainer = Trainer(path, TrainerConfig(moe_quant=moe_quant, lr=1e-2))
     m = mismatch(trainer.score(batch), behaviour)
     assert m.num_tokens == 3 * 2 * 12 and m.max_abs <= 1e-5, m
@@ -285,13 +293,8 @@ def test_trainer_scores_what_the_engine_samples(gpt_oss, moe_quant):
     # engine's next samples are scored alike by the trained policy
     trainer.step(batch)
     trainer.push_weights(llm)
-    groups = sample_groups(llm, parity_prompts()[2:5], 2, SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True))
-    for g in groups:
-        for i, s in enumerate(g.samples):
-            s.reward = float(i)
-    batch = TrainBatch.from_groups(groups, compute_advantages(groups, True))
-    packed = batch.packed()
-    after = mismatch(trainer.score(batch), packed.rollout_logprobs[packed.loss_mask > 0])
+    batch, behaviour = _sampled_batch(llm, seed=4)
+    after = mismatch(trainer.score(batch), behaviour)
     assert after.max_abs <= 1e-5, after
-    stale = mismatch(Trainer(path, TrainerConfig(moe_quant=moe_quant)).score(batch), packed.rollout_logprobs[packed.loss_mask > 0])
+    stale = mismatch(Trainer(path, TrainerConfig(moe_quant=moe_quant)).score(batch), behaviour)
     assert stale.mean_abs > 10 * max(after.mean_abs, 1e-7)  # the step moved the policy, and the engine with it
