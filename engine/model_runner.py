@@ -133,10 +133,6 @@ class ModelRunner:
         if torch_experts:
             return (f"the routed experts of layer {torch_experts[0]} run on torch (native expert kernels off: "
                     "CUTTLE_MOE_NATIVE=0, or activation quantization)")
-        if self.model.cfg.layer_norm or self.model.cfg.gelu_mlp:
-            # torch's vectorized layer_norm / gelu put a row's elements in scalar tails or thread
-            # ranges by the batch's size, as its silu does (the native silu kernel exists for that)
-            return "StarCoder2's LayerNorm and gelu MLP run on torch, whose results depend on the batch's shape"
         if (self.config.quantization or self.config.moe_quant) and not mxfp8.available():
             return "MXFP8 weights need the native MXFP8 kernels, not built here"
         return None

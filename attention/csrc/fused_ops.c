@@ -520,3 +520,42 @@ int fused_rms_norm_inplace(void *x, int64_t x_stride, const void *w, int dt, int
     }
     return 0;
 }
+
+/* StarCoder2's LayerNorm and gelu, so its decode steps are native calls only (kernel graphs) and
+ * one formula per row / element (batch-invariant). Not torch's bits: torch's layer_norm sums by
+ * its own moments kernel and its gelu takes a vector tanh, so results agree to within an fp32
+ * ulp or two (one bf16 rounding of the same float value, mostly the same bits).
+ * y = (x - mean) / sqrt(var + eps) * w + b per row of n (x_stride apart, unit inner stride; y
+ * contiguous), the moments in double, the rest in fp32, rounded once to dt. */
+int fused_layer_norm(const void *x, int64_t x_stride, const void *w, const void *b, void *y, int dt, int64_t rows, int64_t n,
+                     float eps) {
+    if (n <= 0 || (dt != DT_F32 && dt != DT_BF16)) return -1;
+#pragma omp parallel for schedule(static) if (rows * n >= PAR_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        double s = 0.0, ss = 0.0;
+        for (int64_t j = 0; j < n; j++) s += ld(x, dt, r * x_stride + j);
+        const double mean = s / (double)n;
+        for (int64_t j = 0; j < n; j++) {
+            const double d = ld(x, dt, r * x_stride + j) - mean;
+            ss += d * d;
+        }
+        const float m = (float)mean, rstd = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+        for (int64_t j = 0; j < n; j++)
+            st(y, dt, r * n + j, (ld(x, dt, r * x_stride + j) - m) * rstd * ld(w, dt, j) + (b ? ld(b, dt, j) : 0.0f));
+    }
+    return 0;
+}
+
+/* y = gelu(x) with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), per
+ * element in fp32, rounded once to dt; x [rows, n] rows x_stride apart, y contiguous. */
+int fused_gelu_tanh(const void *x, int64_t x_stride, void *y, int dt, int64_t rows, int64_t n) {
+    if (dt != DT_F32 && dt != DT_BF16) return -1;
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+#pragma omp parallel for schedule(static) if (rows * n >= PAR_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < n; j++) {
+            const float v = ld(x, dt, r * x_stride + j);
+            st(y, dt, r * n + j, 0.5f * v * (1.0f + tanhf(k0 * (v + k1 * v * v * v))));
+        }
+    return 0;
+}

@@ -276,3 +276,30 @@ def scale(x: torch.Tensor, factor: float | torch.Tensor, divide: bool = False) -
     lib.fused_elementwise(x.data_ptr(), stride, None, 0, rows_f.data_ptr() if rows_f is not None else None,
                           0.0 if rows_f is not None else float(factor), out.data_ptr(), _DT[x.dtype], rows, n, 2 if divide else 1)
     return out
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """F.layer_norm over the last dim (StarCoder2's), one native call on CPU: moments in double,
+    within an fp32 ulp or two of torch's (not its bits); torch under autograd or elsewhere."""
+    lib = kernels().lib
+    rows = _rows(x) if lib is not None and _native(x, weight, *(() if bias is None else (bias,))) else None
+    n = x.shape[-1] if x.dim() else 0
+    if rows is None or rows[0] == 0 or n == 0 or not _vector_ok(weight, n) or (bias is not None and not _vector_ok(bias, n)):
+        return F.layer_norm(x, (n,), weight, bias, eps)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    lib.fused_layer_norm(x.data_ptr(), rows[1], weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                         _DT[x.dtype], rows[0], n, eps)
+    return y
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """F.gelu(x, approximate="tanh"), one native call on CPU (libm's tanh: within an fp32 ulp or
+    two of torch's vector tanh); torch under autograd or elsewhere."""
+    lib = kernels().lib
+    rows = _rows(x) if lib is not None and _native(x) else None
+    n = x.shape[-1] if x.dim() else 0
+    if rows is None or rows[0] == 0 or n == 0:
+        return F.gelu(x, approximate="tanh")
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    lib.fused_gelu_tanh(x.data_ptr(), rows[1], y.data_ptr(), _DT[x.dtype], rows[0], n)
+    return y

@@ -3,19 +3,19 @@ LayerNorm with a bias (StarCoder2), and the uninitialized, frozen parameter ever
 starts as (the loader fills it).
 
 RMSNorm runs through `cuttle.attention.native.fused.rms_norm`: one native kernel on CPU tensors
-(bit-identical to the torch formula), the torch formula elsewhere and under autograd. LayerNorm is
-torch's `layer_norm`, as transformers' `nn.LayerNorm` computes it. Both take the residual add
-that precedes them (`add`): one fused kernel for RMSNorm, the add then the norm for LayerNorm.
+(bit-identical to the torch formula), the torch formula elsewhere and under autograd. LayerNorm
+runs through `fused.layer_norm` (within an fp32 ulp or two of torch's `layer_norm`, not its bits;
+torch's own elsewhere and under autograd). Both take the residual add that precedes them (`add`):
+one fused kernel for RMSNorm, the native add then the norm for LayerNorm.
 
 Owns no model structure and never reads a config.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from cuttle.attention.native.fused import add_rms_norm, rms_norm
+from cuttle.attention.native.fused import add, add_rms_norm, layer_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -44,10 +44,10 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return layer_norm(x, self.weight, self.bias, self.eps)
 
     def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + delta
+        x = add(x, delta)
         return x, self(x)
 
 

@@ -31,7 +31,8 @@ from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native import rows
 from cuttle.attention.native.gemm import derived
-from cuttle.attention.native.fused import add, qk_norm_rope, rms_norm, rms_norm_, scale, sigmoid, silu_mul, sink_scale
+from cuttle.attention.native.fused import (add, gelu_tanh, qk_norm_rope, rms_norm, rms_norm_, scale, sigmoid, silu_mul,
+                                           sink_scale)
 from cuttle.attention.nsa import NSAConfig, compress, compress_windows, nsa_attend, nsa_attend_segments
 from cuttle.attention.rope import RotaryEmbedding, apply_rope, rotate_partial
 from cuttle.attention.topk import TopKConfig, parse_sparse_attention, topk_attend_chunked, topk_attend_segments
@@ -334,7 +335,7 @@ class GeluMLP(nn.Module):
         self.proj_bias = empty_param(hidden, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.gelu(linear(x, self.fc_weight, self.fc_bias), approximate="tanh"), self.proj_weight, self.proj_bias)
+        return linear(gelu_tanh(linear(x, self.fc_weight, self.fc_bias)), self.proj_weight, self.proj_bias)
 
 
 def _norm(cfg: ModelConfig, dtype: torch.dtype) -> RMSNorm | LayerNorm:

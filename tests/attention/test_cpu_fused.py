@@ -320,6 +320,20 @@ def test_sink_scale_is_the_torch_formula(dtype, native_calls) -> None:
     assert native_calls == {"fused_sink_scale": 1}
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_and_gelu_close_to_torch(dtype, native_calls) -> None:
+    """StarCoder2's LayerNorm (moments in double) and tanh gelu (libm's tanh): not torch's bits,
+    within an fp32 ulp or two of its values (in bf16, one rounding of them); strided rows too."""
+    g = _gen(12)
+    wide = (torch.randn(33, 400, generator=g) * 3 + 1).to(dtype)
+    x = wide[:, 50:350]
+    w, b = torch.randn(300, generator=g).to(dtype), torch.randn(300, generator=g).to(dtype)
+    tol = dict(rtol=4e-6, atol=4e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(fused.layer_norm(x, w, b, 1e-5).float(), F.layer_norm(x, (300,), w, b, 1e-5).float(), **tol)
+    torch.testing.assert_close(fused.gelu_tanh(x).float(), F.gelu(x, approximate="tanh").float(), **tol)
+    assert native_calls == {"fused_layer_norm": 1, "fused_gelu_tanh": 1}
+
 def test_elementwise_fallbacks(native_calls) -> None:
     """Broadcasting, autograd and mixed dtypes take torch (no kernel call)."""
     x = torch.randn(4, 8)

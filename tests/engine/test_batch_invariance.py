@@ -64,7 +64,10 @@ def paths(tmp_path_factory) -> dict[str, str]:
         layer.self_attn.sinks.data.normal_(0.5, 1.0)
     oss_model.save_pretrained(out["gpt_oss"])
     write_tokenizer(out["gpt_oss"], 256)
-    for name, model in (("olmo2", transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common))),
+    # StarCoder2: LayerNorm with biases and the gelu MLP (native kernels, one formula per row / element)
+    sc2 = transformers.Starcoder2Config(sliding_window=None, **{**common, "num_key_value_heads": 2})
+    for name, model in (("starcoder2", transformers.Starcoder2ForCausalLM(sc2)),
+                        ("olmo2", transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common))),
                         ("granite", transformers.GraniteForCausalLM(transformers.GraniteConfig(
                             embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05, logits_scaling=2.5, **common))),
                         ("ministral3", transformers.Ministral3ForCausalLM(transformers.Ministral3Config(rope_parameters=rope, **common)))):
@@ -112,6 +115,8 @@ CASES = {
     "Ministral 3 (query scaling past 96 positions) bf16": ("ministral3", dict(dtype="bfloat16")),
     "gpt-oss (sinks, window 70, biased clamped experts) bf16": ("gpt_oss", dict(dtype="bfloat16")),
     "gpt-oss fp32": ("gpt_oss", dict(dtype="float32")),
+    "StarCoder2 (LayerNorm, gelu MLP) bf16": ("starcoder2", dict(dtype="bfloat16")),
+    "StarCoder2 fp32": ("starcoder2", dict(dtype="float32")),
 }
 
 

@@ -143,7 +143,3 @@ def test_starcoder2_lora_on_attention_and_refused_on_its_mlp(starcoder2, tmp_pat
     with pytest.raises(ValueError, match="c_fc"):
         llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=LoRARequest("mlp", 2, md))
 
-
-def test_starcoder2_batch_invariance_is_refused_by_name(starcoder2):
-    with pytest.raises(ValueError, match="batch_invariant=True: StarCoder2's LayerNorm and gelu MLP run on torch"):
-        LLM(starcoder2[0], dtype="float32", num_kv_blocks=64, batch_invariant=True)

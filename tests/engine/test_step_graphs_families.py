@@ -2,7 +2,8 @@
 graphs now (engine/step_graphs.py), with the eager engine's tokens and logprobs bit for bit: a
 shared expert's add and gate (Qwen2-MoE, GLM-4.5), OLMo's post-norm adds and whole-row q/k norms
 (in place), MiniMax-M2's whole-row norms and sigmoid router, Granite's multipliers, Ministral 3's
-query scaling past its first band, Mixtral. Tiny random checkpoints, bf16 and fp32."""
+query scaling past its first band, StarCoder2's LayerNorm and gelu MLP (native kernels), and
+Mixtral (which replayed before). Tiny random checkpoints, bf16 and fp32."""
 from __future__ import annotations
 
 import pytest
@@ -26,6 +27,8 @@ def _dense(name: str):
         return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**COMMON))
     if name == "olmo3":
         return transformers.Olmo3ForCausalLM(transformers.Olmo3Config(sliding_window=256, **COMMON))
+    if name == "starcoder2":
+        return transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(sliding_window=None, **COMMON))
     if name == "granite":
         return transformers.GraniteForCausalLM(transformers.GraniteConfig(
             embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05, logits_scaling=2.5, **COMMON))
@@ -35,14 +38,15 @@ def _dense(name: str):
     return transformers.Ministral3ForCausalLM(transformers.Ministral3Config(rope_parameters=rope, **COMMON))
 
 
-FAMILIES = ["olmo2", "olmo3", "granite", "ministral3", "qwen2_moe", "glm4_moe", "glm4_moe_air", "minimax_m2", "mixtral"]
+FAMILIES = ["olmo2", "olmo3", "granite", "ministral3", "starcoder2", "qwen2_moe", "glm4_moe", "glm4_moe_air", "minimax_m2",
+            "mixtral"]
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
     out = {}
     for name in FAMILIES:
-        model = _dense(name) if name in ("olmo2", "olmo3", "granite", "ministral3") else family_model(name)
+        model = _dense(name) if name in ("olmo2", "olmo3", "granite", "ministral3", "starcoder2") else family_model(name)
         out[name] = str(tmp_path_factory.mktemp(name))
         model.save_pretrained(out[name])
         write_tokenizer(out[name], 256)
