@@ -49,7 +49,8 @@ TEMPLATE_FIELDS = frozenset({"chat_template", "chat_template_kwargs", "add_gener
 CHAT_FIELDS = SAMPLING_FIELDS | STRUCTURED_FIELDS | TEMPLATE_FIELDS | {
     "model", "messages", "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice", "response_format",
     "logprobs", "top_logprobs", "cache_salt", "documents", "echo", "include_reasoning", "prompt_logprobs",
-    "return_tokens_as_token_ids", "priority", "use_beam_search", "length_penalty", "parallel_tool_calls", "return_token_ids"}
+    "return_tokens_as_token_ids", "priority", "use_beam_search", "length_penalty", "parallel_tool_calls", "return_token_ids",
+    "reasoning_effort"}
 # /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize, vLLM's shapes.
 TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = TEMPLATE_FIELDS | {"model", "messages", "tools", "add_special_tokens", "return_token_strs"}

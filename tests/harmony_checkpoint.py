@@ -2,7 +2,7 @@
 with harmony's markers as special tokens, `<|return|>` and `<|call|>` its stop tokens, and a chat
 template that writes harmony messages (tools in a developer message, a call as a commentary
 message to `functions.NAME`, a tool's result as a message from it, the generation prompt
-`<|start|>assistant`). Its weights are a tiny random Qwen3's: the tests script the sampled ids.
+`<|start|>assistant`; a system message naming the reasoning effort, as gpt-oss's does). Its weights are a tiny random Qwen3's: the tests script the sampled ids.
 Built in a directory, no download."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from helpers import make_checkpoint
 MARKERS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 
 HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
     "{%- if tools -%}<|start|>developer<|message|># Tools\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}<|end|>{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'system' or m.role == 'user' -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"

@@ -75,9 +75,29 @@ class ChatTemplate:
         return text[len(head):] if text.startswith(head) else fallback
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning effort values
+
+
+def effort_kwargs(effort: Any, template_reads: set[str], param: str, what: str) -> dict[str, Any]:
+    """A reasoning effort as the chat template reads it: its own `reasoning_effort` variable where
+    it has one (gpt-oss's), or "none" as `enable_thinking: false` (Qwen3's); any other effort on a
+    template without the variable is a 400 naming `param`, since it would change nothing. `what`
+    names the field in messages (`reasoning_effort`, `reasoning.effort`)."""
+    if effort not in EFFORTS:
+        raise OpenAIError(f"{what} {effort!r} is not one of {', '.join(EFFORTS)}", param=param)
+    if "reasoning_effort" in template_reads:
+        return {"reasoning_effort": effort}
+    if effort == "none" and "enable_thinking" in template_reads:
+        return {"enable_thinking": False}
+    raise OpenAIError(f"{what} {effort!r} is not supported by this model's chat template: it reads no reasoning_effort "
+                      "variable" + (" (effort 'none' turns thinking off)" if "enable_thinking" in template_reads else ""),
+                      param=param)
+
+
 def read_chat_template(body: dict[str, Any], tok: Tokenizer, opts: ChatOptions) -> ChatTemplate:
-    """The request's `chat_template`, `chat_template_kwargs`, `add_generation_prompt` and
-    `continue_final_message`, as vLLM reads them; anything cuttle cannot honour is a 400."""
+    """The request's `chat_template`, `chat_template_kwargs`, `reasoning_effort` (OpenAI's chat
+    field: `effort_kwargs`), `add_generation_prompt` and `continue_final_message`, as vLLM reads
+    them; anything cuttle cannot honour is a 400."""
     source = opts.chat_template
     own = get_str(body, "chat_template")
     if own is not None:
@@ -103,6 +123,13 @@ def read_chat_template(body: dict[str, Any], tok: Tokenizer, opts: ChatOptions) 
             readable = sorted(n for n in names if n not in _RESERVED)
             raise OpenAIError(f"chat_template_kwargs.{k} is not read by the chat template (it reads: "
                               f"{', '.join(readable) or 'nothing else'})", param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        extra = effort_kwargs(effort, names, "reasoning_effort", "reasoning_effort")
+        clash = [k for k, v in extra.items() if k in kwargs and kwargs[k] != v]
+        if clash:
+            raise OpenAIError(f"reasoning_effort sets {clash[0]}, which chat_template_kwargs sets otherwise", param="reasoning_effort")
+        kwargs = {**kwargs, **extra}
     agp = get_bool(body, "add_generation_prompt", True)
     cfm = get_bool(body, "continue_final_message", False)
     if agp and cfm:

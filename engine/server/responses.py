@@ -54,7 +54,7 @@ from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.reasoning_parsers import split_reasoning
 from cuttle.engine.server.body import read_body
 from cuttle.engine.server.chat import ChatCall, flatten_messages, prepare_chat
-from cuttle.engine.server.chat_prompt import ChatOptions, ToolCallReplay, read_chat_template
+from cuttle.engine.server.chat_prompt import ChatOptions, ToolCallReplay, effort_kwargs, read_chat_template
 from cuttle.engine.async_engine import RequestStream
 from cuttle.engine.server.conversations import Conversation, ConversationStore, add_conversation_routes, check_metadata, page
 from cuttle.engine.server.streaming import Delta, Fields, Serving, admit, as_openai_error, final_output
@@ -69,7 +69,6 @@ _SEALED = "reasoning.encrypted_content"
 # items valid across restarts and replicas; else one per server process
 _SEAL_KEY = os.environ.get("CUTTLE_REASONING_KEY", "").encode() or secrets.token_bytes(32)
 _SEAL_TAG = "cuttle-rs1"
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning.effort values
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}  # item ids
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_BYTES = 256 * 2**20
@@ -487,15 +486,7 @@ def _reasoning_kwargs(reasoning: Any, template_reads: set[str]) -> dict[str, Any
     effort = reasoning.get("effort")
     if effort is None:
         return None
-    if effort not in EFFORTS:
-        raise OpenAIError(f"reasoning.effort {show(effort)} is not one of {', '.join(EFFORTS)}", param="reasoning")
-    if "reasoning_effort" in template_reads:
-        return {"reasoning_effort": effort}
-    if effort == "none" and "enable_thinking" in template_reads:
-        return {"enable_thinking": False}
-    raise OpenAIError(f"reasoning.effort {effort!r} is not supported by this model's chat template: it reads no "
-                      "reasoning_effort variable" + (" (effort 'none' turns thinking off)" if "enable_thinking" in template_reads else ""),
-                      param="reasoning")
+    return effort_kwargs(effort, template_reads, "reasoning", "reasoning.effort")
 
 
 def _renamed(build: Callable[[], Any]) -> Any:

@@ -198,3 +198,21 @@ def test_beam_search_keeps_the_markers_and_splits_each_beam(live):
         msg = choice["message"]
         assert "<|" not in (msg.get("content") or "") or "<|start|>assistant to=functions." in msg["content"]
         assert "<|" not in (msg.get("reasoning_content") or "")
+
+
+def test_reasoning_effort_reaches_the_template(live):
+    """OpenAI's chat field `reasoning_effort` is the template's `reasoning_effort` (gpt-oss's
+    system message); an unknown effort, or one clashing with chat_template_kwargs, is a 400."""
+    def prompt_tokens(**extra) -> int:
+        r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "seed": 402, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    # a byte-level vocabulary: a token a byte, so "high" is two tokens fewer than the default "medium"
+    assert prompt_tokens(reasoning_effort="high") == prompt_tokens() - 2
+    assert prompt_tokens(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "low"}) == prompt_tokens() - 3
+    for body in ({"reasoning_effort": "extreme"}, {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}):
+        r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
