@@ -559,3 +559,45 @@ int fused_gelu_tanh(const void *x, int64_t x_stride, void *y, int dt, int64_t ro
         }
     return 0;
 }
+
+/* ---- multi-head latent attention: q / k / v assembled for the paged cache ----------------------
+ * DeepSeek-V2 / V3's per-head q (nope then rope dims, the checkpoint's order; rows of
+ * heads * (nope + rope), q_stride apart), the shared rotary key (rows of rope, k_rot_stride apart)
+ * and the decompressed kv (rows of heads * (nope + vdim), kv_stride apart) -> q_out, k_out, v_out
+ * [rows, heads, cache_dim] contiguous: rotary dims first (de-interleaved first where the checkpoint
+ * stores them as pairs), rotated as torch's apply_rope rotates them (norm_rope_head, no norm), then
+ * the nope dims, v, and zeros up to cache_dim -- what mla.py's torch code builds with cats and pads,
+ * in one pass, so an MLA decode step is native calls only. */
+int fused_mla_qkv(const void *q, int64_t q_stride, const void *k_rot, int64_t k_rot_stride, const void *kv, int64_t kv_stride,
+                  const void *cos, const void *sin, int64_t cs_stride, void *q_out, void *k_out, void *v_out, int dt, int64_t rows,
+                  int64_t heads, int64_t nope, int64_t rope, int64_t vdim, int64_t cache_dim, int interleave, int lanes) {
+    if ((dt != DT_F32 && dt != DT_BF16) || rope <= 0 || rope % 2 || rope > MAX_HEAD_DIM || nope < 0 || vdim <= 0 ||
+        nope + rope > cache_dim || vdim > cache_dim)
+        return -1;
+    const int64_t half = rope / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * cache_dim >= PAR_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const void *c = row_at(cos, dt, r * cs_stride), *s = row_at(sin, dt, r * cs_stride);
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t qo = (r * heads + h) * cache_dim, qi = r * q_stride + h * (nope + rope);
+            const int64_t kvi = r * kv_stride + h * (nope + vdim);
+            for (int64_t i = 0; i < rope; i++) {
+                const int64_t j = interleave ? (i < half ? 2 * i : 2 * (i - half) + 1) : i;
+                st(q_out, dt, qo + i, ld(q, dt, qi + nope + j));
+                if (h == 0) st(k_out, dt, qo + i, ld(k_rot, dt, r * k_rot_stride + j));
+            }
+            norm_rope_head(row_at_mut(q_out, dt, qo), dt, rope, half, (const void *)0, 0.f, c, s, lanes);
+            if (h == 0) norm_rope_head(row_at_mut(k_out, dt, qo), dt, rope, half, (const void *)0, 0.f, c, s, lanes);
+            else
+                for (int64_t i = 0; i < rope; i++) st(k_out, dt, qo + i, ld(k_out, dt, r * heads * cache_dim + i));
+            for (int64_t i = 0; i < nope; i++) {
+                st(q_out, dt, qo + rope + i, ld(q, dt, qi + i));
+                st(k_out, dt, qo + rope + i, ld(kv, dt, kvi + i));
+            }
+            for (int64_t i = nope + rope; i < cache_dim; i++) st(q_out, dt, qo + i, 0.f), st(k_out, dt, qo + i, 0.f);
+            for (int64_t i = 0; i < vdim; i++) st(v_out, dt, qo + i, ld(kv, dt, kvi + nope + i));
+            for (int64_t i = vdim; i < cache_dim; i++) st(v_out, dt, qo + i, 0.f);
+        }
+    }
+    return 0;
+}

@@ -60,6 +60,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "fused_rms_norm_inplace": ([_vp, _i64, _vp, _int, _i64, _i64, ctypes.c_float, _int], _int),
     "fused_layer_norm": ([_vp, _i64, _vp, _vp, _vp, _int, _i64, _i64, ctypes.c_float], _int),
     "fused_gelu_tanh": ([_vp, _i64, _vp, _int, _i64, _i64], _int),
+    "fused_mla_qkv": ([_vp, _i64, _vp, _i64, _vp, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _int, _i64, _i64, _i64, _i64, _i64, _i64,
+                       _int, _int], _int),
     "fused_elementwise": ([_vp, _i64, _vp, _i64, _vp, ctypes.c_float, _vp, _int, _i64, _i64, _int], _int),
     "gather_rows": ([_vp, _i64, _i64, _vp, _i64, _vp, _i64, _i64], _int),
     "scatter_rows": ([_vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64], _int),

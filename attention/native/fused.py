@@ -4,7 +4,8 @@ gates and routers (NSA's branch gates, a shared expert's gate, the torch sigmoid
 gpt-oss's attention-sink scaling of the attention output (`sink_scale`), and the plain adds and
 scalings some families put between the kernels (`add`, `scale`: a shared expert's output added to
 the routed one and its gate, OLMo's post-norm residual adds, Granite's multipliers, Ministral 3's
-query scaling), bit for bit as torch computes them, so those steps replay as kernel graphs.
+query scaling), bit for bit as torch computes them, so those steps replay as kernel graphs; and
+multi-head latent attention's q / k / v assembled for the cache in one call (`mla_qkv`).
 
 Owns the Python side of `attention/csrc/fused_ops.c` (built into the one kernel library of
 `cuttle.attention.native.build`) and the torch code each kernel replaces, which is also its
@@ -303,3 +304,31 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.fused_gelu_tanh(x.data_ptr(), rows[1], y.data_ptr(), _DT[x.dtype], rows[0], n)
     return y
+
+
+def narrow_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, :n] of a 2-D tensor with unit inner stride as a new contiguous tensor: one native copy
+    (the multiply by 1.0 of `scale`, exact) on CPU, torch's copy otherwise."""
+    part = x[:, :n]
+    return scale(part, 1.0) if part.dim() == 2 and part.stride(1) == 1 else part.contiguous()
+
+
+def mla_qkv(q: torch.Tensor, k_rot: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, nope: int,
+            rope: int, vdim: int, cache_dim: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Multi-head latent attention's q, k, v for the paged cache, [T, heads, cache_dim] each (rotary
+    dims first and rotated, nope dims, v, zero padding), from q rows [T, heads * (nope + rope)]
+    (checkpoint order), the shared rotary key [T, rope] and kv [T, heads * (nope + vdim)]: one
+    native call, the torch code's values bit for bit. None where the kernel does not apply (the
+    caller then runs its torch code)."""
+    lib = kernels().lib
+    T = q.shape[0]
+    if lib is None or T == 0 or any(t.dim() != 2 or t.stride(1) != 1 for t in (q, k_rot, kv)) or not _native(q, k_rot, kv, cos, sin):
+        return None
+    cs = _table_rows(cos, T, rope // 2)
+    if cs is None or _table_rows(sin, T, rope // 2) != cs:
+        return None
+    out = [torch.empty(T, heads, cache_dim, dtype=q.dtype) for _ in range(3)]
+    rc = lib.fused_mla_qkv(q.data_ptr(), q.stride(0), k_rot.data_ptr(), k_rot.stride(0), kv.data_ptr(), kv.stride(0),
+                           cos.data_ptr(), sin.data_ptr(), cs, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
+                           _DT[q.dtype], T, heads, nope, rope, vdim, cache_dim, int(interleave), kernels().sum_lanes)
+    return None if rc != 0 else (out[0], out[1], out[2])

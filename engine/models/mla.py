@@ -9,7 +9,10 @@ the padding is sliced off the output. The rotary dims come first in q and k (the
 order is nope then rope; q.k does not care), so a squid document moved by a rope delta is attended
 by rotating the query's first rotary dims, as for every model. The inference projections take the
 native linear kernels (`native.gemm.linear`: packed once, batch-invariant like every other linear
-layer; the training path's 3-D rows fall back to `F.linear`). Caching the latent instead (absorbed MLA) is a later
+layer; the training path's 3-D rows fall back to `F.linear`), and at inference the rotations, cats
+and pads that assemble q / k / v for the cache are one native call (`fused.mla_qkv`, the torch
+code's bits), so an MLA decode step replays as a kernel graph (without latent biases, whose adds
+stay torch). Caching the latent instead (absorbed MLA) is a later
 optimisation this module must not be confused with: it never stores or attends over latents.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native import gemm
+from cuttle.attention.native.fused import mla_qkv, narrow_rows
 from cuttle.attention.rope import apply_rope, yarn_softmax_scale
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
@@ -92,6 +96,19 @@ class MLAttention(nn.Module):
         k = torch.cat((apply_rope(k_rot, cos, sin).expand(T, self.num_heads, self.rope), k_nope), dim=-1)
         return q, k, v
 
+    def _cache_qkv_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """`_qkv` padded to the cache width, its rotations, cats and pads in one native call
+        (`fused.mla_qkv`), so an MLA decode step is native calls only (kernel graphs); None where
+        that does not apply (latent biases, autograd, no kernel library): the torch code then."""
+        if self.kv_a_bias is not None or self.q_a_bias is not None:
+            return None
+        q, kv_a = gemm.linear(x, self.a_weight).split([self.q_rows, self.kv_lora_rank + self.rope], dim=-1)
+        if self.q_a_norm is not None:
+            q = gemm.linear(self.q_a_norm(q), self.q_b_weight)
+        latent, k_rot = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = gemm.linear(self.kv_a_norm(latent), self.kv_b_weight)
+        return mla_qkv(q, k_rot, kv, cos, sin, self.num_heads, self.nope, self.rope, self.v_dim, self.cache_dim, self.interleave)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -101,8 +118,11 @@ class MLAttention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        q, k, v = (_pad_to(t, self.cache_dim) for t in self._qkv(x, cos, sin))
-        o = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)[0][..., : self.v_dim]
+        qkv = self._cache_qkv_native(x, cos, sin)
+        q, k, v = qkv if qkv is not None else (_pad_to(t, self.cache_dim) for t in self._qkv(x, cos, sin))
+        o = backend.forward(self.layer_id, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)[0]
+        if self.cache_dim != self.v_dim:  # the padding's output columns dropped (one native copy on CPU)
+            o = narrow_rows(o.reshape(-1, self.cache_dim), self.v_dim)
         return gemm.linear(o.reshape(-1, self.num_heads * self.v_dim), self.o_weight, self.o_bias)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
