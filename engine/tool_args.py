@@ -166,17 +166,27 @@ class XmlArguments:
     def _take(self, n: int) -> None:
         self.buf, self.fed = self.buf[n:], self.fed + n
 
+    def _next_tag(self, opening: str, closing: str, out: list[str], end_after_closing: bool) -> int | None:
+        """Between values, every format: where the next `opening` starts in `buf`, or None when the
+        call's `closing` comes first (the object closed, `done`; `end` before the closing tag, or
+        after it with `end_after_closing`) or neither is in sight yet (the text that cannot begin
+        either taken, as the whole-text parse skips it)."""
+        p, f = self.buf.find(opening), self.buf.find(closing)
+        if f != -1 and (p == -1 or f < p):
+            out.append("}" if self.keys else "{}")
+            self.done, self.end = True, self.fed + f + (len(closing) if end_after_closing else 0)
+            return None
+        if p == -1:
+            keep = max(partial_suffix(self.buf, opening), partial_suffix(self.buf, closing))
+            self._take(len(self.buf) - keep)
+            return None
+        return p
+
     def _tag(self, out: list[str]) -> bool:
         """Between parameters: the next `<parameter=K>` or `</function>` (other text is not part
         of any value: the whole-text parse skips it too); False when more text is needed."""
-        p, f = self.buf.find(_PARAM_OPEN), self.buf.find(_FUNCTION_CLOSE)
-        if f != -1 and (p == -1 or f < p):
-            out.append("}" if self.keys else "{}")
-            self.done, self.end = True, self.fed + f + len(_FUNCTION_CLOSE)
-            return False
-        if p == -1:
-            keep = max(partial_suffix(self.buf, _PARAM_OPEN), partial_suffix(self.buf, _FUNCTION_CLOSE))
-            self._take(len(self.buf) - keep)
+        p = self._next_tag(_PARAM_OPEN, _FUNCTION_CLOSE, out, end_after_closing=True)
+        if p is None:
             return False
         close = self.buf.find(">", p)
         if close == -1:
@@ -245,14 +255,8 @@ class GlmArguments(XmlArguments):
     def _tag(self, out: list[str]) -> bool:
         """Between pairs: the next `<arg_key>K</arg_key>` and the `<arg_value>` after it, or the
         call's end (text elsewhere is no value's: the whole-text parse skips it too)."""
-        k, f = self.buf.find(_KEY_OPEN), self.buf.find(_CALL_CLOSE)
-        if f != -1 and (k == -1 or f < k):
-            out.append("}" if self.keys else "{}")
-            self.done, self.end = True, self.fed + f
-            return False
-        if k == -1:
-            keep = max(partial_suffix(self.buf, _KEY_OPEN), partial_suffix(self.buf, _CALL_CLOSE))
-            self._take(len(self.buf) - keep)
+        k = self._next_tag(_KEY_OPEN, _CALL_CLOSE, out, end_after_closing=False)
+        if k is None:
             return False
         self._take(k)
         close = self.buf.find(_KEY_CLOSE)
@@ -278,14 +282,8 @@ class MinimaxArguments(XmlArguments):
     def _tag(self, out: list[str]) -> bool:
         """Between parameters: the next `<parameter name="K">` or the call's end (text elsewhere is
         no value's: the whole-text parse skips it too)."""
-        p, f = self.buf.find(_MM_PARAM_OPEN), self.buf.find(_INVOKE_CLOSE)
-        if f != -1 and (p == -1 or f < p):
-            out.append("}" if self.keys else "{}")
-            self.done, self.end = True, self.fed + f
-            return False
-        if p == -1:
-            keep = max(partial_suffix(self.buf, _MM_PARAM_OPEN), partial_suffix(self.buf, _INVOKE_CLOSE))
-            self._take(len(self.buf) - keep)
+        p = self._next_tag(_MM_PARAM_OPEN, _INVOKE_CLOSE, out, end_after_closing=False)
+        if p is None:
             return False
         close = self.buf.find(_MM_KEY_END, p + len(_MM_PARAM_OPEN))
         if close == -1:

@@ -49,6 +49,14 @@ def write_tokenizer(path: str, vocab_size: int, extra_specials: tuple[str, ...] 
         json.dump({"chat_template": template, "eos_token": "<|im_end|>", "bos_token": None}, f)
 
 
+
+def save_checkpoint(path: str, model) -> tuple[str, object]:
+    """A transformers model saved HF-style in `path` with the test tokenizer over its vocabulary:
+    (path, model), what the model tests' fixtures return."""
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
+    return path, model
+
 def tiny_config(arch: str, **over: Any):
     import transformers
 

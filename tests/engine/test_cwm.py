@@ -8,7 +8,7 @@ import pytest
 
 from cuttle.engine.config import ModelConfig
 from helpers import (assert_generates_as_transformers, assert_packed_forward_is_transformers,
-                     parity_prompts, write_tokenizer)
+                     parity_prompts, save_checkpoint)
 from moe_families import randomize_
 
 
@@ -22,9 +22,7 @@ def cwm(tmp_path_factory):
                                  eos_token_id=1, bos_token_id=2, pad_token_id=0)
     assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"]
     model = randomize_(transformers.CwmForCausalLM(cfg).float().eval(), 0.15, seed=8)
-    model.save_pretrained(path)
-    write_tokenizer(path, 256)
-    return path, model
+    return save_checkpoint(path, model)
 
 
 def test_cwm_token_exact_vs_transformers_past_the_window(cwm):

@@ -12,7 +12,7 @@ import torch
 
 from cuttle.engine.config import ModelConfig
 from cuttle.moe.routing import RoutingConfig, route
-from helpers import assert_generates_as_transformers, assert_packed_forward_is_transformers, parity_prompts, write_tokenizer
+from helpers import assert_generates_as_transformers, assert_packed_forward_is_transformers, parity_prompts, save_checkpoint
 from moe_families import randomize_
 
 VARIANTS = {
@@ -34,9 +34,7 @@ def deepseek_v2(request, tmp_path_factory):
         num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=512, rms_norm_eps=1e-6,
         tie_word_embeddings=False, eos_token_id=1, bos_token_id=None, pad_token_id=0, **VARIANTS[request.param])
     model = randomize_(transformers.DeepseekV2ForCausalLM(cfg).float().eval(), 0.15, seed=11)
-    model.save_pretrained(path)
-    write_tokenizer(path, 256)
-    return path, model
+    return save_checkpoint(path, model)
 
 
 def test_deepseek_v2_token_exact_vs_transformers(deepseek_v2):

@@ -22,7 +22,7 @@ from cuttle.engine.models import load_model
 from cuttle.engine.models.gpt_oss_checkpoint import dequantize_mxfp4, mxfp4_tensors, to_engine, to_hf
 from cuttle.engine.models.transformer import sink_scaled
 from helpers import (assert_generates_as_transformers, assert_hf_names_round_trip, assert_packed_forward_is_transformers,
-                     parity_prompts, write_tokenizer)
+                     parity_prompts, save_checkpoint, write_tokenizer)
 from moe_families import randomize_
 
 
@@ -55,9 +55,7 @@ def _model(cfg, seed: int = 5):
 def gpt_oss(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gpt_oss"))
     model = _model(_config())
-    model.save_pretrained(path)
-    write_tokenizer(path, 256)
-    return path, model
+    return save_checkpoint(path, model)
 
 
 def test_config_reads_gpt_oss(gpt_oss):

@@ -12,7 +12,7 @@ import pytest
 
 from cuttle.engine.config import ModelConfig
 from helpers import (assert_generates_as_transformers, assert_hf_names_round_trip, assert_packed_forward_is_transformers,
-                     parity_prompts, write_tokenizer)
+                     parity_prompts, save_checkpoint)
 from moe_families import randomize_
 
 
@@ -27,9 +27,7 @@ def granite(tmp_path_factory):
                                      embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05, logits_scaling=2.5,
                                      eos_token_id=1, bos_token_id=None, pad_token_id=0)
     model = randomize_(transformers.GraniteForCausalLM(cfg).float().eval(), 0.15, seed=6)
-    model.save_pretrained(path)
-    write_tokenizer(path, 256)
-    return path, model
+    return save_checkpoint(path, model)
 
 
 def test_granite_token_exact_vs_transformers(granite):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cuttle.engine.config import ModelConfig
-from helpers import assert_generates_as_transformers, assert_packed_forward_is_transformers, parity_prompts, write_tokenizer
+from helpers import assert_generates_as_transformers, assert_packed_forward_is_transformers, parity_prompts, save_checkpoint
 from moe_families import randomize_
 
 ORIGINAL = 96
@@ -26,9 +26,7 @@ def ministral3(tmp_path_factory):
                                         num_key_value_heads=2, head_dim=16, max_position_embeddings=4 * ORIGINAL, rope_parameters=rope,
                                         eos_token_id=1, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
     model = randomize_(transformers.Ministral3ForCausalLM(cfg).float().eval(), 0.15, seed=3)
-    model.save_pretrained(path)
-    write_tokenizer(path, 256)
-    return path, model
+    return save_checkpoint(path, model)
 
 
 def test_ministral3_token_exact_past_its_original_positions(ministral3):

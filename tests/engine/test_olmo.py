@@ -11,7 +11,7 @@ import torch
 
 from cuttle.engine.config import ModelConfig
 from helpers import (assert_generates_as_transformers, assert_hf_names_round_trip, assert_packed_forward_is_transformers,
-                     parity_prompts, write_tokenizer)
+                     parity_prompts, save_checkpoint)
 from moe_families import randomize_
 
 
@@ -32,9 +32,7 @@ def olmo(request, tmp_path_factory):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path)
-    write_tokenizer(path, 256)
-    return path, model, request.param
+    return (*save_checkpoint(path, model), request.param)
 
 
 def test_olmo_token_exact_vs_transformers(olmo):

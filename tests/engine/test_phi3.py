@@ -13,7 +13,7 @@ import pytest
 
 from cuttle.engine.config import ModelConfig
 from helpers import (assert_generates_as_transformers, assert_hf_names_round_trip, assert_packed_forward_is_transformers,
-                     parity_prompts, write_tokenizer)
+                     parity_prompts, save_checkpoint)
 from moe_families import randomize_
 
 VARIANTS = {"phi4": dict(), "phi4_mini_partial_window": dict(partial_rotary_factor=0.75, sliding_window=24)}
@@ -29,9 +29,7 @@ def phi3(request, tmp_path_factory):
                                   tie_word_embeddings=False, eos_token_id=1, bos_token_id=None, pad_token_id=0,
                                   **VARIANTS[request.param])
     model = randomize_(transformers.Phi3ForCausalLM(cfg).float().eval(), 0.15, seed=9)
-    model.save_pretrained(path)
-    write_tokenizer(path, 256)
-    return path, model, request.param
+    return (*save_checkpoint(path, model), request.param)
 
 
 def test_phi3_token_exact_vs_transformers(phi3):

@@ -14,7 +14,7 @@ import torch
 
 from cuttle.engine.config import ModelConfig
 from helpers import (assert_generates_as_transformers, assert_packed_forward_is_transformers,
-                     parity_prompts, write_tokenizer)
+                     parity_prompts, save_checkpoint)
 from moe_families import randomize_
 
 
@@ -32,9 +32,7 @@ def seed_oss(tmp_path_factory):
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
     assert model.model.layers[0].self_attn.q_proj.bias is not None and model.model.layers[0].self_attn.o_proj.bias is None
-    model.save_pretrained(path)
-    write_tokenizer(path, 256)
-    return path, model
+    return save_checkpoint(path, model)
 
 
 def test_seed_oss_token_exact_vs_transformers(seed_oss):

@@ -36,6 +36,13 @@ def live():
         yield srv
 
 
+def _served_with_parser(parser: str):
+    """The embedded model served with tool-call format `parser`, as an OpenAI client (a fixture's body)."""
+    with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32,
+                    app_kw={"tool_call_parser": parser}) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+
+
 @pytest.fixture()
 def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key="none")
@@ -215,9 +222,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(live, path, extra, param):
 def xml_client():
     """The same model served with Qwen3-Coder's XML tool-call format (`<function=...>` /
     `<parameter=...>`), whose calls the tool parser reads back by the tools' parameter types."""
-    with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32,
-                    app_kw={"tool_call_parser": "qwen3_coder"}) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    yield from _served_with_parser("qwen3_coder")
 
 
 def test_strict_tool_using_an_unenforced_keyword_is_refused(client):
@@ -283,9 +288,7 @@ def test_strict_tools_are_kept_under_the_grammar_and_refused_without_one(client,
 def glm_client():
     """The same model served with GLM-4.5's tool-call format (`<tool_call>NAME` and
     `<arg_key>` / `<arg_value>` pairs), its calls under xgrammar's glm_xml style."""
-    with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32,
-                    app_kw={"tool_call_parser": "glm45"}) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    yield from _served_with_parser("glm45")
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
@@ -315,9 +318,7 @@ def test_auto_glm45_calls_follow_the_schema_once_opened(glm_client):
 def seed_client():
     """The same model served with Seed-OSS's tool-call format (qwen3_coder's XML inside
     `<seed:tool_call>`), its calls under xgrammar's qwen_xml style."""
-    with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32,
-                    app_kw={"tool_call_parser": "seed_oss"}) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    yield from _served_with_parser("seed_oss")
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
@@ -329,9 +330,7 @@ def test_forced_seed_oss_tool_call_always_parses_and_validates(seed_client, tool
 def deepseek_client(request):
     """The same model served with DeepSeek's tool-call formats and MiniMax-M2's (their markers
     plain text in this vocabulary, so the calls run under the grammar)."""
-    with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32,
-                    app_kw={"tool_call_parser": request.param}) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    yield from _served_with_parser(request.param)
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
@@ -349,9 +348,7 @@ def test_forced_deepseek_and_minimax_tool_calls_always_parse_and_validate(deepse
 def llama_client():
     """The same model served with Llama 3.x's tool-call format: the reply is the call,
     `{"name": NAME, "parameters": ARGS}`, its arguments under the tool's schema."""
-    with LiveServer(default_model_path(), dtype="float32", num_kv_blocks=512, max_num_seqs=32,
-                    app_kw={"tool_call_parser": "llama3_json"}) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    yield from _served_with_parser("llama3_json")
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
