@@ -68,6 +68,7 @@ class KVSegment:
     causal: bool  # True only for a sequence's last segment (its own tokens, where new K/V go)
     rope_delta: int = 0  # keys rotated at c, placed at c + rope_delta in this sequence
     pool: int = 0  # 0 = the device pool, 1 = the host pool (read in place; its ids get HOST_BLOCK)
+    pos_base: int = 0  # the position its first token takes in this sequence (what sliding windows measure)
 
 
 @dataclass(slots=True)
@@ -108,6 +109,10 @@ class SegmentBatch:
     deltas_cpu: list[int]
     max_query_len: int
     max_kv_len: int
+    # positions, per part: its first key's, and its first query row's (the sequence's first new
+    # token); a sliding window compares them (each query at p sees keys p - W + 1 .. p)
+    key_pos_cpu: list[int]
+    query_pos_cpu: list[int]
 
     @property
     def num_parts(self) -> int:
@@ -271,9 +276,14 @@ def _segment_batch(
     deltas: list[int] = []
     tables: list[list[int]] = []
     row_index: list[int] = []
+    key_pos: list[int] = []
+    query_pos: list[int] = []
     vstart = [0]
     for b, seq in enumerate(seqs):
+        tail = seq.segments[-1]
         for s in seq.segments:
+            key_pos.append(s.pos_base)
+            query_pos.append(tail.pos_base + tail.length - seq.query_len)
             seq_ids.append(b)
             qlens.append(seq.query_len)
             kv_lens.append(s.length)
@@ -312,4 +322,6 @@ def _segment_batch(
         deltas_cpu=deltas,
         max_query_len=max(qlens),
         max_kv_len=max(kv_lens),
+        key_pos_cpu=key_pos,
+        query_pos_cpu=query_pos,
     )

@@ -23,8 +23,11 @@ position p attends keys p - W + 1 .. p. A windowed layer of a step whose sequenc
 runs as any other; otherwise it takes a plan of its own (`_StepPlan(meta, window)`, made once a
 step per window): native rows start at their window's block with the keys before the window in
 it skipped (`skips`, weight exactly 0), the decode gather path's bias masks them, and SDPA chunks
-read from their first window's block under a causal-and-window bias. One-segment steps only
-(segmented steps, squid's documents, are refused with windows upstream).
+read from their first window's block under a causal-and-window bias. Segmented steps (squid's
+documents) window by position too: a part's keys sit from its `pos_base` on (where squid places a
+document), so a query row sees the keys of each part within W - 1 positions of it; a part wholly
+before a row's window is neutral in that row's merge (output 0, log-sum-exp -inf), exactly what
+one dense forward with the window by position computes (`CausalLM.forward_masked`).
 """
 from __future__ import annotations
 
@@ -74,12 +77,10 @@ class TorchAttentionBackend:
         plan = self._plan
         k_host, v_host = meta.host_kv[layer] if meta.host_kv is not None else (None, None)
         window = self.windows.get(layer)
-        if meta.segments is not None:
-            if window is not None and plan.max_kv > window:  # (the engine refuses documents where this could be)
-                raise NotImplementedError("sliding-window attention over segmented steps (squid documents) is not built")
-            return self._segmented(q, k_cache, v_cache, k_host, v_host, plan, scale)
-        if window is not None and plan.max_kv > window:
+        if window is not None:
             plan = plan.windowed(window)
+        if meta.segments is not None:
+            return self._segmented(q, k_cache, v_cache, k_host, v_host, plan, scale)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -138,11 +139,14 @@ class TorchAttentionBackend:
             if native.rows is not None:
                 native_attention.paged_attention_rows(
                     qv, k_cache, v_cache, ov, lv, native.rows, native.rows, native.tables, native.lens,
-                    scale, k_host, v_host,
+                    scale, k_host, v_host, native.skips,
                 )
+            if native.unseen is not None:  # rows before whose window the whole part lies
+                ov[native.unseen] = 0.0
+                lv[native.unseen] = float("-inf")
             parts = native.prefills_left
         for start, qlen, blocks, kv_len, causal, mask in parts:
-            if kv_len == 0:  # an empty segment: neutral in the merge
+            if kv_len == 0:  # an empty segment, or one wholly before its rows' windows: neutral in the merge
                 ov[start : start + qlen] = 0.0
                 lv[start : start + qlen] = float("-inf")
                 continue
@@ -150,6 +154,10 @@ class TorchAttentionBackend:
             o, l = _attend(qv[start : start + qlen], k_cache, v_cache, k_host, v_host, blocks, kv_len, causal, bias, scale)
             ov[start : start + qlen] = o
             lv[start : start + qlen] = l
+            unseen = plan.unseen(start, mask)
+            if unseen is not None:  # some rows see none of the part's keys (their scores all -inf)
+                ov[unseen] = 0.0
+                lv[unseen] = float("-inf")
         return sb.merge(ov, lv, q)
 
 
@@ -258,14 +266,19 @@ class _NativeRows:
 
     A step of decode rows only (one causal segment each) hands the kernel the metadata's own
     block tables and lengths and a shared arange of rows: no tensor is made per step, so a
-    recorded step (`native.graph`) reads whatever the metadata tensors hold when it replays."""
+    recorded step (`native.graph`) reads whatever the metadata tensors hold when it replays.
 
-    __slots__ = ("rows", "tables", "lens", "skips", "prefills_left", "max_qlen")
+    Under a sliding window each row's table starts at its window's block and `skips` its keys
+    before the window there; a row that sees none of a part's keys (the part lies wholly before
+    its window) is left out and listed in `unseen`, to be made neutral in the merge."""
+
+    __slots__ = ("rows", "tables", "lens", "skips", "unseen", "prefills_left", "max_qlen")
 
     def __init__(self, plan: _StepPlan, max_qlen: int | None) -> None:
         meta = plan.meta
         self.max_qlen = max_qlen
         self.skips: torch.Tensor | None = None  # [N] int32 keys before each row's window in its first block
+        self.unseen: torch.Tensor | None = None  # rows whose window holds none of their part's keys
         # one query row per sequence (a 0-token row would make the shared arange name q / out rows
         # past the step's tokens: the general path below takes such a step row by row)
         if (meta.segments is None and meta.max_query_len == 1 and min(meta.query_lens_cpu, default=0) == 1
@@ -278,41 +291,57 @@ class _NativeRows:
                 arange = _ROWS[n] = torch.arange(n)
             self.rows, self.tables, self.lens = arange, meta.block_tables, meta.seq_lens
             self.prefills_left = []
-            if plan.window is not None:
-                self._window(plan.window, meta.block_size)
+            if plan.window is not None:  # each row is its sequence's last key: its window starts W - 1 before it
+                self._cut((self.lens.long() - plan.window).clamp(min=0), meta.block_size)
             return
         block_size = meta.block_size
         rows: list[int] = []
         unit_of_row: list[int] = []
         lens: list[int] = []
+        firsts: list[int] = []  # under a window: each row's first key in it
+        unseen: list[int] = []
         taken: set[int] = set()
         for u, (start, qlen, kv_len, causal) in enumerate(plan.units):
             if max_qlen is not None and (qlen > max_qlen or (qlen > 1 and qlen * kv_len > NATIVE_PREFILL_MAX_KEY_READS)):
                 continue
-            rows.extend(range(start, start + qlen))
-            unit_of_row.extend([u] * qlen)
-            if causal:
-                lens.extend(range(kv_len - qlen + 1, kv_len + 1))  # row j sees keys 0 .. cached + j
+            row_lens = list(range(kv_len - qlen + 1, kv_len + 1)) if causal else [kv_len] * qlen  # causal: row j sees keys 0 .. cached + j
+            if plan.window is None:
+                rows.extend(range(start, start + qlen))
+                unit_of_row.extend([u] * qlen)
+                lens.extend(row_lens)
             else:
-                lens.extend([kv_len] * qlen)
-            taken.add(start)
+                gap = plan.gaps[u]
+                for j, n in enumerate(row_lens):
+                    first = max(0, gap + j - plan.window + 1)
+                    if first >= n:
+                        unseen.append(start + j)
+                        continue
+                    rows.append(start + j)
+                    unit_of_row.append(u)
+                    lens.append(n)
+                    firsts.append(first)
+            if rows and rows[-1] >= start:
+                taken.add(start)
+            elif unseen and unseen[-1] >= start:  # every row of the part: neutral, here
+                taken.add(start)
         self.prefills_left = [p for p in plan.prefills if p[0] not in taken]
         self.rows = self.tables = self.lens = None
+        device = plan.tables.device
+        if unseen:
+            self.unseen = torch.tensor(unseen, device=device)
         if rows:
             nblocks = max(1, (max(lens) + block_size - 1) // block_size)
-            device = plan.tables.device
             self.rows = torch.tensor(rows, device=device)
             self.tables = plan.tables[torch.tensor(unit_of_row, device=device), :nblocks].to(torch.int32).contiguous()
             self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
             if plan.window is not None:
-                self._window(plan.window, block_size)
+                self._cut(torch.tensor(firsts, device=device), block_size)
 
-    def _window(self, window: int, block_size: int) -> None:
-        """Each (causal) row's keys cut to its window: its table from the window's first block, its
-        count less that block's start, and the keys of that block before the window skipped."""
+    def _cut(self, first: torch.Tensor, block_size: int) -> None:
+        """Each row's keys from its `first` on [N] int64: its table from that key's block, its count
+        less that block's start, and the keys of that block before `first` skipped."""
         assert self.tables is not None and self.lens is not None
         lens = self.lens.long()
-        first = (lens - window).clamp(min=0)
         start_block = first // block_size
         nb = self.tables.shape[1]
         cols = (torch.arange(nb, device=lens.device)[None, :] + start_block[:, None]).clamp(max=nb - 1)
@@ -325,15 +354,18 @@ class _StepPlan:
     """Gather indices and masks for one step; built once and reused by every layer.
 
     `units` are what gets attended: the sequences of a one-segment step, or the parts of a
-    segmented one (then `prefills` lists every part, since all of them may need the torch path)."""
+    segmented one (then `prefills` lists every part, since all of them may need the torch path).
+    A sliding window's plan (`windowed`) masks each query at position p to keys p - W + 1 .. p,
+    positions measured in the sequence: a part's keys from its `pos_base` on (squid places a
+    document there), its query rows from the sequence's first new token."""
 
-    __slots__ = ("meta", "units", "tables", "decode_rows", "decode_tables", "decode_lens", "decode_max_len",
+    __slots__ = ("meta", "units", "gaps", "tables", "decode_rows", "decode_tables", "decode_lens", "decode_max_len",
                  "decode_slots", "decode_host", "decode_bias", "prefills", "has_decode", "_heads", "_native", "_bias",
-                 "window", "max_kv", "_windowed")
+                 "_unseen", "window", "reach", "_windowed")
 
     def __init__(self, meta: AttentionMetadata, window: int | None = None) -> None:
         self.meta = meta
-        self.window = window  # a sliding window's plan (one-segment steps): keys p - W + 1 .. p per query p
+        self.window = window  # a sliding window's plan: keys p - W + 1 .. p per query p
         self._windowed: dict[int, _StepPlan] = {}
         bs = meta.block_size
         self.decode_rows: torch.Tensor | None = None  # [Bd] int64 query row of each decode sequence
@@ -346,6 +378,7 @@ class _StepPlan:
         self._heads: torch.Tensor | None = None
         self._native: _NativeRows | None = None
         self._bias: dict[int, torch.Tensor] = {}
+        self._unseen: dict[int, torch.Tensor | None] = {}
         self.prefills: list[_Unit] = []
         self.has_decode = False  # some sequence has a single query row (one-segment steps)
         sb = meta.segments
@@ -353,21 +386,28 @@ class _StepPlan:
             starts = sb.query_start_loc.tolist()
             self.tables = sb.block_tables
             self.units = list(zip(starts[:-1], sb.query_lens_cpu, sb.kv_lens_cpu, sb.causal_cpu))
+            # per part: its first query row's position less its first key's
+            self.gaps = [q - k for q, k in zip(sb.query_pos_cpu, sb.key_pos_cpu)]
             for p, (start, qlen, kv_len, causal) in enumerate(self.units):
-                self.prefills.append(_unit(self.tables, p, start, qlen, kv_len, causal, bs))
-            self.max_kv = max(sb.kv_lens_cpu, default=0)
+                self.prefills.append(_unit(self.tables, p, start, qlen, kv_len, causal, bs, window, self.gaps[p]))
+            # the farthest any row is from a key it may see, plus one: past W a window cuts keys
+            self.reach = max((g + q for g, q in zip(self.gaps, sb.query_lens_cpu)), default=0)
             return
         starts = meta.query_start_loc.tolist()
         self.tables = meta.block_tables
         self.units = [(starts[b], ql, meta.seq_lens_cpu[b], True) for b, ql in enumerate(meta.query_lens_cpu)]
+        self.gaps = [kv - ql for kv, ql in zip(meta.seq_lens_cpu, meta.query_lens_cpu)]
         self.has_decode = any(ql == 1 for ql in meta.query_lens_cpu)
-        self.max_kv = max(meta.seq_lens_cpu, default=0)
+        self.reach = max(meta.seq_lens_cpu, default=0)
         for b, qlen in enumerate(meta.query_lens_cpu):
             if qlen != 1:
                 self.prefills.append(_unit(meta.block_tables, b, starts[b], qlen, meta.seq_lens_cpu[b], True, bs, window))
 
     def windowed(self, window: int) -> _StepPlan:
-        """This step's plan under a sliding window of `window` keys, made on first use."""
+        """This step's plan under a sliding window of `window` keys, made on first use; this plan
+        itself where no row of the step reaches a key W or more positions back."""
+        if self.reach <= window:
+            return self
         plan = self._windowed.get(window)
         if plan is None:
             plan = self._windowed[window] = _StepPlan(self.meta, window)
@@ -423,6 +463,16 @@ class _StepPlan:
             self._bias[start] = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
         return self._bias[start]
 
+    def unseen(self, start: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows (of the virtual rows from `start`) to which a unit's mask shows no key: a
+        window that ends before a part's first key. None: every row sees one."""
+        if mask is None:
+            return None
+        if start not in self._unseen:
+            rows = (~mask.any(1)).nonzero().squeeze(1)
+            self._unseen[start] = rows + start if rows.numel() else None
+        return self._unseen[start]
+
     def head_index(self, num_kv_heads: int) -> torch.Tensor:
         if self._heads is None or self._heads.shape[1] != num_kv_heads:
             self._heads = torch.arange(num_kv_heads, device=self.meta.block_tables.device)[None, :, None]
@@ -430,16 +480,25 @@ class _StepPlan:
 
 
 def _unit(tables: torch.Tensor, row: int, start: int, qlen: int, kv_len: int, causal: bool, bs: int,
-          window: int | None = None) -> _Unit:
+          window: int | None = None, gap: int | None = None) -> _Unit:
+    """One unit's keys and mask. `gap`: its first query row's position less its first key's (a
+    causal unit's, the default: kv_len - qlen); a window W shows row j the keys within W - 1
+    positions of it."""
     nblocks = (kv_len + bs - 1) // bs
-    if window is not None and kv_len > window:
-        # from the block of the first query's window on, under causal-and-window
-        first = max(0, kv_len - qlen - window + 1)
+    if gap is None:
+        gap = kv_len - qlen
+    if window is not None and gap + qlen > window:
+        first = max(0, gap - window + 1)  # the first row's first key in its window
+        if first >= kv_len:  # (a full part) wholly before every row's window: neutral in the merge
+            return (start, qlen, tables[row, :0].long(), 0, causal, None)
+        # from the block of the first row's window on, under (causal and) window
         b0 = first // bs
         device = tables.device
-        qpos = torch.arange(kv_len - qlen, kv_len, device=device)[:, None]
+        j = torch.arange(qlen, device=device)[:, None]
         kpos = torch.arange(b0 * bs, nblocks * bs, device=device)[None, :]
-        mask = (kpos <= qpos) & (kpos > qpos - window)  # [qlen, L]; keys past kv_len are past every query
+        mask = (kpos > gap + j - window) & (kpos < kv_len)  # [qlen, L]
+        if causal:
+            mask &= kpos <= kv_len - qlen + j
         return (start, qlen, tables[row, b0:nblocks].long(), kv_len - b0 * bs, causal, mask)
     blocks = tables[row, :nblocks].long()
     mask = None

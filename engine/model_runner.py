@@ -292,8 +292,9 @@ class ModelRunner:
         own causal tokens last, with the rotation each shared segment needs."""
         layouts = []
         for seq, n in scheduled:
-            segs = [KVSegment(s.blocks, s.length, causal=False, rope_delta=s.rope_delta, pool=s.pool) for s in seq.shared]
-            segs.append(KVSegment(seq.block_table, seq.num_computed_tokens + n, causal=True))
+            segs = [KVSegment(s.blocks, s.length, causal=False, rope_delta=s.rope_delta, pool=s.pool, pos_base=s.pos_base)
+                    for s in seq.shared]
+            segs.append(KVSegment(seq.block_table, seq.num_computed_tokens + n, causal=True, pos_base=seq.pos_base))
             layouts.append(SeqLayout(n, segs))
         return AttentionMetadata.build(layouts, self.block_size, self.device, rope=self.model.rope, host_kv=self.host_kv)
 

@@ -83,6 +83,9 @@ class SegBatch:
     own_k: list[torch.Tensor]  # each sequence's own keys after this step, [L, Hkv, D]
     own_v: list[torch.Tensor]
     scale: float
+    # each sequence's segments' first positions (documents one after another, its own tokens last),
+    # what a sliding window measures
+    seq_pos: list[list[int]] = field(default_factory=list)
 
     def to(self, device: torch.device) -> SegBatch:
         meta = AttentionMetadata.build(self.layouts, self.meta.block_size, device, self.rope)
@@ -90,7 +93,7 @@ class SegBatch:
             q=self.q.to(device), k=self.k.to(device), v=self.v.to(device), k_cache=self.k_cache.to(device),
             v_cache=self.v_cache.to(device), meta=meta, layouts=self.layouts, rope=self.rope,
             seq_docs=self.seq_docs, doc_k=self.doc_k,
-            doc_v=self.doc_v, own_k=self.own_k, own_v=self.own_v, scale=self.scale,
+            doc_v=self.doc_v, own_k=self.own_k, own_v=self.own_v, scale=self.scale, seq_pos=self.seq_pos,
         )
 
 
@@ -125,10 +128,14 @@ def build_seg_batch(case: SegCase, junk: float | None, seed: int = 0, dtype: tor
         flat_k[slots], flat_v[slots] = kk[:cached], vv[:cached]
 
     layouts = []
+    seq_pos = []
     for b, (docs, cached, new) in enumerate(case.seqs):
-        segs = [KVSegment(doc_tables[i], case.docs[i], causal=False, rope_delta=delta) for i, delta in docs]
-        segs.append(KVSegment(own_tables[b], cached + new, causal=True))
+        bases = [sum(case.docs[i] for i, _ in docs[:j]) for j in range(len(docs) + 1)]
+        segs = [KVSegment(doc_tables[i], case.docs[i], causal=False, rope_delta=delta, pos_base=at)
+                for (i, delta), at in zip(docs, bases)]
+        segs.append(KVSegment(own_tables[b], cached + new, causal=True, pos_base=bases[-1]))
         layouts.append(SeqLayout(new, segs))
+        seq_pos.append(bases)
     rope = RotaryEmbedding(case.rotary_dim or d, 64, 10000.0, None, torch.device("cpu"))
     meta = AttentionMetadata.build(layouts, bs, "cpu", rope)
     total = sum(n for _, _, n in case.seqs)
@@ -138,6 +145,7 @@ def build_seg_batch(case: SegCase, junk: float | None, seed: int = 0, dtype: tor
         v=torch.cat([vv[c:] for vv, (_, c, _) in zip(own_v, case.seqs)]).to(dtype),
         k_cache=k_cache.to(dtype), v_cache=v_cache.to(dtype), meta=meta, layouts=layouts, rope=rope,
         seq_docs=[list(docs) for docs, _, _ in case.seqs], doc_k=doc_k, doc_v=doc_v, own_k=own_k, own_v=own_v, scale=d**-0.5,
+        seq_pos=seq_pos,
     )
 
 
@@ -156,9 +164,10 @@ def rotate_keys(k: torch.Tensor, delta: int, rope: RotaryEmbedding) -> torch.Ten
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, k[..., 2 * half :]), dim=-1)
 
 
-def seg_oracle(batch: SegBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def seg_oracle(batch: SegBatch, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention per sequence and head in float64 over the concatenation of its documents'
-    keys (rotated to their placement) and its own keys (causal): (o [T, H, D], lse [T, H])."""
+    keys (rotated to their placement) and its own keys (causal): (o [T, H, D], lse [T, H]). Under a
+    sliding `window` a query at position p sees the keys at p - window + 1 .. p (`seq_pos`)."""
     q = batch.q.double().cpu()
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float64)
@@ -176,6 +185,12 @@ def seg_oracle(batch: SegBatch) -> tuple[torch.Tensor, torch.Tensor]:
         vals.append(batch.own_v[b].double())
         vis.append(torch.arange(own_len)[None, :] <= own_len - qlen + torch.arange(qlen)[:, None])
         k, v, allowed = torch.cat(keys), torch.cat(vals), torch.cat(vis, dim=1)
+        if window is not None:
+            bases = batch.seq_pos[b]
+            lens = [batch.doc_k[i].shape[0] for i, _ in batch.seq_docs[b]] + [own_len]
+            kpos = torch.cat([torch.arange(at, at + n) for at, n in zip(bases, lens)])
+            qpos = torch.arange(bases[-1] + own_len - qlen, bases[-1] + own_len)
+            allowed = allowed & (qpos[:, None] - kpos[None, :] < window)
         group = h // k.shape[1]
         for head in range(h):
             scores = (q[row : row + qlen, head] @ k[:, head // group].T) * batch.scale

@@ -147,6 +147,27 @@ def test_torch_backend_segments_match_oracle_fp32(case: SegCase, native: bool) -
     assert torch.equal(flat[batch.meta.slot_mapping], batch.k)
 
 
+@pytest.mark.parametrize("native", NATIVE, ids=lambda n: "native" if n else "torch")
+@pytest.mark.parametrize("case", SEG_CASES, ids=lambda c: c.name)
+def test_sliding_windows_over_segments_match_oracle_fp32(case: SegCase, native: bool) -> None:
+    """Windows by position over parts: documents wholly before a row's window (neutral in its
+    merge), partly inside it, rows of one chunk seeing different parts; a window of 1 (each row
+    its own key only) up to one no row reaches past (the plan without a window)."""
+    batch = build_seg_batch(case, junk=None)
+    reach = max(p[-1] + own.shape[0] for p, own in zip(batch.seq_pos, batch.own_k))
+    full_o, full_lse = _run(TorchAttentionBackend(native=native), batch)
+    for window in (1, 3, 8, 17, 30, reach):
+        backend = TorchAttentionBackend(native=native)
+        backend.set_windows({3: window})
+        o, lse = _run(backend, batch)
+        ref_o, ref_lse = seg_oracle(batch, window)
+        assert (o.double() - ref_o).abs().max().item() <= 1e-5, window
+        assert _lse_err(lse, ref_lse) <= 1e-5, window
+        if window == 3:  # the window is real: a narrow one changes the output
+            assert not torch.allclose(o, full_o, atol=1e-3)
+    assert torch.equal(o, full_o) and torch.equal(lse, full_lse)  # one no row reaches past: the plan without it
+
+
 @pytest.mark.parametrize("case", SEG_CASES, ids=lambda c: c.name)
 def test_native_segments_bf16(case: SegCase, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 cache and q: fp32 math from bf16 inputs; the rotated q of a moved segment is rounded to
