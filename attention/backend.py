@@ -198,9 +198,6 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 # the backends that attend a model's sliding windows (`set_windows`); on the others an engine
 # serves such a model within its window
 WINDOWED_BACKENDS = ("torch", "triton")
-# ... and those of them that also window segmented steps (squid's documents) by position; beside
-# the others an engine refuses documents where a window can cut keys
-WINDOWED_SEGMENT_BACKENDS = ("torch",)
 
 
 def checked_windows(windows: dict[int, int]) -> dict[int, int]:

@@ -19,8 +19,10 @@ log-sum-exp (`merge.py`, torch ops on the device).
 Host-pool blocks (`HOST_BLOCK` ids, read in place) are read by the kernel from `meta.host_kv`.
 
 Sliding windows (`set_windows`: layer -> W) are the kernel's `window`: each row masks keys before
-its window and a tile's walk starts at its first row's window (one-segment steps; a segmented step
-under a window that matters is refused, as the engine refuses such documents).
+its window and a tile's walk starts at its first row's window. A segmented step (squid's
+documents) windows by position too: each part hands the kernel its first query row's position less
+its first key's (`gaps`), so a row sees the keys of each part within W - 1 positions of it; a part
+wholly before a row's window leaves that row at lse -inf, neutral in the merge.
 """
 from __future__ import annotations
 
@@ -62,6 +64,10 @@ class TritonAttentionBackend:
             return _StepPlan(meta, meta.query_lens_cpu, meta.seq_lens_cpu, self.block_n, self.split_len, self.max_splits)
         plan = _StepPlan(meta, sb.query_lens_cpu, sb.kv_lens_cpu, self.block_n, self.split_len, self.max_splits)
         plan.full = 1 - sb.causal
+        gaps = [q - k for q, k in zip(sb.query_pos_cpu, sb.key_pos_cpu)]
+        plan.gaps = torch.tensor(gaps, dtype=torch.int32, device=sb.kv_lens.device)
+        # the farthest any row is from a key it may see, plus one: past W a window cuts keys
+        plan.reach = max((g + n for g, n in zip(gaps, sb.query_lens_cpu)), default=0)
         return plan
 
     @staticmethod
@@ -112,41 +118,42 @@ class TritonAttentionBackend:
             self._run(plan, q, k_cache, v_cache, host, out, lse, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                       None, scale, window)
             return out, lse
-        if window is not None and max(sb.kv_lens_cpu, default=0) > window:
-            raise NotImplementedError("sliding-window attention over segmented steps (squid documents) is not built")
+        if window is not None and plan.reach <= window:
+            window = None  # no row reaches a key W or more positions back: the plan without it
         qv = sb.virtual_queries(q)
         ov = torch.empty(qv.shape, dtype=torch.float32, device=q.device)
         lv = torch.empty(qv.shape[:2], dtype=torch.float32, device=q.device)
         self._run(plan, qv, k_cache, v_cache, host, ov, lv, sb.query_start_loc, sb.kv_lens, sb.block_tables, plan.full,
-                  scale)
+                  scale, window, plan.gaps if window is not None else None)
         return sb.merge(ov, lv, q)
 
     def _run(
         self, plan: _StepPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         host: tuple[torch.Tensor | None, torch.Tensor | None], out: torch.Tensor, lse: torch.Tensor,
         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, full: torch.Tensor | None,
-        scale: float, window: int | None = None,
+        scale: float, window: int | None = None, gaps: torch.Tensor | None = None,
     ) -> None:
         args = (query_start_loc, seq_lens, block_tables, scale, self.block_n)
         if plan.decode_seqs is not None:
             paged_attention(
                 q, k_cache, v_cache, out, lse, plan.decode_seqs, plan.decode_offs, 1, *args,
                 num_splits=plan.num_splits, split_len=plan.split_len, full=full, k_host=host[0], v_host=host[1], window=window,
+                gaps=gaps,
             )
         if plan.prefill_seqs:
             group_pad = triton.next_power_of_2(q.shape[1] // k_cache.shape[2])
             block_q = max(1, self.block_m // group_pad)
             tile_seqs, tile_offs = plan.prefill_tiles(block_q)
             paged_attention(q, k_cache, v_cache, out, lse, tile_seqs, tile_offs, block_q, *args, full=full,
-                            k_host=host[0], v_host=host[1], window=window)
+                            k_host=host[0], v_host=host[1], window=window, gaps=gaps)
 
 
 class _StepPlan:
     """Tiles and decode split for one step; built once and reused by every layer. Its "sequences"
     are the step's sequences, or the parts of a segmented step."""
 
-    __slots__ = ("meta", "query_lens", "full", "decode_seqs", "decode_offs", "num_splits", "split_len", "prefill_seqs",
-                 "_tiles")
+    __slots__ = ("meta", "query_lens", "full", "gaps", "reach", "decode_seqs", "decode_offs", "num_splits", "split_len",
+                 "prefill_seqs", "_tiles")
 
     def __init__(
         self, meta: AttentionMetadata, query_lens: list[int], kv_lens: list[int], block_n: int, split_len: int,
@@ -155,6 +162,8 @@ class _StepPlan:
         self.meta = meta
         self.query_lens = query_lens
         self.full: torch.Tensor | None = None  # [parts] int32, 1 = full visibility (segmented steps)
+        self.gaps: torch.Tensor | None = None  # [parts] int32 first query row's position less first key's (segmented)
+        self.reach = 0
         device = meta.block_tables.device
         decode = [b for b, ql in enumerate(query_lens) if ql == 1]
         self.prefill_seqs = [b for b, ql in enumerate(query_lens) if ql > 1]

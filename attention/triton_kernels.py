@@ -59,7 +59,7 @@ def _write_kv_kernel(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, kh_ptr, vh_ptr, out_ptr, lse_ptr,
-    tile_seq_ptr, tile_qoff_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, full_ptr,
+    tile_seq_ptr, tile_qoff_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, full_ptr, gap_ptr,
     scale, split_len, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -68,7 +68,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FULL_VIS: tl.constexpr, HOST: tl.constexpr,
-    HOST_FLAG: tl.constexpr, WINDOW: tl.constexpr,
+    HOST_FLAG: tl.constexpr, WINDOW: tl.constexpr, GAPS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,6 +79,10 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # new token j sits at logical index ctx_len + j
+    # a window measures positions: row j sits w_base + j past the sequence's (part's) first key
+    w_base = ctx_len
+    if GAPS:
+        w_base = tl.load(gap_ptr + seq)
     if FULL_VIS:
         # a full-visibility part: every row sits at or past the last key, so it sees all of them
         ctx_len = tl.where(tl.load(full_ptr + seq) != 0, seq_len - 1, ctx_len)
@@ -108,7 +112,7 @@ def _paged_attention_kernel(
     if WINDOW:
         # a sliding window: the tile's first row sees keys from its position - window + 1 on, so
         # the walk starts at the BLOCK_N step holding that key (rows mask the rest below)
-        first = tl.maximum(ctx_len + q_off - window + 1, 0)
+        first = tl.maximum(w_base + q_off - window + 1, 0)
         kv_lo = tl.maximum(kv_lo, (first // BLOCK_N) * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -138,7 +142,7 @@ def _paged_attention_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         if WINDOW:
-            visible = visible & (n[None, :] > q_pos[:, None] - window)
+            visible = visible & (n[None, :] > (w_base + tok)[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key yet keeps m = -inf; shift by 0 so exp never sees -inf - -inf.
@@ -234,6 +238,8 @@ def paged_attention(
     k_host: torch.Tensor | None = None,  # the host pool's caches (HOST_BLOCK entries); None: no table names one
     v_host: torch.Tensor | None = None,
     window: int | None = None,  # a sliding window: a row at position p sees keys p - window + 1 .. p; None: all
+    gaps: torch.Tensor | None = None,  # [num_seqs] int32 under a window: each one's first new token's position less
+    # its first key's (a segmented step's parts); None: a causal sequence's cached length
 ) -> None:
     """Attention of the tiles' query rows over their sequences' paged K/V, written into `out`
     (and the rows' log-sum-exp into `lse`).
@@ -275,10 +281,11 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION=precision, FULL_VIS=full is not None, HOST=host, HOST_FLAG=HOST_BLOCK, WINDOW=window is not None,
-        num_warps=num_warps,
+        GAPS=gaps is not None, num_warps=num_warps,
     )
     kh, vh = (k_host, v_host) if host else (k_cache, v_cache)  # never read without HOST
     full_arg = full if full is not None else seq_lens  # never read without FULL_VIS
+    gap_arg = gaps if gaps is not None else seq_lens  # never read without GAPS
     cache_strides = (
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -286,7 +293,7 @@ def paged_attention(
     if num_splits <= 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads, 1)](
             q, k_cache, v_cache, kh, vh, out, lse,
-            tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg,
+            tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg, gap_arg,
             scale, 0, window or 0,
             q.stride(0), q.stride(1), *cache_strides,
             out.stride(0), out.stride(1), 0, lse.stride(0), 1,
@@ -299,7 +306,7 @@ def paged_attention(
     part_lse = torch.empty(num_tiles, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, kh, vh, part, part_lse,
-        tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg,
+        tile_seqs, tile_qoffs, query_start_loc, seq_lens, block_tables, full_arg, gap_arg,
         scale, split_len, window or 0,
         q.stride(0), q.stride(1), *cache_strides,
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),

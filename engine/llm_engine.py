@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from cuttle.attention import native
-from cuttle.attention.backend import WINDOWED_BACKENDS, WINDOWED_SEGMENT_BACKENDS, resolve_backend_name
+from cuttle.attention.backend import WINDOWED_BACKENDS, resolve_backend_name
 from cuttle.attention.native.gemm import drop_packed
 from cuttle.attention.topk import parse_sparse_attention
 from cuttle.engine.block_manager import BlockManager
@@ -340,12 +340,8 @@ class LLMEngine:
                              f"{self.runner.backend.name} backend does not yet (use attention_backend='triton' or 'torch')")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for prompts with documents")
-        mc = self.model_config
-        if (mc.sliding_window_layers and self.max_model_len > mc.sliding_window
-                and self.runner.backend.name not in WINDOWED_SEGMENT_BACKENDS):
-            raise ValueError(f"documents under this model's sliding window ({mc.sliding_window} positions, max_model_len "
-                             f"{self.max_model_len}) need attention_backend='torch'; the {self.runner.backend.name} "
-                             f"backend does not window documents yet (or serve with max_model_len <= {mc.sliding_window})")
+        # (sliding windows: the backends that take segments window them by position; where windows
+        # are not served, max_model_len is capped at W and documents fit in it)
         layout, ids, text = parse_prompt(prompt, self.encode, self._check_ids, self.squid_positions,
                                          self.config.max_documents)
         for i, d in enumerate(layout.documents):

@@ -15,7 +15,7 @@ from triton.compiler import ASTSource
 
 import cuttle.attention.triton_kernels as K
 
-INDEX_PTRS = ("tile_seq_ptr", "tile_qoff_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr", "full_ptr")
+INDEX_PTRS = ("tile_seq_ptr", "tile_qoff_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr", "full_ptr", "gap_ptr")
 
 
 def compile_kernel(fn: Any, ptr_types: dict[str, str], consts: dict[str, Any], target: GPUTarget, num_warps: int = 4) -> int:
@@ -35,7 +35,7 @@ def compile_kernel(fn: Any, ptr_types: dict[str, str], consts: dict[str, Any], t
 
 def attention_variant(
     dtype: str, group: int, head_dim: int, block_m: int, decode: bool, full: bool, target: GPUTarget, host: bool = False,
-    window: bool = False,
+    window: bool = False, gaps: bool = False,
 ) -> dict[str, Any]:
     group_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -49,12 +49,12 @@ def attention_variant(
     consts = dict(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=16, BLOCK_Q=block_q,
         BLOCK_N=32 if dtype == "fp32" else 64, SPLIT=decode, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
-        FULL_VIS=full, HOST=host, HOST_FLAG=K.HOST_BLOCK, WINDOW=window,
+        FULL_VIS=full, HOST=host, HOST_FLAG=K.HOST_BLOCK, WINDOW=window, GAPS=gaps,
     )
     num_warps = 8 if block_q * group_pad * d_pad >= 128 * 128 else 4
     shared = compile_kernel(K._paged_attention_kernel, ptrs, consts, target, num_warps)
     return {"kernel": "paged_attention", "dtype": dtype, "group": group, "head_dim": head_dim, "decode": decode,
-            "full": full, "host": host, "window": window, "shared": shared}
+            "full": full, "host": host, "window": window, "gaps": gaps, "shared": shared}
 
 
 def main(arch: int) -> None:
@@ -65,6 +65,9 @@ def main(arch: int) -> None:
                 ("bf16", 4, 128, False, False, False, True), ("bf16", 8, 128, True, False, False, True)]
     for dtype, group, head_dim, decode, full, host, window in variants:
         print(json.dumps(attention_variant(dtype, group, head_dim, 64, decode, full, target, host, window)), flush=True)
+    # a segmented step under a window (squid's documents): positions per part (gap_ptr)
+    for decode in (False, True):
+        print(json.dumps(attention_variant("bf16", 4, 64, 64, decode, True, target, False, True, gaps=True)), flush=True)
     for dtype in ("fp32", "bf16"):
         merge_ptrs = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{dtype}", "out_lse_ptr": "*fp32",
                       "tile_seq_ptr": "*i32", "query_start_ptr": "*i32"}

@@ -96,8 +96,22 @@ def compare_window(case: Case, window: int, dtype: torch.dtype, device: torch.de
             "err_vs_oracle": (out.double().cpu() - naive_attention(batch, window)).abs().max().item()}
 
 
+def compare_segments_window(case: SegCase, window: int, device: torch.device) -> dict[str, object]:
+    """A segmented step under a sliding window on layer 0 (positions per part: documents one after
+    another, then the sequence's own tokens) against the float64 windowed oracle, float32."""
+    batch = build_seg_batch(case, junk=float("nan"), seed=window).to(device)
+    backend = TritonAttentionBackend(**case.triton)
+    backend.set_windows({0: window})
+    backend.begin_step(batch.meta)
+    out, lse = backend.forward(0, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    ref_o, ref_lse = seg_oracle(batch, window)
+    return {"case": case.name, "dtype": "float32", "window": window, "segments": True,
+            "err_vs_oracle": (out.double().cpu() - ref_o).abs().max().item(), "lse_err_vs_oracle": _lse_err(lse, ref_lse)}
+
+
 WINDOW_CASES = ("gqa_mixed", "mha_prefill", "gqa_decode_split")
 WINDOWS = (1, 5, 16, 24)
+SEG_WINDOWS = (1, 8, 30)
 
 
 def run(names: list[str]) -> None:
@@ -120,6 +134,11 @@ def run(names: list[str]) -> None:
             continue
         for window in WINDOWS:
             print(json.dumps(compare_window(case, window, dtypes[0], device)), flush=True)
+    for case in SEG_CASES:
+        if names and case.name not in names:
+            continue
+        for window in SEG_WINDOWS:
+            print(json.dumps(compare_segments_window(case, window, device)), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,14 @@ logprobs of every sampled token (and the runner-up) equal it in fp32, for docume
 the request (chunked, so document rows of one chunk see different parts of the prefix) and found
 in the cache by a later request in another order, in both conventions. The documents run well
 past the window and the oracle without its window differs, so the window is what is checked.
-Where the backend does not window documents (Triton today) they are refused past W, naming it.
+The Triton backend is held to the same oracle in the interpreter (Mistral, `concat`).
 """
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,9 +67,9 @@ def _gpt_oss():
     return model
 
 
-@pytest.fixture(scope="module", params=["mistral", "gpt_oss"])
-def windowed(request, tmp_path_factory):
-    path, _ = save_checkpoint(str(tmp_path_factory.mktemp(request.param)), {"mistral": _mistral, "gpt_oss": _gpt_oss}[request.param]())
+def _checkpoint(name: str, tmp_path_factory):
+    """(path, our model, our model with no window) of a saved checkpoint."""
+    path, _ = save_checkpoint(str(tmp_path_factory.mktemp(name)), {"mistral": _mistral, "gpt_oss": _gpt_oss}[name]())
     mc = ModelConfig.from_pretrained(path)
     assert mc.sliding_window_layers and mc.sliding_window < min(len(d) for d in DOCS)
     ours = load_model(path, mc, torch.float32, torch.device("cpu"))
@@ -73,10 +78,16 @@ def windowed(request, tmp_path_factory):
     return path, ours, load_model(path, unwindowed, torch.float32, torch.device("cpu"))
 
 
-def _run(path: str, positions: str, native: bool):
+@pytest.fixture(scope="module", params=["mistral", "gpt_oss"])
+def windowed(request, tmp_path_factory):
+    return _checkpoint(request.param, tmp_path_factory)
+
+
+def _run(path: str, positions: str, native: bool, attention_backend: str = "torch"):
     llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=160, max_model_len=256, squid_positions=positions,
-              max_num_batched_tokens=16)
-    llm.engine.runner.backend.native = native
+              max_num_batched_tokens=16, attention_backend=attention_backend)
+    if native is False and attention_backend == "torch":
+        llm.engine.runner.backend.native = False
     assert llm.engine.max_model_len == 256  # past the window: documents are windowed, not capped
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=1)
     outs = [llm.generate([r], params, use_tqdm=False)[0].outputs[0] for r in (FIRST, SECOND)]
@@ -111,12 +122,28 @@ def test_documents_under_windows_equal_one_dense_forward(windowed, positions, na
     assert apart > 1e-2  # without its window the oracle says otherwise: the window is what was checked
 
 
-def test_backends_without_windowed_documents_refuse_them(windowed, monkeypatch):
-    """Triton windows one-segment steps but not documents yet: past W they are refused at
-    admission, naming the backend (the CPU cannot run Triton's kernels; the refusal comes first)."""
-    path, _, _ = windowed
-    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128)
-    monkeypatch.setattr(llm.engine.runner.backend, "name", "triton")
-    with pytest.raises(ValueError, match="need attention_backend='torch'; the triton backend does not window documents"):
-        llm.generate([FIRST], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+def test_documents_under_windows_on_triton_interpreted(tmp_path_factory, tmp_path):
+    """The Triton backend (in the interpreter, fp32, in a subprocess: TRITON_INTERPRET must be set
+    before triton is imported) windows the parts by position too (`gaps`): the same dense oracle.
+    Mistral only (the interpreter is slow; the kernel is checked per part layout in
+    tests/attention/test_attention_triton.py)."""
+    path, model, _ = _checkpoint("mistral", tmp_path_factory)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # helpers, moe_families
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([tests, *filter(None, [env.get("PYTHONPATH")])])
+    out = tmp_path / "outs.json"
+    proc = subprocess.run([sys.executable, __file__, path, "concat", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    outs = json.loads(out.read_text())
+    for request, (tokens, lps) in zip([FIRST, SECOND], outs):
+        ref = _dense_logprobs(model, request, tokens, "concat")
+        for step, d in enumerate(lps):
+            for t, lp in d.items():
+                assert abs(lp - ref[step, int(t)].item()) <= 2e-5, (step, t, lp, ref[step, int(t)].item())
+
+
+if __name__ == "__main__":  # the Triton run of the test above: path, convention, output file
+    outs = _run(sys.argv[1], sys.argv[2], native=False, attention_backend="triton")
+    with open(sys.argv[3], "w") as f:
+        json.dump(outs, f)
