@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from cuttle.attention import native
-from cuttle.attention.merge import merge_lse_rows
-from cuttle.attention.rope import rotate_partial
+from cuttle.attention.native import rows as native_rows
+from cuttle.attention.native import segments
 
 if TYPE_CHECKING:
     from cuttle.attention.rope import RotaryEmbedding
@@ -113,6 +113,9 @@ class SegmentBatch:
     # token); a sliding window compares them (each query at p sees keys p - W + 1 .. p)
     key_pos_cpu: list[int]
     query_pos_cpu: list[int]
+    # the merge's grouping: query row r's virtual rows are merge_idx[merge_ptr[r] : merge_ptr[r + 1]]
+    merge_ptr: torch.Tensor  # [T + 1] int64
+    merge_idx: torch.Tensor  # [V] int64
 
     @property
     def num_parts(self) -> int:
@@ -121,19 +124,18 @@ class SegmentBatch:
     def virtual_queries(self, q: torch.Tensor) -> torch.Tensor:
         """The parts' query rows [V, H, D]: each part's own copy of its sequence's rows of `q`,
         rotated by -delta where the part's keys sit delta positions from where they were rotated."""
-        qv = q[self.row_index]
+        qv = native_rows.gather(q, self.row_index)
         if self.rot_rows is not None:
             assert self.rot_cos is not None and self.rot_sin is not None
             if 2 * self.rot_cos.shape[-1] > q.shape[-1]:
                 raise ValueError(f"rotary dims {2 * self.rot_cos.shape[-1]} exceed head_dim {q.shape[-1]}")
-            qv[self.rot_rows] = rotate_partial(qv[self.rot_rows], self.rot_cos, self.rot_sin)
+            segments.rotate_rows_(qv, self.rot_rows, self.rot_cos, self.rot_sin)
         return qv
 
     def merge(self, o_parts: torch.Tensor, lse_parts: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The parts' results (fp32 [V, H, D], [V, H]) merged per query row of `q`: (o in q's dtype,
         lse fp32)."""
-        out, lse = merge_lse_rows(o_parts, lse_parts, self.row_index, q.shape[0])
-        return out.to(q.dtype), lse
+        return segments.merge_parts(o_parts, lse_parts, self.row_index, self.merge_ptr, self.merge_idx, q.dtype)
 
     @property
     def num_rows(self) -> int:
@@ -306,6 +308,12 @@ def _segment_batch(
         rot_rows = torch.tensor(rows, dtype=torch.int64, device=device)
         rot_cos = cos[idx][:, None, :].to(device)
         rot_sin = sin[idx][:, None, :].to(device)
+    by_row: list[list[int]] = [[] for _ in range(starts[-1])]
+    for v, r in enumerate(row_index):
+        by_row[r].append(v)
+    merge_ptr = [0]
+    for vs in by_row:
+        merge_ptr.append(merge_ptr[-1] + len(vs))
     return SegmentBatch(
         query_start_loc=torch.tensor(vstart, dtype=torch.int32, device=device),
         kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
@@ -324,4 +332,6 @@ def _segment_batch(
         max_kv_len=max(kv_lens),
         key_pos_cpu=key_pos,
         query_pos_cpu=query_pos,
+        merge_ptr=torch.tensor(merge_ptr, dtype=torch.int64, device=device),
+        merge_idx=torch.tensor([v for vs in by_row for v in vs], dtype=torch.int64, device=device),
     )

@@ -66,6 +66,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "gather_rows": ([_vp, _i64, _i64, _vp, _i64, _vp, _i64, _i64], _int),
     "scatter_rows": ([_vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64], _int),
     "widen_bf16_rows": ([_vp, _i64, _vp, _i64, _i64, _i64], _int),
+    "rotate_rows": ([_vp, _int, _i64, _vp, _i64, _i64, _i64, _vp, _vp, _i64], _int),
+    "merge_parts": ([_vp, _vp, _vp, _vp, _i64, _i64, _i64, _vp, _int, _vp], _int),
     "lora_add_rows": ([_vp, _int, _i64, _vp, _int, _i64, _vp, _i64, _i64, _i64, _vp, _i64, _vp, _i64], _int),
 }
 
