@@ -55,7 +55,7 @@ class TorchAttentionBackend:
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._plan = _StepPlan(meta)
-        if self.native and meta.segments is None and meta.max_query_len == 1:
+        if self.native and meta.max_query_len == 1:
             # an all-decode step's native rows now, before the layers (a recorded step,
             # `native.graph`, must not make its first tensors inside the capture)
             self._plan.plan_native(_native_max_qlen())
@@ -293,6 +293,19 @@ class _NativeRows:
             self.prefills_left = []
             if plan.window is not None:  # each row is its sequence's last key: its window starts W - 1 before it
                 self._cut((self.lens.long() - plan.window).clamp(min=0), meta.block_size)
+            return
+        sb = meta.segments
+        if (sb is not None and plan.window is None and sb.max_query_len == 1 and sb.block_tables.dtype == torch.int32
+                and sb.block_tables.stride(1) == 1 and sb.kv_lens.dtype == torch.int32 and sb.kv_lens.is_contiguous()
+                and sb.block_tables.is_cpu):
+            # a decode step over segments (squid's documents): one virtual row per part, reading
+            # the part's own table and length, so a recorded step reads whatever they hold
+            n = sb.num_parts
+            arange = _ROWS.get(n)
+            if arange is None:
+                arange = _ROWS[n] = torch.arange(n)
+            self.rows, self.tables, self.lens = arange, sb.block_tables, sb.kv_lens
+            self.prefills_left = []
             return
         block_size = meta.block_size
         rows: list[int] = []

@@ -9,7 +9,8 @@ latency, not queueing), after a warm-up pass that fills the caches:
   (c) squid   every file a document (engine/squid.py): cached once, reused in any order.
 Reported: median / p90 TTFT, prefill tokens computed per request, and for squid the ratio to (a).
 Quality (on a model trained with the squid layout, `shared` positions): greedy agreement of
-squid vs the same prompt with full causal attention over the concatenation.
+squid vs the same prompt with full causal attention over the concatenation. Decode: batch-1
+tokens / s after the prompt, squid vs the flat prompt, caches warm (`--decode-tokens`).
 
     python benchmarks/squid.py                          # the embedded model, 64 requests
     python benchmarks/squid.py --model-preset qwen3-0.6b --requests 16
@@ -106,6 +107,34 @@ def run_mode(path: str, dtype: str, mode: str, reqs: list[dict], positions: str,
             "documents_per_request": statistics.mean(len(r["documents"]) for r in reqs)}
 
 
+def decode_rate(path: str, dtype: str, reqs: list[dict], positions: str, new_tokens: int) -> dict:
+    """Batch-1 decode after the prompt, squid vs the flat prompt (prefix caching on), every
+    request's documents or prompt already cached: per request, the time of `new_tokens` tokens
+    less the time of one (the prefill and the first token), so tokens / s of decode steps alone;
+    the median over the requests."""
+    from cuttle.engine import LLM, SamplingParams
+
+    out = {}
+    for mode in ("prefix", "squid"):
+        llm = LLM(path, dtype=dtype, squid_positions=positions)
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        many = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        rates = []
+        for r in reqs:
+            prompt = r if mode == "squid" else flat(r)
+            llm.generate([prompt], one, use_tqdm=False)  # caches the documents (or the prompt)
+            t0 = time.perf_counter()
+            llm.generate([prompt], many, use_tqdm=False)
+            t1 = time.perf_counter()
+            llm.generate([prompt], one, use_tqdm=False)
+            t2 = time.perf_counter()
+            rates.append((new_tokens - 1) / ((t1 - t0) - (t2 - t1)))
+        graphs = llm.engine.runner.graphs
+        out[mode] = {"decode_tok_s": statistics.median(rates),
+                     "graph_steps": graphs.counters["graph_steps"] if graphs is not None else 0}
+    return out
+
+
 def greedy_agreement(path: str, dtype: str, reqs: list[dict], positions: str, new_tokens: int) -> dict:
     """Squid vs full causal attention over the concatenation: the fraction of requests whose
     greedy tokens agree, and the mean length of the agreeing prefix."""
@@ -155,6 +184,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1000)
     ap.add_argument("--positions", default=None, choices=["shared", "concat"], help="default: the model's (else concat)")
     ap.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens compared, squid vs full causal (0: skip)")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode rate over 4 requests, squid vs flat (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="write a PNG here")
@@ -197,6 +227,12 @@ def main() -> None:
     bound = sq["query_tokens_per_request"] + 16 * sq["documents_per_request"]
     print(f"squid: {base['ttft_median_s'] / sq['ttft_median_s']:.1f}x median TTFT vs none (target >= 10x); "
           f"prefill {sq['prefill_tokens_per_request']:.1f} tok/request vs the bound query + one block per document = {bound:.1f}")
+    decode = None
+    if args.decode_tokens:
+        decode = decode_rate(args.model, args.dtype, reqs[:4], positions, args.decode_tokens)
+        print(f"batch-1 decode ({args.decode_tokens} tokens, median of 4 requests): squid "
+              f"{decode['squid']['decode_tok_s']:.0f} tok/s, flat prompt {decode['prefix']['decode_tok_s']:.0f} tok/s "
+              f"(graph steps {decode['squid']['graph_steps']} / {decode['prefix']['graph_steps']})")
     agreement = None
     if args.agreement_tokens:
         agreement = greedy_agreement(args.model, args.dtype, reqs[:16], positions, args.agreement_tokens)
@@ -207,7 +243,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine_info(), "model": args.model, "dtype": args.dtype, "positions": positions,
-                       "files": [f[0] for f in files], "results": results, "agreement": agreement}, f, indent=2)
+                       "files": [f[0] for f in files], "results": results, "agreement": agreement, "decode": decode}, f, indent=2)
 
 
 if __name__ == "__main__":

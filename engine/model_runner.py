@@ -107,7 +107,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(config.cpu_graph_max_batch, -(-max_len // self.block_size) + 1, self.block_size,
                                        backend.begin_step, self._all_logits, greedy_pick=config.logprobs_mode == "processed",
                                        hot_batches=config.cpu_graph_hot_batches,
-                                       window=mc.sliding_window if mc.sliding_window_layers else None)
+                                       window=mc.sliding_window if mc.sliding_window_layers else None,
+                                       rope=getattr(self.model, "rope", None))
         if config.batch_invariant:
             why = self._not_batch_invariant()
             if why:

@@ -13,11 +13,17 @@ recording it, and the next step of that size runs the replay and the eager step 
 validation). So a size that only passes through (a batch shrinking as requests finish) stays
 eager, while a steady batch (an offline wave, a server at steady concurrency) replays.
 
-A step qualifies when every scheduled sequence decodes one token in one causal segment of the
-device pool (no shared prefix or squid documents, no host-tier blocks, none longer than the
-model's sliding window), its logits are exactly
-its rows, and the model runs on CPU through the plain torch attention backend with the native
-kernels. A sequence with drafts (speculative decoding, engine/spec_decode.py) counts as one row
+A step qualifies when every scheduled sequence decodes one token in the device pool (no
+host-tier blocks, none longer than the model's sliding window), its logits are exactly its rows,
+and the model runs on CPU through the plain torch attention backend with the native kernels.
+Sequences over segments (squid's documents, a shared prefix) qualify too: the step is then a
+decode of one virtual row per part (each document, the prefix, the sequence's own tokens), and
+its graph is keyed by that structure as well (parts, parts whose query is turned for a moved
+document); `stage` writes the parts' lengths, tables, turns (cos / sin rows made once per rope
+delta) and merge grouping into the graph's `SegmentBatch` each step, so one graph serves any
+documents of that structure. At most MAX_SEGMENT_GRAPHS such graphs are kept (the least recently
+used dropped). A window that cuts a part's keys, a part in the host pool, or a sequence with
+drafts keeps such a step eager. A sequence with drafts (speculative decoding, engine/spec_decode.py) counts as one row
 per token it computes, each a query of its own over the keys up to it, so its step is a decode
 step of that many rows and takes the graph of that row count. The first step of a batch size is captured: the eager forward and logits run for real on
 the graph's own input tensors (token ids, positions, and the metadata's lengths, slots and block
@@ -46,7 +52,7 @@ runner calls it whenever weights are loaded, moved or repacked (`ModelRunner.pre
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -59,6 +65,7 @@ from cuttle.attention.native.graph import GraphBreak, KernelGraph, capture
 from cuttle.engine.sampler import plain_greedy
 
 if TYPE_CHECKING:
+    from cuttle.attention.rope import RotaryEmbedding
     from cuttle.engine.lora import LoRABatch
     from cuttle.engine.model_runner import StepInputs
     from cuttle.engine.sequence import Sequence
@@ -71,14 +78,33 @@ MAX_CAPTURE_TRIES = 3
 # Graphs of steps whose rows all run under one LoRA adapter (keyed by the adapter's weights as
 # well): at most this many are kept, the least recently used dropped to make room.
 MAX_ADAPTER_GRAPHS = 8
+# Graphs of steps over segments (squid's documents), keyed by their structure as well (parts,
+# rotated parts): at most this many are kept, the least recently used dropped to make room.
+MAX_SEGMENT_GRAPHS = 8
 # A batch size above cpu_graph_max_batch is captured once it has run this many qualifying decode
 # steps within a window of HOT_WINDOW such steps (the counts restart with each window).
 HOT_STEPS = 16
 HOT_WINDOW = 64
 
 
-# (rows, torch threads, the kernel library, the LoRA adapter every row runs under: its key, or None)
-_Key = tuple[int, int, int, "bytes | None"]
+# (rows, torch threads, the kernel library, the LoRA adapter every row runs under: its key, or None,
+# a step over segments: (parts, rotated parts), or None)
+_Key = tuple[int, int, int, "bytes | None", "tuple[int, int] | None"]
+
+
+@dataclass(slots=True)
+class _SegmentViews:
+    """numpy views of a segmented graph's `SegmentBatch` tensors, which `stage` fills per step."""
+
+    kv_lens: np.ndarray  # [P] int32
+    tables: np.ndarray  # [P, width] int32
+    causal: np.ndarray  # [P] int32
+    row_index: np.ndarray  # [P] int64
+    merge_ptr: np.ndarray  # [B + 1] int64
+    merge_idx: np.ndarray  # [P] int64
+    rot_rows: np.ndarray | None  # [R] int64
+    rot_cos: np.ndarray | None  # [R, half] fp32
+    rot_sin: np.ndarray | None
 
 
 @dataclass(slots=True)
@@ -104,12 +130,14 @@ class _Graph:
     np_lens: np.ndarray | None = None
     np_slots: np.ndarray | None = None
     np_tables: np.ndarray | None = None
+    seg: _SegmentViews | None = None  # a step over segments (squid's documents): its parts' tensors
 
 
 class DecodeGraphs:
     def __init__(self, max_batch: int, table_width: int, block_size: int, begin_step: Callable[[AttentionMetadata], None],
                  forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 greedy_pick: bool = True, hot_batches: int = 0, window: int | None = None) -> None:
+                 greedy_pick: bool = True, hot_batches: int = 0, window: int | None = None,
+                 rope: RotaryEmbedding | None = None) -> None:
         """`begin_step(meta)`: the attention backend's per-step planning (run before a capture, not
         recorded); `forward(input_ids, positions, meta)`: the model and the logits of every row
         (what a capture records); `greedy_pick`: whether a replay may also pick the argmax of
@@ -117,8 +145,12 @@ class DecodeGraphs:
         nothing else); `hot_batches`: how many graphs of sizes above `max_batch` may be kept
         (captured once they recur, see the module docstring); `window`: the model's sliding window,
         past which a sequence's attention reads a plan made per step (torch_backend), so a step
-        with a sequence longer than it runs eagerly."""
+        with a sequence longer than it runs eagerly; `rope`: the model's RotaryEmbedding, whose
+        tables turn the query for a document placed away from where it was encoded (steps over
+        segments; None: such steps run eagerly)."""
         self.window = window
+        self.rope = rope
+        self._turns: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rope delta -> (cos, sin) rows
         self.greedy_pick = greedy_pick
         self.max_batch = max_batch
         self.hot_batches = hot_batches
@@ -148,12 +180,33 @@ class DecodeGraphs:
     def qualifies(self, inputs: StepInputs) -> bool:
         m = inputs.meta
         return (
-            m.segments is None and m.host_kv is None and m.max_query_len == 1 and 1 <= m.num_seqs
+            m.host_kv is None and m.max_query_len == 1 and 1 <= m.num_seqs
             and (m.num_seqs <= self.max_batch or self.hot_batches > 0)
             and inputs.logit_rows.numel() == m.num_seqs and inputs.input_ids.numel() == m.num_seqs and not inputs.prompt_rows
             and m.block_tables.dim() == 2 and m.block_tables.shape[1] <= self.table_width
             and (self.window is None or max(m.seq_lens_cpu) <= self.window)
+            and (m.segments is None or self._segments_qualify(m))
         )
+
+    def _segments_qualify(self, m: AttentionMetadata) -> bool:
+        """A step over segments (squid's documents) replays when each part is one decode row over
+        a table that fits, its rotation (if any) can be staged, and no window cuts a part's keys."""
+        sb = m.segments
+        assert sb is not None
+        return (
+            sb.max_query_len == 1 and sb.block_tables.shape[1] <= self.table_width
+            and (sb.rot_rows is None or self.rope is not None)
+            and (self.window is None
+                 or max(q - k for q, k in zip(sb.query_pos_cpu, sb.key_pos_cpu)) < self.window)
+        )
+
+    @staticmethod
+    def _shape(m: AttentionMetadata) -> tuple[int, int] | None:
+        """A step's segment structure as a graph keys it: (parts, rotated parts), or None."""
+        sb = m.segments
+        if sb is None:
+            return None
+        return sb.num_parts, 0 if sb.rot_rows is None else sb.rot_rows.shape[0]
 
     def stage(self, scheduled: list[tuple[Sequence, int]], host_tier: bool, adapter: bytes | None = None) -> StepInputs | None:
         """The inputs of a decode step whose batch size has a trusted graph, written straight
@@ -168,7 +221,9 @@ class DecodeGraphs:
         B = sum(n for _, n in scheduled)  # rows: a sequence with drafts has one per draft too
         if B > self.max_batch and not self.hot_batches:
             return None
-        g = self._graphs.get((B, torch.get_num_threads(), id(native.kernels()), adapter))
+        if any(seq.shared for seq, _ in scheduled):
+            return self._stage_segments(scheduled, host_tier, adapter)
+        g = self._graphs.get((B, torch.get_num_threads(), id(native.kernels()), adapter, None))
         if g is None or not g.validated:
             return None
         assert g.np_ids is not None and g.np_positions is not None and g.np_lens is not None
@@ -211,6 +266,106 @@ class DecodeGraphs:
                           sample_seqs=[seq for seq, _ in scheduled], prompt_rows=[], graph=g,
                           greedy=g.greedy if greedy else None)
 
+    def _stage_segments(self, scheduled: list[tuple[Sequence, int]], host_tier: bool,
+                        adapter: bytes | None) -> StepInputs | None:
+        """`stage` for a decode step over segments (squid's documents, a shared prefix): each
+        sequence's parts (its shared segments in order, its own tokens last) written into the
+        graph's SegmentBatch, one virtual row per part. None where a sequence has drafts, a part
+        lies in the host pool or does not fit the tables, a window would cut a part, or no trusted
+        graph has this structure (parts, rotated parts)."""
+        from cuttle.engine.model_runner import StepInputs
+
+        B = len(scheduled)
+        P = R = 0
+        for seq, n in scheduled:
+            if n != 1 or seq.draft:
+                return None
+            P += len(seq.shared) + 1
+            R += sum(1 for sh in seq.shared if sh.rope_delta != 0)
+        g = self._graphs.get((B, torch.get_num_threads(), id(native.kernels()), adapter, (P, R)))
+        if g is None or not g.validated:
+            return None
+        sv = g.seg
+        assert sv is not None and g.np_ids is not None and g.np_positions is not None and g.np_lens is not None
+        assert g.np_slots is not None and g.np_tables is not None and g.meta.segments is not None
+        bs, width, window = self.block_size, self.table_width, self.window
+        lens: list[int] = []
+        kv_lens: list[int] = []
+        causal: list[bool] = []
+        deltas: list[int] = []
+        key_pos: list[int] = []
+        query_pos: list[int] = []
+        greedy = self.greedy_pick
+        v = r = 0
+        for i, (seq, _) in enumerate(scheduled):
+            p = seq.num_computed_tokens
+            table = seq.block_table
+            req = seq.request
+            qpos = seq.pos_base + p
+            if (p + 1 != len(seq.token_ids) or req.job is not None or len(table) > width
+                    or (window is not None and p + 1 > window)
+                    or (req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens)
+                    or (host_tier and any(b >= HOST_BLOCK for b in table))):
+                return None  # what this wrote so far is overwritten by the next step's inputs
+            g.np_ids[i] = seq.token_ids[p]
+            g.np_positions[i] = qpos
+            g.np_lens[i] = p + 1
+            g.np_slots[i] = table[p // bs] * bs + p % bs
+            g.np_tables[i, : len(table)] = table
+            lens.append(p + 1)
+            greedy = greedy and plain_greedy(req.sampling_params, seq.num_output_tokens)
+            sv.merge_ptr[i] = v
+            for sh in seq.shared:
+                blocks = sh.blocks[: -(-sh.length // bs)]
+                if (sh.pool != 0 or len(blocks) > width or (window is not None and qpos - sh.pos_base >= window)
+                        or (host_tier and any(b >= HOST_BLOCK for b in blocks))):
+                    return None
+                sv.kv_lens[v], sv.causal[v], sv.row_index[v], sv.merge_idx[v] = sh.length, 0, i, v
+                sv.tables[v, : len(blocks)] = blocks
+                if sh.rope_delta != 0:
+                    assert sv.rot_rows is not None and sv.rot_cos is not None and sv.rot_sin is not None
+                    sv.rot_rows[r] = v
+                    sv.rot_cos[r], sv.rot_sin[r] = self._turn(sh.rope_delta)
+                    r += 1
+                kv_lens.append(sh.length)
+                causal.append(False)
+                deltas.append(sh.rope_delta)
+                key_pos.append(sh.pos_base)
+                query_pos.append(qpos)
+                v += 1
+            sv.kv_lens[v], sv.causal[v], sv.row_index[v], sv.merge_idx[v] = p + 1, 1, i, v
+            sv.tables[v, : len(table)] = table
+            kv_lens.append(p + 1)
+            causal.append(True)
+            deltas.append(0)
+            key_pos.append(seq.pos_base)
+            query_pos.append(qpos)
+            v += 1
+        sv.merge_ptr[B] = v
+        assert g.np_want is not None
+        g.np_want[0] = int(greedy)
+        self._clock += 1
+        g.last_used = self._clock
+        m, sb = g.meta, g.meta.segments
+        segs = replace(sb, seq_ids_cpu=list(sv.row_index.tolist()), query_lens_cpu=[1] * P, kv_lens_cpu=kv_lens,
+                       causal_cpu=causal, deltas_cpu=deltas, max_kv_len=max(kv_lens), key_pos_cpu=key_pos,
+                       query_pos_cpu=query_pos)
+        meta = AttentionMetadata(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
+                                 slot_mapping=m.slot_mapping, block_size=bs, max_query_len=1, max_seq_len=max(lens),
+                                 query_lens_cpu=[1] * B, seq_lens_cpu=lens, segments=segs)
+        return StepInputs(input_ids=g.input_ids, positions=g.positions, meta=meta, logit_rows=g.rows,
+                          sample_seqs=[seq for seq, _ in scheduled], prompt_rows=[], graph=g,
+                          greedy=g.greedy if greedy else None)
+
+    def _turn(self, delta: int) -> tuple[np.ndarray, np.ndarray]:
+        """The cos / sin rows that turn a query by -delta (the model's `delta_tables`), made once."""
+        turn = self._turns.get(delta)
+        if turn is None:
+            assert self.rope is not None
+            cos, sin = self.rope.delta_tables([delta])
+            turn = self._turns[delta] = (cos[0].numpy(), sin[0].numpy())
+        return turn
+
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The step's logits [B, vocab] fp32 from a graph, or None: run the step eagerly."""
         staged = inputs.graph
@@ -225,7 +380,7 @@ class DecodeGraphs:
         adapter = adapter_key(inputs.lora)
         if adapter is False:
             return None
-        key = (inputs.meta.num_seqs, torch.get_num_threads(), id(native.kernels()), adapter)
+        key = (inputs.meta.num_seqs, torch.get_num_threads(), id(native.kernels()), adapter, self._shape(inputs.meta))
         if key in self._eager:
             return None
         g = self._graphs.get(key)
@@ -234,7 +389,9 @@ class DecodeGraphs:
             if key[0] > self.max_batch and not self._hot(key):
                 return None
             if adapter is not None:
-                self._make_room_for_adapter()
+                self._make_room(lambda k: k[3] is not None, MAX_ADAPTER_GRAPHS)
+            if key[4] is not None:
+                self._make_room(lambda k: k[4] is not None, MAX_SEGMENT_GRAPHS)
             return self._capture(key, inputs)
         g.last_used = self._clock
         self._fill(g, inputs)
@@ -268,7 +425,7 @@ class DecodeGraphs:
         if n < HOT_STEPS:
             return False
         del self._seen[key]
-        held = [k for k in self._graphs if k[0] > self.max_batch and k[3] is None]
+        held = [k for k in self._graphs if k[0] > self.max_batch and k[3] is None and k[4] is None]
         while held and len(held) >= self.hot_batches:
             oldest = min(held, key=lambda k: self._graphs[k].last_used)
             del self._graphs[oldest]
@@ -276,10 +433,11 @@ class DecodeGraphs:
             self.counters["graph_evictions"] += 1
         return True
 
-    def _make_room_for_adapter(self) -> None:
-        """Keep at most MAX_ADAPTER_GRAPHS - 1 adapter graphs before a new one is captured."""
-        held = [k for k in self._graphs if k[3] is not None]
-        while held and len(held) >= MAX_ADAPTER_GRAPHS:
+    def _make_room(self, kind: Callable[[_Key], bool], most: int) -> None:
+        """Keep at most `most` - 1 graphs of a kind (adapter graphs, segment graphs) before a new
+        one of that kind is captured: the least recently used go."""
+        held = [k for k in self._graphs if kind(k)]
+        while held and len(held) >= most:
             oldest = min(held, key=lambda k: self._graphs[k].last_used)
             del self._graphs[oldest]
             held.remove(oldest)
@@ -292,6 +450,14 @@ class DecodeGraphs:
         gm.seq_lens.copy_(m.seq_lens)
         gm.slot_mapping.copy_(m.slot_mapping)
         gm.block_tables[:, : m.block_tables.shape[1]].copy_(m.block_tables)
+        sb, gsb = m.segments, gm.segments
+        if sb is not None:
+            assert gsb is not None
+            for name in ("kv_lens", "causal", "row_index", "merge_ptr", "merge_idx", "rot_rows", "rot_cos", "rot_sin"):
+                src = getattr(sb, name)
+                if src is not None:
+                    getattr(gsb, name).copy_(src)
+            gsb.block_tables[:, : sb.block_tables.shape[1]].copy_(sb.block_tables)
 
     def _capture(self, key: _Key, inputs: StepInputs) -> torch.Tensor | None:
         m = inputs.meta
@@ -307,6 +473,17 @@ class DecodeGraphs:
             query_lens_cpu=[1] * B,
             seq_lens_cpu=list(m.seq_lens_cpu),
         )
+        sb = m.segments
+        if sb is not None:  # the parts' tensors, sized as this step's, the tables as wide as the graph's
+            P = sb.num_parts
+            meta.segments = replace(
+                sb, query_start_loc=torch.arange(P + 1, dtype=torch.int32), kv_lens=torch.empty(P, dtype=torch.int32),
+                block_tables=torch.zeros(P, self.table_width, dtype=torch.int32), causal=torch.empty(P, dtype=torch.int32),
+                row_index=torch.empty(P, dtype=torch.int64), merge_ptr=torch.empty(B + 1, dtype=torch.int64),
+                merge_idx=torch.empty(P, dtype=torch.int64),
+                rot_rows=None if sb.rot_rows is None else torch.empty_like(sb.rot_rows),
+                rot_cos=None if sb.rot_cos is None else torch.empty_like(sb.rot_cos),
+                rot_sin=None if sb.rot_sin is None else torch.empty_like(sb.rot_sin))
         g = _Graph(torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64), meta, last_used=self._clock)
         g.want, g.greedy = torch.zeros(1, dtype=torch.int32), torch.zeros(B, dtype=torch.int64)
         self._fill(g, inputs)
@@ -326,6 +503,14 @@ class DecodeGraphs:
         g.np_ids, g.np_positions = g.input_ids.numpy(), g.positions.numpy()
         g.np_lens, g.np_slots, g.np_tables = meta.seq_lens.numpy(), meta.slot_mapping.numpy(), meta.block_tables.numpy()
         g.np_want = g.want.numpy()
+        gsb = meta.segments
+        if gsb is not None:
+            R = 0 if gsb.rot_rows is None else gsb.rot_rows.shape[0]
+            g.seg = _SegmentViews(
+                gsb.kv_lens.numpy(), gsb.block_tables.numpy(), gsb.causal.numpy(), gsb.row_index.numpy(),
+                gsb.merge_ptr.numpy(), gsb.merge_idx.numpy(), None if gsb.rot_rows is None else gsb.rot_rows.numpy(),
+                None if gsb.rot_cos is None else gsb.rot_cos.view(R, -1).numpy(),
+                None if gsb.rot_sin is None else gsb.rot_sin.view(R, -1).numpy())
         self._graphs[key] = g
         self.counters["graph_captures"] += 1
         return logits

@@ -164,8 +164,8 @@ def test_recurring_batch_sizes_above_the_bound_get_graphs(checkpoints, monkeypat
 
 
 def test_shared_prefix_and_prompt_logprob_steps_run_eagerly(checkpoints) -> None:
-    """Steps a graph does not take (segments over a shared prefix, prompt logprobs) still answer
-    as the eager engine does, around replayed steps."""
+    """Steps with prompt logprobs (which a graph does not take) and decode steps over a shared
+    prefix (graphs of their own, test_step_graphs_segments.py) answer as the eager engine does."""
     path = checkpoints["qwen3"]["path"]
     p = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=12, ignore_eos=True, prompt_logprobs=1, logprobs=1)
     outs = []
