@@ -187,6 +187,9 @@ class ModelRunner:
         tables name host blocks: `host_kv` goes into those steps' metadata, the companions to the
         sparse backend (NSA's compressed entries, the top-k summaries)."""
         self.host_kv = host.layers
+        if self.graphs is not None:  # graphs from now on read the host tier where a table names it
+            self.graphs.clear()
+            self.graphs.host_kv = host.layers
         if self.nsa_cache is not None:
             hc = host.companions["nsa"]
             self.backend.host_compressed = [(hc[i, 0], hc[i, 1]) for i in range(hc.shape[0])]

@@ -13,8 +13,8 @@ recording it, and the next step of that size runs the replay and the eager step 
 validation). So a size that only passes through (a batch shrinking as requests finish) stays
 eager, while a steady batch (an offline wave, a server at steady concurrency) replays.
 
-A step qualifies when every scheduled sequence decodes one token in the device pool (no
-host-tier blocks, none longer than the model's sliding window), its logits are exactly its rows,
+A step qualifies when every scheduled sequence decodes one token (none longer than the model's
+sliding window), its logits are exactly its rows,
 and the model runs on CPU through the plain torch attention backend with the native kernels.
 Sequences over segments (squid's documents, a shared prefix) qualify too: the step is then a
 decode of one virtual row per part (each document, the prefix, the sequence's own tokens), and
@@ -22,8 +22,10 @@ its graph is keyed by that structure as well (parts, parts whose query is turned
 document); `stage` writes the parts' lengths, tables, turns (cos / sin rows made once per rope
 delta) and merge grouping into the graph's `SegmentBatch` each step, so one graph serves any
 documents of that structure. At most MAX_SEGMENT_GRAPHS such graphs are kept (the least recently
-used dropped). A window that cuts a part's keys, a part in the host pool, or a sequence with
-drafts keeps such a step eager. A sequence with drafts (speculative decoding, engine/spec_decode.py) counts as one row
+used dropped). A window that cuts a part's keys or a sequence with drafts keeps such a step
+eager. With a KV host tier (`host_kv`, set when it is attached) every graph hands the host pool to
+the attention kernel, which picks the pool per block, so steps whose tables (or documents) name
+host blocks read in place replay the same graphs as steps that name none. A sequence with drafts (speculative decoding, engine/spec_decode.py) counts as one row
 per token it computes, each a query of its own over the keys up to it, so its step is a decode
 step of that many rows and takes the graph of that row count. The first step of a batch size is captured: the eager forward and logits run for real on
 the graph's own input tensors (token ids, positions, and the metadata's lengths, slots and block
@@ -150,6 +152,9 @@ class DecodeGraphs:
         segments; None: such steps run eagerly)."""
         self.window = window
         self.rope = rope
+        # the KV host tier's per-layer caches once attached (`ModelRunner.attach_host_tier`): every
+        # graph then hands them to the attention kernel, and steps reading host blocks in place replay
+        self.host_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._turns: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rope delta -> (cos, sin) rows
         self.greedy_pick = greedy_pick
         self.max_batch = max_batch
@@ -180,7 +185,7 @@ class DecodeGraphs:
     def qualifies(self, inputs: StepInputs) -> bool:
         m = inputs.meta
         return (
-            m.host_kv is None and m.max_query_len == 1 and 1 <= m.num_seqs
+            (m.host_kv is None or self.host_kv is not None) and m.max_query_len == 1 and 1 <= m.num_seqs
             and (m.num_seqs <= self.max_batch or self.hot_batches > 0)
             and inputs.logit_rows.numel() == m.num_seqs and inputs.input_ids.numel() == m.num_seqs and not inputs.prompt_rows
             and m.block_tables.dim() == 2 and m.block_tables.shape[1] <= self.table_width
@@ -212,8 +217,9 @@ class DecodeGraphs:
         """The inputs of a decode step whose batch size has a trusted graph, written straight
         into that graph's tensors (no tensors are built for the step), or None: prepare the step
         the usual way. The step qualifies as in `qualifies`: every sequence decodes its last token
-        in one causal segment of the device pool (`host_tier`: a host pool exists, so tables are
-        checked for its blocks), asks for no prompt logprobs and is not a document job. The
+        (its table may name host-tier blocks, read in place, once the graphs hold the host tier;
+        `host_tier`: a host pool exists, so without that tables are checked for its blocks), asks
+        for no prompt logprobs and is not a document job. The
         returned inputs' tensors are the graph's own, so `run` replays without copying them.
         `adapter`: the key of the LoRA adapter every row runs under (None: the base model)."""
         from cuttle.engine.model_runner import StepInputs
@@ -240,7 +246,7 @@ class DecodeGraphs:
             if (n != 1 + len(draft) or p + 1 != len(seq.token_ids) or seq.shared or req.job is not None or len(table) > width
                     or (self.window is not None and p + n > self.window)
                     or (req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens)
-                    or (host_tier and any(b >= HOST_BLOCK for b in table))):
+                    or (host_tier and self.host_kv is None and any(b >= HOST_BLOCK for b in table))):
                 return None  # what this wrote so far is overwritten by the next step's inputs
             # the last token's row, then each draft's (speculative decoding): a row of its own
             # over the keys up to it, as the runner's `prepare` lays them out
@@ -261,7 +267,7 @@ class DecodeGraphs:
         m = g.meta
         meta = AttentionMetadata(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
                                  slot_mapping=m.slot_mapping, block_size=bs, max_query_len=1, max_seq_len=max(lens),
-                                 query_lens_cpu=[1] * B, seq_lens_cpu=lens)
+                                 query_lens_cpu=[1] * B, seq_lens_cpu=lens, host_kv=m.host_kv)
         return StepInputs(input_ids=g.input_ids, positions=g.positions, meta=meta, logit_rows=g.rows,
                           sample_seqs=[seq for seq, _ in scheduled], prompt_rows=[], graph=g,
                           greedy=g.greedy if greedy else None)
@@ -305,7 +311,7 @@ class DecodeGraphs:
             if (p + 1 != len(seq.token_ids) or req.job is not None or len(table) > width
                     or (window is not None and p + 1 > window)
                     or (req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens)
-                    or (host_tier and any(b >= HOST_BLOCK for b in table))):
+                    or (host_tier and self.host_kv is None and any(b >= HOST_BLOCK for b in table))):
                 return None  # what this wrote so far is overwritten by the next step's inputs
             g.np_ids[i] = seq.token_ids[p]
             g.np_positions[i] = qpos
@@ -317,8 +323,9 @@ class DecodeGraphs:
             sv.merge_ptr[i] = v
             for sh in seq.shared:
                 blocks = sh.blocks[: -(-sh.length // bs)]
+                # (a whole segment in the host pool, pool 1: the engine copies such documents in)
                 if (sh.pool != 0 or len(blocks) > width or (window is not None and qpos - sh.pos_base >= window)
-                        or (host_tier and any(b >= HOST_BLOCK for b in blocks))):
+                        or (host_tier and self.host_kv is None and any(b >= HOST_BLOCK for b in blocks))):
                     return None
                 sv.kv_lens[v], sv.causal[v], sv.row_index[v], sv.merge_idx[v] = sh.length, 0, i, v
                 sv.tables[v, : len(blocks)] = blocks
@@ -352,7 +359,7 @@ class DecodeGraphs:
                        query_pos_cpu=query_pos)
         meta = AttentionMetadata(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
                                  slot_mapping=m.slot_mapping, block_size=bs, max_query_len=1, max_seq_len=max(lens),
-                                 query_lens_cpu=[1] * B, seq_lens_cpu=lens, segments=segs)
+                                 query_lens_cpu=[1] * B, seq_lens_cpu=lens, segments=segs, host_kv=m.host_kv)
         return StepInputs(input_ids=g.input_ids, positions=g.positions, meta=meta, logit_rows=g.rows,
                           sample_seqs=[seq for seq, _ in scheduled], prompt_rows=[], graph=g,
                           greedy=g.greedy if greedy else None)
@@ -472,6 +479,9 @@ class DecodeGraphs:
             max_seq_len=self.table_width * self.block_size,  # a bound: each replay has its own lengths
             query_lens_cpu=[1] * B,
             seq_lens_cpu=list(m.seq_lens_cpu),
+            # with a host tier every graph reads it where a table names it, so one graph serves
+            # steps with and without host blocks (the kernel picks the pool per block)
+            host_kv=self.host_kv,
         )
         sb = m.segments
         if sb is not None:  # the parts' tensors, sized as this step's, the tables as wide as the graph's

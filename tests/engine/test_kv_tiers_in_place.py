@@ -7,7 +7,8 @@ greedy tokens and logprobs, (a) every host hit read in place (nothing copied in,
 computed), (b) the cost model choosing per run, pinned so that short turns read in place and
 long ones copy in, both in one run; (c) concurrent decodes whose preempted members come back by
 a swap slot plus host blocks read in place. A table reading the host tier holds its host blocks:
-nothing leaks, and the host blocks stay pinned while read. The engine option is checked.
+nothing leaks, and the host blocks stay pinned while read. Decode steps reading host blocks replay
+kernel graphs, equal to the eager engine. The engine option is checked.
 """
 from __future__ import annotations
 
@@ -35,6 +36,33 @@ def test_sessions_read_host_tier_in_place_bit_identical(model_path, dtype):
     llm = _small(model_path, dtype, num_kv_blocks=24, num_host_kv_blocks=128, max_num_seqs=1, kv_read_in_place="always")
     assert _run_sessions(llm, sessions) == ref
     _check_all_read_in_place(llm, ref_llm)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_reading_host_blocks_replay_graphs(model_path, dtype):
+    """Decode steps whose tables name host blocks read in place replay kernel graphs (every graph
+    holds the host tier once it is attached): tokens and logprobs equal the eager engine's."""
+    from cuttle.attention.metadata import HOST_BLOCK
+
+    sessions = _sessions(4, 3, seed=5)
+    kw = dict(num_kv_blocks=24, num_host_kv_blocks=128, max_num_seqs=1, kv_read_in_place="always")
+    eager = _run_sessions(_small(model_path, dtype, enforce_eager=True, **kw), sessions)
+    llm = _small(model_path, dtype, **kw)
+    graphs = llm.engine.runner.graphs
+    replayed_host = []
+    run = graphs.run
+
+    def counting(inputs):
+        logits = run(inputs)
+        if logits is not None and inputs.graph is not None:
+            replayed_host.append(bool((inputs.meta.block_tables >= HOST_BLOCK).any()))
+        return logits
+
+    graphs.run = counting
+    assert _run_sessions(llm, sessions) == eager
+    assert sum(replayed_host) > 10, (sum(replayed_host), len(replayed_host))  # replays with host blocks in the table
+    assert llm.stats()["kv_read_in_place_blocks"] > 0
+    _all_free(llm)
 
 
 def _mixed_turns(llm: LLM, sessions) -> list:
