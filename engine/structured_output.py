@@ -448,11 +448,29 @@ _SHAPES = {
                                "<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>", _DS_CALL_END),
     "deepseek_v3": _CallShape(None, "", "NAME\n```json\n", "\n```" + _DS_CALL_END + "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                               "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n", "\n```" + _DS_CALL_END),
+    # gpt-oss's harmony: the server's opening is the whole header up to `<|message|>`, the call ends
+    # at a stop token (`<|call|>`, the model's EOS), so a named call's grammar is its arguments
+    # alone; a required or auto call would need the grammar to write the special markers after
+    # the name, which xgrammar does not (NAMED_ONLY)
+    "openai": _CallShape(None, "", "", "", "", "", ""),
+    # Mistral's and Granite's JSON list of calls (Mistral's v3 / v7 templates; Granite always):
+    # the server's opening holds the marker, the rest is plain text, so named and required calls
+    # have grammars; auto has none (the trigger, the marker, is a special token in their
+    # vocabularies, which a grammar does not write)
+    "mistral_list": _CallShape(None, " ", ' QNAME, "arguments": ', "}]", "", "", ""),
+    "granite": _CallShape(None, " ", ' QNAME, "arguments": ', "}]", "", "", ""),
+    # Mistral's `[TOOL_CALLS]NAME[ARGS]{...}` (v11 on): a named call's opening ends at [ARGS] and
+    # the call at its JSON value (then EOS); a required call's name is followed by special markers
+    "mistral": _CallShape(None, "", "", "", "", "", ""),
 }
+# the tool_choice values each format's grammar covers (others: every one but none)
+_CHOICES = {"openai": ("named",), "mistral": ("named",), "mistral_list": ("named", "required"),
+            "granite": ("named", "required")}
 
 
 def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dict[str, Any]] | None,
-                        tokenizer: Tokenizer | None, parallel: bool = True) -> StructuredOutputsParams | None:
+                        tokenizer: Tokenizer | None, parallel: bool = True,
+                        template: str | None = None) -> StructuredOutputsParams | None:
     """The structured output that makes a chat request's tool calls parse, in the format's shape
     (`_SHAPES`):
     - `named` / `required`: the server has already written the call's opening for the model
@@ -467,12 +485,16 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     `glm_xml`, `minimax_xml`: schema order, required keys present, each value of its type, string
     values raw text, one whitespace character admitted beside each value tag, which the parsers
     take as the separator).
-    None when there is nothing to enforce: no tools, `none`, a format without a grammar here,
+    None when there is nothing to enforce: no tools, `none`, a format without a grammar here or
+    without one for this choice (`_CHOICES`: gpt-oss's `openai` and Mistral's v11 layout, named
+    calls only; Mistral's list layout (`template`) and Granite, named and required),
     xgrammar missing, a tokenizer it cannot serve, or one that marks the format's markers special
     (tool calls then work as they did before structured output: prefix forcing, no guarantee
     that the call parses)."""
+    if fmt == "mistral" and not (template is not None and "[ARGS]" in template):
+        fmt = "mistral_list"  # (the template's layout, as engine/server/chat.py `_forced_prefix` writes its opening)
     shape = _SHAPES.get(fmt)
-    if not tools or choice == "none" or shape is None:
+    if not tools or choice == "none" or shape is None or choice not in _CHOICES.get(fmt, (choice,)):
         return None
     try:
         xgrammar()
@@ -502,7 +524,8 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     if choice == "named":
         [tool] = [t for t in tools if t["function"]["name"] == name]
         fmt_: dict[str, Any] = {"type": "sequence", "elements": [
-            *([const(shape.named_lead)] if shape.named_lead else []), args(tool), const(shape.forced_end)]}
+            *([const(shape.named_lead)] if shape.named_lead else []), args(tool),
+            *([const(shape.forced_end)] if shape.forced_end else [])]}
     elif choice == "required":
         alts = [{"type": "sequence", "elements": [const(text(shape.required_head, t)), args(t), const(shape.forced_end)]}
                 for t in tools]
@@ -520,7 +543,9 @@ _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_ca
             "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
             "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
             "llama3_json": (),  # (bare JSON: nothing a vocabulary could hold special)
-            "deepseek_v3": _DS_MARKERS, "deepseek_v31": _DS_MARKERS, "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}
+            "deepseek_v3": _DS_MARKERS, "deepseek_v31": _DS_MARKERS, "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+            # (their markers are all in the server's opening or the stop tokens: these grammars write none)
+            "openai": (), "mistral": (), "mistral_list": (), "granite": ()}
 
 
 def _special_markers(tokenizer: Tokenizer, fmt: str) -> list[str]:

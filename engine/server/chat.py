@@ -293,17 +293,20 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
     want_plp = get_prompt_logprobs(body, stream, bool(field_docs or part_docs))
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     # tool calls under their tools' JSON schemas (a forced call always parses; with auto, from <tool_call> on)
-    tool_structure = tool_call_structure(parser, choice, forced_name, tools, tok, parallel) if use_tools else None
+    tool_structure = (tool_call_structure(parser, choice, forced_name, tools, tok, parallel, tmpl.source or tok.chat_template)
+                      if use_tools else None)
     if use_tools and tool_structure is None and not parallel:
         raise OpenAIError("parallel_tool_calls: false needs the tool calls generated under a grammar that ends the output after "
-                          "the first call, which this server cannot do (the xgrammar package is not installed, or its "
-                          "tokenizer is one xgrammar cannot serve or marks the call markers special)", param="parallel_tool_calls")
+                          "the first call, which this server cannot do (the xgrammar package is not installed, its "
+                          "tokenizer is one xgrammar cannot serve or marks the call markers special, or the "
+                          f"{parser} format has no grammar for tool_choice {choice})", param="parallel_tool_calls")
     if use_tools and tool_structure is None:
         strict = next((i for i, t in enumerate(tools) if t["function"].get("strict")), None)
         if strict is not None:  # a promise the server can only keep under a grammar
             raise OpenAIError(f"tools[{strict}].function.strict: true needs the tool calls generated under their schemas, which "
-                              "this server cannot do (the xgrammar package is not installed, or its tokenizer is one xgrammar "
-                              "cannot serve or marks the call markers special)", param="tools")
+                              "this server cannot do (the xgrammar package is not installed, its tokenizer is one xgrammar "
+                              "cannot serve or marks the call markers special, or the "
+                              f"{parser} format has no grammar for tool_choice {choice})", param="tools")
     for i, t in enumerate(tools or ()) if tool_structure is not None else ():
         # strict promises schema adherence (OpenAI's meaning); keywords the grammar compiles
         # without enforcing would break it, so such a strict tool is refused, as OpenAI's strict

@@ -216,3 +216,27 @@ def test_reasoning_effort_reaches_the_template(live):
         r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
             "model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+
+
+def test_server_named_call_follows_its_schema_under_a_grammar(live):
+    """A named tool_choice on the harmony format: the server writes the header, the grammar the
+    arguments under the tool's schema (sampled from random weights here, so only the grammar makes
+    them parse), then only a stop token; `strict: true` is taken (it is refused where no grammar
+    applies: a required call)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris"]},
+                                               "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": schema, "strict": True}}]
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+    for seed in (11, 12, 13):
+        r = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "Forecast?"}], tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "forecast"}}, seed=seed,
+                                           temperature=1.0, max_tokens=120)
+        [call] = r.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "forecast" and args["city"] in ("Oslo", "Paris") and isinstance(args["days"], int)
+        assert set(args) == {"city", "days"} and r.choices[0].finish_reason == "tool_calls"
+    r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+        "model": "test-model", "messages": [{"role": "user", "content": "Forecast?"}], "tools": tools, "tool_choice": "required",
+        "max_tokens": 20})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

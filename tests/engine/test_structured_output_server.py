@@ -413,3 +413,26 @@ def test_a_template_in_a_format_no_parser_reads_refuses_tools():
                     app_kw={"chat_template": tmpl, "tool_call_parser": "hermes"}) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
         assert c.chat.completions.create(model="test-model", messages=MSGS, tools=TOOLS, max_tokens=4).choices
+
+
+@pytest.fixture(scope="module", params=["granite", "mistral"])
+def list_client(request):
+    """The embedded model served with a format whose calls are a JSON list after a marker the
+    server writes (Granite's `<|tool_call|>[...]`, Mistral's v3 / v7 `[TOOL_CALLS][...]`: the
+    served template has no `[ARGS]`), its named and required calls under a grammar."""
+    yield from _served_with_parser(request.param)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "read_file"}}, "required"])
+def test_forced_list_format_calls_always_parse_and_validate(list_client, tool_choice):
+    _check_forced_calls(list_client, tool_choice, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}, max_tokens=120)
+
+
+def test_list_format_auto_has_no_grammar(list_client):
+    """With tool_choice auto the call's trigger is the marker (a special token in these models'
+    vocabularies), so there is no grammar: strict tools and parallel_tool_calls false are refused
+    naming the format and the choice."""
+    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        list_client.chat.completions.create(model="test-model", messages=MSGS, tools=strict, tool_choice="auto", max_tokens=4)
+    assert e.value.body["param"] == "tools" and "no grammar for tool_choice auto" in e.value.body["message"]

@@ -181,8 +181,8 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
 
 def test_server_with_a_mistral_template():
     """Through the server: tools are taken (the template's format is parsed, not refused), a named
-    call's opening is written with a fresh 9-character id (the tiny model then writes no valid call:
-    cut by max_tokens, it stays content), and a call sent back renders its JSON-text arguments as
+    call's opening is written with a fresh 9-character id (cut by max_tokens, it stays content;
+    with room, the grammar makes its arguments follow the schema: a call), and a call sent back renders its JSON-text arguments as
     the object the template writes, while an id the template refuses is a 400 naming messages."""
     import httpx
     import openai
@@ -199,6 +199,14 @@ def test_server_with_a_mistral_template():
         assert r.finish_reason == "length" and not r.message.tool_calls
         head = "[TOOL_CALLS]get_weather[CALL_ID]"
         assert r.message.content.startswith(head) and r.message.content[len(head) + 9:].startswith("[ARGS]")
+        # with room to finish, the grammar writes the arguments under the schema: a call
+        strict = [{"type": "function", "function": {**WEATHER[0]["function"], "strict": True}}]
+        for seed in (1, 2):
+            r = c.chat.completions.create(model="test-model", messages=[user], tools=strict, max_tokens=120, temperature=1.0,
+                                          seed=seed, tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+            [tc] = r.message.tool_calls
+            assert r.finish_reason == "tool_calls" and tc.function.name == "get_weather" and len(tc.id) == 9
+            assert isinstance(json.loads(tc.function.arguments)["city"], str)
         call = {"id": "abc123def", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
         turn = [user, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "abc123def", "content": "-3 C"}]
