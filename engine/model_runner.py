@@ -209,16 +209,15 @@ class ModelRunner:
     def enable_lora(self) -> None:
         """Let steps carry LoRA adapter rows (engine/lora.py): the projections read them through
         one context. A decode step whose rows all run under one adapter may replay a kernel graph
-        of its own (step_graphs.py); a step mixing adapters runs eagerly."""
+        of its own (step_graphs.py), as does a step mixing adapters, keyed by its layout of rows."""
         self.lora = LoRAContext()
         self.model.enable_lora(self.lora)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
         # a sequence's rows are n (a decode with drafts: its last token and each draft)
         lora = LoRABatch.build([(seq.request.lora, n) for seq, n in scheduled], self.device) if self.lora is not None else None
-        adapter = adapter_key(lora)
-        if self.graphs is not None and adapter is not False:
-            staged = self.graphs.stage(scheduled, self.host_kv is not None, adapter)
+        if self.graphs is not None:
+            staged = self.graphs.stage(scheduled, self.host_kv is not None, adapter_key(lora))
             if staged is not None:
                 staged.lora = lora
                 return staged

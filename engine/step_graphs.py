@@ -42,11 +42,13 @@ argmax of its logits rows after them, run only when the staged step's rows are a
 answers differently than at capture and no handler settles it, e.g. an out-of-range token id)
 returns None, and the eager rerun writes the same KV slots again (and raises what it raises).
 
-A step whose rows all run under one LoRA adapter (engine/lora.py; its delta a native kernel)
-has graphs of its own, keyed by the adapter's weights as well: a graph holds that adapter's
-tensors, so a name reloaded with the same weights replays it and other weights get another. At
-most MAX_ADAPTER_GRAPHS are kept (the least recently used dropped); a step mixing adapters, or
-adapters with the base model, runs eagerly.
+A step whose rows run under LoRA adapters (engine/lora.py; its delta a native kernel per
+adapter's rows) has graphs of its own, keyed by the adapters' weights as well: a graph holds those
+adapters' tensors, so a name reloaded with the same weights replays it and other weights get
+another. A step mixing adapters, or adapters with the base model, is keyed by each adapter's rows
+too (`adapter_key`), so it replays while its batch keeps that layout (a steady multi-adapter
+batch) and a new layout captures another graph. At most MAX_ADAPTER_GRAPHS are kept (the least
+recently used dropped).
 
 Graphs hold addresses of weights, packed weights and caches: `clear()` drops them all; the
 runner calls it whenever weights are loaded, moved or repacked (`ModelRunner.prepack`).
@@ -77,7 +79,7 @@ logger = logging.getLogger(__name__)
 # Captures of one batch size that may break (a transient cause, e.g. a routing tie routed by the
 # torch router during the capture step) before that size stays eager.
 MAX_CAPTURE_TRIES = 3
-# Graphs of steps whose rows all run under one LoRA adapter (keyed by the adapter's weights as
+# Graphs of steps whose rows run under LoRA adapters (keyed by the adapters' weights as
 # well): at most this many are kept, the least recently used dropped to make room.
 MAX_ADAPTER_GRAPHS = 8
 # Graphs of steps over segments (squid's documents), keyed by their structure as well (parts,
@@ -89,9 +91,9 @@ HOT_STEPS = 16
 HOT_WINDOW = 64
 
 
-# (rows, torch threads, the kernel library, the LoRA adapter every row runs under: its key, or None,
+# (rows, torch threads, the kernel library, the step's LoRA adapters (`adapter_key`) or None,
 # a step over segments: (parts, rotated parts), or None)
-_Key = tuple[int, int, int, "bytes | None", "tuple[int, int] | None"]
+_Key = tuple[int, int, int, "bytes | tuple | None", "tuple[int, int] | None"]
 
 
 @dataclass(slots=True)
@@ -213,7 +215,7 @@ class DecodeGraphs:
             return None
         return sb.num_parts, 0 if sb.rot_rows is None else sb.rot_rows.shape[0]
 
-    def stage(self, scheduled: list[tuple[Sequence, int]], host_tier: bool, adapter: bytes | None = None) -> StepInputs | None:
+    def stage(self, scheduled: list[tuple[Sequence, int]], host_tier: bool, adapter: bytes | tuple | None = None) -> StepInputs | None:
         """The inputs of a decode step whose batch size has a trusted graph, written straight
         into that graph's tensors (no tensors are built for the step), or None: prepare the step
         the usual way. The step qualifies as in `qualifies`: every sequence decodes its last token
@@ -221,7 +223,7 @@ class DecodeGraphs:
         `host_tier`: a host pool exists, so without that tables are checked for its blocks), asks
         for no prompt logprobs and is not a document job. The
         returned inputs' tensors are the graph's own, so `run` replays without copying them.
-        `adapter`: the key of the LoRA adapter every row runs under (None: the base model)."""
+        `adapter`: the step's `adapter_key` (None: the base model)."""
         from cuttle.engine.model_runner import StepInputs
 
         B = sum(n for _, n in scheduled)  # rows: a sequence with drafts has one per draft too
@@ -273,7 +275,7 @@ class DecodeGraphs:
                           greedy=g.greedy if greedy else None)
 
     def _stage_segments(self, scheduled: list[tuple[Sequence, int]], host_tier: bool,
-                        adapter: bytes | None) -> StepInputs | None:
+                        adapter: bytes | tuple | None) -> StepInputs | None:
         """`stage` for a decode step over segments (squid's documents, a shared prefix): each
         sequence's parts (its shared segments in order, its own tokens last) written into the
         graph's SegmentBatch, one virtual row per part. None where a sequence has drafts, a part
@@ -385,8 +387,6 @@ class DecodeGraphs:
         if not self.qualifies(inputs):
             return None
         adapter = adapter_key(inputs.lora)
-        if adapter is False:
-            return None
         key = (inputs.meta.num_seqs, torch.get_num_threads(), id(native.kernels()), adapter, self._shape(inputs.meta))
         if key in self._eager:
             return None
@@ -526,11 +526,22 @@ class DecodeGraphs:
         return logits
 
 
-def adapter_key(lora: LoRABatch | None) -> bytes | None | bool:
-    """The key of the LoRA adapter every row of a step runs under, None when no row has one,
-    False when rows differ (such a step runs eagerly: a graph records one adapter's weights)."""
+def adapter_key(lora: LoRABatch | None) -> bytes | tuple | None:
+    """What of a step's LoRA rows a graph records, as a key: None when no row has an adapter, the
+    adapter's key when every row runs under one, else each adapter's key with the rows it covers
+    (a graph of a mixed step holds those adapters' weights and that grouping of rows: a slice's
+    offset, an index tensor's contents, so a step replays it only with the same layout)."""
     if lora is None:
         return None
-    if len(lora.groups) != 1 or lora.groups[0][1] is not None:
-        return False
-    return lora.groups[0][0].key
+    if len(lora.groups) == 1 and lora.groups[0][1] is None:
+        return lora.groups[0][0].key
+    parts = []
+    for adapter, rows in lora.groups:
+        if rows is None:
+            spec: tuple | None = None
+        elif isinstance(rows, slice):
+            spec = (rows.start, rows.stop)
+        else:
+            spec = tuple(rows.tolist())
+        parts.append((adapter.key, spec))
+    return tuple(parts)

@@ -258,7 +258,8 @@ def test_documents_and_spec_decode_under_an_adapter(setup):
 def test_adapter_decode_steps_replay_their_own_kernel_graphs(setup):
     """A decode step whose rows all run under one adapter replays a kernel graph of its own (the
     delta is a native kernel); its outputs equal the eager engine's bit for bit and are scored by
-    peft. A step mixing adapters runs eagerly, and base steps keep their graphs."""
+    peft. A step mixing adapters (and the base model), in runs or interleaved, replays graphs keyed
+    by its layout of rows, equal to the eager engine's; base steps keep their graphs."""
     if kernels().lib is None:
         pytest.skip("no kernel graphs here: the native CPU kernel library is not built")
     llm = _llm(setup["base_dir"])
@@ -279,10 +280,28 @@ def test_adapter_decode_steps_replay_their_own_kernel_graphs(setup):
             [d[t].logprob for d, t in zip(e.outputs[0].logprobs, e.outputs[0].token_ids)]
     replayed = llm.stats()["graph_steps"]
     mixed = llm.generate(prompts, sp, lora_request=[ra, rb], use_tqdm=False)
-    assert llm.stats()["graph_steps"] == replayed  # two adapters in a step: eager
+    assert llm.stats()["graph_steps"] > replayed  # two adapters in a step: a graph of that layout
     _score(setup["a"], prompts[0], mixed[0])
     _score(setup["b"], prompts[1], mixed[1])
     assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in base]
+    # adapter a's rows interleaved with b's and the base model's (an index of rows, not a run)
+    four = _prompts(4, seed=9)
+    layout = [ra, rb, None, ra]
+    replayed = llm.stats()["graph_steps"]
+    got = llm.generate(four, sp, lora_request=layout, use_tqdm=False)
+    assert llm.stats()["graph_steps"] > replayed
+    want = _llm(setup["base_dir"], enforce_eager=True).generate(four, sp, lora_request=layout, use_tqdm=False)
+    for o, e in zip(got, want):
+        assert o.outputs[0].token_ids == e.outputs[0].token_ids
+        assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
+            [d[t].logprob for d, t in zip(e.outputs[0].logprobs, e.outputs[0].token_ids)]
+    _score(setup["a"], four[3], got[3])
+    # one adapter beside the base model, then the same on the other row: another layout, another graph
+    for layout in ([ra, None], [None, ra]):
+        got = llm.generate(prompts, sp, lora_request=layout, use_tqdm=False)
+        i = layout.index(ra)
+        _score(setup["a"], prompts[i], got[i])
+        assert got[1 - i].outputs[0].token_ids == base[1 - i].outputs[0].token_ids
 
 
 def test_native_delta_kernel_equals_float64():
