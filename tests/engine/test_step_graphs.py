@@ -163,7 +163,7 @@ def test_recurring_batch_sizes_above_the_bound_get_graphs(checkpoints, monkeypat
     assert graphs.counters["graph_steps"] > 40, graphs.counters
 
 
-def test_shared_prefix_and_prompt_logprob_steps_run_eagerly(checkpoints) -> None:
+def test_prompt_logprob_steps_and_shared_prefix_decodes_equal_eager(checkpoints) -> None:
     """Steps with prompt logprobs (which a graph does not take) and decode steps over a shared
     prefix (graphs of their own, test_step_graphs_segments.py) answer as the eager engine does."""
     path = checkpoints["qwen3"]["path"]
