@@ -3,8 +3,9 @@
 Owns the cos/sin tables (built once, fp32) and their application to q and k, and the tables that
 move a cached segment's keys by a position offset without touching them (the attention backends
 rotate the query instead: see `delta_tables`). Frequency scalings: `linear` (position
-interpolation), `llama3` (Llama-3.1) and `yarn` (with its attention factor, "mscale", which
-multiplies cos and sin, so q.k gains its square). The scaling dict arrives validated and complete
+interpolation), `llama3` (Llama-3.1), `yarn` (with its attention factor, "mscale", which
+multiplies cos and sin, so q.k gains its square) and `longrope` (Phi-3 / Phi-4-mini: per-pair
+short factors, served within the original length, and an attention factor like YaRN's). The scaling dict arrives validated and complete
 from `cuttle.engine.config`; this module never guesses a missing field. Must stay numerically
 identical to transformers in float32: the angle of position p is the fp32 product p * inv_freq,
 as HF computes it, and the attention factor is applied to the fp32 cos/sin as HF applies it.
@@ -22,7 +23,7 @@ import torch
 # attention factor m scales every position's cos/sin alike, so a cached key m R(c) k queried by
 # R(-delta) m R(p) q still gives m^2 <R(p - delta) q, R(c) k>, and the delta tables carry no m.
 # Dynamic NTK (the base depends on the current length) would not compose; config refuses it.
-POSITION_LINEAR_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+POSITION_LINEAR_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -42,6 +43,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / factor
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if kind == "longrope":
+        # the short factors, one per rotated pair (engine/config.py `_longrope`: served within the
+        # original length, where transformers uses them)
+        short = scaling["short_factor"]
+        if len(short) != head_dim // 2:
+            raise ValueError(f"rope_scaling.short_factor has {len(short)} entries; longrope needs one per rotated pair "
+                             f"({head_dim // 2} for {head_dim} rotary dims)")
+        if len(scaling["long_factor"]) != head_dim // 2:
+            raise ValueError(f"rope_scaling.long_factor has {len(scaling['long_factor'])} entries; longrope needs one per "
+                             f"rotated pair ({head_dim // 2} for {head_dim} rotary dims)")
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(short, dtype=torch.float32) * theta**shape)
     if kind != "llama3":
         raise ValueError(f"rope type {kind!r} is not supported (supported: {', '.join(POSITION_LINEAR_ROPE_TYPES)})")
     # Llama-3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
@@ -86,6 +99,9 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     config's `attention_factor` if given, else 0.1 ln(factor) + 1, or with DeepSeek's `mscale` and
     `mscale_all_dim` the ratio of that formula at the two (the rest of DeepSeek's mscale is in the
     softmax scale: `yarn_softmax_scale`)."""
+    if rope_type(scaling) == "longrope":
+        assert scaling is not None
+        return float(scaling["attention_factor"])  # (engine/config.py fills it in)
     if rope_type(scaling) != "yarn":
         return 1.0
     assert scaling is not None

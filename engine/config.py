@@ -356,7 +356,7 @@ def _rotary_dim(hf: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: i
     return dim
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def _scaled_max_positions(max_pos: int, scaling: dict[str, Any] | None) -> int:
@@ -365,6 +365,8 @@ def _scaled_max_positions(max_pos: int, scaling: dict[str, Any] | None) -> int:
     length keeps it); Llama-3's configs state their extended length themselves."""
     if scaling is None or scaling["rope_type"] == "llama3":
         return max_pos
+    if scaling["rope_type"] == "longrope":  # served with its short factors: within the original length
+        return min(max_pos, scaling["original_max_position_embeddings"])
     base = scaling["original_max_position_embeddings"] if scaling["rope_type"] == "yarn" else max_pos
     return max(max_pos, int(base * scaling["factor"]))
 
@@ -377,6 +379,8 @@ def _rope_scaling(raw: dict[str, Any] | None, hf: dict[str, Any], path: str) -> 
     if not raw:
         return None
     kind = str(raw.get("rope_type", raw.get("type", "default")))
+    if kind == "su":  # Phi-3's first name for longrope
+        kind = "longrope"
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling.rope_type {kind!r} in {where} is not supported (supported: {', '.join(ROPE_TYPES)})")
     if kind == "default":
@@ -393,6 +397,8 @@ def _rope_scaling(raw: dict[str, Any] | None, hf: dict[str, Any], path: str) -> 
             raise ValueError(f"rope_scaling.{name} must be a finite number {'>' if low_open else '>='} {low} in {where}, got {value!r}")
         out[name] = value
 
+    if kind == "longrope":
+        return _longrope(out, hf, max_pos, where)
     if kind in ("llama3", "yarn"):
         # transformers prefers a top-level original_max_position_embeddings, then the dict's, then max_position_embeddings
         original = hf.get("original_max_position_embeddings") or out.get("original_max_position_embeddings") or max_pos
@@ -415,6 +421,40 @@ def _rope_scaling(raw: dict[str, Any] | None, hf: dict[str, Any], path: str) -> 
         for name in ("attention_factor", "mscale", "mscale_all_dim"):
             if out.get(name) is not None:
                 number(name, 0.0)
+    return out
+
+
+def _longrope(out: dict[str, Any], hf: dict[str, Any], max_pos: int, where: str) -> dict[str, Any]:
+    """Phi-3 / Phi-4-mini's LongRoPE, as transformers computes it: per-dimension `short_factor`s
+    (used while a sequence is within `original_max_position_embeddings`) and `long_factor`s (for a
+    whole forward once a sequence passes it), and an attention factor sqrt(1 + ln(factor) /
+    ln(original)) on cos / sin, factor = max_position_embeddings / original unless given. Served
+    with the short factors, within the original length (`ModelConfig.max_position_embeddings` is
+    cut to it: the switch to the long factors re-rotates a whole sequence, which keys cached with
+    the short ones cannot follow). The factor lists' lengths are checked against the rotary
+    dimensions by `cuttle.attention.rope`."""
+    original = hf.get("original_max_position_embeddings") or out.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ValueError(f"rope type 'longrope' needs original_max_position_embeddings (a positive integer) in {where}, "
+                         f"got {original!r}")
+    out["original_max_position_embeddings"] = original
+    for name in ("short_factor", "long_factor"):
+        f = out.get(name)
+        if (not isinstance(f, list) or not f
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0 for x in f)):
+            raise ValueError(f"rope_scaling.{name} must be a list of positive numbers for rope type 'longrope' in {where}")
+        out[name] = [float(x) for x in f]
+    factor = out.get("factor")
+    if factor is None:
+        factor = max_pos / original
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"rope_scaling.factor must be a finite number > 0 in {where}, got {factor!r}")
+    out["factor"] = float(factor)
+    if out.get("attention_factor") is None:
+        out["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    attn = out["attention_factor"]
+    if isinstance(attn, bool) or not isinstance(attn, (int, float)) or not math.isfinite(attn) or attn <= 0:
+        raise ValueError(f"rope_scaling.attention_factor must be a finite number > 0 in {where}, got {attn!r}")
     return out
 
 

@@ -74,6 +74,11 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(config)  # engine/generation_config.py
 
         max_len = config.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings and mc.rope_scaling and mc.rope_scaling["rope_type"] == "longrope":
+            raise ValueError(f"max_model_len ({max_len}) exceeds the model's original_max_position_embeddings "
+                             f"({mc.max_position_embeddings}): past it longrope switches a whole sequence to its long "
+                             "factors (transformers' rule), which keys cached under the short ones cannot follow, so "
+                             "cuttle serves this model within that length")
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({mc.max_position_embeddings})")
         if mc.sliding_window_layers and max_len > mc.sliding_window and not self._windows_served(config):
