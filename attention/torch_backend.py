@@ -261,6 +261,12 @@ _Unit = tuple[int, int, torch.Tensor, int, bool, torch.Tensor | None]
 _ROWS: dict[int, torch.Tensor] = {}
 
 
+def _read_directly(tables: torch.Tensor, lens: torch.Tensor) -> bool:
+    """Whether the native kernel can take a step's block tables and key counts as they are."""
+    return (tables.dtype == torch.int32 and tables.stride(1) == 1 and tables.is_cpu and lens.dtype == torch.int32
+            and lens.is_contiguous())
+
+
 class _NativeRows:
     """The rows of one step the native kernel takes: per query row, its block table and key count.
 
@@ -281,31 +287,17 @@ class _NativeRows:
         self.unseen: torch.Tensor | None = None  # rows whose window holds none of their part's keys
         # one query row per sequence (a 0-token row would make the shared arange name q / out rows
         # past the step's tokens: the general path below takes such a step row by row)
-        if (meta.segments is None and meta.max_query_len == 1 and min(meta.query_lens_cpu, default=0) == 1
-                and meta.block_tables.dtype == torch.int32
-                and meta.block_tables.stride(1) == 1 and meta.seq_lens.dtype == torch.int32 and meta.seq_lens.is_contiguous()
-                and meta.block_tables.is_cpu):
-            n = meta.num_seqs
-            arange = _ROWS.get(n)
-            if arange is None:
-                arange = _ROWS[n] = torch.arange(n)
-            self.rows, self.tables, self.lens = arange, meta.block_tables, meta.seq_lens
-            self.prefills_left = []
+        sb = meta.segments
+        if (sb is None and meta.max_query_len == 1 and min(meta.query_lens_cpu, default=0) == 1
+                and _read_directly(meta.block_tables, meta.seq_lens)):
+            self._direct(meta.num_seqs, meta.block_tables, meta.seq_lens)
             if plan.window is not None:  # each row is its sequence's last key: its window starts W - 1 before it
                 self._cut((self.lens.long() - plan.window).clamp(min=0), meta.block_size)
             return
-        sb = meta.segments
-        if (sb is not None and plan.window is None and sb.max_query_len == 1 and sb.block_tables.dtype == torch.int32
-                and sb.block_tables.stride(1) == 1 and sb.kv_lens.dtype == torch.int32 and sb.kv_lens.is_contiguous()
-                and sb.block_tables.is_cpu):
+        if sb is not None and plan.window is None and sb.max_query_len == 1 and _read_directly(sb.block_tables, sb.kv_lens):
             # a decode step over segments (squid's documents): one virtual row per part, reading
-            # the part's own table and length, so a recorded step reads whatever they hold
-            n = sb.num_parts
-            arange = _ROWS.get(n)
-            if arange is None:
-                arange = _ROWS[n] = torch.arange(n)
-            self.rows, self.tables, self.lens = arange, sb.block_tables, sb.kv_lens
-            self.prefills_left = []
+            # the part's own table and length
+            self._direct(sb.num_parts, sb.block_tables, sb.kv_lens)
             return
         block_size = meta.block_size
         rows: list[int] = []
@@ -349,6 +341,15 @@ class _NativeRows:
             self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
             if plan.window is not None:
                 self._cut(torch.tensor(firsts, device=device), block_size)
+
+    def _direct(self, n: int, tables: torch.Tensor, lens: torch.Tensor) -> None:
+        """Rows 0 .. n-1, each reading its own row of the metadata's `tables` and `lens` as they
+        are: no tensor is made per step, so a recorded step reads whatever they hold."""
+        arange = _ROWS.get(n)
+        if arange is None:
+            arange = _ROWS[n] = torch.arange(n)
+        self.rows, self.tables, self.lens = arange, tables, lens
+        self.prefills_left = []
 
     def _cut(self, first: torch.Tensor, block_size: int) -> None:
         """Each row's keys from its `first` on [N] int64: its table from that key's block, its count
