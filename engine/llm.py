@@ -118,6 +118,11 @@ class LLM:
         self.engine.update_weights(named_tensors, in_flight)
         return self.engine.weight_version
 
+    def update_draft_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Replace the draft model's weights (speculative decoding with a draft model); returns the
+        draft's new weight version. See `LLMEngine.update_draft_weights`."""
+        return self.engine.update_draft_weights(named_tensors)
+
     def reload_weights(self, path: str | None = None) -> int:
         """Read every weight again from the model's checkpoint directory, or from `path` (another
         checkpoint of the same model); returns the new `weight_version`. vLLM spells it

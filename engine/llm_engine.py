@@ -121,6 +121,7 @@ class LLMEngine:
             proposer = DraftModelProposer(spec, min(max_len, num_blocks * bs), mc, config, self.dtype, self.device, num_blocks)
         elif spec is not None:
             proposer = Proposer(spec, min(max_len, num_blocks * bs))
+        self.proposer = proposer
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid, proposer,
                                    config.scheduling_policy)
         self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
@@ -753,6 +754,19 @@ class LLMEngine:
                     f"(max_session_kv_blocks {self.sessions.max_session_kv_blocks}); close sessions first")
         return (f"a request cannot get KV blocks: no session pins any, {self.block_manager.num_free_blocks} of {total} "
                 "are free, and the waiting request needs more than that at once")
+
+    def update_draft_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Replace the draft model's weights (speculative decoding with a draft model: an RL loop
+        that trains the draft beside the policy, or distills it from the policy); returns the
+        draft's new weight version. Nothing of the draft is in flight between steps (each step's
+        proposals are made and finished in it), and its KV computed under the old weights is never
+        hit again (the draft engine's own `update_weights`). The target's outputs do not depend on
+        the draft: only how many drafts are kept does."""
+        if not isinstance(self.proposer, DraftModelProposer):
+            raise ValueError("update_draft_weights needs speculative_config with a draft model (\"model\": <checkpoint>)")
+        draft = self.proposer.engine
+        draft.update_weights(named_tensors, "abort")
+        return draft.weight_version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: str = "abort") -> list[RequestOutput]:
         """Replace weights in place and bump `weight_version`; returns the outputs of the requests

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.default_model import DEFAULT_MODEL_DIR
@@ -77,6 +78,30 @@ def test_a_random_draft_is_rejected_and_changes_nothing(base, random_draft):
         assert _outputs(spec, CODE, sp) == _outputs(base, CODE, sp), sp
     stats = spec.engine.stats()
     assert 0 < stats["spec_draft_tokens"] and stats["spec_accepted_tokens"] < 0.3 * stats["spec_draft_tokens"]
+
+
+def test_draft_weights_are_updated_on_their_own(base):
+    """`update_draft_weights`: the draft's weights perturbed, its drafts are mostly rejected; put
+    back, mostly kept again (its KV under the old weights never reused); the outputs equal the
+    plain engine's throughout. Without a draft model the call is refused."""
+    spec = _drafted(DEFAULT_MODEL_DIR)
+    draft = spec.engine.proposer.engine
+    own = {n: p.detach().clone() for n, p in draft.runner.model.named_parameters()}
+
+    def kept_fraction() -> float:
+        drafted, kept = spec.engine.counters["spec_draft_tokens"], spec.engine.counters["spec_accepted_tokens"]
+        assert _outputs(spec, CODE, CASES[0]) == _outputs(base, CODE, CASES[0])
+        return (spec.engine.counters["spec_accepted_tokens"] - kept) / (spec.engine.counters["spec_draft_tokens"] - drafted)
+
+    assert kept_fraction() >= 0.9
+    g = torch.Generator().manual_seed(0)
+    v = spec.update_draft_weights([(n, t + torch.randn(t.shape, generator=g) * (t.std() + 0.1) * 3) for n, t in own.items()])
+    assert v == 1 and spec.engine.weight_version == 0  # the target's weights are untouched
+    assert kept_fraction() < 0.5
+    assert spec.update_draft_weights(own.items()) == 2
+    assert kept_fraction() >= 0.9
+    with pytest.raises(ValueError, match="update_draft_weights needs speculative_config with a draft model"):
+        base.update_draft_weights(own.items())
 
 
 def test_documents_are_drafted_over_the_flat_prompt_and_controls_are_not_drafted(base):
