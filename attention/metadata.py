@@ -44,8 +44,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from cuttle.attention import native
+from cuttle.attention.merge import merge_lse_rows
 from cuttle.attention.native import rows as native_rows
 from cuttle.attention.native import segments
+from cuttle.attention.rope import rotate_partial
 
 if TYPE_CHECKING:
     from cuttle.attention.rope import RotaryEmbedding
@@ -129,13 +131,18 @@ class SegmentBatch:
             assert self.rot_cos is not None and self.rot_sin is not None
             if 2 * self.rot_cos.shape[-1] > q.shape[-1]:
                 raise ValueError(f"rotary dims {2 * self.rot_cos.shape[-1]} exceed head_dim {q.shape[-1]}")
-            segments.rotate_rows_(qv, self.rot_rows, self.rot_cos, self.rot_sin)
+            if not segments.rotate_rows_(qv, self.rot_rows, self.rot_cos, self.rot_sin):
+                qv[self.rot_rows] = rotate_partial(qv[self.rot_rows], self.rot_cos, self.rot_sin)
         return qv
 
     def merge(self, o_parts: torch.Tensor, lse_parts: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The parts' results (fp32 [V, H, D], [V, H]) merged per query row of `q`: (o in q's dtype,
         lse fp32)."""
-        return segments.merge_parts(o_parts, lse_parts, self.row_index, self.merge_ptr, self.merge_idx, q.dtype)
+        merged = segments.merge_parts(o_parts, lse_parts, self.merge_ptr, self.merge_idx, q.dtype)
+        if merged is not None:
+            return merged
+        out, lse = merge_lse_rows(o_parts, lse_parts, self.row_index, q.shape[0])
+        return out.to(q.dtype), lse
 
     @property
     def num_rows(self) -> int:

@@ -2,7 +2,8 @@
 the torch code they replace: `rotate_partial` bit for bit (fp32 and bf16, partial rotary dims),
 and `merge_lse_rows` within an ulp-level bound (exp / log are the C library's), with parts that
 are empty (lse -inf, o NaN: weight 0), rows with no part at all (o 0, lse -inf), rows of many
-parts in any order, and bf16 output rounded once."""
+parts in any order, and bf16 output rounded once; under autograd they decline (the caller's
+torch path runs)."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,7 @@ def test_rotate_rows_is_rotate_partial_bit_for_bit(dtype, half):
     cos, sin = angle.cos(), angle.sin()
     ref = x.clone()
     ref[rows] = rotate_partial(ref[rows], cos, sin)
-    rotate_rows_(x, rows, cos, sin)
+    assert rotate_rows_(x, rows, cos, sin)
     assert torch.equal(x, ref)
 
 
@@ -51,7 +52,9 @@ def _case(seed: int):
 def test_merge_parts_equals_merge_lse_rows(dtype):
     o, lse, rows, ptr, idx, num_rows = _case(3)
     ref_o, ref_lse = merge_lse_rows(o, lse, rows, num_rows)
-    out, out_lse = merge_parts(o, lse, rows, ptr, idx, dtype)
+    merged = merge_parts(o, lse, ptr, idx, dtype)
+    assert merged is not None
+    out, out_lse = merged
     assert out.dtype == dtype and out_lse.dtype == torch.float32
     assert not out.isnan().any()
     assert torch.equal(out[3].float(), torch.zeros_like(out[3].float())) and torch.isneginf(out_lse[3]).all()
@@ -66,9 +69,9 @@ def test_merge_parts_equals_merge_lse_rows(dtype):
         assert ((out.float() - ref_o).abs() <= step).all()
 
 
-def test_merge_parts_falls_back_under_autograd():
+def test_merge_parts_declines_under_autograd_and_segment_batch_falls_back():
+    """Under autograd the kernel declines (None), and `SegmentBatch.merge` takes merge_lse_rows."""
     o, lse, rows, ptr, idx, num_rows = _case(5)
     o = o.nan_to_num(0.0).requires_grad_(True)
-    out, _ = merge_parts(o, lse, rows, ptr, idx, torch.float32)
-    out.sum().backward()
-    assert o.grad is not None
+    assert merge_parts(o, lse, ptr, idx, torch.float32) is None
+    assert not rotate_rows_(torch.zeros(2, 1, 4, requires_grad=True), torch.tensor([0]), torch.ones(1, 1, 2), torch.zeros(1, 1, 2))
