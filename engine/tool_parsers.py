@@ -33,7 +33,8 @@ next turn, an RL trajectory) never has to re-serialize the arguments.
 Streamed, a call is sent whole once its block closes, or, with `incremental` (for calls the
 tool-call grammar generates, whose text is known to parse), as it is written: its id and name
 once its opening is complete, then its arguments piece by piece (engine/tool_args.py), adding up
-to the whole-text parse's string. A call cut off before its end (max_tokens) is then a call with
+to the whole-text parse's string (Llama 3's, for a call opened exactly as the grammar writes it;
+any other is read whole). A call cut off before its end (max_tokens) is then a call with
 its arguments so far, `complete` false, in the streamed and the whole-text result alike
 (`StreamingToolParser.feed_deltas(text, final=True)` is that whole-text result).
 """
@@ -92,6 +93,10 @@ _MS_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}$")  # Mistral's function names (mi
 
 _PY_TAG = "<|python_tag|>"
 _LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')  # what makes a JSON object at the start a (perhaps broken) call
+# a Llama 3 call as the tool-call grammar writes it (structured_output.py `_SHAPES`): the trigger,
+# then the name and the arguments' key exactly so, so its arguments can stream as written
+_LLAMA_TRIGGER = '{"name": '
+_LLAMA_OPENING = re.compile(r'\{"name": ("(?:[^"\\\x00-\x1f]|\\.)*"), "parameters": ')
 
 PARSERS = ("hermes", "qwen3_coder", "seed_oss", "glm45", "deepseek_v3", "deepseek_v31", "minimax_m2", "mistral", "granite", "llama3_json", "kimi_k2",
            "openai")
@@ -283,7 +288,8 @@ class _LlamaCalls:
         self.settled = False
         self._scan: _JsonScanner | None = None  # the JSON value being read
 
-    def feed(self, text: str, final: bool) -> None:
+    def feed(self, text: str, final: bool, one: bool = False) -> None:
+        """Read on from `at` (`one`: at most one more call)."""
         n = len(text)
         while not self.settled:
             if self._scan is None:
@@ -311,6 +317,8 @@ class _LlamaCalls:
                 return
             self.calls.append(call)
             self.at, self._scan = e, None
+            if one:
+                return
         return
 
 
@@ -537,10 +545,10 @@ class StreamingToolParser:
     def feed_deltas(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         """Content and call pieces for the text so far (`final`: it is all there is). Without
         `incremental`, each call comes as one piece once its block closes."""
-        if not self.incremental or self.fmt == "llama3_json":  # (Llama's calls are read whole, _LlamaCalls)
-            first = len(self.calls)
-            content, calls = self.feed(text, final)
-            return content, [CallDelta(c, first + k, c.arguments, first=True) for k, c in enumerate(calls)]
+        if not self.incremental:
+            return self._whole_deltas(text, final)
+        if self.fmt == "llama3_json":
+            return self._llama_deltas(text, final)
         content, deltas = "", []
         while True:
             if self._open is None:
@@ -560,6 +568,70 @@ class StreamingToolParser:
             if not self._advance(text, deltas, final):
                 break
         return content, deltas
+
+    def _whole_deltas(self, text: str, final: bool) -> tuple[str, list[CallDelta]]:
+        """`feed`, its new calls as one piece each."""
+        first = len(self.calls)
+        content, calls = self.feed(text, final)
+        return content, [CallDelta(c, first + k, c.arguments, first=True) for k, c in enumerate(calls)]
+
+    def _llama_deltas(self, text: str, final: bool) -> tuple[str, list[CallDelta]]:
+        """Llama 3 with `incremental`: a call the grammar wrote (`{"name": "NAME", "parameters": `
+        then the arguments and `}`) streams its arguments as written; anything else at a call's
+        place is read whole, as `feed` does (_LlamaCalls)."""
+        llama = self._llama
+        assert llama is not None
+        deltas: list[CallDelta] = []
+        n = len(text)
+        while True:
+            if llama.settled:  # the content has begun: the rest of the text is content as it comes
+                content, self.sent = text[max(self.sent, llama.at):], n
+                return content, deltas
+            o = self._open
+            if o is not None:
+                if not o.emitter.done:
+                    piece = o.emitter.feed(text[o.fed:])
+                    o.fed = n
+                    if piece:
+                        o.call.arguments += piece
+                        deltas.append(CallDelta(o.call, o.index, piece))
+                e = _skip_space(text, o.args_at + o.emitter.end, n) if o.emitter.done else n
+                if e < n and text[e] == "}":
+                    o.call.text, llama.at = text[o.start:e + 1], e + 1
+                elif e < n or final:  # cut off (max_tokens), or (never under the grammar) not closed by "}"
+                    o.call.complete, o.call.text, llama.at = False, text[o.start:e], e
+                    llama.settled = True
+                else:
+                    return "", deltas
+                llama.calls.append(o.call)
+                self._open = None
+                continue
+            j = _skip_space(text, llama.at, n)
+            if llama.calls and text.startswith(";", j):
+                j = _skip_space(text, j + 1, n)
+            elif not llama.calls and text.startswith(_PY_TAG, j):
+                j = _skip_space(text, j + len(_PY_TAG), n)
+            rest = text[j:j + len(_LLAMA_TRIGGER)]
+            if not final and _LLAMA_TRIGGER.startswith(rest) and j + len(rest) == n:
+                return "", deltas  # (all of it so far could be the grammar's opening)
+            if rest == _LLAMA_TRIGGER:
+                m = _LLAMA_OPENING.match(text, j)
+                if m is None and not final and text.find('"parameters": ', j) == -1:
+                    return "", deltas
+                if m is not None:
+                    call = ToolCall(json.loads(m.group(1)), "")
+                    self.calls.append(call)
+                    self._open = _OpenCall(call, len(self.calls) - 1, j, m.end(), JsonArguments(), m.end())
+                    deltas.append(CallDelta(call, self._open.index, "", first=True))
+                    continue
+            # anything else at a call's place: the next call (or the content's start) read whole
+            before = len(llama.calls)
+            llama.feed(text, final, one=True)
+            for call in llama.calls[before:]:
+                self.calls.append(call)
+                deltas.append(CallDelta(call, len(self.calls) - 1, call.arguments, first=True))
+            if len(llama.calls) == before and not llama.settled:
+                return "", deltas  # (not decided yet)
 
     def _begin(self, text: str, deltas: list[CallDelta]) -> bool:
         """Open a streamed call at `text[self.sent:]` (the format's call opening) once its opening

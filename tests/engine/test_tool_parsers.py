@@ -327,6 +327,12 @@ GRAMMAR_CALLS = [
     ("deepseek_v31", DS_V31),
     ("seed_oss", SEED),
     ("minimax_m2", MINIMAX),
+    ("llama3_json", '{"name": "write_file", "parameters": {"path":"a/b.py","text":"def f():\\n    return \\"\\u00e9\\ud83d\\ude00 \\/\\"","n":1E3,'
+                    '"xs":[ -0 ,2.50,true,null,{}],"o":{"k":[]}}}'),
+    ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 40}}; {"name": "say", "parameters": {"t": "}{;"}}'
+                    ' and then some text'),
+    # not as the grammar writes it (compact, `arguments`): read whole, the same either way
+    ("llama3_json", '{"name":"add","arguments":{"a": 1}}; {"name": "add", "parameters": {"a": 3}}'),
 ]
 
 
