@@ -288,16 +288,23 @@ class _LlamaCalls:
         self.settled = False
         self._scan: _JsonScanner | None = None  # the JSON value being read
 
+    def next_start(self, text: str) -> int:
+        """Where the next call would start: after spaces, and a `;` between calls or a
+        `<|python_tag|>` before the first."""
+        n = len(text)
+        j = _skip_space(text, self.at, n)
+        if self.calls and text.startswith(";", j):
+            return _skip_space(text, j + 1, n)
+        if not self.calls and text.startswith(_PY_TAG, j):
+            return _skip_space(text, j + len(_PY_TAG), n)
+        return j
+
     def feed(self, text: str, final: bool, one: bool = False) -> None:
         """Read on from `at` (`one`: at most one more call)."""
         n = len(text)
         while not self.settled:
             if self._scan is None:
-                j = _skip_space(text, self.at, n)
-                if self.calls and text.startswith(";", j):
-                    j = _skip_space(text, j + 1, n)
-                elif not self.calls and text.startswith(_PY_TAG, j):
-                    j = _skip_space(text, j + len(_PY_TAG), n)
+                j = self.next_start(text)
                 rest = text[j:j + len(_PY_TAG)]
                 if not final and (not rest or (not self.calls and _PY_TAG.startswith(rest) and j + len(rest) == n)):
                     return
@@ -606,11 +613,7 @@ class StreamingToolParser:
                 llama.calls.append(o.call)
                 self._open = None
                 continue
-            j = _skip_space(text, llama.at, n)
-            if llama.calls and text.startswith(";", j):
-                j = _skip_space(text, j + 1, n)
-            elif not llama.calls and text.startswith(_PY_TAG, j):
-                j = _skip_space(text, j + len(_PY_TAG), n)
+            j = llama.next_start(text)
             rest = text[j:j + len(_LLAMA_TRIGGER)]
             if not final and _LLAMA_TRIGGER.startswith(rest) and j + len(rest) == n:
                 return "", deltas  # (all of it so far could be the grammar's opening)
