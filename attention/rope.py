@@ -46,15 +46,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if kind == "longrope":
         # the short factors, one per rotated pair (engine/config.py `_longrope`: served within the
         # original length, where transformers uses them)
-        short = scaling["short_factor"]
-        if len(short) != head_dim // 2:
-            raise ValueError(f"rope_scaling.short_factor has {len(short)} entries; longrope needs one per rotated pair "
-                             f"({head_dim // 2} for {head_dim} rotary dims)")
-        if len(scaling["long_factor"]) != head_dim // 2:
-            raise ValueError(f"rope_scaling.long_factor has {len(scaling['long_factor'])} entries; longrope needs one per "
-                             f"rotated pair ({head_dim // 2} for {head_dim} rotary dims)")
+        for name in ("short_factor", "long_factor"):
+            if len(scaling[name]) != head_dim // 2:
+                raise ValueError(f"rope_scaling.{name} has {len(scaling[name])} entries; longrope needs one per rotated "
+                                 f"pair ({head_dim // 2} for {head_dim} rotary dims)")
         shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (torch.tensor(short, dtype=torch.float32) * theta**shape)
+        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**shape)
     if kind != "llama3":
         raise ValueError(f"rope type {kind!r} is not supported (supported: {', '.join(POSITION_LINEAR_ROPE_TYPES)})")
     # Llama-3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.

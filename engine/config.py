@@ -398,7 +398,13 @@ def _rope_scaling(raw: dict[str, Any] | None, hf: dict[str, Any], path: str) -> 
         out[name] = value
 
     if kind == "longrope":
-        return _longrope(out, hf, max_pos, where)
+        _longrope(out, hf, max_pos, where)
+        number("factor", 0.0, low_open=True)
+        if out.get("attention_factor") is None:
+            f, orig = out["factor"], out["original_max_position_embeddings"]
+            out["attention_factor"] = 1.0 if f <= 1.0 else math.sqrt(1 + math.log(f) / math.log(orig))
+        number("attention_factor", 0.0, low_open=True)
+        return out
     if kind in ("llama3", "yarn"):
         # transformers prefers a top-level original_max_position_embeddings, then the dict's, then max_position_embeddings
         original = hf.get("original_max_position_embeddings") or out.get("original_max_position_embeddings") or max_pos
@@ -424,15 +430,15 @@ def _rope_scaling(raw: dict[str, Any] | None, hf: dict[str, Any], path: str) -> 
     return out
 
 
-def _longrope(out: dict[str, Any], hf: dict[str, Any], max_pos: int, where: str) -> dict[str, Any]:
-    """Phi-3 / Phi-4-mini's LongRoPE, as transformers computes it: per-dimension `short_factor`s
-    (used while a sequence is within `original_max_position_embeddings`) and `long_factor`s (for a
-    whole forward once a sequence passes it), and an attention factor sqrt(1 + ln(factor) /
-    ln(original)) on cos / sin, factor = max_position_embeddings / original unless given. Served
-    with the short factors, within the original length (`ModelConfig.max_position_embeddings` is
-    cut to it: the switch to the long factors re-rotates a whole sequence, which keys cached with
-    the short ones cannot follow). The factor lists' lengths are checked against the rotary
-    dimensions by `cuttle.attention.rope`."""
+def _longrope(out: dict[str, Any], hf: dict[str, Any], max_pos: int, where: str) -> None:
+    """Phi-3 / Phi-4-mini's LongRoPE fields, as transformers reads them: per-dimension
+    `short_factor`s (used while a sequence is within `original_max_position_embeddings`) and
+    `long_factor`s (for a whole forward once a sequence passes it); `factor` defaults to
+    max_position_embeddings / original, and the attention factor on cos / sin (filled in by the
+    caller) to sqrt(1 + ln(factor) / ln(original)). Served with the short factors, within the
+    original length (`ModelConfig.max_position_embeddings` is cut to it: the switch to the long
+    factors re-rotates a whole sequence, which keys cached with the short ones cannot follow).
+    The factor lists' lengths are checked against the rotary dimensions by `cuttle.attention.rope`."""
     original = hf.get("original_max_position_embeddings") or out.get("original_max_position_embeddings")
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
         raise ValueError(f"rope type 'longrope' needs original_max_position_embeddings (a positive integer) in {where}, "
@@ -444,18 +450,8 @@ def _longrope(out: dict[str, Any], hf: dict[str, Any], max_pos: int, where: str)
                 or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0 for x in f)):
             raise ValueError(f"rope_scaling.{name} must be a list of positive numbers for rope type 'longrope' in {where}")
         out[name] = [float(x) for x in f]
-    factor = out.get("factor")
-    if factor is None:
-        factor = max_pos / original
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
-        raise ValueError(f"rope_scaling.factor must be a finite number > 0 in {where}, got {factor!r}")
-    out["factor"] = float(factor)
-    if out.get("attention_factor") is None:
-        out["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    attn = out["attention_factor"]
-    if isinstance(attn, bool) or not isinstance(attn, (int, float)) or not math.isfinite(attn) or attn <= 0:
-        raise ValueError(f"rope_scaling.attention_factor must be a finite number > 0 in {where}, got {attn!r}")
-    return out
+    if out.get("factor") is None:
+        out["factor"] = max_pos / original
 
 
 def _check_unsupported(hf: dict[str, Any], arch: str, path: str) -> None:

@@ -451,7 +451,7 @@ _SHAPES = {
     # gpt-oss's harmony: the server's opening is the whole header up to `<|message|>`, the call ends
     # at a stop token (`<|call|>`, the model's EOS), so a named call's grammar is its arguments
     # alone; a required or auto call would need the grammar to write the special markers after
-    # the name, which xgrammar does not (NAMED_ONLY)
+    # the name, which xgrammar does not (`_CHOICES`)
     "openai": _CallShape(None, "", "", "", "", "", ""),
     # Mistral's and Granite's JSON list of calls (Mistral's v3 / v7 templates; Granite always):
     # the server's opening holds the marker, the rest is plain text, so named and required calls

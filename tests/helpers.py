@@ -200,3 +200,17 @@ def assert_hf_names_round_trip(path: str, model) -> None:
     assert set(names) == set(theirs) - ({"lm_head.weight"} if tied else set())
     for k, t in names.items():
         assert torch.equal(t, theirs[k]), k
+
+
+def each_scheduled_step(engine):
+    """Step `engine` until nothing is left, yielding each step's schedule before the step runs it
+    (the engine prepares, stages, captures or replays it as usual): what a test inspects between
+    the scheduler and the runner."""
+    while engine.has_unfinished_requests():
+        sched = engine.scheduler.schedule()
+        yield sched
+        engine.scheduler.schedule = lambda s=sched: s
+        try:
+            engine.step()
+        finally:
+            del engine.scheduler.schedule

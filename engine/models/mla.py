@@ -72,9 +72,9 @@ class MLAttention(nn.Module):
         # DeepSeek-V3 under YaRN with mscale_all_dim also scales the attention logits (transformers does)
         self.scale = self.qk_dim**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q, k [T, heads, qk_dim] (rotary dims first, NeoX halves), v [T, heads, v_dim]."""
-        T = x.shape[0]
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, heads * qk_dim] (nope then rope dims, the checkpoint's order),
+        the shared rotary key [T, rope] and the decompressed kv [T, heads * (nope + v_dim)]."""
         q, kv_a = gemm.linear(x, self.a_weight).split([self.q_rows, self.kv_lora_rank + self.rope], dim=-1)
         if self.kv_a_bias is not None:
             kv_a = kv_a + self.kv_a_bias
@@ -82,10 +82,15 @@ class MLAttention(nn.Module):
             if self.q_a_bias is not None:
                 q = q + self.q_a_bias
             q = gemm.linear(self.q_a_norm(q), self.q_b_weight)
-        q_nope, q_rot = q.view(T, self.num_heads, self.qk_dim).split([self.nope, self.rope], dim=-1)
         latent, k_rot = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = gemm.linear(self.kv_a_norm(latent), self.kv_b_weight).view(T, self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        return q, k_rot, gemm.linear(self.kv_a_norm(latent), self.kv_b_weight)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q, k [T, heads, qk_dim] (rotary dims first, NeoX halves), v [T, heads, v_dim]."""
+        T = x.shape[0]
+        q, k_rot, kv = self._projections(x)
+        q_nope, q_rot = q.view(T, self.num_heads, self.qk_dim).split([self.nope, self.rope], dim=-1)
+        k_nope, v = kv.view(T, self.num_heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         k_rot = k_rot.view(T, 1, self.rope)
         if self.interleave:
             q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
@@ -102,11 +107,7 @@ class MLAttention(nn.Module):
         that does not apply (latent biases, autograd, no kernel library): the torch code then."""
         if self.kv_a_bias is not None or self.q_a_bias is not None:
             return None
-        q, kv_a = gemm.linear(x, self.a_weight).split([self.q_rows, self.kv_lora_rank + self.rope], dim=-1)
-        if self.q_a_norm is not None:
-            q = gemm.linear(self.q_a_norm(q), self.q_b_weight)
-        latent, k_rot = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = gemm.linear(self.kv_a_norm(latent), self.kv_b_weight)
+        q, k_rot, kv = self._projections(x)
         return mla_qkv(q, k_rot, kv, cos, sin, self.num_heads, self.nope, self.rope, self.v_dim, self.cache_dim, self.interleave)
 
     def forward(

@@ -297,16 +297,12 @@ def prepare_chat(body: dict[str, Any], messages: list[dict[str, Any]], part_docs
                       if use_tools else None)
     if use_tools and tool_structure is None and not parallel:
         raise OpenAIError("parallel_tool_calls: false needs the tool calls generated under a grammar that ends the output after "
-                          "the first call, which this server cannot do (the xgrammar package is not installed, its "
-                          "tokenizer is one xgrammar cannot serve or marks the call markers special, or the "
-                          f"{parser} format has no grammar for tool_choice {choice})", param="parallel_tool_calls")
+                          f"the first call, which this server cannot do ({_no_grammar(parser, choice)})", param="parallel_tool_calls")
     if use_tools and tool_structure is None:
         strict = next((i for i, t in enumerate(tools) if t["function"].get("strict")), None)
         if strict is not None:  # a promise the server can only keep under a grammar
             raise OpenAIError(f"tools[{strict}].function.strict: true needs the tool calls generated under their schemas, which "
-                              "this server cannot do (the xgrammar package is not installed, its tokenizer is one xgrammar "
-                              "cannot serve or marks the call markers special, or the "
-                              f"{parser} format has no grammar for tool_choice {choice})", param="tools")
+                              f"this server cannot do ({_no_grammar(parser, choice)})", param="tools")
     for i, t in enumerate(tools or ()) if tool_structure is not None else ():
         # strict promises schema adherence (OpenAI's meaning); keywords the grammar compiles
         # without enforcing would break it, so such a strict tool is refused, as OpenAI's strict
@@ -514,6 +510,12 @@ _OPENINGS = {
     # gpt-oss: the first harmony message's header (the prompt ends in `<|start|>assistant`)
     "openai": ("<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>", "<|channel|>commentary to=functions."),
 }
+
+
+def _no_grammar(parser: str, choice: str) -> str:
+    """Why a request's tool calls cannot run under a grammar (`tool_call_structure` gave none)."""
+    return ("the xgrammar package is not installed, its tokenizer is one xgrammar cannot serve or marks the call markers "
+            f"special, or the {parser} format has no grammar for tool_choice {choice}")
 
 
 def _forced_prefix(parser: str, choice: str, name: str | None, template: str | None = None, calls_before: int = 0) -> str:

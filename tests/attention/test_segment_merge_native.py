@@ -69,8 +69,9 @@ def test_merge_parts_equals_merge_lse_rows(dtype):
         assert ((out.float() - ref_o).abs() <= step).all()
 
 
-def test_merge_parts_declines_under_autograd_and_segment_batch_falls_back():
-    """Under autograd the kernel declines (None), and `SegmentBatch.merge` takes merge_lse_rows."""
+def test_kernels_decline_under_autograd():
+    """Under autograd both kernels decline (None / False): their caller (`SegmentBatch`) then runs
+    the torch code, which autograd follows."""
     o, lse, rows, ptr, idx, num_rows = _case(5)
     o = o.nan_to_num(0.0).requires_grad_(True)
     assert merge_parts(o, lse, ptr, idx, torch.float32) is None

@@ -12,6 +12,7 @@ from cuttle.attention.metadata import HOST_BLOCK
 from cuttle.attention.native.graph import KernelGraph
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.step_graphs import DecodeGraphs
+from helpers import each_scheduled_step
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernel library not built (no C compiler)")
 
@@ -187,8 +188,7 @@ def test_staged_decode_inputs_equal_the_prepared_ones(checkpoints) -> None:
     for i, m in enumerate(MAX_TOKENS[:3]):
         engine.add_request(f"r{i}", PROMPTS[i], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
     staged_steps = 0
-    while engine.has_unfinished_requests():
-        sched = engine.scheduler.schedule()
+    for sched in each_scheduled_step(engine):
         runner.graphs = None
         ref = runner.prepare(sched.scheduled)  # the usual inputs
         runner.graphs = graphs
@@ -203,12 +203,6 @@ def test_staged_decode_inputs_equal_the_prepared_ones(checkpoints) -> None:
             assert staged.meta.block_tables[:, :width].tolist() == ref.meta.block_tables.tolist()
             assert staged.meta.seq_lens_cpu == ref.meta.seq_lens_cpu and staged.meta.max_seq_len == ref.meta.max_seq_len
             assert staged.logit_rows.tolist() == list(range(B)) and staged.sample_seqs == ref.sample_seqs
-        # run the step as the engine does (it prepares, stages, captures or replays itself)
-        engine.scheduler.schedule = lambda s=sched: s
-        try:
-            engine.step()
-        finally:
-            del engine.scheduler.schedule
     assert staged_steps > 20 and graphs.counters["graph_steps"] >= staged_steps
 
 

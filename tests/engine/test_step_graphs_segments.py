@@ -19,7 +19,7 @@ import torch
 from cuttle.attention import native
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.step_graphs import MAX_SEGMENT_GRAPHS
-from helpers import save_checkpoint
+from helpers import each_scheduled_step, save_checkpoint
 from moe_families import randomize_
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernel library not built (no C compiler)")
@@ -131,8 +131,7 @@ def test_staged_segment_inputs_equal_the_prepared_ones(paths):
     for i, (r, p) in enumerate(zip(_requests(), _params())):
         engine.add_request(f"r{i}", r, p)
     staged_steps = 0
-    while engine.has_unfinished_requests():
-        sched = engine.scheduler.schedule()
+    for sched in each_scheduled_step(engine):
         runner.graphs = None
         ref = runner.prepare(sched.scheduled)
         runner.graphs = graphs
@@ -155,11 +154,6 @@ def test_staged_segment_inputs_equal_the_prepared_ones(paths):
             for name in ("seq_ids_cpu", "query_lens_cpu", "kv_lens_cpu", "causal_cpu", "deltas_cpu", "key_pos_cpu",
                          "query_pos_cpu", "max_query_len", "max_kv_len"):
                 assert getattr(a, name) == getattr(b, name), name
-        engine.scheduler.schedule = lambda s=sched: s
-        try:
-            engine.step()
-        finally:
-            del engine.scheduler.schedule
     assert staged_steps > 5 and graphs.counters["graph_steps"] >= staged_steps
 
 
