@@ -47,6 +47,7 @@ from cuttle.engine.session import Sessions
 from cuttle.engine.sleep_mode import (SLEEP_LEVELS, WAKE_TAGS, EngineAsleepError, Slept, discard_weights, free_storage, offload_weights,
                                       regrow_weights, restore_storage, restore_weights)
 from cuttle.engine.draft_model import DraftModelProposer
+from cuttle.engine.mtp_proposer import MTPProposer
 from cuttle.engine.spec_decode import Proposer, SpecConfig
 from cuttle.engine.squid import Squid, parse_prompt
 from cuttle.engine.structured_output import StructuredOutput
@@ -90,7 +91,9 @@ class LLMEngine:
                                  f"{mc.sliding_window}, or use attention_backend='torch'")
             max_len = mc.sliding_window
         bs = config.block_size
-        per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype, config.sparse_attention)
+        spec = SpecConfig.parse(config.speculative_config)
+        mtp = spec is not None and spec.method == "mtp"  # the MTP layer's K/V: one more layer in the pool
+        per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype, config.sparse_attention, extra_layers=int(mtp))
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -108,14 +111,16 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.squid = Squid(self.block_manager, str(self.dtype))
         self.squid_positions = config.squid_positions or mc.hf_config.get("squid_positions") or "concat"
-        spec = SpecConfig.parse(config.speculative_config)
         if spec is not None and (nsa_config(mc.hf_config) is not None or config.sparse_attention is not None):
             # their per-block entries (NSA's compressed K/V, top-k's summaries) are computed as a
             # block fills, from every token in it: a draft not kept would stay in them
             raise ValueError("speculative_config is not supported with sparse attention (an NSA model or sparse_attention): "
                              "rejected drafts would enter the blocks' compressed entries")
+        self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
         proposer = None
-        if spec is not None and spec.method == "draft_model":
+        if mtp:
+            proposer = MTPProposer(spec, min(max_len, num_blocks * bs), self.runner, self._sample_request, config.logprobs_mode)
+        elif spec is not None and spec.method == "draft_model":
             if config.enable_sleep_mode:  # the draft engine's pool and weights would stay awake
                 raise ValueError("speculative_config with a draft model cannot be combined with enable_sleep_mode")
             proposer = DraftModelProposer(spec, min(max_len, num_blocks * bs), mc, config, self.dtype, self.device, num_blocks)
@@ -124,7 +129,6 @@ class LLMEngine:
         self.proposer = proposer
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid, proposer,
                                    config.scheduling_policy)
-        self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
         # LoRA adapters (engine/lora.py): names, and the adapters loaded, that requests run under
         self.loras: LoRARegistry | None = None
         if config.enable_lora:
@@ -194,7 +198,7 @@ class LLMEngine:
         the lm_head (weight quantization, top-k sparse attention, the batch-invariant kernels;
         `quantize_lm_head` changes only logits, so entries stay shared across it)."""
         mc, config = self.model_config, self.config
-        geometry = f"{mc.num_layers}x{config.block_size}x{mc.num_kv_heads}x{mc.head_dim}{self.runner.kv.layout_tag()}"
+        geometry = f"{len(self.runner.kv.layers)}x{config.block_size}x{mc.num_kv_heads}x{mc.head_dim}{self.runner.kv.layout_tag()}"
         if mc.mla is not None:  # MLA's cached K holds the rotary dims first since 2026-11-27
             geometry += ";mla=rope-first"
         forward = f"quantization={config.quantization};moe_quant={config.moe_quant};" \
@@ -548,6 +552,8 @@ class LLMEngine:
         self.block_manager.pending_copies.clear()
         logits = self.runner.run(inputs)
         self.counters["steps"] += 1
+        if isinstance(self.proposer, MTPProposer):  # the rows' hidden states, for the MTP layer's entries
+            self.proposer.record(sched.scheduled, self.runner.hidden)
 
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
@@ -660,6 +666,7 @@ class LLMEngine:
         for i in range(1, req.sampling_params.n):
             child = Sequence(req, i, list(parent.token_ids), parent.num_prompt_tokens)
             child.num_cached_tokens = parent.num_cached_tokens
+            child.mtp = None if parent.mtp is None else parent.mtp.copy()
             self.block_manager.fork(parent, child)
             self.post.attach_detokenizer(child)
             children.append(child)

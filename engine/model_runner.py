@@ -37,6 +37,7 @@ from cuttle.engine.models.moe_quant import moe_layers, pack_experts
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.engine.models.transformer import sparse_attention_for
 from cuttle.engine.sequence import Sequence
+from cuttle.engine.spec_decode import SpecConfig
 from cuttle.engine.step_graphs import DecodeGraphs, adapter_key
 
 
@@ -66,8 +67,10 @@ class ModelRunner:
         if model_config.sliding_window_layers and hasattr(self.backend, "set_windows"):
             # (a backend without windows serves such a model within its window: llm_engine caps max_model_len)
             self.backend.set_windows({i: model_config.sliding_window for i in model_config.sliding_window_layers})
+        spec = SpecConfig.parse(config.speculative_config)
+        self.mtp = spec is not None and spec.method == "mtp"  # the checkpoint's MTP layer drafts (engine/mtp_proposer.py)
         self.model = load_model(config.model, model_config, dtype, device, moe_quant=config.moe_quant,
-                                quantization=config.quantization, quantize_lm_head=config.quantize_lm_head).eval()
+                                quantization=config.quantization, quantize_lm_head=config.quantize_lm_head, mtp=self.mtp).eval()
         self.prepack()
         mc = model_config
         nsa = self.model.nsa
@@ -82,7 +85,8 @@ class ModelRunner:
             slots = summary_slots_per_block(sparse, self.block_size)
             companions.append(("topk", (mc.num_layers - sparse.dense_layers, 1),
                                (slots, sparse.summary_rows, mc.num_kv_heads, mc.head_dim)))
-        self.kv = KVStorage(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype, device,
+        # (with MTP drafting its layer's K/V is one more layer, at index num_layers)
+        self.kv = KVStorage(mc.num_layers + int(self.mtp), num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, dtype, device,
                             companions=companions)
         # the KV host tier's per-layer caches, for tables that name host blocks (read in place)
         self.host_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -100,6 +104,9 @@ class ModelRunner:
         # decode steps replayed from kernel graphs: CPU, the plain torch backend on native kernels
         self.graphs: DecodeGraphs | None = None
         self.lora: LoRAContext | None = None  # `enable_lora`
+        # the last step's final hidden states, one row per input row (valid until the next step): the
+        # MTP drafter reads them (engine/mtp_proposer.py)
+        self.hidden: torch.Tensor | None = None
         backend = self.backend
         if (device.type == "cpu" and not config.enforce_eager and config.cpu_graph_max_batch > 0
                 and isinstance(backend, TorchAttentionBackend) and backend.native):
@@ -155,12 +162,13 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype,
-                           sparse_attention: str | dict[str, Any] | None = None) -> int:
-        """Bytes one KV block costs: raw K/V, plus what hangs on its block id (an NSA model's
-        compressed entries; under training-free top-k (`EngineConfig.sparse_attention`) each
-        sparse layer's block summaries)."""
-        raw = KVStorage.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        per_vector = raw // (mc.num_layers * 2 * block_size)  # one token's K (or V) in one layer
+                           sparse_attention: str | dict[str, Any] | None = None, extra_layers: int = 0) -> int:
+        """Bytes one KV block costs: raw K/V (of `extra_layers` more layers too: an MTP drafter's),
+        plus what hangs on its block id (an NSA model's compressed entries; under training-free
+        top-k (`EngineConfig.sparse_attention`) each sparse layer's block summaries)."""
+        layers = mc.num_layers + extra_layers
+        raw = KVStorage.bytes_per_block(layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        per_vector = raw // (layers * 2 * block_size)  # one token's K (or V) in one layer
         nsa = nsa_config(mc.hf_config)
         if nsa is not None:
             # an NSA block also holds its compressed entries (S_c slots of K and V per layer)
@@ -340,20 +348,23 @@ class ModelRunner:
         if self.graphs is not None:
             logits = self.graphs.run(inputs)
             if logits is not None:
+                self.hidden = self.graphs.hidden
                 return logits
         return self._run_eager(inputs)
 
     def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
         self.backend.begin_step(inputs.meta)
         if inputs.logit_rows.numel() == inputs.input_ids.numel() and not inputs.prompt_rows:
-            return self._all_logits(inputs.input_ids, inputs.positions, inputs.meta).cpu()  # every row: no gather
+            return self._all_logits(inputs.input_ids, inputs.positions, inputs.meta)[0].cpu()  # every row: no gather
         caches = self.kv.layers if self.nsa_cache is None else self.layer_caches()
-        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta, self.backend)
+        hidden = self.hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta, self.backend)
         if inputs.logit_rows.numel() == 0:
             return torch.empty(0, self.model_config.vocab_size)
         return self.model.compute_logits(hidden[inputs.logit_rows]).cpu()
 
-    def _all_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The model on a planned step (`begin_step` done) and the logits of every row."""
+    def _all_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model on a planned step (`begin_step` done): the logits and final hidden states of every row."""
         caches = self.kv.layers if self.nsa_cache is None else self.layer_caches()
-        return self.model.compute_logits(self.model(input_ids, positions, caches, meta, self.backend))
+        hidden = self.hidden = self.model(input_ids, positions, caches, meta, self.backend)
+        return self.model.compute_logits(hidden), hidden

@@ -20,6 +20,7 @@ from cuttle.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cuttle.engine.lora import LoadedAdapter, LoRARequest
+    from cuttle.engine.mtp_proposer import MTPState
     from cuttle.engine.sampler import Logprob
     from cuttle.engine.spec_decode import NgramIndex
     from cuttle.engine.squid import DocumentJob, SquidLayout
@@ -41,6 +42,7 @@ class Sequence:
         "num_computed_tokens", "num_cached_tokens", "status", "logprobs", "cumulative_logprob",
         "finish_reason", "output_text", "detok", "stop_reason", "shared", "handles", "pos_base",
         "sent_tokens", "sent_chars", "num_reused_tokens", "stop_token_hidden", "draft", "ngram", "draft_len",
+        "mtp",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
@@ -74,6 +76,7 @@ class Sequence:
         self.draft: list[int] = []
         self.ngram: NgramIndex | None = None
         self.draft_len = 0  # drafts to propose next (adapted to what was kept); 0: not yet set
+        self.mtp: MTPState | None = None  # the MTP drafter's hidden states for this sequence (engine/mtp_proposer.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)

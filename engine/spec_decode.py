@@ -1,5 +1,6 @@
 """Speculative decoding by n-gram prompt lookup (vLLM's `speculative_config={"method": "ngram"}`),
-and the proposer interface a draft model also implements (engine/draft_model.py).
+and the proposer interface a draft model (engine/draft_model.py) and the checkpoint's own
+multi-token-prediction layer (engine/mtp_proposer.py) also implement.
 
 A coding model's output often repeats spans of its context (code it edits, names it defined, a
 test it quotes). The proposer finds the latest earlier occurrence of a sequence's last n tokens
@@ -32,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's per-family names for the checkpoint's own multi-token-prediction layer
+_MTP_ALIASES = {"deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp"}
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN = 4, 2  # the matched suffix: 4 tokens down to 2 (1 proposes too often)
 # no drafts in a step with more running sequences than this (vLLM's disable_by_batch_size, whose
@@ -63,11 +66,20 @@ class SpecConfig:
             raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)} (supported: {', '.join(sorted(known))})")
         # vLLM's rule: a `model` without a method is a draft model
         method = spec.get("method", "draft_model" if spec.get("model") is not None else "ngram")
+        method = _MTP_ALIASES.get(method, method)
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method {method!r} is not supported (supported: {', '.join(SPEC_METHODS)}: "
-                             "prompt lookup, or a draft model; EAGLE and MTP heads are not)")
+                             "prompt lookup, a draft model, or the checkpoint's multi-token-prediction layer; EAGLE heads are not)")
         model = spec.get("model")
-        if method == "draft_model":
+        if method == "mtp":
+            stray = sorted({"prompt_lookup_max", "prompt_lookup_min", "model"} & set(spec))
+            if stray:
+                raise ValueError(f"speculative_config.{stray[0]} is not a key of method 'mtp' (the model's own MTP layer drafts)")
+            if spec.get("num_speculative_tokens", 1) != 1:
+                raise ValueError(f"speculative_config.num_speculative_tokens must be 1 with method 'mtp', got "
+                                 f"{spec.get('num_speculative_tokens')!r}: the MTP layer proposes the token after next, and "
+                                 "chaining it on its own outputs for more is not supported")
+        elif method == "draft_model":
             if not isinstance(model, str) or not model:
                 raise ValueError("speculative_config.model (the draft checkpoint's directory) is required with method 'draft_model'")
             stray = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(spec))
@@ -75,9 +87,9 @@ class SpecConfig:
                 raise ValueError(f"speculative_config.{stray[0]} is a prompt-lookup (ngram) key; a draft model takes none")
         elif model is not None:
             raise ValueError(f"speculative_config.model is a draft model's; method {method!r} takes none")
-        if "num_speculative_tokens" not in spec:
+        if "num_speculative_tokens" not in spec and method != "mtp":  # (mtp: one, as vLLM defaults it to the layers)
             raise ValueError("speculative_config.num_speculative_tokens is required (drafts per step)")
-        k = spec["num_speculative_tokens"]
+        k = spec.get("num_speculative_tokens", 1)
         hi = spec.get("prompt_lookup_max", DEFAULT_LOOKUP_MAX)
         lo = spec.get("prompt_lookup_min", min(DEFAULT_LOOKUP_MIN, hi) if isinstance(hi, int) else DEFAULT_LOOKUP_MIN)
         for name, value, least, most in (("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS),

@@ -120,6 +120,7 @@ class _Graph:
     meta: AttentionMetadata  # seq_lens, slot_mapping, block_tables [B, width]: filled per step
     graph: KernelGraph | None = None
     logits: torch.Tensor | None = None  # [B, vocab] fp32, written by every replay
+    hidden: torch.Tensor | None = None  # [B, hidden]: the final hidden states, written by every replay
     validated: bool = False
     last_used: int = 0  # DecodeGraphs._clock at its last step: the least recently used hot graph goes first
     rows: torch.Tensor | None = None  # arange(B): the logits rows of a staged step
@@ -139,12 +140,12 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, max_batch: int, table_width: int, block_size: int, begin_step: Callable[[AttentionMetadata], None],
-                 forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]],
                  greedy_pick: bool = True, hot_batches: int = 0, window: int | None = None,
                  rope: RotaryEmbedding | None = None) -> None:
         """`begin_step(meta)`: the attention backend's per-step planning (run before a capture, not
-        recorded); `forward(input_ids, positions, meta)`: the model and the logits of every row
-        (what a capture records); `greedy_pick`: whether a replay may also pick the argmax of
+        recorded); `forward(input_ids, positions, meta)`: the model, and (the logits, the final
+        hidden states) of every row (what a capture records); `greedy_pick`: whether a replay may also pick the argmax of
         plain-greedy steps (the engine's logprobs_mode is "processed", where those rows need
         nothing else); `hot_batches`: how many graphs of sizes above `max_batch` may be kept
         (captured once they recur, see the module docstring); `window`: the model's sliding window,
@@ -168,6 +169,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self._begin_step = begin_step
         self._forward = forward
+        self.hidden: torch.Tensor | None = None  # the final hidden states of the last step `run` answered
         self._graphs: dict[_Key, _Graph] = {}
         self._breaks: dict[_Key, int] = {}
         self._eager: set[_Key] = set()
@@ -383,6 +385,7 @@ class DecodeGraphs:
                 inputs.greedy = None  # the eager rerun's logits are not the pick's
                 return None
             self.counters["graph_steps"] += 1
+            self.hidden = staged.hidden
             return staged.logits
         if not self.qualifies(inputs):
             return None
@@ -408,7 +411,7 @@ class DecodeGraphs:
         if not g.validated:
             replayed = g.logits.clone()
             self._begin_step(inputs.meta)
-            eager = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
+            eager, self.hidden = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
             if not torch.equal(replayed.view(torch.int32), eager.view(torch.int32)):
                 logger.warning("kernel graph of decode batch %d differs from the eager step: that batch size runs "
                                "eagerly from now on", key[0])
@@ -418,6 +421,7 @@ class DecodeGraphs:
                 g.validated = True
             return eager
         self.counters["graph_steps"] += 1
+        self.hidden = g.hidden
         return g.logits
 
     def _hot(self, key: _Key) -> bool:
@@ -500,7 +504,7 @@ class DecodeGraphs:
         self._begin_step(meta)
         try:
             with capture() as graph:
-                logits = self._forward(g.input_ids, g.positions, g.meta)
+                logits, hidden = self._forward(g.input_ids, g.positions, g.meta)
                 argmax_into_if(g.want, logits, g.greedy)  # want is 0 now: recorded, not run
         except GraphBreak as e:
             n = self._breaks[key] = self._breaks.get(key, 0) + 1
@@ -508,7 +512,8 @@ class DecodeGraphs:
                 self._eager.add(key)
                 logger.info("decode batch %d runs eagerly: its step cannot be replayed from a kernel graph (%s)", B, e)
             return None
-        g.graph, g.logits = graph, logits
+        g.graph, g.logits, g.hidden = graph, logits, hidden
+        self.hidden = hidden
         g.rows = torch.arange(B)
         g.np_ids, g.np_positions = g.input_ids.numpy(), g.positions.numpy()
         g.np_lens, g.np_slots, g.np_tables = meta.seq_lens.numpy(), meta.slot_mapping.numpy(), meta.block_tables.numpy()

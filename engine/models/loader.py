@@ -27,6 +27,7 @@ from cuttle.engine.models.linear_quant import (MXLinearWeight, prepare_quantized
 from cuttle.engine.models.moe_quant import moe_layers, prepare_quantized_experts, unpack_experts, write_quantized
 from cuttle.engine.models.nsa_config import FLA_MARK, fla_tensors
 from cuttle.engine.models.multimodal_text import TEXT_OF, text_tensors
+from cuttle.engine.models.mtp import MTP_TENSORS
 from cuttle.engine.models.transformer import CausalLM
 from cuttle.moe import FusedMoE
 from cuttle.moe.checkpoint import is_quantized_checkpoint
@@ -197,15 +198,16 @@ class WeightCoverage:
 
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, moe_quant: str | None = None,
-               quantization: str | None = None, quantize_lm_head: bool = False) -> CausalLM:
+               quantization: str | None = None, quantize_lm_head: bool = False, mtp: bool = False) -> CausalLM:
     """Build and fill a model. `moe_quant="mxfp8"` quantizes routed experts as they load; a
     checkpoint whose experts are saved in MXFP8 (`cuttle.moe.checkpoint`) loads quantized either way.
     `quantization="mxfp8"` quantizes every attention and dense-MLP linear (`linear_quant`) and the
     routed experts, if any; `quantize_lm_head` (only with it) the lm_head too. An FP8 block-scaled
-    checkpoint (`cfg.fp8_quant`) is dequantized to `dtype` as it loads."""
+    checkpoint (`cfg.fp8_quant`) is dequantized to `dtype` as it loads. `mtp`: the checkpoint's first
+    multi-token-prediction layer is loaded too (`CausalLM(mtp=True)`)."""
     if quantize_lm_head and quantization is None:
         raise ValueError("quantize_lm_head=True needs quantization='mxfp8' (the lm_head is quantized with the other linears)")
-    model = CausalLM(cfg, dtype, device)
+    model = CausalLM(cfg, dtype, device, mtp=mtp)
     if quantization is not None:
         prepare_quantized_linears(model, quantization, lm_head=quantize_lm_head)
         moe_quant = moe_quant or (quantization if moe_layers(model) else None)
@@ -286,8 +288,11 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
             i, rest = int(m.group(1)), m.group(2)
             if i >= cfg.num_layers + extra_layers:
                 raise ValueError(f"tensor {name!r} is for layer {i} but the config has {cfg.num_layers} layers")
-            if i >= cfg.num_layers:  # DeepSeek's / GLM's multi-token-prediction modules: not used for decoding
-                unused.append(name)
+            if i >= cfg.num_layers and (model.mtp is None or i != model.mtp.layer_index):
+                unused.append(name)  # DeepSeek's / GLM's multi-token-prediction modules, unless drafting with the first
+            elif i >= cfg.num_layers and rest in MTP_TENSORS:  # the MTP layer's norms, projection, embedding, head
+                pname = f"mtp.{MTP_TENSORS[rest]}"
+                filler.put(pname, targets[pname], t, name)
             elif _load_expert_tensor(model, i, rest, t, name, targets, filler, quantized.get(i)):
                 continue
             elif (target := table.get(rest)) is not None:
@@ -325,7 +330,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     return unused
 
 
-def _is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
+def _is_mtp_layer(name: str, cfg: ModelConfig) -> bool:  # (one not loaded: `CausalLM(mtp=True)` loads the first)
     m = _LAYER.match(name)
     return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
 
@@ -510,6 +515,10 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
                     out[f"{prefix}.{e}.{name}.weight"] = parts[_EXPERT_PART[name]]
             covered[f"layers.{i}.mlp.w13"] = moe.w13.numel()
             covered[f"layers.{i}.mlp.w2"] = moe.w2.numel()
+    if model.mtp is not None:  # the MTP layer's own tensors, under its layer as the checkpoint names them
+        for rest, pname in MTP_TENSORS.items():
+            out[f"model.layers.{model.mtp.layer_index}.{rest}"] = params[f"mtp.{pname}"]
+            covered[f"mtp.{pname}"] = params[f"mtp.{pname}"].numel()
     wrong = [n for n, p in params.items() if covered.get(n, 0) != p.numel()]
     if wrong:
         raise ValueError(f"hf_state_dict: no single HF name covers {wrong[:8]} of this {cfg.architecture} model")

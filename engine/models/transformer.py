@@ -41,8 +41,10 @@ from cuttle.engine.lora import LoRAContext
 from cuttle.engine.models.layers import LayerNorm, RMSNorm, empty_param
 from cuttle.engine.models.linear_quant import dense_linear, linear  # native.gemm.linear, or the MXFP8 GEMM for quantized weights
 from cuttle.engine.models.mla import MLAttention
+from cuttle.engine.models.mtp import MTPHead
 from cuttle.engine.models.nsa_config import nsa_config
 from cuttle.moe import FusedMoE, RoutingConfig, SharedExpert
+from cuttle.moe.routing import is_moe_layer
 from cuttle.moe.experts_torch import ClampedSwiGLU
 
 
@@ -359,7 +361,9 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = _norm(cfg, dtype)
         # `mlp` is the routed FusedMoE or the dense MLP; a shared expert sits beside the routed one
         self.shared: SharedExpert | None = None
-        if layer_id in cfg.moe_layers:
+        # (an MTP layer, past num_layers, by the same HF rule as the decoder's)
+        moe = layer_id in cfg.moe_layers if layer_id < cfg.num_layers else bool(cfg.moe_layers) and is_moe_layer(cfg.hf_config, layer_id)
+        if moe:
             routing = RoutingConfig.from_hf(cfg.hf_config)
             self.mlp: nn.Module = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, routing, dtype, bias=cfg.moe_bias,
                                            activation=None if cfg.expert_activation is None else ClampedSwiGLU(*cfg.expert_activation))
@@ -417,12 +421,19 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, mtp: bool = False):
+        """`mtp`: also build the checkpoint's first multi-token-prediction layer (engine/models/mtp.py),
+        the draft of `speculative_config={"method": "mtp"}`: `layers[num_layers]` and `mtp`."""
         super().__init__()
         self.cfg = cfg
         self.nsa = nsa_config(cfg.hf_config)  # None: dense attention
         self.embed = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, self.nsa) for i in range(cfg.num_layers))
+        if mtp and cfg.num_mtp_layers < 1:
+            raise ValueError(f"this {cfg.architecture} checkpoint has no multi-token-prediction layers "
+                             "(config.json's num_nextn_predict_layers)")
+        # the decoder's layers, then the MTP layer when asked (never run by the forwards below)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, self.nsa) for i in range(cfg.num_layers + int(mtp)))
+        self.mtp = MTPHead(cfg, dtype) if mtp else None
         self.norm = _norm(cfg, dtype)
         self.lm_head = self.embed if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
@@ -450,11 +461,21 @@ class CausalLM(nn.Module):
         cos, sin = (rows.gather(t, positions)[:, None, :] for t in self.rope.cast_tables(x.dtype))
         self._scale_queries(positions, x.dtype)
         delta = None
-        for layer, kv in zip(self.layers, kv_caches):
+        for layer, kv in zip(self.layers[: self.cfg.num_layers], kv_caches):
             x, delta = layer(x, cos, sin, kv, meta, backend, delta)
         if delta is None:
             return self.norm(x)
         return self.norm.add(x, delta)[1]
+
+    def forward_mtp(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata,
+                    backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer (`mtp=True`) on rows (t_{i+1}, position i, the final hidden state h_i this
+        forward returned for position i), its K/V in `kv_cache` (the pool's layer num_layers);
+        returns (its output, that output normed for `mtp.compute_logits`)."""
+        assert self.mtp is not None
+        cos, sin = (rows.gather(t, positions)[:, None, :] for t in self.rope.cast_tables(self.embed.dtype))
+        return self.mtp(self.layers[self.cfg.num_layers], input_ids, positions, hidden, cos, sin, kv_cache, meta, backend)
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         """Training / scoring path with autograd: rows [B, S] packing several documents each.
@@ -507,7 +528,7 @@ class CausalLM(nn.Module):
             assert self.cfg.sliding_window is not None
             near = positions[:, :, None] - positions[:, None, :] < self.cfg.sliding_window
             window_mask = (mask & near)[:, None]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[: self.cfg.num_layers]):
             x = layer.forward_dense(x, cos, sin, window_mask if i in windowed else mask[:, None],
                                     sparse if sparse is not None and i >= sparse.dense_layers else None, parts)
         return self.norm(x)
@@ -543,7 +564,7 @@ class CausalLM(nn.Module):
     def enable_lora(self, ctx: LoRAContext) -> None:
         """Let the attention projections and dense MLPs add the LoRA deltas `ctx` holds for a step
         (engine/lora.py); multi-head latent attention has no such seam and is refused there."""
-        for layer in self.layers:
+        for layer in self.layers[: self.cfg.num_layers]:  # (the MTP layer drafts under the base weights)
             if isinstance(layer.attn, Attention):
                 layer.attn.lora = ctx
             if isinstance(layer.mlp, DenseMLP):
@@ -552,6 +573,8 @@ class CausalLM(nn.Module):
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights the inference forward hands to `native.gemm.linear` (to pack them ahead)."""
         out: list[torch.Tensor] = [self.lm_head]
+        if self.mtp is not None:
+            out += [self.mtp.eh_proj, self.mtp.head]
         for layer in self.layers:
             if isinstance(layer.attn, Attention):
                 out += [layer.attn.qkv_weight, layer.attn.o_weight]
