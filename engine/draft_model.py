@@ -92,10 +92,12 @@ class DraftModelProposer(Proposer):
         self._drafts: dict[int, list[int]] = {}
         self._ids = itertools.count()
 
-    def prepare(self, seqs: list[Any]) -> None:
+    def prepare(self, seqs: list[Any], drafting: bool = True) -> None:
         """Propose for every sequence in `seqs` (those decoding this step) that may take drafts:
         one batched run of the draft engine."""
         self._drafts.clear()
+        if not drafting:
+            return
         engine = self.engine
         asked: dict[str, int] = {}
         for seq in seqs:

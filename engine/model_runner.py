@@ -240,7 +240,6 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_rows: list[tuple[Sequence, int, int]] = []
-        max_blocks = 0
         segmented = any(seq.shared for seq, _ in scheduled)
         tables: list[list[int]] = []  # one-segment steps: each query's block table
         for seq, n in scheduled:
@@ -268,7 +267,6 @@ class ModelRunner:
                 seq_lens.append(end)
                 query_lens.append(n)
                 tables.append(table)
-            max_blocks = max(max_blocks, len(table))
             req = seq.request
             if req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens:
                 # position p's logits score prompt token p+1
@@ -285,9 +283,7 @@ class ModelRunner:
         if segmented:
             meta = self._segment_metadata(scheduled)
         else:  # the fast path: one causal segment per sequence
-            meta = self._single_segment_metadata(tables, query_start, seq_lens, query_lens, slots, max_blocks)
-            if self.host_kv is not None and any(has_host_blocks(seq.block_table) for seq, _ in scheduled):
-                meta.host_kv = self.host_kv
+            meta = self.causal_metadata(tables, query_start, seq_lens, query_lens, slots)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -309,13 +305,16 @@ class ModelRunner:
             layouts.append(SeqLayout(n, segs))
         return AttentionMetadata.build(layouts, self.block_size, self.device, rope=self.model.rope, host_kv=self.host_kv)
 
-    def _single_segment_metadata(self, block_tables: list[list[int]], query_start: list[int], seq_lens: list[int],
-                                 query_lens: list[int], slots: list[int], max_blocks: int) -> AttentionMetadata:
-        tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+    def causal_metadata(self, block_tables: list[list[int]], query_start: list[int], seq_lens: list[int],
+                        query_lens: list[int], slots: list[int]) -> AttentionMetadata:
+        """Rows laid out as one causal segment per query (`query_start`, each reading its table's
+        first `seq_lens` keys), written at `slots`; the KV host tier's caches when a table names
+        host blocks."""
+        tables = torch.zeros(len(block_tables), max(map(len, block_tables)), dtype=torch.int32)
         for i, table in enumerate(block_tables):
             tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         dev = self.device
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=tables.to(dev),
@@ -326,6 +325,9 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
+        if self.host_kv is not None and any(has_host_blocks(t) for t in block_tables):
+            meta.host_kv = self.host_kv
+        return meta
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:

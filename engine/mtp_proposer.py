@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from cuttle.attention.metadata import has_host_blocks
 from cuttle.engine.sampler import SampleRequest, sample
 from cuttle.engine.spec_decode import Proposer, SpecConfig
 
@@ -129,9 +128,9 @@ class MTPProposer(Proposer):
                 seq.mtp.put(seq.num_computed_tokens, hidden[row: row + n].clone())
             row += n
 
-    def prepare(self, seqs: list[Any]) -> None:
+    def prepare(self, seqs: list[Any], drafting: bool = True) -> None:
         """Bring every decoding sequence's MTP entries up to its last computed position and draft
-        the token after its next, in one forward of the MTP layer."""
+        the token after its next (unless not `drafting` this step), in one forward of the MTP layer."""
         self._drafts.clear()
         runner, bs = self.runner, self.runner.block_size
         ids: list[int] = []
@@ -139,7 +138,7 @@ class MTPProposer(Proposer):
         slots: list[int] = []
         hidden: list[torch.Tensor] = []
         query_start, seq_lens, query_lens, tables = [0], [], [], []
-        drafting: list[tuple[Any, int]] = []  # (seq, its last row)
+        drafted: list[tuple[Any, int]] = []  # (seq, its last row)
         for seq in seqs:
             st = seq.mtp
             if st is None or not self.follows(seq):
@@ -159,14 +158,12 @@ class MTPProposer(Proposer):
             seq_lens.append(last + 1)
             query_lens.append(last + 1 - lo)
             tables.append(table)
-            if self.room(seq, 1) > 0:
-                drafting.append((seq, query_start[-1] - 1))
+            if drafting and self.room(seq, 1) > 0:
+                drafted.append((seq, query_start[-1] - 1))
             st.finish(last + 1)
         if not tables:
             return
-        meta = runner._single_segment_metadata(tables, query_start, seq_lens, query_lens, slots, max(map(len, tables)))
-        if runner.host_kv is not None and any(has_host_blocks(t) for t in tables):
-            meta.host_kv = runner.host_kv
+        meta = runner.causal_metadata(tables, query_start, seq_lens, query_lens, slots)
         model = runner.model
         dev = runner.device
         with torch.inference_mode():
@@ -175,11 +172,11 @@ class MTPProposer(Proposer):
                                           torch.tensor(positions, dtype=torch.long, device=dev),
                                           torch.cat(hidden) if len(hidden) > 1 else hidden[0],
                                           runner.kv.layers[model.cfg.num_layers], meta, runner.backend)
-            if not drafting:
+            if not drafted:
                 return
-            logits = model.mtp.compute_logits(normed[torch.tensor([r for _, r in drafting], device=dev)]).cpu()
-            results = sample(logits, [self.sample_request(seq) for seq, _ in drafting], self.logprobs_mode)
-        for (seq, _), res in zip(drafting, results):
+            logits = model.mtp.compute_logits(normed[torch.tensor([r for _, r in drafted], device=dev)]).cpu()
+            results = sample(logits, [self.sample_request(seq) for seq, _ in drafted], self.logprobs_mode)
+        for (seq, _), res in zip(drafted, results):
             if res.failed is None:
                 self._drafts[id(seq)] = res.token
 

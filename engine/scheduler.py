@@ -112,10 +112,12 @@ class Scheduler:
         kept: list[Sequence] = []
         running = self.running
         spec = self.spec
-        if spec is not None and spec.config.disable_by_batch_size is not None and len(running) > spec.config.disable_by_batch_size:
-            spec = None  # too many sequences this step for drafts to pay (engine/spec_decode.py)
-        if spec is not None and spec.prepares:
-            spec.prepare([s for s in running if s.num_uncomputed_tokens == 1])
+        # too many sequences this step for drafts to pay (engine/spec_decode.py)
+        drafting = spec is None or spec.config.disable_by_batch_size is None or len(running) <= spec.config.disable_by_batch_size
+        if spec is not None and spec.prepares:  # (the MTP layer's entries keep up on steps without drafts too)
+            spec.prepare([s for s in running if s.num_uncomputed_tokens == 1], drafting)
+        if not drafting:
+            spec = None
         while running and budget > 0:
             seq = running.pop(0)
             if seq.num_uncomputed_tokens == 1:  # decode (or the last prompt token)

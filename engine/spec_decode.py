@@ -188,9 +188,11 @@ class Proposer:
 
     prepares = False  # whether `prepare` does anything (the scheduler skips building its list otherwise)
 
-    def prepare(self, seqs: list[Any]) -> None:
+    def prepare(self, seqs: list[Any], drafting: bool = True) -> None:
         """Before the step's schedule: `seqs` are the running sequences that decode a token (a
-        draft model proposes for all of them at once here); prompt lookup needs nothing."""
+        draft model proposes for all of them at once here); prompt lookup needs nothing.
+        `drafting` False: no drafts this step (more running sequences than disable_by_batch_size),
+        only what must keep up every step (the MTP layer's entries)."""
 
     def propose(self, seq: Any, limit: int) -> list[int]:
         """Drafts for `seq`, which decodes its last token this step (as many as `room` allows)."""

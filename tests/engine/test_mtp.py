@@ -262,3 +262,30 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused(checkpoints, tmp_path):
     path = _save(family_model("qwen2_moe"), str(tmp_path / "qwen"), None)
     with pytest.raises(ValueError, match="has no multi-token-prediction layers"):
         _llm(path, MTP)
+
+
+def test_mtp_entries_keep_up_on_steps_without_drafts(checkpoints):
+    """With more running sequences than disable_by_batch_size no step drafts, yet every step
+    writes the entries of its decoding sequences (a sequence holds only its newest rows, not its
+    whole output's); once few remain, their drafts read entries equal to the dense recompute."""
+    path = checkpoints["glm4_moe"]
+    llm = _llm(path, {**MTP, "disable_by_batch_size": 2})
+    flush = _capture_mtp_logits(llm)
+    engine = llm.engine
+    lengths = [6, 6, 6, 30, 30]
+    for i, (p, n) in enumerate(zip(PROMPTS, lengths)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    done, most_held = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = list(out.outputs[0].token_ids)
+        for seq in engine.scheduler.running:
+            if seq.mtp is not None and seq.num_output_tokens > 1:
+                most_held = max(most_held, sum(r.shape[0] for _, r in seq.mtp.runs))
+    assert most_held <= 3, most_held
+    seen = flush()
+    assert len(seen) >= 10  # the two long ones drafted once the short ones were done
+    for seq, n, lp in seen:
+        i = next(k for k, p in enumerate(PROMPTS) if seq.token_ids[: seq.num_prompt_tokens] == p)
+        assert torch.allclose(lp, _oracle_logprobs(llm, PROMPTS[i] + done[i])[n - 2], atol=2e-5, rtol=0)
