@@ -60,6 +60,7 @@ from cuttle.rl.lora import TrainableLoRA
 from cuttle.rl.losses import LossConfig, Normalizer, loss_config, policy_loss
 from cuttle.rl.mismatch import mismatch
 from cuttle.rl.sampling_replay import SamplingReplay
+from cuttle.rl.shared_rows import SharedRow
 
 
 class WeightTarget(Protocol):
@@ -107,6 +108,9 @@ class TrainerConfig:
     ignore_eos: bool = False
     eos_token_ids: list[int] | None = None
     max_tokens_per_row: int = 2048  # micro-batch size: whole sequences packed into one row
+    # a group's samples in one row read their shared prompt (and documents) once (rl/shared_rows.py);
+    # not under NSA or sparse_attention, whose rules are per segment of each sequence
+    share_prefixes: bool = True
     dtype: str = "float32"
     old_policy: str = "behaviour"  # the ratio's denominator: "behaviour" (engine logprobs) or "start"
     minibatches: int = 1  # optimizer steps per batch, each over a consecutive part of its sequences
@@ -277,17 +281,22 @@ class Trainer:
         pos = batch.position_ids[span].to(self.device)
         lens = torch.tensor(batch.seq_lens[a:b], device=self.device)
         doc = torch.repeat_interleave(torch.arange(b - a, device=self.device), lens)
-        # block-diagonal: each sequence causal or under its squid layout, never seeing another
-        mask = batch.row_mask(a, b).to(self.device)
         segments = None
         if self.model.nsa is not None or self.sparse is not None:  # NSA / top-k attend per segment (each sequence's pieces)
             segments = tuple(t.to(self.device)[None] for t in batch.row_segments(a, b))
         targets = batch.loss_mask[span].to(self.device).nonzero().squeeze(1)
+        # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
+        pred = targets - 1
+        shared = SharedRow.build(batch, a, b) if segments is None and self.config.share_prefixes else None
+        if shared is not None and shared.shared:  # the group's prompt once: each token predicted from the row it is computed in
+            row = (shared.input_ids.to(self.device), shared.position_ids.to(self.device), shared.mask.to(self.device))
+            pred = shared.index.to(self.device)[pred]
+        else:  # block-diagonal: each sequence causal or under its squid layout, never seeing another
+            row = (ids, pos, batch.row_mask(a, b).to(self.device))
         # cached: each MXFP8 weight is quantized once per row, however often the forward reads it
         with parametrize.cached():
-            hidden = self._forward(ids[None], pos[None], mask[None], segments)[0]
-            # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
-            logits = self.model.compute_logits(hidden[targets - 1])
+            hidden = self._forward(row[0][None], row[1][None], row[2][None], segments)[0]
+            logits = self.model.compute_logits(hidden[pred])
         logits = self.replay(logits, batch, a, b, ids, targets)
         lp = torch.log_softmax(logits, dim=-1).gather(1, ids[targets][:, None]).squeeze(1)
         return lp, doc[targets], span
