@@ -50,7 +50,8 @@ class SharedRow:
             j = i + 1
             while j < b and gids[j] == gids[i]:
                 j += 1
-            P = _shared_prefix(cu, masks, a, i, j, ids, pos, trained) if j - i > 1 else 0
+            squid = [masks[m - a] if layouts[m] is not None else None for m in range(a, b)]
+            P = _shared_prefix(cu, squid, a, i, j, ids, pos, trained) if j - i > 1 else 0
             prefix_at = row_at
             if P:
                 pieces.append((cu[i], cu[i] + P))
@@ -72,9 +73,10 @@ class SharedRow:
         return cls(ids[stream], pos[stream], mask, index, cu[b] - cu[a] - R)
 
 
-def _shared_prefix(cu: list[int], masks: list[torch.Tensor], a: int, i: int, j: int, ids: torch.Tensor,
+def _shared_prefix(cu: list[int], masks: list[torch.Tensor | None], a: int, i: int, j: int, ids: torch.Tensor,
                    pos: torch.Tensor, trained: torch.Tensor) -> int:
-    """The longest P the sequences [i, j) can share (see the module docstring), 0 for none."""
+    """The longest P the sequences [i, j) can share (see the module docstring), 0 for none;
+    `masks[m - a]`: sequence m's attention, None for a plain causal one."""
     firsts = []
     for m in range(i, j):
         t = trained[cu[m]: cu[m + 1]].nonzero()
@@ -89,8 +91,30 @@ def _shared_prefix(cu: list[int], masks: list[torch.Tensor], a: int, i: int, j: 
     if P == 0:
         return 0
     m0 = masks[i - a]
+    if all(masks[m - a] is None for m in range(i, j)):
+        return P  # causal: a prefix row attends only the prefix, the same for every member
     for m in range(i, j):
         mk = masks[m - a]
-        if bool(mk[:P, P:].any()) or not torch.equal(mk[:P, :P], m0[:P, :P]):
+        if mk is None or m0 is None or bool(mk[:P, P:].any()) or not torch.equal(mk[:P, :P], m0[:P, :P]):
             return 0  # (a prefix token that attends past P, or members attending it differently: no sharing)
     return P
+
+
+def shared_with_previous(batch: PackedBatch) -> list[int]:
+    """Per sequence, the prefix it would share with the sequence before it in a row (0 for the
+    first, another group's, or none): what it adds to a shared row is its length minus that (the
+    trainer packs rows by it). A family's prefix is the least of its members' (common prefixes and
+    equal masks compose), barring a squid context whose rows attend past the shorter one, where
+    `SharedRow.build` shares nothing and the row is that much longer."""
+    cu = batch.cu_seqlens.tolist()
+    lens = batch.seq_lens
+    layouts = batch.layouts or [None] * batch.num_seqs
+    gids = batch.group_ids.tolist()
+    out = [0] * batch.num_seqs
+    prev = None
+    for i in range(batch.num_seqs):
+        mask = None if layouts[i] is None else sequence_mask(layouts[i], lens[i])  # (causal: no mask needed)
+        if i and gids[i] == gids[i - 1]:
+            out[i] = _shared_prefix(cu, [prev, mask], i - 1, i - 1, i + 1, batch.input_ids, batch.position_ids, batch.loss_mask)
+        prev = mask
+    return out

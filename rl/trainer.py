@@ -60,7 +60,7 @@ from cuttle.rl.lora import TrainableLoRA
 from cuttle.rl.losses import LossConfig, Normalizer, loss_config, policy_loss
 from cuttle.rl.mismatch import mismatch
 from cuttle.rl.sampling_replay import SamplingReplay
-from cuttle.rl.shared_rows import SharedRow
+from cuttle.rl.shared_rows import SharedRow, shared_with_previous
 
 
 class WeightTarget(Protocol):
@@ -260,15 +260,19 @@ class Trainer:
     # ---- scoring ---------------------------------------------------------------------------
     def _rows(self, batch: PackedBatch, first: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
         """Consecutive sequence ranges [a, b) within [first, end) whose tokens fit one row (a
-        longer one goes alone)."""
+        longer one goes alone); with shared prompt rows a sequence after one of its group counts
+        only what it adds to the row."""
         lens = batch.seq_lens
         end = len(lens) if end is None else end
+        sharing = self.config.share_prefixes and self.model.nsa is None and self.sparse is None
+        shared = shared_with_previous(batch) if sharing else [0] * len(lens)
         a, total = first, 0
         for i in range(first, end):
-            if i > a and total + lens[i] > self.config.max_tokens_per_row:
+            cost = lens[i] - shared[i] if i > a else lens[i]
+            if i > a and total + cost > self.config.max_tokens_per_row:
                 yield a, i
-                a, total = i, 0
-            total += lens[i]
+                a, total, cost = i, 0, lens[i]
+            total += cost
         if a < end:
             yield a, end
 

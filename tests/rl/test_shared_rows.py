@@ -108,3 +108,15 @@ def test_shared_rows_score_and_train_as_packed_rows(moe_path, random_prompts, co
     for (name, p), q in zip(on.model.named_parameters(), off.model.parameters()):
         if p.grad is not None or q.grad is not None:
             assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_rows_are_packed_by_what_each_sample_adds(moe_path, llm, random_prompts):
+    """A group of 4 whose 24-token prompt is shared takes 24 + 4 x 10 rows, not 4 x 34: under a
+    row budget of 80 it is one row with shared prompts, two without; the scores agree."""
+    batch = _batch(llm, random_prompts(2, 24, seed=6))
+    on = Trainer(moe_path, TrainerConfig(max_tokens_per_row=80))
+    off = Trainer(moe_path, TrainerConfig(max_tokens_per_row=80, share_prefixes=False))
+    packed = batch.packed()
+    assert list(on._rows(packed)) == [(0, 4), (4, 8)]
+    assert list(off._rows(packed)) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert (on.score(batch) - off.score(batch)).abs().max() <= 1e-5
