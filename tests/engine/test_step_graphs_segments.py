@@ -120,6 +120,22 @@ def test_a_window_that_cuts_a_part_runs_eagerly(paths):
     graphs = llm.engine.runner.graphs
     assert any(k[4] is not None for k in graphs._graphs), graphs.counters
     assert graphed == eager
+    # step by step: a step in which the window cuts some part (a row 48 or more positions past a
+    # part's first key) never replays; steps over documents it does not cut do
+    engine = llm.engine
+    for i, (r, p) in enumerate(zip(_requests(), _params())):
+        engine.add_request(f"again{i}", r, p)
+    steps, pending = [], None  # (window cuts a part, over documents, replayed)
+    for sched in each_scheduled_step(engine):
+        if pending is not None:  # the previous step has run
+            steps.append((pending[0], pending[1], graphs.counters["graph_steps"] > pending[2]))
+        segmented = [seq for seq, _ in sched.scheduled if seq.shared]
+        cut = any(seq.pos_base + seq.num_computed_tokens - part.pos_base >= 48 for seq in segmented for part in seq.shared)
+        pending = (cut, bool(segmented), graphs.counters["graph_steps"])
+    steps.append((pending[0], pending[1], graphs.counters["graph_steps"] > pending[2]))
+    assert any(cut for cut, _, _ in steps)
+    assert not any(cut and replayed for cut, _, replayed in steps)
+    assert any(docs and not cut and replayed for cut, docs, replayed in steps)
 
 
 def test_staged_segment_inputs_equal_the_prepared_ones(paths):
