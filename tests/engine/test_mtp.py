@@ -289,3 +289,29 @@ def test_mtp_entries_keep_up_on_steps_without_drafts(checkpoints):
     for seq, n, lp in seen:
         i = next(k for k, p in enumerate(PROMPTS) if seq.token_ids[: seq.num_prompt_tokens] == p)
         assert torch.allclose(lp, _oracle_logprobs(llm, PROMPTS[i] + done[i])[n - 2], atol=2e-5, rtol=0)
+
+
+def test_served_with_mtp_from_the_cli_json(checkpoints):
+    """`--speculative-config '{"method": "deepseek_mtp"}'` (vLLM's name) serves the tokens of the
+    offline engine without drafts, and drafts are kept (the next-token MTP layer)."""
+    import argparse
+
+    import httpx
+
+    from cuttle.engine.cli import _engine_args
+    from server_fixture import LiveServer
+
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    spec = p.parse_args(["--speculative-config", json.dumps({"method": "deepseek_mtp", "disable_by_batch_size": None})]).speculative_config
+    path = checkpoints["bigram"]
+    with LiveServer(path, dtype="float32", num_kv_blocks=128, block_size=8, batch_invariant=True, speculative_config=spec) as srv:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"model": "test-model", "prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0,
+                             "ignore_eos": True, "return_token_ids": True})
+        stats = srv.llm.engine.stats()
+    assert r.status_code == 200, r.text
+    want = _llm(path).generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    assert r.json()["choices"][0]["token_ids"] == want
+    assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"] > 0
