@@ -39,19 +39,20 @@ class SharedRow:
         cu = batch.cu_seqlens.tolist()
         lens = batch.seq_lens
         layouts = batch.layouts or [None] * batch.num_seqs
-        masks = [sequence_mask(layouts[i], lens[i]) for i in range(a, b)]
+        # squid sequences' own masks; a causal one's is written as blocks (no [n, n] mask per sequence)
+        masks = [None if layouts[m] is None else sequence_mask(layouts[m], lens[m]) for m in range(a, b)]
         gids = batch.group_ids.tolist()
         ids, pos, trained = batch.input_ids, batch.position_ids, batch.loss_mask
         index = torch.empty(cu[b] - cu[a], dtype=torch.long)
         pieces: list[tuple[int, int]] = []  # stream spans laid into the row, in order
+        spans: list[tuple[int, int, int]] = []  # per sequence: (its prefix's first row, P, its own first row)
         row_at = 0
         i = a
         while i < b:
             j = i + 1
             while j < b and gids[j] == gids[i]:
                 j += 1
-            squid = [masks[m - a] if layouts[m] is not None else None for m in range(a, b)]
-            P = _shared_prefix(cu, squid, a, i, j, ids, pos, trained) if j - i > 1 else 0
+            P = _shared_prefix(cu, masks, a, i, j, ids, pos, trained) if j - i > 1 else 0
             prefix_at = row_at
             if P:
                 pieces.append((cu[i], cu[i] + P))
@@ -60,6 +61,7 @@ class SharedRow:
                 s, e = cu[m], cu[m + 1]
                 local = torch.arange(e - s)
                 index[s - cu[a]: e - cu[a]] = torch.where(local < P, prefix_at + local, row_at + local - P)
+                spans.append((prefix_at, P, row_at))
                 pieces.append((s + P, e))
                 row_at += e - s - P
             i = j
@@ -67,6 +69,13 @@ class SharedRow:
         R = stream.numel()
         mask = torch.zeros(R, R, dtype=torch.bool)
         for k, m in enumerate(range(a, b)):
+            if masks[k] is None:  # causal: its prefix (shared or not) causal, its own rows see the prefix and themselves causally
+                p0, P, o0 = spans[k]
+                n = lens[m] - P
+                mask[p0:p0 + P, p0:p0 + P] = torch.ones(P, P, dtype=torch.bool).tril()
+                mask[o0:o0 + n, p0:p0 + P] = True
+                mask[o0:o0 + n, o0:o0 + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                continue
             rows = index[cu[m] - cu[a]: cu[m + 1] - cu[a]]
             block = mask[rows[:, None], rows[None, :]]
             mask[rows[:, None], rows[None, :]] = block | masks[k]
