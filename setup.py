@@ -50,6 +50,7 @@ setup(
             "sentencepiece",  # mistral_common's and transformers' reading of a SentencePiece vocabulary (same test)
             "triton",
             "openai",
+            "anthropic",  # the oracle of /v1/messages' wire types (tests/engine/test_server_messages.py)
             "xgrammar>=0.2.8,<0.3",
             "jsonschema",
             "fastapi",

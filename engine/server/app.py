@@ -1,6 +1,7 @@
 """The server application: `create_app` wires auth, error handlers, the plain routes (/health,
 /metrics, /v1/models) and the route modules over one `AsyncEngine`, and checks the server-wide
-chat settings (tool-call parser, reasoning parser, `--chat-template`) once, at startup.
+chat settings (tool-call parser, reasoning parser, `--chat-template`) once, at startup. Errors
+take the shape of the API a route speaks: OpenAI's, or Anthropic's under /v1/messages.
 
 Owns nothing about a request's content. Auth is a plain ASGI middleware, not Starlette's
 `@app.middleware("http")` (BaseHTTPMiddleware): under that, an endpoint never sees the client's
@@ -27,6 +28,7 @@ from cuttle.engine.server.admin_routes import ADMIN_PATHS, add_admin_routes
 from cuttle.engine.server.chat import add_chat_routes
 from cuttle.engine.server.chat_prompt import ChatOptions
 from cuttle.engine.server.completions import add_completion_routes
+from cuttle.engine.server.messages import add_message_routes, anthropic_error
 from cuttle.engine.server.responses import add_response_routes
 from cuttle.engine.server.rl_routes import add_rl_routes
 from cuttle.engine.server.streaming import Serving
@@ -34,6 +36,14 @@ from cuttle.engine.server.tokens import add_token_routes
 from cuttle.engine.tool_parsers import PARSERS, foreign_tool_format, is_harmony_template, parser_for_template
 
 log = logging.getLogger("cuttle.server")
+MESSAGES_PATH = "/v1/messages"  # Anthropic's API (messages.py): its own error shape and `x-api-key` header
+
+
+def _error_body(request: Request, e: OpenAIError) -> dict[str, Any]:
+    """An error in the shape of the API the route speaks: Anthropic's under /v1/messages, else OpenAI's."""
+    if request.url.path.startswith(MESSAGES_PATH):
+        return anthropic_error(e.status, e.message if e.param is None else f"{e.param}: {e.message}")
+    return e.body()
 
 
 class _Auth:
@@ -46,9 +56,14 @@ class _Auth:
     async def __call__(self, scope, receive, send) -> None:
         if self.expected is not None and scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in ADMIN_PATHS):
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            anthropic = scope["path"].startswith(MESSAGES_PATH)
+            if anthropic and auth != self.expected:  # Anthropic's clients send the key as x-api-key
+                key = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"")
+                auth = b"Bearer " + key if key else auth
             if auth != self.expected:
                 err = OpenAIError("invalid or missing API key", 401, "authentication_error", code="invalid_api_key")
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                body = anthropic_error(401, err.message) if anthropic else err.body()
+                await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -95,9 +110,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         engine.shutdown()
 
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+    async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if e.status == 503 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return JSONResponse(_error_body(request, e), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -105,13 +120,13 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         # answers them, instead of FastAPI's {"detail": ...}; the Allow header is kept
         msg = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else \
             f"{e.detail}: {request.method} {request.url.path}" if e.status_code == 405 else str(e.detail)
-        return JSONResponse(OpenAIError(msg, e.status_code, "invalid_request_error").body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+        return JSONResponse(_error_body(request, OpenAIError(msg, e.status_code, "invalid_request_error")),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return JSONResponse(OpenAIError(f"internal error: {e}", 500, "server_error").body(), status_code=500)
+        return JSONResponse(_error_body(request, OpenAIError(f"internal error: {e}", 500, "server_error")), status_code=500)
 
     app.add_middleware(_Auth, api_key=api_key)
 
@@ -135,6 +150,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     add_completion_routes(app, serving, tok)
     add_chat_routes(app, serving, tok, chat_opts)
     add_response_routes(app, serving, tok, chat_opts)
+    add_message_routes(app, serving, tok, chat_opts)
     add_token_routes(app, serving, tok, chat_opts, llm.max_model_len)
     add_rl_routes(app, engine, max_body_bytes, serving.disconnected)
     add_admin_routes(app, engine)
