@@ -4,9 +4,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
+import pytest
 import uvicorn
+
+import cuttle.engine.llm_engine as llm_engine
 
 from cuttle.engine import LLM
 from cuttle.engine.async_engine import AsyncEngine
@@ -65,3 +70,14 @@ def scripted_sampler(real, scripts: dict[int, list[int]]):
         return out
 
     return scripted
+
+
+@contextmanager
+def scripted_server(model: str, scripts: dict[int, str], **kw) -> Iterator[LiveServer]:
+    """A LiveServer (`kw` its arguments) whose requests with a seed in `scripts` write that text,
+    then EOS (`scripted_sampler`); the others sample as usual."""
+    with pytest.MonkeyPatch.context() as mp, LiveServer(model, **kw) as srv:
+        tok = srv.llm.engine.tokenizer
+        ids = {seed: tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for seed, text in scripts.items()}
+        mp.setattr(llm_engine, "sample", scripted_sampler(llm_engine.sample, ids))
+        yield srv

@@ -12,10 +12,9 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_fixture import LiveServer, scripted_sampler
+from server_fixture import scripted_server
 from thinking_checkpoint import make_thinking_checkpoint
 
-import cuttle.engine.llm_engine as llm_engine
 
 BS = 4
 WEATHER_CHAT = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
@@ -33,25 +32,16 @@ def checkpoint(tmp_path_factory):
     return make_thinking_checkpoint(str(tmp_path_factory.mktemp("qwen3_responses")))
 
 
-def _scripted(srv, mp):
-    tok = srv.llm.engine.tokenizer
-    scripts = {seed: tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for seed, text in SCRIPTS.items()}
-    mp.setattr(llm_engine, "sample", scripted_sampler(llm_engine.sample, scripts))
-
-
 @pytest.fixture(scope="module")
 def live(checkpoint):
-    with pytest.MonkeyPatch.context() as mp, LiveServer(checkpoint, dtype="float32", num_kv_blocks=512, block_size=BS,
-                                                        max_model_len=2048) as srv:
-        _scripted(srv, mp)
+    with scripted_server(checkpoint, SCRIPTS, dtype="float32", num_kv_blocks=512, block_size=BS, max_model_len=2048) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def thinking(checkpoint):
-    with pytest.MonkeyPatch.context() as mp, LiveServer(checkpoint, dtype="float32", num_kv_blocks=512, block_size=BS,
-                                                        max_model_len=2048, app_kw={"reasoning_parser": "qwen3"}) as srv:
-        _scripted(srv, mp)
+    with scripted_server(checkpoint, SCRIPTS, dtype="float32", num_kv_blocks=512, block_size=BS, max_model_len=2048,
+                         app_kw={"reasoning_parser": "qwen3"}) as srv:
         yield srv
 
 
