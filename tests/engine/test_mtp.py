@@ -315,3 +315,35 @@ def test_served_with_mtp_from_the_cli_json(checkpoints):
                                use_tqdm=False)[0].outputs[0].token_ids
     assert r.json()["choices"][0]["token_ids"] == want
     assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"] > 0
+
+
+def test_mtp_over_a_host_tier_and_session_turns(checkpoints):
+    """Prefixes served from the host KV tier (read in place, or copied in) and agent session turns
+    (a turn continues from the session's pinned KV, whose MTP entries came with it) change nothing."""
+    path = checkpoints["glm4_moe"]
+    sp = SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True)
+    for read in ("auto", "never"):
+        common = dict(num_kv_blocks=40, num_host_kv_blocks=128, kv_read_in_place=read)
+        base, spec = _llm(path, **common), _llm(path, MTP, **common)
+        for llm in (base, spec):
+            _outputs(llm, sp)  # the prompts' blocks cached, then pushed to the host tier by the fillers
+            _outputs(llm, sp, [[200 + i] * 40 for i in range(3)])
+        assert _outputs(spec, sp) == _outputs(base, sp), read
+        st = spec.engine.stats()
+        assert st["kv_read_in_place_runs" if read == "auto" else "kv_copy_in_runs"] >= 1 and st["spec_draft_tokens"] > 0
+
+    def turns(llm: LLM) -> list:
+        eng = llm.engine
+        sid = eng.open_session(PROMPTS[3])
+        got = []
+        for turn in range(3):
+            eng.add_session_turn(f"turn-{turn}", [sid], SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True))
+            outs = []
+            while eng.has_unfinished_requests():
+                outs += eng.step()
+            c = [o for o in outs if o.finished][-1].outputs[0]
+            got.append((list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]))
+            eng.append_to_session(sid, [7, 8, 9])
+        return got
+
+    assert turns(_llm(path, MTP)) == turns(_llm(path))
