@@ -245,3 +245,41 @@ def test_api_key_as_x_api_key(checkpoint):
         assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
         assert httpx.post(srv.url + "/v1/chat/completions", json={"model": "test-model", "max_tokens": 2, "messages": body["messages"]},
                           headers={"x-api-key": "sekret"}, timeout=60).status_code == 401  # OpenAI routes: Bearer only
+
+
+def test_malformed_bodies_are_400s_in_anthropics_shape(live):
+    """Random malformed content blocks, tools, tool_choice, thinking and sampling fields (seeded):
+    every answer is a 200 or a 400 in Anthropic's shape, never a 500, and the server stays up."""
+    import random
+
+    rng = random.Random(0)
+    atoms = [None, True, 0, -1, 1.5, "", "x", [], {}, [1], {"type": "text"}, {"type": "text", "text": 3}, {"type": "tool_use"},
+             {"type": "tool_result", "tool_use_id": 5}, {"type": "thinking", "thinking": "t", "signature": "zz"},
+             {"type": "image", "source": {"type": "base64"}}, [{"type": "text", "text": "hi", "citations": [1]}], {"role": "user"},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": []}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "zz", "content": [{"type": "image"}]}]}]
+    keys = ["role", "content", "type", "text", "name", "input", "id", "tool_use_id", "input_schema", "budget_tokens"]
+
+    def rand(depth: int = 0):
+        r = rng.random()
+        if depth > 2 or r < 0.5:
+            return rng.choice(atoms)
+        if r < 0.75:
+            return [rand(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(keys): rand(depth + 1) for _ in range(rng.randint(0, 3))}
+
+    fields = ["messages", "system", "tools", "tool_choice", "thinking", "stop_sequences", "max_tokens", "metadata", "temperature",
+              "top_k"]
+    seen = set()
+    for _ in range(60):
+        body = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        for f in rng.sample(fields, rng.randint(1, 3)):
+            body[f] = rand()
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = post(live, body, path)
+            seen.add(r.status_code)
+            assert r.status_code in (200, 400), (path, body, r.text)
+            if r.status_code == 400:
+                assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert seen == {200, 400}
+    assert httpx.get(live.url + "/health").status_code == 200
