@@ -83,12 +83,7 @@ def add_message_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Cha
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await read_body(request, serving.max_body_bytes, serving.served_models(), COUNT_FIELDS)
-        prompt = prepared(body, count_only=True).prompt
-        if isinstance(prompt, dict):
-            n = len(prompt.get("prefix") or []) + sum(len(d) for d in prompt.get("documents") or []) + len(prompt["prompt"])
-        else:
-            n = len(prompt) if isinstance(prompt, list) else len(tok.encode(prompt, add_special_tokens=False))
-        return {"input_tokens": n}
+        return {"input_tokens": _prompt_tokens(prepared(body, count_only=True), tok)}
 
     @app.post("/v1/messages")
     async def create(request: Request):
@@ -101,11 +96,11 @@ def add_message_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Cha
             def respond(finals: list[RequestOutput]) -> dict[str, Any]:
                 [final] = finals
                 [c] = final.outputs
-                msg, called = call.message_of(c.text, c.finish_reason == "length")
+                msg, _ = call.message_of(c.text, c.finish_reason == "length")
                 usage = Usage()
                 usage.add_prompt(final)
                 usage.add_completion(final)
-                return _message(mid, model, _blocks(msg, called), c.finish_reason, c.stop_reason, usage.to_openai())
+                return _message(mid, model, _blocks(msg), c.finish_reason, c.stop_reason, usage.to_openai())
 
             return await serving.complete(request, [(mid, call.prompt)], call.params, call.admission, call.fields, respond, t0)
 
@@ -119,7 +114,7 @@ def add_message_routes(app: FastAPI, serving: Serving, tok: Tokenizer, opts: Cha
             return reader(d)
 
         frames = serving.frames(streams, choice, lambda choices, **extra: {"choices": choices, **extra}, True, t0)
-        return StreamingResponse(_events(frames, mid, model, _prompt_tokens(call), ended), media_type="text/event-stream")
+        return StreamingResponse(_events(frames, mid, model, _prompt_tokens(call, tok), ended), media_type="text/event-stream")
 
 
 # ---- the request ------------------------------------------------------------------------------
@@ -334,7 +329,7 @@ def _renamed(build: Callable[[], Any]) -> Any:
 
 
 # ---- the response -----------------------------------------------------------------------------
-def _blocks(msg: dict[str, Any], called: bool) -> list[dict[str, Any]]:
+def _blocks(msg: dict[str, Any]) -> list[dict[str, Any]]:
     """A whole sample's chat message (ChatCall.message_of) as content blocks."""
     out: list[dict[str, Any]] = []
     if msg.get("reasoning_content"):
@@ -381,11 +376,12 @@ def _message(mid: str, model: str, blocks: list[dict[str, Any]], finish: str | N
             "stop_sequence": sequence, "usage": _usage(usage)}
 
 
-def _prompt_tokens(call: ChatCall) -> int:
+def _prompt_tokens(call: ChatCall, tok: Tokenizer) -> int:
+    """The length of the prompt a request renders (ids; squid parts counted whole)."""
     p = call.prompt
     if isinstance(p, dict):
         return len(p.get("prefix") or []) + sum(len(d) for d in p.get("documents") or []) + len(p["prompt"])
-    return len(p) if isinstance(p, list) else 0
+    return len(p) if isinstance(p, list) else len(tok.encode(p, add_special_tokens=False))
 
 
 async def _events(frames: AsyncIterator[dict[str, Any]], mid: str, model: str, prompt_tokens: int,
