@@ -27,8 +27,10 @@ Entries that cannot be exact, so drafts there are worse (the outputs never chang
   layout shares this);
 - the n samples of one prompt share its blocks, so the entry of the prompt's last position (whose
   next token is each sample's first) is the one the last of them wrote while that block is shared;
-- tokens loaded from a KV tier or a session keep the entries stored with them; a sequence whose
-  last computed row's hidden state is not held (such a load) proposes nothing until it computes one.
+- tokens loaded from a KV tier or a session keep the entries stored with them, and entries are
+  written into device blocks only (a position in a host-tier block read in place keeps its
+  stored entry); a sequence whose last computed row's hidden state is not held (such a load)
+  proposes nothing until it computes one.
 Squid queries and document jobs are not drafted (their attention is segmented; the MTP layer
 attends the sequence's own blocks).
 """
@@ -39,6 +41,7 @@ from typing import Any
 
 import torch
 
+from cuttle.attention.metadata import HOST_BLOCK
 from cuttle.engine.sampler import SampleRequest, sample
 from cuttle.engine.spec_decode import Proposer, SpecConfig
 
@@ -150,6 +153,14 @@ class MTPProposer(Proposer):
                 continue
             lo, rows = run
             table = seq.block_table
+            # entries are written into device blocks only: positions in a block the table names on
+            # the host tier (read in place) keep the entries stored with it
+            host = next((p for p in range(last, lo - 1, -1) if table[p // bs] >= HOST_BLOCK), None)
+            if host is not None:
+                rows, lo = rows[host + 1 - lo:], host + 1
+                if lo > last:
+                    st.finish(last + 1)
+                    continue
             ids.extend(seq.token_ids[lo + 1: last + 2])
             positions.extend(range(lo, last + 1))
             slots.extend(table[p // bs] * bs + p % bs for p in range(lo, last + 1))

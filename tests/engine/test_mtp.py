@@ -347,3 +347,26 @@ def test_mtp_over_a_host_tier_and_session_turns(checkpoints):
         return got
 
     assert turns(_llm(path, MTP)) == turns(_llm(path))
+
+
+def test_mtp_entries_are_written_into_device_blocks_only(checkpoints):
+    """A sequence whose table names a host-tier block (read in place) at positions its entries
+    still need: the entries of those positions are left as stored, the rest written; nothing is
+    written through the host block's id."""
+    from cuttle.attention.metadata import HOST_BLOCK
+
+    llm = _llm(checkpoints["glm4_moe"], MTP, num_host_kv_blocks=16)
+    engine = llm.engine
+    engine.add_request("r", PROMPTS[3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()  # the prompt (40 tokens, 10 blocks of 4) computed, its rows held for the MTP entries
+    [seq] = engine.scheduler.running
+    assert seq.mtp.done == 0 and seq.num_computed_tokens == 40
+    kv = engine.runner.kv.layers[engine.runner.model.cfg.num_layers][0]  # the MTP layer's keys
+    first, second = seq.block_table[0], seq.block_table[1]
+    before = kv[first].clone(), kv[second].clone()
+    seq.block_table[1] = HOST_BLOCK  # positions 4..7 now on the host tier
+    engine.proposer.prepare([seq])
+    seq.block_table[1] = second
+    assert seq.mtp.done == 40 and not seq.mtp.runs
+    assert torch.equal(kv[first], before[0]) and torch.equal(kv[second], before[1])  # 0..7: not written
+    assert engine.proposer.draft(seq, 1)  # the row at 39 drafted
