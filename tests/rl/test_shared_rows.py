@@ -120,3 +120,29 @@ def test_rows_are_packed_by_what_each_sample_adds(moe_path, llm, random_prompts)
     assert list(on._rows(packed)) == [(0, 4), (4, 8)]
     assert list(off._rows(packed)) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert (on.score(batch) - off.score(batch)).abs().max() <= 1e-5
+
+
+def test_multi_turn_trajectories_share_their_first_prompt(moe_path):
+    """Agent trajectories of one group (first prompt, a sample, a tool result, another sample)
+    share the first prompt only: their first samples differ, so what follows is each one's own;
+    trajectories of another group share nothing with them. Scores equal the packed rows'."""
+    from cuttle.rl import Trajectory
+    from cuttle.rl.types import Sample
+
+    prompt = [5 + i for i in range(20)]
+    trajs, gids = [], []
+    for g, first in enumerate((prompt, prompt[:12] + [90] * 8)):
+        for k in range(3):
+            t = Trajectory.start(first)
+            t.append_sample(Sample([30 + k, 31, 32], [-1.0] * 3, "stop", 0))
+            t.append_context([60, 61, 62, 63 + k])  # a tool result (not trained)
+            t.append_sample(Sample([40 + k, 41], [-1.0] * 2, "stop", 0))
+            trajs.append(t)
+            gids.append(g)
+    batch = TrainBatch.from_trajectories(trajs, [1.0, -1.0, 0.5] * 2, gids)
+    packed = batch.packed()
+    row = SharedRow.build(packed, 0, packed.num_seqs)
+    assert row.shared == 2 * (2 * 20)  # each group of 3 computes its 20-token first prompt once
+    _check_layout(packed, row, 0, packed.num_seqs)
+    on, off = Trainer(moe_path, TrainerConfig()), Trainer(moe_path, TrainerConfig(share_prefixes=False))
+    assert (on.score(batch) - off.score(batch)).abs().max() <= 1e-5
