@@ -109,21 +109,23 @@ def _shared_prefix(cu: list[int], masks: list[torch.Tensor | None], a: int, i: i
     return P
 
 
-def shared_with_previous(batch: PackedBatch) -> list[int]:
-    """Per sequence, the prefix it would share with the sequence before it in a row (0 for the
-    first, another group's, or none): what it adds to a shared row is its length minus that (the
-    trainer packs rows by it). A family's prefix is the least of its members' (common prefixes and
+def shared_with_previous(batch: PackedBatch, first: int = 0, end: int | None = None) -> list[int]:
+    """Per sequence of [first, end), the prefix it would share with the sequence before it in a
+    row (0 for the range's first, another group's, or none): what it adds to a shared row is its
+    length minus that (the trainer packs rows by it). A family's prefix is the least of its members' (common prefixes and
     equal masks compose), barring a squid context whose rows attend past the shorter one, where
     `SharedRow.build` shares nothing and the row is that much longer."""
     cu = batch.cu_seqlens.tolist()
     lens = batch.seq_lens
     layouts = batch.layouts or [None] * batch.num_seqs
     gids = batch.group_ids.tolist()
-    out = [0] * batch.num_seqs
+    end = batch.num_seqs if end is None else end
+    out = [0] * (end - first)
     prev = None
-    for i in range(batch.num_seqs):
+    for i in range(first, end):
         mask = None if layouts[i] is None else sequence_mask(layouts[i], lens[i])  # (causal: no mask needed)
-        if i and gids[i] == gids[i - 1]:
-            out[i] = _shared_prefix(cu, [prev, mask], i - 1, i - 1, i + 1, batch.input_ids, batch.position_ids, batch.loss_mask)
+        if i > first and gids[i] == gids[i - 1]:  # (the first of the range starts a row)
+            out[i - first] = _shared_prefix(cu, [prev, mask], i - 1, i - 1, i + 1, batch.input_ids, batch.position_ids,
+                                            batch.loss_mask)
         prev = mask
     return out

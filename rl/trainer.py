@@ -206,6 +206,8 @@ class Trainer:
         if self.config.moe_quant is not None or self.config.quantization is not None:
             self._quantize_on_the_fly()
         self.sparse = sparse_attention_for(self.config.sparse_attention, mc)  # refused as the engine refuses it
+        # shared prompt rows (rl/shared_rows.py), except under NSA / top-k, which attend per segment of each sequence
+        self.shares_prefixes = self.config.share_prefixes and self.model.nsa is None and self.sparse is None
         self.replay = SamplingReplay(self.config, model_path, mc, tokenizer)
         self.lora: TrainableLoRA | None = None
         if self.config.lora is not None:
@@ -264,11 +266,10 @@ class Trainer:
         only what it adds to the row."""
         lens = batch.seq_lens
         end = len(lens) if end is None else end
-        sharing = self.config.share_prefixes and self.model.nsa is None and self.sparse is None
-        shared = shared_with_previous(batch) if sharing else [0] * len(lens)
+        shared = shared_with_previous(batch, first, end) if self.shares_prefixes else [0] * (end - first)
         a, total = first, 0
         for i in range(first, end):
-            cost = lens[i] - shared[i] if i > a else lens[i]
+            cost = lens[i] - shared[i - first] if i > a else lens[i]
             if i > a and total + cost > self.config.max_tokens_per_row:
                 yield a, i
                 a, total, cost = i, 0, lens[i]
@@ -291,7 +292,7 @@ class Trainer:
         targets = batch.loss_mask[span].to(self.device).nonzero().squeeze(1)
         # token t is predicted by the logits at t - 1 (never across a sequence: position 0 is untrained)
         pred = targets - 1
-        shared = SharedRow.build(batch, a, b) if segments is None and self.config.share_prefixes else None
+        shared = SharedRow.build(batch, a, b) if self.shares_prefixes else None
         if shared is not None and shared.shared:  # the group's prompt once: each token predicted from the row it is computed in
             row = (shared.input_ids.to(self.device), shared.position_ids.to(self.device), shared.mask.to(self.device))
             pred = shared.index.to(self.device)[pred]

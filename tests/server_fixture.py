@@ -81,3 +81,29 @@ def scripted_server(model: str, scripts: dict[int, str], **kw) -> Iterator[LiveS
         ids = {seed: tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for seed, text in scripts.items()}
         mp.setattr(llm_engine, "sample", scripted_sampler(llm_engine.sample, ids))
         yield srv
+
+
+def thinking_fixtures(name: str, scripts: dict[int, str], block_size: int = 4):
+    """Module fixtures (checkpoint, live, thinking) of the routes tested against chat: a tiny Qwen3
+    with a thinking template (`thinking_checkpoint`), served scripted (`scripted_server`), plain and
+    under the qwen3 reasoning parser. A test module takes them as
+    `checkpoint, live, thinking = thinking_fixtures("name", SCRIPTS)`."""
+    from thinking_checkpoint import make_thinking_checkpoint
+
+    kw = dict(dtype="float32", num_kv_blocks=512, block_size=block_size, max_model_len=2048)
+
+    @pytest.fixture(scope="module")
+    def checkpoint(tmp_path_factory):
+        return make_thinking_checkpoint(str(tmp_path_factory.mktemp(name)))
+
+    @pytest.fixture(scope="module")
+    def live(checkpoint):
+        with scripted_server(checkpoint, scripts, **kw) as srv:
+            yield srv
+
+    @pytest.fixture(scope="module")
+    def thinking(checkpoint):
+        with scripted_server(checkpoint, scripts, app_kw={"reasoning_parser": "qwen3"}, **kw) as srv:
+            yield srv
+
+    return checkpoint, live, thinking

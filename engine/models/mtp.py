@@ -22,7 +22,6 @@ from torch import nn
 from cuttle.attention.backend import AttentionBackend
 from cuttle.attention.metadata import AttentionMetadata
 from cuttle.attention.native import rows
-from cuttle.attention.native.fused import add
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.layers import RMSNorm, empty_param
 from cuttle.engine.models.linear_quant import linear
@@ -58,8 +57,7 @@ class MTPHead(nn.Module):
             e = e.masked_fill((positions == 0)[:, None], 0.0)
         x = linear(torch.cat((self.enorm(e), self.hnorm(hidden.to(e.dtype))), dim=-1), self.eh_proj)
         x, delta = layer(x, cos, sin, kv_cache, meta, backend, None)
-        x = add(x, delta)
-        return x, self.head_norm(x)
+        return self.head_norm.add(x, delta)  # (x + delta, its norm: one fused kernel, the same sums)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         return rows.to_float(linear(normed, self.head))

@@ -431,6 +431,20 @@ def _document_text(name: str | None, text: str) -> str:
     return f"# {name}\n{body}" if name else body
 
 
+def renamed_errors(build: Callable[[], Any], names: dict[str, str], in_text: bool = True) -> Any:
+    """Run a chat step for a route that speaks another wire format (Responses, Messages): its
+    refusals name the route's fields instead of chat's (`names`: chat field -> the route's), in
+    `param` and, with `in_text`, in the message too."""
+    try:
+        return build()
+    except OpenAIError as e:
+        msg = e.message
+        if in_text:
+            for chat, ours in names.items():
+                msg = msg.replace(chat, ours)
+        raise OpenAIError(msg, e.status, e.type, names.get(e.param or "", e.param), e.code) from None
+
+
 def flatten_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[str | None, str]]]:
     """Text parts joined into one string per message (the templates expect strings), and the
     document parts taken out, in order, as (name, text); the fields a template reads are checked

@@ -39,7 +39,7 @@ from fastapi.responses import StreamingResponse
 from cuttle.engine.openai_protocol import SAMPLING_FIELDS, OpenAIError, Usage, show
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.server.body import read_body
-from cuttle.engine.server.chat import ChatCall, flatten_messages, prepare_chat
+from cuttle.engine.server.chat import ChatCall, flatten_messages, prepare_chat, renamed_errors
 from cuttle.engine.server.chat_prompt import ChatOptions, ToolCallReplay, read_chat_template
 from cuttle.engine.server.responses import seal_reasoning, unseal_reasoning
 from cuttle.engine.server.streaming import Delta, Fields, Serving
@@ -320,12 +320,9 @@ def _assistant_turn(blocks: list[Any], i: int) -> dict[str, Any]:
 
 
 def _renamed(build: Callable[[], Any]) -> Any:
-    """Run a chat step, its refusals naming the Messages field instead of the chat one."""
-    try:
-        return build()
-    except OpenAIError as e:
-        e.param = _NAMES.get(e.param or "", e.param)
-        raise
+    """Run a chat step, its refusals naming the Messages field instead of the chat one (in
+    `param` only: `stop` -> `stop_sequences` would mangle words of the message)."""
+    return renamed_errors(build, _NAMES, in_text=False)
 
 
 # ---- the response -----------------------------------------------------------------------------

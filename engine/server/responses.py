@@ -53,7 +53,7 @@ from cuttle.engine.openai_protocol import CHAT_FIELDS, RESPONSES_FIELDS, OpenAIE
 from cuttle.engine.outputs import RequestOutput
 from cuttle.engine.reasoning_parsers import split_reasoning
 from cuttle.engine.server.body import read_body
-from cuttle.engine.server.chat import ChatCall, flatten_messages, prepare_chat
+from cuttle.engine.server.chat import ChatCall, flatten_messages, prepare_chat, renamed_errors
 from cuttle.engine.server.chat_prompt import ChatOptions, ToolCallReplay, effort_kwargs, read_chat_template
 from cuttle.engine.async_engine import RequestStream
 from cuttle.engine.server.conversations import Conversation, ConversationStore, add_conversation_routes, check_metadata, page
@@ -491,13 +491,7 @@ def _reasoning_kwargs(reasoning: Any, template_reads: set[str]) -> dict[str, Any
 
 def _renamed(build: Callable[[], Any]) -> Any:
     """Run a chat check, its errors naming the Responses fields."""
-    try:
-        return build()
-    except OpenAIError as e:
-        msg = e.message
-        for chat, ours in _CHAT_NAMES.items():
-            msg = msg.replace(chat, ours)
-        raise OpenAIError(msg, e.status, e.type, _CHAT_NAMES.get(e.param or "", e.param), e.code) from None
+    return renamed_errors(build, _CHAT_NAMES)
 
 
 # ---- the output -------------------------------------------------------------------------------

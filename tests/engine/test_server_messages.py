@@ -14,8 +14,7 @@ import httpx
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from server_fixture import LiveServer, scripted_server
-from thinking_checkpoint import make_thinking_checkpoint
+from server_fixture import LiveServer, thinking_fixtures
 
 
 BS = 4
@@ -29,22 +28,7 @@ SCRIPTS = {301: CALL, 302: "It is sunny.", 303: THOUGHT, 304: "It is sunny. Bye 
 EVENTS = TypeAdapter(RawMessageStreamEvent)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_thinking_checkpoint(str(tmp_path_factory.mktemp("qwen3_messages")))
-
-
-@pytest.fixture(scope="module")
-def live(checkpoint):
-    with scripted_server(checkpoint, SCRIPTS, dtype="float32", num_kv_blocks=512, block_size=BS, max_model_len=2048) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def thinking(checkpoint):
-    with scripted_server(checkpoint, SCRIPTS, dtype="float32", num_kv_blocks=512, block_size=BS, max_model_len=2048,
-                         app_kw={"reasoning_parser": "qwen3"}) as srv:
-        yield srv
+checkpoint, live, thinking = thinking_fixtures("qwen3_messages", SCRIPTS, BS)
 
 
 def post(srv, body: dict, path: str = "/v1/messages") -> httpx.Response:

@@ -12,8 +12,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_fixture import scripted_server
-from thinking_checkpoint import make_thinking_checkpoint
+from server_fixture import thinking_fixtures
 
 
 BS = 4
@@ -27,22 +26,7 @@ SCRIPTS = {301: CALL, 302: "It is sunny.", 303: THOUGHT}
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_thinking_checkpoint(str(tmp_path_factory.mktemp("qwen3_responses")))
-
-
-@pytest.fixture(scope="module")
-def live(checkpoint):
-    with scripted_server(checkpoint, SCRIPTS, dtype="float32", num_kv_blocks=512, block_size=BS, max_model_len=2048) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def thinking(checkpoint):
-    with scripted_server(checkpoint, SCRIPTS, dtype="float32", num_kv_blocks=512, block_size=BS, max_model_len=2048,
-                         app_kw={"reasoning_parser": "qwen3"}) as srv:
-        yield srv
+checkpoint, live, thinking = thinking_fixtures("qwen3_responses", SCRIPTS, BS)
 
 
 def post(srv, body: dict, path: str = "/v1/responses") -> httpx.Response:
