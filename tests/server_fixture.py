@@ -1,6 +1,7 @@
 """A live cuttle server on loopback, in a background thread, for tests that use real clients."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -107,3 +108,18 @@ def thinking_fixtures(name: str, scripts: dict[int, str], block_size: int = 4):
             yield srv
 
     return checkpoint, live, thinking
+
+
+def named_events(srv: LiveServer, path: str, body: dict) -> Iterator[dict]:
+    """A streamed request's SSE events (`event: NAME` then `data: {...}`), each object checked to
+    carry its event's name as `type` (the Responses and Messages APIs name every event)."""
+    with httpx.stream("POST", srv.url + path, json={"model": "test-model", "stream": True, **body}, timeout=120) as r:
+        assert r.status_code == 200
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                obj = json.loads(line[6:])
+                assert obj["type"] == name
+                yield obj

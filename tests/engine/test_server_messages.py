@@ -14,7 +14,7 @@ import httpx
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from server_fixture import LiveServer, thinking_fixtures
+from server_fixture import LiveServer, named_events, thinking_fixtures
 
 
 BS = 4
@@ -45,17 +45,9 @@ def message(srv, body: dict) -> dict:
 def events(srv, body: dict) -> list[dict]:
     """A streamed message's events, each checked against the SDK's event types and its SSE name."""
     out = []
-    with httpx.stream("POST", srv.url + "/v1/messages", json={"model": "test-model", "stream": True, **body}, timeout=120) as r:
-        assert r.status_code == 200
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                obj = json.loads(line[6:])
-                assert obj["type"] == name
-                EVENTS.validate_python(obj)
-                out.append(obj)
+    for obj in named_events(srv, "/v1/messages", body):
+        EVENTS.validate_python(obj)
+        out.append(obj)
     assert out[0]["type"] == "message_start" and out[-1]["type"] == "message_stop"
     return out
 

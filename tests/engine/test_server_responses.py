@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_fixture import thinking_fixtures
+from server_fixture import named_events, thinking_fixtures
 
 
 BS = 4
@@ -36,20 +36,12 @@ def post(srv, body: dict, path: str = "/v1/responses") -> httpx.Response:
 def events(srv, body: dict) -> list[dict]:
     """A streamed response's events, each checked against the SDK's event types and its SSE name."""
     out = []
-    with httpx.stream("POST", srv.url + "/v1/responses", json={"model": "test-model", "stream": True, **body}, timeout=120) as r:
-        assert r.status_code == 200
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                obj = json.loads(line[6:])
-                assert obj["type"] == name
-                # usage is checked apart (`checked`): the SDK requires cache_write_tokens
-                EVENTS.validate_python({**obj, "response": {**obj["response"], "usage": None}} if "response" in obj else obj)
-                if obj["type"] in ("response.completed", "response.incomplete"):
-                    checked(obj["response"])
-                out.append(obj)
+    for obj in named_events(srv, "/v1/responses", body):
+        # usage is checked apart (`checked`): the SDK requires cache_write_tokens
+        EVENTS.validate_python({**obj, "response": {**obj["response"], "usage": None}} if "response" in obj else obj)
+        if obj["type"] in ("response.completed", "response.incomplete"):
+            checked(obj["response"])
+        out.append(obj)
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
     return out
 
