@@ -33,6 +33,12 @@ flagged here); a sequence's own causal table may also mix flagged cold blocks, f
 computed, with device blocks. New K/V is only ever written to device blocks (`slot_mapping` never
 names a host block). `host_kv` is None when no table of the step names a host block.
 
+Given-back blocks. Under a sliding window a sequence's table may start with `NULL_BLOCK` entries:
+blocks wholly before every window its queries will use, given back to the pool
+(`BlockManager.release_behind_window`). Windowed paths start each row's walk at its window's block
+and never read them; a path that reads a whole table masks those keys out and must not index
+with the entry (the decode gather maps it to block 0).
+
 Positions (the model's RoPE of this step's q and k) are the caller's: the model rotates q and k at
 their absolute positions before the backend; only the per-segment offsets live here.
 """
@@ -55,6 +61,10 @@ if TYPE_CHECKING:
 
 # Block-table flag of a host-pool block; block ids of either pool stay below it (csrc/host_pool.h)
 HOST_BLOCK = native.HOST_BLOCK
+
+
+# Block-table entry of a block given back behind a sliding window: never read
+NULL_BLOCK = -1
 
 
 def has_host_blocks(ids: list[int]) -> bool:

@@ -447,7 +447,8 @@ class _StepPlan:
         self.decode_lens = meta.seq_lens[idx].to(torch.int32).contiguous()
         self.decode_rows = torch.tensor([starts[b] for b in decode_seqs], device=device)
         offs = torch.arange(bs, device=device)
-        tables = self.decode_tables.long()
+        # (NULL_BLOCK entries, given back behind the window, lie wholly before it: masked below)
+        tables = self.decode_tables.long().clamp(min=0)
         if self.meta.host_kv is not None:
             on_host = (tables >= HOST_BLOCK)[:, :, None].expand(-1, -1, bs)
             self.decode_host = on_host.reshape(len(self.decode_lens), 1, -1)[:, :, :max_len]

@@ -123,6 +123,10 @@ def _paged_attention_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < kv_hi
         raw = tl.load(bt_row + n // BLOCK_SIZE, mask=n_valid, other=0)
+        if WINDOW:
+            # NULL_BLOCK (-1): a block given back behind the window (its keys are before every
+            # row's window); nothing is loaded from it
+            n_valid = n_valid & (raw >= 0)
         off = n % BLOCK_SIZE
         kv_mask = n_valid[:, None] & d_valid[None, :]
         if HOST:

@@ -19,10 +19,22 @@ is filled the same way instead of being computed. Without tiers none of that cod
 A host hit read in place stays in the host tier: the table entry is the host block's id flagged
 `HOST_BLOCK` (always a full, hashed block before the sequence's first written one), and the
 sequence's reference is on the host pool (`_pool_of` routes every ref/unref).
+
+Under a sliding window that every layer applies (`window`, set by the engine where the backend
+attends windows), a block wholly before every window the sequence's queries will still use is
+given back after each step (`release_behind_window`): its table entry becomes `NULL_BLOCK` and
+its reference goes, so a sequence holds about W / block_size blocks however long it runs. A
+given-back block keeps its hash in the free list, so it stays a prefix-cache entry until it is
+reused. Only a sequence's own causal table is cut: a document job's blocks (a document is cached
+whole) and a sequence reading shared segments keep theirs. Without KV tiers such a sequence also
+*grows lazily* (`grows_lazily`): admission backs only its prefix hits and the first chunk the step
+has budget for, and each later prefill chunk gets its blocks when it is scheduled (`grow`), so a
+prompt longer than the pool runs through a window's worth of blocks. (With tiers a sequence's
+blocks are all taken at admission: loads from below land in them.)
 """
 from __future__ import annotations
 
-from cuttle.attention.metadata import HOST_BLOCK
+from cuttle.attention.metadata import HOST_BLOCK, NULL_BLOCK
 from cuttle.engine.kv.document_index import DocumentIndex
 from cuttle.engine.kv.handles import KVHandle
 from cuttle.engine.kv.pool import NO_HASH, Block, BlockPool
@@ -43,6 +55,10 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
         self.num_cached_tokens_hit = 0  # tokens served from the prefix cache at admission, ever
         self.tiers: KVTiers | None = None
+        # a sliding window W every layer applies: blocks before every query's window are given
+        # back (None: every block is kept)
+        self.window: int | None = None
+        self.num_window_released_blocks = 0  # blocks given back behind a window, ever
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         self.tiers = tiers
@@ -99,20 +115,41 @@ class BlockManager:
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         return self.prefix_index.match(seq.token_ids, max_blocks, seq.request.prefix_cache_key)
 
-    def can_allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
+    def grows_lazily(self, seq: Sequence) -> bool:
+        """Whether `seq` gets its blocks chunk by chunk (see the module docstring)."""
+        return self.window is not None and self.tiers is None and not seq.shared and seq.request.job is None
+
+    def backed_tokens(self, seq: Sequence, computed: int, budget: int | None) -> int:
+        """How many of `seq`'s tokens its table backs once `computed` are in KV: all of them, or
+        under lazy growth with a step `budget`, what that step may compute."""
+        n = len(seq.token_ids)
+        return n if budget is None or not self.grows_lazily(seq) else min(n, computed + budget)
+
+    def can_allocate(self, seq: Sequence, use_cache: bool = True, budget: int | None = None) -> bool:
         hits = self.match_prefix(seq, use_cache)
-        revived = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
-        needed = self.blocks_needed(len(seq.token_ids)) - len(hits)
+        computed = len(hits) * self.block_size
+        # hits behind the window are given back at once: they cost nothing
+        kept = hits[self._released_end(computed) :] if self.grows_lazily(seq) else hits
+        revived = sum(1 for b in kept if self.pool.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(self.backed_tokens(seq, computed, budget)) - len(hits)
         return needed <= self.pool.num_free - revived
 
-    def allocate(self, seq: Sequence, use_cache: bool = True, read_in_place: bool = True) -> None:
+    def allocate(self, seq: Sequence, use_cache: bool = True, read_in_place: bool = True, budget: int | None = None) -> None:
         """Give `seq` its blocks: device prefix hits, then (with tiers) host hits read in place
         unless `read_in_place` is False (a holder that pins the table in the device pool), then
-        new blocks; a load from below may follow."""
+        new blocks (under lazy growth, for the first `budget` tokens to compute only); a load from
+        below may follow."""
         assert not seq.block_table, "sequence already holds blocks"
         hits = self.match_prefix(seq, use_cache)
         for bid in hits:
             self.pool.ref(bid)
+        if self.grows_lazily(seq):
+            seq.block_table = list(hits)
+            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+            self.num_cached_tokens_hit += seq.num_cached_tokens
+            self.release_behind_window(seq)  # before new blocks are taken: hits behind the window go back
+            self.grow(seq, self.backed_tokens(seq, seq.num_computed_tokens, budget) - seq.num_computed_tokens)
+            return
         table = list(hits)
         tiers = self.tiers
         chained = tiers is not None and seq.request.job is None and self.enable_prefix_caching and use_cache
@@ -179,7 +216,8 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks go back first so they are evicted before the shared head of the chain.
         for bid in reversed(seq.block_table):
-            self._unref(bid)
+            if bid != NULL_BLOCK:
+                self._unref(bid)
         for handle in reversed(seq.handles):
             handle.release()
         seq.block_table = []
@@ -188,6 +226,19 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     # ---- growth ----------------------------------------------------------------------------
+    def grow_cost(self, seq: Sequence, n: int) -> int:
+        """New blocks `grow(seq, n)` takes."""
+        return max(0, self.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table))
+
+    def room(self, seq: Sequence) -> int:
+        """How many tokens past its computed ones `seq`'s table could back with the free blocks."""
+        return (len(seq.block_table) + self.pool.num_free) * self.block_size - seq.num_computed_tokens
+
+    def grow(self, seq: Sequence, n: int) -> None:
+        """Back the next `n` tokens of a lazily growing `seq` (its next chunk) with new blocks."""
+        for _ in range(self.grow_cost(seq, n)):
+            seq.block_table.append(self.pool.take())
+
     def can_append(self, seq: Sequence) -> bool:
         return self._append_cost(seq) <= self.pool.num_free
 
@@ -239,12 +290,48 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares every block of the parent (the partial last one copy-on-write)."""
         for bid in parent.block_table:
-            self._ref(bid)
+            if bid != NULL_BLOCK:
+                self._ref(bid)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.handles = [KVHandle(self.pool, h.blocks) for h in parent.handles]
         child.shared = list(parent.shared)
         child.pos_base = parent.pos_base
+
+    # ---- after a step ----------------------------------------------------------------------
+    def computed(self, seq: Sequence) -> None:
+        """After a step computed KV for `seq`: register its full blocks, then give back what its
+        window has left behind."""
+        self.hash_computed_blocks(seq)
+        self.release_behind_window(seq)
+
+    # ---- sliding window --------------------------------------------------------------------
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Give back the blocks of `seq` that lie wholly before the window of its next query
+        (position `num_computed_tokens`; every later query's window starts later still). With the
+        prefix cache on, a block goes only once the block after it is full and hashed, so the
+        chain of hashes never needs a block that is gone."""
+        if self.window is None or seq.shared or seq.request.job is not None:
+            return
+        end = self._released_end(seq.num_computed_tokens)
+        table = seq.block_table
+        i = end - 1
+        while i >= 0 and table[i] != NULL_BLOCK:  # back to where the last release stopped
+            i -= 1
+        for j in range(i + 1, end):  # oldest first: the LRU list hands them out in that order
+            self._unref(table[j])
+            table[j] = NULL_BLOCK
+            self.num_window_released_blocks += 1
+
+    def _released_end(self, computed: int) -> int:
+        """Under the window, once `computed` tokens are in KV: the blocks before this index are
+        given back."""
+        assert self.window is not None
+        bs = self.block_size
+        end = (computed - self.window + 1) // bs  # blocks before this one hold only keys before the window
+        if self.enable_prefix_caching:
+            end = min(end, computed // bs - 1)
+        return max(0, end)
 
     # ---- prefix cache ----------------------------------------------------------------------
     def hash_computed_blocks(self, seq: Sequence) -> None:
@@ -254,14 +341,22 @@ class BlockManager:
         bs = self.block_size
         extra = seq.request.prefix_cache_key
         table = seq.block_table
+        parent = NO_HASH
+        chained = True  # the hashes before block i are known (not given back unhashed)
         for i in range(seq.num_computed_tokens // bs):
+            if table[i] == NULL_BLOCK:
+                chained = False
+                continue
             block = self._block(table[i])
             if block.hash != NO_HASH:
+                parent, chained = block.hash, True
                 continue
-            parent = self._block(table[i - 1]).hash if i > 0 else NO_HASH
+            if not chained:  # (the cache was reset after its parent was given back: it cannot chain)
+                break
             if self.prefix_index.register(block, parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), extra) and \
                     (i + 1) * bs <= seq.num_prompt_tokens:
                 seq.request.cache_written_tokens += bs  # prompt KV this request put in the cache
+            parent = block.hash
 
     def reset_prefix_cache(self, disk_namespace: int | None = None) -> None:
         """Forget every cached block and document (e.g. after a weight update), in every tier;
@@ -278,6 +373,8 @@ class BlockManager:
         host_refs = [0] * (len(self.tiers.host_pool) if self.tiers is not None else 0)
         for seq in live:
             for bid in seq.block_table:
+                if bid == NULL_BLOCK:
+                    continue
                 if bid >= HOST_BLOCK:
                     host_refs[bid - HOST_BLOCK] += 1
                 else:
@@ -287,7 +384,8 @@ class BlockManager:
                     refs[bid] += 1
         for handle in pins:
             for bid in handle.blocks:
-                refs[bid] += 1
+                if bid != NULL_BLOCK:
+                    refs[bid] += 1
         if self.tiers is not None:
             for blocks in self.tiers.device_pins():
                 for bid in blocks:

@@ -94,21 +94,36 @@ class LLMEngine:
         spec = SpecConfig.parse(config.speculative_config)
         mtp = spec is not None and spec.method == "mtp"  # the MTP layer's K/V: one more layer in the pool
         per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype, config.sparse_attention, extra_layers=int(mtp))
+        # every layer reads only the last W positions (the MTP layer, which drafts, would read them
+        # all): the block manager gives back what lies before a sequence's window as it moves, and
+        # without KV tiers a sequence grows chunk by chunk, so it holds about W / block_size blocks
+        # however long it is (engine/block_manager.py)
+        window = (mc.sliding_window if mc.sliding_window_layers and len(mc.sliding_window_layers) == mc.num_layers
+                  and self._windows_served(config) and not mtp and nsa_config(mc.hf_config) is None else None)
+        per_seq = -(-max_len // bs)
+        # what one such sequence holds at most, besides a chunk's growth: its window's blocks (a
+        # window may straddle one more) and the block the hash chain keeps
+        window_blocks = -(-window // bs) + 2 if window is not None else 0
+        if window is not None and not config.has_host_tier:
+            per_seq = min(per_seq, window_blocks + -(-config.max_num_batched_tokens // bs))
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            wanted = config.max_num_seqs * ((max_len + bs - 1) // bs)
+            wanted = config.max_num_seqs * per_seq
             pool_bytes = (int(config.kv_cache_memory_gb * 2**30) if config.gpu_memory_utilization is None
                           else kv_pool_bytes(config.gpu_memory_utilization, self.device, config.model, self.dtype))
             num_blocks = max(1, min(wanted, pool_bytes // per_block))
         _check_fits("num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_memory_gb", num_blocks * per_block, self.device,
                     checkpoint_weight_bytes(config.model, self.dtype))
-        if config.max_model_len is not None and num_blocks * bs < max_len:
+        # a sequence that grows lazily runs past the pool's size once the pool holds its window
+        unbounded = window is not None and not config.has_host_tier and num_blocks >= window_blocks
+        if config.max_model_len is not None and num_blocks * bs < max_len and not unbounded:
             # an explicit length the pool cannot hold was cut down silently (vLLM refuses it)
             raise ValueError(f"max_model_len ({max_len}) needs {-(-max_len // bs)} KV blocks of {bs} tokens, and the pool has "
                              f"{num_blocks} (num_kv_blocks / kv_cache_memory_gb): give it more, or a smaller max_model_len")
-        self.max_model_len = min(max_len, num_blocks * bs)
+        self.max_model_len = max_len if unbounded else min(max_len, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.block_manager.window = window
         self.squid = Squid(self.block_manager, str(self.dtype))
         self.squid_positions = config.squid_positions or mc.hf_config.get("squid_positions") or "concat"
         if spec is not None and (nsa_config(mc.hf_config) is not None or config.sparse_attention is not None):
@@ -119,13 +134,13 @@ class LLMEngine:
         self.runner = ModelRunner(config, mc, self.device, self.dtype, num_blocks)
         proposer = None
         if mtp:
-            proposer = MTPProposer(spec, min(max_len, num_blocks * bs), self.runner, self._sample_request, config.logprobs_mode)
+            proposer = MTPProposer(spec, self.max_model_len, self.runner, self._sample_request, config.logprobs_mode)
         elif spec is not None and spec.method == "draft_model":
             if config.enable_sleep_mode:  # the draft engine's pool and weights would stay awake
                 raise ValueError("speculative_config with a draft model cannot be combined with enable_sleep_mode")
             proposer = DraftModelProposer(spec, min(max_len, num_blocks * bs), mc, config, self.dtype, self.device, num_blocks)
         elif spec is not None:
-            proposer = Proposer(spec, min(max_len, num_blocks * bs))
+            proposer = Proposer(spec, self.max_model_len)
         self.proposer = proposer
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.squid, proposer,
                                    config.scheduling_policy)
@@ -564,7 +579,7 @@ class LLMEngine:
                 self.counters["prefill_tokens_computed"] += n
             seq.num_computed_tokens = start + n
             if seq.request.job is None:
-                self.block_manager.hash_computed_blocks(seq)
+                self.block_manager.computed(seq)
             elif seq.num_computed_tokens == len(seq.token_ids):  # a document is computed: cache it
                 self.scheduler.complete_job(seq)
 
@@ -726,7 +741,7 @@ class LLMEngine:
             post.fail(seq.request, e)
         self.scheduler.spec.update(seq, len(draft), kept)
         if not seq.is_finished:
-            self.block_manager.hash_computed_blocks(seq)
+            self.block_manager.computed(seq)
             self.block_manager.trim(seq)
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:

@@ -121,18 +121,7 @@ class Scheduler:
         while running and budget > 0:
             seq = running.pop(0)
             if seq.num_uncomputed_tokens == 1:  # decode (or the last prompt token)
-                while not bm.can_append(seq):
-                    victim = self._victim(seq, running, kept)
-                    if victim is seq:
-                        self._preempt(seq, out)
-                        break
-                    if victim in kept:  # scheduled earlier this step (priority): its tokens and budget come back
-                        kept.remove(victim)
-                        i = next(i for i, (s_, _) in enumerate(out.scheduled) if s_ is victim)
-                        budget += out.scheduled.pop(i)[1]
-                    else:
-                        running.remove(victim)
-                    self._preempt(victim, out)
+                budget += self._make_room(seq, lambda: bm.can_append(seq), running, kept, out)
                 if seq.status != SequenceStatus.RUNNING:
                     continue
                 bm.append_slot(seq)
@@ -147,6 +136,12 @@ class Scheduler:
                         n += len(seq.draft)
             else:
                 n = min(seq.num_uncomputed_tokens, budget)
+                if bm.grows_lazily(seq):  # the chunk's blocks now: as many tokens as blocks can be had, one at least
+                    budget += self._make_room(seq, lambda: bm.grow_cost(seq, 1) <= bm.num_free_blocks, running, kept, out)
+                    if seq.status != SequenceStatus.RUNNING:
+                        continue
+                    n = min(n, bm.room(seq))
+                    bm.grow(seq, n)
             out.scheduled.append((seq, n))
             budget -= n
             kept.append(seq)
@@ -173,7 +168,7 @@ class Scheduler:
             # and a block lives in one index (a hit on a plain prompt's blocks made insert fail)
             use_cache = seq.request.prompt_logprobs is None and seq.request.job is None
             turn = self.sessions is not None and self.sessions.owns(seq)
-            if not (self.sessions.can_allocate(seq) if turn else bm.can_allocate(seq, use_cache)):
+            if not (self.sessions.can_allocate(seq, budget) if turn else bm.can_allocate(seq, use_cache, budget)):
                 # nothing runs or loads, so no block will come free: the document pins of squid
                 # queries not yet running are all that is left to give back (once per schedule)
                 if not unpinned and not self.running and not self.loading and self._unpin_waiting():
@@ -183,9 +178,9 @@ class Scheduler:
             seats += _seats(seq)
             self.waiting.popleft()
             if turn:
-                self.sessions.allocate(seq)
+                self.sessions.allocate(seq, budget)
             else:
-                bm.allocate(seq, use_cache)
+                bm.allocate(seq, use_cache, budget=budget)
             seq.status = SequenceStatus.RUNNING
             if bm.is_loading(seq):  # its blocks arrive from a lower tier; scheduled once they have
                 self.loading.append(seq)
@@ -208,6 +203,24 @@ class Scheduler:
                 self.block_manager.deallocate(s)
                 released = True
         return released
+
+    def _make_room(self, seq: Sequence, fits, running: list[Sequence], kept: list[Sequence], out: SchedulerOutput) -> int:
+        """Preempt (`_victim`) until `fits()` or `seq` itself is preempted; returns the budget that
+        victims scheduled earlier this step (priority) give back."""
+        back = 0
+        while not fits():
+            victim = self._victim(seq, running, kept)
+            if victim is seq:
+                self._preempt(seq, out)
+                break
+            if victim in kept:  # scheduled earlier this step (priority): its tokens and budget come back
+                kept.remove(victim)
+                i = next(i for i, (s_, _) in enumerate(out.scheduled) if s_ is victim)
+                back += out.scheduled.pop(i)[1]
+            else:
+                running.remove(victim)
+            self._preempt(victim, out)
+        return back
 
     def _victim(self, seq: Sequence, rest: list[Sequence], scheduled: list[Sequence]) -> Sequence:
         """Whom to preempt so that `seq` gets a block: under fcfs the most recently admitted of the

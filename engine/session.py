@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from cuttle.attention.metadata import NULL_BLOCK
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.kv.handles import KVHandle
 from cuttle.engine.lora import LoRARequest
@@ -63,7 +64,7 @@ class Session:
 
     @property
     def pinned_blocks(self) -> list[int]:
-        return self.handle.blocks if self.handle is not None else []
+        return [b for b in self.handle.blocks if b != NULL_BLOCK] if self.handle is not None else []
 
 
 class Sessions:
@@ -209,22 +210,24 @@ class Sessions:
         session, so a preempted sibling coming back must not read session 0's."""
         return self.turns[seq.request][seq.index]
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, budget: int | None = None) -> bool:
         s = self._session_of(seq)
         if not self._usable(s, seq.request):
-            return self.bm.can_allocate(seq)
+            return self.bm.can_allocate(seq, budget=budget)
         bm = self.bm
-        needed = bm.blocks_needed(len(seq.token_ids)) - s.computed // bm.block_size
+        needed = bm.blocks_needed(bm.backed_tokens(seq, s.computed, budget)) - s.computed // bm.block_size
         return needed <= bm.pool.num_free
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence, budget: int | None = None) -> None:
         """The turn's blocks: the pinned full blocks shared, the pinned partial block copied (a
-        pinned block is never written), new blocks for the rest. Without usable pins (first turn,
-        new weights) the block manager allocates as for any request, prefix cache included."""
+        pinned block is never written), new blocks for the rest (a lazily growing sequence's: for
+        its first `budget` tokens to compute, `BlockManager.grows_lazily`). Without usable pins
+        (first turn, new weights) the block manager allocates as for any request, prefix cache
+        included."""
         s = self._session_of(seq)
         bm = self.bm
         if not self._usable(s, seq.request):
-            bm.allocate(seq, read_in_place=False)  # the turn's table becomes a device-pool pin (KVHandle)
+            bm.allocate(seq, read_in_place=False, budget=budget)  # the turn's table becomes a device-pool pin (KVHandle)
             return
         assert not seq.block_table, "sequence already holds blocks"
         pool = bm.pool
@@ -232,12 +235,13 @@ class Sessions:
         full, partial = divmod(s.computed, bm.block_size)
         table = list(s.handle.blocks[:full])
         for bid in table:
-            pool.ref(bid)
+            if bid != NULL_BLOCK:  # (given back behind a sliding window: nothing to share)
+                pool.ref(bid)
         if partial:
             new = pool.take()
             bm.pending_copies.append((s.handle.blocks[full], new))
             table.append(new)
-        for _ in range(bm.blocks_needed(len(seq.token_ids)) - len(table)):
+        for _ in range(bm.blocks_needed(bm.backed_tokens(seq, s.computed, budget)) - len(table)):
             table.append(pool.take())
         seq.block_table = table
         seq.num_computed_tokens = seq.num_cached_tokens = s.computed

@@ -50,6 +50,20 @@ def write_tokenizer(path: str, vocab_size: int, extra_specials: tuple[str, ...] 
 
 
 
+def tiny_mistral(window: int | None, layers: int = 3, head_dim: int = 24, max_positions: int = 1024):
+    """A random tiny MistralForCausalLM (float32, eval) with sliding window `window` (None: none)
+    on every layer; head_dim is not hidden / heads, as in Mistral's own checkpoints."""
+    import transformers
+
+    from moe_families import randomize_
+
+    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                                     max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=10000.0,
+                                     sliding_window=window, tie_word_embeddings=False, eos_token_id=1, bos_token_id=None)
+    return randomize_(transformers.MistralForCausalLM(cfg).float().eval(), 0.15, seed=7)
+
+
 def save_checkpoint(path: str, model) -> tuple[str, object]:
     """A transformers model saved HF-style in `path` with the test tokenizer over its vocabulary:
     (path, model), what the model tests' fixtures return."""

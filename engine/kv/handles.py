@@ -3,9 +3,12 @@
 Whoever keeps KV alive beyond one sequence's own table holds a `KVHandle`: a request using a
 cached document, an agent session between turns, a transfer in flight. While a handle is held,
 none of its blocks is freed or evicted; `release` gives the references back exactly once.
+`NULL_BLOCK` entries (given back behind a sliding window) are kept in `blocks`, so a pinned table
+keeps its shape, and hold nothing.
 """
 from __future__ import annotations
 
+from cuttle.attention.metadata import NULL_BLOCK
 from cuttle.engine.kv.pool import BlockPool
 
 
@@ -17,14 +20,16 @@ class KVHandle:
         self.blocks = list(blocks)
         self.released = False
         for bid in self.blocks:
-            pool.ref(bid)
+            if bid != NULL_BLOCK:
+                pool.ref(bid)
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
         for bid in reversed(self.blocks):  # tail first, so the LRU evicts a chain from its end
-            self.pool.unref(bid)
+            if bid != NULL_BLOCK:
+                self.pool.unref(bid)
 
     def __enter__(self) -> "KVHandle":
         return self

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cuttle.attention.metadata import AttentionMetadata
+from cuttle.attention.metadata import NULL_BLOCK, AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,36 @@ def build_batch(case: Case, junk: float | None, seed: int = 0, dtype: torch.dtyp
         k_cache=k_cache.to(dtype), v_cache=v_cache.to(dtype), meta=meta,
         full_k=full_k, full_v=full_v, scale=d**-0.5,
     )
+
+
+def give_back_behind_window(batch: Batch, window: int, junk: float, poison_entries: bool = False) -> int:
+    """What the block manager does under a window (engine/block_manager.py): each sequence's blocks
+    wholly before its first new token's window are given back: their table entries become
+    `NULL_BLOCK`, and the KV of every block no table names any more is set to `junk` (NaN: a read
+    of one shows). `poison_entries`: the entries name a block of NaN instead of NULL_BLOCK, so a
+    path that reads a given-back entry at all shows it. Returns how many entries were given back."""
+    meta, bs = batch.meta, batch.meta.block_size
+    tables = meta.block_tables
+
+    def named() -> set[int]:
+        return {int(x) for b, kv in enumerate(meta.seq_lens_cpu) for x in tables[b, : -(-kv // bs)] if x >= 0}
+
+    before = named()
+    entry = NULL_BLOCK
+    if poison_entries:
+        entry = min(set(range(batch.k_cache.shape[0])) - before)  # a block no table names (build_batch leaves 3)
+        batch.k_cache[entry] = float("nan")
+        batch.v_cache[entry] = float("nan")
+    given = 0
+    for b, (kv, q) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        end = max(0, (kv - q - window + 1) // bs)
+        tables[b, :end] = entry
+        given += end
+    gone = sorted(before - named())
+    if gone:
+        batch.k_cache[gone] = junk
+        batch.v_cache[gone] = junk
+    return given
 
 
 def _slots(table: list[int], positions: range, block_size: int) -> torch.Tensor:

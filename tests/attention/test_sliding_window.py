@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_cases import Case, build_batch, naive_attention
+from attention_cases import Case, build_batch, give_back_behind_window, naive_attention
 from cuttle.attention import native, native_attention
 from cuttle.attention.torch_backend import TorchAttentionBackend
 
@@ -42,6 +42,28 @@ def test_windowed_layers_equal_the_windowed_oracle(case: Case, window: int, path
     assert (got - want).abs().max().item() < 2e-5
     # layer 0 has no window: plain causal attention, as before
     assert (_out(backend, batch, 0).double() - naive_attention(batch)).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("window", (1, 5, 16, 17))
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_blocks_given_back_behind_the_window_are_never_read(case: Case, window: int, path: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables whose blocks before each sequence's window are given back (engine/block_manager.py),
+    their KV NaN: the native rows start at their window's block and never read a given-back entry
+    (here each names a block of NaN); the plain-torch decode gather reads every table entry under
+    its mask, NULL_BLOCK as block 0, so there the entries are NULL_BLOCK and the given-back KV
+    large but finite."""
+    from cuttle.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "NATIVE_PREFILL_MAX_QLEN", 32)
+    batch = build_batch(case, junk=None, seed=window)
+    native_path = path == "native"
+    assert give_back_behind_window(batch, window, float("nan") if native_path else 1e4, poison_entries=native_path) > 0
+    backend = TorchAttentionBackend(native=path == "native")
+    backend.set_windows({1: window})
+    got = _out(backend, batch, 1).double()
+    assert (got - naive_attention(batch, window)).abs().max().item() < 2e-5
 
 
 @pytest.mark.parametrize("row_major", [1, 0])

@@ -22,7 +22,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from attention_cases import CASES, Case, build_batch, cache_matches, naive_attention, naive_lse  # noqa: E402
+from attention_cases import CASES, Case, build_batch, cache_matches, give_back_behind_window, naive_attention, naive_lse  # noqa: E402
 from segment_cases import SEG_CASES, SegCase, build_seg_batch, seg_oracle  # noqa: E402
 from cuttle.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from cuttle.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -92,8 +92,16 @@ def compare_window(case: Case, window: int, dtype: torch.dtype, device: torch.de
     backend.set_windows({0: window})
     backend.begin_step(batch.meta)
     out, _ = backend.forward(0, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
-    return {"case": case.name, "dtype": str(dtype).removeprefix("torch."), "window": window,
-            "err_vs_oracle": (out.double().cpu() - naive_attention(batch, window)).abs().max().item()}
+    err = (out.double().cpu() - naive_attention(batch, window)).abs().max().item()
+    # the same step after the block manager gave back the blocks before each window (NULL_BLOCK
+    # entries, their KV NaN): the walk loads nothing from them
+    batch = build_batch(case, junk=float("nan"), seed=window, dtype=dtype)
+    given = give_back_behind_window(batch, window, float("nan"))
+    batch = batch.to(device)
+    backend.begin_step(batch.meta)
+    out, _ = backend.forward(0, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    return {"case": case.name, "dtype": str(dtype).removeprefix("torch."), "window": window, "err_vs_oracle": err,
+            "given_back": given, "given_back_err_vs_oracle": (out.double().cpu() - naive_attention(batch, window)).abs().max().item()}
 
 
 def compare_segments_window(case: SegCase, window: int, device: torch.device) -> dict[str, object]:

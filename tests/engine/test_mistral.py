@@ -22,20 +22,14 @@ import torch
 
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
-from helpers import assert_packed_forward_is_transformers, assert_scored_by_transformers, parity_prompts, write_tokenizer
+from helpers import assert_packed_forward_is_transformers, assert_scored_by_transformers, parity_prompts, tiny_mistral, write_tokenizer
 from moe_families import randomize_
 
 WINDOW = 20
 
 
 def _mistral(path: str, window: int | None) -> torch.nn.Module:
-    import transformers
-
-    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                                     num_key_value_heads=2, head_dim=24, max_position_embeddings=1024, rms_norm_eps=1e-6,
-                                     rope_theta=10000.0, sliding_window=window, tie_word_embeddings=False, eos_token_id=1,
-                                     bos_token_id=None)
-    model = randomize_(transformers.MistralForCausalLM(cfg).float().eval(), 0.15, seed=7)
+    model = tiny_mistral(window)
     model.save_pretrained(path)
     write_tokenizer(path, 256)
     return model
@@ -59,7 +53,8 @@ def test_mistral_token_exact_vs_transformers_past_the_window(mistral):
     assert (cfg.architecture, cfg.head_dim, cfg.num_kv_heads, cfg.sliding_window, cfg.sliding_window_layers) == (
         "MistralForCausalLM", 24, 2, WINDOW, (0, 1, 2))
     llm = LLM(path, dtype="float32", num_kv_blocks=96, block_size=8, max_num_batched_tokens=24)
-    assert llm.engine.max_model_len == 96 * 8  # the window is attended: no cap at W (the pool bounds it)
+    # the window is attended: no cap at W, nor at the pool's 768 tokens (a sequence holds its window's blocks)
+    assert llm.engine.max_model_len == 1024
     prompts = _long_prompts()
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     for _ in range(2):  # the second pass hits the prefix cache: chunks start on cached blocks

@@ -28,7 +28,7 @@ from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.config import ModelConfig
 from cuttle.engine.models.loader import load_model
 from cuttle.engine.squid import SquidLayout
-from helpers import save_checkpoint
+from helpers import save_checkpoint, tiny_mistral
 from moe_families import randomize_
 
 DOCS = [[3 + (7 * i + 3) % 250 for i in range(29)], [3 + (11 * i + 5) % 250 for i in range(22)],
@@ -37,16 +37,6 @@ PREFIX = [5, 6, 7, 8, 9]
 FIRST = {"prefix": PREFIX, "documents": [DOCS[0], DOCS[1]], "prompt": [40, 41, 42, 43]}
 SECOND = {"prefix": PREFIX, "documents": [DOCS[2], DOCS[1], DOCS[0]], "prompt": [50, 51]}
 NEW = 8
-
-
-def _mistral():
-    import transformers
-
-    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                                     rms_norm_eps=1e-6, sliding_window=12, tie_word_embeddings=False, eos_token_id=1,
-                                     bos_token_id=None)
-    return randomize_(transformers.MistralForCausalLM(cfg).float().eval(), 0.15, seed=7)
 
 
 def _gpt_oss():
@@ -69,7 +59,7 @@ def _gpt_oss():
 
 def _checkpoint(name: str, tmp_path_factory):
     """(path, our model, our model with no window) of a saved checkpoint."""
-    path, _ = save_checkpoint(str(tmp_path_factory.mktemp(name)), {"mistral": _mistral, "gpt_oss": _gpt_oss}[name]())
+    path, _ = save_checkpoint(str(tmp_path_factory.mktemp(name)), {"mistral": lambda: tiny_mistral(12, head_dim=16), "gpt_oss": _gpt_oss}[name]())
     mc = ModelConfig.from_pretrained(path)
     assert mc.sliding_window_layers and mc.sliding_window < min(len(d) for d in DOCS)
     ours = load_model(path, mc, torch.float32, torch.device("cpu"))

@@ -19,7 +19,7 @@ import torch
 from cuttle.attention import native
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.step_graphs import MAX_SEGMENT_GRAPHS
-from helpers import each_scheduled_step, save_checkpoint
+from helpers import each_scheduled_step, save_checkpoint, tiny_mistral
 from moe_families import randomize_
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernel library not built (no C compiler)")
@@ -75,19 +75,9 @@ def _deepseek_v3():
     return randomize_(transformers.DeepseekV3ForCausalLM(cfg).float().eval(), 0.15, seed=11)
 
 
-def _mistral(window: int):
-    import transformers
-
-    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                                     rms_norm_eps=1e-6, sliding_window=window, tie_word_embeddings=False, eos_token_id=1,
-                                     bos_token_id=None)
-    return randomize_(transformers.MistralForCausalLM(cfg).float().eval(), 0.15, seed=7)
-
-
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
-    models = {"qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "mistral": lambda: _mistral(48)}
+    models = {"qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "mistral": lambda: tiny_mistral(48, layers=2, head_dim=16, max_positions=512)}
     return {name: save_checkpoint(str(tmp_path_factory.mktemp(name)), make())[0] for name, make in models.items()}
 
 
