@@ -37,6 +37,7 @@ SAMPLING_FIELDS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
     "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+    "thinking_token_budget",
 })
 # structured output, vLLM's spellings (OpenAI's `response_format` too; chat also by tool_choice)
 STRUCTURED_FIELDS = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
@@ -242,6 +243,7 @@ def sampling_params(body: dict[str, Any], max_tokens_field: str = "max_tokens", 
         bad_words=bad_words or None,
         structured_outputs=structured_outputs,
         truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", -(2**31), 2**31 - 1),
+        thinking_token_budget=get_int(body, "thinking_token_budget", 0, 2**31 - 1),
     )
     try:
         return SamplingParams(**fields)

@@ -106,6 +106,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # a word's last token is banned once the rest has been generated
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: at most this many tokens inside the (first) thinking block; then its closing tag is
+    # forced (engine/structured_output.py, "Thinking budget")
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -181,8 +184,14 @@ class SamplingParams:
             if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise ValueError("bad_words must be a list of non-blank strings")
             self.bad_words = self.bad_words or None
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, lo=0, hi=2**31 - 1)
         so = self.structured_outputs
         if so is not None:
+            if self.thinking_token_budget is not None:
+                # the grammar reads the whole output, thinking included: the forced closing tag would break it
+                raise ValueError("thinking_token_budget cannot be combined with structured_outputs: the grammar covers the "
+                                 "whole output, thinking included")
             if not isinstance(so, StructuredOutputsParams):
                 raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
             # the grammar decides where the output ends (its stop token); these would fight it
@@ -197,9 +206,9 @@ class SamplingParams:
 
     @property
     def has_controls(self) -> bool:
-        """Any of logit_bias, allowed_token_ids, bad_words, structured_outputs set."""
+        """Any of logit_bias, allowed_token_ids, bad_words, structured_outputs, thinking_token_budget set."""
         return (self.logit_bias is not None or self.allowed_token_ids is not None or self.bad_words is not None
-                or self.structured_outputs is not None)
+                or self.structured_outputs is not None or self.thinking_token_budget is not None)
 
     @property
     def has_penalties(self) -> bool:

@@ -2,7 +2,7 @@
 
 Owns what decides, per sampled row, which tokens may come next: the grammar of a request's
 `structured_outputs` (JSON schema, JSON object, regex, choice, EBNF grammar, structural tag),
-`allowed_token_ids`, `bad_words` and `logit_bias`. Concretely:
+`allowed_token_ids`, `bad_words`, `logit_bias` and `thinking_token_budget`. Concretely:
 - grammar compilation through xgrammar: the tokenizer's vocabulary is read once (lazily, at the
   first request that needs it), and compiled grammars are cached per spec (LRU);
 - the per-request state (`Controls`), created at admission, so a bad spec is refused before
@@ -14,6 +14,15 @@ Owns what decides, per sampled row, which tokens may come next: the grammar of a
   with the tokens appended since the last step and fills the sample's row of the token bitmask,
   while the main thread runs the model's forward. The sampler then waits for the `TokenMask`
   and applies it (engine/sampler.py `apply_token_mask`).
+
+Thinking budget (vLLM's `thinking_token_budget`): the model's thinking tags are single tokens of
+its vocabulary (`<think>` / `</think>`: Qwen3, DeepSeek-R1, GLM-4.5; `<seed:think>` /
+`</seed:think>`: Seed-OSS), found once in the tokenizer. A sample is in its thinking block from
+the start if the prompt leaves one open (its last opening tag after its last closing one), else
+from the opening tag it writes. Once it has written `thinking_token_budget` tokens there without
+closing the block, its row allows only the closing tag, which overrides every other control; the
+budget covers the first block only. Its state per sample catches up with the output as a
+matcher does.
 
 Preemption and recompute keep a sequence's tokens, so a matcher never has to roll back: it
 counts the tokens it has consumed and only ever catches up. It never samples and never touches
@@ -136,10 +145,19 @@ class Controls:
     bias_ids: torch.Tensor | None = None
     bias_vals: torch.Tensor | None = None
     matchers: dict[int, list[Any]] = field(default_factory=dict)  # sample index (the key) -> [matcher, tokens consumed]
+    think: tuple[int, int, int] | None = None  # thinking budget: (opening tag id, closing tag id, budget)
+    thinking: dict[int, list[int]] = field(default_factory=dict)  # sample index -> [tokens consumed, phase, tokens in the block]
 
     @property
     def masks(self) -> bool:
-        return self.grammar is not None or self.allowed is not None or self.banned is not None or bool(self.bad_seqs)
+        return (self.grammar is not None or self.allowed is not None or self.banned is not None or bool(self.bad_seqs)
+                or self.think is not None)
+
+
+# a sample's place in its thinking budget (Controls.thinking)
+_BEFORE, _THINKING, _AFTER = 0, 1, 2
+# the thinking tags, most specific first, that a budget looks for among the vocabulary's tokens
+_THINK_TAGS = (("<seed:think>", "</seed:think>"), ("<think>", "</think>"))
 
 
 @dataclass(slots=True)
@@ -188,6 +206,7 @@ class StructuredOutput:
         self._compiler_lock = threading.Lock()  # building the vocabulary's tables, once
         self._controls: weakref.WeakKeyDictionary[Request, Controls] = weakref.WeakKeyDictionary()
         self._pool: ThreadPoolExecutor | None = None
+        self._think_tags: tuple[int, int] | None = None
 
     # ---- admission -------------------------------------------------------------------------
     def prepare(self, params: SamplingParams, stop_ids: Collection[int] = ()) -> Controls | None:
@@ -224,6 +243,8 @@ class StructuredOutput:
             if stop_ids and left <= set(stop_ids):
                 raise ValueError(f"allowed_token_ids {sorted(left)[:8]} left by bad_words are all stop or EOS tokens, which "
                                  f"min_tokens ({params.min_tokens}) forbids: nothing could be sampled")
+        if params.thinking_token_budget is not None:
+            ctl.think = (*self.thinking_tags(), params.thinking_token_budget)
         so = params.structured_outputs
         if so is not None:
             ctl.grammar = self.compile(so)
@@ -234,6 +255,24 @@ class StructuredOutput:
                 assert safe is not None
                 ctl.allowed = safe.copy() if ctl.allowed is None else ctl.allowed & safe
         return ctl
+
+    def thinking_tags(self) -> tuple[int, int]:
+        """The ids of the model's thinking tags (opening, closing); a ValueError naming
+        thinking_token_budget where the vocabulary has no such pair of single tokens."""
+        if self._think_tags is None:
+            tok = self.tokenizer
+            if tok is None:
+                raise ValueError("thinking_token_budget needs a tokenizer (the engine runs without one) to find the "
+                                 "model's thinking tags")
+            for opening, closing in _THINK_TAGS:
+                ids = tok.tok.token_to_id(opening), tok.tok.token_to_id(closing)
+                if None not in ids and max(ids) < self.vocab_size:
+                    self._think_tags = ids
+                    break
+            else:
+                raise ValueError("thinking_token_budget needs thinking tags that are single tokens of the model's vocabulary ("
+                                 + ", ".join(f"{a} / {b}" for a, b in _THINK_TAGS) + "); this tokenizer has none")
+        return self._think_tags
 
     def attach(self, req: Request, ctl: Controls | None) -> None:
         if ctl is not None:
@@ -377,6 +416,9 @@ class StructuredOutput:
             hit = [s[-1] for s in ctl.bad_seqs if end - start >= len(s) - 1 and tuple(ids[end - len(s) + 1 : end]) == s[:-1]]
             if hit:
                 _clear_bits(bits[k], np.array(hit, dtype=np.int64))
+        if ctl.think is not None and _thinking_spent(ctl, key, ids, start, end):
+            bits[k] = 0  # the budget is spent inside the block: only its closing tag, whatever else says
+            _set_bits(bits[k], np.array([ctl.think[1]], dtype=np.int64))
         return err
 
     def _fill_grammar(self, ctl: Controls, key: int, ids: list[int], start: int, end: int, bitmask: torch.Tensor,
@@ -392,6 +434,36 @@ class StructuredOutput:
         entry[1] = done
         matcher.fill_next_token_bitmask(bitmask, k)
         return None
+
+
+def _thinking_spent(ctl: Controls, key: int, ids: list[int], start: int, end: int) -> bool:
+    """Whether sample `key`, whose output began at `start`, has written its thinking budget inside
+    an open thinking block by position `end` (see the module docstring)."""
+    assert ctl.think is not None
+    opening, closing, budget = ctl.think
+    state = ctl.thinking.get(key)
+    if state is None:  # where the prompt leaves it: in a block if its last opening tag follows its last closing one
+        last_open = last_close = -1
+        for i in range(start - 1, -1, -1):
+            t = ids[i]
+            if t == opening and last_open < 0:
+                last_open = i
+            elif t == closing and last_close < 0:
+                last_close = i
+            if last_open >= 0 and last_close >= 0:
+                break
+        state = ctl.thinking[key] = [0, _THINKING if last_open > last_close else _BEFORE, 0]
+    done, phase, count = state
+    for t in ids[start + done : end]:
+        if phase == _BEFORE:
+            phase = _THINKING if t == opening else _BEFORE
+        elif phase == _THINKING:
+            if t == closing:
+                phase = _AFTER
+            else:
+                count += 1
+    state[:] = [end - start, phase, count]
+    return phase == _THINKING and count >= budget
 
 
 def _check_admits_output(compiled: Any, spec: StructuredOutputsParams) -> None:

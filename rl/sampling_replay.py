@@ -2,7 +2,8 @@
 trainer scores each sampled token under the distribution the engine drew it from.
 
 Owns, in the order of engine/sampler.py `sample`: the token controls (`logit_bias` added, then
-what `allowed_token_ids`, `bad_words` and a structured output's grammar exclude set to -inf: the
+what `allowed_token_ids`, `bad_words`, a structured output's grammar and a spent thinking budget
+(only the closing tag) exclude set to -inf: the
 engine's own `StructuredOutput.prepare` and `fill_row`, so the same tokenizer rules and grammar
 matcher), the penalties (repetition over the sample's context, presence / frequency over its own
 engine request's output so far), `min_tokens`' stop ids, the temperature, and the top-k / top-p /
@@ -68,7 +69,8 @@ class SamplingReplay:
         params = config.rollout_params()
         folder = tokenizer or model_path
         # read only where a replayed rule needs it: a checkpoint without one trains as before
-        needs_tokenizer = params.bad_words is not None or params.structured_outputs is not None
+        needs_tokenizer = (params.bad_words is not None or params.structured_outputs is not None
+                           or params.thinking_token_budget is not None)
         tok = Tokenizer(folder) if needs_tokenizer else None
         eos: set[int] = set()  # what min_tokens masks and a grammar ends with (the engine's EOS set)
         if (params.min_tokens and not params.ignore_eos) or params.structured_outputs is not None:
@@ -124,9 +126,9 @@ class SamplingReplay:
             logits = logits + self.bias.to(logits.device, logits.dtype)
         if not ctl.masks:
             return logits
-        dynamic = ctl.grammar is not None or bool(ctl.bad_seqs)
+        dynamic = ctl.grammar is not None or bool(ctl.bad_seqs) or ctl.think is not None
         if dynamic:
-            starts = row.starts("bad_words / structured_outputs")
+            starts = row.starts("bad_words / structured_outputs / thinking_token_budget")
         bitmask = torch.full((len(row.targets), self.mask_stage.width), -1, dtype=torch.int32)
         bits = bitmask.numpy().view("uint32")
         try:
@@ -138,6 +140,7 @@ class SamplingReplay:
                     raise ValueError(f"structured_outputs: the sample's {err}; the trainer's spec must be the rollout's")
         finally:
             ctl.matchers.clear()
+            ctl.thinking.clear()
         return logits.masked_fill(banned_tokens(bitmask, self.vocab_size).to(logits.device), float("-inf"))
 
     PAIRS_PER_CHUNK = 1 << 22  # (position, context token) pairs a penalty chunk holds at once

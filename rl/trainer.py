@@ -101,6 +101,7 @@ class TrainerConfig:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None  # its thinking budget's forced closing tag (needs the tokenizer)
     # and its min_tokens: the stop ids (stop_token_ids, and EOS unless ignore_eos) masked while its
     # output is shorter; `eos_token_ids` None: the checkpoint's (the engine's rule)
     min_tokens: int = 0
@@ -159,7 +160,8 @@ class TrainerConfig:
                               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
                               allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                               structured_outputs=self.structured_outputs, min_tokens=self.min_tokens, max_tokens=None,
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                              thinking_token_budget=self.thinking_token_budget)
 
     @classmethod
     def for_sampler(cls, sampler: Any, sampling_params: SamplingParams | None = None, **fields: Any) -> TrainerConfig:
@@ -187,7 +189,7 @@ class TrainerConfig:
 # SamplingParams fields that shape the distribution a token is drawn from: a TrainerConfig field each
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs",
-                   "min_tokens", "stop_token_ids", "ignore_eos")
+                   "thinking_token_budget", "min_tokens", "stop_token_ids", "ignore_eos")
 
 
 OLD_POLICIES = ("behaviour", "start")
@@ -198,7 +200,7 @@ class Trainer:
                  freeze: tuple[str, ...] = (), tokenizer: str | None = None):
         """`freeze`: parameter-name prefixes left untrained (e.g. ("embed",)). `tokenizer`: the
         folder of the engine's tokenizer (default `model_path`), read only for the config's
-        bad_words / structured_outputs (to replay the engine's masks)."""
+        bad_words / structured_outputs / thinking_token_budget (to replay the engine's masks)."""
         self.config = config or TrainerConfig()
         self.device = torch.device(device)
         mc = ModelConfig.from_pretrained(model_path)

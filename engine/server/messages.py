@@ -18,9 +18,9 @@ text (responses.seal_reasoning): a block sent back with a signature that does no
 refused. `cache_control` on blocks is accepted: the prefix cache finds shared prefixes by their
 tokens, with or without the hint. `thinking.type` "enabled" / "disabled" turns the template's
 thinking on or off (`enable_thinking`, or gpt-oss's `reasoning_effort`: budgets below 4,096 tokens
-as "low", below 16,384 "medium", else "high"); a template with neither switch refuses it, and
-`budget_tokens` bounds nothing beyond `max_tokens` on `enable_thinking` templates (said in
-docs/server.md). cuttle's sampling extensions (seed, min_p, penalties, ignore_eos, ...) are taken
+as "low", below 16,384 "medium", else "high"); a template with neither switch refuses it. On an
+`enable_thinking` template `budget_tokens` is the request's `thinking_token_budget`: once the
+model has thought that many tokens its closing tag is forced (engine/structured_output.py). cuttle's sampling extensions (seed, min_p, penalties, ignore_eos, ...) are taken
 as on the other routes. Images, documents, server tools and the other beta fields are refused,
 naming the field.
 """
@@ -53,7 +53,8 @@ MESSAGES_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
 # chat field -> the Messages field a refusal from prepare_chat is about
 _NAMES = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "stop": "stop_sequences",
-          "chat_template_kwargs": "thinking", "response_format": "tools", "messages": "messages"}
+          "chat_template_kwargs": "thinking", "thinking_token_budget": "thinking", "response_format": "tools",
+          "messages": "messages"}
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 # Anthropic's error types by HTTP status
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -152,6 +153,8 @@ def to_chat(body: dict[str, Any], template_reads: set[str], count_only: bool = F
     kwargs = _thinking_kwargs(body.get("thinking"), template_reads, chat.get("max_tokens"))
     if kwargs is not None:
         chat["chat_template_kwargs"] = kwargs
+        if kwargs.get("enable_thinking"):  # the budget is enforced: its closing tag is forced once it is spent
+            chat["thinking_token_budget"] = body["thinking"]["budget_tokens"]
     return chat, _messages(body.get("system"), body.get("messages"))
 
 

@@ -69,7 +69,8 @@ class Fields:
             return "priority"
         if msg.startswith("structured_outputs"):  # its grammar failed to compile (on the worker thread)
             return self.structured
-        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):  # token ids past the vocabulary
+        # token ids past the vocabulary; a thinking budget on a model without thinking tags
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids", "thinking_token_budget"):
             if msg.startswith(name):
                 return self.sampling + name
         return self.prompt

@@ -84,6 +84,25 @@ def test_tokenizer_controls_agree_over_groups_and_turns(coder, controls):
                            (TrainBatch.from_trajectories(trajs, [1.0], [0]), sum(trajs[0].loss_mask))], sp)
 
 
+def test_a_thinking_budget_replays_its_forced_closing_tag(tmp_path):
+    """Rollouts whose thinking block (opened by the prompt) hits its budget: the engine forces the
+    closing tag (processed logprob 0); the trainer mirroring thinking_token_budget scores every
+    token as drawn, groups and two-turn trajectories (each turn its own budget)."""
+    from thinking_checkpoint import make_thinking_checkpoint
+
+    path = make_thinking_checkpoint(str(tmp_path))
+    llm = LLM(path, dtype="float32", num_kv_blocks=256)
+    tok = llm.get_tokenizer()
+    opening, closing = tok.tok.token_to_id("<think>"), tok.tok.token_to_id("</think>")
+    sp = SamplingParams(temperature=0.9, seed=13, max_tokens=10, ignore_eos=True, thinking_token_budget=4)
+    groups = sample_groups(llm, [[5, 6, opening, 7], [9, opening]], 3, sp)
+    assert all(s.token_ids[4] == closing for g in groups for s in g.samples)
+    trajs = _two_turns(llm, [[11, opening]], sp, [12, opening])
+    _agreement(path, llm, [(TrainBatch.from_groups(groups, compute_advantages(groups, True)),
+                            sum(len(s.token_ids) for g in groups for s in g.samples)),
+                           (TrainBatch.from_trajectories(trajs, [1.0], [0]), sum(trajs[0].loss_mask))], sp)
+
+
 def test_a_multi_token_bad_word_bans_its_last_token_only_after_its_prefix(coder):
     """vLLM's rule, replayed: the word's last token is excluded exactly where the tokens before it
     end the request's output so far (not where they sit in the prompt)."""
