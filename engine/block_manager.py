@@ -29,7 +29,8 @@ reused. Only a sequence's own causal table is cut: a document job's blocks (a do
 whole) and a sequence reading shared segments keep theirs. Without KV tiers such a sequence also
 *grows lazily* (`grows_lazily`): admission backs only its prefix hits and the first chunk the step
 has budget for, and each later prefill chunk gets its blocks when it is scheduled (`grow`), so a
-prompt longer than the pool runs through a window's worth of blocks. (With tiers a sequence's
+prompt longer than the pool runs through a window's worth of blocks; its prefix hit needs only the
+blocks its window keeps (`_match_window`), the oldest of a chain being the first evicted. (With tiers a sequence's
 blocks are all taken at admission: loads from below land in them.)
 """
 from __future__ import annotations
@@ -109,11 +110,34 @@ class BlockManager:
 
     # ---- admission -------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence, use_cache: bool = True) -> list[int]:
-        """Cached full blocks that start `seq`, leaving at least one token to compute (its logits)."""
+        """Cached full blocks that start `seq`, leaving at least one token to compute (its logits).
+        A lazily growing sequence under a window needs only the blocks its window keeps: its hit
+        may start with NULL_BLOCK entries (`_match_window`)."""
         if not (self.enable_prefix_caching and use_cache):
             return []
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        if self.grows_lazily(seq):
+            return self._match_window(seq, max_blocks)
         return self.prefix_index.match(seq.token_ids, max_blocks, seq.request.prefix_cache_key)
+
+    def _match_window(self, seq: Sequence, max_blocks: int) -> list[int]:
+        """The longest hit of j blocks whose kept blocks (those from `_released_end(j * bs)` on)
+        are all cached: vLLM's sliding-window rule. The chain's hashes come from the tokens alone,
+        so blocks behind the window may have been evicted (the oldest go first)."""
+        bs, tokens, extra = self.block_size, seq.token_ids, seq.request.prefix_cache_key
+        found: list[int | None] = []
+        run: list[int] = []  # cached blocks in a row ending at each block
+        parent = NO_HASH
+        for i in range(max_blocks):
+            block = tuple(tokens[i * bs : (i + 1) * bs])
+            parent = hash_block(parent, block, extra)
+            found.append(self.prefix_index.find(parent, block))
+            run.append(0 if found[i] is None else (run[i - 1] if i else 0) + 1)
+        for j in range(max_blocks, 0, -1):
+            first = self._released_end(j * bs)
+            if run[j - 1] >= j - first:
+                return [NULL_BLOCK] * first + found[first:j]  # type: ignore[list-item]
+        return []
 
     def grows_lazily(self, seq: Sequence) -> bool:
         """Whether `seq` gets its blocks chunk by chunk (see the module docstring)."""
@@ -128,9 +152,9 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, use_cache: bool = True, budget: int | None = None) -> bool:
         hits = self.match_prefix(seq, use_cache)
         computed = len(hits) * self.block_size
-        # hits behind the window are given back at once: they cost nothing
+        # hits behind the window are given back at once (or were NULL_BLOCK already): they cost nothing
         kept = hits[self._released_end(computed) :] if self.grows_lazily(seq) else hits
-        revived = sum(1 for b in kept if self.pool.blocks[b].ref_count == 0)
+        revived = sum(1 for b in kept if b != NULL_BLOCK and self.pool.blocks[b].ref_count == 0)
         needed = self.blocks_needed(self.backed_tokens(seq, computed, budget)) - len(hits)
         return needed <= self.pool.num_free - revived
 
@@ -142,7 +166,8 @@ class BlockManager:
         assert not seq.block_table, "sequence already holds blocks"
         hits = self.match_prefix(seq, use_cache)
         for bid in hits:
-            self.pool.ref(bid)
+            if bid != NULL_BLOCK:
+                self.pool.ref(bid)
         if self.grows_lazily(seq):
             seq.block_table = list(hits)
             seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size

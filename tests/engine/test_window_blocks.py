@@ -131,15 +131,25 @@ def test_preempted_sequences_come_back_exactly(mistral):
 
 def test_given_back_blocks_stay_in_the_prefix_cache(mistral):
     """A long prompt's blocks behind the window go back to the free list hashed: the same prompt
-    later hits every full block of it, and its outputs are unchanged."""
+    later hits every full block of it, and its outputs are unchanged. Once other requests have
+    evicted the oldest of them (they went back first), it still hits all of them: a hit needs only
+    the blocks its window keeps (vLLM's rule), the rest of its table NULL."""
     prompt = _prompts()[3]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
-    llm = _llm(mistral)
+    llm = _llm(mistral, num_kv_blocks=24)
     [first] = _run(llm, [(prompt, params)])
-    assert llm.engine.block_manager.num_window_released_blocks > 0
+    bm = llm.engine.block_manager
+    assert bm.num_window_released_blocks > 0
     [again] = _run(llm, [(prompt, params)])
     assert again.num_cached_tokens == (len(prompt) - 1) // BS * BS
     assert _tokens([again]) == _tokens([first])
+    _run(llm, [([200 + i % 50 for i in range(48)], SamplingParams(max_tokens=1))])  # evicts the oldest free blocks
+    assert bm.prefix_index.match(prompt, 1, b"") == []  # the chain's first block is gone
+    seen: list[list[int]] = []
+    [third] = _run(llm, [(prompt, params)], check=lambda e: seen.append(list(e.scheduler.running[0].block_table))
+                   if e.scheduler.running else None)
+    assert third.num_cached_tokens == (len(prompt) - 1) // BS * BS and seen[0][0] == NULL_BLOCK
+    assert _tokens([third]) == _tokens([first])
 
 
 def test_sessions_and_drafts_over_given_back_blocks(mistral):
