@@ -161,6 +161,19 @@ class SegmentBatch:
 
 
 @dataclass(slots=True)
+class WindowRows:
+    """A decode step's rows (one per sequence, each its last key) already cut to a sliding window
+    W: each row's table from its window's block, its key count from there, and how many keys of
+    that block lie before the window (skipped). The CPU step graphs keep these and fill them every
+    step, so a recorded windowed step reads the new values when it replays (engine/step_graphs.py)."""
+
+    window: int
+    tables: torch.Tensor  # [B, max_blocks] int32
+    lens: torch.Tensor  # [B] int32
+    skips: torch.Tensor  # [B] int32
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [B] int32, KV length of each causal segment after this step
@@ -173,6 +186,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     segments: SegmentBatch | None = None  # None: one causal segment per sequence (the fields above)
     host_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (k, v) of the host pool
+    # a decode step's rows cut to the model's window (the step graphs'; None: cut per step by the
+    # backend); where present, a windowed layer reads them whatever the sequences' lengths
+    window_rows: WindowRows | None = None
 
     @property
     def num_seqs(self) -> int:

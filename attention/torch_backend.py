@@ -290,6 +290,11 @@ class _NativeRows:
         sb = meta.segments
         if (sb is None and meta.max_query_len == 1 and min(meta.query_lens_cpu, default=0) == 1
                 and _read_directly(meta.block_tables, meta.seq_lens)):
+            wr = meta.window_rows
+            if plan.window is not None and wr is not None and wr.window == plan.window:  # cut already (a step graph's)
+                self._direct(meta.num_seqs, wr.tables, wr.lens)
+                self.skips = wr.skips
+                return
             self._direct(meta.num_seqs, meta.block_tables, meta.seq_lens)
             if plan.window is not None:  # each row is its sequence's last key: its window starts W - 1 before it
                 self._cut((self.lens.long() - plan.window).clamp(min=0), meta.block_size)
@@ -419,8 +424,10 @@ class _StepPlan:
 
     def windowed(self, window: int) -> _StepPlan:
         """This step's plan under a sliding window of `window` keys, made on first use; this plan
-        itself where no row of the step reaches a key W or more positions back."""
-        if self.reach <= window:
+        itself where no row of the step reaches a key W or more positions back, unless the step
+        carries its rows cut to that window (a step graph's, which must read them at any length)."""
+        wr = self.meta.window_rows
+        if self.reach <= window and (wr is None or wr.window != window):
             return self
         plan = self._windowed.get(window)
         if plan is None:

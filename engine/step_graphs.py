@@ -13,8 +13,7 @@ recording it, and the next step of that size runs the replay and the eager step 
 validation). So a size that only passes through (a batch shrinking as requests finish) stays
 eager, while a steady batch (an offline wave, a server at steady concurrency) replays.
 
-A step qualifies when every scheduled sequence decodes one token (none longer than the model's
-sliding window), its logits are exactly its rows,
+A step qualifies when every scheduled sequence decodes one token, its logits are exactly its rows,
 and the model runs on CPU through the plain torch attention backend with the native kernels.
 Sequences over segments (squid's documents, a shared prefix) qualify too: the step is then a
 decode of one virtual row per part (each document, the prefix, the sequence's own tokens), and
@@ -23,7 +22,11 @@ document); `stage` writes the parts' lengths, tables, turns (cos / sin rows made
 delta) and merge grouping into the graph's `SegmentBatch` each step, so one graph serves any
 documents of that structure. At most MAX_SEGMENT_GRAPHS such graphs are kept (the least recently
 used dropped). A window that cuts a part's keys or a sequence with drafts keeps such a step
-eager. With a KV host tier (`host_kv`, set when it is attached) every graph hands the host pool to
+eager. Under a sliding window a plain decode step replays past W too: every graph of such a model
+keeps its rows cut to the window (`WindowRows`: each row's table from its window's block, its key
+count from there and the keys of that block to skip), which `stage` fills per step and every
+windowed layer reads, whatever the sequences' lengths (so a graph captured while they fit in W
+replays past it). With a KV host tier (`host_kv`, set when it is attached) every graph hands the host pool to
 the attention kernel, which picks the pool per block, so steps whose tables (or documents) name
 host blocks read in place replay the same graphs as steps that name none. A sequence with drafts (speculative decoding, engine/spec_decode.py) counts as one row
 per token it computes, each a query of its own over the keys up to it, so its step is a decode
@@ -63,7 +66,7 @@ import numpy as np
 import torch
 
 from cuttle.attention import native
-from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata
+from cuttle.attention.metadata import HOST_BLOCK, AttentionMetadata, WindowRows
 from cuttle.attention.native.argmax import argmax_into_if
 from cuttle.attention.native.graph import GraphBreak, KernelGraph, capture
 from cuttle.engine.sampler import plain_greedy
@@ -136,6 +139,7 @@ class _Graph:
     np_slots: np.ndarray | None = None
     np_tables: np.ndarray | None = None
     seg: _SegmentViews | None = None  # a step over segments (squid's documents): its parts' tensors
+    win: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # views of meta.window_rows (tables, lens, skips)
 
 
 class DecodeGraphs:
@@ -149,8 +153,8 @@ class DecodeGraphs:
         plain-greedy steps (the engine's logprobs_mode is "processed", where those rows need
         nothing else); `hot_batches`: how many graphs of sizes above `max_batch` may be kept
         (captured once they recur, see the module docstring); `window`: the model's sliding window,
-        past which a sequence's attention reads a plan made per step (torch_backend), so a step
-        with a sequence longer than it runs eagerly; `rope`: the model's RotaryEmbedding, whose
+        whose rows every graph of a plain decode step keeps cut (`WindowRows`; a step over
+        segments whose window cuts a part runs eagerly); `rope`: the model's RotaryEmbedding, whose
         tables turn the query for a document placed away from where it was encoded (steps over
         segments; None: such steps run eagerly)."""
         self.window = window
@@ -193,7 +197,6 @@ class DecodeGraphs:
             and (m.num_seqs <= self.max_batch or self.hot_batches > 0)
             and inputs.logit_rows.numel() == m.num_seqs and inputs.input_ids.numel() == m.num_seqs and not inputs.prompt_rows
             and m.block_tables.dim() == 2 and m.block_tables.shape[1] <= self.table_width
-            and (self.window is None or max(m.seq_lens_cpu) <= self.window)
             and (m.segments is None or self._segments_qualify(m))
         )
 
@@ -205,8 +208,8 @@ class DecodeGraphs:
         return (
             sb.max_query_len == 1 and sb.block_tables.shape[1] <= self.table_width
             and (sb.rot_rows is None or self.rope is not None)
-            and (self.window is None
-                 or max(q - k for q, k in zip(sb.query_pos_cpu, sb.key_pos_cpu)) < self.window)
+            and (self.window is None or (max(m.seq_lens_cpu) <= self.window
+                                         and max(q - k for q, k in zip(sb.query_pos_cpu, sb.key_pos_cpu)) < self.window))
         )
 
     @staticmethod
@@ -248,7 +251,6 @@ class DecodeGraphs:
             req = seq.request
             draft = seq.draft
             if (n != 1 + len(draft) or p + 1 != len(seq.token_ids) or seq.shared or req.job is not None or len(table) > width
-                    or (self.window is not None and p + n > self.window)
                     or (req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < seq.num_prompt_tokens)
                     or (host_tier and self.host_kv is None and any(b >= HOST_BLOCK for b in table))):
                 return None  # what this wrote so far is overwritten by the next step's inputs
@@ -261,6 +263,8 @@ class DecodeGraphs:
                 g.np_lens[i] = q + 1
                 g.np_slots[i] = table[q // bs] * bs + q % bs
                 g.np_tables[i, : len(table)] = table
+                if g.win is not None:
+                    _cut_row(*g.win, i, table, q + 1, self.window, bs)
                 lens.append(q + 1)
                 greedy = greedy and plain_greedy(req.sampling_params, seq.num_output_tokens + j)
                 i += 1
@@ -271,7 +275,7 @@ class DecodeGraphs:
         m = g.meta
         meta = AttentionMetadata(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
                                  slot_mapping=m.slot_mapping, block_size=bs, max_query_len=1, max_seq_len=max(lens),
-                                 query_lens_cpu=[1] * B, seq_lens_cpu=lens, host_kv=m.host_kv)
+                                 query_lens_cpu=[1] * B, seq_lens_cpu=lens, host_kv=m.host_kv, window_rows=m.window_rows)
         return StepInputs(input_ids=g.input_ids, positions=g.positions, meta=meta, logit_rows=g.rows,
                           sample_seqs=[seq for seq, _ in scheduled], prompt_rows=[], graph=g,
                           greedy=g.greedy if greedy else None)
@@ -461,6 +465,10 @@ class DecodeGraphs:
         gm.seq_lens.copy_(m.seq_lens)
         gm.slot_mapping.copy_(m.slot_mapping)
         gm.block_tables[:, : m.block_tables.shape[1]].copy_(m.block_tables)
+        if g.win is not None:
+            tables = m.block_tables.numpy()
+            for i, n in enumerate(m.seq_lens_cpu):
+                _cut_row(*g.win, i, tables[i], n, self.window, self.block_size)
         sb, gsb = m.segments, gm.segments
         if sb is not None:
             assert gsb is not None
@@ -498,8 +506,13 @@ class DecodeGraphs:
                 rot_rows=None if sb.rot_rows is None else torch.empty_like(sb.rot_rows),
                 rot_cos=None if sb.rot_cos is None else torch.empty_like(sb.rot_cos),
                 rot_sin=None if sb.rot_sin is None else torch.empty_like(sb.rot_sin))
+        elif self.window is not None:  # a plain decode step: its rows cut to the window, filled per step
+            meta.window_rows = wr = WindowRows(self.window, torch.zeros(B, self.table_width, dtype=torch.int32),
+                                               torch.empty(B, dtype=torch.int32), torch.empty(B, dtype=torch.int32))
         g = _Graph(torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64), meta, last_used=self._clock)
         g.want, g.greedy = torch.zeros(1, dtype=torch.int32), torch.zeros(B, dtype=torch.int64)
+        if meta.window_rows is not None:
+            g.win = (wr.tables.numpy(), wr.lens.numpy(), wr.skips.numpy())
         self._fill(g, inputs)
         self._begin_step(meta)
         try:
@@ -529,6 +542,18 @@ class DecodeGraphs:
         self._graphs[key] = g
         self.counters["graph_captures"] += 1
         return logits
+
+
+def _cut_row(tables: np.ndarray, lens: np.ndarray, skips: np.ndarray, i: int, table, length: int, window: int,
+             block_size: int) -> None:
+    """Row i of a graph's `WindowRows` for a decode row of `length` keys in `table` (as
+    torch_backend's `_NativeRows._cut` cuts a row per step)."""
+    start = max(0, length - window)  # the row's first key in its window
+    first = start // block_size
+    n = -(-length // block_size) - first
+    tables[i, :n] = table[first : first + n]
+    lens[i] = length - first * block_size
+    skips[i] = start - first * block_size
 
 
 def adapter_key(lora: LoRABatch | None) -> bytes | tuple | None:

@@ -5,8 +5,8 @@ The decoder is Llama's with an explicit head_dim; checked token-exact against tr
 checkpoint whose head_dim is not hidden / heads. A `sliding_window` W (Mistral-7B-v0.1's 4096,
 Mixtral's, StarCoder2's, Qwen2's with use_sliding_window) is attended as the model defines it, a
 query at p seeing p - W + 1 .. p, on the torch attention backend (the CPU default): the sequences
-here run well past W, through chunked prefill, prefix-cache hits, decode steps (kernel graphs
-while they fit in W, eager past it) and the training forward, with transformers' own sliding
+here run well past W, through chunked prefill, prefix-cache hits, decode steps (kernel graphs,
+within W and past it) and the training forward, with transformers' own sliding
 mask as the oracle. Qwen2's window covers the layers from max_window_layers on (or transformers'
 `layer_types`). Where windows are not served (another backend, top-k sparse attention),
 max_model_len is capped at W and a longer one refused naming both; documents (squid) past W are
@@ -61,11 +61,16 @@ def test_mistral_token_exact_vs_transformers_past_the_window(mistral):
         outs = llm.generate(prompts, params, use_tqdm=False)
         for prompt, o in zip(prompts, outs):
             assert_scored_by_transformers(model, prompt, o, 1e-4)
-    # one short prompt decoding past W: its steps within W replay kernel graphs, later ones run eagerly
-    short = parity_prompts()[0]
-    [o] = llm.generate([short], params, use_tqdm=False)
-    assert_scored_by_transformers(model, short, o, 1e-4)
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.counters["graph_steps"] > 0
+    # short prompts decoding past W: their steps replay kernel graphs within W and past it (the
+    # graphs keep their rows cut to the window), a batch of 2 crossing W at different steps too
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    for batch in ([parity_prompts()[0]], [parity_prompts()[0], parity_prompts()[2]]):
+        before = graphs.counters["graph_steps"]
+        outs = llm.generate(batch, params, use_tqdm=False)
+        for prompt, o in zip(batch, outs):
+            assert_scored_by_transformers(model, prompt, o, 1e-4)
+        assert graphs.counters["graph_steps"] - before >= 27  # of 29 decode steps (a capture and its check run eagerly)
     # the window is real in the oracle: past it, transformers' outputs leave full attention's
     import transformers
 
