@@ -7,8 +7,10 @@ in a pool of 288 blocks (4608 tokens: 8 windows' worth). Giving blocks back, eac
 its window's ~34 blocks and all 8 run at once; keeping every block (the engine before), a
 sequence grows to 100 blocks, so about 3 fit and the rest wait or are preempted and recomputed.
 A third run keeps every block in a pool large enough for all 8 (800 blocks): the memory the same
-concurrency needed before. Reports wall time, generated tokens per second, preemptions, the most
-blocks any sequence held and the pool's peak use, in one run.
+concurrency needed before. A fourth gives blocks back but runs every step eagerly
+(`enforce_eager`): before windowed graphs (`WindowRows`), every decode step past W ran so. Reports
+wall time, generated tokens per second, preemptions, the most blocks any sequence held and the
+pool's peak use, in one run.
 
     .venv/bin/python benchmarks/window_blocks.py [--new-tokens 1536] [--requests 8]
 """
@@ -37,9 +39,9 @@ CONFIG = {
 }
 
 
-def run(path: str, num_blocks: int, keep: bool, requests: int, new_tokens: int) -> dict:
+def run(path: str, num_blocks: int, keep: bool, requests: int, new_tokens: int, eager: bool = False) -> dict:
     llm = LLM(path, dtype="bfloat16", block_size=BLOCK, num_kv_blocks=num_blocks, max_num_seqs=requests,
-              max_num_batched_tokens=512, max_model_len=PROMPT + new_tokens)
+              max_num_batched_tokens=512, max_model_len=PROMPT + new_tokens, enforce_eager=eager)
     eng = llm.engine
     assert eng.block_manager.window == WINDOW
     if keep:
@@ -58,7 +60,8 @@ def run(path: str, num_blocks: int, keep: bool, requests: int, new_tokens: int) 
         held = max(held, max((sum(b != NULL_BLOCK for b in s.block_table) for s in running), default=0))
         used = max(used, num_blocks - eng.block_manager.num_free_blocks)
     wall = time.perf_counter() - t0
-    return {"wall": wall, "tok_s": generated / wall, "preemptions": eng.stats()["preemptions"], "held": held, "used": used}
+    return {"wall": wall, "tok_s": generated / wall, "preemptions": eng.stats()["preemptions"], "held": held, "used": used,
+            "graph_steps": eng.stats()["graph_steps"]}
 
 
 def main() -> None:
@@ -71,16 +74,18 @@ def main() -> None:
     total = PROMPT + args.new_tokens
     window_pool = args.requests * (-(-WINDOW // BLOCK) + 4)
     full_pool = args.requests * -(-total // BLOCK)
-    runs = [("given back", window_pool, False), ("every block kept", window_pool, True), ("every block kept", full_pool, True)]
+    runs = [("given back", window_pool, False, False), ("every block kept", window_pool, True, False),
+            ("every block kept", full_pool, True, False), ("given back, eager steps", window_pool, False, True)]
     rows = []
-    for name, blocks, keep in runs:
-        r = run(path, blocks, keep, args.requests, args.new_tokens)
-        rows.append([name, blocks, f"{r['wall']:.1f}", f"{r['tok_s']:.1f}", r["preemptions"], r["held"], r["used"]])
+    for name, blocks, keep, eager in runs:
+        r = run(path, blocks, keep, args.requests, args.new_tokens, eager)
+        rows.append([name, blocks, f"{r['wall']:.1f}", f"{r['tok_s']:.1f}", r["preemptions"], r["held"], r["used"],
+                     r["graph_steps"]])
         print(f"{name} / {blocks} blocks: {r}", flush=True)
     print(machine_info())
     print(f"\n{args.requests} requests x ({PROMPT} prompt + {args.new_tokens} new tokens), window {WINDOW}, blocks of {BLOCK}, bf16\n")
     print(markdown_table(["blocks behind the window", "pool (blocks)", "wall (s)", "generated tok/s", "preemptions",
-                          "most blocks one sequence held", "pool peak (blocks)"], rows))
+                          "most blocks one sequence held", "pool peak (blocks)", "graph steps"], rows))
 
 
 if __name__ == "__main__":
