@@ -64,6 +64,39 @@ def tiny_mistral(window: int | None, layers: int = 3, head_dim: int = 24, max_po
     return randomize_(transformers.MistralForCausalLM(cfg).float().eval(), 0.15, seed=7)
 
 
+def run_interleaving(engine, ops: list[tuple], base: list[int], shared: bool) -> None:
+    """Property tests of the block manager: each op on a live engine ("add", prompt length,
+    max_tokens, n, greedy) / ("step", k) / ("abort", which), every block's references checked to be
+    its holders' after each op and each step of the drain, every block free at the end. `shared`:
+    prompts are prefixes of `base` (prefix-cache hits), else each its own."""
+    from cuttle.engine import SamplingParams
+
+    bm = engine.block_manager
+    live: list[str] = []
+
+    def check() -> None:
+        bm.check_invariants([s for r in engine.requests.values() for s in r.seqs if not s.is_finished])
+
+    for k, op in enumerate(ops):
+        if op[0] == "add":
+            _, plen, max_tokens, n, greedy = op
+            toks = (base * 3)[:plen] if shared else [3 + (k * 7 + i) % 250 for i in range(plen)]
+            rid = f"q{len(engine.requests)}-{k}-{id(op)}"
+            engine.add_request(rid, toks, SamplingParams(n=n, temperature=0 if greedy else 1.0, max_tokens=max_tokens, ignore_eos=True))
+            live.append(rid)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                engine.step()
+        elif live:
+            engine.abort_request(live.pop(op[1] % len(live)))
+        check()
+    while engine.has_unfinished_requests():
+        engine.step()
+        check()
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
 def save_checkpoint(path: str, model) -> tuple[str, object]:
     """A transformers model saved HF-style in `path` with the test tokenizer over its vocabulary:
     (path, model), what the model tests' fixtures return."""

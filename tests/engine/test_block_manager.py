@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.sequence import Request
+from helpers import run_interleaving
 
 
 def make_seq(tokens: list[int], extra: bytes = b""):
@@ -98,32 +99,8 @@ ops = st.lists(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=ops, num_blocks=st.integers(6, 24), shared=st.booleans())
 def test_random_interleavings_never_leak(qwen3_path, ops, num_blocks, shared):
-    llm = _engine(qwen3_path, num_blocks)
-    engine = llm.engine
-    bm = engine.block_manager
-    live: list[str] = []
-    base = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
-    for k, op in enumerate(ops):
-        if op[0] == "add":
-            _, plen, max_tokens, n, greedy = op
-            toks = (base * 3)[:plen] if shared else [3 + (k * 7 + i) % 250 for i in range(plen)]
-            rid = f"q{len(live)}-{k}"
-            engine.add_request(rid, toks, SamplingParams(n=n, temperature=0 if greedy else 1.0, max_tokens=max_tokens, ignore_eos=True))
-            live.append(rid)
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                engine.step()
-        else:
-            if live:
-                engine.abort_request(live.pop(op[1] % len(live)))
-        seqs = [s for r in engine.requests.values() for s in r.seqs if not s.is_finished]
-        bm.check_invariants(seqs)
-    while engine.has_unfinished_requests():
-        engine.step()
-        seqs = [s for r in engine.requests.values() for s in r.seqs if not s.is_finished]
-        bm.check_invariants(seqs)
-    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    run_interleaving(_engine(qwen3_path, num_blocks).engine, ops, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
+                     shared)
 
 
 _ENGINES: dict[tuple[str, int], LLM] = {}

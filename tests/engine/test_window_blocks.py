@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from cuttle.attention.metadata import NULL_BLOCK
 from cuttle.engine import LLM, SamplingParams
-from helpers import assert_scored_by_transformers, save_checkpoint, tiny_mistral
+from helpers import assert_scored_by_transformers, run_interleaving, save_checkpoint, tiny_mistral
 
 BS = 4
 _ids = itertools.count()
@@ -239,27 +239,7 @@ def test_random_interleavings_never_leak(mistral, ops, num_blocks, prefix_cachin
     key = (num_blocks, prefix_caching)
     if key not in _POOLS:  # (one engine per pool: the pool is empty between examples)
         _POOLS[key] = _llm(mistral, num_kv_blocks=num_blocks, enable_prefix_caching=prefix_caching, max_num_seqs=6)
-    eng = _POOLS[key].engine
-    bm = eng.block_manager
-    live: list[str] = []
-    base = list(range(5, 40))
-    for k, op in enumerate(ops):
-        if op[0] == "add":
-            _, plen, max_tokens, n, greedy = op
-            toks = (base * 2)[:plen] if shared else [3 + (k * 7 + i) % 250 for i in range(plen)]
-            rid = f"p{next(_ids)}"
-            eng.add_request(rid, toks, SamplingParams(n=n, temperature=0 if greedy else 1.0, max_tokens=max_tokens, ignore_eos=True))
-            live.append(rid)
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                eng.step()
-        elif live:
-            eng.abort_request(live.pop(op[1] % len(live)))
-        bm.check_invariants([s for r in eng.requests.values() for s in r.seqs if not s.is_finished])
-    while eng.has_unfinished_requests():
-        eng.step()
-        bm.check_invariants([s for r in eng.requests.values() for s in r.seqs if not s.is_finished])
-    assert eng.stats()["kv_blocks_free"] == num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    run_interleaving(_POOLS[key].engine, ops, list(range(5, 40)), shared)
 
 
 def test_only_models_windowed_in_every_layer_give_blocks_back(tmp_path):
