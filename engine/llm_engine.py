@@ -923,6 +923,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
+            "kv_window_released_blocks": bm.num_window_released_blocks,  # given back behind a sliding window
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "weight_version": self.weight_version,

@@ -25,6 +25,8 @@ _TOTALS = [
     ("cuttle_prompt_tokens", "Prompt tokens admitted since start", None, [(None, "prompt_tokens")]),
     ("cuttle_generation_tokens", "Tokens generated since start", None, [(None, "generated_tokens")]),
     ("cuttle_graph_steps", "Decode steps replayed from kernel graphs (CPU) since start", None, [(None, "graph_steps")]),
+    ("cuttle_kv_window_released_blocks", "KV blocks given back behind a sliding window since start", None,
+     [(None, "kv_window_released_blocks")]),
     # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens (0 without speculative_config)
     ("cuttle_spec_decode_num_draft_tokens", "Draft tokens proposed by speculative decoding since start", None,
      [(None, "spec_draft_tokens")]),

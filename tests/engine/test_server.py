@@ -37,7 +37,7 @@ def test_models_health_metrics(live, client):
 
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     for name in ("cuttle_prompt_tokens", "cuttle_generation_tokens", "cuttle_num_preemptions", "cuttle_graph_steps",
-                 "cuttle_squid_documents", "cuttle_squid_document_tokens", "cuttle_requests", "cuttle_client_disconnects"):
+                 "cuttle_kv_window_released_blocks", "cuttle_squid_documents", "cuttle_squid_document_tokens", "cuttle_requests", "cuttle_client_disconnects"):
         assert types.get(name) == "counter", (name, types.get(name))
     assert types["cuttle_num_requests_running"] == "gauge" and "cuttle_prompt_tokens_total" in text
 

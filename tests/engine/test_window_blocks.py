@@ -115,6 +115,7 @@ def test_long_generations_fit_side_by_side(mistral):
     llm = _llm(mistral, num_kv_blocks=60)
     assert _tokens(_run(llm, reqs, poison=True)) == want
     assert llm.stats()["preemptions"] == 0
+    assert llm.stats()["kv_window_released_blocks"] == llm.engine.block_manager.num_window_released_blocks > 4 * 20
 
 
 def test_preempted_sequences_come_back_exactly(mistral):
