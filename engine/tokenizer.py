@@ -1,5 +1,6 @@
-"""Text <-> token ids for a checkpoint: `tokenizers` (tokenizer.json), the chat template from
-tokenizer_config.json rendered with jinja2 (sandboxed), and incremental detokenization.
+"""Text <-> token ids for a checkpoint: `tokenizers` (tokenizer.json, or Mistral's tekken.json read
+by engine/ranked_bpe.py), the chat template from tokenizer_config.json rendered with jinja2
+(sandboxed), and incremental detokenization.
 
 Owns the special-token and template conventions of HF checkpoints; the template is rendered as
 transformers' `apply_chat_template` renders it (the same sandbox, extensions and filters, its
@@ -22,6 +23,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from cuttle.engine.ranked_bpe import tekken_tokenizer
+
 
 def _token_content(tok: Any) -> str | None:
     if tok is None:
@@ -32,18 +35,22 @@ def _token_content(tok: Any) -> str | None:
 class Tokenizer:
     def __init__(self, path: str):
         tok_file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tok_file):
-            other = next((f for f in ("tekken.json", "tiktoken.model") if os.path.isfile(os.path.join(path, f))), None)
-            how = (f" (it has {other}, a vocabulary cuttle does not read: convert it to tokenizer.json, e.g. with transformers' "
-                   f"{'convert_tekken_tokenizer' if other == 'tekken.json' else 'TikTokenConverter'}, and save it beside it)"
-                   if other else "")
-            raise FileNotFoundError(f"model directory {path!r} has no tokenizer.json{how}")
-        self.tok = HFTokenizer.from_file(tok_file)
+        tekken = os.path.join(path, "tekken.json")
         cfg: dict[str, Any] = {}
+        if os.path.isfile(tok_file):
+            self.tok = HFTokenizer.from_file(tok_file)
+        elif os.path.isfile(tekken):  # Mistral's own vocabulary file (engine/ranked_bpe.py)
+            self.tok = tekken_tokenizer(tekken)
+            # (such a repo may have no tokenizer_config.json: its BOS / EOS are Mistral's)
+            cfg = {k: v for k, v in (("bos_token", "<s>"), ("eos_token", "</s>")) if self.tok.token_to_id(v) is not None}
+        else:
+            how = (" (it has tiktoken.model, a vocabulary cuttle does not read: convert it to tokenizer.json, e.g. with "
+                   "transformers' TikTokenConverter, and save it beside it)" if os.path.isfile(os.path.join(path, "tiktoken.model")) else "")
+            raise FileNotFoundError(f"model directory {path!r} has no tokenizer.json{how}")
         cfg_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(cfg_file):
             with open(cfg_file) as f:
-                cfg = json.load(f)
+                cfg.update(json.load(f))
         self.chat_template: str | None = cfg.get("chat_template")
         tmpl_file = os.path.join(path, "chat_template.jinja")
         if self.chat_template is None and os.path.isfile(tmpl_file):

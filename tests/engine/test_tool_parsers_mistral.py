@@ -222,12 +222,9 @@ def test_server_with_a_mistral_template():
 
 
 def test_a_vocabulary_cuttle_does_not_read_is_named(tmp_path):
-    """A checkpoint with Mistral's tekken.json (or a tiktoken vocabulary, Kimi-K2's) and no
-    tokenizer.json: the error says which file it has and how to make the one cuttle reads."""
-    (tmp_path / "tekken.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match="has tekken.json.*convert_tekken_tokenizer"):
-        Tokenizer(str(tmp_path))
-    os.remove(tmp_path / "tekken.json")
+    """A checkpoint with a tiktoken vocabulary (Kimi-K2's) and no tokenizer.json: the error says
+    which file it has and how to make the one cuttle reads (tekken.json is read:
+    tests/engine/test_tekken.py)."""
     (tmp_path / "tiktoken.model").write_text("")
     with pytest.raises(FileNotFoundError, match="has tiktoken.model.*TikTokenConverter"):
         Tokenizer(str(tmp_path))
