@@ -25,8 +25,10 @@ class RequestOutputKind(enum.Enum):
 class StructuredOutputsParams:
     """A constraint on the output, vLLM's offline shape: exactly one of `json` (a JSON schema, as a
     dict or its JSON text), `regex`, `choice` (the output is one of these strings), `grammar`
-    (EBNF, GBNF-style), `json_object` (any JSON object) or `structural_tag` (xgrammar's structural
-    tag JSON, which the server builds for tool calls). `disable_any_whitespace` is accepted for
+    (EBNF, GBNF-style), `json_object` (any JSON object), `structural_tag` (xgrammar's structural
+    tag JSON, which the server builds for tool calls) or cuttle's `tool_calls` (a
+    `token_calls.CallProgram` as JSON: tool calls whose markers are special tokens, which the server
+    builds too). `disable_any_whitespace` is accepted for
     vLLM's sake: cuttle's JSON never has free whitespace (engine/structured_output.py says why).
     Compiled by engine/structured_output.py; only the shape is checked here."""
 
@@ -36,14 +38,15 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
+    tool_calls: str | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "tool_calls")
                  if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
-                             f"structural_tag; got {given or 'none'}")
+                             f"structural_tag, tool_calls; got {given or 'none'}")
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
@@ -51,7 +54,7 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), got {type(self.json).__name__}")
-        for k in ("regex", "grammar", "structural_tag"):
+        for k in ("regex", "grammar", "structural_tag", "tool_calls"):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"structured_outputs.{k} must be a non-empty string")
@@ -64,7 +67,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         # (not truthiness: json={} is the schema every JSON value meets)
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "tool_calls")
                     if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str]:

@@ -47,6 +47,7 @@ import torch
 from cuttle.engine.grammar_support import (REGEX_DOT, UNENFORCED_WHAT, explicit_dots, schema_with_explicit_dots,
                                            unenforced_keywords, unenforced_regex)
 from cuttle.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from cuttle.engine.token_calls import CallProgram, CompiledCalls, compile_calls, fill_calls
 
 if TYPE_CHECKING:
     from cuttle.engine.sequence import Request, Sequence
@@ -147,11 +148,13 @@ class Controls:
     matchers: dict[int, list[Any]] = field(default_factory=dict)  # sample index (the key) -> [matcher, tokens consumed]
     think: tuple[int, int, int] | None = None  # thinking budget: (opening tag id, closing tag id, budget)
     thinking: dict[int, list[int]] = field(default_factory=dict)  # sample index -> [tokens consumed, phase, tokens in the block]
+    calls: CompiledCalls | None = None  # tool calls with special-token markers (engine/token_calls.py)
+    call_states: dict[int, list[Any]] = field(default_factory=dict)  # sample index -> its program's state
 
     @property
     def masks(self) -> bool:
         return (self.grammar is not None or self.allowed is not None or self.banned is not None or bool(self.bad_seqs)
-                or self.think is not None)
+                or self.think is not None or self.calls is not None)
 
 
 # a sample's place in its thinking budget (Controls.thinking)
@@ -246,7 +249,9 @@ class StructuredOutput:
         if params.thinking_token_budget is not None:
             ctl.think = (*self.thinking_tags(), params.thinking_token_budget)
         so = params.structured_outputs
-        if so is not None:
+        if so is not None and so.kind == "tool_calls":
+            ctl.calls = self.compile(so)
+        elif so is not None:
             ctl.grammar = self.compile(so)
             if so.kind in ("json", "json_object"):
                 # xgrammar's rule for a string with maxLength / minLength admits raw control
@@ -311,10 +316,20 @@ class StructuredOutput:
         return compiled
 
     def _compile_new(self, spec: StructuredOutputsParams) -> Any:
-        grammar = build_grammar(spec)
         with self._compiler_lock:
             if self._compiler is None:
                 self._compiler = self._build_compiler()
+        if spec.kind == "tool_calls":
+            assert spec.tool_calls is not None
+            xgr = xgrammar()
+
+            def segment(seg: dict[str, Any]) -> Any:  # (a tool's schema as the other tool-call grammars take it: best effort)
+                grammar = (xgr.Grammar.from_regex(seg["regex"]) if "regex" in seg else
+                           xgr.Grammar.from_json_schema(json.dumps(seg["json"]), strict_mode=True, **_JSON_LAYOUT))
+                return self._compiler.compile_grammar(grammar)
+
+            return compile_calls(CallProgram.from_json(spec.tool_calls), segment)
+        grammar = build_grammar(spec)
         try:
             compiled = self._compiler.compile_grammar(grammar)
         except RuntimeError as e:  # xgrammar's own checks failing on a spec it parsed (seen on some patterns)
@@ -408,6 +423,8 @@ class StructuredOutput:
         (calls for one key come in increasing `end`). The reason, where the grammar rejects a token
         of that output; else None. Also the RL trainer's replay of a sampled token's mask."""
         err = self._fill_grammar(ctl, key, ids, start, end, bitmask, k) if ctl.grammar is not None else None
+        if ctl.calls is not None:
+            err = fill_calls(ctl.calls, ctl.call_states, key, ids, start, end, bits, k, self.width)
         if ctl.allowed is not None:
             bits[k] &= ctl.allowed
         if ctl.banned is not None:
@@ -532,11 +549,13 @@ _SHAPES = {
     "mistral_list": _CallShape(None, " ", ' QNAME, "arguments": ', "}]", "", "", ""),
     "granite": _CallShape(None, " ", ' QNAME, "arguments": ', "}]", "", "", ""),
     # Mistral's `[TOOL_CALLS]NAME[ARGS]{...}` (v11 on): a named call's opening ends at [ARGS] and
-    # the call at its JSON value (then EOS); a required call's name is followed by special markers
+    # the call at its JSON value (then EOS); a required or auto call's name is followed by special
+    # markers: a token program (`_token_program`)
     "mistral": _CallShape(None, "", "", "", "", "", ""),
 }
-# the tool_choice values each format's grammar covers (others: every one but none)
-_CHOICES = {"openai": ("named",), "mistral": ("named",), "mistral_list": ("named", "required"),
+# the tool_choice values each format's grammar covers (others: every one but none); gpt-oss's
+# required calls and Mistral v11's required and auto ones run as token programs
+_CHOICES = {"openai": ("named", "required"), "mistral": ("named", "required", "auto"), "mistral_list": ("named", "required"),
             "granite": ("named", "required")}
 
 
@@ -593,6 +612,9 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     def const(value: str) -> dict[str, Any]:
         return {"type": "const_string", "value": value}
 
+    if fmt in ("mistral", "openai") and choice != "named":
+        program = _token_program(fmt, choice, tools, tokenizer, parallel, template, args)
+        return None if program is None else StructuredOutputsParams(tool_calls=program.to_json())
     if choice == "named":
         [tool] = [t for t in tools if t["function"]["name"] == name]
         fmt_: dict[str, Any] = {"type": "sequence", "elements": [
@@ -607,6 +629,51 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
             {"type": "tag", "begin": text(shape.tag_begin, t), "content": args(t), "end": shape.tag_end} for t in tools],
             "stop_after_first": not parallel}
     return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt_}))
+
+
+def _regex_literal(text: str) -> str:
+    return re.sub(r"([\\.^$|?*+()\[\]{}/-])", r"\\\1", text)
+
+
+def _token_program(fmt: str, choice: str, tools: list[dict[str, Any]], tokenizer: Tokenizer | None, parallel: bool,
+                   template: str | None, args) -> CallProgram | None:
+    """The calls of a layout whose markers are special tokens (engine/token_calls.py), after the
+    server's opening (required) or from free text (auto); None where the vocabulary does not hold
+    the markers as single tokens.
+    - Mistral v11 / v13: `[TOOL_CALLS]` opens a call (the server writes it for required), then the
+      name, `[CALL_ID]` and a 9-character id where the template writes ids, `[ARGS]`, the
+      arguments, then EOS, or `[TOOL_CALLS]` and another call when calls may be parallel.
+    - gpt-oss (required): after the server's `<|channel|>commentary to=functions.`, the name and a
+      space, `<|constrain|>`, `json`, `<|message|>`, the arguments, then `<|call|>` (its stop)."""
+    if tokenizer is None:
+        return None
+    special = {m: tokenizer.tok.token_to_id(m) for m in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|constrain|>", "<|message|>",
+                                                         "<|call|>")}
+    eos = tokenizer.eos_token_id
+
+    def schema(t: dict[str, Any]) -> dict[str, Any]:
+        return {"json": args(t)["json_schema"]}
+
+    if fmt == "mistral":
+        if special["[TOOL_CALLS]"] is None or special["[ARGS]"] is None or eos is None:
+            return None
+        with_ids = template is not None and "[CALL_ID]" in template
+        if with_ids and special["[CALL_ID]"] is None:
+            return None
+        calls = []
+        for t in tools:
+            segs: list[dict[str, Any]] = [{"regex": _regex_literal(t["function"]["name"])}]
+            if with_ids:
+                segs += [{"special": special["[CALL_ID]"]}, {"regex": "[A-Za-z0-9]{9}"}]
+            calls.append(segs + [{"special": special["[ARGS]"]}, schema(t)])
+        opening = special["[TOOL_CALLS]"]
+        again = [opening] if parallel else []
+        return CallProgram(calls, [eos, *again], [opening], again, start_in_call=choice == "required")
+    if None in (special["<|constrain|>"], special["<|message|>"], special["<|call|>"]):
+        return None
+    calls = [[{"regex": _regex_literal(t["function"]["name"] + " ")}, {"special": special["<|constrain|>"]}, {"regex": "json"},
+              {"special": special["<|message|>"]}, schema(t)] for t in tools]
+    return CallProgram(calls, [special["<|call|>"]], start_in_call=True)
 
 
 _DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", _DS_CALL_END, "<｜tool▁sep｜>")

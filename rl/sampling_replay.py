@@ -126,7 +126,7 @@ class SamplingReplay:
             logits = logits + self.bias.to(logits.device, logits.dtype)
         if not ctl.masks:
             return logits
-        dynamic = ctl.grammar is not None or bool(ctl.bad_seqs) or ctl.think is not None
+        dynamic = ctl.grammar is not None or bool(ctl.bad_seqs) or ctl.think is not None or ctl.calls is not None
         if dynamic:
             starts = row.starts("bad_words / structured_outputs / thinking_token_budget")
         bitmask = torch.full((len(row.targets), self.mask_stage.width), -1, dtype=torch.int32)
@@ -141,6 +141,7 @@ class SamplingReplay:
         finally:
             ctl.matchers.clear()
             ctl.thinking.clear()
+            ctl.call_states.clear()
         return logits.masked_fill(banned_tokens(bitmask, self.vocab_size).to(logits.device), float("-inf"))
 
     PAIRS_PER_CHUNK = 1 << 22  # (position, context token) pairs a penalty chunk holds at once

@@ -221,8 +221,9 @@ def test_reasoning_effort_reaches_the_template(live):
 def test_server_named_call_follows_its_schema_under_a_grammar(live):
     """A named tool_choice on the harmony format: the server writes the header, the grammar the
     arguments under the tool's schema (sampled from random weights here, so only the grammar makes
-    them parse), then only a stop token; `strict: true` is taken (it is refused where no grammar
-    applies: a required call)."""
+    them parse), then only a stop token; `strict: true` is taken. A required call runs as a token
+    program (engine/token_calls.py): the name under the grammar, then `<|constrain|>json<|message|>`
+    (special tokens the grammar cannot write), the arguments, `<|call|>`."""
     schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris"]},
                                                "days": {"type": "integer"}},
               "required": ["city", "days"], "additionalProperties": False}
@@ -236,7 +237,15 @@ def test_server_named_call_follows_its_schema_under_a_grammar(live):
         args = json.loads(call.function.arguments)
         assert call.function.name == "forecast" and args["city"] in ("Oslo", "Paris") and isinstance(args["days"], int)
         assert set(args) == {"city", "days"} and r.choices[0].finish_reason == "tool_calls"
-    r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
-        "model": "test-model", "messages": [{"role": "user", "content": "Forecast?"}], "tools": tools, "tool_choice": "required",
-        "max_tokens": 20})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    two = tools + [{"type": "function", "function": {"name": "fore", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2]}}, "required": ["n"]}, "strict": True}}]
+    names = set()
+    for seed in (21, 22, 23, 24, 25, 26):
+        r = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "Forecast?"}], tools=two,
+                                           tool_choice="required", seed=seed, temperature=1.0, max_tokens=120)
+        [call] = r.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("forecast", "fore")
+        assert args["n"] in (1, 2) if call.function.name == "fore" else (args["city"] in ("Oslo", "Paris") and isinstance(args["days"], int))
+        names.add(call.function.name)
+    assert names == {"forecast", "fore"}  # (a name that is a prefix of another: both reachable)

@@ -76,7 +76,8 @@ def test_a_folder_with_only_tekken_json_serves(tekken):
     model = tiny_mistral(None, layers=1)
     model.resize_token_embeddings(131072)
     save_checkpoint(tekken, model)
-    os.remove(os.path.join(tekken, "tokenizer.json"))  # (save_checkpoint writes the test tokenizer: only tekken.json stays)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # (save_checkpoint writes the test tokenizer: only tekken.json stays)
+        os.remove(os.path.join(tekken, name))
     out = LLM(tekken, dtype="float32", num_kv_blocks=16, block_size=8).generate(["def f(x):"], SamplingParams(max_tokens=3),
                                                                                use_tqdm=False)[0]
     assert out.prompt_token_ids == tok.encode("def f(x):", add_special_tokens=False) and len(out.outputs[0].token_ids) == 3

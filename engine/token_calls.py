@@ -1,0 +1,135 @@
+"""Tool calls whose markers are special tokens, under grammars: a token-level program the mask
+stage (engine/structured_output.py) runs per sample.
+
+xgrammar never writes a special token inside a grammar, so a call layout such as Mistral's
+`[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}` (v11 on) or gpt-oss's
+`NAME <|constrain|>json<|message|>{...}<|call|>` cannot be one grammar. It is a program instead
+(`CallProgram`, built by `structured_output.tool_call_structure`, carried as
+`StructuredOutputsParams.tool_calls`): per tool a list of segments, text (a regex) or JSON (the
+tool's schema) alternating with special tokens, grammar segment first and last. Each grammar
+segment runs as its own xgrammar matcher whose stop token is the special that follows it (the last
+one's: the program's `ends`), so the special becomes allowed exactly when the segment may end, and
+sampling it moves to the next segment. A sample is either in free text (`auto`: until it writes an
+opening token), in a call (every tool whose segments still accept the tokens so far is alive; the
+row allows the union of their next tokens, so the name segment decides the tool), or after a call
+(an end token not in `again`: nothing more is constrained). An end token in `again` opens the
+next call (parallel calls). States catch up with each sample's output as a grammar matcher does.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+# where a sample is in its program
+FREE, CALL, AFTER = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class CallProgram:
+    """What `tool_calls` carries (JSON): `calls` per tool a list of segments, each {"regex": r},
+    {"json": schema} or {"special": token id}, alternating grammar / special, grammar first and
+    last; `opens`: tokens that start a call from free text (empty with `start_in_call`); `ends`:
+    tokens that may end a call's last segment; `again`: those of them that open another call."""
+
+    calls: list[list[dict[str, Any]]]
+    ends: list[int]
+    opens: list[int] = field(default_factory=list)
+    again: list[int] = field(default_factory=list)
+    start_in_call: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({"calls": self.calls, "ends": self.ends, "opens": self.opens, "again": self.again,
+                           "start_in_call": self.start_in_call})
+
+    @classmethod
+    def from_json(cls, text: str) -> CallProgram:
+        d = json.loads(text)
+        prog = cls(d["calls"], list(d["ends"]), list(d.get("opens", [])), list(d.get("again", [])), bool(d.get("start_in_call")))
+        for i, segs in enumerate(prog.calls):
+            kinds = ["special" in s for s in segs]
+            if not segs or kinds[0] or kinds[-1] or any(kinds[j] == kinds[j + 1] for j in range(len(kinds) - 1)):
+                raise ValueError(f"structured_outputs.tool_calls: call {i} must alternate grammar and special segments, "
+                                 "a grammar first and last")
+        if not prog.ends or not set(prog.again) <= set(prog.ends) or (not prog.start_in_call and not prog.opens):
+            raise ValueError("structured_outputs.tool_calls needs ends (again among them) and, unless it starts in a call, opens")
+        return prog
+
+
+@dataclass(slots=True)
+class CompiledCalls:
+    """A program with each grammar segment compiled: per tool, per segment, (compiled grammar or
+    None for a special, the stop tokens of its matcher)."""
+
+    program: CallProgram
+    steps: list[list[tuple[Any, list[int]]]]
+
+
+def compile_calls(prog: CallProgram, compile_segment) -> CompiledCalls:
+    """`compile_segment(segment dict)`: its compiled xgrammar grammar."""
+    steps = []
+    for segs in prog.calls:
+        out = []
+        for j, s in enumerate(segs):
+            if "special" in s:
+                out.append((None, []))
+            else:
+                stops = [segs[j + 1]["special"]] if j + 1 < len(segs) else list(prog.ends)
+                out.append((compile_segment(s), stops))
+        steps.append(out)
+    return CompiledCalls(prog, steps)
+
+
+def _matcher(calls: CompiledCalls, tool: int, seg: int) -> Any:
+    import xgrammar as xgr
+
+    grammar, stops = calls.steps[tool][seg]
+    return xgr.GrammarMatcher(grammar, override_stop_tokens=stops, max_rollback_tokens=0)
+
+
+def _fresh(calls: CompiledCalls) -> list[list[Any]]:
+    return [[t, 0, _matcher(calls, t, 0)] for t in range(len(calls.steps))]
+
+
+def fill_calls(calls: CompiledCalls, states: dict[int, list[Any]], key: int, ids: list[int], start: int, end: int,
+               bits: np.ndarray, k: int, width: int) -> str | None:
+    """Sample `key`'s program (output from `start`) caught up to position `end` of `ids`, and row k
+    of `bits` (uint32) narrowed to what it allows next; the reason where the output breaks it."""
+    prog = calls.program
+    st = states.get(key)
+    if st is None:
+        st = states[key] = [0, CALL if prog.start_in_call else FREE, _fresh(calls) if prog.start_in_call else []]
+    done, phase, alive = st
+    for t in ids[start + done : end]:
+        if phase == FREE:
+            if t in prog.opens:
+                phase, alive = CALL, _fresh(calls)
+        elif phase == CALL:
+            kept, finished = [], False
+            for tool, seg, m in alive:
+                if not m.accept_token(t):
+                    continue
+                if not m.is_terminated():
+                    kept.append([tool, seg, m])
+                elif seg + 1 == len(calls.steps[tool]):
+                    finished = True
+                else:  # the special after this segment: on to the next grammar segment
+                    kept.append([tool, seg + 2, _matcher(calls, tool, seg + 2)])
+            if finished:
+                phase, alive = (CALL, _fresh(calls)) if t in prog.again else (AFTER, [])
+            elif kept:
+                alive = kept
+            else:
+                st[:] = [done, phase, alive]
+                return f"token {t} at output position {done} is not allowed by the request's tool-call grammar"
+        done += 1
+    st[:] = [done, phase, alive]
+    if phase == CALL:
+        masks = torch.zeros((len(alive), width), dtype=torch.int32)
+        for i, (_, _, m) in enumerate(alive):
+            m.fill_next_token_bitmask(masks, i)
+        bits[k] &= np.bitwise_or.reduce(masks.numpy().view(np.uint32), axis=0)
+    return None

@@ -1,0 +1,164 @@
+"""Tool calls whose markers are special tokens, under token programs (engine/token_calls.py):
+Mistral's `[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}` (v11; v13 without ids) for tool_choice required
+and auto (gpt-oss's required calls: tests/engine/test_harmony.py).
+
+Seeded random walks over the mask stage with Mistral's Tekken vocabulary (v11 special tokens): each
+step picks any token the row allows, so every output the program admits can come up; each decoded
+output parses with cuttle's Mistral parser into calls of the given tools whose arguments meet
+their schemas, including a tool whose name is a prefix of another's. Parallel calls follow one
+another; with parallel_tool_calls false only EOS may follow the first call; auto leaves text before
+the opening free. Through the server, a tiny Mistral with that vocabulary and a v11 template
+answers required and auto calls that parse and validate. Malformed programs are refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import mistral_common
+from cuttle.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from cuttle.engine.structured_output import StructuredOutput, tool_call_structure
+from cuttle.engine.token_calls import CallProgram
+from cuttle.engine.tokenizer import Tokenizer
+from cuttle.engine.tool_parsers import parse_tool_calls
+from helpers import save_checkpoint, tiny_mistral
+
+SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]",
+            "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]"]
+EOS, OPEN, ARGS, CALL_ID = 2, 9, 20, 21
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Bergen"]}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get", "parameters": {
+             "type": "object", "properties": {"n": {"type": "integer", "enum": [1, 22, 333]}}, "required": ["n"]}}}]
+V11 = "[TOOL_CALLS]{{ name }}[CALL_ID]{{ id }}[ARGS]{{ args }}"
+V13 = "[TOOL_CALLS]{{ name }}[ARGS]{{ args }}"
+
+
+@pytest.fixture(scope="module")
+def tekken(tmp_path_factory) -> str:
+    data = json.load(open(os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")))
+    data["config"] = {**data["config"], "version": "v11"}
+    data["special_tokens"] = [{"rank": i, "token_str": t, "is_control": True} for i, t in enumerate(SPECIALS)]
+    d = tmp_path_factory.mktemp("tekken-calls")
+    json.dump(data, open(d / "tekken.json", "w"))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def tok(tekken) -> Tokenizer:
+    return Tokenizer(tekken)
+
+
+def _walk(stage: StructuredOutput, so: StructuredOutputsParams, prompt: list[int], rng: random.Random, free_words: list[int],
+          steps: int = 300) -> tuple[list[int], list[set[int]]]:
+    """A random output under the program: each step any allowed token (EOS and markers, where
+    allowed, half the time, so walks end), free text from `free_words` or the opening."""
+    ctl = stage.prepare(SamplingParams(structured_outputs=so))
+    bitmask = torch.full((1, stage.width), -1, dtype=torch.int32)
+    bits = bitmask.numpy().view(np.uint32)
+    out: list[int] = []
+    seen: list[set[int]] = []
+    for _ in range(steps):
+        bits[0] = 0xFFFFFFFF
+        assert stage.fill_row(ctl, 0, prompt + out, len(prompt), len(prompt) + len(out), bitmask, bits, 0) is None
+        allowed = np.unpackbits(bits[0].view(np.uint8), bitorder="little").nonzero()[0]
+        allowed = allowed[allowed < stage.vocab_size]
+        if len(allowed) == stage.vocab_size:  # free text
+            t = OPEN if rng.random() < 0.3 else rng.choice(free_words)
+        else:
+            seen.append(set(allowed.tolist()) if len(allowed) < 8 else set())
+            ends = [t for t in (EOS, OPEN, ARGS, CALL_ID) if t in allowed]
+            t = rng.choice(ends) if ends and rng.random() < 0.5 else int(rng.choice(allowed))
+        out.append(int(t))
+        if t == EOS:
+            break
+    return out, seen
+
+
+def _valid(calls) -> None:
+    schemas = {"get_weather": lambda a: a == {"city": a["city"]} and a["city"] in ("Oslo", "Bergen"),
+               "get": lambda a: a == {"n": a["n"]} and a["n"] in (1, 22, 333)}
+    for c in calls:
+        assert schemas[c.name](json.loads(c.arguments)), (c.name, c.arguments)
+
+
+@pytest.mark.parametrize("template", [V11, V13], ids=["v11", "v13"])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_random_walks_under_the_program_parse_and_validate(tok, template, choice, parallel):
+    so = tool_call_structure("mistral", choice, None, TOOLS, tok, parallel, template)
+    assert so is not None and so.kind == "tool_calls"
+    stage = StructuredOutput(tok, 131072, {EOS})
+    words = tok.encode("Let me check the weather.", add_special_tokens=False)
+    prompt = [1, 3] + words + [4] + ([OPEN] if choice == "required" else [])  # required: the server wrote [TOOL_CALLS]
+    rng = random.Random(hash((template, choice, parallel)) % 1000)
+    names = set()
+    for _ in range(25):
+        out, seen = _walk(stage, so, prompt, rng, words)
+        if out[-1] != EOS:
+            continue  # (cut by the step limit inside free text: nothing to check)
+        text = tok.decode(([OPEN] if choice == "required" else []) + out[:-1], skip_special_tokens=False)
+        content, calls = parse_tool_calls(text, "mistral")
+        assert calls, text
+        _valid(calls)
+        names |= {c.name for c in calls}
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+        if not parallel:
+            assert len(calls) == 1 and seen[-1] == {EOS}  # after the call only EOS
+        if choice == "required":
+            assert content == ""
+    assert names == {"get_weather", "get"}
+
+
+def test_programs_are_checked(tok):
+    bad = CallProgram([[{"special": ARGS}, {"json": {}}]], [EOS]).to_json()
+    with pytest.raises(ValueError, match="must alternate grammar and special segments"):
+        StructuredOutput(tok, 131072, {EOS}).prepare(SamplingParams(structured_outputs=StructuredOutputsParams(tool_calls=bad)))
+    no_open = CallProgram([[{"regex": "a"}, {"special": ARGS}, {"json": {}}]], [EOS]).to_json()
+    with pytest.raises(ValueError, match="unless it starts in a call, opens"):
+        StructuredOutput(tok, 131072, {EOS}).prepare(SamplingParams(structured_outputs=StructuredOutputsParams(tool_calls=no_open)))
+    # a vocabulary without the markers as tokens: no program (the server then says there is no grammar)
+    from cuttle.engine.default_model import default_model_path
+
+    assert tool_call_structure("mistral", "required", None, TOOLS, Tokenizer(default_model_path()), True, V11) is None
+
+
+V11_CHAT = (
+    "{% for m in messages %}{% if m.role == 'user' %}{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST]{{ m.content }}[/INST]{% elif m.tool_calls %}{% for tc in m.tool_calls %}"
+    "[TOOL_CALLS]{{ tc.function.name }}[CALL_ID]{{ tc.id }}[ARGS]{{ tc.function.arguments|tojson }}"
+    "{% endfor %}</s>{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+
+
+def test_the_server_answers_required_and_auto_calls(tekken):
+    """A tiny Mistral (random weights: only the program makes its calls parse) with the v11
+    vocabulary and template: required calls parse and validate, one or more; auto with
+    parallel_tool_calls false and the opening made likely (logit_bias) gives one call, then EOS."""
+    import openai
+
+    from server_fixture import LiveServer
+
+    model = tiny_mistral(None, layers=1)
+    model.resize_token_embeddings(131072)
+    save_checkpoint(tekken, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # (save_checkpoint writes the test tokenizer: only tekken.json stays)
+        os.remove(os.path.join(tekken, name))
+    with LiveServer(tekken, dtype="float32", num_kv_blocks=256, block_size=8, app_kw={"chat_template": V11_CHAT}) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        user = [{"role": "user", "content": "Weather in Oslo?"}]
+        for seed in range(4):
+            r = c.chat.completions.create(model="test-model", messages=user, tools=TOOLS, tool_choice="required", seed=seed,
+                                          temperature=1.0, max_tokens=200).choices[0]
+            assert r.finish_reason == "tool_calls" and r.message.tool_calls, (r.finish_reason, r.message)
+            _valid(r.message.tool_calls and [type("C", (), {"name": t.function.name, "arguments": t.function.arguments})
+                                             for t in r.message.tool_calls])
+        r = c.chat.completions.create(model="test-model", messages=user, tools=TOOLS, tool_choice="auto", seed=5, temperature=1.0,
+                                      max_tokens=200, parallel_tool_calls=False, logit_bias={str(OPEN): 30}).choices[0]
+        [call] = r.message.tool_calls
+        assert r.finish_reason == "tool_calls" and call.function.name in ("get_weather", "get")
