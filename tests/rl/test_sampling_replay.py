@@ -103,6 +103,30 @@ def test_a_thinking_budget_replays_its_forced_closing_tag(tmp_path):
                            (TrainBatch.from_trajectories(trajs, [1.0], [0]), sum(trajs[0].loss_mask))], sp)
 
 
+def test_a_tool_call_program_replays(tmp_path):
+    """Rollouts under a token program (engine/token_calls.py: gpt-oss's required call, special
+    tokens between grammar segments, two tools): the trainer mirroring the structured output
+    scores every token as drawn, groups and two-turn trajectories."""
+    from harmony_checkpoint import HARMONY_TEMPLATE, make_harmony_checkpoint
+
+    from cuttle.engine.structured_output import tool_call_structure
+
+    path = make_harmony_checkpoint(str(tmp_path))
+    llm = LLM(path, dtype="float32", num_kv_blocks=256)
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"k": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["k"]}}} for n in ("fore", "forecast")]
+    so = tool_call_structure("openai", "required", None, tools, llm.get_tokenizer(), True, HARMONY_TEMPLATE)
+    assert so is not None and so.kind == "tool_calls"
+    sp = SamplingParams(temperature=0.9, seed=17, max_tokens=40, structured_outputs=so)
+    groups = sample_groups(llm, [[5, 6, 7], [9, 10]], 3, sp)
+    assert all(s.token_ids[-1] == llm.get_tokenizer().tok.token_to_id("<|call|>") or len(s.token_ids) == 40
+               for g in groups for s in g.samples)
+    trajs = _two_turns(llm, [[11, 12]], sp, [13, 14])
+    _agreement(path, llm, [(TrainBatch.from_groups(groups, compute_advantages(groups, True)),
+                            sum(len(s.token_ids) for g in groups for s in g.samples)),
+                           (TrainBatch.from_trajectories(trajs, [1.0], [0]), sum(trajs[0].loss_mask))], sp)
+
+
 def test_a_multi_token_bad_word_bans_its_last_token_only_after_its_prefix(coder):
     """vLLM's rule, replayed: the word's last token is excluded exactly where the tokens before it
     end the request's output so far (not where they sit in the prompt)."""
