@@ -130,6 +130,29 @@ def test_preempted_sequences_come_back_exactly(mistral):
     assert llm.stats()["preemptions"] > 0
 
 
+def test_priority_scheduling_with_windows(mistral):
+    """Under the priority policy a prefill chunk that cannot get its blocks preempts by priority
+    as a decode does (victims scheduled earlier in the step give their budget back): outputs equal
+    keeping every block, preemptions on both sides."""
+    reqs = [([5 + i, 9, 13 + i] * (1 + i * 3), SamplingParams(temperature=0.7, seed=i, max_tokens=50, ignore_eos=True))
+            for i in range(8)]
+
+    def run(keep: bool):
+        llm = _llm(mistral, keep=keep, num_kv_blocks=40, scheduling_policy="priority", enable_prefix_caching=False)
+        eng = llm.engine
+        ids = [eng.add_request(f"p{next(_ids)}", p, sp, priority=i % 3).request_id for i, (p, sp) in enumerate(reqs)]
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+            eng.block_manager.check_invariants([s for r in eng.requests.values() for s in r.seqs if not s.is_finished])
+        return [done[i] for i in ids], llm.stats()["preemptions"]
+
+    (want, kept_preemptions), (got, preemptions) = run(True), run(False)
+    assert got == want and kept_preemptions > 0 and preemptions > 0
+
+
 def test_given_back_blocks_stay_in_the_prefix_cache(mistral):
     """A long prompt's blocks behind the window go back to the free list hashed: the same prompt
     later hits every full block of it, and its outputs are unchanged. Once other requests have
