@@ -261,6 +261,11 @@ class StructuredOutput:
                 ctl.allowed = safe.copy() if ctl.allowed is None else ctl.allowed & safe
         return ctl
 
+    def _text_of(self, token: int) -> str:
+        """A token's text, special tokens spelled (a tool-call program's opening texts read it)."""
+        assert self.tokenizer is not None
+        return self.tokenizer.tok.decode([token], skip_special_tokens=False)
+
     def thinking_tags(self) -> tuple[int, int]:
         """The ids of the model's thinking tags (opening, closing); a ValueError naming
         thinking_token_budget where the vocabulary has no such pair of single tokens."""
@@ -424,7 +429,7 @@ class StructuredOutput:
         of that output; else None. Also the RL trainer's replay of a sampled token's mask."""
         err = self._fill_grammar(ctl, key, ids, start, end, bitmask, k) if ctl.grammar is not None else None
         if ctl.calls is not None:
-            err = fill_calls(ctl.calls, ctl.call_states, key, ids, start, end, bits, k, self.width)
+            err = fill_calls(ctl.calls, ctl.call_states, key, ids, start, end, bits, k, self.width, self._text_of)
         if ctl.allowed is not None:
             bits[k] &= ctl.allowed
         if ctl.banned is not None:
@@ -554,8 +559,8 @@ _SHAPES = {
     "mistral": _CallShape(None, "", "", "", "", "", ""),
 }
 # the tool_choice values each format's grammar covers (others: every one but none); gpt-oss's
-# required calls and Mistral v11's required and auto ones run as token programs
-_CHOICES = {"openai": ("named", "required"), "mistral": ("named", "required", "auto"), "mistral_list": ("named", "required"),
+# required and auto calls and Mistral v11's run as token programs
+_CHOICES = {"openai": ("named", "required", "auto"), "mistral": ("named", "required", "auto"), "mistral_list": ("named", "required"),
             "granite": ("named", "required")}
 
 
@@ -643,12 +648,13 @@ def _token_program(fmt: str, choice: str, tools: list[dict[str, Any]], tokenizer
     - Mistral v11 / v13: `[TOOL_CALLS]` opens a call (the server writes it for required), then the
       name, `[CALL_ID]` and a 9-character id where the template writes ids, `[ARGS]`, the
       arguments, then EOS, or `[TOOL_CALLS]` and another call when calls may be parallel.
-    - gpt-oss (required): after the server's `<|channel|>commentary to=functions.`, the name and a
-      space, `<|constrain|>`, `json`, `<|message|>`, the arguments, then `<|call|>` (its stop)."""
+    - gpt-oss: after the server's `<|channel|>commentary to=functions.` (required) or once the
+      model writes `<|channel|>` then `commentary to=functions.` (auto), the name and a space,
+      `<|constrain|>`, `json`, `<|message|>`, the arguments, then `<|call|>` (its stop)."""
     if tokenizer is None:
         return None
     special = {m: tokenizer.tok.token_to_id(m) for m in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|constrain|>", "<|message|>",
-                                                         "<|call|>")}
+                                                         "<|call|>", "<|channel|>")}
     eos = tokenizer.eos_token_id
 
     def schema(t: dict[str, Any]) -> dict[str, Any]:
@@ -669,11 +675,13 @@ def _token_program(fmt: str, choice: str, tools: list[dict[str, Any]], tokenizer
         opening = special["[TOOL_CALLS]"]
         again = [opening] if parallel else []
         return CallProgram(calls, [eos, *again], [opening], again, start_in_call=choice == "required")
-    if None in (special["<|constrain|>"], special["<|message|>"], special["<|call|>"]):
+    if None in (special["<|constrain|>"], special["<|message|>"], special["<|call|>"], special["<|channel|>"]):
         return None
     calls = [[{"regex": _regex_literal(t["function"]["name"] + " ")}, {"special": special["<|constrain|>"]}, {"regex": "json"},
               {"special": special["<|message|>"]}, schema(t)] for t in tools]
-    return CallProgram(calls, [special["<|call|>"]], start_in_call=True)
+    if choice == "required":
+        return CallProgram(calls, [special["<|call|>"]], start_in_call=True)
+    return CallProgram(calls, [special["<|call|>"]], open_texts=[[special["<|channel|>"], "commentary to=functions."]])
 
 
 _DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", _DS_CALL_END, "<｜tool▁sep｜>")

@@ -10,7 +10,9 @@ tool's schema) alternating with special tokens, grammar segment first and last. 
 segment runs as its own xgrammar matcher whose stop token is the special that follows it (the last
 one's: the program's `ends`), so the special becomes allowed exactly when the segment may end, and
 sampling it moves to the next segment. A sample is either in free text (`auto`: until it writes an
-opening token), in a call (every tool whose segments still accept the tokens so far is alive; the
+opening token, or a special token followed by an opening text: gpt-oss's `<|channel|>` then
+`commentary to=functions.`; a token that runs past such a text hands the rest to the call's
+matchers, and a rest no tool's name can start leaves the call unconstrained), in a call (every tool whose segments still accept the tokens so far is alive; the
 row allows the union of their next tokens, so the name segment decides the tool), or after a call
 (an end token not in `again`: nothing more is constrained). An end token in `again` opens the
 next call (parallel calls). States catch up with each sample's output as a grammar matcher does.
@@ -32,29 +34,33 @@ FREE, CALL, AFTER = 0, 1, 2
 class CallProgram:
     """What `tool_calls` carries (JSON): `calls` per tool a list of segments, each {"regex": r},
     {"json": schema} or {"special": token id}, alternating grammar / special, grammar first and
-    last; `opens`: tokens that start a call from free text (empty with `start_in_call`); `ends`:
-    tokens that may end a call's last segment; `again`: those of them that open another call."""
+    last; `opens`: tokens that start a call from free text; `open_texts`: [special token, text]
+    pairs that start one too, the text written right after the token; `ends`: tokens that may end a
+    call's last segment; `again`: those of them that open another call."""
 
     calls: list[list[dict[str, Any]]]
     ends: list[int]
     opens: list[int] = field(default_factory=list)
     again: list[int] = field(default_factory=list)
     start_in_call: bool = False
+    open_texts: list[list[Any]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps({"calls": self.calls, "ends": self.ends, "opens": self.opens, "again": self.again,
-                           "start_in_call": self.start_in_call})
+                           "start_in_call": self.start_in_call, "open_texts": self.open_texts})
 
     @classmethod
     def from_json(cls, text: str) -> CallProgram:
         d = json.loads(text)
-        prog = cls(d["calls"], list(d["ends"]), list(d.get("opens", [])), list(d.get("again", [])), bool(d.get("start_in_call")))
+        prog = cls(d["calls"], list(d["ends"]), list(d.get("opens", [])), list(d.get("again", [])), bool(d.get("start_in_call")),
+                   [list(p) for p in d.get("open_texts", [])])
         for i, segs in enumerate(prog.calls):
             kinds = ["special" in s for s in segs]
             if not segs or kinds[0] or kinds[-1] or any(kinds[j] == kinds[j + 1] for j in range(len(kinds) - 1)):
                 raise ValueError(f"structured_outputs.tool_calls: call {i} must alternate grammar and special segments, "
                                  "a grammar first and last")
-        if not prog.ends or not set(prog.again) <= set(prog.ends) or (not prog.start_in_call and not prog.opens):
+        if not prog.ends or not set(prog.again) <= set(prog.ends) or (
+                not prog.start_in_call and not prog.opens and not prog.open_texts):
             raise ValueError("structured_outputs.tool_calls needs ends (again among them) and, unless it starts in a call, opens")
         return prog
 
@@ -94,19 +100,48 @@ def _fresh(calls: CompiledCalls) -> list[list[Any]]:
     return [[t, 0, _matcher(calls, t, 0)] for t in range(len(calls.steps))]
 
 
+def _opened_by_text(calls: CompiledCalls, since: list[Any], t: int, text_of) -> list[list[Any]] | None:
+    """In free text: `since` is [the last special token, the text written after it]; token `t`
+    extends it. The alive tools if an opening text is now complete (the rest of `t`'s text fed to
+    them; none alive if no tool's name can start so: [] leaves the call unconstrained), else None."""
+    pairs = calls.program.open_texts
+    if any(t == p[0] for p in pairs):
+        since[:] = [t, ""]
+        return None
+    if since[0] is None:
+        return None
+    since[1] += text_of(t)
+    for special, opening in pairs:
+        if special == since[0] and since[1].startswith(opening):
+            rest = since[1][len(opening) :]
+            since[:] = [None, ""]
+            alive = _fresh(calls)
+            return [a for a in alive if not rest or a[2].accept_string(rest)]
+    if not any(special == since[0] and opening.startswith(since[1]) for special, opening in pairs):
+        since[:] = [None, ""]  # (not an opening: wait for the next special token)
+    return None
+
+
 def fill_calls(calls: CompiledCalls, states: dict[int, list[Any]], key: int, ids: list[int], start: int, end: int,
-               bits: np.ndarray, k: int, width: int) -> str | None:
+               bits: np.ndarray, k: int, width: int, text_of=None) -> str | None:
     """Sample `key`'s program (output from `start`) caught up to position `end` of `ids`, and row k
-    of `bits` (uint32) narrowed to what it allows next; the reason where the output breaks it."""
+    of `bits` (uint32) narrowed to what it allows next; the reason where the output breaks it.
+    `text_of(token)`: its text (for opening texts)."""
     prog = calls.program
     st = states.get(key)
     if st is None:
-        st = states[key] = [0, CALL if prog.start_in_call else FREE, _fresh(calls) if prog.start_in_call else []]
-    done, phase, alive = st
+        st = states[key] = [0, CALL if prog.start_in_call else FREE, _fresh(calls) if prog.start_in_call else [], [None, ""]]
+    done, phase, alive, since = st
     for t in ids[start + done : end]:
         if phase == FREE:
             if t in prog.opens:
                 phase, alive = CALL, _fresh(calls)
+            elif prog.open_texts:
+                opened = _opened_by_text(calls, since, t, text_of)
+                if opened:
+                    phase, alive = CALL, opened
+                elif opened is not None:  # a name no tool has: this call runs unconstrained
+                    phase = AFTER
         elif phase == CALL:
             kept, finished = [], False
             for tool, seg, m in alive:
@@ -123,10 +158,10 @@ def fill_calls(calls: CompiledCalls, states: dict[int, list[Any]], key: int, ids
             elif kept:
                 alive = kept
             else:
-                st[:] = [done, phase, alive]
+                st[:] = [done, phase, alive, since]
                 return f"token {t} at output position {done} is not allowed by the request's tool-call grammar"
         done += 1
-    st[:] = [done, phase, alive]
+    st[:] = [done, phase, alive, since]
     if phase == CALL:
         masks = torch.zeros((len(alive), width), dtype=torch.int32)
         for i, (_, _, m) in enumerate(alive):

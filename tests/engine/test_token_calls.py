@@ -1,6 +1,7 @@
 """Tool calls whose markers are special tokens, under token programs (engine/token_calls.py):
 Mistral's `[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}` (v11; v13 without ids) for tool_choice required
-and auto (gpt-oss's required calls: tests/engine/test_harmony.py).
+and auto, and gpt-oss's auto calls, opened by `<|channel|>` then `commentary to=functions.` (its
+required calls: tests/engine/test_harmony.py).
 
 Seeded random walks over the mask stage with Mistral's Tekken vocabulary (v11 special tokens): each
 step picks any token the row allows, so every output the program admits can come up; each decoded
@@ -8,7 +9,10 @@ output parses with cuttle's Mistral parser into calls of the given tools whose a
 their schemas, including a tool whose name is a prefix of another's. Parallel calls follow one
 another; with parallel_tool_calls false only EOS may follow the first call; auto leaves text before
 the opening free. Through the server, a tiny Mistral with that vocabulary and a v11 template
-answers required and auto calls that parse and validate. Malformed programs are refused.
+answers required and auto calls that parse and validate. gpt-oss: free text (its analysis, a
+mention of `to=functions.` included) until the header's opening, then random walks parse into calls
+of either tool; an opening that ends inside a token hands the rest on. Malformed programs are
+refused.
 """
 from __future__ import annotations
 
@@ -162,3 +166,93 @@ def test_the_server_answers_required_and_auto_calls(tekken):
                                       max_tokens=200, parallel_tool_calls=False, logit_bias={str(OPEN): 30}).choices[0]
         [call] = r.message.tool_calls
         assert r.finish_reason == "tool_calls" and call.function.name in ("get_weather", "get")
+
+
+# ---- gpt-oss (harmony): auto calls open on `<|channel|>` + `commentary to=functions.` ---------------
+HARMONY_TOOLS = [{"type": "function", "function": {"name": n, "parameters": {
+    "type": "object", "properties": {"k": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["k"]}}} for n in ("fore", "forecast")]
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    from harmony_checkpoint import make_harmony_checkpoint
+
+    return Tokenizer(make_harmony_checkpoint(str(tmp_path_factory.mktemp("harmony-calls"))))
+
+
+def _harmony_stage(tok):
+    from harmony_checkpoint import HARMONY_TEMPLATE
+
+    so = tool_call_structure("openai", "auto", None, HARMONY_TOOLS, tok, True, HARMONY_TEMPLATE)
+    assert so is not None and so.kind == "tool_calls"
+    call = tok.tok.token_to_id("<|call|>")
+    stage = StructuredOutput(tok, 288, {call, tok.tok.token_to_id("<|return|>")})
+    return stage, stage.prepare(SamplingParams(structured_outputs=so)), call
+
+
+def _allowed(stage, ctl, ids, start):
+    bitmask = torch.full((1, stage.width), -1, dtype=torch.int32)
+    bits = bitmask.numpy().view(np.uint32)
+    assert stage.fill_row(ctl, 0, ids, start, len(ids), bitmask, bits, 0) is None
+    allowed = np.unpackbits(bits[0].view(np.uint8), bitorder="little").nonzero()[0]
+    return allowed[allowed < stage.vocab_size].tolist()
+
+
+def test_harmony_auto_calls_open_on_their_header_and_follow_the_schema(harmony):
+    """The model's analysis (mentioning `to=functions.x` in its text: not an opening), then
+    `<|start|>assistant<|channel|>commentary to=functions.`: from there each step allows only what
+    the program does; random walks parse (gpt_oss reasoning split, then the openai format) into a
+    call of one of the tools, both names (one a prefix of the other) reached."""
+    from cuttle.engine.reasoning_parsers import split_reasoning, start_state
+
+    tok = harmony
+    head = tok.encode("<|channel|>analysis<|message|>I could call to=functions.x here.<|end|><|start|>assistant"
+                      "<|channel|>commentary to=functions.", add_special_tokens=False)
+    rng = random.Random(3)
+    names = set()
+    for _ in range(20):
+        stage, ctl, call = _harmony_stage(tok)
+        prompt = tok.encode("<|start|>user<|message|>hi<|end|><|start|>assistant", add_special_tokens=False)
+        out = []
+        for i, t in enumerate(head):  # free text: everything allowed until the opening is complete
+            assert len(_allowed(stage, ctl, prompt + out, len(prompt))) == stage.vocab_size
+            out.append(t)
+        for _ in range(60):
+            allowed = _allowed(stage, ctl, prompt + out, len(prompt))
+            assert len(allowed) < stage.vocab_size
+            t = call if call in allowed and rng.random() < 0.5 else rng.choice(allowed)
+            out.append(t)
+            if t == call:
+                break
+        assert out[-1] == call
+        _, content = split_reasoning(tok.decode(out, skip_special_tokens=False), start_state("gpt_oss", ""))
+        _, [c] = parse_tool_calls(content, "openai")
+        assert c.name in ("fore", "forecast") and json.loads(c.arguments)["k"] in (1, 2, 3)
+        names.add(c.name)
+    assert names == {"fore", "forecast"}
+
+
+def test_an_opening_inside_a_token_hands_its_rest_to_the_call(harmony):
+    """A token that runs past the opening text (BPE merges `.fo`): the rest starts the name; a rest
+    no tool's name can start leaves that call unconstrained rather than failing the request."""
+    from cuttle.engine.token_calls import AFTER, CALL, fill_calls
+
+    tok = harmony
+    stage, ctl, _ = _harmony_stage(tok)
+    channel = tok.tok.token_to_id("<|channel|>")
+    texts = {1000: "commentary to=functions.fo", 1001: "commentary to=functions.zz"}
+
+    def text_of(t):
+        return texts.get(t) or tok.tok.decode([t], skip_special_tokens=False)
+
+    bits = np.full((1, stage.width), 0xFFFFFFFF, dtype=np.uint32)
+    for token, phase in ((1000, CALL), (1001, AFTER)):
+        states: dict = {}
+        assert fill_calls(ctl.calls, states, 0, [channel, token], 0, 2, bits, 0, stage.width, text_of) is None
+        assert states[0][1] == phase
+    # after `fo`: both tools alive, the next token may continue either name ("r" of "fore")
+    states = {}
+    bits[0] = 0xFFFFFFFF
+    fill_calls(ctl.calls, states, 0, [channel, 1000], 0, 2, bits, 0, stage.width, text_of)
+    allowed = np.unpackbits(bits[0].view(np.uint8), bitorder="little").nonzero()[0].tolist()
+    assert tok.encode("r", add_special_tokens=False)[0] in allowed and len(allowed) < 20
