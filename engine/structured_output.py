@@ -331,6 +331,8 @@ class StructuredOutput:
             def segment(seg: dict[str, Any]) -> Any:  # (a tool's schema as the other tool-call grammars take it: best effort)
                 grammar = (xgr.Grammar.from_regex(seg["regex"]) if "regex" in seg else
                            xgr.Grammar.from_json_schema(json.dumps(seg["json"]), strict_mode=True, **_JSON_LAYOUT))
+                if "lead" in seg:  # a regex before the JSON (an optional space)
+                    grammar = xgr.Grammar.concat(xgr.Grammar.from_regex(seg["lead"]), grammar)
                 return self._compiler.compile_grammar(grammar)
 
             return compile_calls(CallProgram.from_json(spec.tool_calls), segment)
@@ -549,8 +551,8 @@ _SHAPES = {
     "openai": _CallShape(None, "", "", "", "", "", ""),
     # Mistral's and Granite's JSON list of calls (Mistral's v3 / v7 templates; Granite always):
     # the server's opening holds the marker, the rest is plain text, so named and required calls
-    # have grammars; auto has none (the trigger, the marker, is a special token in their
-    # vocabularies, which a grammar does not write)
+    # have grammars; an auto call's trigger, the marker, is a special token in their vocabularies,
+    # which a grammar does not write: a token program (`_token_program`)
     "mistral_list": _CallShape(None, " ", ' QNAME, "arguments": ', "}]", "", "", ""),
     "granite": _CallShape(None, " ", ' QNAME, "arguments": ', "}]", "", "", ""),
     # Mistral's `[TOOL_CALLS]NAME[ARGS]{...}` (v11 on): a named call's opening ends at [ARGS] and
@@ -560,8 +562,8 @@ _SHAPES = {
 }
 # the tool_choice values each format's grammar covers (others: every one but none); gpt-oss's
 # required and auto calls and Mistral v11's run as token programs
-_CHOICES = {"openai": ("named", "required", "auto"), "mistral": ("named", "required", "auto"), "mistral_list": ("named", "required"),
-            "granite": ("named", "required")}
+_CHOICES = {"openai": ("named", "required", "auto"), "mistral": ("named", "required", "auto"),
+            "mistral_list": ("named", "required", "auto"), "granite": ("named", "required", "auto")}
 
 
 def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dict[str, Any]] | None,
@@ -617,7 +619,7 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     def const(value: str) -> dict[str, Any]:
         return {"type": "const_string", "value": value}
 
-    if fmt in ("mistral", "openai") and choice != "named":
+    if (fmt in ("mistral", "openai") and choice != "named") or (fmt in ("mistral_list", "granite") and choice == "auto"):
         program = _token_program(fmt, choice, tools, tokenizer, parallel, template, args)
         return None if program is None else StructuredOutputsParams(tool_calls=program.to_json())
     if choice == "named":
@@ -648,6 +650,10 @@ def _token_program(fmt: str, choice: str, tools: list[dict[str, Any]], tokenizer
     - Mistral v11 / v13: `[TOOL_CALLS]` opens a call (the server writes it for required), then the
       name, `[CALL_ID]` and a 9-character id where the template writes ids, `[ARGS]`, the
       arguments, then EOS, or `[TOOL_CALLS]` and another call when calls may be parallel.
+    - Mistral's list layout (v3 / v7) and Granite (auto): once the model writes its marker
+      (`[TOOL_CALLS]`, `<|tool_call|>`), a space or not, then the JSON list of calls, each
+      `{"name": NAME, "arguments": ...}` under its tool's schema (one call when calls may not be
+      parallel), then EOS.
     - gpt-oss: after the server's `<|channel|>commentary to=functions.` (required) or once the
       model writes `<|channel|>` then `commentary to=functions.` (auto), the name and a space,
       `<|constrain|>`, `json`, `<|message|>`, the arguments, then `<|call|>` (its stop)."""
@@ -660,6 +666,14 @@ def _token_program(fmt: str, choice: str, tools: list[dict[str, Any]], tokenizer
     def schema(t: dict[str, Any]) -> dict[str, Any]:
         return {"json": args(t)["json_schema"]}
 
+    if fmt in ("mistral_list", "granite"):
+        marker = tokenizer.tok.token_to_id("[TOOL_CALLS]" if fmt == "mistral_list" else "<|tool_call|>")
+        if marker is None or eos is None:
+            return None
+        items = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]}, "arguments": schema(t)["json"]},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        listed = {"type": "array", "items": {"anyOf": items}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        return CallProgram([[{"json": listed, "lead": " ?"}]], [eos], [marker])
     if fmt == "mistral":
         if special["[TOOL_CALLS]"] is None or special["[ARGS]"] is None or eos is None:
             return None

@@ -33,7 +33,7 @@ FREE, CALL, AFTER = 0, 1, 2
 @dataclass(frozen=True, slots=True)
 class CallProgram:
     """What `tool_calls` carries (JSON): `calls` per tool a list of segments, each {"regex": r},
-    {"json": schema} or {"special": token id}, alternating grammar / special, grammar first and
+    {"json": schema} (with "lead": a regex before it, if any) or {"special": token id}, alternating grammar / special, grammar first and
     last; `opens`: tokens that start a call from free text; `open_texts`: [special token, text]
     pairs that start one too, the text written right after the token; `ends`: tokens that may end a
     call's last segment; `again`: those of them that open another call."""

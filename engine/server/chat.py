@@ -528,8 +528,8 @@ _OPENINGS = {
 
 def _no_grammar(parser: str, choice: str) -> str:
     """Why a request's tool calls cannot run under a grammar (`tool_call_structure` gave none)."""
-    return ("the xgrammar package is not installed, its tokenizer is one xgrammar cannot serve or marks the call markers "
-            f"special, or the {parser} format has no grammar for tool_choice {choice}")
+    return ("the xgrammar package is not installed, its tokenizer is one xgrammar cannot serve, marks the call markers "
+            f"special or lacks them as single tokens, or the {parser} format has no grammar for tool_choice {choice}")
 
 
 def _forced_prefix(parser: str, choice: str, name: str | None, template: str | None = None, calls_before: int = 0) -> str:

@@ -429,9 +429,10 @@ def test_forced_list_format_calls_always_parse_and_validate(list_client, tool_ch
 
 
 def test_list_format_auto_has_no_grammar(list_client):
-    """With tool_choice auto the call's trigger is the marker (a special token in these models'
-    vocabularies), so there is no grammar: strict tools and parallel_tool_calls false are refused
-    naming the format and the choice."""
+    """With tool_choice auto the call opens on the marker, which a token program reads as one
+    special token (tests/engine/test_token_calls.py); the embedded model's vocabulary spells it in
+    pieces, so there is no grammar: strict tools and parallel_tool_calls false are refused naming
+    the format and the choice."""
     strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
     with pytest.raises(openai.BadRequestError) as e:
         list_client.chat.completions.create(model="test-model", messages=MSGS, tools=strict, tool_choice="auto", max_tokens=4)

@@ -256,3 +256,68 @@ def test_an_opening_inside_a_token_hands_its_rest_to_the_call(harmony):
     fill_calls(ctl.calls, states, 0, [channel, 1000], 0, 2, bits, 0, stage.width, text_of)
     allowed = np.unpackbits(bits[0].view(np.uint8), bitorder="little").nonzero()[0].tolist()
     assert tok.encode("r", add_special_tokens=False)[0] in allowed and len(allowed) < 20
+
+
+# ---- JSON lists of calls after a special marker: Mistral v3 / v7, Granite (auto) ------------------
+def _list_walks(tok, fmt: str, template: str | None, marker: int, eos: int, parallel: bool, seed: int) -> set[str]:
+    so = tool_call_structure(fmt, "auto", None, TOOLS, tok, parallel, template)
+    assert so is not None and so.kind == "tool_calls"
+    stage = StructuredOutput(tok, tok.vocab_size, {eos})
+    words = tok.encode("Let me check.", add_special_tokens=False)
+    rng = random.Random(seed)
+    names: set[str] = set()
+    for _ in range(25):
+        ctl = stage.prepare(SamplingParams(structured_outputs=so))
+        bitmask = torch.full((1, stage.width), -1, dtype=torch.int32)
+        bits = bitmask.numpy().view(np.uint32)
+        prompt, out = words[:2], []
+        for _ in range(300):
+            bits[0] = 0xFFFFFFFF
+            assert stage.fill_row(ctl, 0, prompt + out, len(prompt), len(prompt) + len(out), bitmask, bits, 0) is None
+            allowed = np.unpackbits(bits[0].view(np.uint8), bitorder="little").nonzero()[0]
+            allowed = allowed[allowed < stage.vocab_size]
+            if len(allowed) == stage.vocab_size:
+                t = marker if rng.random() < 0.3 else rng.choice(words)
+            else:
+                t = eos if eos in allowed and rng.random() < 0.5 else int(rng.choice(allowed))
+            out.append(int(t))
+            if t == eos:
+                break
+        if out[-1] != eos:
+            continue
+        content, calls = parse_tool_calls(tok.decode(out[:-1], skip_special_tokens=False), fmt.replace("_list", ""))
+        assert calls and (parallel or len(calls) == 1)
+        _valid(calls)
+        names |= {c.name for c in calls}
+    return names
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_mistral_list_layout_auto_calls(tmp_path_factory, parallel):
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    data = json.load(open(os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")))
+    data["config"] = {**data["config"], "version": "v7"}
+    data["special_tokens"] = [{"rank": t["rank"], "token_str": str(getattr(t["token_str"], "value", t["token_str"])), "is_control": True}
+                              for t in Tekkenizer.DEPRECATED_SPECIAL_TOKENS]
+    d = tmp_path_factory.mktemp("tekken-v7")
+    json.dump(data, open(d / "tekken.json", "w"))
+    tok = Tokenizer(str(d))
+    assert _list_walks(tok, "mistral", "[TOOL_CALLS][{{ calls|tojson }}]", OPEN, EOS, parallel, 7) == {"get_weather", "get"}
+
+
+def test_granite_auto_calls(tmp_path):
+    """A byte-level vocabulary with Granite's `<|tool_call|>` and `<|end_of_text|>` as special tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    hf = HFTokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<|end_of_text|>", "<|tool_call|>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end_of_text|>"}))
+    tok = Tokenizer(str(tmp_path))
+    names = _list_walks(tok, "granite", None, tok.tok.token_to_id("<|tool_call|>"), tok.eos_token_id, True, 11)
+    assert names == {"get_weather", "get"}
