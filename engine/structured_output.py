@@ -591,6 +591,14 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     that the call parses)."""
     if fmt == "mistral" and not (template is not None and "[ARGS]" in template):
         fmt = "mistral_list"  # (the template's layout, as engine/server/chat.py `_forced_prefix` writes its opening)
+    if fmt == "kimi_k2" and tools and choice != "none":  # (every marker of its calls is a special token)
+        try:
+            xgrammar()
+            check_tokenizer(tokenizer)
+        except ValueError:
+            return None
+        program = _kimi_program(choice, name, tools, tokenizer, parallel)
+        return None if program is None else StructuredOutputsParams(tool_calls=program.to_json())
     shape = _SHAPES.get(fmt)
     if not tools or choice == "none" or shape is None or choice not in _CHOICES.get(fmt, (choice,)):
         return None
@@ -696,6 +704,34 @@ def _token_program(fmt: str, choice: str, tools: list[dict[str, Any]], tokenizer
     if choice == "required":
         return CallProgram(calls, [special["<|call|>"]], start_in_call=True)
     return CallProgram(calls, [special["<|call|>"]], open_texts=[[special["<|channel|>"], "commentary to=functions."]])
+
+
+def _kimi_program(choice: str, name: str | None, tools: list[dict[str, Any]], tokenizer: Tokenizer | None,
+                  parallel: bool) -> CallProgram | None:
+    """Kimi-K2's calls (engine/token_calls.py): `<|tool_call_begin|>functions.NAME:IDX` (IDX its
+    number in the conversation), `<|tool_call_argument_begin|>`, the arguments under the tool's
+    schema, `<|tool_call_end|>`; then `<|tool_calls_section_end|>`, or with parallel calls another
+    `<|tool_call_begin|>` and call. Named: the server wrote everything up to the arguments; required:
+    up to `<|tool_call_begin|>`; auto: free until the model writes that token."""
+    if tokenizer is None:
+        return None
+    ids = {m: tokenizer.tok.token_to_id(m) for m in ("<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                                                      "<|tool_call_argument_begin|>", "<|tool_call_end|>")}
+    if None in ids.values():
+        return None
+    begin, arg, end = ids["<|tool_call_begin|>"], ids["<|tool_call_argument_begin|>"], ids["<|tool_call_end|>"]
+    section_end = ids["<|tool_calls_section_end|>"]
+
+    def schema(t: dict[str, Any]) -> dict[str, Any]:
+        return {"json": schema_with_explicit_dots(t["function"].get("parameters") or {"type": "object"})}
+
+    if choice == "named":
+        [tool] = [t for t in tools if t["function"]["name"] == name]
+        return CallProgram([[schema(tool)]], [end], start_in_call=True, between=[section_end])
+    calls = [[{"regex": _regex_literal(f"functions.{t['function']['name']}:") + "[0-9]{1,4}"}, {"special": arg}, schema(t)]
+             for t in tools]
+    return CallProgram(calls, [end], [begin], start_in_call=choice == "required",
+                       between=[section_end, *([begin] if parallel else [])])
 
 
 _DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", _DS_CALL_END, "<｜tool▁sep｜>")

@@ -14,8 +14,9 @@ opening token, or a special token followed by an opening text: gpt-oss's `<|chan
 `commentary to=functions.`; a token that runs past such a text hands the rest to the call's
 matchers, and a rest no tool's name can start leaves the call unconstrained), in a call (every tool whose segments still accept the tokens so far is alive; the
 row allows the union of their next tokens, so the name segment decides the tool), or after a call
-(an end token not in `again`: nothing more is constrained). An end token in `again` opens the
-next call (parallel calls). States catch up with each sample's output as a grammar matcher does.
+(an end token not in `again`: nothing more is constrained, unless `between` names the tokens one
+of which must come next: Kimi-K2's `<|tool_calls_section_end|>`, or `<|tool_call_begin|>` and
+another call). An end token in `again` opens the next call (parallel calls). States catch up with each sample's output as a grammar matcher does.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 # where a sample is in its program
-FREE, CALL, AFTER = 0, 1, 2
+FREE, CALL, AFTER, BETWEEN = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,8 @@ class CallProgram:
     {"json": schema} (with "lead": a regex before it, if any) or {"special": token id}, alternating grammar / special, grammar first and
     last; `opens`: tokens that start a call from free text; `open_texts`: [special token, text]
     pairs that start one too, the text written right after the token; `ends`: tokens that may end a
-    call's last segment; `again`: those of them that open another call."""
+    call's last segment; `again`: those of them that open another call; `between`: where set, the
+    tokens one of which must follow a call's end (those in `opens` start another call)."""
 
     calls: list[list[dict[str, Any]]]
     ends: list[int]
@@ -44,16 +46,17 @@ class CallProgram:
     again: list[int] = field(default_factory=list)
     start_in_call: bool = False
     open_texts: list[list[Any]] = field(default_factory=list)
+    between: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps({"calls": self.calls, "ends": self.ends, "opens": self.opens, "again": self.again,
-                           "start_in_call": self.start_in_call, "open_texts": self.open_texts})
+                           "start_in_call": self.start_in_call, "open_texts": self.open_texts, "between": self.between})
 
     @classmethod
     def from_json(cls, text: str) -> CallProgram:
         d = json.loads(text)
         prog = cls(d["calls"], list(d["ends"]), list(d.get("opens", [])), list(d.get("again", [])), bool(d.get("start_in_call")),
-                   [list(p) for p in d.get("open_texts", [])])
+                   [list(p) for p in d.get("open_texts", [])], list(d.get("between", [])))
         for i, segs in enumerate(prog.calls):
             kinds = ["special" in s for s in segs]
             if not segs or kinds[0] or kinds[-1] or any(kinds[j] == kinds[j + 1] for j in range(len(kinds) - 1)):
@@ -142,6 +145,11 @@ def fill_calls(calls: CompiledCalls, states: dict[int, list[Any]], key: int, ids
                     phase, alive = CALL, opened
                 elif opened is not None:  # a name no tool has: this call runs unconstrained
                     phase = AFTER
+        elif phase == BETWEEN:
+            if t not in prog.between:
+                st[:] = [done, phase, alive, since]
+                return f"token {t} at output position {done} is not allowed by the request's tool-call grammar"
+            phase, alive = (CALL, _fresh(calls)) if t in prog.opens else (AFTER, [])
         elif phase == CALL:
             kept, finished = [], False
             for tool, seg, m in alive:
@@ -154,7 +162,7 @@ def fill_calls(calls: CompiledCalls, states: dict[int, list[Any]], key: int, ids
                 else:  # the special after this segment: on to the next grammar segment
                     kept.append([tool, seg + 2, _matcher(calls, tool, seg + 2)])
             if finished:
-                phase, alive = (CALL, _fresh(calls)) if t in prog.again else (AFTER, [])
+                phase, alive = (CALL, _fresh(calls)) if t in prog.again else (BETWEEN if prog.between else AFTER, [])
             elif kept:
                 alive = kept
             else:
@@ -162,7 +170,12 @@ def fill_calls(calls: CompiledCalls, states: dict[int, list[Any]], key: int, ids
                 return f"token {t} at output position {done} is not allowed by the request's tool-call grammar"
         done += 1
     st[:] = [done, phase, alive, since]
-    if phase == CALL:
+    if phase == BETWEEN:
+        row = np.zeros_like(bits[k])
+        for t in prog.between:
+            row[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
+        bits[k] &= row
+    elif phase == CALL:
         masks = torch.zeros((len(alive), width), dtype=torch.int32)
         for i, (_, _, m) in enumerate(alive):
             m.fill_next_token_bitmask(masks, i)

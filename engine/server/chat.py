@@ -540,9 +540,9 @@ def _forced_prefix(parser: str, choice: str, name: str | None, template: str | N
     numbered across it: `calls_before`)."""
     if choice not in ("named", "required"):
         return ""
-    if parser == "kimi_k2":
-        head = "<|tool_calls_section_begin|><|tool_call_begin|>functions."
-        return f"{head}{name}:{calls_before}<|tool_call_argument_begin|>" if choice == "named" else head
+    if parser == "kimi_k2":  # (required: the model writes `functions.NAME:IDX`, under the tool-call grammar where it applies)
+        head = "<|tool_calls_section_begin|><|tool_call_begin|>"
+        return f"{head}functions.{name}:{calls_before}<|tool_call_argument_begin|>" if choice == "named" else head
     if parser == "mistral":
         if template is not None and "[ARGS]" not in template:  # v3 / v7: a JSON list of calls, spaced as the template writes it
             head = "[TOOL_CALLS] [" if "[TOOL_CALLS] " in template else "[TOOL_CALLS]["

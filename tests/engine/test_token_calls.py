@@ -321,3 +321,81 @@ def test_granite_auto_calls(tmp_path):
     tok = Tokenizer(str(tmp_path))
     names = _list_walks(tok, "granite", None, tok.tok.token_to_id("<|tool_call|>"), tok.eos_token_id, True, 11)
     assert names == {"get_weather", "get"}
+
+
+# ---- Kimi-K2: `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>` --
+KIMI_MARKERS = ["<|im_end|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory) -> Tokenizer:
+    """A byte-level vocabulary with Kimi-K2's call markers as special tokens (its own ships as
+    tiktoken.model, which cuttle does not read)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    d = tmp_path_factory.mktemp("kimi")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    hf = HFTokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(KIMI_MARKERS)
+    hf.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return Tokenizer(str(d))
+
+
+@pytest.mark.parametrize("choice", ["named", "required", "auto"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_kimi_calls_follow_their_schemas(kimi, choice, parallel):
+    """Random walks: calls numbered `functions.NAME:IDX` under the tools' schemas, then only
+    `<|tool_calls_section_end|>` (or, with parallel calls and no named choice, another
+    `<|tool_call_begin|>`); named: the server wrote the call up to its arguments."""
+    from cuttle.engine.server.chat import _forced_prefix
+
+    tok = kimi
+    m = {t: tok.tok.token_to_id(t) for t in KIMI_MARKERS}
+    so = tool_call_structure("kimi_k2", choice, "get" if choice == "named" else None, TOOLS, tok, parallel, None)
+    assert so is not None and so.kind == "tool_calls"
+    stage = StructuredOutput(tok, tok.vocab_size, {m["<|im_end|>"]})
+    forced = tok.encode(_forced_prefix("kimi_k2", choice, "get", None, 3), add_special_tokens=False)
+    words = tok.encode("ok", add_special_tokens=False)
+    rng = random.Random(hash((choice, parallel)) % 1000)
+    names = set()
+    for _ in range(20):
+        ctl = stage.prepare(SamplingParams(structured_outputs=so))
+        bitmask = torch.full((1, stage.width), -1, dtype=torch.int32)
+        bits = bitmask.numpy().view(np.uint32)
+        prompt, out = words + forced, []
+        for _ in range(400):
+            bits[0] = 0xFFFFFFFF
+            assert stage.fill_row(ctl, 0, prompt + out, len(prompt), len(prompt) + len(out), bitmask, bits, 0) is None
+            allowed = np.unpackbits(bits[0].view(np.uint8), bitorder="little").nonzero()[0]
+            allowed = set(allowed[allowed < stage.vocab_size].tolist())
+            if len(allowed) == stage.vocab_size:  # free: the section and a call open now and then, else text, or the end
+                if out and out[-1] == m["<|tool_calls_section_end|>"]:
+                    t = m["<|im_end|>"]
+                else:
+                    t = rng.choice([m["<|tool_calls_section_begin|>"], m["<|tool_call_begin|>"], words[0], words[-1]])
+                    if out and out[-1] == m["<|tool_calls_section_begin|>"]:
+                        t = m["<|tool_call_begin|>"]
+            else:
+                if allowed <= {m["<|tool_calls_section_end|>"], m["<|tool_call_begin|>"]}:  # after a call
+                    assert allowed == ({m["<|tool_calls_section_end|>"], m["<|tool_call_begin|>"]} if parallel and choice != "named"
+                                       else {m["<|tool_calls_section_end|>"]})  # (a named call is one call)
+                ends = [t for t in (m["<|tool_call_end|>"], m["<|tool_calls_section_end|>"], m["<|tool_call_argument_begin|>"])
+                        if t in allowed]
+                t = rng.choice(ends) if ends and rng.random() < 0.5 else rng.choice(sorted(allowed))
+            out.append(t)
+            if t == m["<|im_end|>"]:
+                break
+        if out[-1] != m["<|im_end|>"]:
+            continue
+        text = tok.decode(forced + out[:-1], skip_special_tokens=False)
+        _, calls = parse_tool_calls(text, "kimi_k2")
+        assert calls, text
+        _valid(calls)
+        assert all(c.id.startswith(f"functions.{c.name}:") for c in calls)
+        names |= {c.name for c in calls}
+    assert names == ({"get"} if choice == "named" else {"get_weather", "get"})
