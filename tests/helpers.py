@@ -64,6 +64,17 @@ def tiny_mistral(window: int | None, layers: int = 3, head_dim: int = 24, max_po
     return randomize_(transformers.MistralForCausalLM(cfg).float().eval(), 0.15, seed=7)
 
 
+def interleaving_ops(max_prompt: int, max_tokens: int, max_steps: int, max_size: int):
+    """The hypothesis strategy of `run_interleaving`'s operations."""
+    from hypothesis import strategies as st
+
+    return st.lists(st.one_of(
+        st.tuples(st.just("add"), st.integers(1, max_prompt), st.integers(1, max_tokens), st.integers(1, 3), st.booleans()),
+        st.tuples(st.just("step"), st.integers(1, max_steps)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+    ), min_size=1, max_size=max_size)
+
+
 def run_interleaving(engine, ops: list[tuple], base: list[int], shared: bool) -> None:
     """Property tests of the block manager: each op on a live engine ("add", prompt length,
     max_tokens, n, greedy) / ("step", k) / ("abort", which), every block's references checked to be

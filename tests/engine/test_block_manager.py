@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from cuttle.engine import LLM, SamplingParams
 from cuttle.engine.block_manager import BlockManager
 from cuttle.engine.sequence import Request
-from helpers import run_interleaving
+from helpers import interleaving_ops, run_interleaving
 
 
 def make_seq(tokens: list[int], extra: bytes = b""):
@@ -85,15 +85,7 @@ def test_copy_on_write_of_shared_partial_block():
     assert bm.num_free_blocks == 8
 
 
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(1, 3), st.booleans()),
-        st.tuples(st.just("step"), st.integers(1, 3)),
-        st.tuples(st.just("abort"), st.integers(0, 50)),
-    ),
-    min_size=1,
-    max_size=30,
-)
+ops = interleaving_ops(max_prompt=40, max_tokens=12, max_steps=3, max_size=30)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from cuttle.attention.metadata import NULL_BLOCK
 from cuttle.engine import LLM, SamplingParams
-from helpers import assert_scored_by_transformers, run_interleaving, save_checkpoint, tiny_mistral
+from helpers import assert_scored_by_transformers, interleaving_ops, run_interleaving, save_checkpoint, tiny_mistral
 
 BS = 4
 _ids = itertools.count()
@@ -242,15 +242,7 @@ def test_pool_limits_under_windows(mistral):
     assert tiered.engine.block_manager.num_window_released_blocks > 0
 
 
-_OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 50), st.integers(1, 3), st.booleans()),
-        st.tuples(st.just("step"), st.integers(1, 4)),
-        st.tuples(st.just("abort"), st.integers(0, 50)),
-    ),
-    min_size=1,
-    max_size=25,
-)
+_OPS = interleaving_ops(max_prompt=70, max_tokens=50, max_steps=4, max_size=25)
 _POOLS: dict[tuple[int, bool], LLM] = {}
 
 
