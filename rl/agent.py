@@ -310,6 +310,23 @@ class AgentRollout:
         self.llm = sampler if isinstance(sampler, LLM) and self.config.use_sessions else None
         self._lora_name: str | None = None  # on an in-process LLM: the adapter turns run under (update_lora)
         self.carried: list[AgentGroup] = []  # unfinished groups kept for the next `step` (partial rollouts)
+
+    def tool_call_params(self, params: SamplingParams, parallel: bool = True) -> SamplingParams:
+        """`params` with the offered tools' calls under their schemas (tool_choice auto: the turn is
+        free until the model opens a call in the chat template's format, then the call follows the
+        tool-call grammar or token program the server would use, engine/structured_output.py).
+        Give the trainer the same params (`TrainerConfig.for_sampler(sampler, these)`) so it scores
+        each token under the mask it was drawn with. A ValueError where the format has no grammar
+        here (the tokenizer or xgrammar cannot serve it)."""
+        from cuttle.engine.structured_output import tool_call_structure
+
+        if params.structured_outputs is not None:
+            raise ValueError("tool_call_params: params already carry structured_outputs")
+        so = tool_call_structure(self.parser, "auto", None, self.tools, self.tok, parallel, self.tok.chat_template)
+        if so is None:
+            raise ValueError(f"tool_call_params: the {self.parser} tool-call format has no grammar for auto calls here "
+                             "(xgrammar missing, a tokenizer it cannot serve, or markers it cannot write)")
+        return dataclasses.replace(params, structured_outputs=so)
         self.env_close_errors = 0  # environments whose close() raised (logged; the episodes keep their results)
 
     # ---- LoRA training's weight sync (rl/lora.py) --------------------------------------------

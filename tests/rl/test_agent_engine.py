@@ -72,6 +72,36 @@ def test_embedded_model_runs_episodes_end_to_end(llm, namespaces):
     assert m.max_abs <= 1e-5, m
 
 
+@pytest.mark.slow
+def test_episodes_with_tool_calls_under_their_schemas(llm, namespaces):
+    """`AgentRollout.tool_call_params`: with the model pushed to open calls (a logit_bias on
+    `<tool_call>`), every call that closes parses under its tool's schema; a block left malformed is
+    only a call the turn's max_tokens cut, at its end (without the grammar every such block of
+    these episodes is malformed). The trainer given the same params scores the episodes as drawn
+    (<= 2e-5: the two forwards' fp32 rounding, as unmasked)."""
+    from cuttle.rl.trainer import TrainerConfig
+
+    runner = AgentRollout(llm, sandbox_factory(), AgentConfig(max_turns=3, max_tokens_per_turn=60, max_total_tokens=2400))
+    opening = llm.get_tokenizer().tok.token_to_id("<tool_call>")
+    try:
+        params = runner.tool_call_params(SamplingParams(temperature=1.0, seed=11, logit_bias={opening: 8.0}))
+        assert params.structured_outputs is not None
+        with pytest.raises(ValueError, match="already carry structured_outputs"):
+            runner.tool_call_params(params)
+        groups = runner.run([{"kind": "synthetic", "seed": 5}, {"kind": "synthetic", "seed": 6}], 3, params)
+    finally:
+        runner.close()
+    turns = [t for g in groups for e in g.episodes for t in e.turns]
+    assert sum(len(t.calls) for t in turns) >= 3
+    for t in turns:
+        assert len(t.malformed) <= 1 and all(t.text.rstrip().endswith(m.rstrip()) for m in t.malformed), t.text
+    batch, _ = agent_batch(groups, scale_by_std=False, filter_truncated=False)
+    packed = batch.packed()
+    trainer = Trainer(llm.engine.config.model, TrainerConfig.for_sampler(llm, params))
+    m = mismatch(trainer.score(batch), packed.rollout_logprobs[packed.loss_mask > 0])
+    assert m.max_abs <= 2e-5 and m.num_tokens == packed.num_trained_tokens, m
+
+
 def _runs(mask: list[int]) -> tuple[list[int], list[int]]:
     starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
     ends = [i + 1 for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
