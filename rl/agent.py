@@ -310,6 +310,7 @@ class AgentRollout:
         self.llm = sampler if isinstance(sampler, LLM) and self.config.use_sessions else None
         self._lora_name: str | None = None  # on an in-process LLM: the adapter turns run under (update_lora)
         self.carried: list[AgentGroup] = []  # unfinished groups kept for the next `step` (partial rollouts)
+        self.env_close_errors = 0  # environments whose close() raised (logged; the episodes keep their results)
 
     def tool_call_params(self, params: SamplingParams, parallel: bool = True) -> SamplingParams:
         """`params` with the offered tools' calls under their schemas (tool_choice auto: the turn is
@@ -327,7 +328,6 @@ class AgentRollout:
             raise ValueError(f"tool_call_params: the {self.parser} tool-call format has no grammar for auto calls here "
                              "(xgrammar missing, a tokenizer it cannot serve, or markers it cannot write)")
         return dataclasses.replace(params, structured_outputs=so)
-        self.env_close_errors = 0  # environments whose close() raised (logged; the episodes keep their results)
 
     # ---- LoRA training's weight sync (rl/lora.py) --------------------------------------------
     @property
