@@ -591,22 +591,23 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     that the call parses)."""
     if fmt == "mistral" and not (template is not None and "[ARGS]" in template):
         fmt = "mistral_list"  # (the template's layout, as engine/server/chat.py `_forced_prefix` writes its opening)
-    if fmt == "kimi_k2" and tools and choice != "none":  # (every marker of its calls is a special token)
-        try:
-            xgrammar()
-            check_tokenizer(tokenizer)
-        except ValueError:
-            return None
-        program = _kimi_program(choice, name, tools, tokenizer, parallel)
-        return None if program is None else StructuredOutputsParams(tool_calls=program.to_json())
+    if not tools or choice == "none":
+        return None
+    # layouts with special tokens between a call's parts run as token programs (engine/token_calls.py)
+    as_program = (fmt == "kimi_k2" or (fmt in ("mistral", "openai") and choice != "named")
+                  or (fmt in ("mistral_list", "granite") and choice == "auto"))
     shape = _SHAPES.get(fmt)
-    if not tools or choice == "none" or shape is None or choice not in _CHOICES.get(fmt, (choice,)):
+    if not as_program and (shape is None or choice not in _CHOICES.get(fmt, (choice,))):
         return None
     try:
         xgrammar()
         check_tokenizer(tokenizer)
     except ValueError:
         return None
+    if as_program:
+        program = (_kimi_program(choice, name, tools, tokenizer, parallel) if fmt == "kimi_k2" else
+                   _token_program(fmt, choice, tools, tokenizer, parallel, template))
+        return None if program is None else StructuredOutputsParams(tool_calls=program.to_json())
     if tokenizer is not None and _special_markers(tokenizer, fmt):
         # xgrammar never emits a special token inside a grammar: the calls would be spelled in
         # pieces the model was not trained on, so they are left unconstrained (as without xgrammar)
@@ -614,9 +615,8 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
 
     def args(t: dict[str, Any]) -> dict[str, Any]:
         if shape.style is None:
-            schema = schema_with_explicit_dots(t["function"].get("parameters") or {"type": "object"})
             # one space at most between JSON tokens (a code model otherwise writes indentation forever)
-            return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+            return {"type": "json_schema", "json_schema": _tool_schema(t), "max_whitespace_cnt": 1}
         schema = t["function"].get("parameters") or {"type": "object"}
         return {"type": "json_schema", "json_schema": schema, "style": shape.style, "max_whitespace_cnt": 1}
 
@@ -627,9 +627,6 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     def const(value: str) -> dict[str, Any]:
         return {"type": "const_string", "value": value}
 
-    if (fmt in ("mistral", "openai") and choice != "named") or (fmt in ("mistral_list", "granite") and choice == "auto"):
-        program = _token_program(fmt, choice, tools, tokenizer, parallel, template, args)
-        return None if program is None else StructuredOutputsParams(tool_calls=program.to_json())
     if choice == "named":
         [tool] = [t for t in tools if t["function"]["name"] == name]
         fmt_: dict[str, Any] = {"type": "sequence", "elements": [
@@ -646,12 +643,17 @@ def tool_call_structure(fmt: str, choice: str, name: str | None, tools: list[dic
     return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt_}))
 
 
+def _tool_schema(t: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters as its call's JSON grammar takes them (an object where none is given)."""
+    return schema_with_explicit_dots(t["function"].get("parameters") or {"type": "object"})
+
+
 def _regex_literal(text: str) -> str:
     return re.sub(r"([\\.^$|?*+()\[\]{}/-])", r"\\\1", text)
 
 
 def _token_program(fmt: str, choice: str, tools: list[dict[str, Any]], tokenizer: Tokenizer | None, parallel: bool,
-                   template: str | None, args) -> CallProgram | None:
+                   template: str | None) -> CallProgram | None:
     """The calls of a layout whose markers are special tokens (engine/token_calls.py), after the
     server's opening (required) or from free text (auto); None where the vocabulary does not hold
     the markers as single tokens.
@@ -671,14 +673,11 @@ def _token_program(fmt: str, choice: str, tools: list[dict[str, Any]], tokenizer
                                                          "<|call|>", "<|channel|>")}
     eos = tokenizer.eos_token_id
 
-    def schema(t: dict[str, Any]) -> dict[str, Any]:
-        return {"json": args(t)["json_schema"]}
-
     if fmt in ("mistral_list", "granite"):
         marker = tokenizer.tok.token_to_id("[TOOL_CALLS]" if fmt == "mistral_list" else "<|tool_call|>")
         if marker is None or eos is None:
             return None
-        items = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]}, "arguments": schema(t)["json"]},
+        items = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]}, "arguments": _tool_schema(t)},
                   "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
         listed = {"type": "array", "items": {"anyOf": items}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
         return CallProgram([[{"json": listed, "lead": " ?"}]], [eos], [marker])
@@ -693,14 +692,14 @@ def _token_program(fmt: str, choice: str, tools: list[dict[str, Any]], tokenizer
             segs: list[dict[str, Any]] = [{"regex": _regex_literal(t["function"]["name"])}]
             if with_ids:
                 segs += [{"special": special["[CALL_ID]"]}, {"regex": "[A-Za-z0-9]{9}"}]
-            calls.append(segs + [{"special": special["[ARGS]"]}, schema(t)])
+            calls.append(segs + [{"special": special["[ARGS]"]}, {"json": _tool_schema(t)}])
         opening = special["[TOOL_CALLS]"]
         again = [opening] if parallel else []
         return CallProgram(calls, [eos, *again], [opening], again, start_in_call=choice == "required")
     if None in (special["<|constrain|>"], special["<|message|>"], special["<|call|>"], special["<|channel|>"]):
         return None
     calls = [[{"regex": _regex_literal(t["function"]["name"] + " ")}, {"special": special["<|constrain|>"]}, {"regex": "json"},
-              {"special": special["<|message|>"]}, schema(t)] for t in tools]
+              {"special": special["<|message|>"]}, {"json": _tool_schema(t)}] for t in tools]
     if choice == "required":
         return CallProgram(calls, [special["<|call|>"]], start_in_call=True)
     return CallProgram(calls, [special["<|call|>"]], open_texts=[[special["<|channel|>"], "commentary to=functions."]])
@@ -722,13 +721,10 @@ def _kimi_program(choice: str, name: str | None, tools: list[dict[str, Any]], to
     begin, arg, end = ids["<|tool_call_begin|>"], ids["<|tool_call_argument_begin|>"], ids["<|tool_call_end|>"]
     section_end = ids["<|tool_calls_section_end|>"]
 
-    def schema(t: dict[str, Any]) -> dict[str, Any]:
-        return {"json": schema_with_explicit_dots(t["function"].get("parameters") or {"type": "object"})}
-
     if choice == "named":
         [tool] = [t for t in tools if t["function"]["name"] == name]
-        return CallProgram([[schema(tool)]], [end], start_in_call=True, between=[section_end])
-    calls = [[{"regex": _regex_literal(f"functions.{t['function']['name']}:") + "[0-9]{1,4}"}, {"special": arg}, schema(t)]
+        return CallProgram([[{"json": _tool_schema(tool)}]], [end], start_in_call=True, between=[section_end])
+    calls = [[{"regex": _regex_literal(f"functions.{t['function']['name']}:") + "[0-9]{1,4}"}, {"special": arg}, {"json": _tool_schema(t)}]
              for t in tools]
     return CallProgram(calls, [end], [begin], start_in_call=choice == "required",
                        between=[section_end, *([begin] if parallel else [])])
